@@ -1,0 +1,53 @@
+"""The library's exceptions. Each names the bad input, the valid choices and the closest match."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+
+def _closest(word: str, choices: Sequence[str]) -> str | None:
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return found[0] if found else None
+
+
+def _choices_text(choices: Sequence[str], limit: int = 60) -> str:
+    shown = ", ".join(choices[:limit])
+    return shown + (f", ... ({len(choices) - limit} more)" if len(choices) > limit else "")
+
+
+class RematSpecError(ValueError):
+    """A policy spec string (or Policy field) is malformed.
+
+    Attributes:
+      message: what is wrong, without the location.
+      spec: the whole spec string, or None.
+      token: the offending token.
+      position: 0-based character offset of `token` in `spec`, or None.
+      choices: the valid choices at that point.
+      closest: the closest valid choice to `token`, or None.
+    """
+
+    def __init__(self, message: str, *, spec: str | None = None, token: str | None = None,
+                 position: int | None = None, choices: Sequence[str] = ()):
+        self.message, self.spec, self.token, self.position = message, spec, token, position
+        self.choices = tuple(choices)
+        self.closest = _closest(token, self.choices) if token and self.choices else None
+        parts = [message]
+        if token is not None and spec is not None and position is not None:
+            parts.append(f"in spec {spec!r} at position {position}: {token!r}")
+        elif token is not None:
+            parts.append(f"got {token!r}")
+        if self.closest:
+            parts.append(f"did you mean {self.closest!r}?")
+        if self.choices:
+            parts.append(f"valid choices: {_choices_text(self.choices)}")
+        super().__init__("; ".join(parts))
+
+
+class UnknownTagError(RematSpecError):
+    """A tag name is not in the vocabulary, or is not emitted by the function checked."""
+
+    def __init__(self, name: str, choices: Sequence[str], *, spec: str | None = None,
+                 position: int | None = None, message: str = "unknown tag"):
+        super().__init__(message, spec=spec, token=name, position=position, choices=choices)

@@ -1,0 +1,158 @@
+"""`TransformerConfig` and the named reference configs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from remat_kit.errors import RematSpecError, _closest
+from remat_kit.policy import Policy
+from remat_kit.spec import parse
+
+FAMILIES = ("gpt2", "llama")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes and options of a decoder-only transformer.
+
+    Attributes:
+      family: "gpt2" (LayerNorm, GELU MLP, learned positions, multi-head
+        attention, tied embeddings; Radford et al. 2019) or "llama" (RMSNorm,
+        RoPE, SwiGLU MLP, grouped-query attention; Touvron et al. 2023).
+      vocab_size: number of token ids.
+      num_layers: decoder layers.
+      d_model: residual stream width (embed).
+      num_heads: query heads.
+      num_kv_heads: key/value heads (grouped-query attention); None = num_heads.
+      head_dim: per-head width; None = d_model // num_heads.
+      mlp_dim: MLP hidden width.
+      max_len: longest sequence; the size of GPT-2's position table.
+      dtype: activation dtype name ("float32", "bfloat16", "float16").
+      param_dtype: parameter dtype name.
+      dropout_rate: dropout on attention probabilities and on both residual
+        branches; 0 turns dropout off.
+      remat: a policy spec string (see `remat_kit.parse`) or a `Policy`.
+        Each layer runs under `nn.remat(..., policy=policy.to_jax())` unless
+        it is "none".
+      scan_layers: run the layer stack as one `nn.scan` (parameters stacked
+        on a leading layer axis) instead of a Python loop.
+      rope_theta: RoPE base frequency (llama).
+      norm_eps: epsilon of LayerNorm / RMSNorm.
+
+    Raises:
+      TypeError: a field has the wrong type; the message names the field.
+      ValueError: a field has a bad value (unknown family or dtype,
+        non-positive size, heads that do not divide).
+      RematSpecError: `remat` is not a valid spec.
+    """
+
+    family: str = "gpt2"
+    vocab_size: int = 256
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mlp_dim: int = 256
+    max_len: int = 128
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    dropout_rate: float = 0.0
+    remat: str | Policy = "none"
+    scan_layers: bool = False
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = {"str": str, "int": int, "float": (int, float), "bool": bool,
+                        "int | None": (int, type(None)), "str | Policy": (str, Policy)}[f.type]
+            bad_bool = isinstance(value, bool) and f.type in ("int", "int | None", "float")
+            if bad_bool or not isinstance(value, expected):
+                raise TypeError(f"TransformerConfig.{f.name} must be {f.type}, "
+                                f"got {type(value).__name__} {value!r}")
+        _choice("family", self.family, FAMILIES)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("param_dtype", self.param_dtype, DTYPES)
+        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_dim", "max_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"TransformerConfig.num_heads={self.num_heads} must be a multiple "
+                             f"of num_kv_heads={self.kv_heads}")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"TransformerConfig.d_model={self.d_model} is not divisible by "
+                             f"num_heads={self.num_heads}; set head_dim")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"TransformerConfig.dropout_rate must be in [0, 1), "
+                             f"got {self.dropout_rate}")
+        try:
+            parse(self.remat)
+        except RematSpecError as e:
+            raise RematSpecError(f"TransformerConfig.remat: {e.message}", spec=e.spec,
+                                 token=e.token, position=e.position, choices=e.choices) from None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def heads_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def policy(self) -> Policy:
+        return parse(self.remat)
+
+    @property
+    def activation_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **changes) -> "TransformerConfig":
+        """A copy with `changes`; unknown field names raise TypeError naming them."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown TransformerConfig field(s) {sorted(unknown)}; valid: "
+                            f"{[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **changes)
+
+
+def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = _closest(value, choices)
+        raise ValueError(f"TransformerConfig.{field}={value!r} is not one of {list(choices)}"
+                         + (f"; did you mean {hint!r}?" if hint else ""))
+
+
+CONFIGS: dict[str, TransformerConfig] = {
+    # For tests: a forward and backward pass in well under a second on a CPU.
+    "tiny": TransformerConfig(family="gpt2", vocab_size=256, num_layers=2, d_model=64,
+                              num_heads=4, mlp_dim=256, max_len=128),
+    "tiny_llama": TransformerConfig(family="llama", vocab_size=256, num_layers=2, d_model=64,
+                                    num_heads=4, num_kv_heads=2, mlp_dim=192, max_len=128),
+    # GPT-2 small, 124M parameters (Radford et al. 2019).
+    "gpt2_small": TransformerConfig(family="gpt2", vocab_size=50257, num_layers=12,
+                                    d_model=768, num_heads=12, mlp_dim=3072, max_len=1024),
+    # Llama 3.2 1B shapes (Meta, 2024): 16 layers, d2048, 32 query / 8 kv heads.
+    "llama_1b": TransformerConfig(family="llama", vocab_size=128256, num_layers=16,
+                                  d_model=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                                  mlp_dim=8192, max_len=131072, rope_theta=500_000.0),
+}
+
+
+def get_config(name: str, **overrides) -> TransformerConfig:
+    """A named config from CONFIGS, with field `overrides`.
+
+    Raises:
+      KeyError: unknown name; the message lists the names and the closest one.
+    """
+    if name not in CONFIGS:
+        hint = _closest(name, tuple(CONFIGS))
+        raise KeyError(f"unknown model config {name!r}; valid: {list(CONFIGS)}"
+                       + (f"; did you mean {hint!r}?" if hint else ""))
+    return CONFIGS[name].replace(**overrides) if overrides else CONFIGS[name]

@@ -1,0 +1,221 @@
+"""Reference decoder-only transformers in flax.linen, with every vocabulary value tagged.
+
+Two families share one layer structure (`TransformerConfig.family`):
+GPT-2 (LayerNorm, GELU, learned positions, multi-head attention) and Llama
+(RMSNorm, RoPE, SwiGLU, grouped-query attention). Each decoder layer runs
+under `nn.remat` with the config's policy, unless the policy is "none".
+
+Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit.models.config import TransformerConfig
+from remat_kit.names import tag
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, RoFormer), half-split layout as in Llama.
+
+    x: [batch, seq, heads, head_dim]; positions: int [seq]. Returns x's shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [seq, half]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def causal_attention(q, k, v, dropout, dtype):
+    """Scaled dot-product causal attention with grouped-query heads.
+
+    Args:
+      q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim].
+      dropout: function applied to the attention probabilities.
+      dtype: dtype of the probabilities fed to the value matmul.
+    Returns:
+      context [batch, q_len, heads, head_dim]. Tags attn_logits and attn_probs
+      with shape [batch, heads, q_len, kv_len].
+    """
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, s, kvh, h // kvh, d)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) / math.sqrt(d)
+    logits = tag(logits.reshape(b, h, s, k.shape[1]), "attn_logits")
+    mask = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
+    logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = tag(dropout(jax.nn.softmax(logits, axis=-1).astype(dtype)), "attn_probs")
+    probs = probs.reshape(b, kvh, h // kvh, s, k.shape[1])
+    context = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    return context.reshape(b, s, h, d)
+
+
+def _norm(cfg: TransformerConfig, name: str) -> nn.Module:
+    if cfg.family == "gpt2":
+        return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                            name=name)
+    return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                      name=name)
+
+
+class Attention(nn.Module):
+    """Self-attention: tags query_proj, key_proj, value_proj, attn_logits, attn_probs,
+    context and out_proj. Input and output [batch, seq, d_model]."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        cfg = self.config
+        dense = lambda feats, name, axis=-1: nn.DenseGeneral(
+            feats, axis=axis, use_bias=cfg.family == "gpt2", dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, name=name)
+        q = tag(dense((cfg.num_heads, cfg.heads_dim), "query")(x), "query_proj")
+        k = tag(dense((cfg.kv_heads, cfg.heads_dim), "key")(x), "key_proj")
+        v = tag(dense((cfg.kv_heads, cfg.heads_dim), "value")(x), "value_proj")
+        if cfg.family == "llama":
+            positions = jnp.arange(x.shape[1])
+            q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        drop = nn.Dropout(cfg.dropout_rate)
+        context = causal_attention(q, k, v, lambda p: drop(p, deterministic=deterministic),
+                                   cfg.dtype)
+        context = tag(context, "context")
+        return tag(dense(cfg.d_model, "out", axis=(-2, -1))(context), "out_proj")
+
+
+class Mlp(nn.Module):
+    """GELU MLP (gpt2: mlpwi, mlp_act, mlpwo) or SwiGLU (llama: mlpwi_0, mlpwi_1,
+    mlp_act, mlpwo). Input and output [batch, seq, d_model]."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        dense = lambda feats, name: nn.Dense(feats, use_bias=cfg.family == "gpt2",
+                                             dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                             name=name)
+        if cfg.family == "gpt2":
+            h = tag(dense(cfg.mlp_dim, "wi")(x), "mlpwi")
+            h = tag(nn.gelu(h), "mlp_act")
+        else:
+            gate = tag(dense(cfg.mlp_dim, "wi_0")(x), "mlpwi_0")
+            up = tag(dense(cfg.mlp_dim, "wi_1")(x), "mlpwi_1")
+            h = tag(nn.silu(gate) * up, "mlp_act")
+        return tag(dense(cfg.d_model, "wo")(h), "mlpwo")
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer. x: [batch, seq, d_model] -> same shape and dtype.
+
+    Tags decoder_layer_input, attn_norm, mlp_norm, decoder_layer_output and,
+    through Attention and Mlp, the rest of the vocabulary.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        cfg = self.config
+        drop = nn.Dropout(cfg.dropout_rate)
+        x = tag(x, "decoder_layer_input")
+        h = tag(_norm(cfg, "attn_norm")(x), "attn_norm")
+        h = Attention(cfg, name="attn")(h, deterministic)
+        x = x + drop(h, deterministic=deterministic)
+        h = tag(_norm(cfg, "mlp_norm")(x), "mlp_norm")
+        h = Mlp(cfg, name="mlp")(h)
+        x = x + drop(h, deterministic=deterministic)
+        return tag(x, "decoder_layer_output")
+
+
+class _ScanLayer(nn.Module):
+    """DecoderLayer in nn.scan's (carry, x) -> (carry, y) form."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        return DecoderLayer(self.config, name="layer")(x, deterministic), None
+
+
+def remat_layer(cls: type[nn.Module], cfg: TransformerConfig) -> type[nn.Module]:
+    """`cls` wrapped in `nn.remat` with the config's policy; unchanged for "none".
+
+    `deterministic` (argument 2, counting self) is static. Under scan,
+    prevent_cse=False: the loop already stops XLA from merging recompute
+    with the forward pass (Flax `nn.remat` docs).
+    """
+    policy = cfg.policy
+    if not policy.remat:
+        return cls
+    return nn.remat(cls, policy=policy.to_jax(), static_argnums=(2,),
+                    prevent_cse=not cfg.scan_layers)
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model.
+
+    __call__(tokens int32 [batch, seq], deterministic=True) -> float32 logits
+    [batch, seq, vocab]. seq must be <= config.max_len for gpt2. Dropout needs
+    rngs={"dropout": key} when deterministic is False.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, tokens, deterministic: bool = True):
+        cfg = self.config
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+                         param_dtype=cfg.param_dtype, name="embed")
+        x = embed(tokens)
+        if cfg.family == "gpt2":
+            pos = nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
+                           param_dtype=cfg.param_dtype, name="pos_embed")
+            x = x + pos(jnp.arange(tokens.shape[1])[None, :])
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        if cfg.scan_layers:
+            stack = nn.scan(remat_layer(_ScanLayer, cfg), variable_axes={"params": 0},
+                            split_rngs={"params": True, "dropout": True},
+                            in_axes=(nn.broadcast,), length=cfg.num_layers)
+            x, _ = stack(cfg, name="layers")(x, deterministic)
+        else:
+            layer = remat_layer(DecoderLayer, cfg)
+            for i in range(cfg.num_layers):
+                x = layer(cfg, name=f"layers_{i}")(x, deterministic)
+        x = _norm(cfg, "final_norm")(x)
+        if cfg.family == "gpt2":
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+                              param_dtype=cfg.param_dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32)
+
+
+def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats per token.
+
+    logits float [batch, seq, vocab]; targets int [batch, seq]. Returns a float32 scalar.
+    """
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def make_loss_fn(model: Transformer, deterministic: bool = True):
+    """loss(params, inputs, targets, dropout_rng) -> scalar, for `jax.grad` and measurement.
+
+    inputs, targets: int32 [batch, seq]; dropout_rng: a PRNG key (ignored when
+    deterministic).
+    """
+    def loss(params, inputs, targets, dropout_rng):
+        logits = model.apply({"params": params}, inputs, deterministic=deterministic,
+                             rngs={"dropout": dropout_rng})
+        return lm_loss(logits, targets)
+    return loss

@@ -1,0 +1,314 @@
+"""Spec strings (for flags and configs) <-> `Policy`, and the named presets.
+
+Grammar::
+
+    spec     := term ("|" term)*                 # union: saves what either saves
+    term     := clause (";" clause)*             # clauses of one policy, merged
+    clause   := preset                           # a name from PRESETS, e.g. minimal
+              | codebase ":" preset              # e.g. maxtext:minimal, praxis:save_out_proj
+              | decision [kinds] ":" patterns    # save:query_proj,key_proj  offload:mlpwo
+              | jax_fn ":" patterns              # save_only_these_names:query_proj
+    decision := "save" | "offload" | "recompute"
+    kinds    := "[" memory_kind "->" memory_kind "]"   # offload only; default device->pinned_host
+    patterns := pattern ("," pattern)*           # tags, aliases (ffn1, core_attn) or globs (mlp*)
+
+A term with `recompute:` clauses but no `save:` clause and no base preset
+saves every other tag (Megatron's --recompute-modules: recompute these
+modules, keep the rest); it is stored as `save:*`.
+
+One table, PRESETS, drives every named preset: each row is (codebase, name,
+spec in the clause language above, what it is). Bare names resolve through
+BARE_NAMES; the codebase prefix picks one where two codebases use one word.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from remat_kit import names
+from remat_kit.errors import RematSpecError, UnknownTagError
+from remat_kit.policy import BASES, DECISIONS, MEMORY_KINDS, Policy
+
+_QKV = "query_proj,key_proj,value_proj,kv_proj,qkv_proj"
+_MINIMAL = f"{_QKV},out_proj,mlpwi,mlpwi_0,mlpwi_1,mlpwo"
+
+# (codebase, name, spec, source / meaning). Specs use only the clause language.
+PRESET_TABLE: tuple[tuple[str, str, str, str], ...] = (
+    ("remat_kit", "none", "none", "no remat wrapper at all; every residual is kept"),
+    ("remat_kit", "full", "full", "recompute everything; save only the layer inputs"),
+    ("remat_kit", "everything", "everything", "remat wrapper that saves every residual"),
+    ("remat_kit", "dots", "dots", "save every dot_general/conv output (JAX dots_saveable)"),
+    ("remat_kit", "dots_no_batch", "dots_no_batch",
+     "save dot_general outputs without batch dims (JAX dots_with_no_batch_dims_saveable)"),
+    ("remat_kit", "selective", "recompute:attn_logits,attn_probs",
+     "Korthikanti et al. 2022 selective recompute: recompute attention scores and "
+     "softmax, save every other tag (Megatron-LM --recompute-granularity selective)"),
+    # JAX jax.checkpoint_policies (jax/_src/ad_checkpoint.py)
+    ("jax", "nothing_saveable", "full", "JAX nothing_saveable"),
+    ("jax", "everything_saveable", "everything", "JAX everything_saveable"),
+    ("jax", "dots_saveable", "dots", "JAX dots_saveable"),
+    ("jax", "checkpoint_dots", "dots", "JAX checkpoint_dots (= dots_saveable)"),
+    ("jax", "dots_with_no_batch_dims_saveable", "dots_no_batch",
+     "JAX dots_with_no_batch_dims_saveable"),
+    ("jax", "checkpoint_dots_with_no_batch_dims", "dots_no_batch",
+     "JAX checkpoint_dots_with_no_batch_dims"),
+    # MaxText remat_policy (MaxText/layers/decoders.py)
+    ("maxtext", "full", "full", "MaxText: save nothing"),
+    ("maxtext", "minimal", f"save:{_MINIMAL}", "MaxText: save q/k/v, out_proj and MLP matmuls"),
+    ("maxtext", "minimal_with_context", f"save:{_MINIMAL},context", "MaxText: minimal + context"),
+    ("maxtext", "save_dot_with_context_except_mlp", f"save:{_QKV},context,out_proj",
+     "MaxText: attention matmuls and context"),
+    ("maxtext", "save_dot_except_mlpwi", f"save:{_QKV},out_proj,mlpwo",
+     "MaxText: all matmuls but the MLP input"),
+    ("maxtext", "save_dot_except_mlp", f"save:{_QKV},out_proj", "MaxText: attention matmuls"),
+    ("maxtext", "save_qkv_proj", f"save:{_QKV}", "MaxText: q/k/v projections"),
+    ("maxtext", "save_out_proj", "save:out_proj", "MaxText: attention output projection"),
+    ("maxtext", "qkv_proj_offloaded", "offload:query_proj,key_proj,value_proj,kv_proj",
+     "MaxText: offload q/k/v to pinned host, save nothing"),
+    ("maxtext", "minimal_offloaded", f"offload:{_MINIMAL}", "MaxText: offload the minimal set"),
+    # Praxis AutodiffCheckpointType (praxis/layers/checkpoint_policy.py)
+    ("praxis", "save_nothing", "full", "Praxis SAVE_NOTHING"),
+    ("praxis", "save_everything", "everything", "Praxis SAVE_EVERYTHING"),
+    ("praxis", "save_dot_only", "dots", "Praxis SAVE_DOT_ONLY"),
+    ("praxis", "save_dot_with_no_batch_dims", "dots_no_batch",
+     "Praxis SAVE_DOT_WITH_NO_BATCH_DIM"),
+    ("praxis", "save_qkv_out_proj", "save:query_proj,key_proj,value_proj,qkv_proj,out_proj",
+     "Praxis SAVE_QKV_OUT_PROJ"),
+    ("praxis", "save_out_proj", "save:out_proj", "Praxis SAVE_OUT_PROJ"),
+    ("praxis", "save_context", "save:context", "Praxis SAVE_CONTEXT"),
+    ("praxis", "save_encoded_and_out_proj", "save:context,out_proj",
+     "Praxis SAVE_ENCODED_AND_OUT_PROJ"),
+    ("praxis", "save_dot_except_logits_ffn1",
+     "save:query_proj,key_proj,value_proj,qkv_proj,context,out_proj,mlpwo",
+     "Praxis SAVE_DOT_EXCEPT_LOGITS_FFN1"),
+    ("praxis", "save_dot_except_logits",
+     "save:query_proj,key_proj,value_proj,qkv_proj,context,out_proj,mlpwi,mlpwo",
+     "Praxis SAVE_DOT_EXCEPT_LOGITS"),
+    ("praxis", "save_transformer_layer_output", "save:decoder_layer_output",
+     "Praxis SAVE_TRANSFORMER_LAYER_OUTPUT"),
+    # Levanter gradient_checkpointing (levanter/grad_accum & haliax ScanCheckpointPolicy)
+    ("levanter", "true", "full", "Levanter gradient_checkpointing=true"),
+    ("levanter", "false", "none", "Levanter gradient_checkpointing=false"),
+    ("levanter", "full", "full", "Levanter 'full'"),
+    ("levanter", "recompute", "full", "Levanter 'recompute'"),
+    ("levanter", "save_all", "everything", "Levanter 'save_all'"),
+    ("levanter", "offload", "offload:decoder_layer_input",
+     "Levanter 'offload': layer inputs (scan carries) to host, recompute the rest"),
+    # Megatron-LM --recompute-granularity
+    ("megatron", "selective", "recompute:attn_logits,attn_probs",
+     "Megatron-LM --recompute-granularity selective"),
+    ("megatron", "full", "full", "Megatron-LM --recompute-granularity full"),
+)
+
+PRESETS: dict[tuple[str, str], tuple[str, str]] = {
+    (cb, name): (spec, doc) for cb, name, spec, doc in PRESET_TABLE}
+CODEBASES = tuple(dict.fromkeys(cb for cb, *_ in PRESET_TABLE))
+
+# A bare word means the first codebase in CODEBASES order that defines it.
+BARE_NAMES: dict[str, tuple[str, str]] = {}
+for _cb, _name, *_ in PRESET_TABLE:
+    BARE_NAMES.setdefault(_name, (_cb, _name))
+BARE_NAMES["recompute"] = ("levanter", "recompute")
+
+# JAX policy factories that take tag names: name -> clauses they become.
+JAX_NAME_FUNCTIONS = {
+    "save_only_these_names": "save:{}",
+    "save_any_names_but_these": "save:*;recompute:{}",
+    "save_anything_except_these_names": "everything;recompute:{}",
+}
+
+_CLAUSE = re.compile(r"^(?P<head>[A-Za-z_][\w]*)(?:\[(?P<kinds>[^\]]*)\])?:(?P<body>.*)$")
+
+
+def valid_words() -> tuple[str, ...]:
+    """Every word a clause may start with, for error messages."""
+    return (tuple(BARE_NAMES) + tuple(f"{cb}:{n}" for cb, n in PRESETS) + DECISIONS
+            + tuple(JAX_NAME_FUNCTIONS))
+
+
+def parse(spec: "str | Policy") -> Policy:
+    """Parses a policy spec string into a `Policy` (a `Policy` passes through).
+
+    Examples: "none", "full", "selective", "minimal", "maxtext:minimal",
+    "save:query_proj,key_proj,value_proj", "save:mlp*",
+    "save:query_proj;offload:mlpwo", "recompute:core_attn,mlp", "dots|save:context".
+
+    Raises:
+      RematSpecError: malformed spec; the message names the bad token, its
+        character position, the valid choices and the closest match.
+      UnknownTagError: a pattern that names no known tag (a subclass of
+        RematSpecError).
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise RematSpecError("a policy spec must be a string or a Policy",
+                             token=repr(spec), choices=valid_words())
+    if not spec.strip():
+        raise RematSpecError("empty policy spec", spec=spec, token=spec, position=0,
+                             choices=valid_words())
+    result, offset = None, 0
+    for term in spec.split("|"):
+        policy = _parse_term(term, spec, offset)
+        result = policy if result is None else result.union(policy)
+        offset += len(term) + 1
+    return result
+
+
+def _parse_term(term: str, spec: str, offset: int) -> Policy:
+    fields = {d: set() for d in DECISIONS}
+    base, kinds, remat, explicit_base = "nothing", None, True, False
+    pos = offset
+    for raw in term.split(";"):
+        clause, at = raw.strip(), pos + len(raw) - len(raw.lstrip())
+        pos += len(raw) + 1
+        if not clause:
+            raise RematSpecError("empty clause", spec=spec, token=raw, position=at,
+                                 choices=valid_words())
+        sub = _preset_policy(clause, spec, at)
+        if sub is None:
+            sub_fields, sub_kinds = _parse_decision_clause(clause, spec, at)
+            for d, pats in sub_fields.items():
+                fields[d] |= pats
+            if sub_kinds is not None:
+                if kinds is not None and kinds != sub_kinds:
+                    raise RematSpecError("two offload clauses with different memory kinds",
+                                         spec=spec, token=clause, position=at)
+                kinds = sub_kinds
+            continue
+        if not sub.remat:
+            if term.strip() != clause:
+                raise RematSpecError("'none' (no remat wrapper) cannot be combined with "
+                                     "other clauses; use it alone", spec=spec, token=clause,
+                                     position=at)
+            remat = False
+            continue
+        explicit_base = True
+        base = max(base, sub.base, key=BASES.index)
+        for d in DECISIONS:
+            fields[d] |= getattr(sub, d)
+        if sub.offload:
+            kinds = (sub.offload_src, sub.offload_dst)
+    if not remat:
+        return Policy(remat=False)
+    if fields["recompute"] and not fields["save"] and not explicit_base:
+        fields["save"].add("*")  # Megatron --recompute-modules: keep every other tag
+    src, dst = kinds or ("device", "pinned_host")
+    try:
+        return Policy(save=fields["save"], offload=fields["offload"],
+                      recompute=fields["recompute"], base=base, offload_src=src,
+                      offload_dst=dst)
+    except RematSpecError as e:
+        raise RematSpecError(e.message, spec=spec, token=term.strip(), position=offset,
+                             choices=e.choices) from None
+
+
+def _preset_policy(clause: str, spec: str, at: int) -> Policy | None:
+    """The Policy of a preset clause, or None if the clause is not a preset."""
+    key = None
+    if clause in BARE_NAMES:
+        key = BARE_NAMES[clause]
+    elif ":" in clause:
+        cb, _, name = clause.partition(":")
+        if cb in CODEBASES:
+            key = (cb, name)
+            if key not in PRESETS:
+                choices = tuple(n for c, n in PRESETS if c == cb)
+                raise RematSpecError(f"unknown {cb} preset", spec=spec, token=name,
+                                     position=at + len(cb) + 1, choices=choices)
+    if key is None:
+        return _jax_name_function(clause, spec, at)
+    body = PRESETS[key][0]
+    if body == "none":
+        return Policy(remat=False)
+    if body in BASES[1:]:
+        return Policy(base=body)
+    if body == "full":
+        return Policy()
+    return parse(body)
+
+
+def _jax_name_function(clause: str, spec: str, at: int) -> Policy | None:
+    """`save_only_these_names:a,b` and its kin, or None if the clause is not one."""
+    head, sep, body = clause.partition(":")
+    if not sep or head.strip() not in JAX_NAME_FUNCTIONS:
+        return None
+    pats = _parse_patterns(body, spec, at + len(head) + 1)
+    return parse(JAX_NAME_FUNCTIONS[head.strip()].format(",".join(sorted(pats))))
+
+
+def _parse_decision_clause(clause: str, spec: str, at: int):
+    m = _CLAUSE.match(clause)
+    head = m.group("head") if m else clause.split(":")[0].split("[")[0]
+    if not m or head not in DECISIONS:
+        raise RematSpecError("unknown policy name or clause", spec=spec, token=head or clause,
+                             position=at, choices=valid_words())
+    pats = _parse_patterns(m.group("body"), spec, at + m.start("body"))
+    kinds = None
+    if m.group("kinds") is not None:
+        if head != "offload":
+            raise RematSpecError("memory kinds are only valid on offload clauses", spec=spec,
+                                 token=f"[{m.group('kinds')}]", position=at + len(head))
+        kinds = _parse_kinds(m.group("kinds"), spec, at + len(head) + 1)
+    elif head == "offload":
+        kinds = ("device", "pinned_host")
+    return {head: pats}, kinds
+
+
+def _parse_kinds(text: str, spec: str, at: int) -> tuple[str, str]:
+    parts = text.split("->")
+    if len(parts) != 2:
+        raise RematSpecError("offload memory kinds must read [src->dst]", spec=spec,
+                             token=text, position=at, choices=MEMORY_KINDS)
+    for i, kind in enumerate(parts):
+        if kind.strip() not in MEMORY_KINDS:
+            raise RematSpecError("unknown memory kind", spec=spec, token=kind,
+                                 position=at + (0 if i == 0 else len(parts[0]) + 2),
+                                 choices=MEMORY_KINDS)
+    src, dst = (p.strip() for p in parts)
+    if src == dst:
+        raise RematSpecError(f"offload from {src!r} to itself", spec=spec, token=text,
+                             position=at, choices=MEMORY_KINDS)
+    return src, dst
+
+
+def _parse_patterns(body: str, spec: str, at: int) -> set[str]:
+    if not body.strip():
+        raise RematSpecError("empty tag list", spec=spec, token=body, position=at,
+                             choices=names.known_tags())
+    out, seen, pos = set(), set(), at
+    for raw in body.split(","):
+        pat, p_at = raw.strip(), pos + len(raw) - len(raw.lstrip())
+        pos += len(raw) + 1
+        if not pat:
+            raise RematSpecError("empty tag in list", spec=spec, token=raw, position=p_at,
+                                 choices=names.known_tags())
+        if pat in seen:
+            raise RematSpecError("duplicate tag in list", spec=spec, token=pat, position=p_at)
+        seen.add(pat)
+        try:
+            out.update(names.expand(pat))
+        except UnknownTagError as e:
+            raise UnknownTagError(pat, e.choices, spec=spec, position=p_at) from None
+    return out
+
+
+def from_custom(mapping: Mapping[str, str]) -> Policy:
+    """MaxText's `remat_policy: custom`: a {tag: "remat" | "device" | "offload"} mapping.
+
+    "device" saves the tag, "offload" moves it to pinned host memory, "remat"
+    recomputes it. Tags left out are recomputed.
+
+    Raises:
+      RematSpecError: an unknown tag or decision.
+    """
+    meaning = {"remat": "recompute", "device": "save", "offload": "offload"}
+    fields = {d: set() for d in DECISIONS}
+    for tag_name, choice in mapping.items():
+        if choice not in meaning:
+            raise RematSpecError(f"unknown decision for tag {tag_name!r} in custom policy",
+                                 token=str(choice), choices=tuple(meaning))
+        fields[meaning[choice]].update(names.expand(tag_name))
+    fields["recompute"] = set()  # base "nothing" already recomputes them
+    return Policy(**fields)
