@@ -9,8 +9,9 @@ from remat_kit.errors import RematSpecError, UnknownTagError
 from remat_kit.names import ALIASES, TAGS, register_tag, tag
 from remat_kit.policy import Policy
 from remat_kit.spec import PRESETS, from_custom, parse
+from remat_kit.validate import emitted_tags, validate
 
 __all__ = [
     "ALIASES", "PRESETS", "Policy", "RematSpecError", "TAGS", "UnknownTagError",
-    "from_custom", "parse", "register_tag", "tag",
+    "emitted_tags", "from_custom", "parse", "register_tag", "tag", "validate",
 ]

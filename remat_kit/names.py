@@ -56,6 +56,15 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     "moe_act": (("mlp_act",), "Megatron"),
 }
 
+# Tags that name one value in different model variants (fused or split
+# projections, gated or plain MLP). Presets such as MaxText's `minimal` name
+# every variant; validation accepts a variant the model lacks when the policy
+# also names one it has.
+VARIANTS: tuple[frozenset[str], ...] = (
+    frozenset({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"}),
+    frozenset({"mlpwi", "mlpwi_0", "mlpwi_1"}),
+)
+
 # Names added with register_tag(), for models with values outside the vocabulary.
 _REGISTERED: set[str] = set()
 

@@ -1,0 +1,108 @@
+"""Checking a policy against the tags a real function emits.
+
+Every codebase that selects residuals by name (MaxText, Praxis, Levanter)
+treats a name the model never emits as a silent no-op. Here it is an error.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+
+import jax
+from jax.ad_checkpoint import name_p
+
+from remat_kit import names
+from remat_kit._jax_private import saved_residuals
+from remat_kit.errors import UnknownTagError
+from remat_kit.policy import Policy
+from remat_kit.spec import parse
+
+# Under jax_remat3, checkpoint_name stages as a hi-primitive of these types.
+_NAME_PRIMS = ("CheckpointName", "CheckpointNameFwd")
+
+
+def _sub_jaxprs(value):
+    """Jaxprs held in an equation parameter (scan/cond/remat/pjit bodies)."""
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def _walk(jaxpr, found: dict):
+    for eqn in jaxpr.eqns:
+        params = eqn.params
+        if eqn.primitive is name_p:
+            found.setdefault(params["name"], eqn.outvars[0].aval)
+        prim = params.get("_prim")
+        if prim is not None:  # jax_remat3 hi-primitives
+            if type(prim).__name__ in _NAME_PRIMS:
+                found.setdefault(prim.params["name"], eqn.outvars[0].aval)
+            params = getattr(prim, "params", {})
+        for value in params.values():
+            for sub in _sub_jaxprs(value):
+                _walk(sub, found)
+
+
+def emitted_tags(fn, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
+    """The `checkpoint_name` tags `fn(*args, **kwargs)` emits, with their abstract values.
+
+    Traces `fn` with `jax.make_jaxpr` (no FLOPs run) and walks every nested
+    jaxpr (scan, cond, remat, jit bodies). Args may be arrays or
+    `jax.ShapeDtypeStruct`s. A tag emitted several times (one per layer) is
+    listed once, with the first shape seen. Returns {tag: ShapedArray}, in
+    trace order.
+    """
+    found: dict = {}
+    _walk(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr, found)
+    return found
+
+
+def validate(policy: "str | Policy", fn, *args) -> Policy:
+    """Checks `policy` against the tags `fn(*args)` emits, and returns it parsed.
+
+    `fn` is the function a remat wrapper would cover (for example one decoder
+    layer without remat), taking array or ShapeDtypeStruct arguments.
+
+    Raises:
+      UnknownTagError: a pattern of the policy matches no emitted tag; the
+        message lists the tags present and the closest match. A variant tag
+        (`names.VARIANTS`, e.g. kv_proj beside key_proj) the function lacks
+        is accepted when the policy names another variant it emits.
+    Warns:
+      UserWarning: a saved or offloaded tag is never a residual of `fn`
+        (for example a layer's output, which the next layer consumes), so
+        saving it changes nothing.
+    """
+    policy = parse(policy)
+    emitted = tuple(emitted_tags(fn, *args))
+    matched = {p for p in policy.patterns() if fnmatch.filter(emitted, p)}
+    for pat in policy.patterns():
+        siblings = next((g for g in names.VARIANTS if pat in g), frozenset())
+        if pat not in matched and not siblings & matched:
+            raise UnknownTagError(pat, emitted, message=(
+                f"policy {str(policy)!r} names {pat!r}, which the function never emits; "
+                f"tags present: {list(emitted) or 'none'}"))
+    if not policy.remat:
+        return policy
+    # Only tags named literally: `save:*` covering a layer output is not a mistake.
+    kept = {t for t in emitted
+            if t in policy.patterns() and policy.decide(t) in ("save", "offload")}
+    if kept:
+        # Probe with every kept tag saved: offloaded residuals show only as
+        # device_put outputs, so a save-only probe names them all.
+        probe = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*kept))
+        residual_tags = {d.split("'")[1] for _, d in saved_residuals(probe, *args)
+                         if d.startswith("named '")}
+        for t in sorted(kept - residual_tags):
+            warnings.warn(f"policy {str(policy)!r} {policy.decide(t)}s {t!r}, but {t!r} is "
+                          "never a residual of this function (nothing in its backward pass "
+                          "needs it), so that decision does nothing", stacklevel=2)
+    return policy
+
+
+__all__ = ["emitted_tags", "validate"]
