@@ -312,3 +312,25 @@ def from_custom(mapping: Mapping[str, str]) -> Policy:
         fields[meaning[choice]].update(names.expand(tag_name))
     fields["recompute"] = set()  # base "nothing" already recomputes them
     return Policy(**fields)
+
+
+def reference_table() -> str:
+    """The README's policy reference, as Markdown: every preset name, then every tag and alias.
+
+    Preset columns: the name as typed (the bare word, where it resolves to
+    this row, and the prefixed form), its canonical spec (what it saves,
+    offloads and recomputes) and its source.
+    """
+    rows = ["| name | canonical spec | source and meaning |", "| --- | --- | --- |"]
+    for cb, name, _, doc in PRESET_TABLE:
+        typed = f"`{cb}:{name}`"
+        if BARE_NAMES.get(name) == (cb, name):
+            typed = f"`{name}`, " + typed
+        rows.append(f"| {typed} | `{parse(f'{cb}:{name}')}` | {doc} |")
+    for fn, template in JAX_NAME_FUNCTIONS.items():
+        rows.append(f"| `{fn}:TAGS` | `{template.format('TAGS')}` | JAX {fn} |")
+    rows += ["", "| tag or alias | value (canonical tags) | source |", "| --- | --- | --- |"]
+    rows += [f"| `{t}` | {doc} | vocabulary |" for t, doc in names.TAGS.items()]
+    rows += [f"| `{a}` | {', '.join(f'`{t}`' for t in tags)} | {src} |"
+             for a, (tags, src) in names.ALIASES.items()]
+    return "\n".join(rows)
