@@ -1,8 +1,10 @@
 """Every import from jax._src, in one place, behind version checks.
 
 JAX's public API has `print_saved_residuals` but no function that *returns*
-the saved residuals; `jax._src.ad_checkpoint.saved_residuals` does. If a JAX
-release moves it, only this module changes.
+the saved residuals; `jax._src.ad_checkpoint.saved_residuals` does. Nor does
+it run XLA's cost analysis on one computation of a compiled module (needed to
+count a while loop's body once per trip); `jax._src.lib` does. If a JAX
+release moves either, only this module changes.
 """
 
 from __future__ import annotations
@@ -16,5 +18,22 @@ if not _MIN <= _version < _MAX:
                       f"(it reads jax._src.ad_checkpoint.saved_residuals); found {jax.__version__}")
 
 from jax._src.ad_checkpoint import saved_residuals  # noqa: E402
+from jax._src.lib import _jax, hlo  # noqa: E402
 
-__all__ = ["saved_residuals"]
+
+def hlo_text_cost_analysis(text: str, client) -> dict[str, float]:
+    """XLA's HloCostAnalysis of an HLO module given as text.
+
+    Args:
+      text: an HLO module in text form (as `Compiled.as_text()` prints it).
+      client: the XLA client whose cost model to use, e.g. `jax.devices()[0].client`.
+    Returns:
+      {"flops": ..., "transcendentals": ..., "bytes accessed": ..., ...}; while
+      loop bodies are counted once.
+    Raises:
+      jax.errors.JaxRuntimeError: the text does not parse as an HLO module.
+    """
+    return _jax.hlo_module_cost_analysis(client, hlo.hlo_module_from_text(text))
+
+
+__all__ = ["hlo_text_cost_analysis", "saved_residuals"]

@@ -1,0 +1,808 @@
+"""What each remat policy costs, measured compile-only: residuals by tag, memory, FLOPs, time.
+
+For every policy, the loss's forward and backward pass is traced once with
+`jax.make_jaxpr(jax.vjp(...))`. That one trace gives both
+
+* the *residuals*, the values the forward pass saves for the backward pass,
+  each attributed to the `checkpoint_name` tag, untagged primitive or
+  function argument that produced it (see `residuals`), and
+* the program that is lowered and compiled, `jax.jit(...).lower(...).compile()`
+  on `jax.ShapeDtypeStruct`s, with the outputs of `jax.value_and_grad(loss)`
+  with respect to the first argument. No arrays are allocated.
+
+The compiled executable gives XLA's memory figures (`memory_analysis()`) and
+FLOPs (`cost_analysis()`, corrected for loop trip counts, see
+`loop_scaled_costs`). These numbers come from the compiler of the platform
+JAX runs on, labelled as such ("XLA CPU compile"): accelerator compilers fuse
+differently, so CPU temp bytes are an upper-bound-like proxy, not a GPU/TPU
+figure.
+
+Policies apply through a *loss factory*: `measure(loss_for_policy, ...)`
+calls `loss_for_policy(policy)` to get the loss under that policy. Wrapping a
+whole loss in one `jax.checkpoint` would make one remat region around the
+model, which is not how models apply policies (per layer, with the layer
+inputs kept); so the model decides where the policy applies, and
+`checkpointed(loss_fn)` is the one-region factory for plain functions.
+`measure_config` is the factory for the reference transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+from jax.extend.core.primitives import device_put_p, name_p, reduce_precision_p, scan_p
+from jax.sharding import NamedSharding, PartitionSpec
+
+from remat_kit._jax_private import hlo_text_cost_analysis
+from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_loss_fn
+from remat_kit.models.transformer import remat_layer
+from remat_kit.names import TAGS
+from remat_kit.policy import Policy
+from remat_kit.spec import parse
+from remat_kit.validate import _NAME_PRIMS, emitted_tags
+
+LossFactory = Callable[[Policy], Callable]
+
+# LLVM optimization only changes the speed of the generated code, not XLA's
+# buffer assignment or cost analysis (checked on every gpt2_small preset), and
+# skipping it makes CPU compiles faster. Timed runs compile normally.
+_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
+
+# ---------------------------------------------------------------------------
+# Residuals: what the forward pass saves, and who produced it
+# ---------------------------------------------------------------------------
+
+# Copies: the value they copy is the residual's real source.
+_COPIES = (reduce_precision_p, device_put_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value the forward pass saves for the backward pass.
+
+    Attributes:
+      kind: "tag" (a `checkpoint_name` value), "primitive" (an untagged
+        value, named by the primitive that computed it, e.g. "dot_general",
+        "mul"; "scan carry" for a loop input stacked per iteration) or
+        "argument" (an input of the function, kept by reference).
+      name: the tag, primitive, or argument path (e.g. "params['embed']['embedding']").
+      shape: the residual's shape; for a value saved inside a scanned layer
+        stack, the stacked shape [layers, ...].
+      dtype: its dtype name.
+      nbytes: bytes, prod(shape) * itemsize.
+      memory: "device", or "host" for an offloaded residual.
+    """
+
+    kind: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    memory: str
+
+
+def _tag_of(eqn) -> str | None:
+    """The tag an equation names, under either remat implementation."""
+    if eqn.primitive is name_p:
+        return eqn.params["name"]
+    prim = eqn.params.get("_prim")  # jax_remat3 stages names as hi-primitives
+    if prim is not None and type(prim).__name__ in _NAME_PRIMS:
+        return prim.params["name"]
+    return None
+
+
+def _body(eqn):
+    """The jaxpr of a call-like equation (jit, remat, custom_jvp/vjp, scan) whose
+    inputs and outputs match the equation's one to one, else None."""
+    for key in ("jaxpr", "call_jaxpr"):
+        body = eqn.params.get(key)
+        body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+        if (hasattr(body, "eqns") and len(body.invars) == len(eqn.invars)
+                and len(body.outvars) == len(eqn.outvars)):
+            return body
+    return None
+
+
+class _Sources:
+    """Attributes the values of a jaxpr (and its sub-jaxprs) to tags and primitives."""
+
+    def __init__(self):
+        self._producers: dict[int, dict] = {}
+        self._taggers: dict[int, dict] = {}
+
+    def _index(self, jaxpr):
+        key = id(jaxpr)
+        if key not in self._producers:
+            self._producers[key] = {v: e for e in jaxpr.eqns for v in e.outvars}
+            self._taggers[key] = {v: t for e in jaxpr.eqns if (t := _tag_of(e))
+                                  for v in e.invars if not isinstance(v, Literal)}
+        return self._producers[key], self._taggers[key]
+
+    def source(self, var, jaxpr) -> tuple[str, str] | int:
+        """(kind, name) of `var`, or the index of the `jaxpr` input it is."""
+        while True:
+            if isinstance(var, Literal):
+                return ("primitive", "literal")
+            producers, taggers = self._index(jaxpr)
+            eqn = producers.get(var)
+            if eqn is None:
+                # An input of this jaxpr. A layer names its input itself
+                # (decoder_layer_input), so the tag applied to it is its name.
+                if var in taggers:
+                    return ("tag", taggers[var])
+                if var in jaxpr.invars:
+                    return jaxpr.invars.index(var)
+                return ("primitive", "constant")
+            if tag := _tag_of(eqn):
+                return ("tag", tag)
+            i = eqn.outvars.index(var)
+            if eqn.primitive in _COPIES:
+                var = eqn.invars[i]
+                continue
+            body = _body(eqn)
+            if body is None:
+                return ("primitive", eqn.primitive.name)
+            found = self.source(body.outvars[i], body)
+            if not isinstance(found, int):
+                return found
+            if eqn.primitive is scan_p:
+                return ("primitive", "scan carry")  # per-iteration inputs, stacked
+            var = eqn.invars[found]
+
+
+def _aval_bytes(aval) -> int:
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _memory(aval) -> str:
+    return "host" if "host" in str(getattr(aval, "memory_space", "")).lower() else "device"
+
+
+def _arg_names(f, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    if len(params) >= n and all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                                for p in params[:n]):
+        return [p.name for p in params[:n]]
+    return [f"arg{i}" for i in range(n)]
+
+
+def _leaf_names(f, args) -> list[str]:
+    """'params['embed']['embedding']' for each flattened leaf of `args`."""
+    out = []
+    for name, arg in zip(_arg_names(f, len(args)), args):
+        out += [name + jax.tree_util.keystr(p)
+                for p, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    program: ClosedJaxpr  # value_and_grad w.r.t. args[0], flat inputs and outputs
+    residuals: tuple[Residual, ...]
+    leaves: list
+
+
+def _stage(f, args) -> _Staged:
+    """Traces f's forward and backward pass once: the program and its residuals."""
+    leaves, tree = jax.tree.flatten(args)
+    n_grads = len(jax.tree.leaves(args[0]))
+
+    def flat(*xs):
+        return f(*jax.tree.unflatten(tree, xs))
+
+    def value_grad_residuals(*xs):
+        out, vjp_fn = jax.vjp(flat, *xs)
+        if jnp.shape(out) != ():
+            raise TypeError(f"the loss must return a scalar, got shape {jnp.shape(out)}")
+        grads = vjp_fn(jnp.ones_like(out))
+        return (out, grads[:n_grads]), jax.tree.leaves(vjp_fn)
+
+    closed, (_, res_shapes) = jax.make_jaxpr(value_grad_residuals, return_shape=True)(*leaves)
+    jaxpr, n_res = closed.jaxpr, len(res_shapes)
+    res_vars = jaxpr.outvars[len(jaxpr.outvars) - n_res:]
+    program = ClosedJaxpr(jaxpr.replace(outvars=jaxpr.outvars[:len(jaxpr.outvars) - n_res]),
+                          closed.consts)
+    names, sources, seen, found = _leaf_names(f, args), _Sources(), set(), []
+    for var in res_vars:
+        if not isinstance(var, Literal):
+            if var in seen:  # one buffer saved twice is stored once
+                continue
+            seen.add(var)
+        src = sources.source(var, jaxpr)
+        kind, name = ("argument", names[src]) if isinstance(src, int) else src
+        found.append(Residual(kind, name, tuple(var.aval.shape), str(var.aval.dtype),
+                              _aval_bytes(var.aval), _memory(var.aval)))
+    return _Staged(program, tuple(found), leaves)
+
+
+def residuals(f: Callable, *args) -> list[Residual]:
+    """The values `f(*args)` saves for its backward pass, each with its source.
+
+    Unlike `jax.ad_checkpoint.print_saved_residuals`, values saved inside a
+    `scan` (e.g. `nn.scan` over layers) are named by the tag or primitive that
+    produced them in the loop body, with their stacked [layers, ...] shape, and
+    offloaded values (`device_put` to host) by the value they copy.
+
+    Args:
+      f: a function of arrays returning a scalar (a loss).
+      args: arrays or `jax.ShapeDtypeStruct`s; nothing is computed.
+    Returns:
+      One `Residual` per saved buffer, in forward order.
+    Raises:
+      TypeError: `f` does not return a scalar.
+    """
+    return list(_stage(f, args).residuals)
+
+
+# ---------------------------------------------------------------------------
+# FLOPs: count loop bodies once per trip
+# ---------------------------------------------------------------------------
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+) \(", re.M)
+_WHILE = re.compile(r"= [^\n]*? while\([^\n]*?body=%([^\s,]+)[^\n]*")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COST_KEYS = ("flops", "transcendentals")
+
+
+def _hlo_computations(text: str) -> tuple[str, dict[str, str], str]:
+    """(preamble, {name: computation text without 'ENTRY '}, entry name) of HLO text."""
+    starts = list(_COMPUTATION.finditer(text))
+    comps, entry = {}, None
+    for m, nxt in zip(starts, starts[1:] + [None]):
+        body = text[m.start():nxt.start() if nxt else len(text)]
+        if m.group(1):
+            entry, body = m.group(2), body[len("ENTRY "):]
+        comps[m.group(2)] = body
+    # Keep the file/stack-frame tables metadata refers to; drop the module header line.
+    preamble = text[text.index("\n") + 1:starts[0].start()] if starts else ""
+    return preamble, comps, entry
+
+
+def loop_scaled_costs(compiled) -> tuple[dict[str, float], tuple[str, ...]]:
+    """FLOPs and transcendentals of a compiled program, while loops counted per trip.
+
+    XLA's `cost_analysis()` counts a while loop's body once, so a model whose
+    layers run under `scan` reports about one layer's FLOPs. This reads the
+    optimized HLO (`compiled.as_text()`), finds each while loop with a
+    `known_trip_count` in its backend_config, runs XLA's HloCostAnalysis on
+    the loop body alone (`_jax_private.hlo_text_cost_analysis`) and adds
+    (trip count - 1) x the body's cost; nested loops are scaled the same way,
+    inside every trip of the loop around them.
+
+    Returns:
+      ({"flops": FLOPs, "transcendentals": count}, notes). An empty dict if
+      the backend gives no cost analysis. notes say which loops could not be
+      scaled (no known trip count), which leaves their bodies counted once.
+    """
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    if not costs:
+        return {}, ("the backend gives no cost analysis",)
+    total = {k: float(costs.get(k, 0.0)) for k in _COST_KEYS}
+    text = compiled.as_text()
+    if not _WHILE.search(text):
+        return total, ()
+    preamble, comps, entry = _hlo_computations(text)
+    client = jax.devices()[0].client
+    notes: list[str] = []
+
+    def body_cost(name: str) -> dict[str, float]:
+        """XLA's cost of computation `name`, nested loop bodies counted once."""
+        module = "\n".join(("ENTRY " if n == name else "") + c
+                           for n, c in comps.items() if n != entry)
+        cost = hlo_text_cost_analysis(f"HloModule {name}\n{preamble}\n{module}", client)
+        return {k: float(cost.get(k, 0.0)) for k in _COST_KEYS}
+
+    def extra(name: str) -> dict[str, float]:
+        """What counting every loop inside computation `name` per trip adds to
+        XLA's count of `name`, which has each loop body once."""
+        add = dict.fromkeys(_COST_KEYS, 0.0)
+        for m in _WHILE.finditer(comps[name]):
+            trips = _TRIP_COUNT.search(m.group(0))
+            if not trips:
+                notes.append(f"while loop with body {m.group(1)} has no known trip count; "
+                             "its body is counted once")
+            n = int(trips.group(1)) if trips else 1
+            nested = extra(m.group(1))  # every trip runs the nested loops in full
+            body = body_cost(m.group(1)) if n > 1 else dict.fromkeys(_COST_KEYS, 0.0)
+            for k in _COST_KEYS:
+                add[k] += (n - 1) * (body[k] + nested[k]) + nested[k]
+        return add
+
+    for k, v in extra(entry).items():
+        total[k] += v
+    return total, tuple(notes)
+
+
+# ---------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Wall-clock seconds of one training step (forward + backward, no optimizer).
+
+    Attributes:
+      median_s, min_s, max_s, q1_s, q3_s: over `steps` timed steps, after one
+        warm-up step; seconds.
+      steps: number of timed steps.
+      ratio_to_none: median / median of the `none` policy timed in the same
+        run, or None if `none` was not timed.
+    """
+
+    median_s: float
+    min_s: float
+    max_s: float
+    q1_s: float
+    q3_s: float
+    steps: int
+    ratio_to_none: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What one policy costs. All byte figures are per device.
+
+    Attributes:
+      policy: the canonical spec string (`str(Policy)`).
+      names: every name the user gave that maps to this measurement (presets
+        equal on this model are measured once).
+      platform: whose compiler the numbers come from, e.g. "XLA CPU compile".
+      residual_bytes_by_tag: bytes saved for backward per `checkpoint_name` tag.
+      residual_bytes_by_primitive: bytes of untagged residuals, per producing
+        primitive ("dot_general", "mul", ...).
+      residual_bytes_by_argument: bytes of function arguments the backward
+        pass reads, per top-level argument (kept by reference, not copied).
+      offloaded_bytes: residual bytes placed in host memory (also counted in
+        the splits above).
+      temp_size_in_bytes, peak_memory_in_bytes, argument_size_in_bytes,
+        output_size_in_bytes, alias_size_in_bytes: from
+        `compiled.memory_analysis()`; None where the backend gives none.
+      flops, transcendentals: from `compiled.cost_analysis()`, loops counted
+        per trip (`loop_scaled_costs`); None where the backend gives none.
+      compile_seconds: tracing, lowering and compiling, seconds.
+      step_time: timed mode only (`StepTime`), else None.
+      layer_residual_bytes: residual bytes of one decoder layer measured
+        alone (`layer_residuals`), excluding parameters; `measure_config` only.
+      notes: caveats on these numbers.
+      error: why the policy could not be measured ("TypeName: message"); the
+        numbers are then None / empty.
+    """
+
+    policy: str
+    names: tuple[str, ...]
+    platform: str
+    residual_bytes_by_tag: dict[str, int] = dataclasses.field(default_factory=dict)
+    residual_bytes_by_primitive: dict[str, int] = dataclasses.field(default_factory=dict)
+    residual_bytes_by_argument: dict[str, int] = dataclasses.field(default_factory=dict)
+    offloaded_bytes: int = 0
+    temp_size_in_bytes: int | None = None
+    peak_memory_in_bytes: int | None = None
+    argument_size_in_bytes: int | None = None
+    output_size_in_bytes: int | None = None
+    alias_size_in_bytes: int | None = None
+    flops: float | None = None
+    transcendentals: float | None = None
+    compile_seconds: float | None = None
+    step_time: StepTime | None = None
+    layer_residual_bytes: int | None = None
+    notes: tuple[str, ...] = ()
+    error: str | None = None
+
+    @property
+    def activation_residual_bytes(self) -> int:
+        """Residual bytes the forward pass stores: tagged plus untagged values."""
+        return (sum(self.residual_bytes_by_tag.values())
+                + sum(self.residual_bytes_by_primitive.values()))
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every field, plus activation_residual_bytes."""
+        d = dataclasses.asdict(self)
+        d["names"] = list(self.names)
+        d["notes"] = list(self.notes)
+        d["activation_residual_bytes"] = self.activation_residual_bytes
+        return d
+
+
+def platform_label(platform: str | None = None) -> str:
+    """"XLA CPU compile" for platform "cpu" (default: JAX's default backend)."""
+    return f"XLA {(platform or jax.default_backend()).upper()} compile"
+
+
+def _split(found: Sequence[Residual]) -> dict:
+    by = {"tag": {}, "primitive": {}, "argument": {}}
+    for r in found:
+        # Arguments are grouped by top-level name: "params['embed']" -> "params".
+        key = re.match(r"[^\[.]+", r.name).group(0) if r.kind == "argument" else r.name
+        by[r.kind][key] = by[r.kind].get(key, 0) + r.nbytes
+    return {"residual_bytes_by_tag": by["tag"], "residual_bytes_by_primitive": by["primitive"],
+            "residual_bytes_by_argument": by["argument"],
+            "offloaded_bytes": sum(r.nbytes for r in found if r.memory == "host")}
+
+
+def _memory_fields(compiled) -> dict:
+    stats = compiled.memory_analysis()
+    keys = ("temp_size_in_bytes", "peak_memory_in_bytes", "argument_size_in_bytes",
+            "output_size_in_bytes", "alias_size_in_bytes")
+    return {k: getattr(stats, k, None) for k in keys} if stats is not None else {}
+
+
+def _local(leaf):
+    """A leaf at its per-device shape (the shard shape of its sharding)."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+
+def _is_sharded(leaf) -> bool:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
+
+def _random_like(structs, key):
+    """Arrays shaped like `structs`: normal floats, zero ints/bools, fresh PRNG keys."""
+    leaves, tree = jax.tree.flatten(structs)
+    out = []
+    for leaf, k in zip(leaves, jax.random.split(key, max(len(leaves), 1))):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            x = jax.random.split(k, math.prod(leaf.shape)).reshape(leaf.shape)
+        elif jnp.issubdtype(leaf.dtype, jnp.floating):
+            x = jax.random.normal(k, leaf.shape, leaf.dtype)
+        else:
+            x = jnp.zeros(leaf.shape, leaf.dtype)
+        out.append(x)
+    return jax.tree.unflatten(tree, out)
+
+
+def _time(compiled, leaves, steps: int) -> StepTime:
+    jax.block_until_ready(compiled(*leaves))  # warm-up: first-run allocation and caches
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*leaves))
+        times.append(time.perf_counter() - start)
+    q1, _, q3 = (statistics.quantiles(times, n=4, method="inclusive") if steps > 1
+                 else (times[0],) * 3)
+    return StepTime(statistics.median(times), min(times), max(times), q1, q3, steps)
+
+
+def _group(policies: Sequence[Policy], names: Sequence[str],
+           emitted: Sequence[str]) -> list[tuple[Policy, list[str]]]:
+    """Policies that decide every emitted tag alike (and share base and memory
+    kinds) compile to the same program; measure each such group once."""
+    if len(names) != len(policies):
+        raise ValueError(f"{len(names)} names for {len(policies)} policies")
+    groups: dict[tuple, tuple[Policy, list[str]]] = {}
+    for p, name in zip(policies, names):
+        kinds = (p.offload_src, p.offload_dst) if p.offload else None
+        key = (p.remat, p.base, kinds, tuple(p.decide(t) for t in emitted))
+        groups.setdefault(key, (p, []))[1].append(name)
+    return list(groups.values())
+
+
+def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
+            time_steps: int = 0, sample_args: Callable | None = None,
+            progress: Callable[[int, int, Record], None] | None = None) -> list[Record]:
+    """Measures a loss under each policy, compile-only (optionally also timed).
+
+    Args:
+      loss_for_policy: policy -> loss(*args) returning a scalar. The loss is
+        differentiated with respect to `args[0]` (the parameters). For a plain
+        function use `checkpointed(loss_fn)`.
+      args: arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to measure a
+        sharded program; figures are then per device, and residuals are
+        traced at the per-device shard shapes).
+      policies: spec strings or `Policy`s. Policies that decide every tag
+        the loss emits alike are measured once, as one record listing all
+        their names.
+      names: what to call each policy in the report; default its spec string.
+      time_steps: if > 0, also run one warm-up step and `time_steps` timed
+        steps of value-and-grad per policy on `sample_args` data.
+      sample_args: key -> concrete args for timed mode; default random data
+        shaped like `args` (normal floats, zero ints).
+      progress: called as progress(i, n, record) after the i-th of n
+        distinct policies is measured.
+    Returns:
+      One `Record` per distinct policy, in first-seen order. A policy that
+      fails to trace, compile or run gives a record with `error` set; the
+      other records still come out.
+    Raises:
+      RematSpecError: a policy spec does not parse.
+      ValueError: `names` and `policies` differ in length.
+    """
+    parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
+    leaves = jax.tree.leaves(args)
+    local_args = (jax.tree.map(_local, args) if any(_is_sharded(x) for x in leaves) else None)
+    data = None
+    if time_steps > 0:
+        data = (sample_args or (lambda k: _random_like(args, k)))(jax.random.key(0))
+        data = [jax.device_put(x, s.sharding) if getattr(s, "sharding", None) else x
+                for x, s in zip(jax.tree.leaves(data), leaves)]
+    label = platform_label()
+    records = []
+    groups = _group(parsed, names if names is not None else [str(p) for p in policies], emitted)
+    for i, (policy, group_names) in enumerate(groups):
+        record = Record(str(policy), tuple(group_names), label)
+        try:
+            start = time.perf_counter()
+            loss = loss_for_policy(policy)
+            staged = _stage(loss, args)
+            lowered = jax.jit(jaxpr_as_fun(staged.program)).lower(*staged.leaves)
+            compiled = lowered.compile(None if time_steps else _COMPILE_ONLY_OPTIONS)
+            seconds = time.perf_counter() - start
+            found = (_stage(loss, local_args).residuals if local_args is not None
+                     else staged.residuals)
+            costs, notes = loop_scaled_costs(compiled)
+            split = _split(found)
+            if split["offloaded_bytes"] and jax.default_backend() == "cpu":
+                notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
+                          "includes the offloaded residuals",)
+            record = dataclasses.replace(
+                record, **split, **_memory_fields(compiled), flops=costs.get("flops"),
+                transcendentals=costs.get("transcendentals"), compile_seconds=seconds,
+                notes=notes)
+            if data is not None:
+                record = dataclasses.replace(record, step_time=_time(compiled, data, time_steps))
+        except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
+            detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
+            record = dataclasses.replace(record, error=f"{type(e).__name__}: {detail}")
+        records.append(record)
+        if progress is not None:
+            progress(i + 1, len(groups), record)
+    return _with_time_ratios(records)
+
+
+def _with_time_ratios(records: list[Record]) -> list[Record]:
+    base = next((r.step_time for r in records if r.policy == "none" and r.step_time), None)
+    if base is None:
+        return records
+    return [dataclasses.replace(r, step_time=dataclasses.replace(
+        r.step_time, ratio_to_none=r.step_time.median_s / base.median_s))
+        if r.step_time else r for r in records]
+
+
+def checkpointed(loss_fn: Callable) -> LossFactory:
+    """A loss factory for `measure` that wraps all of `loss_fn` in one remat region.
+
+    policy -> `jax.checkpoint(loss_fn, policy=policy.to_jax())`, or `loss_fn`
+    itself for the `none` policy. The region's inputs (all of `loss_fn`'s
+    arguments) are always kept.
+    """
+    def factory(policy: Policy):
+        if not policy.remat:
+            return loss_fn
+        return jax.checkpoint(loss_fn, policy=policy.to_jax())
+    return factory
+
+
+# ---------------------------------------------------------------------------
+# The reference transformers
+# ---------------------------------------------------------------------------
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _data_size(mesh) -> int:
+    if mesh is None:
+        return 1
+    if "data" not in mesh.shape:
+        raise ValueError(f"the mesh needs a 'data' axis; it has {tuple(mesh.shape)}")
+    return mesh.shape["data"]
+
+
+def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Sequence | None = None,
+                   *, names=None, dtype: str | None = None, time_steps: int = 0,
+                   mesh: jax.sharding.Mesh | None = None, per_layer: bool = True,
+                   progress: Callable[[int, int, Record], None] | None = None) -> list[Record]:
+    """Measures a reference transformer (`remat_kit.models`) under each policy.
+
+    Per policy, builds `Transformer(cfg.replace(remat=policy))` and measures
+    the language-model loss on int32 tokens [batch, seq] (`measure`).
+    Parameters come from `jax.eval_shape`, so nothing is allocated unless
+    `time_steps` > 0.
+
+    Args:
+      cfg: the model config; `cfg.remat` is the default policy list.
+      batch, seq: global batch size and sequence length (positive ints).
+      policies: spec strings or `Policy`s; default `[cfg.remat]`.
+      names: see `measure`.
+      dtype: activation dtype override ("float32", "bfloat16", "float16");
+        parameters keep `cfg.param_dtype`.
+      time_steps: see `measure`; timed data are random token ids.
+      mesh: a `jax.sharding.Mesh` with a "data" axis: the batch is split
+        over it (data parallelism), parameters are replicated, and every
+        figure is per device.
+      per_layer: also measure one decoder layer alone per policy
+        (`Record.layer_residual_bytes`, for the Korthikanti comparison).
+      progress: see `measure`.
+    Returns:
+      As `measure`.
+    Raises:
+      ValueError: batch or seq not a positive int, batch not divisible by
+        the data axis, seq above a GPT-2 config's max_len, a bad dtype.
+      RematSpecError: a policy does not parse.
+    """
+    _check_positive("batch", batch)
+    _check_positive("seq", seq)
+    n = _data_size(mesh)
+    if batch % n:
+        raise ValueError(f"batch {batch} does not split over {n} data-parallel devices")
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    if cfg.family == "gpt2" and seq > cfg.max_len:
+        raise ValueError(f"seq {seq} exceeds the model's max_len {cfg.max_len} "
+                         "(GPT-2 learns one position embedding per position)")
+    shard = (lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))) if mesh else (lambda *_: None)
+    model = Transformer(cfg.replace(remat="none"))
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=shard("data"))
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard()),
+        jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))
+        ["params"])
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=shard())
+    deterministic = cfg.dropout_rate == 0
+
+    def loss_for_policy(policy):
+        return make_loss_fn(Transformer(cfg.replace(remat=policy)), deterministic)
+
+    def sample_args(k):
+        k_init, k_in, k_out, k_drop = jax.random.split(k, 4)
+        init_tokens = jnp.zeros((1, seq), jnp.int32)
+        draw = lambda kk: jax.random.randint(kk, (batch, seq), 0, cfg.vocab_size, jnp.int32)
+        return model.init(k_init, init_tokens)["params"], draw(k_in), draw(k_out), k_drop
+
+    records = measure(loss_for_policy, params, tokens, tokens, key,
+                      policies=policies if policies is not None else [cfg.remat], names=names,
+                      time_steps=time_steps, sample_args=sample_args, progress=progress)
+    if not per_layer:
+        return records
+    return [dataclasses.replace(r, layer_residual_bytes=_layer_stored_bytes(
+        cfg, batch // n, seq, parse(r.policy))) if r.error is None else r for r in records]
+
+
+# ---------------------------------------------------------------------------
+# One decoder layer, tag by tag (for `remat-kit explain`)
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One value of a decoder layer and what the policy does with it.
+
+    decision: "saved" (kept in device memory), "offloaded" (kept in host
+    memory), "recomputed" (the policy recomputes this tag in the backward
+    pass) or "not needed" (the policy would keep it, but the backward pass
+    never reads it, e.g. the layer's own output). nbytes: bytes per layer.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    decision: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBreakdown:
+    """Residuals of one decoder layer under one policy.
+
+    Attributes:
+      policy: canonical spec string.
+      rows: saved and offloaded residuals (tags, primitives, the layer input),
+        then emitted tags that are not stored, in vocabulary order.
+      parameter_bytes: the layer's parameters the backward pass reads (kept
+        by reference, not extra memory).
+      num_layers: layers in the model.
+    """
+
+    policy: str
+    rows: tuple[LayerRow, ...]
+    parameter_bytes: int
+    num_layers: int
+
+    def _sum(self, decision: str) -> int:
+        return sum(r.nbytes for r in self.rows if r.decision == decision)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes one layer keeps in device memory for its backward pass."""
+        return self._sum("saved")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes one layer keeps in host memory."""
+        return self._sum("offloaded")
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes of tagged values one layer recomputes instead of storing."""
+        return self._sum("recomputed")
+
+    @property
+    def stored_bytes(self) -> int:
+        """saved + offloaded bytes of one layer."""
+        return self.saved_bytes + self.offloaded_bytes
+
+
+def _layer_program(cfg: TransformerConfig, batch: int, seq: int, policy: Policy):
+    """(loss of one remat'd decoder layer, its args as ShapeDtypeStructs)."""
+    _check_positive("batch", batch)
+    _check_positive("seq", seq)
+    cfg = cfg.replace(remat=policy)
+    layer = remat_layer(DecoderLayer, cfg)(cfg)
+    deterministic = cfg.dropout_rate == 0
+    x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), cfg.activation_dtype)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    params = jax.eval_shape(lambda: layer.init(
+        jax.random.key(0), jnp.zeros(x.shape, x.dtype), deterministic))["params"]
+
+    def apply(params, x, dropout_rng):
+        return layer.apply({"params": params}, x, deterministic,
+                           rngs={"dropout": dropout_rng}).astype(jnp.float32).sum()
+
+    return apply, (params, x, key)
+
+
+def _is_param(r: Residual) -> bool:
+    return r.kind == "argument" and r.name.startswith("params")
+
+
+def _layer_stored_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: Policy) -> int:
+    apply, args = _layer_program(cfg, batch, seq, policy)
+    return sum(r.nbytes for r in residuals(apply, *args) if not _is_param(r))
+
+
+def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
+                    policy: "str | Policy | None" = None) -> LayerBreakdown:
+    """What one decoder layer of `cfg` saves, offloads and recomputes under `policy`.
+
+    Applies `remat_layer(DecoderLayer, cfg)` (the layer exactly as the model
+    wraps it) alone to an input [batch, seq, d_model] of `cfg.dtype`, under
+    `jax.vjp`, and lists its residuals (`residuals`). Tags the layer emits
+    (found by tracing it with `jax.make_jaxpr`) that are not stored get a row
+    too, with the policy's decision (`Policy.decide`). Nothing is allocated.
+
+    Args:
+      cfg: model config; policy: spec or Policy, default `cfg.remat`.
+      batch, seq: per-device batch size and sequence length.
+    Raises:
+      ValueError: batch or seq not a positive int.
+      RematSpecError: the policy does not parse.
+    """
+    policy = parse(cfg.remat if policy is None else policy)
+    apply, args = _layer_program(cfg, batch, seq, policy)
+    found = residuals(apply, *args)
+    rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
+                     "offloaded" if r.memory == "host" else "saved")
+            for r in found if not _is_param(r)]
+    stored = {r.name for r in rows if r.kind == "tag"}
+    order = {t: i for i, t in enumerate(TAGS)}
+    for t, aval in sorted(emitted_tags(apply, *args).items(),
+                          key=lambda kv: order.get(kv[0], len(order))):
+        if t not in stored:
+            decision = "recomputed" if policy.decide(t) == "recompute" else "not needed"
+            rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
+                                 _aval_bytes(aval), decision))
+    return LayerBreakdown(str(policy), tuple(rows),
+                          sum(r.nbytes for r in found if _is_param(r)), cfg.num_layers)
+
+
+__all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",
+           "layer_residuals", "loop_scaled_costs", "measure", "measure_config",
+           "platform_label", "residuals"]
