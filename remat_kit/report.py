@@ -1,0 +1,279 @@
+"""Reports of `measure` records: a rich table, JSON, CSV and a Pareto plot.
+
+Every output is built from the same rows (`rows`): each `Record` plus the
+figures derived across records, ratios to the `none` policy, Pareto
+optimality, and the Korthikanti et al. 2022 estimate for policies that have
+one.
+
+JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
+
+    {
+      "schema_version": 1,
+      "context": {"config": str, "batch": int, "seq": int, "dtype": str,
+                  "devices": int, "platform": str},     # as given to `rows`
+      "formula_note": str,                             # FORMULA_NOTE
+      "records": [                                     # one object per policy,
+        {                                              # sorted by temp memory
+          "policy": str,                  # canonical spec
+          "names": [str],                 # every name that maps to it
+          "platform": str,                # e.g. "XLA CPU compile"
+          "residual_bytes_by_tag": {str: int},
+          "residual_bytes_by_primitive": {str: int},
+          "residual_bytes_by_argument": {str: int},
+          "activation_residual_bytes": int,   # tags + primitives
+          "offloaded_bytes": int,
+          "temp_size_in_bytes": int | null,
+          "peak_memory_in_bytes": int | null,
+          "argument_size_in_bytes": int | null,
+          "output_size_in_bytes": int | null,
+          "alias_size_in_bytes": int | null,
+          "flops": float | null,          # loops counted per trip
+          "transcendentals": float | null,
+          "compile_seconds": float | null,
+          "step_time": null | {"median_s": float, "min_s": float, "max_s": float,
+                               "q1_s": float, "q3_s": float, "steps": int,
+                               "ratio_to_none": float | null},
+          "layer_residual_bytes": int | null, # one layer measured alone
+          "layers_residual_bytes": int | null, # that x num_layers
+          "notes": [str],
+          "error": str | null,
+          "temp_ratio_to_none": float | null,
+          "flops_ratio_to_none": float | null,
+          "pareto": bool,                 # no other row has less or equal
+                                          # temp memory and FLOPs, one strictly
+          "formula_bytes": int | null     # Korthikanti per layer x layers
+        }
+      ]
+    }
+
+All byte figures are per device.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from remat_kit import estimate
+from remat_kit.measure import Record
+from remat_kit.models import TransformerConfig
+from remat_kit.spec import parse
+
+SCHEMA_VERSION = 1
+
+FORMULA_NOTE = (
+    "Korthikanti x L: Korthikanti et al. 2022 Table 2 per-layer activation bytes "
+    "(no parallelism; selective; full recompute 2sbh) times the number of layers, "
+    "with this run's bytes per element. 'layer x L' is one decoder layer measured "
+    "alone times the number of layers. Expect gaps: the formula assumes a GeLU MLP "
+    "4h wide, multi-head attention and Megatron's saved tensors (the 16-bit "
+    "formula's 1-byte dropout masks are counted only when dropout is on); JAX saves "
+    "what its autodiff needs, e.g. both the GELU input and output, f32 norm "
+    "statistics, and no copy of the layer input under full remat (the previous "
+    "layer's output is already kept). Embeddings, logits and loss are outside both.")
+
+# Canonical policy -> Korthikanti Table 2 row ("none", "selective", "full").
+_FORMULA_METHOD = {"none": "none", "everything": "none", "full": "full",
+                   str(parse("selective")): "selective"}
+
+
+def formula_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: str) -> int | None:
+    """Korthikanti et al. 2022 activation bytes for `policy`, all layers, one device.
+
+    `estimate.model_total` with s=seq, b=batch (per device), h=d_model,
+    a=num_heads, L=num_layers, bytes_per_elem = the activation dtype's size,
+    dropout masks only if cfg.dropout_rate > 0. Policies other than none /
+    everything (Table 2 "no parallelism"), selective and full have no formula:
+    None.
+    """
+    method = _FORMULA_METHOD.get(str(parse(policy)))
+    if method is None:
+        return None
+    return estimate.model_total(method, seq, batch, cfg.d_model, cfg.num_heads, cfg.num_layers,
+                                bytes_per_elem=cfg.activation_dtype.itemsize,
+                                dropout=cfg.dropout_rate > 0)
+
+
+def pareto_flags(records: Sequence[Record]) -> list[bool]:
+    """Per record: True if no other measured record has temp memory and FLOPs
+    both <=, one strictly <. Records with an error or missing figures are never
+    optimal."""
+    def point(r):
+        ok = r.error is None and r.temp_size_in_bytes is not None and r.flops is not None
+        return (r.temp_size_in_bytes, r.flops) if ok else None
+
+    points = [point(r) for r in records]
+    return [p is not None and not any(
+        q is not None and q[0] <= p[0] and q[1] <= p[1] and q != p for q in points)
+        for p in points]
+
+
+def _ratio(a, b) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
+         batch: int | None = None, seq: int | None = None) -> list[dict]:
+    """Records as dicts (`Record.to_dict`) plus temp_ratio_to_none,
+    flops_ratio_to_none, pareto, formula_bytes and layers_residual_bytes;
+    sorted by temp memory (failed rows last). cfg, batch (per device), seq: for
+    the two per-layer figures."""
+    none = next((r for r in records if r.policy == "none" and r.error is None), None)
+    out = []
+    for r, pareto in zip(records, pareto_flags(records)):
+        d = r.to_dict()
+        d["temp_ratio_to_none"] = _ratio(r.temp_size_in_bytes, none and none.temp_size_in_bytes)
+        d["flops_ratio_to_none"] = _ratio(r.flops, none and none.flops)
+        d["pareto"] = pareto
+        d["formula_bytes"] = (formula_bytes(cfg, batch, seq, r.policy)
+                              if cfg is not None and r.error is None else None)
+        d["layers_residual_bytes"] = (r.layer_residual_bytes * cfg.num_layers
+                                      if cfg is not None and r.layer_residual_bytes is not None
+                                      else None)
+        out.append(d)
+    return sorted(out, key=lambda d: (d["temp_size_in_bytes"] is None,
+                                      d["temp_size_in_bytes"] or 0))
+
+
+def fmt_bytes(n) -> str:
+    """1234567 -> '1.18 MiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_flops(f) -> str:
+    if f is None:
+        return "-"
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if f >= size:
+            return f"{f / size:.3g} {unit}"
+    return f"{f:.3g} FLOP"
+
+
+def _fmt_ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def table(report_rows: Sequence[dict], title: str = "") -> Table:
+    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *."""
+    timed = any(d["step_time"] for d in report_rows)
+    t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)",
+              caption_justify="left")
+    for name, justify in (("", "left"), ("policy", "left"), ("temp", "right"),
+                          ("x none", "right"), ("residuals", "right"), ("layer x L", "right"),
+                          ("Korthikanti x L", "right"), ("FLOPs", "right"), ("x none ", "right")):
+        t.add_column(name, justify=justify)
+    if timed:
+        t.add_column("step s (min-max)", justify="right")
+        t.add_column("x none  ", justify="right")
+    t.add_column("compile s", justify="right")
+    for d in report_rows:
+        label = escape(", ".join(d["names"]))  # specs hold [src->dst], not markup
+        if d["error"]:
+            error = escape(d["error"].splitlines()[0])
+            cells = ["", f"{label}\n[red]error: {error}[/red]"] + ["-"] * (len(t.columns) - 2)
+            t.add_row(*cells)
+            continue
+        cells = ["*" if d["pareto"] else "", label, fmt_bytes(d["temp_size_in_bytes"]),
+                 _fmt_ratio(d["temp_ratio_to_none"]),
+                 fmt_bytes(d["activation_residual_bytes"]),
+                 fmt_bytes(d["layers_residual_bytes"]),
+                 fmt_bytes(d["formula_bytes"]), _fmt_flops(d["flops"]),
+                 _fmt_ratio(d["flops_ratio_to_none"])]
+        if timed:
+            st = d["step_time"]
+            cells += [f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-",
+                      _fmt_ratio(st and st["ratio_to_none"])]
+        cells.append("-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}")
+        t.add_row(*cells)
+    return t
+
+
+def print_table(report_rows: Sequence[dict], title: str = "", console: Console | None = None,
+                note: bool = True) -> None:
+    """Prints `table(...)` and, if `note`, FORMULA_NOTE. A console that is not a
+    terminal gets 180 columns, so piped tables do not wrap."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=180)
+    console.print(table(report_rows, title))
+    if note and any(d["formula_bytes"] is not None for d in report_rows):
+        console.print(FORMULA_NOTE, style="dim")
+
+
+def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
+    """Writes the schema in this module's docstring to `path`."""
+    doc = {"schema_version": SCHEMA_VERSION, "context": context, "formula_note": FORMULA_NOTE,
+           "records": list(report_rows)}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
+CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none",
+              "activation_residual_bytes", "offloaded_bytes", "layer_residual_bytes",
+              "formula_bytes", "flops", "flops_ratio_to_none", "transcendentals",
+              "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+              "step_median_s", "step_min_s", "step_max_s", "step_ratio_to_none",
+              "compile_seconds", "pareto", "error")
+
+
+def write_csv(path, report_rows: Sequence[dict]) -> None:
+    """One line per policy with the scalar fields in CSV_FIELDS (names joined by ' ')."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for d in report_rows:
+            st = d["step_time"] or {}
+            w.writerow(d | {"names": " ".join(d["names"]), "step_median_s": st.get("median_s"),
+                            "step_min_s": st.get("min_s"), "step_max_s": st.get("max_s"),
+                            "step_ratio_to_none": st.get("ratio_to_none")})
+
+
+def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
+    """PNG of temp memory (GiB) against FLOP overhead (% over `none`, or over the
+    fewest FLOPs if `none` is absent): one labelled point per policy, the
+    Pareto front as a step line. Rows with an error are left out."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [d for d in report_rows if d["error"] is None and d["flops"] is not None
+           and d["temp_size_in_bytes"] is not None]
+    base = next((d["flops"] for d in pts if d["policy"] == "none"),
+                min((d["flops"] for d in pts), default=1.0))
+    xy = [((d["flops"] / base - 1) * 100, d["temp_size_in_bytes"] / 2**30) for d in pts]
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    ax.scatter([x for x, _ in xy], [y for _, y in xy],
+               c=["tab:red" if d["pareto"] else "tab:blue" for d in pts], zorder=3)
+    for d, (x, y) in zip(pts, xy):
+        ax.annotate(d["names"][0], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    front = sorted(p for p, d in zip(xy, pts) if d["pareto"])
+    if front:
+        ax.step([x for x, _ in front], [y for _, y in front], where="post", color="tab:red",
+                alpha=0.6, label="Pareto front")
+        ax.legend()
+    platform = pts[0]["platform"] if pts else ""
+    ax.set_xlabel("FLOP overhead vs no remat (%)")
+    ax.set_ylabel(f"temp memory, GiB ({platform})")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if xy and max(y for _, y in xy) / max(min(y for _, y in xy), 1e-12) > 20:
+        ax.set_yscale("log")  # a wide memory range would squash the low rows
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "fmt_bytes", "formula_bytes",
+           "pareto_flags", "plot", "print_table", "rows", "table", "write_csv", "write_json"]

@@ -1,0 +1,224 @@
+"""remat_kit.measure and remat_kit.report: residual bytes by tag, loop-aware FLOPs, records."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from remat_kit import measure as M
+from remat_kit import report
+from remat_kit._jax_private import saved_residuals
+from remat_kit.models import Transformer, get_config, make_loss_fn
+
+B, S = 2, 16
+F32 = 4
+MINIMAL_ON_GPT2 = "save:query_proj,key_proj,value_proj,qkv_proj,out_proj,mlpwi,mlpwo"
+BAD_OFFLOAD = "offload[pinned_host->device]:query_proj"  # JAX asserts offload_src is device
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def records(tiny):
+    """Two compiles: none and minimal (given under two names); one failing policy."""
+    return M.measure_config(tiny, B, S, ["none", "maxtext:minimal", MINIMAL_ON_GPT2, BAD_OFFLOAD])
+
+
+def by_name(records, name):
+    return next(r for r in records if name in r.names)
+
+
+def model_args(cfg, batch=B, seq=S):
+    model = Transformer(cfg)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return make_loss_fn(model), (params["params"], tokens, tokens, key)
+
+
+# -- bytes by tag -------------------------------------------------------------
+
+def test_minimal_saves_exactly_its_tags_per_layer(records, tiny):
+    r = by_name(records, "maxtext:minimal")
+    L, h, d = tiny.num_layers, tiny.num_heads, tiny.heads_dim
+    proj = B * S * h * d * F32 * L
+    assert r.residual_bytes_by_tag["query_proj"] == proj
+    assert r.residual_bytes_by_tag["key_proj"] == proj
+    assert r.residual_bytes_by_tag["value_proj"] == proj
+    assert r.residual_bytes_by_tag["out_proj"] == B * S * tiny.d_model * F32 * L
+    assert r.residual_bytes_by_tag["mlpwi"] == B * S * tiny.mlp_dim * F32 * L
+    # Recomputed tags are not stored; attention scores are never saved.
+    for t in ("attn_logits", "attn_probs", "mlp_act", "context", "attn_norm"):
+        assert t not in r.residual_bytes_by_tag
+    assert r.error is None and r.platform == "XLA CPU compile"
+
+
+def test_equal_policies_compile_once_and_keep_every_name(records):
+    r = by_name(records, "maxtext:minimal")
+    assert r.names == ("maxtext:minimal", MINIMAL_ON_GPT2)
+    assert len(records) == 3
+
+
+def test_failing_policy_is_a_row_and_the_others_still_come_out(records):
+    bad = by_name(records, BAD_OFFLOAD)
+    assert bad.error.startswith("AssertionError")
+    assert bad.temp_size_in_bytes is None and bad.flops is None
+    for r in records:
+        if r is not bad:
+            assert r.error is None and r.temp_size_in_bytes > 0 and r.flops > 0
+
+
+def test_remat_trades_memory_for_flops(records):
+    none, minimal = by_name(records, "none"), by_name(records, "maxtext:minimal")
+    assert minimal.temp_size_in_bytes < none.temp_size_in_bytes
+    assert minimal.activation_residual_bytes < none.activation_residual_bytes
+    assert minimal.flops > none.flops
+    assert none.residual_bytes_by_argument["params"] > 0
+    assert minimal.layer_residual_bytes < none.layer_residual_bytes
+
+
+def test_residuals_total_matches_jax_saved_residuals(tiny):
+    loss, args = model_args(tiny.replace(remat="minimal"))
+    ours = M.residuals(loss, *args)
+    theirs = saved_residuals(loss, *args)
+    assert sum(r.nbytes for r in ours) == sum(
+        math.prod(a.shape) * a.dtype.itemsize for a, _ in theirs)
+    named = sorted(d.split("'")[1] for _, d in theirs if d.startswith("named '"))
+    assert sorted(r.name for r in ours if r.kind == "tag") == named
+
+
+def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
+    loss, args = model_args(tiny.replace(remat="offload:query_proj"))
+    found = [r for r in M.residuals(loss, *args) if r.name == "query_proj"]
+    assert len(found) == tiny.num_layers
+    assert all(r.kind == "tag" and r.memory == "host" for r in found)
+    assert found[0].shape == (B, S, tiny.num_heads, tiny.heads_dim)
+
+
+# -- scanned layers ----------------------------------------------------------
+
+def test_scanned_and_unrolled_agree_on_flops_and_tag_bytes(records, tiny):
+    unrolled = by_name(records, "maxtext:minimal")
+    (scanned,) = M.measure_config(tiny.replace(scan_layers=True), B, S, ["maxtext:minimal"],
+                                  per_layer=False)
+    assert scanned.flops == pytest.approx(unrolled.flops, rel=0.01)
+    assert scanned.transcendentals == pytest.approx(unrolled.transcendentals, rel=0.01)
+    for t in ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi"):
+        assert scanned.residual_bytes_by_tag[t] == unrolled.residual_bytes_by_tag[t]
+    # The scan carry (each layer's input) is named by the tag the layer gives it.
+    L = tiny.num_layers
+    assert scanned.residual_bytes_by_tag["decoder_layer_input"] == B * S * tiny.d_model * F32 * L
+
+
+def _scan_fn(nested: bool):
+    def f(w, x):
+        def inner(c, _):
+            return jnp.tanh(c @ w), None
+
+        def outer(c, _):
+            return jax.lax.scan(inner, c, None, length=4)[0] if nested else inner(c, _)[0], None
+
+        return jax.lax.scan(outer, x, None, length=3)[0].sum()
+
+    def unrolled(w, x):
+        for _ in range(12 if nested else 3):
+            x = jnp.tanh(x @ w)
+        return x.sum()
+
+    return f, unrolled
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_loop_scaled_costs_count_every_trip(nested):
+    f, unrolled = _scan_fn(nested)
+    # Matmul-dominated, as in a transformer: the loop's own bookkeeping stays < 1%.
+    w, x = jnp.ones((256, 256)), jnp.ones((64, 256))
+    # Gradients for both arguments: a scan always computes the carry's
+    # cotangent, which the unrolled program would drop for x alone.
+    looped = jax.jit(jax.grad(f, argnums=(0, 1))).lower(w, x).compile()
+    flat = jax.jit(jax.grad(unrolled, argnums=(0, 1))).lower(w, x).compile()
+    got, notes = M.loop_scaled_costs(looped)
+    want, _ = M.loop_scaled_costs(flat)
+    raw = looped.cost_analysis()
+    raw = raw[0] if isinstance(raw, list) else raw
+    assert raw["flops"] < 0.5 * want["flops"]  # XLA alone counts each body once
+    assert got["flops"] == pytest.approx(want["flops"], rel=0.01)
+    assert got["transcendentals"] == pytest.approx(want["transcendentals"], rel=0.01)
+    assert notes == ()
+
+
+# -- generic measure, timed mode ----------------------------------------------
+
+def _mlp_loss(w, x):
+    h = jnp.tanh(x @ w)
+    return jnp.sum(jnp.tanh(h @ w))
+
+
+def test_generic_measure_with_checkpointed_loss_and_timing():
+    w, x = jnp.ones((16, 16)), jnp.ones((4, 16))
+    recs = M.measure(M.checkpointed(_mlp_loss), w, x, policies=["none", "full"], time_steps=3)
+    none, full = recs
+    # Without remat the tanh outputs are kept; full remat keeps only the arguments.
+    assert none.residual_bytes_by_primitive.get("tanh", 0) > 0
+    assert full.residual_bytes_by_tag == {} and full.residual_bytes_by_primitive == {}
+    assert full.residual_bytes_by_argument == {"w": 16 * 16 * F32, "x": 4 * 16 * F32}
+    assert full.flops > none.flops
+    for r in recs:
+        st = r.step_time
+        assert st.steps == 3 and 0 < st.min_s <= st.q1_s <= st.median_s <= st.q3_s <= st.max_s
+    assert none.step_time.ratio_to_none == 1.0
+    assert full.step_time.ratio_to_none == pytest.approx(
+        full.step_time.median_s / none.step_time.median_s)
+
+
+def test_bad_sizes_raise_before_measuring(tiny):
+    for batch, seq in ((0, 16), (2, -1), (2.0, 16), (True, 16)):
+        with pytest.raises(ValueError, match="positive int"):
+            M.measure_config(tiny, batch, seq, ["none"])
+    with pytest.raises(ValueError, match="max_len"):
+        M.measure_config(tiny, 1, tiny.max_len + 1, ["none"])
+
+
+# -- one layer -----------------------------------------------------------------
+
+def test_layer_residuals_under_selective(tiny):
+    layer = M.layer_residuals(tiny, B, S, "selective")
+    rows = {r.name: r for r in layer.rows if r.kind == "tag"}
+    scores = B * tiny.num_heads * S * S * F32
+    for t in ("attn_logits", "attn_probs"):
+        assert rows[t].decision == "recomputed" and rows[t].nbytes == scores
+        assert rows[t].shape == (B, tiny.num_heads, S, S)
+    q = rows["query_proj"]
+    assert q.decision == "saved" and q.shape == (B, S, tiny.num_heads, tiny.heads_dim)
+    assert rows["decoder_layer_input"].nbytes == B * S * tiny.d_model * F32
+    assert layer.recomputed_bytes == 2 * scores
+    assert layer.saved_bytes == sum(r.nbytes for r in layer.rows if r.decision == "saved")
+    assert layer.num_layers == tiny.num_layers and layer.parameter_bytes > 0
+
+
+# -- report rows ----------------------------------------------------------------
+
+def test_report_rows_ratios_pareto_and_formula(records, tiny):
+    rows = report.rows(records, tiny, B, S)
+    assert [d["names"][0] for d in rows][-1] == BAD_OFFLOAD  # failed rows last
+    none = next(d for d in rows if d["policy"] == "none")
+    minimal = next(d for d in rows if "maxtext:minimal" in d["names"])
+    assert none["temp_ratio_to_none"] == 1.0 and none["flops_ratio_to_none"] == 1.0
+    assert minimal["temp_ratio_to_none"] < 1 < minimal["flops_ratio_to_none"]
+    # Each wins on one axis, so both are Pareto-optimal; a failed row never is.
+    assert none["pareto"] and minimal["pareto"] and not rows[-1]["pareto"]
+    # Korthikanti no-parallelism row, f32, no dropout: sbh(32 + 2as/h) bytes x 2 per layer.
+    h, a = tiny.d_model, tiny.num_heads
+    assert none["formula_bytes"] == tiny.num_layers * S * B * h * (32 + 2 * a * S / h) * 2
+    assert minimal["formula_bytes"] is None
+    assert minimal["layers_residual_bytes"] == minimal["layer_residual_bytes"] * tiny.num_layers
+
+
+def test_pareto_flags_drop_dominated_points():
+    mk = lambda temp, flops: M.Record("p", ("p",), "x", temp_size_in_bytes=temp, flops=flops)
+    assert report.pareto_flags([mk(10, 1), mk(5, 2), mk(6, 3), mk(5, 2), mk(1, None)]) == [
+        True, True, False, True, False]
