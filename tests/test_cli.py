@@ -1,0 +1,139 @@
+"""The `remat-kit` command: compare, explain, and one-line errors with exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from remat_kit import cli
+from remat_kit.report import SCHEMA_VERSION
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--config", "gpt3"], "unknown model config 'gpt3'"),
+    (["compare", "--config", "tiny", "--batch", "0"], "--batch: must be a positive int"),
+    (["compare", "--config", "tiny", "--batch", "abc"], "--batch: must be a positive int"),
+    (["compare", "--config", "tiny", "--seq", "-3"], "--seq: must be a positive int"),
+    (["compare", "--config", "tiny", "--seq", "129"], "exceeds the model's max_len 128"),
+    (["compare", "--config", "tiny", "--policies", "none,minimall"], "did you mean 'minimal'"),
+    (["compare", "--config", "tiny", "--mesh", "model:2"], "--mesh must be data:N"),
+    (["compare", "--config", "missing.py"], "config file 'missing.py' not found"),
+    (["explain", "--config", "tiny", "--policy", "save:query_prj"], "did you mean 'query_proj'"),
+    (["explain", "--config", "tiny", "--dtype", "int8"], "invalid choice: 'int8'"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert out == ""
+
+
+def test_too_few_devices_for_the_mesh(capsys):
+    jax.devices()  # JAX has started: the command cannot add host devices now
+    code, _, err = run(capsys, "compare", "--config", "tiny", "--mesh", "data:64")
+    assert code == 2 and err.count("\n") == 1
+    assert "needs 64 devices, found" in err and "xla_force_host_platform_device_count=64" in err
+
+
+def test_split_policies_keeps_tag_lists_together():
+    assert cli.split_policies("minimal,save:query_proj,key_proj,mlp*,full") == [
+        "minimal", "save:query_proj,key_proj,mlp*", "full"]
+    assert cli.split_policies("recompute:core_attn,mlp,none") == ["recompute:core_attn,mlp", "none"]
+
+
+def test_default_policies_cover_every_preset():
+    from remat_kit.spec import PRESET_TABLE, parse
+    specs, names = cli.preset_policies()
+    assert len(specs) == len(PRESET_TABLE) and specs == names
+    assert "minimal" in names and "maxtext:full" in names and "megatron:selective" in names
+    assert [str(parse(s)) for s in specs] == [str(parse(row[2])) for row in PRESET_TABLE]
+
+
+_TYPES = {
+    "policy": str, "names": list, "platform": str, "residual_bytes_by_tag": dict,
+    "residual_bytes_by_primitive": dict, "residual_bytes_by_argument": dict,
+    "activation_residual_bytes": int, "offloaded_bytes": int, "temp_size_in_bytes": int,
+    "argument_size_in_bytes": int, "output_size_in_bytes": int, "alias_size_in_bytes": int,
+    "flops": float, "transcendentals": float, "compile_seconds": float,
+    "layer_residual_bytes": int, "layers_residual_bytes": int, "notes": list,
+    "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
+}
+_NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes")
+
+
+def test_compare_table_json_and_plot(capsys, tmp_path):
+    out_json, out_png = tmp_path / "out.json", tmp_path / "pareto.png"
+    code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "2", "--seq", "16",
+                         "--policies", "none,full,save_nothing", "--json", str(out_json),
+                         "--plot", str(out_png))
+    assert code == 0, err
+    assert "tiny: batch 2, seq 16, float32 (XLA CPU compile)" in out
+    assert "full, save_nothing" in out and "Korthikanti" in out
+    assert "[2/2]" in err  # progress: two distinct policies
+    doc = json.loads(out_json.read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION
+    assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
+                              "devices": 1, "platform": "XLA CPU compile"}
+    assert [r["names"] for r in doc["records"]] == [["full", "save_nothing"], ["none"]]
+    for r in doc["records"]:
+        assert set(r) == set(_TYPES) | set(_NULLABLE)
+        for key, typ in _TYPES.items():
+            assert isinstance(r[key], typ), key
+        assert r["error"] is None and r["step_time"] is None
+        assert all(isinstance(v, int) for v in r["residual_bytes_by_tag"].values())
+    full, none = doc["records"]
+    assert full["temp_size_in_bytes"] < none["temp_size_in_bytes"]
+    assert full["formula_bytes"] == 16 * 2 * 64 * 4 * 2  # sbh x 4 bytes (f32) x 2 layers
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
+
+
+def test_explain_from_a_config_file(capsys, tmp_path):
+    path = tmp_path / "small.py"
+    path.write_text(textwrap.dedent("""
+        import ml_collections
+
+        def get_config():
+            c = ml_collections.ConfigDict()
+            c.model = "tiny"
+            c.num_layers = 3
+            c.d_model = None
+            c.remat = "selective"
+            c.batch_size = 2
+            c.seq_len = 8
+            return c
+    """))
+    code, out, err = run(capsys, "explain", "--config", str(path))
+    assert code == 0, err
+    assert "batch 2, seq 8, float32" in out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("│ ")}
+    # attn_logits: [batch, heads, seq, seq] f32 = 2*4*8*8*4 bytes, recomputed.
+    assert "[2, 4, 8, 8]" in lines["attn_logits"] and "2.00 KiB" in lines["attn_logits"]
+    assert "recomputed" in lines["attn_logits"]
+    assert "saved" in lines["query_proj"] and "[2, 8, 4, 16]" in lines["query_proj"]
+    assert "model (3 layers)" in out
+
+
+def test_mesh_gives_per_device_numbers(tmp_path):
+    """In a fresh process JAX can still be given 2 host devices."""
+    out_json = tmp_path / "mesh.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-m", "remat_kit.cli", "compare", "--config", "tiny", "--batch", "4",
+         "--seq", "16", "--policies", "maxtext:minimal", "--mesh", "data:2",
+         "--json", str(out_json)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "per device of 2" in done.stdout
+    (rec,) = json.loads(out_json.read_text())["records"]
+    # Per device: half the global batch of 4; tiny has 4 heads of 16, 2 layers, f32.
+    assert rec["residual_bytes_by_tag"]["query_proj"] == 2 * 16 * 4 * 16 * 4 * 2
+    assert rec["layer_residual_bytes"] > 0 and rec["error"] is None
