@@ -63,7 +63,8 @@ def config_from_dict(config) -> tuple[TransformerConfig, dict]:
     The ConfigDict names a `remat_kit.models.CONFIGS` entry in `model`; every
     other field named like a `TransformerConfig` field (num_layers, d_model,
     dtype, remat, ...) and not None overrides it. `batch_size` and `seq_len`,
-    if present, become the defaults for --batch and --seq.
+    if present, become the defaults for --batch and --seq, and `seq_len` sets
+    max_len unless the file sets it (as experiments/train.py builds its model).
 
     Returns:
       (TransformerConfig, {"batch": int, "seq": int} for the fields present).
@@ -73,6 +74,8 @@ def config_from_dict(config) -> tuple[TransformerConfig, dict]:
     if "model" not in config:
         raise BadInput(f"the config has no 'model' field naming one of {list(CONFIGS)}")
     overrides = {f: config[f] for f in _MODEL_FIELDS if f in config and config[f] is not None}
+    if "seq_len" in config and config["seq_len"] is not None:
+        overrides.setdefault("max_len", config["seq_len"])
     try:
         cfg = get_config(config["model"], **overrides)
     except KeyError as e:

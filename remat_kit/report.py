@@ -241,7 +241,7 @@ def write_csv(path, report_rows: Sequence[dict]) -> None:
 
 
 def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
-    """PNG of temp memory (GiB) against FLOP overhead (% over `none`, or over the
+    """PNG of temp memory (GiB or MiB) against FLOP overhead (% over `none`, or over the
     fewest FLOPs if `none` is absent): one labelled point per policy, the
     Pareto front as a step line. Rows with an error are left out."""
     import matplotlib
@@ -252,7 +252,9 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
            and d["temp_size_in_bytes"] is not None]
     base = next((d["flops"] for d in pts if d["policy"] == "none"),
                 min((d["flops"] for d in pts), default=1.0))
-    xy = [((d["flops"] / base - 1) * 100, d["temp_size_in_bytes"] / 2**30) for d in pts]
+    top = max((d["temp_size_in_bytes"] for d in pts), default=0)
+    unit, size = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    xy = [((d["flops"] / base - 1) * 100, d["temp_size_in_bytes"] / size) for d in pts]
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
     ax.scatter([x for x, _ in xy], [y for _, y in xy],
                c=["tab:red" if d["pareto"] else "tab:blue" for d in pts], zorder=3)
@@ -265,7 +267,7 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
         ax.legend()
     platform = pts[0]["platform"] if pts else ""
     ax.set_xlabel("FLOP overhead vs no remat (%)")
-    ax.set_ylabel(f"temp memory, GiB ({platform})")
+    ax.set_ylabel(f"temp memory, {unit} ({platform})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if xy and max(y for _, y in xy) / max(min(y for _, y in xy), 1e-12) > 20:

@@ -11,6 +11,8 @@ from remat_kit import report
 from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn
 
+pytestmark = pytest.mark.remat_modes  # `make test` reruns these under jax_remat3
+
 B, S = 2, 16
 F32 = 4
 MINIMAL_ON_GPT2 = "save:query_proj,key_proj,value_proj,qkv_proj,out_proj,mlpwi,mlpwo"
@@ -65,7 +67,8 @@ def test_equal_policies_compile_once_and_keep_every_name(records):
 
 def test_failing_policy_is_a_row_and_the_others_still_come_out(records):
     bad = by_name(records, BAD_OFFLOAD)
-    assert bad.error.startswith("AssertionError")
+    # AssertionError in partial_eval (ValueError in dot_general under jax_remat3).
+    assert bad.error.split(":")[0] in ("AssertionError", "ValueError")
     assert bad.temp_size_in_bytes is None and bad.flops is None
     for r in records:
         if r is not bad:
