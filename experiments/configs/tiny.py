@@ -1,0 +1,47 @@
+"""Seconds-long run of the `tiny` GPT-2 model, for smoke tests and quick checks.
+
+python -m experiments.train --config=experiments/configs/tiny.py --workdir=runs/tiny
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """The training config; every field is overridable as --config.FIELD=VALUE."""
+    config = ml_collections.ConfigDict()
+    # Model: a name from remat_kit.models.CONFIGS, then size overrides (None keeps
+    # the named config's value). vocab_size is always 256 (bytes) and max_len
+    # is set to seq_len.
+    config.model = "tiny"
+    config.num_layers = config_dict.placeholder(int)
+    config.d_model = config_dict.placeholder(int)
+    config.num_heads = config_dict.placeholder(int)
+    config.num_kv_heads = config_dict.placeholder(int)
+    config.mlp_dim = config_dict.placeholder(int)
+    config.dtype = "float32"
+    config.dropout_rate = 0.0
+    # Remat policy spec (see remat_kit.parse), e.g. none, full, selective, minimal.
+    config.remat = "selective"
+
+    # Data: "" = the running Python's standard-library .py files; else a text
+    # file or a folder of text files.
+    config.data = ""
+    config.seq_len = 64
+    config.batch_size = 8
+
+    # Optimizer: AdamW, linear warmup then cosine decay, global-norm clipping.
+    config.num_steps = 20
+    config.learning_rate = 3e-3
+    config.warmup_steps = 5
+    config.end_lr_fraction = 0.1
+    config.weight_decay = 0.1
+    config.b1 = 0.9
+    config.b2 = 0.95
+    config.grad_clip_norm = 1.0
+
+    config.log_every = 1
+    config.eval_every = 10
+    config.eval_batches = 2
+    config.seed = 0
+    return config
