@@ -25,13 +25,17 @@ from remat_kit import measure, report
 from remat_kit.cli import BadInput, config_from_dict, preset_policies, split_policies
 from remat_kit.errors import RematSpecError
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "ml_collections config file (e.g. experiments/configs/tiny.py).",
-    lock_config=True)
-_POLICIES = flags.DEFINE_string(
-    "policies", "", "Comma-separated policy specs; empty sweeps every preset.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Folder for records.json, records.csv, pareto.png.")
-_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per policy, after one warm-up step.")
+
+def _define_flags() -> None:
+    # Defined only when run as a script, so importing sweep() next to
+    # experiments.train (which defines --config and --workdir too) works.
+    config_flags.DEFINE_config_file(
+        "config", None, "ml_collections config file (e.g. experiments/configs/tiny.py).",
+        lock_config=True)
+    flags.DEFINE_string("policies", "", "Comma-separated policy specs; empty sweeps every preset.")
+    flags.DEFINE_string("workdir", None, "Folder for records.json, records.csv, pareto.png.")
+    flags.DEFINE_integer("steps", 5, "Timed steps per policy, after one warm-up step.")
+    flags.mark_flags_as_required(["config", "workdir"])
 
 
 def sweep(config, workdir: str, policies: str = "", steps: int = 5) -> list[dict]:
@@ -67,15 +71,16 @@ def sweep(config, workdir: str, policies: str = "", steps: int = 5) -> list[dict
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if flags.FLAGS["verbosity"].using_default_value:
-        logging.set_verbosity(logging.WARNING)  # absl's INFO floods with JAX backend probing
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # app.run's INFO floods with JAX backend probing
+    f = flags.FLAGS
     try:
-        sweep(_CONFIG.value, _WORKDIR.value, _POLICIES.value, _STEPS.value)
+        sweep(f.config, f.workdir, f.policies, f.steps)
     except (BadInput, RematSpecError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["config", "workdir"])
+    _define_flags()
     app.run(main)

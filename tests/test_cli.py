@@ -137,3 +137,19 @@ def test_mesh_gives_per_device_numbers(tmp_path):
     # Per device: half the global batch of 4; tiny has 4 heads of 16, 2 layers, f32.
     assert rec["residual_bytes_by_tag"]["query_proj"] == 2 * 16 * 4 * 16 * 4 * 2
     assert rec["layer_residual_bytes"] > 0 and rec["error"] is None
+
+
+def test_sweep_writes_json_csv_and_plot(tmp_path):
+    from experiments.configs import tiny
+    from experiments.sweep import sweep
+
+    config = tiny.get_config()
+    config.batch_size, config.seq_len = 2, 16
+    rows = sweep(config, str(tmp_path), "none,full", steps=2)
+    assert [d["names"] for d in rows] == [["full"], ["none"]]
+    assert all(d["step_time"]["steps"] == 2 and d["step_time"]["median_s"] > 0 for d in rows)
+    assert rows[1]["step_time"]["ratio_to_none"] == 1.0
+    assert json.loads((tmp_path / "records.json").read_text())["records"] == rows
+    csv_lines = (tmp_path / "records.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("policy,names,temp_size_in_bytes")
+    assert (tmp_path / "pareto.png").stat().st_size > 10_000
