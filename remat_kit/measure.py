@@ -39,7 +39,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
-from jax.extend.core.primitives import device_put_p, name_p, reduce_precision_p, scan_p
+from jax.extend.core.primitives import (copy_p, device_put_p, name_p, reduce_precision_p,
+                                        reshape_p, scan_p, squeeze_p, transpose_p)
 from jax.sharding import NamedSharding, PartitionSpec
 
 from remat_kit._jax_private import hlo_text_cost_analysis
@@ -61,8 +62,9 @@ _COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
 # Residuals: what the forward pass saves, and who produced it
 # ---------------------------------------------------------------------------
 
-# Copies: the value they copy is the residual's real source.
-_COPIES = (reduce_precision_p, device_put_p)
+# Copies and layout changes (the same bytes in another shape or memory): the
+# value they take is the residual's real source, e.g. a reshaped query_proj.
+_COPIES = (reduce_precision_p, device_put_p, copy_p, reshape_p, squeeze_p, transpose_p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ class Residual:
     Attributes:
       kind: "tag" (a `checkpoint_name` value), "primitive" (an untagged
         value, named by the primitive that computed it, e.g. "dot_general",
-        "mul"; "scan carry" for a loop input stacked per iteration) or
+        "mul"; "scan input" for a loop-body input stacked per trip) or
         "argument" (an input of the function, kept by reference).
       name: the tag, primitive, or argument path (e.g. "params['embed']['embedding']").
       shape: the residual's shape; for a value saved inside a scanned layer
@@ -155,7 +157,7 @@ class _Sources:
             if not isinstance(found, int):
                 return found
             if eqn.primitive is scan_p:
-                return ("primitive", "scan carry")  # per-iteration inputs, stacked
+                return ("primitive", "scan input")  # a loop-body input, stacked per trip
             var = eqn.invars[found]
 
 
@@ -232,8 +234,10 @@ def residuals(f: Callable, *args) -> list[Residual]:
 
     Unlike `jax.ad_checkpoint.print_saved_residuals`, values saved inside a
     `scan` (e.g. `nn.scan` over layers) are named by the tag or primitive that
-    produced them in the loop body, with their stacked [layers, ...] shape, and
-    offloaded values (`device_put` to host) by the value they copy.
+    produced them in the loop body, with their stacked [layers, ...] shape;
+    offloaded values (`device_put` to host) and reshaped or transposed values
+    by the value they copy; and values computed in a `jit`-wrapped function by
+    the primitive inside it.
 
     Args:
       f: a function of arrays returning a scalar (a loss).

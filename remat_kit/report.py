@@ -67,15 +67,15 @@ from remat_kit.spec import parse
 SCHEMA_VERSION = 1
 
 FORMULA_NOTE = (
-    "Korthikanti x L: Korthikanti et al. 2022 Table 2 per-layer activation bytes "
-    "(no parallelism; selective; full recompute 2sbh) times the number of layers, "
-    "with this run's bytes per element. 'layer x L' is one decoder layer measured "
-    "alone times the number of layers. Expect gaps: the formula assumes a GeLU MLP "
-    "4h wide, multi-head attention and Megatron's saved tensors (the 16-bit "
-    "formula's 1-byte dropout masks are counted only when dropout is on); JAX saves "
-    "what its autodiff needs, e.g. both the GELU input and output, f32 norm "
-    "statistics, and no copy of the layer input under full remat (the previous "
-    "layer's output is already kept). Embeddings, logits and loss are outside both.")
+    "Korthikanti x L: Korthikanti et al. 2022 Table 2 per-layer activation bytes (no "
+    "parallelism for none/everything, selective, full recompute 2sbh) times the layers, at "
+    "this run's bytes per element, dropout masks only with dropout on. 'layer x L': one "
+    "decoder layer measured alone, times the layers. Gaps come from what the formula models: "
+    "Megatron's GeLU 4h-wide multi-head layer with 16-bit tensors. Here, without remat, the "
+    "softmax keeps its exp output in f32, jnp.where's causal mask keeps a bool [b,h,s,s] mask "
+    "and an f32 [b,h,s,s] zero tangent, LayerNorm keeps f32 intermediates and GELU keeps its "
+    "input and derivative; Llama configs (SwiGLU, grouped-query attention, RMSNorm) change "
+    "the constants. Embeddings, logits and the loss are in 'residuals' only.")
 
 # Canonical policy -> Korthikanti Table 2 row ("none", "selective", "full").
 _FORMULA_METHOD = {"none": "none", "everything": "none", "full": "full",

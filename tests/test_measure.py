@@ -102,6 +102,15 @@ def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
     assert found[0].shape == (B, S, tiny.num_heads, tiny.heads_dim)
 
 
+def test_reshaped_residuals_keep_their_tag(tiny):
+    # Without remat, attention saves q and the probabilities reshaped for the einsum.
+    loss, args = model_args(tiny)
+    tags = {r.name: r for r in M.residuals(loss, *args) if r.kind == "tag"}
+    assert tags["query_proj"].nbytes == B * S * tiny.num_heads * tiny.heads_dim * F32
+    assert tags["attn_probs"].nbytes == B * tiny.num_heads * S * S * F32
+    assert "reshape" not in {r.name for r in M.residuals(loss, *args)}
+
+
 # -- scanned layers ----------------------------------------------------------
 
 def test_scanned_and_unrolled_agree_on_flops_and_tag_bytes(records, tiny):
