@@ -186,7 +186,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """
     start = time.perf_counter()
     cfg, corpus, batches, evals = _setup(config)
-    console = Console()
+    console = Console(soft_wrap=True)  # long paths stay on one line in logs
     console.print(f"data: {corpus.source}: {corpus.files} files, "
                   f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
     console.print(f"model: {config.model} {cfg.family} L={cfg.num_layers} d={cfg.d_model} "
