@@ -169,7 +169,7 @@ def data_mesh(text: str | None):
     n = int(count)
     import jax
     try:
-        jax.config.update("jax_num_cpu_devices", max(n, 1))
+        jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         pass  # JAX already started; use the devices it has
     devices = jax.devices()

@@ -421,7 +421,10 @@ class Record:
 
 
 def platform_label(platform: str | None = None) -> str:
-    """"XLA CPU compile" for platform "cpu" (default: JAX's default backend)."""
+    """The label of a platform's figures, e.g. "XLA CPU compile" for "cpu".
+
+    platform: a JAX platform name; default JAX's default backend.
+    """
     return f"XLA {(platform or jax.default_backend()).upper()} compile"
 
 

@@ -170,11 +170,11 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
               caption_justify="left")
     for name, justify in (("", "left"), ("policy", "left"), ("temp", "right"),
                           ("x none", "right"), ("residuals", "right"), ("layer x L", "right"),
-                          ("Korthikanti x L", "right"), ("FLOPs", "right"), ("x none ", "right")):
+                          ("Korthikanti x L", "right"), ("FLOPs", "right"), ("x none", "right")):
         t.add_column(name, justify=justify)
     if timed:
         t.add_column("step s (min-max)", justify="right")
-        t.add_column("x none  ", justify="right")
+        t.add_column("x none", justify="right")
     t.add_column("compile s", justify="right")
     for d in report_rows:
         label = escape(", ".join(d["names"]))  # specs hold [src->dst], not markup
@@ -208,7 +208,7 @@ def print_table(report_rows: Sequence[dict], title: str = "", console: Console |
             console = Console(width=180)
     console.print(table(report_rows, title))
     if note and any(d["formula_bytes"] is not None for d in report_rows):
-        console.print(FORMULA_NOTE, style="dim")
+        console.print(FORMULA_NOTE, style="dim", markup=False)
 
 
 def write_json(path, report_rows: Sequence[dict], context: dict) -> None:

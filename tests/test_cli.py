@@ -78,7 +78,7 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
                          "--plot", str(out_png))
     assert code == 0, err
     assert "tiny: batch 2, seq 16, float32 (XLA CPU compile)" in out
-    assert "full, save_nothing" in out and "Korthikanti" in out
+    assert "full, save_nothing" in out and "bool [b,h,s,s] mask" in out
     assert "[2/2]" in err  # progress: two distinct policies
     doc = json.loads(out_json.read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
