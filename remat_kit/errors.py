@@ -11,9 +11,11 @@ def _closest(word: str, choices: Sequence[str]) -> str | None:
     return found[0] if found else None
 
 
-def _choices_text(choices: Sequence[str], limit: int = 60) -> str:
+def _choices_text(choices: Sequence[str], limit: int = 24) -> str:
+    # Long lists (80-odd preset names) are cut: the README's policy reference has them all.
     shown = ", ".join(choices[:limit])
-    return shown + (f", ... ({len(choices) - limit} more)" if len(choices) > limit else "")
+    more = f", ... and {len(choices) - limit} more (README: Policy reference)"
+    return shown + (more if len(choices) > limit else "")
 
 
 class RematSpecError(ValueError):
