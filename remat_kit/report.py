@@ -247,6 +247,7 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     pts = [d for d in report_rows if d["error"] is None and d["flops"] is not None
            and d["temp_size_in_bytes"] is not None]
@@ -258,8 +259,14 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
     ax.scatter([x for x, _ in xy], [y for _, y in xy],
                c=["tab:red" if d["pareto"] else "tab:blue" for d in pts], zorder=3)
+    # One label per position (policies that compile alike coincide); labels
+    # alternate above and below their point so neighbours overlap less.
+    labels: dict[tuple, list[str]] = {}
     for d, (x, y) in zip(pts, xy):
-        ax.annotate(d["names"][0], (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        labels.setdefault((round(x, 2), round(y, 3)), []).append(d["names"][0])
+    for i, ((x, y), text) in enumerate(sorted(labels.items())):
+        ax.annotate(" / ".join(text), (x, y), fontsize=7, rotation=20,
+                    xytext=(4, 4 if i % 2 == 0 else -10), textcoords="offset points")
     front = sorted(p for p, d in zip(xy, pts) if d["pareto"])
     if front:
         ax.step([x for x, _ in front], [y for _, y in front], where="post", color="tab:red",
@@ -270,8 +277,10 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
     ax.set_ylabel(f"temp memory, {unit} ({platform})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if xy and max(y for _, y in xy) / max(min(y for _, y in xy), 1e-12) > 20:
+    if xy and max(y for _, y in xy) / max(min(y for _, y in xy), 1e-12) > 5:
         ax.set_yscale("log")  # a wide memory range would squash the low rows
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
