@@ -361,8 +361,8 @@ class Record:
 
     Attributes:
       policy: the canonical spec string (`str(Policy)`).
-      names: every name the user gave that maps to this measurement (presets
-        equal on this model are measured once).
+      names: every name the user gave that maps to this measurement
+        (policies that compile to the same program are measured once).
       platform: whose compiler the numbers come from, e.g. "XLA CPU compile".
       residual_bytes_by_tag: bytes saved for backward per `checkpoint_name` tag.
       residual_bytes_by_primitive: bytes of untagged residuals, per producing
@@ -512,8 +512,9 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         sharded program; figures are then per device, and residuals are
         traced at the per-device shard shapes).
       policies: spec strings or `Policy`s. Policies that decide every tag
-        the loss emits alike are measured once, as one record listing all
-        their names.
+        the loss emits alike, or that lower to the same program (their
+        decisions differ only on values the backward pass never reads), are
+        measured once, as one record listing all their names.
       names: what to call each policy in the report; default its spec string.
       time_steps: if > 0, also run one warm-up step and `time_steps` timed
         steps of value-and-grad per policy on `sample_args` data.
@@ -540,6 +541,9 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
                 for x, s in zip(jax.tree.leaves(data), leaves)]
     label = platform_label()
     records = []
+    # Lowered program text -> its record: policies whose decisions differ only
+    # on values the backward pass never reads compile to the same program.
+    programs: dict[str, int] = {}
     groups = _group(parsed, names if names is not None else [str(p) for p in policies], emitted)
     for i, (policy, group_names) in enumerate(groups):
         record = Record(str(policy), tuple(group_names), label)
@@ -548,6 +552,13 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
             loss = loss_for_policy(policy)
             staged = _stage(loss, args)
             lowered = jax.jit(jaxpr_as_fun(staged.program)).lower(*staged.leaves)
+            same = programs.setdefault(lowered.as_text(), len(records))
+            if same != len(records):
+                records[same] = dataclasses.replace(
+                    records[same], names=records[same].names + record.names)
+                if progress is not None:
+                    progress(i + 1, len(groups), records[same])
+                continue
             compiled = lowered.compile(None if time_steps else _COMPILE_ONLY_OPTIONS)
             seconds = time.perf_counter() - start
             found = (_stage(loss, local_args).residuals if local_args is not None

@@ -74,17 +74,21 @@ _NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes")
 def test_compare_table_json_and_plot(capsys, tmp_path):
     out_json, out_png = tmp_path / "out.json", tmp_path / "pareto.png"
     code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "2", "--seq", "16",
-                         "--policies", "none,full,save_nothing", "--json", str(out_json),
+                         "--policies", "none,full,save_nothing,save_transformer_layer_output",
+                         "--json", str(out_json),
                          "--plot", str(out_png))
     assert code == 0, err
     assert "tiny: batch 2, seq 16, float32 (XLA CPU compile)" in out
     assert "full, save_nothing" in out and "bool [b,h,s,s] mask" in out
-    assert "[2/2]" in err  # progress: two distinct policies
+    assert "[3/3]" in err  # progress: three distinct decision sets
     doc = json.loads(out_json.read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
                               "devices": 1, "platform": "XLA CPU compile"}
-    assert [r["names"] for r in doc["records"]] == [["full", "save_nothing"], ["none"]]
+    # Saving the layer output changes nothing (the next layer keeps it anyway):
+    # it lowers to full's program and joins full's row.
+    assert [r["names"] for r in doc["records"]] == [
+        ["full", "save_nothing", "save_transformer_layer_output"], ["none"]]
     for r in doc["records"]:
         assert set(r) == set(_TYPES) | set(_NULLABLE)
         for key, typ in _TYPES.items():
