@@ -69,7 +69,8 @@ class Policy:
         conv outputs), "everything" (save all). Under "dots" a tag's producer
         dot is saved whatever the tag's decision, since JAX policies judge one
         primitive at a time.
-      offload_src, offload_dst: memory kinds, from `MEMORY_KINDS`.
+      offload_src, offload_dst: memory kinds, from `MEMORY_KINDS`; the
+        source must be "device" and the destination a host kind.
       remat: False means no remat wrapper at all (the `none` spec). All other
         fields must then keep their defaults.
 
@@ -102,6 +103,10 @@ class Policy:
             raise RematSpecError(f"offload from {self.offload_src!r} to itself; "
                                  "offload_dst must differ from offload_src",
                                  token=self.offload_dst)
+        # Residuals are produced on the device; JAX asserts the source is device memory.
+        if self.offload_src != "device":
+            raise RematSpecError("offload moves residuals off the device: offload_src must be "
+                                 "'device'", token=self.offload_src, choices=("device",))
         for i, a in enumerate(DECISIONS):
             for b in DECISIONS[i + 1:]:
                 both = getattr(self, a) & getattr(self, b)

@@ -10,13 +10,13 @@ from remat_kit import measure as M
 from remat_kit import report
 from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn
+from remat_kit.spec import parse
 
 pytestmark = pytest.mark.remat_modes  # `make test` reruns these under jax_remat3
 
 B, S = 2, 16
 F32 = 4
 MINIMAL_ON_GPT2 = "save:query_proj,key_proj,value_proj,qkv_proj,out_proj,mlpwi,mlpwo"
-BAD_OFFLOAD = "offload[pinned_host->device]:query_proj"  # JAX asserts offload_src is device
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def records(tiny):
-    """Two compiles: none and minimal (given under two names); one failing policy."""
-    return M.measure_config(tiny, B, S, ["none", "maxtext:minimal", MINIMAL_ON_GPT2, BAD_OFFLOAD])
+    """Two compiles: none and minimal (given under two names)."""
+    return M.measure_config(tiny, B, S, ["none", "maxtext:minimal", MINIMAL_ON_GPT2])
 
 
 def by_name(records, name):
@@ -62,17 +62,26 @@ def test_minimal_saves_exactly_its_tags_per_layer(records, tiny):
 def test_equal_policies_compile_once_and_keep_every_name(records):
     r = by_name(records, "maxtext:minimal")
     assert r.names == ("maxtext:minimal", MINIMAL_ON_GPT2)
-    assert len(records) == 3
+    assert len(records) == 2
 
 
-def test_failing_policy_is_a_row_and_the_others_still_come_out(records):
-    bad = by_name(records, BAD_OFFLOAD)
-    # AssertionError in partial_eval (ValueError in dot_general under jax_remat3).
-    assert bad.error.split(":")[0] in ("AssertionError", "ValueError")
+def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
+    loss, args = model_args(tiny)
+
+    def loss_for_policy(policy):
+        if policy == parse("full"):  # stands in for a policy the backend cannot compile
+            return lambda *a: loss(*a) + jnp.ones(3) @ jnp.ones(4)
+        return M.checkpointed(loss)(policy)
+
+    records = M.measure(loss_for_policy, *args, policies=["none", "full", "minimal"])
+    bad = by_name(records, "full")
+    assert bad.error.startswith("TypeError:") and "dot_general" in bad.error
     assert bad.temp_size_in_bytes is None and bad.flops is None
     for r in records:
         if r is not bad:
             assert r.error is None and r.temp_size_in_bytes > 0 and r.flops > 0
+    rows = report.rows(records, tiny, B, S)
+    assert rows[-1]["names"] == ["full"] and not rows[-1]["pareto"]  # failed rows last, never Pareto
 
 
 def test_remat_trades_memory_for_flops(records):
@@ -216,13 +225,12 @@ def test_layer_residuals_under_selective(tiny):
 
 def test_report_rows_ratios_pareto_and_formula(records, tiny):
     rows = report.rows(records, tiny, B, S)
-    assert [d["names"][0] for d in rows][-1] == BAD_OFFLOAD  # failed rows last
     none = next(d for d in rows if d["policy"] == "none")
     minimal = next(d for d in rows if "maxtext:minimal" in d["names"])
     assert none["temp_ratio_to_none"] == 1.0 and none["flops_ratio_to_none"] == 1.0
     assert minimal["temp_ratio_to_none"] < 1 < minimal["flops_ratio_to_none"]
-    # Each wins on one axis, so both are Pareto-optimal; a failed row never is.
-    assert none["pareto"] and minimal["pareto"] and not rows[-1]["pareto"]
+    # Each wins on one axis, so both are Pareto-optimal.
+    assert none["pareto"] and minimal["pareto"]
     # Korthikanti no-parallelism row, f32, no dropout: sbh(32 + 2as/h) bytes x 2 per layer.
     h, a = tiny.d_model, tiny.num_heads
     assert none["formula_bytes"] == tiny.num_layers * S * B * h * (32 + 2 * a * S / h) * 2

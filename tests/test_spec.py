@@ -127,6 +127,7 @@ def test_error_names_token_position_and_closest(spec, token, position, closest):
     ("save:context;offload:context", "conflicting decisions"),
     ("offload[device->device]:mlpwo", "to itself"),
     ("offload[device->hbm]:mlpwo", "unknown memory kind"),
+    ("offload[pinned_host->device]:mlpwo", "offload_src must be 'device'"),
     ("save[device->pinned_host]:mlpwo", "only valid on offload"),
     ("none;save:context", "cannot be combined"),
     ("full;;dots", "empty clause"),
