@@ -33,6 +33,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from experiments import data
+from remat_kit import measure
 from remat_kit.errors import RematSpecError
 from remat_kit.models import Transformer, TransformerConfig, get_config, make_loss_fn
 
@@ -99,23 +100,14 @@ def make_train_step(model: Transformer, deterministic: bool) -> Callable:
 
 
 def _compiled_stats(compiled) -> dict:
-    """temp_size_in_bytes, peak_memory_in_bytes and flops of a compiled executable;
-    None where the backend does not report one."""
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return {"temp_size_in_bytes": getattr(mem, "temp_size_in_bytes", None),
-            "peak_memory_in_bytes": getattr(mem, "peak_memory_in_bytes", None),
-            "flops": None if flops is None else float(flops)}
-
-
-def _compile_label() -> str:
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return "XLA CPU compile"
-    return f"XLA {device.platform.upper()} compile ({device.device_kind})"
+    """The summary's figures of a compiled train step: temp_size_in_bytes and
+    peak_memory_in_bytes (`measure.memory_fields`) and flops, loops counted per
+    trip (`measure.loop_scaled_costs`); None where the backend reports none."""
+    memory = measure.memory_fields(compiled)
+    costs, _ = measure.loop_scaled_costs(compiled)
+    return {"temp_size_in_bytes": memory.get("temp_size_in_bytes"),
+            "peak_memory_in_bytes": memory.get("peak_memory_in_bytes"),
+            "flops": costs.get("flops")}
 
 
 def _setup(config: ml_collections.ConfigDict):
@@ -209,7 +201,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return step.lower(state, sample, sample, train_rng).compile()
 
     step_fn = compile_step(model)
-    stats = {"label": _compile_label(), "policy": _compiled_stats(step_fn)}
+    stats = {"label": measure.platform_label(), "policy": _compiled_stats(step_fn)}
     if cfg.policy.remat:
         none_model = Transformer(model_config(config, remat="none"))
         stats["none"] = _compiled_stats(compile_step(none_model))

@@ -10,12 +10,15 @@ For every policy, the loss's forward and backward pass is traced once with
   on `jax.ShapeDtypeStruct`s, with the outputs of `jax.value_and_grad(loss)`
   with respect to the first argument. No arrays are allocated.
 
-The compiled executable gives XLA's memory figures (`memory_analysis()`) and
+The compiled executable gives XLA's memory figures (`memory_fields`) and
 FLOPs (`cost_analysis()`, corrected for loop trip counts, see
 `loop_scaled_costs`). These numbers come from the compiler of the platform
-JAX runs on, labelled as such ("XLA CPU compile"): accelerator compilers fuse
-differently, so CPU temp bytes are an upper-bound-like proxy, not a GPU/TPU
-figure.
+JAX runs on, labelled as such ("XLA CPU compile", `platform_label`):
+accelerator compilers fuse differently, so CPU temp bytes are an
+upper-bound-like proxy, not a GPU/TPU figure. On the XLA CPU backend
+`peak_memory_in_bytes` does not include temp buffers: it is about
+arguments + outputs - aliased bytes, the same for every policy however much
+their temp differs. Compare policies on CPU by `temp_size_in_bytes`.
 
 Policies apply through a *loss factory*: `measure(loss_for_policy, ...)`
 calls `loss_for_policy(policy)` to get the loss under that policy. Wrapping a
@@ -373,7 +376,9 @@ class Record:
         the splits above).
       temp_size_in_bytes, peak_memory_in_bytes, argument_size_in_bytes,
         output_size_in_bytes, alias_size_in_bytes: from
-        `compiled.memory_analysis()`; None where the backend gives none.
+        `compiled.memory_analysis()` (`memory_fields`); None where the
+        backend gives none. On CPU peak_memory_in_bytes leaves out temp
+        buffers; temp_size_in_bytes is the figure to compare there.
       flops, transcendentals: from `compiled.cost_analysis()`, loops counted
         per trip (`loop_scaled_costs`); None where the backend gives none.
       compile_seconds: tracing, lowering and compiling, seconds.
@@ -439,7 +444,18 @@ def _split(found: Sequence[Residual]) -> dict:
             "offloaded_bytes": sum(r.nbytes for r in found if r.memory == "host")}
 
 
-def _memory_fields(compiled) -> dict:
+def memory_fields(compiled) -> dict[str, int | None]:
+    """XLA's memory figures of a compiled executable (`compiled.memory_analysis()`).
+
+    Returns:
+      {"temp_size_in_bytes", "peak_memory_in_bytes", "argument_size_in_bytes",
+      "output_size_in_bytes", "alias_size_in_bytes"}: bytes per device, None
+      for a figure the backend does not report; an empty dict if the backend
+      gives no memory analysis. On the XLA CPU backend peak_memory_in_bytes
+      leaves out temp buffers (it is about arguments + outputs - aliased
+      bytes, alike for every policy): compare policies by temp_size_in_bytes
+      there.
+    """
     stats = compiled.memory_analysis()
     keys = ("temp_size_in_bytes", "peak_memory_in_bytes", "argument_size_in_bytes",
             "output_size_in_bytes", "alias_size_in_bytes")
@@ -569,7 +585,7 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
                 notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
                           "includes the offloaded residuals",)
             record = dataclasses.replace(
-                record, **split, **_memory_fields(compiled), flops=costs.get("flops"),
+                record, **split, **memory_fields(compiled), flops=costs.get("flops"),
                 transcendentals=costs.get("transcendentals"), compile_seconds=seconds,
                 notes=notes)
             if data is not None:
@@ -823,4 +839,4 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
 
 __all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",
            "layer_residuals", "loop_scaled_costs", "measure", "measure_config",
-           "platform_label", "residuals"]
+           "memory_fields", "platform_label", "residuals"]
