@@ -22,8 +22,8 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
           "residual_bytes_by_argument": {str: int},
           "activation_residual_bytes": int,   # tags + primitives
           "offloaded_bytes": int,
-          "temp_size_in_bytes": int | null,
-          "peak_memory_in_bytes": int | null,
+          "temp_size_in_bytes": int | null,   # what rows are compared by
+          "peak_memory_in_bytes": int | null, # on CPU: no temp buffers
           "argument_size_in_bytes": int | null,
           "output_size_in_bytes": int | null,
           "alias_size_in_bytes": int | null,
@@ -46,7 +46,10 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
       ]
     }
 
-All byte figures are per device.
+All byte figures are per device. Memory is compared by `temp_size_in_bytes`
+(sorting, ratios, Pareto front, plot): on the XLA CPU backend
+`peak_memory_in_bytes` does not include temp buffers, so it is about the same
+for every policy (about arguments + outputs - aliased bytes).
 """
 
 from __future__ import annotations
