@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+# Every byte value is a token: the model's vocabulary needs at least this many ids.
+VOCAB_SIZE = 256
 # The default corpus is capped so that loading stays fast and its size is the
 # same on every machine with the same Python.
 DEFAULT_MAX_BYTES = 32 * 2**20

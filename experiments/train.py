@@ -35,34 +35,16 @@ from rich.table import Table
 from experiments import data
 from remat_kit import measure
 from remat_kit.errors import RematSpecError
-from remat_kit.models import Transformer, TransformerConfig, get_config, make_loss_fn
+from remat_kit.models import Transformer, from_config_dict, make_loss_fn
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics.jsonl and summary.json.")
 flags.mark_flags_as_required(["config", "workdir"])
 
-_MODEL_OVERRIDES = ("num_layers", "d_model", "num_heads", "num_kv_heads", "mlp_dim")
-
 
 class BadInput(ValueError):
     """The config or the data cannot be used; the message is one line for the user."""
-
-
-def model_config(config: ml_collections.ConfigDict, remat: str | None = None) -> TransformerConfig:
-    """The TransformerConfig that `config` describes: the named model with the size
-    overrides that are set, vocab 256 (bytes), max_len = seq_len, and `remat`
-    (default config.remat).
-
-    Raises:
-      KeyError: unknown model name.
-      TypeError, ValueError: a bad field value (the message names the field).
-      RematSpecError: a bad remat spec.
-    """
-    overrides = {k: config[k] for k in _MODEL_OVERRIDES if config[k] is not None}
-    return get_config(config.model, vocab_size=256, max_len=config.seq_len,
-                      dtype=config.dtype, dropout_rate=config.dropout_rate,
-                      remat=config.remat if remat is None else remat, **overrides)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation,
@@ -117,7 +99,10 @@ def _setup(config: ml_collections.ConfigDict):
         if config[name] <= 0:
             raise BadInput(f"config.{name} must be positive, got {config[name]}")
     try:
-        cfg = model_config(config)
+        cfg = from_config_dict(config)
+        if cfg.vocab_size < data.VOCAB_SIZE:
+            raise ValueError(f"config.vocab_size must be at least {data.VOCAB_SIZE} (one token "
+                             f"per byte value), got {cfg.vocab_size}")
         corpus = data.load_corpus(config.data)
         batches = data.train_batches(corpus.train, config.batch_size, config.seq_len,
                                      config.seed)
@@ -203,7 +188,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     step_fn = compile_step(model)
     stats = {"label": measure.platform_label(), "policy": _compiled_stats(step_fn)}
     if cfg.policy.remat:
-        none_model = Transformer(model_config(config, remat="none"))
+        none_model = Transformer(from_config_dict(config, remat="none"))
         stats["none"] = _compiled_stats(compile_step(none_model))
     else:
         stats["none"] = stats["policy"]

@@ -23,11 +23,9 @@ from collections.abc import Sequence
 
 from remat_kit import names as tag_names
 from remat_kit.errors import RematSpecError
-from remat_kit.models import CONFIGS, TransformerConfig, get_config
+from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
 from remat_kit.models.config import DTYPES
 from remat_kit.spec import BARE_NAMES, PRESET_TABLE
-
-_MODEL_FIELDS = tuple(TransformerConfig.__dataclass_fields__)
 
 
 class BadInput(ValueError):
@@ -60,24 +58,17 @@ def _non_negative_int(text: str) -> int:
 def config_from_dict(config) -> tuple[TransformerConfig, dict]:
     """A model from an ml_collections ConfigDict like experiments/configs/*.py.
 
-    The ConfigDict names a `remat_kit.models.CONFIGS` entry in `model`; every
-    other field named like a `TransformerConfig` field (num_layers, d_model,
-    dtype, remat, ...) and not None overrides it. `batch_size` and `seq_len`,
-    if present, become the defaults for --batch and --seq, and `seq_len` sets
-    max_len unless the file sets it (as experiments/train.py builds its model).
+    The model is `remat_kit.models.from_config_dict(config)`, the one
+    experiments/train.py trains. `batch_size` and `seq_len`, if present,
+    become the defaults for --batch and --seq.
 
     Returns:
       (TransformerConfig, {"batch": int, "seq": int} for the fields present).
     Raises:
       BadInput: no `model` field, an unknown model, or a bad field value.
     """
-    if "model" not in config:
-        raise BadInput(f"the config has no 'model' field naming one of {list(CONFIGS)}")
-    overrides = {f: config[f] for f in _MODEL_FIELDS if f in config and config[f] is not None}
-    if "seq_len" in config and config["seq_len"] is not None:
-        overrides.setdefault("max_len", config["seq_len"])
     try:
-        cfg = get_config(config["model"], **overrides)
+        cfg = from_config_dict(config)
     except KeyError as e:
         raise BadInput(e.args[0]) from None
     except (TypeError, ValueError) as e:

@@ -6,14 +6,16 @@ python -m experiments.train --config=experiments/configs/tiny.py --workdir=runs/
 import ml_collections
 from ml_collections import config_dict
 
+from experiments import data
+
 
 def get_config() -> ml_collections.ConfigDict:
     """The training config; every field is overridable as --config.FIELD=VALUE."""
     config = ml_collections.ConfigDict()
-    # Model: a name from remat_kit.models.CONFIGS, then size overrides (None keeps
-    # the named config's value). vocab_size is always 256 (bytes) and max_len
-    # is set to seq_len.
+    # Model (remat_kit.models.from_config_dict): a name from remat_kit.models.CONFIGS,
+    # then overrides (None keeps the named config's value); max_len is seq_len.
     config.model = "tiny"
+    config.vocab_size = data.VOCAB_SIZE  # byte-level: one token per byte value
     config.num_layers = config_dict.placeholder(int)
     config.d_model = config_dict.placeholder(int)
     config.num_heads = config_dict.placeholder(int)

@@ -156,3 +156,43 @@ def get_config(name: str, **overrides) -> TransformerConfig:
         raise KeyError(f"unknown model config {name!r}; valid: {list(CONFIGS)}"
                        + (f"; did you mean {hint!r}?" if hint else ""))
     return CONFIGS[name].replace(**overrides) if overrides else CONFIGS[name]
+
+
+def from_config_dict(config, **overrides) -> TransformerConfig:
+    """The model an experiment config describes, as in experiments/configs/*.py.
+
+    Both `experiments.train` (the model it trains) and `remat-kit compare
+    --config FILE.py` (the model it measures) build their model here, so the
+    two agree.
+
+    Args:
+      config: a Mapping or an ml_collections ConfigDict (anything with `in`
+        and `[]`). `model` (required) names the base config in `CONFIGS`.
+        Every field named like a `TransformerConfig` field (vocab_size,
+        num_layers, d_model, dtype, dropout_rate, remat, ...) and not None
+        overrides the base. `seq_len`, if set and not None, becomes max_len
+        unless `max_len` is set. Other fields (data, batch_size,
+        learning_rate, ...) are not the model's and are ignored.
+      overrides: TransformerConfig fields applied last, e.g. remat="none".
+    Raises:
+      KeyError: `model` names no config in CONFIGS (the message lists them).
+      ValueError: no `model` field, seq_len not positive, or a field with a
+        bad value (the message names the field).
+      TypeError: a field of the wrong type, or an override that is not a
+        TransformerConfig field (the message names it).
+      RematSpecError: `remat` is not a valid spec.
+    """
+    if "model" not in config or config["model"] is None:
+        raise ValueError(f"the config has no 'model' field; set it to one of {list(CONFIGS)}")
+    if not isinstance(config["model"], str):
+        raise TypeError(f"config field 'model' must be a str naming one of {list(CONFIGS)}, "
+                        f"got {config['model']!r}")
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    changes = {f: config[f] for f in sorted(fields) if f in config and config[f] is not None}
+    seq_len = config["seq_len"] if "seq_len" in config else None
+    if seq_len is not None and "max_len" not in changes:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"config field 'seq_len' (the model's max_len) must be a positive "
+                             f"int, got {seq_len!r}")
+        changes["max_len"] = seq_len
+    return get_config(config["model"], **{**changes, **overrides})
