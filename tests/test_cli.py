@@ -38,6 +38,46 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert out == ""
 
 
+@pytest.mark.parametrize("name", ["tiny", "demo", "gpt2_small"])
+def test_a_config_file_gives_the_model_train_builds(name):
+    """`compare --config experiments/configs/X.py` measures the model `experiments.train` trains."""
+    import importlib
+
+    from remat_kit.models import from_config_dict
+
+    config = importlib.import_module(f"experiments.configs.{name}").get_config()
+    cfg, label, sizes = cli.load_config(f"experiments/configs/{name}.py")
+    assert cfg == from_config_dict(config) and label == f"{name}.py"
+    assert cfg.vocab_size == 256 and cfg.max_len == config.seq_len  # byte-level data
+    assert sizes == {"batch": config.batch_size, "seq": config.seq_len}
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    ({"num_layers": 3}, ValueError, "no 'model' field"),
+    ({"model": "tiny_lama"}, KeyError, "did you mean 'tiny_llama'"),
+    ({"model": 3}, TypeError, "config field 'model' must be a str"),
+    ({"model": "tiny", "num_layers": "3"}, TypeError, "num_layers must be int"),
+    ({"model": "tiny", "seq_len": 0}, ValueError, "'seq_len'"),
+    ({"model": "tiny", "remat": "fulll"}, ValueError, "fulll"),
+])
+def test_from_config_dict_errors_name_the_field(fields, error, message):
+    from remat_kit.models import from_config_dict
+
+    with pytest.raises(error, match=message):
+        from_config_dict(fields)
+
+
+def test_from_config_dict_overrides():
+    from remat_kit.models import from_config_dict, get_config
+
+    fields = {"model": "tiny_llama", "d_model": None, "num_layers": 3, "seq_len": 32,
+              "remat": "full", "learning_rate": 1e-3}
+    assert from_config_dict(fields) == get_config("tiny_llama", num_layers=3, max_len=32,
+                                                  remat="full")
+    assert from_config_dict(fields | {"max_len": 64}, remat="none").max_len == 64
+    assert from_config_dict(fields, remat="none").remat == "none"
+
+
 def test_too_few_devices_for_the_mesh(capsys):
     jax.devices()  # JAX has started: the command cannot add host devices now
     code, _, err = run(capsys, "compare", "--config", "tiny", "--mesh", "data:64")

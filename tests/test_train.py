@@ -67,6 +67,8 @@ def test_summary_fields(run):
     ("--config.remat=save:foo_bar", "foo_bar"),
     ("--config.data=/nonexistent", "/nonexistent"),
     ("--config.seq_len=abc", "seq_len"),
+    ("--config.vocab_size=100", "vocab_size must be at least 256"),
+    ("--config.model=tiny_lama", "tiny_llama"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flag, bad, tmp_path):
     proc = subprocess.run(
