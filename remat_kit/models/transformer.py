@@ -35,7 +35,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-# Large and finite, so masked scores underflow to 0 in softmax without inf - inf = nan.
+# Large and finite: masked scores underflow to 0 in softmax, with no inf - inf = nan.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -55,13 +55,13 @@ def causal_attention(q, k, v, dropout, dtype):
     q = q.reshape(b, s, kvh, h // kvh, d)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) / math.sqrt(d)
     logits = tag(logits.reshape(b, h, s, k.shape[1]), "attn_logits")
-    # An additive [q_len, kv_len] bias, not jnp.where on the scores: where's
-    # backward keeps a [batch, heads, q_len, kv_len] mask and zeros buffer per
-    # layer as residuals; an add keeps nothing.
+    # jnp.where, not an additive bias: its jaxpr keeps a [b, h, q, kv] mask and
+    # zeros as residuals, but XLA fuses those broadcasts away. Measured on
+    # gpt2_small (bf16, batch 8, seq 1024, XLA CPU), the bias form needed
+    # 0.37 GiB more temp without remat and 0.75 GiB more under full remat.
     causal = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
-    bias = jnp.where(causal, 0.0, _MASK_VALUE).astype(jnp.float32)
-    probs = jax.nn.softmax(logits.astype(jnp.float32) + bias, axis=-1)
-    probs = tag(dropout(probs.astype(dtype)), "attn_probs")
+    logits = jnp.where(causal, logits.astype(jnp.float32), _MASK_VALUE)
+    probs = tag(dropout(jax.nn.softmax(logits, axis=-1).astype(dtype)), "attn_probs")
     probs = probs.reshape(b, kvh, h // kvh, s, k.shape[1])
     context = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
     return context.reshape(b, s, h, d)
