@@ -21,7 +21,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from remat_kit import measure, report
+from remat_kit import report
+from remat_kit.measure import measure_config, platform_label
 from remat_kit.cli import BadInput, config_from_dict, preset_policies, split_policies
 from remat_kit.errors import RematSpecError
 
@@ -53,11 +54,11 @@ def sweep(config, workdir: str, policies: str = "", steps: int = 5) -> list[dict
     cfg, sizes = config_from_dict(config)
     batch, seq = sizes.get("batch", 8), sizes.get("seq", min(cfg.max_len, 1024))
     specs, names = (split_policies(policies),) * 2 if policies else preset_policies()
-    records = measure.measure_config(cfg, batch, seq, specs, names=names, time_steps=steps)
+    records = measure_config(cfg, batch, seq, specs, names=names, time_steps=steps)
     rows = report.rows(records, cfg, batch, seq)
     out = pathlib.Path(workdir)
     out.mkdir(parents=True, exist_ok=True)
-    platform = measure.platform_label()
+    platform = platform_label()
     title = f"{config.model}: batch {batch}, seq {seq}, {cfg.dtype} ({platform}, {steps} steps)"
     report.write_json(out / "records.json", rows,
                       {"config": config.model, "batch": batch, "seq": seq, "dtype": cfg.dtype,

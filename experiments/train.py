@@ -33,7 +33,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from experiments import data
-from remat_kit import measure
+from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
 from remat_kit.errors import RematSpecError
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
 
@@ -83,10 +83,10 @@ def make_train_step(model: Transformer, deterministic: bool) -> Callable:
 
 def _compiled_stats(compiled) -> dict:
     """The summary's figures of a compiled train step: temp_size_in_bytes and
-    peak_memory_in_bytes (`measure.memory_fields`) and flops, loops counted per
-    trip (`measure.loop_scaled_costs`); None where the backend reports none."""
-    memory = measure.memory_fields(compiled)
-    costs, _ = measure.loop_scaled_costs(compiled)
+    peak_memory_in_bytes (`memory_fields`) and flops, loops counted per
+    trip (`loop_scaled_costs`); None where the backend reports none."""
+    memory = memory_fields(compiled)
+    costs, _ = loop_scaled_costs(compiled)
     return {"temp_size_in_bytes": memory.get("temp_size_in_bytes"),
             "peak_memory_in_bytes": memory.get("peak_memory_in_bytes"),
             "flops": costs.get("flops")}
@@ -186,7 +186,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return step.lower(state, sample, sample, train_rng).compile()
 
     step_fn = compile_step(model)
-    stats = {"label": measure.platform_label(), "policy": _compiled_stats(step_fn)}
+    stats = {"label": platform_label(), "policy": _compiled_stats(step_fn)}
     if cfg.policy.remat:
         none_model = Transformer(from_config_dict(config, remat="none"))
         stats["none"] = _compiled_stats(compile_step(none_model))

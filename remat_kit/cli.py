@@ -185,7 +185,8 @@ def _sizes(args, cfg: TransformerConfig, defaults: dict) -> tuple[int, int]:
 
 
 def _compare(args) -> int:
-    from remat_kit import measure, report
+    from remat_kit import report
+    from remat_kit.measure import measure_config, platform_label
 
     cfg, label, defaults = load_config(args.config)
     batch, seq = _sizes(args, cfg, defaults)
@@ -201,11 +202,11 @@ def _compare(args) -> int:
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
         print(f"[{i}/{n}] {', '.join(record.names)}: {status}", file=sys.stderr, flush=True)
 
-    records = measure.measure_config(cfg, batch, seq, specs, names=shown, dtype=args.dtype,
+    records = measure_config(cfg, batch, seq, specs, names=shown, dtype=args.dtype,
                                      time_steps=args.time, mesh=mesh, progress=progress)
     cfg = cfg.replace(dtype=args.dtype) if args.dtype else cfg
     rows = report.rows(records, cfg, batch // devices, seq)
-    platform = measure.platform_label()
+    platform = platform_label()
     per_device = f", per device of {devices}" if devices > 1 else ""
     title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({platform}{per_device})"
     report.print_table(rows, title)
@@ -222,7 +223,8 @@ def _explain(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from remat_kit import measure, report
+    from remat_kit import report
+    from remat_kit.measure import layer_residuals
     from remat_kit.spec import parse
 
     cfg, label, defaults = load_config(args.config)
@@ -230,7 +232,7 @@ def _explain(args) -> int:
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
     policy = parse(args.policy if args.policy is not None else cfg.remat)
-    layer = measure.layer_residuals(cfg, batch, seq, policy)
+    layer = layer_residuals(cfg, batch, seq, policy)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, one decoder layer under {args.policy or str(policy)!r} "
                   f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}")

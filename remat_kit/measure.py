@@ -740,8 +740,9 @@ class LayerBreakdown:
       policy: canonical spec string.
       rows: saved and offloaded residuals (tags, primitives, the layer input),
         then emitted tags that are not stored, in vocabulary order.
-      parameter_bytes: the layer's parameters the backward pass reads (kept
-        by reference, not extra memory).
+      parameter_bytes: inputs the backward pass reads that are not rows (kept
+        by reference, not extra memory): the layer's parameters for
+        `layer_residuals`, every argument for `explain`.
       num_layers: layers in the model.
     """
 
@@ -802,6 +803,50 @@ def _layer_stored_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: Po
     return sum(r.nbytes for r in residuals(apply, *args) if not _is_param(r))
 
 
+def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],
+               num_layers: int) -> LayerBreakdown:
+    """Rows for `f`'s residuals, then for the tags it emits but does not store."""
+    found = residuals(f, *args)
+    listed = [r for r in found if r.kind != "argument" or keep_argument(r)]
+    rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
+                     "offloaded" if r.memory == "host" else "saved") for r in listed]
+    stored = {r.name for r in rows if r.kind == "tag"}
+    order = {t: i for i, t in enumerate(TAGS)}
+    for t, aval in sorted(emitted_tags(f, *args).items(),
+                          key=lambda kv: order.get(kv[0], len(order))):
+        if t not in stored:
+            decision = "recomputed" if policy.decide(t) == "recompute" else "not needed"
+            rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
+                                 _aval_bytes(aval), decision))
+    unlisted = sum(r.nbytes for r in found if r not in listed)
+    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers)
+
+
+def explain(policy: "str | Policy", fn: Callable, *args) -> LayerBreakdown:
+    """What `fn` saves, offloads and recomputes under `policy`: one row per residual.
+
+    `fn` is wrapped in one remat region (`checkpointed`) and traced under
+    `jax.vjp`; nothing is computed or allocated.
+
+    Args:
+      policy: a spec string or Policy.
+      fn: a function of arrays returning a scalar, without remat of its own
+        (e.g. one layer and a sum).
+      args: arrays or `jax.ShapeDtypeStruct`s.
+    Returns:
+      A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape,
+      dtype, bytes, decision) for every stored residual, then a row for each
+      emitted tag the policy recomputes ("recomputed") or keeps but the
+      backward pass never reads ("not needed"). Arguments are not rows: they
+      are kept by reference, and their bytes are `parameter_bytes`.
+    Raises:
+      RematSpecError: the policy does not parse.
+      TypeError: `fn` does not return a scalar.
+    """
+    policy = parse(policy)
+    return _breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1)
+
+
 def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
                     policy: "str | Policy | None" = None) -> LayerBreakdown:
     """What one decoder layer of `cfg` saves, offloads and recomputes under `policy`.
@@ -810,7 +855,8 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
     wraps it) alone to an input [batch, seq, d_model] of `cfg.dtype`, under
     `jax.vjp`, and lists its residuals (`residuals`). Tags the layer emits
     (found by tracing it with `jax.make_jaxpr`) that are not stored get a row
-    too, with the policy's decision (`Policy.decide`). Nothing is allocated.
+    too, with the policy's decision (`Policy.decide`). The layer input is a
+    row; the parameters are `parameter_bytes`. Nothing is allocated.
 
     Args:
       cfg: model config; policy: spec or Policy, default `cfg.remat`.
@@ -821,22 +867,10 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
     """
     policy = parse(cfg.remat if policy is None else policy)
     apply, args = _layer_program(cfg, batch, seq, policy)
-    found = residuals(apply, *args)
-    rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
-                     "offloaded" if r.memory == "host" else "saved")
-            for r in found if not _is_param(r)]
-    stored = {r.name for r in rows if r.kind == "tag"}
-    order = {t: i for i, t in enumerate(TAGS)}
-    for t, aval in sorted(emitted_tags(apply, *args).items(),
-                          key=lambda kv: order.get(kv[0], len(order))):
-        if t not in stored:
-            decision = "recomputed" if policy.decide(t) == "recompute" else "not needed"
-            rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
-                                 _aval_bytes(aval), decision))
-    return LayerBreakdown(str(policy), tuple(rows),
-                          sum(r.nbytes for r in found if _is_param(r)), cfg.num_layers)
+    return _breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers)
 
 
 __all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",
+           "explain",
            "layer_residuals", "loop_scaled_costs", "measure", "measure_config",
            "memory_fields", "platform_label", "residuals"]

@@ -308,3 +308,23 @@ def test_emitted_tags_shapes():
     assert tags["attn_logits"].shape == (BATCH, 4, SEQ, SEQ)
     assert tags["key_proj"].shape == (BATCH, SEQ, 2, 16)
     assert tags["mlp_act"].shape == (BATCH, SEQ, 192)
+
+
+# -- explain --------------------------------------------------------------------
+
+def test_explain_rows_per_residual():
+    fn, params, x = _layer_fn("tiny")
+    cfg = get_config("tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = rk.explain("selective", lambda p, h: fn(p, h).sum(), params, x)
+    rows = {r.name: r for r in e.rows}
+    act = BATCH * SEQ * cfg.d_model * 4
+    scores = BATCH * cfg.num_heads * SEQ * SEQ * 4
+    assert rows["query_proj"].decision == "saved" and rows["query_proj"].nbytes == act
+    assert rows["mlp_act"].nbytes == BATCH * SEQ * cfg.mlp_dim * 4
+    assert (rows["attn_logits"].decision, rows["attn_logits"].nbytes) == ("recomputed", scores)
+    assert rows["attn_probs"].decision == "recomputed"
+    assert rows["decoder_layer_output"].decision == "not needed"
+    # selective saves 8 [b,s,d]-sized tags and 2 [b,s,mlp]-sized ones per layer
+    assert e.saved_bytes == 8 * act + 2 * BATCH * SEQ * cfg.mlp_dim * 4
