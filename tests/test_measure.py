@@ -245,3 +245,25 @@ def test_pareto_flags_drop_dominated_points():
     mk = lambda temp, flops: M.Record("p", ("p",), "x", temp_size_in_bytes=temp, flops=flops)
     assert report.pareto_flags([mk(10, 1), mk(5, 2), mk(6, 3), mk(5, 2), mk(1, None)]) == [
         True, True, False, True, False]
+
+
+# -- FLOPs against an independent count -------------------------------------------
+
+def _matmul_flops(cfg, batch, seq):
+    """Forward + backward matmul FLOPs, counted by hand: 2 per multiply-add, and the
+    backward pass does twice the forward's matmul work (input and weight gradients)."""
+    d, h, kv, hd, m = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.heads_dim, cfg.mlp_dim
+    proj = 2 * batch * seq * (d * h * hd + 2 * d * kv * hd + h * hd * d)
+    attn = 4 * batch * h * seq * seq * hd  # q.k scores and probs.v
+    mlp = 2 * batch * seq * d * m * (2 if cfg.family == "gpt2" else 3)
+    logits = 2 * batch * seq * d * cfg.vocab_size
+    return 3 * (cfg.num_layers * (proj + attn + mlp) + logits)
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny_llama"])
+def test_flops_match_a_hand_count_of_the_matmuls(family):
+    cfg = get_config(family, d_model=256, mlp_dim=1024, num_heads=8,
+                     num_kv_heads=4 if family == "tiny_llama" else None, vocab_size=2048)
+    (none,) = M.measure_config(cfg, 2, 128, ["none"])
+    # Elementwise ops (softmax, norms, activations) add the last 1-2%.
+    assert 1.0 <= none.flops / _matmul_flops(cfg, 2, 128) < 1.02

@@ -203,3 +203,9 @@ def test_generated_valid_specs_round_trip(save, offload, recompute, base, union)
         assert "equally specific" in str(e) or "saved by one policy" in str(e), spec
         return
     assert rk.parse(str(p)) == p
+
+
+def test_readme_policy_reference_is_current():
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert rk.spec.reference_table() in readme
