@@ -7,8 +7,10 @@ from collections.abc import Sequence
 
 
 def _closest(word: str, choices: Sequence[str]) -> str | None:
-    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return found[0] if found else None
+    """The closest choice, case-insensitively (MINIMAL -> minimal), or None."""
+    lowered = {c.lower(): c for c in choices}
+    found = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.5)
+    return lowered[found[0]] if found else None
 
 
 def _choices_text(choices: Sequence[str], limit: int = 24) -> str:
@@ -35,6 +37,8 @@ class RematSpecError(ValueError):
         self.message, self.spec, self.token, self.position = message, spec, token, position
         self.choices = tuple(choices)
         self.closest = _closest(token, self.choices) if token and self.choices else None
+        if self.closest == token:  # the token is valid here, the syntax around it is not
+            self.closest = None
         parts = [message]
         if token is not None and spec is not None and position is not None:
             parts.append(f"in spec {spec!r} at position {position}: {token!r}")

@@ -8,9 +8,7 @@ aliases that expand to one or more canonical tags.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
-from collections.abc import Iterable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -76,9 +74,10 @@ def register_tag(*names: str) -> None:
       ValueError: a name is empty, holds a glob character, or is an alias.
     """
     for name in names:
-        if not isinstance(name, str) or not name or any(c in name for c in "*?[],;|:"):
+        if (not isinstance(name, str) or not name or name != name.strip()
+                or any(c in name for c in "*?[],;|: \t\n")):
             raise ValueError(f"cannot register tag {name!r}: it must be a non-empty string "
-                             "without any of * ? [ ] , ; | :")
+                             "without whitespace or any of * ? [ ] , ; | :")
         if name in ALIASES:
             raise ValueError(f"cannot register tag {name!r}: it is an alias of {ALIASES[name][0]}")
         _REGISTERED.add(name)
@@ -87,12 +86,6 @@ def register_tag(*names: str) -> None:
 def known_tags() -> tuple[str, ...]:
     """The canonical vocabulary followed by registered custom tags."""
     return tuple(TAGS) + tuple(sorted(_REGISTERED - set(TAGS)))
-
-
-def closest(word: str, choices: Iterable[str]) -> str | None:
-    """The closest match to `word` among `choices` (difflib ratio >= 0.5), or None."""
-    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return found[0] if found else None
 
 
 def is_glob(pattern: str) -> bool:
@@ -131,8 +124,9 @@ def tag(x, name: str, *, strict: bool = True):
       UnknownTagError: `strict` and `name` is not in the vocabulary; the
         message gives the closest match.
     """
+    if not isinstance(name, str) or not name:
+        raise UnknownTagError(repr(name), known_tags(), message="a tag name must be a "
+                              "non-empty string")
     if strict and name not in known_tags():
         raise UnknownTagError(name, known_tags())
-    if not isinstance(name, str) or not name:
-        raise UnknownTagError(repr(name), known_tags())
     return jax.tree.map(lambda v: checkpoint_name(v, name), x)

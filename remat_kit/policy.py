@@ -30,18 +30,19 @@ DECISIONS = ("save", "offload", "recompute")
 
 
 def _patterns(value, field: str) -> frozenset[str]:
+    """Canonical patterns: aliases expanded; unknown tags rejected (`names.expand`)."""
     if isinstance(value, str):
         value = (value,)
-    try:
-        pats = frozenset(value)
-    except TypeError:
-        raise RematSpecError(f"Policy.{field} must be an iterable of tag patterns",
-                             token=repr(value)) from None
-    for p in pats:
+    if isinstance(value, dict) or not isinstance(value, (set, frozenset, list, tuple)):
+        raise RematSpecError(f"Policy.{field} must be a set, list or tuple of tag patterns",
+                             token=repr(value))
+    pats = set()
+    for p in value:
         if not isinstance(p, str) or not p.strip():
             raise RematSpecError(f"Policy.{field} holds an empty or non-string pattern",
                                  token=repr(p))
-    return pats
+        pats.update(names.expand(p))
+    return frozenset(pats)
 
 
 def _specificity(pattern: str) -> tuple[int, int]:
@@ -78,8 +79,10 @@ class Policy:
 
     Raises:
       RematSpecError: an unknown base or memory kind, offload to the same
-        memory kind, a pattern under two decisions, or fields set with
+        memory kind, a pattern under two decisions, two equally specific
+        patterns deciding a known tag differently, or fields set with
         `remat=False`.
+      UnknownTagError: a pattern names no known tag (aliases are expanded).
     """
 
     save: frozenset[str] = frozenset()
@@ -91,6 +94,9 @@ class Policy:
     remat: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.remat, bool):
+            raise RematSpecError("Policy.remat must be a bool (False: no remat wrapper)",
+                                 token=repr(self.remat))
         for field in DECISIONS:
             object.__setattr__(self, field, _patterns(getattr(self, field), field))
         if self.base not in BASES:
@@ -118,6 +124,7 @@ class Policy:
                                or self.base != "nothing"):
             raise RematSpecError("the 'none' policy (no remat wrapper) takes no other "
                                  "decisions", token=str(self))
+        self.resolve()  # two equally specific patterns deciding one tag differently
 
     # -- decisions ----------------------------------------------------------
 
@@ -146,7 +153,13 @@ class Policy:
         return best
 
     def resolve(self, tags: Iterable[str] | None = None) -> dict[str, str]:
-        """Decision per tag, for `tags` (default: the vocabulary and registered tags)."""
+        """Decision per tag, for `tags` (default: the vocabulary and registered tags).
+
+        Raises:
+          TypeError: `tags` is a single string rather than a collection of names.
+        """
+        if isinstance(tags, str):
+            raise TypeError(f"tags must be a collection of tag names, got the string {tags!r}")
         return {t: self.decide(t) for t in (names.known_tags() if tags is None else tags)}
 
     def patterns(self) -> tuple[str, ...]:
@@ -239,7 +252,12 @@ class Policy:
         return Policy(save=out["save"], offload=out["offload"], recompute=out["recompute"],
                       base=base, offload_src=src, offload_dst=dst)
 
-    def __or__(self, other: "Policy") -> "Policy":
+    def __or__(self, other: "Policy | str") -> "Policy":
+        if isinstance(other, str):
+            from remat_kit.spec import parse  # spec imports this module
+            other = parse(other)
+        if not isinstance(other, Policy):
+            return NotImplemented
         return self.union(other)
 
     def __str__(self) -> str:

@@ -192,7 +192,8 @@ def _parse_term(term: str, spec: str, offset: int) -> Policy:
             kinds = (sub.offload_src, sub.offload_dst)
     if not remat:
         return Policy(remat=False)
-    if fields["recompute"] and not fields["save"] and not explicit_base:
+    if fields["recompute"] and not fields["save"] and not explicit_base and (
+            "*" not in fields["recompute"]):
         fields["save"].add("*")  # Megatron --recompute-modules: keep every other tag
     src, dst = kinds or ("device", "pinned_host")
     try:
@@ -241,6 +242,12 @@ def _jax_name_function(clause: str, spec: str, at: int) -> Policy | None:
 def _parse_decision_clause(clause: str, spec: str, at: int):
     m = _CLAUSE.match(clause)
     head = m.group("head") if m else clause.split(":")[0].split("[")[0]
+    if head in DECISIONS and not m:
+        raise RematSpecError(f"{head!r} needs a tag list, e.g. {head}:query_proj,key_proj",
+                             spec=spec, token=clause, position=at)
+    if m and head not in DECISIONS and (head in BARE_NAMES or head in BASES):
+        raise RematSpecError(f"preset {head!r} takes no ':' arguments; write {head!r} alone",
+                             spec=spec, token=clause, position=at)
     if not m or head not in DECISIONS:
         raise RematSpecError("unknown policy name or clause", spec=spec, token=head or clause,
                              position=at, choices=valid_words())
@@ -303,6 +310,9 @@ def from_custom(mapping: Mapping[str, str]) -> Policy:
     Raises:
       RematSpecError: an unknown tag or decision.
     """
+    if not isinstance(mapping, Mapping):
+        raise RematSpecError("a custom policy is a mapping {tag: 'remat' | 'device' | "
+                             "'offload'}", token=repr(mapping))
     meaning = {"remat": "recompute", "device": "save", "offload": "offload"}
     fields = {d: set() for d in DECISIONS}
     for tag_name, choice in mapping.items():

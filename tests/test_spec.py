@@ -157,7 +157,7 @@ def test_tag_rejects_unknown_names_with_closest_match():
 def test_register_tag_extends_specs():
     rk.register_tag("router_logits")
     assert rk.parse("save:router_logits").save == {"router_logits"}
-    with pytest.raises(ValueError, match="glob character|without any"):
+    with pytest.raises(ValueError, match="without whitespace or any of"):
         rk.register_tag("bad*name")
 
 
@@ -209,3 +209,62 @@ def test_readme_policy_reference_is_current():
     from pathlib import Path
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert rk.spec.reference_table() in readme
+
+
+# -- bad input found by trying to break it ------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(remat="yes"), "must be a bool"),
+    (dict(save={"query_proj": 1}), "set, list or tuple"),
+    (dict(save=["bogus"]), "unknown tag"),
+    (dict(save=["query_proj,key_proj"]), "unknown tag"),
+    (dict(save=["mlp*"], recompute=["*pwo"]), "equally specific"),
+])
+def test_policy_fields_are_checked(kwargs, message):
+    with pytest.raises(rk.RematSpecError, match=message):
+        Policy(**kwargs)
+
+
+def test_policy_fields_expand_aliases_and_union_takes_strings():
+    assert Policy(save=["mlp"]) == rk.parse("save:mlp")
+    assert rk.parse(str(Policy(save=["ffn1"]))) == Policy(save=["mlpwi"])
+    assert Policy() | "minimal" == rk.parse("minimal")
+    with pytest.raises(TypeError, match="the string 'mlpwo'"):
+        Policy().resolve("mlpwo")
+
+
+@pytest.mark.parametrize("spec, message, closest", [
+    ("save", "needs a tag list", None),
+    ("full:", "takes no ':' arguments", None),
+    ("MINIMAL", "unknown policy name", "minimal"),
+])
+def test_syntax_messages(spec, message, closest):
+    with pytest.raises(rk.RematSpecError, match=message) as info:
+        rk.parse(spec)
+    assert info.value.closest == closest
+
+
+def test_recompute_everything_is_not_a_conflict():
+    p = rk.parse("recompute:*")
+    assert all(p.decide(t) == "recompute" for t in names.TAGS)
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda: rk.tag(1.0, 5), rk.UnknownTagError, "non-empty string"),
+    (lambda: rk.from_custom("query_proj"), rk.RematSpecError, "is a mapping"),
+    (lambda: rk.register_tag(" padded "), ValueError, "without whitespace"),
+])
+def test_library_calls_reject_wrong_types(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_kv_heads=-2), "num_kv_heads must be positive"),
+    (dict(head_dim=0), "head_dim must be positive"),
+    (dict(family="llama", d_model=12, num_heads=4), "even head_dim, got 3"),
+])
+def test_config_rejects_bad_heads(overrides, message):
+    from remat_kit.models import TransformerConfig
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**overrides)

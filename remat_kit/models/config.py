@@ -82,12 +82,20 @@ class TransformerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be positive, "
                                  f"got {getattr(self, name)}")
+        for name in ("num_kv_heads", "head_dim"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be positive or None, "
+                                 f"got {getattr(self, name)}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"TransformerConfig.num_heads={self.num_heads} must be a multiple "
                              f"of num_kv_heads={self.kv_heads}")
         if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"TransformerConfig.d_model={self.d_model} is not divisible by "
                              f"num_heads={self.num_heads}; set head_dim")
+        if self.family == "llama" and self.heads_dim % 2:
+            raise ValueError(f"TransformerConfig: RoPE (llama) needs an even head_dim, got "
+                             f"{self.heads_dim} (d_model={self.d_model}, "
+                             f"num_heads={self.num_heads}); set head_dim")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"TransformerConfig.dropout_rate must be in [0, 1), "
                              f"got {self.dropout_rate}")
@@ -151,8 +159,8 @@ def get_config(name: str, **overrides) -> TransformerConfig:
     Raises:
       KeyError: unknown name; the message lists the names and the closest one.
     """
-    if name not in CONFIGS:
-        hint = _closest(name, tuple(CONFIGS))
+    if not isinstance(name, str) or name not in CONFIGS:
+        hint = _closest(name, tuple(CONFIGS)) if isinstance(name, str) else None
         raise KeyError(f"unknown model config {name!r}; valid: {list(CONFIGS)}"
                        + (f"; did you mean {hint!r}?" if hint else ""))
     return CONFIGS[name].replace(**overrides) if overrides else CONFIGS[name]
