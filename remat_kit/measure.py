@@ -21,12 +21,11 @@ arguments + outputs - aliased bytes, the same for every policy however much
 their temp differs. Compare policies on CPU by `temp_size_in_bytes`.
 
 Policies apply through a *loss factory*: `measure(loss_for_policy, ...)`
-calls `loss_for_policy(policy)` to get the loss under that policy. Wrapping a
-whole loss in one `jax.checkpoint` would make one remat region around the
-model, which is not how models apply policies (per layer, with the layer
-inputs kept); so the model decides where the policy applies, and
-`checkpointed(loss_fn)` is the one-region factory for plain functions.
-`measure_config` is the factory for the reference transformers.
+calls `loss_for_policy(policy)` to get the loss under that policy, so the
+model decides where the policy applies (per layer, with the layer inputs
+kept). A plain loss function is accepted too and is wrapped whole in one
+remat region per policy (`checkpointed`). `measure_config` is the factory
+for the reference transformers.
 """
 
 from __future__ import annotations
@@ -515,15 +514,27 @@ def _group(policies: Sequence[Policy], names: Sequence[str],
     return list(groups.values())
 
 
+def _as_factory(fn: Callable) -> LossFactory:
+    """`fn` if it maps a Policy to a loss, else `checkpointed(fn)` (fn is a plain loss)."""
+    try:
+        made = fn(parse("none"))
+    except Exception:  # noqa: BLE001 - a plain loss fails on a Policy argument
+        made = None
+    return fn if callable(made) else checkpointed(fn)
+
+
 def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
             time_steps: int = 0, sample_args: Callable | None = None,
             progress: Callable[[int, int, Record], None] | None = None) -> list[Record]:
     """Measures a loss under each policy, compile-only (optionally also timed).
 
     Args:
-      loss_for_policy: policy -> loss(*args) returning a scalar. The loss is
-        differentiated with respect to `args[0]` (the parameters). For a plain
-        function use `checkpointed(loss_fn)`.
+      loss_for_policy: a factory, policy -> loss(*args) returning a scalar
+        (the model decides where the policy applies, e.g. per layer); or a
+        plain loss(*args), which is then wrapped whole in one remat region per
+        policy (`checkpointed`). It is a factory when calling it with a
+        Policy returns a callable. The loss is differentiated with respect to
+        `args[0]` (the parameters).
       args: arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to measure a
         sharded program; figures are then per device, and residuals are
         traced at the per-device shard shapes).
@@ -547,6 +558,7 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
       ValueError: `names` and `policies` differ in length.
     """
     parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    loss_for_policy = _as_factory(loss_for_policy)
     emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
     leaves = jax.tree.leaves(args)
     local_args = (jax.tree.map(_local, args) if any(_is_sharded(x) for x in leaves) else None)
