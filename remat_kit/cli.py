@@ -8,24 +8,28 @@
 a table sorted by memory (`remat_kit.report`). `explain` lists what one
 decoder layer saves, offloads and recomputes under one policy.
 
-Bad input (unknown config or policy, a batch or sequence length that is not a
-positive int, a mesh with too few devices) prints one line on stderr and
-exits with status 2.
+Bad input (unknown config or policy, a config file that does not load, a
+batch or sequence length that is not a positive int or too long for the
+model, a mesh that does not fit the batch or the devices, an output path
+that cannot be written) prints one line on stderr and exits with status 2,
+before anything is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from remat_kit import names as tag_names
 from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
 from remat_kit.models.config import DTYPES
-from remat_kit.spec import BARE_NAMES, PRESET_TABLE
+from remat_kit.spec import BARE_NAMES, PRESET_TABLE, parse
 
 
 class BadInput(ValueError):
@@ -37,13 +41,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+# The largest size or count accepted: XLA takes shapes and seeds as 32-bit ints.
+MAX_INT = 2**31 - 1
+
+
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """`value` if it is an int in [minimum, MAX_INT], else BadInput naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise BadInput(f"{name} must be {kind} (at most {MAX_INT}), got {value!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    if not 0 < value <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be a positive int (at most {MAX_INT}), "
+                                         f"got {text!r}")
     return value
 
 
@@ -55,27 +72,83 @@ def _non_negative_int(text: str) -> int:
 # Inputs: configs, policy lists, meshes
 # ---------------------------------------------------------------------------
 
-def config_from_dict(config) -> tuple[TransformerConfig, dict]:
+def config_from_dict(config, where: str | None = None) -> tuple[TransformerConfig, dict]:
     """A model from an ml_collections ConfigDict like experiments/configs/*.py.
 
     The model is `remat_kit.models.from_config_dict(config)`, the one
     experiments/train.py trains. `batch_size` and `seq_len`, if present,
     become the defaults for --batch and --seq.
 
+    Args:
+      where: where the config came from, e.g. "config file 'x.py'", for the
+        messages; None names the fields `config.FIELD`.
     Returns:
       (TransformerConfig, {"batch": int, "seq": int} for the fields present).
     Raises:
       BadInput: no `model` field, an unknown model, or a bad field value.
     """
+    defaults = {}
+    for key, field in (("batch", "batch_size"), ("seq", "seq_len")):
+        if field in config and config[field] is not None:
+            defaults[key] = check_int(f"{field} in {where}" if where else f"config.{field}",
+                                      config[field])
     try:
         cfg = from_config_dict(config)
-    except KeyError as e:
-        raise BadInput(e.args[0]) from None
-    except (TypeError, ValueError) as e:
-        raise BadInput(str(e)) from None
-    defaults = {k: config[f] for k, f in (("batch", "batch_size"), ("seq", "seq_len"))
-                if f in config and config[f] is not None}
+    except (KeyError, TypeError, ValueError) as e:
+        message = e.args[0] if isinstance(e, KeyError) else str(e)
+        raise BadInput(f"{where}: {message}" if where else message) from None
     return cfg, defaults
+
+
+def load_config_file(path: str, *args):
+    """The ConfigDict that `get_config(*args)` of the .py file at `path` returns.
+
+    Raises:
+      BadInput: the file is missing, does not import (syntax error, or an
+        exception while it runs), has no callable get_config taking `args`,
+        or get_config raises or returns something other than a ConfigDict.
+        The message names the file and the problem.
+    """
+    import ml_collections
+
+    where = f"config file {path!r}"
+    if not os.path.isfile(path):
+        raise BadInput(f"{where} not found")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # config files import experiments.configs.*, as under -m
+    module_spec = importlib.util.spec_from_file_location("_remat_kit_config", path)
+    if module_spec is None:
+        raise BadInput(f"{where} is not a Python (.py) file")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise BadInput(f"{where} has a syntax error ({e.msg}) in {e.filename} line {e.lineno}") \
+            from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of user code is bad input
+        raise BadInput(f"{where} failed to load: {type(e).__name__}: {e}") from None
+    get = getattr(module, "get_config", None)
+    if get is None:
+        raise BadInput(f"{where} has no get_config()")
+    if not callable(get):
+        raise BadInput(f"{where}: get_config must be a function, got {get!r:.60}")
+    try:
+        signature = inspect.signature(get)
+        signature.bind(*args)
+    except TypeError:
+        wanted = "no arguments" if not args else f"the arguments {list(args)}"
+        raise BadInput(f"{where}: get_config{signature} must take {wanted}") from None
+    except ValueError:
+        pass  # no signature to check (a builtin); the call below tells
+    try:
+        config = get(*args)
+    except (Exception, SystemExit) as e:  # noqa: BLE001
+        raise BadInput(f"{where}: get_config() raised {type(e).__name__}: {e}") from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        got = "None (a missing return?)" if config is None else f"a {type(config).__name__}"
+        raise BadInput(f"{where}: get_config() must return an ml_collections.ConfigDict, "
+                       f"it returned {got}")
+    return config
 
 
 def load_config(spec: str) -> tuple[TransformerConfig, str, dict]:
@@ -84,24 +157,92 @@ def load_config(spec: str) -> tuple[TransformerConfig, str, dict]:
     Returns:
       (config, display name, defaults for batch and seq; see `config_from_dict`).
     Raises:
-      BadInput: unknown name, missing file, or a file without get_config().
+      BadInput: unknown name, or a file that does not give a model
+        (`load_config_file`, `config_from_dict`).
     """
     if not (spec.endswith(".py") or os.sep in spec):
         try:
             return get_config(spec), spec, {}
         except KeyError as e:
             raise BadInput(e.args[0]) from None
-    if not os.path.isfile(spec):
-        raise BadInput(f"config file {spec!r} not found")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # config files import experiments.configs.*, as under -m
-    module_spec = importlib.util.spec_from_file_location("_remat_kit_config", spec)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise BadInput(f"config file {spec!r} has no get_config()")
-    cfg, defaults = config_from_dict(module.get_config())
+    config = load_config_file(spec)
+    cfg, defaults = config_from_dict(config, where=f"config file {spec!r}")
     return cfg, os.path.basename(spec), defaults
+
+
+def check_seq(cfg: TransformerConfig, seq: int, name: str = "--seq") -> None:
+    """BadInput if a GPT-2 model has no position embedding for `seq` positions."""
+    if cfg.family == "gpt2" and seq > cfg.max_len:
+        raise BadInput(f"{name} {seq} exceeds the model's max_len {cfg.max_len} "
+                       "(GPT-2 learns one position embedding per position)")
+
+
+def check_memory(cfg: TransformerConfig, batch: int, seq: int, sizes: str) -> None:
+    """BadInput if one layer's attention scores [batch, heads, seq, seq] alone
+    outgrow the memory of the first device (host RAM on CPU): running would
+    fail with out-of-memory after compiling. Starts JAX.
+
+    Args:
+      sizes: the user's names for batch and seq, e.g. "batch_size=8, seq_len=64".
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from remat_kit.report import fmt_bytes
+
+    need = batch * cfg.num_heads * seq * seq * jnp.dtype(cfg.dtype).itemsize
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        have = (device.memory_stats() or {}).get("bytes_limit")
+    if have and need > have:
+        raise BadInput(f"{sizes} do not fit: one layer's attention scores [{batch}, "
+                       f"{cfg.num_heads}, {seq}, {seq}] {cfg.dtype} alone take "
+                       f"{fmt_bytes(need)}, more than the {fmt_bytes(have)} of "
+                       f"{device.platform} memory")
+
+
+def out_of_memory(error: BaseException, sizes: str) -> BadInput | None:
+    """A one-line BadInput for an XLA out-of-memory error (RESOURCE_EXHAUSTED),
+    naming `sizes` and the bytes XLA asked for; None for any other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    detail = text.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]
+    return BadInput(f"out of memory with {sizes}: {detail}")
+
+
+def check_folder(path: str, flag: str, create: bool = False) -> None:
+    """BadInput unless `path` is a folder a file can be written in; with
+    `create`, makes it (and its parents) first. Run before any long work."""
+    if not path or not path.strip():
+        raise BadInput(f"{flag} is empty; give a folder")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise BadInput(f"{flag} {path!r} is a file, not a folder")
+    if not create and not os.path.isdir(path):
+        raise BadInput(f"{flag}: folder {path!r} does not exist")
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise BadInput(f"{flag}: cannot write in folder {path!r} ({e.strerror or e})") from None
+
+
+def check_output_file(path: str, flag: str, suffix: str | None = None) -> None:
+    """BadInput unless `path` names a file (ending in `suffix`, if given) that
+    can be written: not a folder, in a folder that exists and is writable."""
+    if not path:
+        raise BadInput(f"{flag} is empty; give a file path")
+    if suffix and not path.lower().endswith(suffix):
+        raise BadInput(f"{flag} {path!r} must end in {suffix}")
+    if os.path.isdir(path):
+        raise BadInput(f"{flag} {path!r} is a folder; give a file path")
+    check_folder(os.path.dirname(os.path.abspath(path)), flag)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise BadInput(f"{flag}: {path!r} is not writable")
 
 
 def _starts_policy(piece: str) -> bool:
@@ -119,16 +260,31 @@ def _starts_policy(piece: str) -> bool:
 def split_policies(text: str) -> list[str]:
     """'minimal,save:query_proj,key_proj,full' -> ['minimal', 'save:query_proj,key_proj', 'full'].
 
-    Commas separate policies, except before a tag, alias or glob, which
-    continues the previous spec's tag list.
+    Commas separate policies, except before a tag, alias or glob after a
+    spec with a tag list (one with ':'), which continues that list.
+
+    Raises:
+      BadInput: `text` is empty, an item between commas is empty, or a
+        policy does not parse (the message gives its item number).
     """
-    out: list[str] = []
-    for piece in text.split(","):
-        if out and not _starts_policy(piece):
-            out[-1] += "," + piece.strip()
-        elif piece.strip():
-            out.append(piece.strip())
-    return out
+    if not text.strip():
+        raise BadInput("--policies is empty; give comma-separated policy specs, or leave it "
+                       "out for every preset")
+    items: list[tuple[int, str]] = []
+    for i, piece in enumerate(text.split(","), 1):
+        word = piece.strip()
+        if not word:
+            raise BadInput(f"empty policy at item {i} of {text!r}")
+        if items and ":" in items[-1][1] and not _starts_policy(word):
+            items[-1] = (items[-1][0], f"{items[-1][1]},{word}")
+        else:
+            items.append((i, word))
+    for i, spec in items:
+        try:
+            parse(spec)
+        except RematSpecError as e:
+            raise BadInput(f"policy at item {i} of {text!r}: {e}") from None
+    return [spec for _, spec in items]
 
 
 def preset_policies() -> tuple[list[str], list[str]]:
@@ -142,14 +298,20 @@ def preset_policies() -> tuple[list[str], list[str]]:
     return specs, shown
 
 
-def data_mesh(text: str | None):
+# Creating more host devices than this takes minutes (8192: about a minute).
+MAX_MESH_DEVICES = 1024
+
+
+def data_mesh(text: str | None, batch: int):
     """A 1-D `Mesh` over the first N devices for 'data:N', or None.
 
     On CPU, N host devices are created if JAX has not started yet (the
     `jax_num_cpu_devices` option, like XLA_FLAGS=--xla_force_host_platform_device_count=N).
 
     Raises:
-      BadInput: not 'data:N', or fewer than N devices.
+      BadInput: not 'data:N', N above MAX_MESH_DEVICES, a global `batch`
+        that does not split over N, or fewer than N devices. All but the last
+        are found before JAX starts.
     """
     if text is None:
         return None
@@ -158,6 +320,12 @@ def data_mesh(text: str | None):
         raise BadInput(f"--mesh must be data:N with N a positive int (data parallelism only "
                        f"for now), got {text!r}")
     n = int(count)
+    if n > MAX_MESH_DEVICES:
+        raise BadInput(f"--mesh data:{n} asks for more than the {MAX_MESH_DEVICES} devices "
+                       f"supported")
+    if batch % n:
+        raise BadInput(f"--mesh data:{n} splits the batch over {n} devices, but batch {batch} "
+                       f"is not a multiple of {n}")
     import jax
     try:
         jax.config.update("jax_num_cpu_devices", n)
@@ -176,11 +344,11 @@ def data_mesh(text: str | None):
 # ---------------------------------------------------------------------------
 
 def _sizes(args, cfg: TransformerConfig, defaults: dict) -> tuple[int, int]:
+    """(batch, seq) from the flags, else the config file's, else the defaults;
+    BadInput if the model cannot take seq (`check_seq`)."""
     batch = args.batch or defaults.get("batch", 8)
     seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024))
-    for flag, value in (("--batch", batch), ("--seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise BadInput(f"{flag} must be a positive int, got {value!r}")
+    check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
     return batch, seq
 
 
@@ -188,23 +356,31 @@ def _compare(args) -> int:
     from remat_kit import report
     from remat_kit.measure import measure_config, platform_label
 
+    # Every check comes before JAX starts measuring, so bad input costs nothing.
     cfg, label, defaults = load_config(args.config)
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
     batch, seq = _sizes(args, cfg, defaults)
-    if args.policies:
+    if args.policies is not None:
         specs = split_policies(args.policies)
         shown = specs
     else:
         specs, shown = preset_policies()
-    mesh = data_mesh(args.mesh)
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    if args.plot is not None:
+        check_output_file(args.plot, "--plot", suffix=".png")
+    mesh = data_mesh(args.mesh, batch)
     devices = 1 if mesh is None else mesh.shape["data"]
+    if args.time:
+        check_memory(cfg, batch // devices, seq, f"--batch {batch} and --seq {seq}")
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
         print(f"[{i}/{n}] {', '.join(record.names)}: {status}", file=sys.stderr, flush=True)
 
-    records = measure_config(cfg, batch, seq, specs, names=shown, dtype=args.dtype,
-                                     time_steps=args.time, mesh=mesh, progress=progress)
-    cfg = cfg.replace(dtype=args.dtype) if args.dtype else cfg
+    records = measure_config(cfg, batch, seq, specs, names=shown, time_steps=args.time,
+                             mesh=mesh, progress=progress)
     rows = report.rows(records, cfg, batch // devices, seq)
     platform = platform_label()
     per_device = f", per device of {devices}" if devices > 1 else ""
@@ -212,9 +388,9 @@ def _compare(args) -> int:
     report.print_table(rows, title)
     context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
                "devices": devices, "platform": platform}
-    if args.json:
+    if args.json is not None:
         report.write_json(args.json, rows, context)
-    if args.plot:
+    if args.plot is not None:
         report.plot(args.plot, rows, title)
     return 0
 

@@ -30,12 +30,54 @@ def run(capsys, *argv):
     (["compare", "--config", "missing.py"], "config file 'missing.py' not found"),
     (["explain", "--config", "tiny", "--policy", "save:query_prj"], "did you mean 'query_proj'"),
     (["explain", "--config", "tiny", "--dtype", "int8"], "invalid choice: 'int8'"),
+    (["explain", "--config", "tiny", "--seq", "1000"], "--seq 1000 exceeds the model's max_len 128"),
+    (["compare", "--config", "tiny", "--batch", "99999999999999999999"], "at most 2147483647"),
+    (["compare", "--config", "tiny", "--policies", ""], "--policies is empty"),
+    (["compare", "--config", "tiny", "--policies", ","], "empty policy at item 1 of ','"),
+    (["compare", "--config", "tiny", "--policies", "full,"], "empty policy at item 2 of 'full,'"),
+    (["compare", "--config", "tiny", "--policies", "full,,none"],
+     "empty policy at item 2 of 'full,,none'"),
+    (["compare", "--config", "tiny", "--policies", "full,mlpwo"],
+     "policy at item 2 of 'full,mlpwo'"),
+    # Checked before JAX starts: creating a million host devices would hang.
+    (["compare", "--config", "tiny", "--mesh", "data:1000000"], "more than the 1024 devices"),
+    (["compare", "--config", "tiny", "--mesh", "data:3"], "batch 8 is not a multiple of 3"),
+    (["compare", "--config", "tiny", "--json", "/nonexistent/out.json"],
+     "folder '/nonexistent' does not exist"),
+    (["compare", "--config", "tiny", "--json", "/proc/out.json"], "cannot write in folder '/proc'"),
+    (["compare", "--config", "tiny", "--json", "tests"], "'tests' is a folder"),
+    (["compare", "--config", "tiny", "--plot", "/proc/x.png"], "cannot write in folder '/proc'"),
+    (["compare", "--config", "tiny", "--plot", "pareto.jpg"], "must end in .png"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
-    assert out == ""
+    assert out == ""  # every check comes before measuring: no table, no progress
+
+
+@pytest.mark.parametrize("source, message", [
+    ("raise RuntimeError('boom')", "failed to load: RuntimeError: boom"),
+    ("import no_such_module_x", "failed to load: ModuleNotFoundError"),
+    ("def get_config(:", "has a syntax error"),
+    ("def get_config(name):\n    pass", "get_config(name) must take no arguments"),
+    ("get_config = 3", "get_config must be a function, got 3"),
+    ("def get_config():\n    1 / 0", "get_config() raised ZeroDivisionError"),
+    ("def get_config():\n    pass", "must return an ml_collections.ConfigDict, it returned None"),
+    ("def get_config():\n    return {'model': 'tiny'}", "it returned a dict"),
+    ("import ml_collections\ndef get_config():\n"
+     "    return ml_collections.ConfigDict({'model': 'tiny', 'batch_size': '8'})",
+     "batch_size in config file '{path}' must be a positive int"),
+    ("import ml_collections\ndef get_config():\n"
+     "    return ml_collections.ConfigDict({'model': 'tiny', 'seq_len': 0})",
+     "seq_len in config file '{path}' must be a positive int"),
+])
+def test_bad_config_files_name_the_file_and_the_problem(capsys, tmp_path, source, message):
+    path = tmp_path / "bad.py"
+    path.write_text(source + "\n")
+    code, out, err = run(capsys, "explain", "--config", str(path))
+    assert code == 2 and err.count("\n") == 1 and out == ""
+    assert f"config file '{path}'" in err and message.format(path=path) in err
 
 
 @pytest.mark.parametrize("name", ["tiny", "demo", "gpt2_small"])
@@ -80,7 +122,7 @@ def test_from_config_dict_overrides():
 
 def test_too_few_devices_for_the_mesh(capsys):
     jax.devices()  # JAX has started: the command cannot add host devices now
-    code, _, err = run(capsys, "compare", "--config", "tiny", "--mesh", "data:64")
+    code, _, err = run(capsys, "compare", "--config", "tiny", "--batch", "64", "--mesh", "data:64")
     assert code == 2 and err.count("\n") == 1
     assert "needs 64 devices, found" in err and "xla_force_host_platform_device_count=64" in err
 
@@ -89,6 +131,17 @@ def test_split_policies_keeps_tag_lists_together():
     assert cli.split_policies("minimal,save:query_proj,key_proj,mlp*,full") == [
         "minimal", "save:query_proj,key_proj,mlp*", "full"]
     assert cli.split_policies("recompute:core_attn,mlp,none") == ["recompute:core_attn,mlp", "none"]
+    # A tag after a spec with no tag list starts a policy of its own.
+    with pytest.raises(cli.BadInput, match="item 2 of 'full,mlp'"):
+        cli.split_policies("full,mlp")
+
+
+def test_out_of_memory_names_the_sizes():
+    error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3845799065476 bytes.\nmore")
+    message = str(cli.out_of_memory(error, "batch_size=8, seq_len=100000"))
+    assert message == ("out of memory with batch_size=8, seq_len=100000: "
+                       "Out of memory allocating 3845799065476 bytes.")
+    assert cli.out_of_memory(ValueError("other"), "batch_size=8") is None
 
 
 def test_default_policies_cover_every_preset():
