@@ -7,6 +7,7 @@ library, found with `sysconfig`, so `make demo` needs no download.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import pathlib
 import sysconfig
@@ -55,21 +56,33 @@ def stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
     return root, sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
+def is_text(path: pathlib.Path) -> bool:
+    """Whether the first 8 KiB of the file hold no NUL byte and decode as UTF-8."""
+    with path.open("rb") as fh:
+        head = fh.read(8192)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head)  # a cut last character is fine
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
+
+
 def text_files(path: pathlib.Path) -> list[pathlib.Path]:
     """All text files under `path` (or `path` itself), recursively, sorted.
 
-    Hidden files and folders are skipped; a file whose first 8 KiB hold a NUL
-    byte counts as binary and is skipped.
+    Hidden files and folders are skipped, and so are binary files (`is_text`).
+
+    Raises:
+      ValueError: `path` is a file that is not text.
     """
     if path.is_file():
+        if not is_text(path):
+            raise ValueError(f"data file {str(path)!r} is not text (its start holds NUL bytes "
+                             "or is not UTF-8)")
         return [path]
-    files = []
-    for f in sorted(path.rglob("*"), key=lambda f: f.relative_to(path).as_posix()):
-        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts):
-            with f.open("rb") as fh:
-                if b"\0" not in fh.read(8192):
-                    files.append(f)
-    return files
+    return [f for f in sorted(path.rglob("*"), key=lambda f: f.relative_to(path).as_posix())
+            if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
+            and is_text(f)]
 
 
 def _is_eval(relative: str) -> bool:
@@ -92,7 +105,8 @@ def load_corpus(data: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
 
     Raises:
       FileNotFoundError: `data` does not exist.
-      ValueError: `data` holds no text, or too little to split.
+      ValueError: `data` is a file that is not text, holds no text, or too
+        little to split.
     """
     if data:
         root = pathlib.Path(data).expanduser()

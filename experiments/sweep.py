@@ -13,18 +13,24 @@ tokens. The model, batch_size and seq_len come from the config file (see
     pareto.png     temp memory against FLOP overhead, Pareto front marked
 
 and prints the table. Without --policies, every preset is swept.
+
+Bad input (flags, config file or fields, policies, an unusable workdir, sizes
+that do not fit in memory) exits with code 2 and one line on stderr before
+anything compiles; so does a policy that fails to measure (out of memory, say),
+after the other policies' results are written.
 """
 
 import pathlib
-import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.common import fail, parse_flags
 from remat_kit import report
-from remat_kit.measure import measure_config, platform_label
-from remat_kit.cli import BadInput, config_from_dict, preset_policies, split_policies
+from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
+                           config_from_dict, preset_policies, split_policies)
 from remat_kit.errors import RematSpecError
+from remat_kit.measure import measure_config, platform_label
 
 
 def _define_flags() -> None:
@@ -33,31 +39,33 @@ def _define_flags() -> None:
     config_flags.DEFINE_config_file(
         "config", None, "ml_collections config file (e.g. experiments/configs/tiny.py).",
         lock_config=True)
-    flags.DEFINE_string("policies", "", "Comma-separated policy specs; empty sweeps every preset.")
+    flags.DEFINE_string("policies", None, "Comma-separated policy specs; unset sweeps every "
+                        "preset.")
     flags.DEFINE_string("workdir", None, "Folder for records.json, records.csv, pareto.png.")
     flags.DEFINE_integer("steps", 5, "Timed steps per policy, after one warm-up step.")
     flags.mark_flags_as_required(["config", "workdir"])
 
 
-def sweep(config, workdir: str, policies: str = "", steps: int = 5) -> list[dict]:
+def sweep(config, workdir: str, policies: str | None = None, steps: int = 5) -> list[dict]:
     """Measures and times every policy in `policies` (default: every preset) on `config`.
 
     Returns:
       The report rows (`remat_kit.report.rows`), also written to `workdir`.
     Raises:
-      BadInput: the config names no known model or has a bad field.
-      RematSpecError: a policy spec does not parse.
-      ValueError: steps < 1, or sizes the model cannot take.
+      BadInput: steps < 1; the config names no known model or has a bad
+        field; an empty or bad policy list; a workdir that cannot be written;
+        sizes the model or the memory cannot take. All before compiling.
     """
-    if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
+    check_int("--steps", steps)
     cfg, sizes = config_from_dict(config)
     batch, seq = sizes.get("batch", 8), sizes.get("seq", min(cfg.max_len, 1024))
-    specs, names = (split_policies(policies),) * 2 if policies else preset_policies()
+    check_seq(cfg, seq, "config.seq_len")
+    specs, names = (split_policies(policies),) * 2 if policies is not None else preset_policies()
+    check_folder(workdir, "--workdir", create=True)
+    check_memory(cfg, batch, seq, f"batch_size={batch}, seq_len={seq}")
     records = measure_config(cfg, batch, seq, specs, names=names, time_steps=steps)
     rows = report.rows(records, cfg, batch, seq)
     out = pathlib.Path(workdir)
-    out.mkdir(parents=True, exist_ok=True)
     platform = platform_label()
     title = f"{config.model}: batch {batch}, seq {seq}, {cfg.dtype} ({platform}, {steps} steps)"
     report.write_json(out / "records.json", rows,
@@ -70,18 +78,20 @@ def sweep(config, workdir: str, policies: str = "", steps: int = 5) -> list[dict
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # app.run's INFO floods with JAX backend probing
+    del argv  # parse_flags has rejected extra arguments
     f = flags.FLAGS
     try:
-        sweep(f.config, f.workdir, f.policies, f.steps)
-    except (BadInput, RematSpecError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+        rows = sweep(f.config, f.workdir, f.policies, f.steps)
+    except (BadInput, RematSpecError) as e:
+        fail(str(e))
+    failed = [r for r in rows if r["error"] is not None]
+    if failed:
+        first = failed[0]
+        rest = "" if len(failed) == len(rows) else f" (the others' results are in {f.workdir})"
+        fail(f"{len(failed)} of {len(rows)} policies failed{rest}; "
+             f"{', '.join(first['names'])}: {first['error']}")
 
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -6,16 +6,19 @@
 Writes `workdir/metrics.jsonl` (one JSON line per logged step) and
 `workdir/summary.json` (eval loss in nats/byte, median step time, and the
 compiled train step's memory and FLOPs under the policy and under no remat).
-Bad input (unknown policy or tag, malformed spec, missing or empty data, a
-config value of the wrong type) exits with code 2 and one line on stderr.
+Bad input (unknown policy or tag, malformed spec, missing, empty or binary
+data, a config file that does not load, a config value of the wrong type or
+out of range, an unusable workdir, sizes that do not fit in memory) exits with
+code 2 and one line on stderr, before anything is compiled where it can be
+found then.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import app, flags
 from flax.training import train_state
 from ml_collections import config_flags
 from rich.console import Console
@@ -33,18 +36,17 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from experiments import data
-from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
+from experiments.common import fail, parse_flags
+from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
+                           out_of_memory)
 from remat_kit.errors import RematSpecError
+from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics.jsonl and summary.json.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-
-class BadInput(ValueError):
-    """The config or the data cannot be used; the message is one line for the user."""
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation,
@@ -92,17 +94,53 @@ def _compiled_stats(compiled) -> dict:
             "flops": costs.get("flops")}
 
 
-def _setup(config: ml_collections.ConfigDict):
-    """Validates the config and loads the data; every user error becomes BadInput."""
+# Optimizer fields: (name, low, high, low included, high included).
+_REAL_FIELDS = (("learning_rate", 0, math.inf, False, False),
+                ("end_lr_fraction", 0, 1, True, True),
+                ("weight_decay", 0, math.inf, True, False),
+                ("b1", 0, 1, True, False),
+                ("b2", 0, 1, True, False),
+                ("grad_clip_norm", 0, math.inf, False, False))
+
+
+def _check_fields(config: ml_collections.ConfigDict) -> None:
+    """BadInput naming the field for a training field that is missing or of the
+    wrong type or range."""
+    needed = ("model", "remat", "data", "num_steps", "batch_size", "seq_len", "log_every",
+              "eval_every", "eval_batches", "warmup_steps", "seed",
+              *(field[0] for field in _REAL_FIELDS))
+    missing = [name for name in needed if name not in config]
+    if missing:
+        raise BadInput(f"the config lacks the field(s) train needs: {', '.join(missing)}")
     for name in ("num_steps", "batch_size", "seq_len", "log_every", "eval_every",
                  "eval_batches"):
-        if config[name] <= 0:
-            raise BadInput(f"config.{name} must be positive, got {config[name]}")
+        check_int(f"config.{name}", config[name])
+    for name in ("warmup_steps", "seed"):
+        check_int(f"config.{name}", config[name], minimum=0)
+    if config.warmup_steps > config.num_steps:
+        raise BadInput(f"config.warmup_steps ({config.warmup_steps}) must be at most "
+                       f"config.num_steps ({config.num_steps})")
+    for name, low, high, low_in, high_in in _REAL_FIELDS:
+        value = config[name]
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or math.isnan(value) or not (low <= value if low_in else low < value)
+                or not (value <= high if high_in else value < high)):
+            raise BadInput(f"config.{name} must be a number in {'[' if low_in else '('}{low}, "
+                           f"{high}{']' if high_in else ')'}, got {value!r}")
+
+
+def _setup(config: ml_collections.ConfigDict, workdir: str):
+    """Validates the config and the workdir (created here) and loads the data,
+    all before anything compiles; every user error becomes BadInput."""
+    _check_fields(config)
+    check_folder(workdir, "--workdir", create=True)
     try:
         cfg = from_config_dict(config)
         if cfg.vocab_size < data.VOCAB_SIZE:
             raise ValueError(f"config.vocab_size must be at least {data.VOCAB_SIZE} (one token "
                              f"per byte value), got {cfg.vocab_size}")
+        check_seq(cfg, config.seq_len, "config.seq_len")
+        check_memory(cfg, config.batch_size, config.seq_len, _sizes(config))
         corpus = data.load_corpus(config.data)
         batches = data.train_batches(corpus.train, config.batch_size, config.seq_len,
                                      config.seed)
@@ -113,6 +151,11 @@ def _setup(config: ml_collections.ConfigDict):
     except (RematSpecError, TypeError, ValueError, OSError) as e:
         raise BadInput(str(e)) from e
     return cfg, corpus, batches, evals
+
+
+def _sizes(config: ml_collections.ConfigDict) -> str:
+    return (f"config.model={config.model}, batch_size={config.batch_size}, "
+            f"seq_len={config.seq_len}")
 
 
 def _format_bytes(n) -> str:
@@ -159,10 +202,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     Raises:
       BadInput: unknown model, policy or tag; malformed spec; bad field value;
-        missing, empty or too short data.
+        a workdir that cannot be written; missing, empty, binary or too short
+        data; sizes that do not fit in memory (found before compiling where the
+        attention scores alone are too big, else when XLA runs out).
     """
     start = time.perf_counter()
-    cfg, corpus, batches, evals = _setup(config)
+    cfg, corpus, batches, evals = _setup(config, workdir)
+    try:
+        return _train(config, pathlib.Path(workdir), cfg, corpus, batches, evals, start)
+    except Exception as e:  # noqa: BLE001 - XLA's out-of-memory, at compile or at run
+        error = out_of_memory(e, _sizes(config))
+        if error is None:
+            raise
+        raise error from e
+
+
+def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: float) -> dict:
     console = Console(soft_wrap=True)  # long paths stay on one line in logs
     console.print(f"data: {corpus.source}: {corpus.files} files, "
                   f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
@@ -175,7 +230,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     tx, schedule = make_optimizer(config)
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     sample = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
-    params = jax.jit(model.init)(init_rng, sample)["params"]
+    # Parameters do not depend on the batch: initialize on one sequence.
+    params = jax.jit(model.init)(init_rng, sample[:1])["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     num_params = sum(p.size for p in jax.tree.leaves(params))
 
@@ -199,8 +255,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     def evaluate(params) -> float:
         return float(np.mean([eval_fn(params, x, y, train_rng) for x, y in evals]))
 
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     tokens_per_step = config.batch_size * config.seq_len
     step_seconds, window_loss, window_time, eval_loss, loss = [], [], [], None, float("nan")
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -250,44 +304,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return summary
 
 
-def _fail(message: str) -> None:
-    """Prints `message` as one line on stderr (the first and last of its lines:
-    libraries put the summary first and the cause last) and exits with code 2."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    print("error: " + " ".join(lines[:1] + lines[1:][-1:]), file=sys.stderr)
-    sys.exit(2)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with a bad flag or config value as one stderr line and exit 2."""
-    try:
-        rest = flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e))
-    except AttributeError as e:  # ml_collections: --config.FIELD names no field
-        cause = e.args[0].args[0] if isinstance(e.args[0], KeyError) else str(e)
-        _fail(f"unknown config field {cause}")
-    except OSError as e:  # ml_collections: the config file did not load
-        _fail(str(e))
-    # ml_collections defers a failed config load to the first field access.
-    path = config_flags.get_config_filename(flags.FLAGS["config"])
-    if path and not pathlib.Path(path).is_file():
-        _fail(f"config file {path!r} does not exist")
-    # absl would raise the default verbosity to INFO, which floods the output with
-    # JAX's backend probing; keep WARNING unless --verbosity is given.
-    if flags.FLAGS["verbosity"].using_default_value:
-        flags.FLAGS.verbosity = logging.WARNING
-    return rest
-
-
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        _fail(f"unexpected arguments {argv[1:]}")
+    del argv  # parse_flags has rejected extra arguments
     try:
         train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except BadInput as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=parse_flags)
