@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
-from jax.extend.core.primitives import (copy_p, device_put_p, name_p, reduce_precision_p,
+from jax.extend.core.primitives import (copy_p, device_put_p, reduce_precision_p,
                                         reshape_p, scan_p, squeeze_p, transpose_p)
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -51,7 +51,7 @@ from remat_kit.models.transformer import remat_layer
 from remat_kit.names import TAGS
 from remat_kit.policy import Policy
 from remat_kit.spec import parse
-from remat_kit.validate import _NAME_PRIMS, emitted_tags
+from remat_kit.validate import emitted_tags, tag_of
 
 LossFactory = Callable[[Policy], Callable]
 
@@ -94,16 +94,6 @@ class Residual:
     memory: str
 
 
-def _tag_of(eqn) -> str | None:
-    """The tag an equation names, under either remat implementation."""
-    if eqn.primitive is name_p:
-        return eqn.params["name"]
-    prim = eqn.params.get("_prim")  # jax_remat3 stages names as hi-primitives
-    if prim is not None and type(prim).__name__ in _NAME_PRIMS:
-        return prim.params["name"]
-    return None
-
-
 def _body(eqn):
     """The jaxpr of a call-like equation (jit, remat, custom_jvp/vjp, scan) whose
     inputs and outputs match the equation's one to one, else None."""
@@ -127,7 +117,7 @@ class _Sources:
         key = id(jaxpr)
         if key not in self._producers:
             self._producers[key] = {v: e for e in jaxpr.eqns for v in e.outvars}
-            self._taggers[key] = {v: t for e in jaxpr.eqns if (t := _tag_of(e))
+            self._taggers[key] = {v: t for e in jaxpr.eqns if (t := tag_of(e))
                                   for v in e.invars if not isinstance(v, Literal)}
         return self._producers[key], self._taggers[key]
 
@@ -146,7 +136,7 @@ class _Sources:
                 if var in jaxpr.invars:
                     return jaxpr.invars.index(var)
                 return ("primitive", "constant")
-            if tag := _tag_of(eqn):
+            if tag := tag_of(eqn):
                 return ("tag", tag)
             i = eqn.outvars.index(var)
             if eqn.primitive in _COPIES:

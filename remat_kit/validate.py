@@ -33,16 +33,22 @@ def _sub_jaxprs(value):
             yield from _sub_jaxprs(v)
 
 
+def tag_of(eqn) -> str | None:
+    """The tag a jaxpr equation applies (`checkpoint_name`), under either remat mode, or None."""
+    if eqn.primitive is name_p:
+        return eqn.params["name"]
+    prim = eqn.params.get("_prim")  # jax_remat3 stages names as hi-primitives
+    if prim is not None and type(prim).__name__ in _NAME_PRIMS:
+        return prim.params["name"]
+    return None
+
+
 def _walk(jaxpr, found: dict):
     for eqn in jaxpr.eqns:
-        params = eqn.params
-        if eqn.primitive is name_p:
-            found.setdefault(params["name"], eqn.outvars[0].aval)
-        prim = params.get("_prim")
-        if prim is not None:  # jax_remat3 hi-primitives
-            if type(prim).__name__ in _NAME_PRIMS:
-                found.setdefault(prim.params["name"], eqn.outvars[0].aval)
-            params = getattr(prim, "params", {})
+        if (tag := tag_of(eqn)) is not None:
+            found.setdefault(tag, eqn.outvars[0].aval)
+        prim = eqn.params.get("_prim")  # jax_remat3 hi-primitives hold their jaxprs
+        params = getattr(prim, "params", {}) if prim is not None else eqn.params
         for value in params.values():
             for sub in _sub_jaxprs(value):
                 _walk(sub, found)
@@ -105,4 +111,4 @@ def validate(policy: "str | Policy", fn, *args) -> Policy:
     return policy
 
 
-__all__ = ["emitted_tags", "validate"]
+__all__ = ["emitted_tags", "tag_of", "validate"]
