@@ -172,7 +172,7 @@ def _print_summary(console: Console, summary: dict) -> None:
     run.add_column("value", justify="right")
     run.add_row("eval loss (nats/byte)", f"{summary['eval_loss']:.4f}")
     run.add_row("eval bits/byte", f"{summary['eval_bits_per_byte']:.4f}")
-    run.add_row("final train loss (nats/byte)", f"{summary['final_train_loss']:.4f}")
+    run.add_row("train loss, last step (nats/byte)", f"{summary['final_train_loss']:.4f}")
     run.add_row("median step (s)", f"{summary['median_step_seconds']:.4f}")
     run.add_row("median tokens/s", f"{summary['median_tokens_per_second']:,.0f}")
     run.add_row("wall time (s)", f"{summary['wall_seconds']:.1f}")
