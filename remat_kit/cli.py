@@ -287,15 +287,11 @@ def split_policies(text: str) -> list[str]:
     return [spec for _, spec in items]
 
 
-def preset_policies() -> tuple[list[str], list[str]]:
-    """(specs, names) of every row of `spec.PRESET_TABLE`; a name is bare where the
-    bare word means this row (`spec.BARE_NAMES`), else 'codebase:name'."""
-    specs, shown = [], []
-    for cb, name, _, _ in PRESET_TABLE:
-        label = name if BARE_NAMES.get(name) == (cb, name) else f"{cb}:{name}"
-        specs.append(label)
-        shown.append(label)
-    return specs, shown
+def preset_policies() -> list[str]:
+    """Every row of `spec.PRESET_TABLE` as a spec that is also its display name: the
+    bare word where it means this row (`spec.BARE_NAMES`), else 'codebase:name'."""
+    return [name if BARE_NAMES.get(name) == (cb, name) else f"{cb}:{name}"
+            for cb, name, _, _ in PRESET_TABLE]
 
 
 # Creating more host devices than this takes minutes (8192: about a minute).
@@ -361,11 +357,7 @@ def _compare(args) -> int:
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
     batch, seq = _sizes(args, cfg, defaults)
-    if args.policies is not None:
-        specs = split_policies(args.policies)
-        shown = specs
-    else:
-        specs, shown = preset_policies()
+    specs = split_policies(args.policies) if args.policies is not None else preset_policies()
     if args.json is not None:
         check_output_file(args.json, "--json")
     if args.plot is not None:
@@ -379,7 +371,7 @@ def _compare(args) -> int:
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
         print(f"[{i}/{n}] {', '.join(record.names)}: {status}", file=sys.stderr, flush=True)
 
-    records = measure_config(cfg, batch, seq, specs, names=shown, time_steps=args.time,
+    records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=args.time,
                              mesh=mesh, progress=progress)
     rows = report.rows(records, cfg, batch // devices, seq)
     platform = platform_label()
@@ -401,7 +393,6 @@ def _explain(args) -> int:
 
     from remat_kit import report
     from remat_kit.measure import layer_residuals
-    from remat_kit.spec import parse
 
     cfg, label, defaults = load_config(args.config)
     batch, seq = _sizes(args, cfg, defaults)
