@@ -16,12 +16,13 @@ from absl import flags, logging
 from remat_kit.cli import BadInput, load_config_file
 
 
-def fail(message: str) -> NoReturn:
-    """Prints `message` as one line on stderr (the first and last of its lines:
-    libraries put the summary first and the cause last) and exits with code 2."""
+def fail(message: str, code: int = 2, label: str = "error") -> NoReturn:
+    """Prints `label: message` as one line on stderr (the first and last of the
+    message's lines: libraries put the summary first and the cause last) and
+    exits with `code` (2: bad input)."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    print("error: " + " ".join(lines[:1] + lines[1:][-1:]), file=sys.stderr)
-    sys.exit(2)
+    print(f"{label}: " + " ".join(lines[:1] + lines[1:][-1:]), file=sys.stderr)
+    sys.exit(code)
 
 
 def _config_argument(argv: list[str]) -> str | None:

@@ -12,7 +12,7 @@ import dataclasses
 import pathlib
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -149,19 +149,25 @@ def _check_len(text: np.ndarray, seq_len: int, split: str) -> None:
 
 
 def train_batches(text: np.ndarray, batch_size: int, seq_len: int,
-                  seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Endless batches of random windows of `text`.
+                  seed: int) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
+    """Random windows of `text`, addressed by batch number.
 
-    Yields (inputs, targets), each int32 [batch_size, seq_len], targets shifted
-    by one byte. The same seed gives the same batches.
+    Returns batch(i) -> (inputs, targets), each int32 [batch_size, seq_len],
+    targets shifted by one byte. Batch i is a pure function of (seed, i), not
+    of the batches drawn before it, so a run resumed at step i sees exactly
+    the batches an uninterrupted run would.
 
     Raises:
-      ValueError: `text` is shorter than seq_len + 1 bytes.
+      ValueError: `text` is shorter than seq_len + 1 bytes (raised here, not
+        at the first batch).
     """
     _check_len(text, seq_len, "train")
-    rng = np.random.default_rng(seed)
-    while True:
-        yield _windows(text, rng.integers(0, len(text) - seq_len, size=batch_size), seq_len)
+
+    def batch(index: int) -> tuple[np.ndarray, np.ndarray]:
+        # A SeedSequence of (seed, index) gives independent streams per batch.
+        rng = np.random.default_rng((seed, index))
+        return _windows(text, rng.integers(0, len(text) - seq_len, size=batch_size), seq_len)
+    return batch
 
 
 def eval_batches(text: np.ndarray, batch_size: int, seq_len: int,

@@ -6,6 +6,11 @@
 Writes `workdir/metrics.jsonl` (one JSON line per logged step) and
 `workdir/summary.json` (eval loss in nats/byte, median step time, and the
 compiled train step's memory and FLOPs under the policy and under no remat).
+Checkpoints go to `workdir/checkpoints` every `checkpoint_every` steps and at
+the end; a second start with the same workdir resumes from the latest one,
+under the remat policy it is given (see experiments/checkpoint.py, runlog.py).
+A non-finite loss stops the run (exit 1); SIGINT or SIGTERM writes a
+checkpoint, then exits with 128 + the signal number.
 Bad input (unknown policy or tag, malformed spec, missing, empty or binary
 data, a config file that does not load, a config value of the wrong type or
 out of range, an unusable workdir, sizes that do not fit in memory) exits with
@@ -19,6 +24,7 @@ import json
 import math
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -35,7 +41,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 from rich.table import Table
 
-from experiments import data
+from experiments import checkpoint, data, guards, runlog
 from experiments.common import fail, parse_flags
 from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
@@ -107,16 +113,19 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
     """BadInput naming the field for a training field that is missing or of the
     wrong type or range."""
     needed = ("model", "remat", "data", "num_steps", "batch_size", "seq_len", "log_every",
-              "eval_every", "eval_batches", "warmup_steps", "seed",
+              "eval_every", "eval_batches", "warmup_steps", "seed", "checkpoint_every",
+              "keep_checkpoints", "tensorboard", "hang_after_step",
               *(field[0] for field in _REAL_FIELDS))
     missing = [name for name in needed if name not in config]
     if missing:
         raise BadInput(f"the config lacks the field(s) train needs: {', '.join(missing)}")
     for name in ("num_steps", "batch_size", "seq_len", "log_every", "eval_every",
-                 "eval_batches"):
+                 "eval_batches", "checkpoint_every", "keep_checkpoints"):
         check_int(f"config.{name}", config[name])
-    for name in ("warmup_steps", "seed"):
+    for name in ("warmup_steps", "seed", "hang_after_step"):
         check_int(f"config.{name}", config[name], minimum=0)
+    if not isinstance(config.tensorboard, bool):
+        raise BadInput(f"config.tensorboard must be True or False, got {config.tensorboard!r}")
     if config.warmup_steps > config.num_steps:
         raise BadInput(f"config.warmup_steps ({config.warmup_steps}) must be at most "
                        f"config.num_steps ({config.num_steps})")
@@ -166,16 +175,25 @@ def _format_ratio(a, b) -> str:
     return "n/a" if a is None or not b else f"{a / b:.2f}x"
 
 
+def _format(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def _print_summary(console: Console, summary: dict) -> None:
     run = Table(title=f"Run: {summary['model']} under remat={summary['remat']}")
     run.add_column("metric")
     run.add_column("value", justify="right")
     run.add_row("eval loss (nats/byte)", f"{summary['eval_loss']:.4f}")
     run.add_row("eval bits/byte", f"{summary['eval_bits_per_byte']:.4f}")
-    run.add_row("train loss, last step (nats/byte)", f"{summary['final_train_loss']:.4f}")
-    run.add_row("median step (s)", f"{summary['median_step_seconds']:.4f}")
-    run.add_row("median tokens/s", f"{summary['median_tokens_per_second']:,.0f}")
+    run.add_row("train loss, last step (nats/byte)", _format(summary['final_train_loss'], ".4f"))
+    run.add_row("median step (s)", _format(summary['median_step_seconds'], ".4f"))
+    run.add_row("median tokens/s", _format(summary['median_tokens_per_second'], ",.0f"))
     run.add_row("wall time (s)", f"{summary['wall_seconds']:.1f}")
+    run.add_row("remat policies", ", ".join(f"{p['remat']} from step {p['from_step']}"
+                                            for p in summary["policies"]))
+    saved = summary["checkpoint"]
+    run.add_row(f"checkpoint {saved['step']}", f"{_format_bytes(saved['bytes'])}, written in "
+                f"{_format(saved['write_seconds'], '.2f')} s")
     console.print(run)
 
     compiled = summary["compiled"]
@@ -196,15 +214,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     Writes workdir/metrics.jsonl (one line per step that is a multiple of
     log_every or eval_every, and the last: step, train_loss (mean since the
-    last line, nats/byte), lr, tokens_per_second, step_seconds (mean since the
-    last line), and eval_loss (nats/byte) at eval steps) and
-    workdir/summary.json.
+    last line or the resume, nats/byte), lr, tokens_per_second, step_seconds
+    (mean since the last line), and eval_loss (nats/byte) at eval steps),
+    workdir/summary.json, workdir/config.json and config_history.jsonl (every
+    start's config, `runlog.record_start`), and checkpoints in
+    workdir/checkpoints (`checkpoint.Checkpoints`) every checkpoint_every
+    steps and at the end, keeping the last keep_checkpoints.
+
+    If workdir/checkpoints holds a checkpoint, training resumes from the latest
+    one: parameters, optimizer state, PRNG key and data position, under this
+    config's remat policy; metrics.jsonl is cut back to that step first.
 
     Raises:
       BadInput: unknown model, policy or tag; malformed spec; bad field value;
         a workdir that cannot be written; missing, empty, binary or too short
         data; sizes that do not fit in memory (found before compiling where the
-        attention scores alone are too big, else when XLA runs out).
+        attention scores alone are too big, else when XLA runs out); a
+        checkpoint of another model or another seed; a checkpoint write that
+        fails (full disk), which leaves the previous checkpoint intact.
+      NonFiniteLoss: the train loss became NaN or infinite; that state is not
+        saved, the last good checkpoint stays the latest.
+      Interrupted: SIGINT or SIGTERM arrived; a checkpoint of the last
+        finished step was written first.
     """
     start = time.perf_counter()
     cfg, corpus, batches, evals = _setup(config, workdir)
@@ -217,7 +248,48 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         raise error from e
 
 
+def _checkpointed(state: train_state.TrainState, rng: jax.Array) -> dict:
+    """The arrays a checkpoint holds: a dict for `checkpoint.Checkpoints`."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+            "rng": jax.random.key_data(rng)}
+
+
+def _resume(ckpt: checkpoint.Checkpoints, config, state, rng):
+    """(state, rng, step) from the latest checkpoint, or unchanged with step 0
+    when there is none. BadInput for another model's or another seed's."""
+    step = ckpt.latest_step()
+    if step is None:
+        return state, rng, 0
+    saved, meta = ckpt.restore(_checkpointed(state, rng), step)
+    if meta["seed"] != config.seed:
+        raise BadInput(f"config.seed={config.seed}, but the checkpoint in {str(ckpt.directory)!r} "
+                       f"was trained with seed {meta['seed']}, which fixes its data order and "
+                       f"dropout: resume with --config.seed={meta['seed']} or use a new workdir")
+    state = state.replace(step=saved["step"], params=saved["params"],
+                          opt_state=saved["opt_state"])
+    return state, jax.random.wrap_key_data(saved["rng"], impl=jax.random.key_impl(rng)), step
+
+
+def _hang(ckpt: checkpoint.Checkpoints, stop: guards.StopSignals, console: Console,
+          step: int) -> None:
+    """config.hang_after_step: waits for the checkpoint writes, prints a line,
+    and waits for a signal; a pre-emption at a known step, for tests."""
+    ckpt.wait()
+    console.print(f"hang_after_step: waiting for a signal after step {step}")
+    sys.stdout.flush()
+    while not stop.received:
+        time.sleep(0.05)
+
+
 def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: float) -> dict:
+    ckpt = checkpoint.Checkpoints(workdir, config.keep_checkpoints)
+    try:
+        return _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start)
+    finally:
+        ckpt.close()  # waits for the last write
+
+
+def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float) -> dict:
     console = Console(soft_wrap=True)  # long paths stay on one line in logs
     console.print(f"data: {corpus.source}: {corpus.files} files, "
                   f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
@@ -234,6 +306,12 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
     params = jax.jit(model.init)(init_rng, sample[:1])["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     num_params = sum(p.size for p in jax.tree.leaves(params))
+    state, train_rng, start_step = _resume(ckpt, config, state, train_rng)
+    policies, changed = runlog.record_start(workdir, config, str(cfg.policy), start_step)
+    if start_step:
+        console.print(f"resuming at step {start_step} from {ckpt.directory}"
+                      + (f"; changed since the last start: {'; '.join(changed)}" if changed
+                         else ""))
 
     # Compile ahead of time once: the executable that trains is the one measured.
     # Both compile alike (state donated), so the figures differ only by the policy.
@@ -255,20 +333,37 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
     def evaluate(params) -> float:
         return float(np.mean([eval_fn(params, x, y, train_rng) for x, y in evals]))
 
+    def save(step: int) -> None:
+        ckpt.save(step, _checkpointed(state, train_rng),
+                  {"step": step, "next_batch": step, "seed": config.seed,
+                   "model": config.model, "remat": config.remat})
+
     tokens_per_step = config.batch_size * config.seq_len
-    step_seconds, window_loss, window_time, eval_loss, loss = [], [], [], None, float("nan")
+    step_seconds, window_loss, window_time, eval_loss, loss = [], [], [], None, None
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]:.3f}"),
                         TextColumn("{task.fields[tok_s]:,.0f} tok/s"), TimeRemainingColumn(),
                         console=console)
-    with progress, (workdir / "metrics.jsonl").open("w") as metrics:
-        task = progress.add_task("train", total=config.num_steps, loss=float("nan"), tok_s=0.0)
-        for step in range(1, config.num_steps + 1):
-            inputs, targets = next(batches)
+    with (progress, runlog.MetricsLog(workdir, start_step, config.tensorboard) as metrics,
+          guards.stop_signals() as stop):
+        task = progress.add_task("train", total=config.num_steps, completed=start_step,
+                                 loss=float("nan"), tok_s=0.0)
+        for step in range(start_step + 1, config.num_steps + 1):
+            # Batch i is a pure function of (seed, i): step s trains on batch s - 1.
+            inputs, targets = batches(step - 1)
             t0 = time.perf_counter()
             state, loss = step_fn(state, inputs, targets, train_rng)
             loss = float(loss)  # waits for the step, so the time below is the step's
             seconds = time.perf_counter() - t0
+            if not math.isfinite(loss):
+                ckpt.wait()
+                last = ckpt.latest_step()
+                kept = (f"the last good checkpoint is step {last} in {ckpt.directory}"
+                        if last is not None else "no checkpoint was written before it")
+                raise guards.NonFiniteLoss(
+                    f"train loss is {loss} at step {step}: stopped without saving that "
+                    f"state; {kept}. Lower config.learning_rate or change the data, then "
+                    f"resume with the same workdir")
             step_seconds.append(seconds)
             window_loss.append(loss)
             window_time.append(seconds)
@@ -283,21 +378,38 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
                     eval_loss = line["eval_loss"] = evaluate(state.params)
                     progress.console.print(f"step {step}: train {line['train_loss']:.4f}, "
                                            f"eval {eval_loss:.4f} nats/byte")
-                metrics.write(json.dumps(line) + "\n")
-                metrics.flush()
+                metrics.write(line)
                 window_loss, window_time = [], []
+            if step % config.checkpoint_every == 0 or step == config.num_steps:
+                save(step)
+            if step == config.hang_after_step:
+                _hang(ckpt, stop, progress.console, step)
+            if stop.received:
+                save(step)
+                ckpt.wait()
+                raise guards.Interrupted(
+                    f"{stop.name} after step {step}: wrote checkpoint {step} in "
+                    f"{ckpt.directory}; run the same command to resume", stop.received)
+    ckpt.wait()
+    last_saved = ckpt.latest_step()
+    if eval_loss is None:  # resumed at num_steps: nothing left to train
+        eval_loss = evaluate(state.params)
 
     # The first step's time holds one-off runtime warm-up; leave it out when there are others.
     timed = step_seconds[1:] or step_seconds
-    median_step = statistics.median(timed)
+    median_step = statistics.median(timed) if timed else None
     summary = {
         "model": config.model, "remat": config.remat, "policy": str(cfg.policy),
+        "policies": policies, "start_step": start_step,
         "num_params": num_params, "num_steps": config.num_steps,
         "batch_size": config.batch_size, "seq_len": config.seq_len,
         "eval_loss": eval_loss, "eval_bits_per_byte": eval_loss / np.log(2),
         "final_train_loss": loss, "median_step_seconds": median_step,
-        "median_tokens_per_second": tokens_per_step / median_step,
+        "median_tokens_per_second": tokens_per_step / median_step if median_step else None,
         "wall_seconds": time.perf_counter() - start, "compiled": stats,
+        "checkpoint": {"directory": str(ckpt.directory), "step": last_saved,
+                       "bytes": ckpt.size_bytes(last_saved),
+                       "write_seconds": ckpt.last_write_seconds},
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
@@ -310,6 +422,8 @@ def main(argv: list[str]) -> None:
         train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except BadInput as e:
         fail(str(e))
+    except guards.RunStopped as e:
+        fail(str(e), e.exit_code, label="stopped")
 
 
 if __name__ == "__main__":

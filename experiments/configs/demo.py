@@ -29,4 +29,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every = 10
     config.eval_every = 50
     config.eval_batches = 8
+    config.checkpoint_every = 50
     return config

@@ -24,4 +24,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every = 50
     config.eval_every = 1_000
     config.eval_batches = 16
+    config.checkpoint_every = 1_000
     return config

@@ -46,4 +46,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval_every = 10
     config.eval_batches = 2
     config.seed = 0
+
+    # Checkpoints (orbax) in workdir/checkpoints: every checkpoint_every steps and
+    # at the end, keeping the last keep_checkpoints. A second start with the same
+    # workdir resumes from the latest.
+    config.checkpoint_every = 10
+    config.keep_checkpoints = 3
+    config.tensorboard = False  # also write workdir/tensorboard (tensorboardX)
+    # Testing aid: after this step (0 = never), finish the checkpoint writes and
+    # wait for a signal, as a run pre-empted at a known step.
+    config.hang_after_step = 0
     return config
