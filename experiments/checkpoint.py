@@ -72,6 +72,7 @@ class Checkpoints:
         self.directory = (workdir / "checkpoints").absolute()
         self._pending: tuple[int, float] | None = None  # (step, time save was called)
         self.last_write_seconds: float | None = None
+        self.last_blocking_seconds: float | None = None
         try:
             self._manager = ocp.CheckpointManager(
                 self.directory,
@@ -106,16 +107,19 @@ class Checkpoints:
 
     def save(self, step: int, state: dict, meta: dict) -> None:
         """Starts writing checkpoint `step` (no-op if it exists) and returns
-        once the arrays are off the device; the write goes on in the background."""
+        once the arrays are off the device; the write goes on in the background.
+        Sets last_blocking_seconds (the time training waited in this call)."""
         if step in self._manager.all_steps():
             return
         self._finish()  # one write at a time; also surfaces the previous one's error
+        start = time.perf_counter()
         try:
             self._manager.save(step, force=True, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         except (OSError, ValueError, RuntimeError) as e:
             raise self._write_error(step, e) from e
-        self._pending = (step, time.perf_counter())
+        self._pending = (step, start)
+        self.last_blocking_seconds = time.perf_counter() - start
 
     def wait(self) -> None:
         """Blocks until the pending write is complete; sets last_write_seconds

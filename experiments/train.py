@@ -193,7 +193,8 @@ def _print_summary(console: Console, summary: dict) -> None:
                                             for p in summary["policies"]))
     saved = summary["checkpoint"]
     run.add_row(f"checkpoint {saved['step']}", f"{_format_bytes(saved['bytes'])}, written in "
-                f"{_format(saved['write_seconds'], '.2f')} s")
+                f"{_format(saved['write_seconds'], '.2f')} s (training blocked "
+                f"{_format(saved['blocking_seconds'], '.2f')} s)")
     console.print(run)
 
     compiled = summary["compiled"]
@@ -256,10 +257,14 @@ def _checkpointed(state: train_state.TrainState, rng: jax.Array) -> dict:
 
 def _resume(ckpt: checkpoint.Checkpoints, config, state, rng):
     """(state, rng, step) from the latest checkpoint, or unchanged with step 0
-    when there is none. BadInput for another model's or another seed's."""
+    when there is none. BadInput for another model's or another seed's, or one
+    past config.num_steps."""
     step = ckpt.latest_step()
     if step is None:
         return state, rng, 0
+    if step > config.num_steps:
+        raise BadInput(f"config.num_steps={config.num_steps}, but {str(ckpt.directory)!r} holds "
+                       f"a checkpoint of step {step}: give a larger num_steps or a new workdir")
     saved, meta = ckpt.restore(_checkpointed(state, rng), step)
     if meta["seed"] != config.seed:
         raise BadInput(f"config.seed={config.seed}, but the checkpoint in {str(ckpt.directory)!r} "
@@ -409,7 +414,8 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         "wall_seconds": time.perf_counter() - start, "compiled": stats,
         "checkpoint": {"directory": str(ckpt.directory), "step": last_saved,
                        "bytes": ckpt.size_bytes(last_saved),
-                       "write_seconds": ckpt.last_write_seconds},
+                       "write_seconds": ckpt.last_write_seconds,
+                       "blocking_seconds": ckpt.last_blocking_seconds},
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)

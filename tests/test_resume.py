@@ -110,7 +110,9 @@ def test_uninterrupted_run_checkpoints_and_history(reference):
     assert [s for s, _ in _losses(reference)] == list(range(1, N + 1))
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["policies"] == [{"from_step": 0, "remat": "none", "policy": "none"}]
-    assert summary["checkpoint"]["step"] == N and summary["checkpoint"]["bytes"] > 0
+    saved = summary["checkpoint"]
+    assert saved["step"] == N and saved["bytes"] > 0
+    assert 0 < saved["blocking_seconds"] <= saved["write_seconds"]
     saved = _state(reference, N)
     assert int(saved["step"]) == N
     history = [json.loads(l) for l in (reference / "config_history.jsonl").read_text().splitlines()]
@@ -165,6 +167,7 @@ def test_sigterm_checkpoints_then_resume_under_another_policy(data, reference, t
                       "(256, 32) float32; it holds another model's checkpoint"),
     ({"num_layers": 2}, "has no parameter 'layers_1/"),
     ({"seed": 1}, "was trained with seed 0, which fixes its data order and dropout"),
+    ({"num_steps": 5}, "config.num_steps=5, but "),
 ])
 def test_mismatched_checkpoint_is_bad_input(data, reference, fields, message):
     before = (reference / "config_history.jsonl").read_text()
