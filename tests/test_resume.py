@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import guards, train
+from experiments import guards, runlog, train
 from experiments.configs import tiny
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -213,3 +213,32 @@ def test_failed_checkpoint_write_keeps_the_previous(data, reference, tmp_path):
     assert str(e.value).endswith("; checkpoint 8 is intact")
     assert _steps(workdir) == [3, 6, 8]
     chex.assert_trees_all_equal(_state(workdir, N), _state(reference, N))
+
+
+def test_policies_leave_out_lost_starts(tmp_path):
+    # full from 0; minimal from 6 (died before its first checkpoint); resumed at 3 under
+    # selective; then at 9 under selective again.
+    for remat, step in (("full", 0), ("minimal", 6), ("selective", 3)):
+        runlog.record_start(tmp_path, _with(remat), remat.upper(), step)
+    policies, changed = runlog.record_start(tmp_path, _with("selective"), "SELECTIVE", 9)
+    assert policies == [{"from_step": 0, "remat": "full", "policy": "FULL"},
+                        {"from_step": 3, "remat": "selective", "policy": "SELECTIVE"}]
+    assert changed == []
+    assert len((tmp_path / runlog.HISTORY).read_text().splitlines()) == 4
+    assert json.loads((tmp_path / runlog.CONFIG).read_text())["remat"] == "selective"
+
+
+def _with(remat):
+    config = tiny.get_config()
+    config.remat = remat
+    return config
+
+
+def test_metrics_cut_back_to_the_resumed_step(tmp_path):
+    lines = [json.dumps({"step": s, "train_loss": 1.0 / s}) for s in range(1, 6)]
+    # The last line was cut short by a crash mid-write.
+    (tmp_path / runlog.METRICS).write_text("\n".join(lines) + '\n{"step": 6, "tra')
+    with runlog.MetricsLog(tmp_path, resume_step=3) as metrics:
+        metrics.write({"step": 4, "train_loss": 0.5})
+    assert (tmp_path / runlog.METRICS).read_text().splitlines() == lines[:3] + [
+        json.dumps({"step": 4, "train_loss": 0.5})]

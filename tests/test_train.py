@@ -135,6 +135,8 @@ def test_bad_config_file_is_one_line_and_exit_2(module, source, bad, tmp_path):
     ("warmup_steps", 100, "config.warmup_steps (100) must be at most config.num_steps (20)"),
     ("b2", 1.0, "config.b2 must be a number in [0, 1)"),
     ("batch_size", 2**40, "config.batch_size must be a positive int (at most 2147483647)"),
+    ("checkpoint_every", 0, "config.checkpoint_every must be a positive int"),
+    ("hang_after_step", -1, "config.hang_after_step must be an int >= 0"),
 ])
 def test_bad_fields_are_rejected_before_the_workdir(field, value, message, tmp_path):
     config = tiny.get_config()
