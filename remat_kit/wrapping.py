@@ -146,8 +146,8 @@ class Plan:
         for key in self.keys:
             if key not in matched:
                 raise UnknownModuleError(self.label(key), tuple(seen), message=(
-                    "apply_remat: a mapping key matches no submodule the model calls "
-                    "(valid choices: the classes present)"))
+                    "apply_remat: no submodule of the model is of this class (valid choices: "
+                    "the classes present)"))
 
     def resolve(self, emitted: Mapping[str, set[str]] | None, validate: bool) -> dict:
         """{key: JAX policy}; with `emitted` (per key label) globs become concrete names.
