@@ -103,8 +103,9 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
         `__call__(self, x, deterministic)` the flag is 2. Keyword arguments
         must be arrays (jax.checkpoint traces them); pass flags positionally.
       prevent_cse: as in `jax.checkpoint`; False inside `nn.scan`.
-      validate: on each instance's first call, trace the unwrapped module
-        alone (no FLOPs) and check the policy's tags against what it emits.
+      validate: on every call (once per compile under `jax.jit`), trace the
+        unwrapped module alone (no FLOPs) and check the policy's tags against
+        what it emits; auto tags count only inside `auto_tag()`.
       methods: method names to wrap; default `("__call__",)`.
     Returns:
       The wrapped class. Parameters keep the names and structure of `cls`.
@@ -116,7 +117,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
       TypeError: `cls` is not a linen Module class.
       RematSpecError: the policy does not parse.
       UnknownTagError: `validate` and the policy names a tag the module never
-        emits (on the first call).
+        emits (raised when the module is called).
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"rk.linen.remat takes a flax.linen.Module subclass, got {cls!r}; "
@@ -145,7 +146,7 @@ def _validate_alone(cls: type, module: nn.Module, policy: Policy, args, kwargs) 
     """Traces an unbound copy of `module` (as class `cls`) and checks `policy`'s tags."""
     fields = {f: getattr(module, f) for f in module.__dataclass_fields__
               if f not in ("parent", "name") and module.__dataclass_fields__[f].init}
-    alone = cls(**fields)
+    alone = cls(**fields, parent=None)
     arrays, rebuild = wrapping.split_static(args, kwargs)
     rngs = {name: jax.random.key(0) for name in ("params", *module.scope.rngs)}
     token = _PREFIX.set(module.path)
