@@ -17,8 +17,8 @@ from remat_kit.spec import PRESETS, from_custom, parse
 from remat_kit.validate import emitted_tags, validate
 
 __all__ = [
-    "ALIASES", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError",
-    "checkpointed", "emitted_tags", "estimate", "explain", "from_custom", "layer_residuals",
-    "linen", "measure", "measure_config", "nnx", "parse", "register_tag", "report", "residuals", "tag",
-    "validate",
+    "ALIASES", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS", "UnknownModuleError",
+    "UnknownTagError", "checkpointed", "emitted_tags", "estimate", "explain", "from_custom",
+    "layer_residuals", "linen", "measure", "measure_config", "nnx", "parse", "register_tag",
+    "report", "residuals", "tag", "validate",
 ]
