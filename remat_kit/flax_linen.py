@@ -35,6 +35,8 @@ _ENTERED: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_enter
                                                           default=None)
 # Path of the module being traced on its own (class-form validation), prefixed to auto tags.
 _PREFIX: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_prefix", default=())
+# The class tuples of the active auto_tag contexts: the names a model emits depend on them.
+_TAGGING: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_tagging", default=())
 
 
 def path_name(module: nn.Module) -> str:
@@ -67,8 +69,12 @@ def auto_tag(classes: Sequence[type] = AUTO_TAG_CLASSES):
                                else v, out)
         return out
 
-    with nn.intercept_methods(interceptor):
-        yield
+    token = _TAGGING.set((*_TAGGING.get(), classes))
+    try:
+        with nn.intercept_methods(interceptor):
+            yield
+    finally:
+        _TAGGING.reset(token)
 
 
 def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs):
@@ -234,9 +240,10 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
 
 
 def _cache_key(arrays, rebuild):
+    """Argument shapes, static arguments and active auto_tag contexts, or None if unhashable."""
     try:
         key = (tuple((a.shape, str(a.dtype)) for a in arrays),
-               repr(rebuild([None] * len(arrays))))
+               repr(rebuild([None] * len(arrays))), _TAGGING.get())
         hash(key)
         return key
     except TypeError:

@@ -117,6 +117,15 @@ def test_saved_residuals_follow_spec(setup, spec, expected):
     assert saved_tags(model, params, tokens) == expected
 
 
+def test_glob_resolution_follows_auto_tag(setup):
+    """Globs resolve against the names emitted in this call: none outside auto_tag."""
+    tokens, params, _ = setup
+    model = rk.linen.apply_remat(Model(), {"Block": "save:*/mlp/wi;recompute:*"})
+    outside = measure.residuals(loss_fn(model), params, tokens, jax.random.key(2))
+    assert not {r.name for r in outside if r.kind == "tag"}
+    assert saved_tags(model, params, tokens) == per_layer("mlp/wi")
+
+
 def test_auto_tag_names_by_module_path(setup):
     tokens, params, _ = setup
     found = rk.linen.tags(Model(layers=1), tokens)
