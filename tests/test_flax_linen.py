@@ -210,6 +210,7 @@ def test_errors(setup):
         rk.linen.remat(Model(), "full")
     with pytest.raises(TypeError, match="class name"):
         rk.linen.apply_remat(Model(), {3: "full"})
+    assert rk.linen.remat(Block, "none") is Block  # "none" means no wrapper
     with pytest.raises(rk.UnknownTagError, match="never emits") as info:
         model = rk.linen.apply_remat(Model(), {"Block": "save:*/attn/qeury"}, validate=True)
         jax.eval_shape(model.init, jax.random.key(1), tokens)

@@ -176,6 +176,7 @@ def test_errors(setup):
         rk.nnx.remat(3, "full")
     with pytest.raises(TypeError, match="static_argnums is for functions"):
         rk.nnx.remat(Block, "full", static_argnums=(1,))
+    assert rk.nnx.remat(Block, "none") is Block  # "none" means no wrapper
     with pytest.raises(TypeError, match="validate=True needs a module"):
         rk.nnx.remat(lambda m, x: m(x), "full", validate=True)
     wrapped = rk.nnx.apply_remat(rk.nnx.auto_tag(model), {"Block": "save:*/attn/qeury"},
