@@ -21,7 +21,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import wrapping
-from remat_kit.policy import Policy, TagPolicy
+from remat_kit.policy import Policy
 from remat_kit.spec import parse
 from remat_kit.validate import check_names, emitted_tags
 
@@ -108,17 +108,19 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
         (e.g. a `deterministic` flag), flax's convention: `self` is 0, so in
         `__call__(self, x, deterministic)` the flag is 2. Keyword arguments
         must be arrays (jax.checkpoint traces them); pass flags positionally.
+        Not needed with `validate` or a glob policy (below).
       prevent_cse: as in `jax.checkpoint`; False inside `nn.scan`.
-      validate: on every call (once per compile under `jax.jit`), trace the
+      validate: at each call (once per compile under `jax.jit`), trace the
         unwrapped module alone (no FLOPs) and check the policy's tags against
         what it emits; auto tags count only inside `auto_tag()`.
       methods: method names to wrap; default `("__call__",)`.
     Returns:
       The wrapped class. Parameters keep the names and structure of `cls`.
-      Policies with globs over auto tags (`save:*/attn/*`) resolve at call
-      time through `TagPolicy` (the same saved names as the built-in
-      `save_only_these_names` under either remat mode for base "nothing");
-      all others resolve to JAX built-ins.
+      Without `validate` and globs it is flax's `nn.remat(cls, policy=...)`
+      with a JAX built-in policy. With either, each call first traces the
+      module alone for the names it emits, so globs (`save:*/attn/*`) become
+      a built-in over those names, and then runs as one lifted remat region,
+      as `apply_remat` does: array arguments are traced, all others static.
     Raises:
       TypeError: `cls` is not a linen Module class.
       RematSpecError: the policy does not parse.
@@ -131,38 +133,47 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
     policy = parse(policy)
     if not policy.remat:
         return cls
-    # Globs need the names emitted, known only at call time: TagPolicy matches them then.
-    lazy = wrapping.needs_names(policy) and policy.base == "nothing"
-    jax_policy = TagPolicy(policy) if lazy else policy.to_jax()
-    wrapped = nn.remat(cls, policy=jax_policy, static_argnums=static_argnums,
-                       prevent_cse=prevent_cse, methods=list(methods) if methods else None)
-    if not validate:
-        return wrapped
+    methods = tuple(methods or ("__call__",))
+    if not (validate or wrapping.needs_names(policy)):
+        return nn.remat(cls, policy=policy.to_jax(), static_argnums=static_argnums,
+                        prevent_cse=prevent_cse, methods=list(methods))
 
-    def __call__(self, *args, **kwargs):
-        _validate_alone(cls, self, policy, args, kwargs)
-        return super(checked, self).__call__(*args, **kwargs)
+    def wrap(name):
+        def method(self, *args, **kwargs):
+            if _ENTERED.get() is self:  # the region's own call of this method
+                return getattr(super(traced, self), name)(*args, **kwargs)
+            emitted = _emitted_alone(cls, self, name, args, kwargs)
+            if validate:
+                check_names(policy, emitted,
+                            where=f"{cls.__name__} at {'/'.join(self.path) or 'root'}")
+            jax_policy = wrapping.to_jax(policy, emitted)
+            return _region(self, name, jax_policy, prevent_cse, args, kwargs)
+        return method
 
-    checked = type(cls.__name__, (wrapped,), {"__call__": __call__,
-                                              "__qualname__": cls.__qualname__})
-    return checked
+    traced = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__,
+                                         "__module__": cls.__module__,
+                                         **{name: wrap(name) for name in methods}})
+    return traced
 
 
-def _validate_alone(cls: type, module: nn.Module, policy: Policy, args, kwargs) -> None:
-    """Traces an unbound copy of `module` (as class `cls`) and checks `policy`'s tags."""
-    fields = {f: getattr(module, f) for f in module.__dataclass_fields__
-              if f not in ("parent", "name") and module.__dataclass_fields__[f].init}
+def _emitted_alone(cls: type, module: nn.Module, method: str, args, kwargs) -> tuple[str, ...]:
+    """The tags `module.method(*args, **kwargs)` emits, traced on an unbound copy of
+    class `cls` (auto tags named by `module`'s path)."""
+    fields = {f: getattr(module, f) for f, spec in module.__dataclass_fields__.items()
+              if f not in ("parent", "name") and spec.init}
     alone = cls(**fields, parent=None)
     arrays, rebuild = wrapping.split_static(args, kwargs)
     rngs = {name: jax.random.key(0) for name in ("params", *module.scope.rngs)}
+
+    def run(*xs):
+        a, kw = rebuild(xs)
+        return alone.init_with_output(rngs, *a, method=method, **kw)
+
     token = _PREFIX.set(module.path)
     try:
-        emitted = emitted_tags(
-            lambda *xs: alone.init_with_output(rngs, *rebuild(xs)[0], **rebuild(xs)[1]),
-            *arrays)
+        return tuple(emitted_tags(run, *arrays))
     finally:
         _PREFIX.reset(token)
-    check_names(policy, emitted, where=f"{cls.__name__} at {'/'.join(module.path) or 'root'}")
 
 
 def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
