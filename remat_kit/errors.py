@@ -63,7 +63,7 @@ class UnknownModuleError(RematSpecError):
     """A module class named in an `apply_remat` mapping matches no submodule of the model.
 
     Attributes (besides RematSpecError's): `choices` are the class names of
-    the submodules the model really calls.
+    the model's submodules (linen: those it calls; NNX: the nodes of its graph).
     """
 
     def __init__(self, name: str, choices: Sequence[str], *, message: str):
