@@ -57,3 +57,14 @@ class UnknownTagError(RematSpecError):
     def __init__(self, name: str, choices: Sequence[str], *, spec: str | None = None,
                  position: int | None = None, message: str = "unknown tag"):
         super().__init__(message, spec=spec, token=name, position=position, choices=choices)
+
+
+class UnknownModuleError(RematSpecError):
+    """A module class named in an `apply_remat` mapping matches no submodule of the model.
+
+    Attributes (besides RematSpecError's): `choices` are the class names of
+    the model's submodules (linen: those it calls; NNX: the nodes of its graph).
+    """
+
+    def __init__(self, name: str, choices: Sequence[str], *, message: str):
+        super().__init__(message, token=name, choices=choices)

@@ -92,20 +92,31 @@ def is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
 
+def is_path(name: str) -> bool:
+    """A path tag (or path glob), e.g. `Block_3/attn/query`: auto-tagged by module path.
+
+    Path tags are named by `remat_kit.flax_linen.auto_tag` / `flax_nnx.auto_tag`
+    and are outside the vocabulary; globs over them (`*/attn/query`) are matched
+    against the names a model really emits.
+    """
+    return "/" in name
+
+
 def expand(name: str) -> tuple[str, ...]:
     """Resolves a tag, alias or glob to canonical tags of `known_tags()`.
 
     Returns:
-      A tag or a glob resolves to itself (globs are matched later, against the
-      names a function really emits); an alias to its canonical tags.
+      A tag, a path tag (`is_path`) or a glob resolves to itself (globs are
+      matched later, against the names a function really emits); an alias to
+      its canonical tags.
     Raises:
-      UnknownTagError: `name` is neither a tag, an alias, nor a glob that
-        matches a known tag. The message lists the closest match.
+      UnknownTagError: `name` is neither a tag, a path tag, an alias, nor a
+        glob that matches a known tag. The message lists the closest match.
     """
     if name in ALIASES:
         return ALIASES[name][0]
     vocab = known_tags()
-    if name in vocab:
+    if name in vocab or (is_path(name) and not any(c in name for c in ",;|: \t\n")):
         return (name,)
     if is_glob(name) and fnmatch.filter(vocab, name):
         return (name,)

@@ -153,14 +153,18 @@ class Policy:
         return best
 
     def resolve(self, tags: Iterable[str] | None = None) -> dict[str, str]:
-        """Decision per tag, for `tags` (default: the vocabulary and registered tags).
+        """Decision per tag, for `tags` (default: the vocabulary, registered tags and
+        the path tags this policy names literally, e.g. `Block_0/attn/query`).
 
         Raises:
           TypeError: `tags` is a single string rather than a collection of names.
         """
         if isinstance(tags, str):
             raise TypeError(f"tags must be a collection of tag names, got the string {tags!r}")
-        return {t: self.decide(t) for t in (names.known_tags() if tags is None else tags)}
+        if tags is None:
+            tags = names.known_tags() + tuple(p for p in self.patterns()
+                                              if names.is_path(p) and not names.is_glob(p))
+        return {t: self.decide(t) for t in tags}
 
     def patterns(self) -> tuple[str, ...]:
         """Every tag pattern this policy names, in canonical order."""
@@ -222,20 +226,28 @@ class Policy:
             other offloads.
         Raises:
           RematSpecError: a tag saved by one side and offloaded by the other,
-            with no `prefer`; or the two sides offload to different memory kinds.
+            with no `prefer`; the two sides offload to different memory kinds;
+            or a side holds a path glob (`*/attn/query`), which cannot be
+            expanded without the model's names (write it in one term instead).
         """
         if prefer not in (None, "save", "offload"):
             raise RematSpecError("unknown preference", token=str(prefer),
                                  choices=("save", "offload"))
         if not (self.remat and other.remat):
             return Policy(remat=False)  # no wrapper saves everything
+        path_globs = [p for q in (self, other) for p in q.patterns()
+                      if names.is_path(p) and names.is_glob(p)]
+        if path_globs:
+            raise RematSpecError("a union ('|') cannot expand path globs; write them in one "
+                                 "term, e.g. 'save:*/attn/query;recompute:*'",
+                                 token=path_globs[0])
         kinds = {(p.offload_src, p.offload_dst) for p in (self, other) if p.offload}
         if len(kinds) > 1:
             raise RematSpecError(f"cannot union policies offloading to different memory kinds "
                                  f"{sorted(kinds)}", token=str(other))
         base = max(self.base, other.base, key=BASES.index)
         out = {d: set() for d in DECISIONS}
-        for t in names.known_tags():
+        for t in dict.fromkeys(tuple(self.resolve()) + tuple(other.resolve())):
             da, db = self.decide(t), other.decide(t)
             if {da, db} == {"save", "offload"}:
                 if prefer is None:

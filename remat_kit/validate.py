@@ -68,6 +68,23 @@ def emitted_tags(fn, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
     return found
 
 
+def check_names(policy: Policy, emitted, where: str = "the function") -> None:
+    """Raises UnknownTagError if a pattern of `policy` matches none of the `emitted` names.
+
+    A variant tag (`names.VARIANTS`, e.g. kv_proj beside key_proj) that is
+    missing is accepted when the policy names another variant that is emitted.
+    `where` names the checked code in the message.
+    """
+    emitted = tuple(emitted)
+    matched = {p for p in policy.patterns() if fnmatch.filter(emitted, p)}
+    for pat in policy.patterns():
+        siblings = next((g for g in names.VARIANTS if pat in g), frozenset())
+        if pat not in matched and not siblings & matched:
+            raise UnknownTagError(pat, emitted, message=(
+                f"policy {str(policy)!r} names {pat!r}, which {where} never emits; "
+                f"tags present: {list(emitted) or 'none'}"))
+
+
 def validate(policy: "str | Policy", fn, *args) -> Policy:
     """Checks `policy` against the tags `fn(*args)` emits, and returns it parsed.
 
@@ -86,13 +103,7 @@ def validate(policy: "str | Policy", fn, *args) -> Policy:
     """
     policy = parse(policy)
     emitted = tuple(emitted_tags(fn, *args))
-    matched = {p for p in policy.patterns() if fnmatch.filter(emitted, p)}
-    for pat in policy.patterns():
-        siblings = next((g for g in names.VARIANTS if pat in g), frozenset())
-        if pat not in matched and not siblings & matched:
-            raise UnknownTagError(pat, emitted, message=(
-                f"policy {str(policy)!r} names {pat!r}, which the function never emits; "
-                f"tags present: {list(emitted) or 'none'}"))
+    check_names(policy, emitted)
     if not policy.remat:
         return policy
     # Only tags named literally: `save:*` covering a layer output is not a mistake.
@@ -111,4 +122,4 @@ def validate(policy: "str | Policy", fn, *args) -> Policy:
     return policy
 
 
-__all__ = ["emitted_tags", "tag_of", "validate"]
+__all__ = ["check_names", "emitted_tags", "tag_of", "validate"]

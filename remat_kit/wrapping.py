@@ -1,0 +1,172 @@
+"""What the linen and NNX wrappers share: matching submodules to policies by class,
+splitting call arguments into traced arrays and static values, and turning a
+`Policy` into JAX's policy with the names a region really emits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+
+from remat_kit import names
+from remat_kit.errors import UnknownModuleError
+from remat_kit.policy import Policy
+from remat_kit.spec import parse
+from remat_kit.validate import check_names, tag_of
+
+
+def is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def split_static(args: tuple, kwargs: dict):
+    """(arrays, rebuild): the array leaves of (args, kwargs) and a function that
+    puts new leaves back, keeping every other leaf (flags, None, strings) static.
+
+    Remat regions trace their array inputs; a Python bool such as
+    `deterministic` must stay a Python value, so it is closed over instead.
+    """
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
+
+    def rebuild(arrays):
+        out = list(leaves)
+        for i, x in zip(dynamic, arrays):
+            out[i] = x
+        return jax.tree.unflatten(tree, out)
+
+    return tuple(leaves[i] for i in dynamic), rebuild
+
+
+def needs_names(policy: Policy) -> bool:
+    """Whether the policy has globs, which JAX's built-in policies can only express
+    once the names the region emits are known (`save:*/attn/*` -> those names)."""
+    return policy.remat and any(names.is_glob(p) for p in policy.patterns())
+
+
+def to_jax(policy: Policy, emitted=()):
+    """`policy.to_jax` over the vocabulary, the policy's literal names and `emitted`."""
+    return policy.to_jax(tuple(dict.fromkeys((*policy.resolve(), *emitted))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Marker:
+    """A stand-in policy (save nothing) that marks one remat region in a jaxpr, so the
+    tags emitted inside it can be attributed to a mapping key (`region_tags`)."""
+
+    key: str
+
+    def __call__(self, prim, *avals, **params):
+        return False
+
+
+def region_tags(jaxpr) -> dict[str, set[str]]:
+    """{marker key: tags emitted inside remat regions whose policy is that `Marker`}.
+
+    Walks nested jaxprs under either remat mode (jax_remat3 stages remat as a
+    hi-primitive whose params hold the policy and jaxpr). A tag inside nested
+    regions counts for each of them.
+    """
+    found: dict[str, set[str]] = {}
+
+    def walk(jx, keys):
+        for eqn in jx.eqns:
+            if (t := tag_of(eqn)) is not None:
+                for k in keys:
+                    found[k].add(t)
+            prim = eqn.params.get("_prim")
+            params = getattr(prim, "params", {}) if prim is not None else eqn.params
+            inner = keys
+            if isinstance(params.get("policy"), Marker):
+                inner = keys + (params["policy"].key,)
+                found.setdefault(params["policy"].key, set())
+            for value in params.values():
+                for sub in _jaxprs(value):
+                    walk(sub, inner)
+
+    walk(jaxpr, ())
+    return found
+
+
+def _jaxprs(value):
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jaxprs(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Mapping keys (class names or types) -> parsed policies, in the user's order."""
+
+    keys: tuple
+    policies: tuple[Policy, ...]
+
+    @classmethod
+    def of(cls, mapping, module_base: type, where: str) -> "Plan":
+        """Checks an `apply_remat` mapping {class name or type: policy spec or Policy}.
+
+        Raises:
+          TypeError: `mapping` is not a non-empty mapping, or a key is neither
+            a string nor a subclass of `module_base`.
+          RematSpecError: a policy spec does not parse.
+        """
+        if not isinstance(mapping, Mapping) or not mapping:
+            raise TypeError(f"{where} takes a non-empty mapping {{class name or type: policy}}, "
+                            f"e.g. {{'Block': 'selective'}}; got {mapping!r}")
+        for key in mapping:
+            if not (isinstance(key, str) or (isinstance(key, type)
+                                             and issubclass(key, module_base))):
+                raise TypeError(f"{where}: mapping key {key!r} must be a class name or a "
+                                f"{module_base.__module__}.{module_base.__name__} subclass")
+        return cls(tuple(mapping), tuple(parse(p) for p in mapping.values()))
+
+    def label(self, key) -> str:
+        return key if isinstance(key, str) else key.__name__
+
+    def match(self, module):
+        """The key for `module`: the first class in its MRO named or given in the plan."""
+        for c in type(module).__mro__:
+            for key in self.keys:
+                if key is c or key == c.__name__:
+                    return key
+        return None
+
+    def policy(self, key) -> Policy:
+        return self.policies[self.keys.index(key)]
+
+    def check_matched(self, matched: set, seen: Mapping[str, None]) -> None:
+        """Raises UnknownModuleError for a key no submodule matched, listing `seen` classes."""
+        for key in self.keys:
+            if key not in matched:
+                raise UnknownModuleError(self.label(key), tuple(seen), message=(
+                    "apply_remat: no submodule of the model is of this class (valid choices: "
+                    "the classes present)"))
+
+    def resolve(self, emitted: Mapping[str, set[str]] | None, validate: bool) -> dict:
+        """{key: JAX policy}; with `emitted` (per key label) globs become concrete names.
+
+        Raises:
+          UnknownTagError: `validate` and a policy names a tag its region never emits.
+        """
+        out = {}
+        for key, policy in zip(self.keys, self.policies):
+            tags = sorted((emitted or {}).get(self.label(key), ()))
+            if validate:
+                check_names(policy, tags, where=f"{self.label(key)} (apply_remat)")
+            out[key] = to_jax(policy, tags)
+        return out
+
+    def needs_trace(self, validate: bool) -> bool:
+        return validate or any(needs_names(p) for p in self.policies)
+
+
+def traced_names(fn: Callable, arrays) -> dict[str, set[str]]:
+    """Traces `fn(*arrays)` (no FLOPs) and returns `region_tags` of its jaxpr."""
+    return region_tags(jax.make_jaxpr(fn)(*arrays).jaxpr)
