@@ -57,3 +57,8 @@ class UnknownTagError(RematSpecError):
     def __init__(self, name: str, choices: Sequence[str], *, spec: str | None = None,
                  position: int | None = None, message: str = "unknown tag"):
         super().__init__(message, spec=spec, token=name, position=position, choices=choices)
+
+
+class MeshError(ValueError):
+    """A mesh spec, a mesh that does not fit the devices or the model, or a failed
+    multi-process start. The message names the bad value and the valid choices."""
