@@ -138,22 +138,29 @@ def make(spec: "str | Mapping[str, int]", devices: Sequence | None = None) -> Me
                          axis_types=(AxisType.Auto,) * len(sizes))
 
 
-def rules(mesh: Mesh) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
-    """`RULES` restricted to the axes of `mesh` (a rule's missing axes dropped)."""
+def _shape(mesh: "Mesh | Mapping[str, int]") -> Mapping[str, int]:
+    return mesh.shape if isinstance(mesh, Mesh) else mesh
+
+
+def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """`RULES` restricted to the axes of `mesh` (a Mesh or {axis: size}); a
+    rule's missing axes are dropped."""
     out = []
     for logical, axes in RULES:
         kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ())
-                     if a in mesh.shape)
+                     if a in _shape(mesh))
         out.append((logical, kept[0] if len(kept) == 1 else (kept or None)))
     return tuple(out)
 
 
-def axis_size(mesh: Mesh | None, logical: str) -> int:
-    """How many ways `mesh` splits a logical axis ("batch" -> data x fsdp)."""
+def axis_size(mesh: "Mesh | Mapping[str, int] | None", logical: str) -> int:
+    """How many ways `mesh` (a Mesh or {axis: size}) splits a logical axis
+    ("batch" -> data x fsdp, "heads" -> tensor)."""
     if mesh is None:
         return 1
     axes = dict(rules(mesh))[logical]
-    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    return math.prod(_shape(mesh)[a]
+                     for a in ((axes,) if isinstance(axes, str) else axes or ()))
 
 
 # The mesh `constrain` applies to. Not `jax.set_mesh`: under a global mesh Flax
@@ -189,8 +196,8 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return nn.with_logical_constraint(x, names, rules=rules(mesh), mesh=mesh)
 
 
-def check_fits(mesh: Mesh | None, cfg, batch: int) -> None:
-    """Raises MeshError unless `mesh` can split a `TransformerConfig` and a
+def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None:
+    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig` and a
     global batch: batch by data x fsdp, query and key/value heads and mlp_dim
     by tensor. The message names the numbers. Dimensions that rules split but
     that need not divide (vocab, embed) are replicated instead
@@ -200,13 +207,13 @@ def check_fits(mesh: Mesh | None, cfg, batch: int) -> None:
     n = axis_size(mesh, "batch")
     if batch % n:
         raise MeshError(f"batch {batch} does not split over the {n} data-parallel devices of "
-                        f"mesh {_product_text(mesh.shape)} (data x fsdp = {n})")
+                        f"mesh {_product_text(_shape(mesh))} (data x fsdp = {n})")
     t = axis_size(mesh, "heads")
     for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads),
                         ("mlp_dim", cfg.mlp_dim)):
         if value % t:
             raise MeshError(f"{name}={value} is not divisible by the tensor axis of size {t} "
-                            f"(mesh {_product_text(mesh.shape)}): tensor parallelism splits "
+                            f"(mesh {_product_text(_shape(mesh))}): tensor parallelism splits "
                             f"the heads and the MLP")
 
 
