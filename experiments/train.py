@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import statistics
 import time
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -39,7 +41,8 @@ from experiments import data
 from experiments.common import fail, parse_flags
 from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
-from remat_kit.errors import RematSpecError
+from remat_kit import mesh as rk_mesh
+from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
 
@@ -129,6 +132,29 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
                            f"{high}{']' if high_in else ')'}, got {value!r}")
 
 
+def _start_devices(config: ml_collections.ConfigDict, cfg) -> dict[str, int] | None:
+    """Checks config.mesh against the model and batch, and, before JAX starts,
+    joins the other processes (`remat_kit.mesh.initialize`) and creates the
+    CPU host devices this process contributes. Returns the mesh sizes, or None
+    for one device. Raises MeshError (the caller makes it BadInput)."""
+    sizes = rk_mesh.parse_spec(config.mesh) if config.get("mesh") else None
+    rk_mesh.check_fits(sizes, cfg, config.batch_size)
+    processes = config.get("num_processes", 1)
+    check_int("config.num_processes", processes)
+    if config.get("coordinator") or processes > 1 or "JAX_COORDINATOR_ADDRESS" in os.environ:
+        rk_mesh.initialize(config.get("coordinator") or None,
+                           processes if processes > 1 else None,
+                           config.get("process_id") if processes > 1 else None,
+                           check_int("config.distributed_timeout",
+                                     config.get("distributed_timeout", 300)))
+    elif sizes is not None:
+        try:  # on CPU, as many host devices as the mesh needs (ignored on accelerators)
+            jax.config.update("jax_num_cpu_devices", math.prod(sizes.values()))
+        except RuntimeError:
+            pass  # JAX already started; rk_mesh.make checks the devices it has
+    return sizes
+
+
 def _setup(config: ml_collections.ConfigDict, workdir: str):
     """Validates the config and the workdir (created here) and loads the data,
     all before anything compiles; every user error becomes BadInput."""
@@ -136,6 +162,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
     check_folder(workdir, "--workdir", create=True)
     try:
         cfg = from_config_dict(config)
+        _start_devices(config, cfg)
         if cfg.vocab_size < data.VOCAB_SIZE:
             raise ValueError(f"config.vocab_size must be at least {data.VOCAB_SIZE} (one token "
                              f"per byte value), got {cfg.vocab_size}")
@@ -148,7 +175,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
                                   config.eval_batches)
     except KeyError as e:
         raise BadInput(e.args[0]) from e
-    except (RematSpecError, TypeError, ValueError, OSError) as e:
+    except (RematSpecError, MeshError, TypeError, ValueError, OSError) as e:
         raise BadInput(str(e)) from e
     return cfg, corpus, batches, evals
 
@@ -218,7 +245,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: float) -> dict:
-    console = Console(soft_wrap=True)  # long paths stay on one line in logs
+    # Every process trains; process 0 alone prints and writes metrics and the summary.
+    lead = jax.process_index() == 0
+    console = Console(soft_wrap=True, quiet=not lead)  # long paths stay on one line in logs
     console.print(f"data: {corpus.source}: {corpus.files} files, "
                   f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
     console.print(f"model: {config.model} {cfg.family} L={cfg.num_layers} d={cfg.d_model} "
@@ -228,18 +257,40 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
     model = Transformer(cfg)
     deterministic = cfg.dropout_rate == 0
     tx, schedule = make_optimizer(config)
-    init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
-    sample = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
-    # Parameters do not depend on the batch: initialize on one sequence.
-    params = jax.jit(model.init)(init_rng, sample[:1])["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    num_params = sum(p.size for p in jax.tree.leaves(params))
+    mesh = _mesh(config)
+
+    def init_state():
+        # Parameters do not depend on the batch: initialize on one sequence.
+        init_rng = jax.random.split(jax.random.key(config.seed))[0]
+        params = model.init(init_rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+        # Boxed parameters give boxed optimizer moments: one logical spec for both.
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    # The state, batches and PRNG key, sharded by the model's logical axes on the mesh.
+    sharded = mesh is not None
+
+    def on(*shardings) -> dict:  # jit's in/out shardings on a mesh, else none
+        return dict(zip(("in_shardings", "out_shardings"), shardings)) if sharded else {}
+
+    state_sh = rk_mesh.shardings(jax.eval_shape(init_state), mesh) if sharded else None
+    batch_sh = rk_mesh.batch_sharding(mesh) if sharded else None
+    key_sh = rk_mesh.replicated(mesh) if sharded else None
+    put = (lambda x: rk_mesh.put(x, batch_sh)) if sharded else (lambda x: x)
+    with rk_mesh.use(mesh):
+        state = jax.jit(lambda: nn.unbox(init_state()), **on((), state_sh))()
+    train_rng = jax.random.split(jax.random.key(config.seed))[1]
+    if sharded:
+        train_rng = jax.device_put(train_rng, key_sh)
+    sample = put(np.zeros((config.batch_size, config.seq_len), np.int32))
+    num_params = sum(p.size for p in jax.tree.leaves(state.params))
 
     # Compile ahead of time once: the executable that trains is the one measured.
     # Both compile alike (state donated), so the figures differ only by the policy.
     def compile_step(step_model):
-        step = jax.jit(make_train_step(step_model, deterministic), donate_argnums=0)
-        return step.lower(state, sample, sample, train_rng).compile()
+        step = jax.jit(make_train_step(step_model, deterministic), donate_argnums=0,
+                       **on((state_sh, batch_sh, batch_sh, key_sh), (state_sh, key_sh)))
+        with rk_mesh.use(mesh):
+            return step.lower(state, sample, sample, train_rng).compile()
 
     step_fn = compile_step(model)
     stats = {"label": platform_label(), "policy": _compiled_stats(step_fn)}
@@ -248,12 +299,14 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
         stats["none"] = _compiled_stats(compile_step(none_model))
     else:
         stats["none"] = stats["policy"]
-    eval_fn = jax.jit(make_loss_fn(model, deterministic=True)).lower(
-        state.params, sample, sample, train_rng).compile()
+    with rk_mesh.use(mesh):
+        eval_fn = jax.jit(make_loss_fn(model, deterministic=True),
+                          **on((state_sh.params if sharded else None, batch_sh, batch_sh, key_sh),
+                               key_sh)).lower(state.params, sample, sample, train_rng).compile()
     console.print(f"{num_params:,} parameters; compiled in {time.perf_counter() - start:.1f} s")
 
     def evaluate(params) -> float:
-        return float(np.mean([eval_fn(params, x, y, train_rng) for x, y in evals]))
+        return float(np.mean([eval_fn(params, put(x), put(y), train_rng) for x, y in evals]))
 
     tokens_per_step = config.batch_size * config.seq_len
     step_seconds, window_loss, window_time, eval_loss, loss = [], [], [], None, float("nan")
@@ -261,12 +314,13 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
                         TextColumn("loss {task.fields[loss]:.3f}"),
                         TextColumn("{task.fields[tok_s]:,.0f} tok/s"), TimeRemainingColumn(),
                         console=console)
-    with progress, (workdir / "metrics.jsonl").open("w") as metrics:
+    metrics_path = workdir / "metrics.jsonl" if lead else pathlib.Path(os.devnull)
+    with progress, metrics_path.open("w") as metrics:
         task = progress.add_task("train", total=config.num_steps, loss=float("nan"), tok_s=0.0)
         for step in range(1, config.num_steps + 1):
             inputs, targets = next(batches)
             t0 = time.perf_counter()
-            state, loss = step_fn(state, inputs, targets, train_rng)
+            state, loss = step_fn(state, put(inputs), put(targets), train_rng)
             loss = float(loss)  # waits for the step, so the time below is the step's
             seconds = time.perf_counter() - t0
             step_seconds.append(seconds)
@@ -298,10 +352,23 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
         "final_train_loss": loss, "median_step_seconds": median_step,
         "median_tokens_per_second": tokens_per_step / median_step,
         "wall_seconds": time.perf_counter() - start, "compiled": stats,
+        "mesh": config.get("mesh") or None, "processes": jax.process_count(),
     }
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if lead:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
     return summary
+
+
+def _mesh(config: ml_collections.ConfigDict):
+    """The mesh of config.mesh over every process's devices, or None; BadInput
+    when the devices do not match it."""
+    if not config.get("mesh"):
+        return None
+    try:
+        return rk_mesh.make(config.mesh)
+    except MeshError as e:
+        raise BadInput(f"config.mesh: {e}") from None
 
 
 def main(argv: list[str]) -> None:

@@ -696,7 +696,7 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         boxed = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                                   jnp.zeros((1, seq), jnp.int32)))["params"]
         params = nn.unbox(boxed)
-        shardings = (rk_mesh.param_shardings(boxed, mesh) if mesh is not None
+        shardings = (rk_mesh.shardings(boxed, mesh) if mesh is not None
                      else jax.tree.map(lambda _: None, params))
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               params, shardings)

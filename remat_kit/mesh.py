@@ -2,7 +2,7 @@
 
     mesh = rk.mesh.make("data:2,fsdp:2,tensor:2")      # jax.make_mesh, 8 devices
     with rk.mesh.use(mesh):                             # mesh + Flax logical axis rules
-        ...jit with rk.mesh.param_shardings / batch_sharding...
+        ...jit with rk.mesh.shardings / batch_sharding...
 
 Mesh axes (`AXES`):
 
@@ -38,7 +38,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 import re
+import socket
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import flax.linen as nn
@@ -201,7 +204,7 @@ def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None
     global batch: batch by data x fsdp, query and key/value heads and mlp_dim
     by tensor. The message names the numbers. Dimensions that rules split but
     that need not divide (vocab, embed) are replicated instead
-    (`param_shardings`)."""
+    (`shardings`)."""
     if mesh is None:
         return
     n = axis_size(mesh, "batch")
@@ -226,19 +229,19 @@ def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSp
     return PartitionSpec(*out)
 
 
-def param_shardings(boxed_params, mesh: Mesh):
-    """NamedShardings for a parameter tree with Flax logical-partitioning boxes.
+def shardings(boxed, mesh: Mesh):
+    """NamedShardings for a tree with Flax logical-partitioning boxes.
 
-    boxed_params: `model.init(...)["params"]` or its `jax.eval_shape`, whose
-    leaves are `nn.LogicallyPartitioned` (unboxed leaves are replicated).
-    Returns a tree shaped like `nn.unbox(boxed_params)`. A dimension the
-    rules split but its size does not divide (e.g. GPT-2's 50257-token
+    boxed: `model.init(...)["params"]`, a train state built from boxed
+    parameters (optax keeps the boxes on its moments), or their
+    `jax.eval_shape`; leaves are `nn.LogicallyPartitioned` or plain arrays
+    (replicated). Returns a tree shaped like `nn.unbox(boxed)`. A dimension
+    the rules split but its size does not divide (e.g. GPT-2's 50257-token
     vocabulary over tensor:2) stays whole.
     """
-    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_params), rules(mesh))
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules(mesh))
     return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
-                        specs, nn.unbox(boxed_params),
-                        is_leaf=lambda s: isinstance(s, PartitionSpec))
+                        specs, nn.unbox(boxed), is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -271,39 +274,61 @@ def per_device_config(cfg, mesh: Mesh | None):
                        head_dim=cfg.heads_dim, mlp_dim=cfg.mlp_dim // t)
 
 
+def _wait_for(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to HOST:PORT opens within timeout_s seconds."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, timeout_s: int = 300) -> None:
     """Starts JAX's distributed runtime (`jax.distributed.initialize`) for
-    multi-process training; on CPU with gloo collectives.
+    multi-process training; on CPU with gloo collectives
+    (`jax_cpu_collectives_implementation`).
 
     Args:
-      coordinator: "HOST:PORT" of process 0's coordinator service; None
-        reads JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES,
-        JAX_PROCESS_ID), as `jax.distributed.initialize` does.
+      coordinator: "HOST:PORT" where process 0 serves the coordinator; None
+        reads JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID,
+        as `jax.distributed.initialize` does.
       num_processes, process_id: this run's size and this process's rank.
-      timeout_s: seconds to wait for every process to connect.
+      timeout_s: seconds to wait for the coordinator, and then for every
+        process to join.
     Raises:
-      MeshError: a malformed address or rank, or the coordinator not reached
-        within timeout_s seconds (the message names the address).
+      MeshError: a malformed address or rank, or (processes other than 0) no
+        coordinator listening at the address within timeout_s seconds. JAX's
+        runtime aborts the process rather than raising, so the coordinator is
+        probed over TCP first. A process 0 whose peers never join is aborted
+        by JAX after timeout_s with DEADLINE_EXCEEDED.
     Call it before any other JAX call.
     """
-    if coordinator is not None and not re.match(r"^[^:\s]+:\d+$", coordinator):
-        raise MeshError(f"coordinator must be HOST:PORT, got {coordinator!r}")
-    if num_processes is not None and process_id is not None and not (
-            0 <= process_id < num_processes):
-        raise MeshError(f"process_id {process_id} is not in [0, num_processes={num_processes})")
+    address = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if address is None or not re.match(r"^[^:\s]+:\d+$", address):
+        raise MeshError(f"the coordinator must be HOST:PORT (or JAX_COORDINATOR_ADDRESS), "
+                        f"got {address!r}")
+    if num_processes is None or process_id is None or not 0 <= process_id < num_processes:
+        raise MeshError(f"process_id must be in [0, num_processes); got process_id "
+                        f"{process_id}, num_processes {num_processes}")
+    if process_id > 0 and not _wait_for(address, timeout_s):
+        raise MeshError(f"timed out after {timeout_s} s: process {process_id} of "
+                        f"{num_processes} found no coordinator at {address}; start process 0 "
+                        f"with the same coordinator address first")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(coordinator, num_processes, process_id,
-                                   initialization_timeout=timeout_s)
-    except Exception as e:  # noqa: BLE001 - XLA's runtime errors have no narrower type
-        where = coordinator or "JAX_COORDINATOR_ADDRESS"
-        raise MeshError(f"process {process_id} of {num_processes} could not join the "
-                        f"coordinator at {where} within {timeout_s} s; start process 0 "
-                        f"there first ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:200]})") from None
+    jax.distributed.initialize(address, num_processes, process_id,
+                               initialization_timeout=timeout_s)
 
 
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding", "constrain",
-           "check_fits", "initialize", "make", "param_shardings", "parse_spec",
+           "check_fits", "initialize", "make", "shardings", "parse_spec",
            "per_device_config", "put", "replicated", "rules", "use"]
