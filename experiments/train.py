@@ -278,9 +278,9 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
     put = (lambda x: rk_mesh.put(x, batch_sh)) if sharded else (lambda x: x)
     with rk_mesh.use(mesh):
         state = jax.jit(lambda: nn.unbox(init_state()), **on((), state_sh))()
-    train_rng = jax.random.split(jax.random.key(config.seed))[1]
-    if sharded:
-        train_rng = jax.device_put(train_rng, key_sh)
+    # Made inside jit: a process cannot device_put onto another's devices.
+    train_rng = jax.jit(lambda: jax.random.split(jax.random.key(config.seed))[1],
+                        **on((), key_sh))()
     sample = put(np.zeros((config.batch_size, config.seq_len), np.int32))
     num_params = sum(p.size for p in jax.tree.leaves(state.params))
 
