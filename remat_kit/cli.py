@@ -399,10 +399,20 @@ def _explain(args) -> int:
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
     policy = parse(args.policy if args.policy is not None else cfg.remat)
+    where = ""
+    if args.mesh is not None:  # the layer one device runs; no devices needed
+        try:
+            sizes = rk_mesh.parse_spec(args.mesh)
+            rk_mesh.check_fits(sizes, cfg, batch)
+            cfg = rk_mesh.per_device_config(cfg, sizes)
+        except rk_mesh.MeshError as e:
+            raise BadInput(f"--mesh: {e}") from None
+        batch //= rk_mesh.axis_size(sizes, "batch")
+        where = f", per device of mesh {args.mesh} (heads {cfg.num_heads}, mlp {cfg.mlp_dim})"
     layer = layer_residuals(cfg, batch, seq, policy)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, one decoder layer under {args.policy or str(policy)!r} "
-                  f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}")
+                  f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}{where}")
     t = Table()
     for name, justify in (("value", "left"), ("kind", "left"), ("shape", "left"),
                           ("dtype", "left"), ("bytes", "right"), ("decision", "left")):
@@ -458,6 +468,8 @@ def _parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="what one layer saves under one policy")
     common(explain)
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
+    explain.add_argument("--mesh", default=None,
+                         help="e.g. data:2,fsdp:2,tensor:2: the layer one device runs")
     explain.set_defaults(run=_explain)
     return parser
 

@@ -260,7 +260,7 @@ def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def per_device_config(cfg, mesh: Mesh | None):
+def per_device_config(cfg, mesh: "Mesh | Mapping[str, int] | None"):
     """The `TransformerConfig` one device computes under tensor parallelism:
     num_heads, num_kv_heads and mlp_dim divided by the tensor size, head_dim
     kept. Its activations at batch / (data x fsdp) are the per-device ones

@@ -205,3 +205,16 @@ def test_bad_distributed_arguments(args, message):
     with pytest.raises(MeshError) as e:
         rk_mesh.initialize(*args, timeout_s=1)
     assert message in str(e.value)
+
+
+def test_explain_shows_the_layer_one_device_runs(capsys):
+    from remat_kit import cli
+    assert cli.main(["explain", "--config", "tiny", "--batch", "8", "--seq", "16", "--policy",
+                     "minimal", "--mesh", "data:2,fsdp:2,tensor:2"]) == 0
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("│ ")}
+    # batch 8 / (data 2 x fsdp 2), heads 4 / tensor 2, mlp 256 / tensor 2.
+    assert "[2, 16, 2, 16]" in lines["query_proj"] and "saved" in lines["query_proj"]
+    assert "[2, 16, 128]" in lines["mlpwi"] and "[2, 16, 64]" in lines["out_proj"]
+    assert cli.main(["explain", "--config", "tiny", "--mesh", "fsdp:3"]) == 2
+    assert "batch 8 does not split over the 3 data-parallel devices" in capsys.readouterr().err
