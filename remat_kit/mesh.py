@@ -329,6 +329,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                initialization_timeout=timeout_s)
 
 
-__all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding", "constrain",
-           "check_fits", "initialize", "make", "shardings", "parse_spec",
-           "per_device_config", "put", "replicated", "rules", "use"]
+__all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
+           "check_fits", "constrain", "initialize", "make", "parse_spec", "per_device_config",
+           "put", "replicated", "rules", "shardings", "use"]

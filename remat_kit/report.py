@@ -248,7 +248,8 @@ def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
 
 CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none",
               "activation_residual_bytes", "offloaded_bytes", "layer_residual_bytes",
-              "formula_bytes", "formula_sp_bytes", "flops", "flops_ratio_to_none", "transcendentals",
+              "formula_bytes", "formula_sp_bytes", "flops", "flops_ratio_to_none",
+              "transcendentals",
               "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
               "step_median_s", "step_min_s", "step_max_s", "step_ratio_to_none",
               "compile_seconds", "pareto", "error")
