@@ -1,8 +1,8 @@
 """Device meshes, logical-axis sharding rules and multi-process start.
 
     mesh = rk.mesh.make("data:2,fsdp:2,tensor:2")      # jax.make_mesh, 8 devices
-    with rk.mesh.use(mesh):                             # mesh + Flax logical axis rules
-        ...jit with rk.mesh.shardings / batch_sharding...
+    with rk.mesh.use(mesh):                             # activation constraints on
+        ...jit with rk.mesh.shardings / batch_sharding...  # (trace inside `use`)
 
 Mesh axes (`AXES`):
 
@@ -15,7 +15,8 @@ Mesh axes (`AXES`):
 
 The reference models (`remat_kit.models`) name every parameter dimension
 with `nn.with_logical_partitioning` and constrain activations with
-`nn.with_logical_constraint`, in the logical axes of MaxText and the Flax
+`constrain` (`nn.with_logical_constraint` on the mesh of the enclosing
+`use`), in the logical axes of MaxText and the Flax
 examples (`LOGICAL_AXES`). `RULES` maps them to mesh axes, written once
 here. Flax assigns the rules in order and never uses a mesh axis twice in
 one array, so an activation [batch, length, embed] is split over
@@ -28,6 +29,10 @@ any other tag: `recompute:query_proj` recomputes the head-sharded query
 projection in the backward pass instead of keeping it. Parameters are not
 tagged: XLA re-gathers an FSDP weight in the backward pass whatever the
 policy (the all-gather is inserted after remat decisions are made).
+
+`use` is read while tracing and is not part of JAX's trace cache key: a
+function jitted and traced outside `use` stays unconstrained inside it, so
+build the jitted function (or the model's loss) inside or for the mesh.
 
 Multi-process: `initialize` starts JAX's own distributed runtime
 (`jax.distributed.initialize`) with gloo collectives on CPU.
