@@ -164,7 +164,7 @@ _TYPES = {
     "layer_residual_bytes": int, "layers_residual_bytes": int, "notes": list,
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
 }
-_NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes")
+_NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes")
 
 
 def test_compare_table_json_and_plot(capsys, tmp_path):
@@ -180,7 +180,7 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     doc = json.loads(out_json.read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
-                              "devices": 1, "platform": "XLA CPU compile"}
+                              "devices": 1, "mesh": None, "platform": "XLA CPU compile"}
     # Saving the layer output changes nothing (the next layer keeps it anyway):
     # it lowers to full's program and joins full's row.
     assert [r["names"] for r in doc["records"]] == [
