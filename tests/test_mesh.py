@@ -3,6 +3,7 @@
 Runs on the 8 host devices tests/conftest.py creates.
 """
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -35,6 +36,18 @@ def _sharded_grad(cfg, mesh, boxed):
                    out_shardings=[params_sh] * len(POLICIES))
 
 
+@functools.cache
+def _reference(model: str):
+    """(config, tokens, boxed params, single-device grads without remat) of a model."""
+    # One layer: what the mesh changes is inside every layer alike (compile time).
+    cfg = get_config(model, num_layers=1)
+    tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ), 0, cfg.vocab_size)
+    boxed = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+    ref = jax.jit(jax.grad(make_loss_fn(Transformer(cfg))))(
+        nn.unbox(boxed), tokens, tokens, jax.random.key(2))
+    return cfg, tokens, boxed, ref
+
+
 @pytest.mark.parametrize("model, spec, devices", [
     ("tiny", "data:8", 8),
     ("tiny", "fsdp:8", 8),
@@ -42,13 +55,8 @@ def _sharded_grad(cfg, mesh, boxed):
     ("tiny_llama", "data:2,fsdp:2,tensor:2", 8),  # grouped-query heads split too
 ])
 def test_sharded_grads_equal_single_device(model, spec, devices):
-    # One layer: what the mesh changes is inside every layer alike (compile time).
-    cfg = get_config(model, num_layers=1)
-    tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ), 0, cfg.vocab_size)
-    boxed = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+    cfg, tokens, boxed, ref = _reference(model)
     params, key = nn.unbox(boxed), jax.random.key(2)
-    ref = jax.jit(jax.grad(make_loss_fn(Transformer(cfg))))(
-        params, tokens, tokens, key)
     mesh = rk_mesh.make(spec, jax.devices()[:devices])
     with rk_mesh.use(mesh):
         grads = _sharded_grad(cfg, mesh, boxed)(params, tokens, tokens, key)
