@@ -132,19 +132,19 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
                            f"{high}{']' if high_in else ')'}, got {value!r}")
 
 
-def _start_devices(config: ml_collections.ConfigDict, cfg) -> dict[str, int] | None:
+def _start_devices(config: ml_collections.ConfigDict, cfg) -> None:
     """Checks config.mesh against the model and batch, and, before JAX starts,
-    joins the other processes (`remat_kit.mesh.initialize`) and creates the
-    CPU host devices this process contributes. Returns the mesh sizes, or None
-    for one device. Raises MeshError (the caller makes it BadInput)."""
+    joins the other processes (`remat_kit.mesh.initialize`) or creates the
+    CPU host devices the mesh needs. Raises MeshError (the caller makes it
+    BadInput)."""
     sizes = rk_mesh.parse_spec(config.mesh) if config.get("mesh") else None
     rk_mesh.check_fits(sizes, cfg, config.batch_size)
-    processes = config.get("num_processes", 1)
-    check_int("config.num_processes", processes)
-    if config.get("coordinator") or processes > 1 or "JAX_COORDINATOR_ADDRESS" in os.environ:
-        rk_mesh.initialize(config.get("coordinator") or None,
-                           processes if processes > 1 else None,
-                           config.get("process_id") if processes > 1 else None,
+    processes = check_int("config.num_processes", config.get("num_processes", 1))
+    coordinator = config.get("coordinator") or None
+    if coordinator or processes > 1 or "JAX_COORDINATOR_ADDRESS" in os.environ:
+        explicit = coordinator is not None or processes > 1  # else all from the environment
+        rk_mesh.initialize(coordinator, processes if explicit else None,
+                           config.get("process_id", 0) if explicit else None,
                            check_int("config.distributed_timeout",
                                      config.get("distributed_timeout", 300)))
     elif sizes is not None:
@@ -152,7 +152,6 @@ def _start_devices(config: ml_collections.ConfigDict, cfg) -> dict[str, int] | N
             jax.config.update("jax_num_cpu_devices", math.prod(sizes.values()))
         except RuntimeError:
             pass  # JAX already started; rk_mesh.make checks the devices it has
-    return sizes
 
 
 def _setup(config: ml_collections.ConfigDict, workdir: str):

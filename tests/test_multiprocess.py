@@ -74,3 +74,22 @@ def test_two_processes_train_like_one(tmp_path):
     # Only process 0 writes metrics and the summary.
     assert not (tmp_path / "p1" / "metrics.jsonl").exists()
     assert not (tmp_path / "p1" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("mesh", "data:2,model:4", "unknown axis 'model'"),
+    ("mesh", "tensor:3", "num_heads=4 is not divisible by the tensor axis of size 3"),
+    ("mesh", "data:3", "batch 8 does not split over the 3 data-parallel devices"),
+    ("num_processes", 2, "the coordinator must be HOST:PORT (or JAX_COORDINATOR_ADDRESS)"),
+    ("num_processes", 0, "config.num_processes must be a positive int"),
+])
+def test_train_rejects_bad_sharding_fields_before_starting(field, value, message, tmp_path):
+    from experiments import train
+    from experiments.configs import tiny
+    from remat_kit.cli import BadInput
+
+    config = tiny.get_config()
+    config[field] = value
+    with pytest.raises(BadInput) as e:
+        train.train_and_evaluate(config, str(tmp_path))
+    assert message in str(e.value)
