@@ -49,15 +49,21 @@ class MetricsLog:
     Opening cuts metrics.jsonl to the lines of steps <= `resume_step` (the step
     the run restarts from; 0 for a fresh run), so a resumed run neither repeats
     nor skips a step. TensorBoard events of later steps are purged the same way
-    (tensorboardX's `purge_step`). Use as a context manager.
+    (tensorboardX's `purge_step`). Use as a context manager. With `enabled`
+    False (every process but the first of a multi-process run) it writes
+    nothing.
     """
 
-    def __init__(self, workdir: pathlib.Path, resume_step: int, tensorboard: bool = False):
+    def __init__(self, workdir: pathlib.Path, resume_step: int, tensorboard: bool = False,
+                 enabled: bool = True):
+        self._writer = None
+        if not enabled:
+            self._file = open(os.devnull, "a")
+            return
         path = workdir / METRICS
         kept = [line for line in _read_jsonl(path) if line["step"] <= resume_step]
         _replace_text(path, "".join(json.dumps(line) + "\n" for line in kept))
         self._file = path.open("a")
-        self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # optional, only when asked for
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -45,7 +47,8 @@ from experiments import checkpoint, data, guards, runlog
 from experiments.common import fail, parse_flags
 from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
-from remat_kit.errors import RematSpecError
+from remat_kit import mesh as rk_mesh
+from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
 
@@ -138,6 +141,28 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
                            f"{high}{']' if high_in else ')'}, got {value!r}")
 
 
+def _start_devices(config: ml_collections.ConfigDict, cfg) -> None:
+    """Checks config.mesh against the model and batch, and, before JAX starts,
+    joins the other processes (`remat_kit.mesh.initialize`) or creates the
+    CPU host devices the mesh needs. Raises MeshError (the caller makes it
+    BadInput)."""
+    sizes = rk_mesh.parse_spec(config.mesh) if config.get("mesh") else None
+    rk_mesh.check_fits(sizes, cfg, config.batch_size)
+    processes = check_int("config.num_processes", config.get("num_processes", 1))
+    coordinator = config.get("coordinator") or None
+    if coordinator or processes > 1 or "JAX_COORDINATOR_ADDRESS" in os.environ:
+        explicit = coordinator is not None or processes > 1  # else all from the environment
+        rk_mesh.initialize(coordinator, processes if explicit else None,
+                           config.get("process_id", 0) if explicit else None,
+                           check_int("config.distributed_timeout",
+                                     config.get("distributed_timeout", 300)))
+    elif sizes is not None:
+        try:  # on CPU, as many host devices as the mesh needs (ignored on accelerators)
+            jax.config.update("jax_num_cpu_devices", math.prod(sizes.values()))
+        except RuntimeError:
+            pass  # JAX already started; rk_mesh.make checks the devices it has
+
+
 def _setup(config: ml_collections.ConfigDict, workdir: str):
     """Validates the config and the workdir (created here) and loads the data,
     all before anything compiles; every user error becomes BadInput."""
@@ -145,6 +170,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
     check_folder(workdir, "--workdir", create=True)
     try:
         cfg = from_config_dict(config)
+        _start_devices(config, cfg)
         if cfg.vocab_size < data.VOCAB_SIZE:
             raise ValueError(f"config.vocab_size must be at least {data.VOCAB_SIZE} (one token "
                              f"per byte value), got {cfg.vocab_size}")
@@ -157,7 +183,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
                                   config.eval_batches)
     except KeyError as e:
         raise BadInput(e.args[0]) from e
-    except (RematSpecError, TypeError, ValueError, OSError) as e:
+    except (RematSpecError, MeshError, TypeError, ValueError, OSError) as e:
         raise BadInput(str(e)) from e
     return cfg, corpus, batches, evals
 
@@ -295,7 +321,10 @@ def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: fl
 
 
 def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float) -> dict:
-    console = Console(soft_wrap=True)  # long paths stay on one line in logs
+    # Every process trains and checkpoints (orbax coordinates them); process 0
+    # alone prints and writes metrics, the config history and the summary.
+    lead = jax.process_index() == 0
+    console = Console(soft_wrap=True, quiet=not lead)  # long paths stay on one line in logs
     console.print(f"data: {corpus.source}: {corpus.files} files, "
                   f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
     console.print(f"model: {config.model} {cfg.family} L={cfg.num_layers} d={cfg.d_model} "
@@ -305,14 +334,35 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     model = Transformer(cfg)
     deterministic = cfg.dropout_rate == 0
     tx, schedule = make_optimizer(config)
-    init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
-    sample = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
-    # Parameters do not depend on the batch: initialize on one sequence.
-    params = jax.jit(model.init)(init_rng, sample[:1])["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    num_params = sum(p.size for p in jax.tree.leaves(params))
+    mesh = _mesh(config)
+
+    def init_state():
+        # Parameters do not depend on the batch: initialize on one sequence.
+        init_rng = jax.random.split(jax.random.key(config.seed))[0]
+        params = model.init(init_rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+        # Boxed parameters give boxed optimizer moments: one logical spec for both.
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    # The state, batches and PRNG key, sharded by the model's logical axes on the mesh.
+    sharded = mesh is not None
+
+    def on(*shardings) -> dict:  # jit's in/out shardings on a mesh, else none
+        return dict(zip(("in_shardings", "out_shardings"), shardings)) if sharded else {}
+
+    state_sh = rk_mesh.shardings(jax.eval_shape(init_state), mesh) if sharded else None
+    batch_sh = rk_mesh.batch_sharding(mesh) if sharded else None
+    key_sh = rk_mesh.replicated(mesh) if sharded else None
+    put = (lambda x: rk_mesh.put(x, batch_sh)) if sharded else (lambda x: x)
+    with rk_mesh.use(mesh):
+        state = jax.jit(lambda: nn.unbox(init_state()), **on((), state_sh))()
+    # Made inside jit: a process cannot device_put onto another's devices.
+    train_rng = jax.jit(lambda: jax.random.split(jax.random.key(config.seed))[1],
+                        **on((), key_sh))()
+    sample = put(np.zeros((config.batch_size, config.seq_len), np.int32))
+    num_params = sum(p.size for p in jax.tree.leaves(state.params))
     state, train_rng, start_step = _resume(ckpt, config, state, train_rng)
-    policies, changed = runlog.record_start(workdir, config, str(cfg.policy), start_step)
+    policies, changed = (runlog.record_start(workdir, config, str(cfg.policy), start_step)
+                         if lead else ([], []))
     if start_step:
         console.print(f"resuming at step {start_step} from {ckpt.directory}"
                       + (f"; changed since the last start: {'; '.join(changed)}" if changed
@@ -321,8 +371,10 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     # Compile ahead of time once: the executable that trains is the one measured.
     # Both compile alike (state donated), so the figures differ only by the policy.
     def compile_step(step_model):
-        step = jax.jit(make_train_step(step_model, deterministic), donate_argnums=0)
-        return step.lower(state, sample, sample, train_rng).compile()
+        step = jax.jit(make_train_step(step_model, deterministic), donate_argnums=0,
+                       **on((state_sh, batch_sh, batch_sh, key_sh), (state_sh, key_sh)))
+        with rk_mesh.use(mesh):
+            return step.lower(state, sample, sample, train_rng).compile()
 
     step_fn = compile_step(model)
     stats = {"label": platform_label(), "policy": _compiled_stats(step_fn)}
@@ -331,12 +383,14 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         stats["none"] = _compiled_stats(compile_step(none_model))
     else:
         stats["none"] = stats["policy"]
-    eval_fn = jax.jit(make_loss_fn(model, deterministic=True)).lower(
-        state.params, sample, sample, train_rng).compile()
+    with rk_mesh.use(mesh):
+        eval_fn = jax.jit(make_loss_fn(model, deterministic=True),
+                          **on((state_sh.params if sharded else None, batch_sh, batch_sh, key_sh),
+                               key_sh)).lower(state.params, sample, sample, train_rng).compile()
     console.print(f"{num_params:,} parameters; compiled in {time.perf_counter() - start:.1f} s")
 
     def evaluate(params) -> float:
-        return float(np.mean([eval_fn(params, x, y, train_rng) for x, y in evals]))
+        return float(np.mean([eval_fn(params, put(x), put(y), train_rng) for x, y in evals]))
 
     def save(step: int) -> None:
         ckpt.save(step, _checkpointed(state, train_rng),
@@ -349,7 +403,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                         TextColumn("loss {task.fields[loss]:.3f}"),
                         TextColumn("{task.fields[tok_s]:,.0f} tok/s"), TimeRemainingColumn(),
                         console=console)
-    with (progress, runlog.MetricsLog(workdir, start_step, config.tensorboard) as metrics,
+    with (progress, runlog.MetricsLog(workdir, start_step, config.tensorboard, lead) as metrics,
           guards.stop_signals() as stop):
         task = progress.add_task("train", total=config.num_steps, completed=start_step,
                                  loss=float("nan"), tok_s=0.0)
@@ -357,7 +411,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
             # Batch i is a pure function of (seed, i): step s trains on batch s - 1.
             inputs, targets = batches(step - 1)
             t0 = time.perf_counter()
-            state, loss = step_fn(state, inputs, targets, train_rng)
+            state, loss = step_fn(state, put(inputs), put(targets), train_rng)
             loss = float(loss)  # waits for the step, so the time below is the step's
             seconds = time.perf_counter() - t0
             if not math.isfinite(loss):
@@ -416,10 +470,23 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                        "bytes": ckpt.size_bytes(last_saved),
                        "write_seconds": ckpt.last_write_seconds,
                        "blocking_seconds": ckpt.last_blocking_seconds},
+        "mesh": config.get("mesh") or None, "processes": jax.process_count(),
     }
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if lead:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
     return summary
+
+
+def _mesh(config: ml_collections.ConfigDict):
+    """The mesh of config.mesh over every process's devices, or None; BadInput
+    when the devices do not match it."""
+    if not config.get("mesh"):
+        return None
+    try:
+        return rk_mesh.make(config.mesh)
+    except MeshError as e:
+        raise BadInput(f"config.mesh: {e}") from None
 
 
 def main(argv: list[str]) -> None:

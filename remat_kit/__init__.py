@@ -5,10 +5,10 @@
     nn.remat(Block, policy=policy.to_jax())
 """
 
-from remat_kit import estimate, report
+from remat_kit import estimate, mesh, report
 from remat_kit import flax_linen as linen
 from remat_kit import flax_nnx as nnx
-from remat_kit.errors import RematSpecError, UnknownModuleError, UnknownTagError
+from remat_kit.errors import MeshError, RematSpecError, UnknownModuleError, UnknownTagError
 from remat_kit.measure import (Record, checkpointed, explain, layer_residuals, measure,
                                measure_config, residuals)
 from remat_kit.names import ALIASES, TAGS, register_tag, tag
@@ -17,8 +17,8 @@ from remat_kit.spec import PRESETS, from_custom, parse
 from remat_kit.validate import emitted_tags, validate
 
 __all__ = [
-    "ALIASES", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS", "UnknownModuleError",
-    "UnknownTagError", "checkpointed", "emitted_tags", "estimate", "explain", "from_custom",
-    "layer_residuals", "linen", "measure", "measure_config", "nnx", "parse", "register_tag",
-    "report", "residuals", "tag", "validate",
+    "ALIASES", "MeshError", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS",
+    "UnknownModuleError", "UnknownTagError", "checkpointed", "emitted_tags", "estimate",
+    "explain", "from_custom", "layer_residuals", "linen", "measure", "measure_config", "mesh",
+    "nnx", "parse", "register_tag", "report", "residuals", "tag", "validate",
 ]

@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import math
 import os
 import sys
 import tempfile
 from collections.abc import Sequence
 
+from remat_kit import mesh as rk_mesh
 from remat_kit import names as tag_names
 from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
@@ -294,45 +296,41 @@ def preset_policies() -> list[str]:
             for cb, name, _, _ in PRESET_TABLE]
 
 
-# Creating more host devices than this takes minutes (8192: about a minute).
-MAX_MESH_DEVICES = 1024
+def device_mesh(text: str | None, batch: int, cfg: TransformerConfig):
+    """The `Mesh` for a --mesh spec such as 'data:2,fsdp:2,tensor:2' over the
+    first data x fsdp x tensor devices (`remat_kit.mesh.make`), or None.
 
-
-def data_mesh(text: str | None, batch: int):
-    """A 1-D `Mesh` over the first N devices for 'data:N', or None.
-
-    On CPU, N host devices are created if JAX has not started yet (the
-    `jax_num_cpu_devices` option, like XLA_FLAGS=--xla_force_host_platform_device_count=N).
+    On CPU, that many host devices are created if JAX has not started yet
+    (the `jax_num_cpu_devices` option, like
+    XLA_FLAGS=--xla_force_host_platform_device_count=N).
 
     Raises:
-      BadInput: not 'data:N', N above MAX_MESH_DEVICES, a global `batch`
-        that does not split over N, or fewer than N devices. All but the last
-        are found before JAX starts.
+      BadInput: a bad spec (unknown axis, size not a positive int, more than
+        `remat_kit.mesh.MAX_DEVICES` devices), a global `batch` that does not
+        split over data x fsdp, heads or mlp_dim that do not split over
+        tensor, or fewer devices than the mesh needs. All but the last are
+        found before JAX starts.
     """
     if text is None:
         return None
-    axis, _, count = text.partition(":")
-    if axis != "data" or not count.isdigit() or int(count) <= 0:
-        raise BadInput(f"--mesh must be data:N with N a positive int (data parallelism only "
-                       f"for now), got {text!r}")
-    n = int(count)
-    if n > MAX_MESH_DEVICES:
-        raise BadInput(f"--mesh data:{n} asks for more than the {MAX_MESH_DEVICES} devices "
-                       f"supported")
-    if batch % n:
-        raise BadInput(f"--mesh data:{n} splits the batch over {n} devices, but batch {batch} "
-                       f"is not a multiple of {n}")
-    import jax
     try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass  # JAX already started; use the devices it has
-    devices = jax.devices()
-    if len(devices) < n:
-        raise BadInput(f"--mesh data:{n} needs {n} devices, found {len(devices)} "
-                       f"{devices[0].platform}; on CPU set "
-                       f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting")
-    return jax.sharding.Mesh(devices[:n], ("data",))
+        sizes = rk_mesh.parse_spec(text)
+        rk_mesh.check_fits(sizes, cfg, batch)
+        import jax
+        n = math.prod(sizes.values())
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass  # JAX already started; use the devices it has
+        devices = jax.devices()
+        if len(devices) < n:
+            raise rk_mesh.MeshError(
+                f"mesh {text} needs {n} devices, found {len(devices)} {devices[0].platform}; "
+                f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
+                "starting")
+        return rk_mesh.make(sizes, devices[:n])
+    except rk_mesh.MeshError as e:
+        raise BadInput(f"--mesh: {e}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -362,10 +360,12 @@ def _compare(args) -> int:
         check_output_file(args.json, "--json")
     if args.plot is not None:
         check_output_file(args.plot, "--plot", suffix=".png")
-    mesh = data_mesh(args.mesh, batch)
-    devices = 1 if mesh is None else mesh.shape["data"]
+    mesh = device_mesh(args.mesh, batch, cfg)
+    devices = 1 if mesh is None else mesh.size
+    batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
+    tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
     if args.time:
-        check_memory(cfg, batch // devices, seq, f"--batch {batch} and --seq {seq}")
+        check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
@@ -373,13 +373,13 @@ def _compare(args) -> int:
 
     records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=args.time,
                              mesh=mesh, progress=progress)
-    rows = report.rows(records, cfg, batch // devices, seq)
+    rows = report.rows(records, cfg, batch // batch_split, seq, tensor=tensor)
     platform = platform_label()
-    per_device = f", per device of {devices}" if devices > 1 else ""
+    per_device = f", per device of {devices} ({args.mesh})" if devices > 1 else ""
     title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({platform}{per_device})"
     report.print_table(rows, title)
     context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
-               "devices": devices, "platform": platform}
+               "devices": devices, "mesh": args.mesh, "platform": platform}
     if args.json is not None:
         report.write_json(args.json, rows, context)
     if args.plot is not None:
@@ -399,10 +399,20 @@ def _explain(args) -> int:
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
     policy = parse(args.policy if args.policy is not None else cfg.remat)
+    where = ""
+    if args.mesh is not None:  # the layer one device runs; no devices needed
+        try:
+            sizes = rk_mesh.parse_spec(args.mesh)
+            rk_mesh.check_fits(sizes, cfg, batch)
+            cfg = rk_mesh.per_device_config(cfg, sizes)
+        except rk_mesh.MeshError as e:
+            raise BadInput(f"--mesh: {e}") from None
+        batch //= rk_mesh.axis_size(sizes, "batch")
+        where = f", per device of mesh {args.mesh} (heads {cfg.num_heads}, mlp {cfg.mlp_dim})"
     layer = layer_residuals(cfg, batch, seq, policy)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, one decoder layer under {args.policy or str(policy)!r} "
-                  f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}")
+                  f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}{where}")
     t = Table()
     for name, justify in (("value", "left"), ("kind", "left"), ("shape", "left"),
                           ("dtype", "left"), ("bytes", "right"), ("decision", "left")):
@@ -446,7 +456,8 @@ def _parser() -> argparse.ArgumentParser:
     common(compare)
     compare.add_argument("--policies", default=None,
                          help="comma-separated policy specs (default: every preset)")
-    compare.add_argument("--mesh", default=None, help="data:N, split the batch over N devices")
+    compare.add_argument("--mesh", default=None,
+                         help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
     compare.add_argument("--time", type=_non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")
@@ -457,6 +468,8 @@ def _parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="what one layer saves under one policy")
     common(explain)
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
+    explain.add_argument("--mesh", default=None,
+                         help="e.g. data:2,fsdp:2,tensor:2: the layer one device runs")
     explain.set_defaults(run=_explain)
     return parser
 

@@ -68,3 +68,8 @@ class UnknownModuleError(RematSpecError):
 
     def __init__(self, name: str, choices: Sequence[str], *, message: str):
         super().__init__(message, token=name, choices=choices)
+
+
+class MeshError(ValueError):
+    """A mesh spec, a mesh that does not fit the devices or the model, or a failed
+    multi-process start. The message names the bad value and the valid choices."""

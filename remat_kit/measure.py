@@ -38,13 +38,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from jax.extend.core.primitives import (copy_p, device_put_p, reduce_precision_p,
                                         reshape_p, scan_p, squeeze_p, transpose_p)
-from jax.sharding import NamedSharding, PartitionSpec
 
+from remat_kit import mesh as rk_mesh
 from remat_kit._jax_private import hlo_text_cost_analysis
 from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_loss_fn
 from remat_kit.models.transformer import remat_layer
@@ -515,7 +516,8 @@ def _as_factory(fn: Callable) -> LossFactory:
 
 def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
             time_steps: int = 0, sample_args: Callable | None = None,
-            progress: Callable[[int, int, Record], None] | None = None) -> list[Record]:
+            progress: Callable[[int, int, Record], None] | None = None,
+            per_device: tuple[LossFactory, tuple] | None = None) -> list[Record]:
     """Measures a loss under each policy, compile-only (optionally also timed).
 
     Args:
@@ -539,6 +541,10 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         shaped like `args` (normal floats, zero ints).
       progress: called as progress(i, n, record) after the i-th of n
         distinct policies is measured.
+      per_device: (factory, args) of the program one device runs, whose
+        residuals are reported instead of tracing `args` at their shard
+        shapes; needed where a shard is not a valid input (parameters split
+        over fsdp or tensor). `measure_config` passes it for its meshes.
     Returns:
       One `Record` per distinct policy, in first-seen order. A policy that
       fails to trace, compile or run gives a record with `error` set; the
@@ -579,8 +585,11 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
                 continue
             compiled = lowered.compile(None if time_steps else _COMPILE_ONLY_OPTIONS)
             seconds = time.perf_counter() - start
-            found = (_stage(loss, local_args).residuals if local_args is not None
-                     else staged.residuals)
+            if per_device is not None:
+                found = _stage(per_device[0](policy), per_device[1]).residuals
+            else:
+                found = (_stage(loss, local_args).residuals if local_args is not None
+                         else staged.residuals)
             costs, notes = loop_scaled_costs(compiled)
             split = _split(found)
             if split["offloaded_bytes"] and jax.default_backend() == "cpu":
@@ -633,14 +642,6 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _data_size(mesh) -> int:
-    if mesh is None:
-        return 1
-    if "data" not in mesh.shape:
-        raise ValueError(f"the mesh needs a 'data' axis; it has {tuple(mesh.shape)}")
-    return mesh.shape["data"]
-
-
 def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Sequence | None = None,
                    *, names=None, dtype: str | None = None, time_steps: int = 0,
                    mesh: jax.sharding.Mesh | None = None, per_layer: bool = True,
@@ -660,56 +661,82 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
       dtype: activation dtype override ("float32", "bfloat16", "float16");
         parameters keep `cfg.param_dtype`.
       time_steps: see `measure`; timed data are random token ids.
-      mesh: a `jax.sharding.Mesh` with a "data" axis: the batch is split
-        over it (data parallelism), parameters are replicated, and every
-        figure is per device.
+      mesh: a `jax.sharding.Mesh` from `remat_kit.mesh.make` (axes data,
+        fsdp, tensor): parameters and tokens are sharded by the model's
+        logical axes (`remat_kit.mesh.RULES`) and traced under its rules.
+        Every figure is then per device: XLA's memory and cost analysis of
+        the SPMD-partitioned program are per device, and residuals are
+        traced on the program one device runs (batch / (data x fsdp),
+        heads and mlp / tensor, `remat_kit.mesh.per_device_config`).
       per_layer: also measure one decoder layer alone per policy
         (`Record.layer_residual_bytes`, for the Korthikanti comparison).
       progress: see `measure`.
     Returns:
       As `measure`.
     Raises:
-      ValueError: batch or seq not a positive int, batch not divisible by
-        the data axis, seq above a GPT-2 config's max_len, a bad dtype.
+      ValueError: batch or seq not a positive int, seq above a GPT-2
+        config's max_len, a bad dtype.
+      MeshError: the mesh does not split the batch or the heads
+        (`remat_kit.mesh.check_fits`).
       RematSpecError: a policy does not parse.
     """
     _check_positive("batch", batch)
     _check_positive("seq", seq)
-    n = _data_size(mesh)
-    if batch % n:
-        raise ValueError(f"batch {batch} does not split over {n} data-parallel devices")
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     if cfg.family == "gpt2" and seq > cfg.max_len:
         raise ValueError(f"seq {seq} exceeds the model's max_len {cfg.max_len} "
                          "(GPT-2 learns one position embedding per position)")
-    shard = (lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))) if mesh else (lambda *_: None)
-    model = Transformer(cfg.replace(remat="none"))
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=shard("data"))
-    params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard()),
-        jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))
-        ["params"])
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=shard())
+    rk_mesh.check_fits(mesh, cfg, batch)
     deterministic = cfg.dropout_rate == 0
 
-    def loss_for_policy(policy):
-        return make_loss_fn(Transformer(cfg.replace(remat=policy)), deterministic)
+    def program(cfg, batch, mesh):
+        """(loss factory, args as ShapeDtypeStructs) of cfg on `mesh` (None: unsharded)."""
+        model = Transformer(cfg.replace(remat="none"))
+        boxed = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                                  jnp.zeros((1, seq), jnp.int32)))["params"]
+        params = nn.unbox(boxed)
+        shardings = (rk_mesh.shardings(boxed, mesh) if mesh is not None
+                     else jax.tree.map(lambda _: None, params))
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              params, shardings)
+        on_mesh = mesh is not None
+        tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
+                                      sharding=rk_mesh.batch_sharding(mesh) if on_mesh else None)
+        key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                                   sharding=rk_mesh.replicated(mesh) if on_mesh else None)
+
+        def loss_for_policy(policy):
+            loss = make_loss_fn(Transformer(cfg.replace(remat=policy)), deterministic)
+            if mesh is None:
+                return loss
+
+            def sharded_loss(*args):  # the models' logical constraints apply while tracing
+                with rk_mesh.use(mesh):
+                    return loss(*args)
+            return sharded_loss
+        return loss_for_policy, (params, tokens, tokens, key)
+
+    loss_for_policy, args = program(cfg, batch, mesh)
+    n = rk_mesh.axis_size(mesh, "batch")
+    local_cfg = rk_mesh.per_device_config(cfg, mesh)
+    per_device = program(local_cfg, batch // n, None) if mesh is not None else None
 
     def sample_args(k):
         k_init, k_in, k_out, k_drop = jax.random.split(k, 4)
         init_tokens = jnp.zeros((1, seq), jnp.int32)
         draw = lambda kk: jax.random.randint(kk, (batch, seq), 0, cfg.vocab_size, jnp.int32)
-        return model.init(k_init, init_tokens)["params"], draw(k_in), draw(k_out), k_drop
+        params = Transformer(cfg).init(k_init, init_tokens)["params"]
+        return nn.unbox(params), draw(k_in), draw(k_out), k_drop
 
-    records = measure(loss_for_policy, params, tokens, tokens, key,
+    records = measure(loss_for_policy, *args,
                       policies=policies if policies is not None else [cfg.remat], names=names,
-                      time_steps=time_steps, sample_args=sample_args, progress=progress)
+                      time_steps=time_steps, sample_args=sample_args, progress=progress,
+                      per_device=per_device)
     if not per_layer:
         return records
     return [dataclasses.replace(r, layer_residual_bytes=_layer_stored_bytes(
-        cfg, batch // n, seq, parse(r.policy))) if r.error is None else r for r in records]
+        local_cfg, batch // n, seq, parse(r.policy))) if r.error is None else r for r in records]
 
 
 # ---------------------------------------------------------------------------

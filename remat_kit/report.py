@@ -10,7 +10,8 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
     {
       "schema_version": 1,
       "context": {"config": str, "batch": int, "seq": int, "dtype": str,
-                  "devices": int, "platform": str},     # as given to `rows`
+                  "devices": int, "mesh": str | null,
+                  "platform": str},                  # as given to `write_json`
       "formula_note": str,                             # FORMULA_NOTE
       "records": [                                     # one object per policy,
         {                                              # sorted by temp memory
@@ -41,7 +42,9 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
           "flops_ratio_to_none": float | null,
           "pareto": bool,                 # no other row has less or equal
                                           # temp memory and FLOPs, one strictly
-          "formula_bytes": int | null     # Korthikanti per layer x layers
+          "formula_bytes": int | null,    # Korthikanti per layer x layers (tensor
+                                      # parallel row when devices split heads)
+      "formula_sp_bytes": int | null  # tensor + sequence parallel row, or null
         }
       ]
     }
@@ -71,7 +74,9 @@ SCHEMA_VERSION = 1
 
 FORMULA_NOTE = (
     "Korthikanti x L: Korthikanti et al. 2022 Table 2 per-layer activation bytes (no "
-    "parallelism for none/everything, selective, full recompute 2sbh) times the layers, at "
+    "parallelism for none/everything, selective, full recompute 2sbh; the 'tensor parallel' "
+    "row on a mesh with a tensor axis, and the 'tensor + sequence parallel' row in 'Korthikanti "
+    "SP x L') times the layers, at "
     "this run's bytes per element, dropout masks only with dropout on. 'layer x L': one "
     "decoder layer measured alone, times the layers. Gaps come from what the formula models: "
     "Megatron's GeLU 4h-wide multi-head layer with 16-bit tensors. Here, without remat, the "
@@ -85,19 +90,23 @@ _FORMULA_METHOD = {"none": "none", "everything": "none", "full": "full",
                    str(parse("selective")): "selective"}
 
 
-def formula_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: str) -> int | None:
+def formula_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: str, t: int = 1,
+                  sequence_parallel: bool = False) -> int | None:
     """Korthikanti et al. 2022 activation bytes for `policy`, all layers, one device.
 
     `estimate.model_total` with s=seq, b=batch (per device), h=d_model,
-    a=num_heads, L=num_layers, bytes_per_elem = the activation dtype's size,
-    dropout masks only if cfg.dropout_rate > 0. Policies other than none /
-    everything (Table 2 "no parallelism"), selective and full have no formula:
-    None.
+    a=num_heads, L=num_layers, t=tensor-parallel size, bytes_per_elem = the
+    activation dtype's size, dropout masks only if cfg.dropout_rate > 0: the
+    Table 2 rows "no parallelism" (t=1), "tensor parallel" (t>1) or "tensor +
+    sequence parallel" (`sequence_parallel`). Policies other than none /
+    everything, selective and full, and a t that does not divide d_model and
+    num_heads, have no formula: None.
     """
     method = _FORMULA_METHOD.get(str(parse(policy)))
-    if method is None:
+    if method is None or cfg.d_model % t or cfg.num_heads % t:
         return None
     return estimate.model_total(method, seq, batch, cfg.d_model, cfg.num_heads, cfg.num_layers,
+                                t, sequence_parallel,
                                 bytes_per_elem=cfg.activation_dtype.itemsize,
                                 dropout=cfg.dropout_rate > 0)
 
@@ -121,11 +130,14 @@ def _ratio(a, b) -> float | None:
 
 
 def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
-         batch: int | None = None, seq: int | None = None) -> list[dict]:
+         batch: int | None = None, seq: int | None = None, tensor: int = 1) -> list[dict]:
     """Records as dicts (`Record.to_dict`) plus temp_ratio_to_none,
-    flops_ratio_to_none, pareto, formula_bytes and layers_residual_bytes;
-    sorted by temp memory (failed rows last). cfg, batch (per device), seq: for
-    the two per-layer figures."""
+    flops_ratio_to_none, pareto, formula_bytes, formula_sp_bytes and
+    layers_residual_bytes; sorted by temp memory (failed rows last). cfg,
+    batch (per device), seq: for the two per-layer figures. tensor: the
+    tensor-parallel size; above 1, formula_bytes is Korthikanti's "tensor
+    parallel" row and formula_sp_bytes the "tensor + sequence parallel" row
+    (else None)."""
     none = next((r for r in records if r.policy == "none" and r.error is None), None)
     out = []
     for r, pareto in zip(records, pareto_flags(records)):
@@ -133,8 +145,11 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
         d["temp_ratio_to_none"] = _ratio(r.temp_size_in_bytes, none and none.temp_size_in_bytes)
         d["flops_ratio_to_none"] = _ratio(r.flops, none and none.flops)
         d["pareto"] = pareto
-        d["formula_bytes"] = (formula_bytes(cfg, batch, seq, r.policy)
+        d["formula_bytes"] = (formula_bytes(cfg, batch, seq, r.policy, tensor)
                               if cfg is not None and r.error is None else None)
+        d["formula_sp_bytes"] = (formula_bytes(cfg, batch, seq, r.policy, tensor, True)
+                                 if cfg is not None and r.error is None and tensor > 1
+                                 else None)
         d["layers_residual_bytes"] = (r.layer_residual_bytes * cfg.num_layers
                                       if cfg is not None and r.layer_residual_bytes is not None
                                       else None)
@@ -167,14 +182,20 @@ def _fmt_ratio(x) -> str:
 
 
 def table(report_rows: Sequence[dict], title: str = "") -> Table:
-    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *."""
+    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *.
+    With tensor parallelism (formula_sp_bytes set) it adds per-device peak bytes
+    and Korthikanti's tensor + sequence parallel row."""
     timed = any(d["step_time"] for d in report_rows)
+    sharded = any(d.get("formula_sp_bytes") is not None for d in report_rows)
     t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)",
               caption_justify="left")
     for name, justify in (("", "left"), ("policy", "left"), ("temp", "right"),
                           ("x none", "right"), ("residuals", "right"), ("layer x L", "right"),
                           ("Korthikanti x L", "right"), ("FLOPs", "right"), ("x none", "right")):
         t.add_column(name, justify=justify)
+    if sharded:
+        t.add_column("Korthikanti SP x L", justify="right")
+        t.add_column("peak", justify="right")
     if timed:
         t.add_column("step s (min-max)", justify="right")
         t.add_column("x none", justify="right")
@@ -192,6 +213,8 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
                  fmt_bytes(d["layers_residual_bytes"]),
                  fmt_bytes(d["formula_bytes"]), _fmt_flops(d["flops"]),
                  _fmt_ratio(d["flops_ratio_to_none"])]
+        if sharded:
+            cells += [fmt_bytes(d["formula_sp_bytes"]), fmt_bytes(d["peak_memory_in_bytes"])]
         if timed:
             st = d["step_time"]
             cells += [f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-",
@@ -225,7 +248,8 @@ def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
 
 CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none",
               "activation_residual_bytes", "offloaded_bytes", "layer_residual_bytes",
-              "formula_bytes", "flops", "flops_ratio_to_none", "transcendentals",
+              "formula_bytes", "formula_sp_bytes", "flops", "flops_ratio_to_none",
+              "transcendentals",
               "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
               "step_median_s", "step_min_s", "step_max_s", "step_ratio_to_none",
               "compile_seconds", "pareto", "error")

@@ -26,7 +26,7 @@ def run(capsys, *argv):
     (["compare", "--config", "tiny", "--seq", "-3"], "--seq: must be a positive int"),
     (["compare", "--config", "tiny", "--seq", "129"], "exceeds the model's max_len 128"),
     (["compare", "--config", "tiny", "--policies", "none,minimall"], "did you mean 'minimal'"),
-    (["compare", "--config", "tiny", "--mesh", "model:2"], "--mesh must be data:N"),
+    (["compare", "--config", "tiny", "--mesh", "model:2"], "unknown axis 'model'"),
     (["compare", "--config", "missing.py"], "config file 'missing.py' not found"),
     (["explain", "--config", "tiny", "--policy", "save:query_prj"], "did you mean 'query_proj'"),
     (["explain", "--config", "tiny", "--dtype", "int8"], "invalid choice: 'int8'"),
@@ -40,8 +40,10 @@ def run(capsys, *argv):
     (["compare", "--config", "tiny", "--policies", "full,mlpwo"],
      "policy at item 2 of 'full,mlpwo'"),
     # Checked before JAX starts: creating a million host devices would hang.
-    (["compare", "--config", "tiny", "--mesh", "data:1000000"], "more than the 1024 devices"),
-    (["compare", "--config", "tiny", "--mesh", "data:3"], "batch 8 is not a multiple of 3"),
+    (["compare", "--config", "tiny", "--mesh", "data:1000000"], "more than the 1024 supported"),
+    (["compare", "--config", "tiny", "--mesh", "data:3"], "batch 8 does not split over the 3"),
+    (["compare", "--config", "tiny", "--mesh", "tensor:3"],
+     "num_heads=4 is not divisible by the tensor axis of size 3"),
     (["compare", "--config", "tiny", "--json", "/nonexistent/out.json"],
      "folder '/nonexistent' does not exist"),
     (["compare", "--config", "tiny", "--json", "/proc/out.json"], "cannot write in folder '/proc'"),
@@ -122,7 +124,8 @@ def test_from_config_dict_overrides():
 
 def test_too_few_devices_for_the_mesh(capsys):
     jax.devices()  # JAX has started: the command cannot add host devices now
-    code, _, err = run(capsys, "compare", "--config", "tiny", "--batch", "64", "--mesh", "data:64")
+    code, _, err = run(capsys, "compare", "--config", "tiny", "--batch", "64", "--mesh",
+                       "data:16,tensor:4")
     assert code == 2 and err.count("\n") == 1
     assert "needs 64 devices, found" in err and "xla_force_host_platform_device_count=64" in err
 
@@ -161,7 +164,7 @@ _TYPES = {
     "layer_residual_bytes": int, "layers_residual_bytes": int, "notes": list,
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
 }
-_NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes")
+_NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes")
 
 
 def test_compare_table_json_and_plot(capsys, tmp_path):
@@ -177,7 +180,7 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     doc = json.loads(out_json.read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
-                              "devices": 1, "platform": "XLA CPU compile"}
+                              "devices": 1, "mesh": None, "platform": "XLA CPU compile"}
     # Saving the layer output changes nothing (the next layer keeps it anyway):
     # it lowers to full's program and joins full's row.
     assert [r["names"] for r in doc["records"]] == [

@@ -56,4 +56,14 @@ def get_config() -> ml_collections.ConfigDict:
     # Testing aid: after this step (0 = never), finish the checkpoint writes and
     # wait for a signal, as a run pre-empted at a known step.
     config.hang_after_step = 0
+
+    # Sharding (remat_kit.mesh): "" = one device; else e.g. "data:2,fsdp:2,tensor:2",
+    # whose product is the number of devices of all processes.
+    config.mesh = ""
+    # Multi-process (jax.distributed): coordinator "HOST:PORT" of process 0; ""
+    # reads JAX_COORDINATOR_ADDRESS, and runs one process when that is unset too.
+    config.coordinator = ""
+    config.num_processes = 1
+    config.process_id = 0
+    config.distributed_timeout = 300  # seconds to wait for the coordinator and peers
     return config

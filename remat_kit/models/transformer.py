@@ -6,6 +6,13 @@ GPT-2 (LayerNorm, GELU, learned positions, multi-head attention) and Llama
 under `nn.remat` with the config's policy, unless the policy is "none".
 
 Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
+
+Sharding: every parameter dimension carries a logical axis name
+(`nn.with_logical_partitioning`: batch, length, embed, mlp, heads, kv, vocab,
+layers), so `model.init` returns `nn.LogicallyPartitioned` boxes (`nn.unbox`
+strips them; `apply` takes either). Activations are constrained with
+`remat_kit.mesh.constrain` before they are tagged; outside
+`remat_kit.mesh.use(mesh)` that is a no-op. Rules: `remat_kit.mesh.RULES`.
 """
 
 from __future__ import annotations
@@ -17,8 +24,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from remat_kit import mesh as rk_mesh
 from remat_kit.models.config import TransformerConfig
 from remat_kit.names import tag
+
+
+def _axes(init, *names: str | None):
+    """`init` whose parameter carries logical axis names (see remat_kit.mesh)."""
+    return nn.with_logical_partitioning(init, names)
+
+
+def _constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """x under a logical sharding constraint; a no-op outside remat_kit.mesh.use."""
+    return rk_mesh.constrain(x, names)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -68,11 +86,13 @@ def causal_attention(q, k, v, dropout, dtype):
 
 
 def _norm(cfg: TransformerConfig, name: str) -> nn.Module:
+    scale = _axes(nn.initializers.ones, "embed")
     if cfg.family == "gpt2":
         return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                            scale_init=scale, bias_init=_axes(nn.initializers.zeros, "embed"),
                             name=name)
     return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                      name=name)
+                      scale_init=scale, name=name)
 
 
 class Attention(nn.Module):
@@ -84,20 +104,26 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         cfg = self.config
-        dense = lambda feats, name, axis=-1: nn.DenseGeneral(
+        dense = lambda feats, name, axes, axis=-1: nn.DenseGeneral(
             feats, axis=axis, use_bias=cfg.family == "gpt2", dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype, name=name)
-        q = tag(dense((cfg.num_heads, cfg.heads_dim), "query")(x), "query_proj")
-        k = tag(dense((cfg.kv_heads, cfg.heads_dim), "key")(x), "key_proj")
-        v = tag(dense((cfg.kv_heads, cfg.heads_dim), "value")(x), "value_proj")
+            param_dtype=cfg.param_dtype, name=name,
+            kernel_init=_axes(nn.initializers.lecun_normal(), *axes),
+            bias_init=_axes(nn.initializers.zeros, *axes[len(axes) - len(feats):]))
+        heads = lambda name, n: _constrain(
+            dense((n, cfg.heads_dim), name, ("embed", "heads", "kv"))(x),
+            "batch", "length", "heads", "kv")
+        q = tag(heads("query", cfg.num_heads), "query_proj")
+        k = tag(heads("key", cfg.kv_heads), "key_proj")
+        v = tag(heads("value", cfg.kv_heads), "value_proj")
         if cfg.family == "llama":
             positions = jnp.arange(x.shape[1])
             q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         drop = nn.Dropout(cfg.dropout_rate)
         context = causal_attention(q, k, v, lambda p: drop(p, deterministic=deterministic),
                                    cfg.dtype)
-        context = tag(context, "context")
-        return tag(dense(cfg.d_model, "out", axis=(-2, -1))(context), "out_proj")
+        context = tag(_constrain(context, "batch", "length", "heads", "kv"), "context")
+        out = dense((cfg.d_model,), "out", ("heads", "kv", "embed"), axis=(-2, -1))(context)
+        return tag(_constrain(out, "batch", "length", "embed"), "out_proj")
 
 
 class Mlp(nn.Module):
@@ -109,17 +135,21 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        dense = lambda feats, name: nn.Dense(feats, use_bias=cfg.family == "gpt2",
-                                             dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                                             name=name)
+        dense = lambda feats, name, axes: nn.Dense(
+            feats, use_bias=cfg.family == "gpt2", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            kernel_init=_axes(nn.initializers.lecun_normal(), *axes),
+            bias_init=_axes(nn.initializers.zeros, axes[-1]), name=name)
+        wi = lambda name: _constrain(dense(cfg.mlp_dim, name, ("embed", "mlp"))(x),
+                                     "batch", "length", "mlp")
         if cfg.family == "gpt2":
-            h = tag(dense(cfg.mlp_dim, "wi")(x), "mlpwi")
+            h = tag(wi("wi"), "mlpwi")
             h = tag(nn.gelu(h), "mlp_act")
         else:
-            gate = tag(dense(cfg.mlp_dim, "wi_0")(x), "mlpwi_0")
-            up = tag(dense(cfg.mlp_dim, "wi_1")(x), "mlpwi_1")
+            gate = tag(wi("wi_0"), "mlpwi_0")
+            up = tag(wi("wi_1"), "mlpwi_1")
             h = tag(nn.silu(gate) * up, "mlp_act")
-        return tag(dense(cfg.d_model, "wo")(h), "mlpwo")
+        out = dense(cfg.d_model, "wo", ("mlp", "embed"))(h)
+        return tag(_constrain(out, "batch", "length", "embed"), "mlpwo")
 
 
 class DecoderLayer(nn.Module):
@@ -135,14 +165,14 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, deterministic: bool):
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
-        x = tag(x, "decoder_layer_input")
+        x = tag(_constrain(x, "batch", "length", "embed"), "decoder_layer_input")
         h = tag(_norm(cfg, "attn_norm")(x), "attn_norm")
         h = Attention(cfg, name="attn")(h, deterministic)
         x = x + drop(h, deterministic=deterministic)
         h = tag(_norm(cfg, "mlp_norm")(x), "mlp_norm")
         h = Mlp(cfg, name="mlp")(h)
         x = x + drop(h, deterministic=deterministic)
-        return tag(x, "decoder_layer_output")
+        return tag(_constrain(x, "batch", "length", "embed"), "decoder_layer_output")
 
 
 class _ScanLayer(nn.Module):
@@ -182,18 +212,22 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
         cfg = self.config
+        embed_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
-                         param_dtype=cfg.param_dtype, name="embed")
+                         param_dtype=cfg.param_dtype, name="embed",
+                         embedding_init=_axes(embed_init, "vocab", "embed"))
         x = embed(tokens)
         if cfg.family == "gpt2":
             pos = nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
-                           param_dtype=cfg.param_dtype, name="pos_embed")
+                           param_dtype=cfg.param_dtype, name="pos_embed",
+                           embedding_init=_axes(embed_init, None, "embed"))
             x = x + pos(jnp.arange(tokens.shape[1])[None, :])
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         if cfg.scan_layers:
             stack = nn.scan(remat_layer(_ScanLayer, cfg), variable_axes={"params": 0},
                             split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast,), length=cfg.num_layers)
+                            in_axes=(nn.broadcast,), length=cfg.num_layers,
+                            metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = stack(cfg, name="layers")(x, deterministic)
         else:
             layer = remat_layer(DecoderLayer, cfg)
@@ -204,7 +238,9 @@ class Transformer(nn.Module):
             logits = embed.attend(x)
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
-                              param_dtype=cfg.param_dtype, name="lm_head")(x)
+                              param_dtype=cfg.param_dtype, name="lm_head",
+                              kernel_init=_axes(nn.initializers.lecun_normal(),
+                                                "embed", "vocab"))(x)
         return logits.astype(jnp.float32)
 
 

@@ -1,0 +1,339 @@
+"""Device meshes, logical-axis sharding rules and multi-process start.
+
+    mesh = rk.mesh.make("data:2,fsdp:2,tensor:2")      # jax.make_mesh, 8 devices
+    with rk.mesh.use(mesh):                             # activation constraints on
+        ...jit with rk.mesh.shardings / batch_sharding...  # (trace inside `use`)
+
+Mesh axes (`AXES`):
+
+* ``data``: data parallelism; the batch is split, parameters are replicated.
+* ``fsdp``: fully sharded data parallelism (ZeRO-3): the batch is split and
+  parameters (and so gradients and optimizer state) are sharded along their
+  ``embed`` dimension; XLA all-gathers a weight where a layer uses it.
+* ``tensor``: Megatron-style tensor parallelism (Shoeybi et al. 2019): the
+  attention heads and the MLP hidden units are split, the vocabulary too.
+
+The reference models (`remat_kit.models`) name every parameter dimension
+with `nn.with_logical_partitioning` and constrain activations with
+`constrain` (`nn.with_logical_constraint` on the mesh of the enclosing
+`use`), in the logical axes of MaxText and the Flax
+examples (`LOGICAL_AXES`). `RULES` maps them to mesh axes, written once
+here. Flax assigns the rules in order and never uses a mesh axis twice in
+one array, so an activation [batch, length, embed] is split over
+(data, fsdp) along batch and kept whole along embed, while a weight
+[embed, mlp] is split over fsdp along embed and over tensor along mlp.
+
+The sharding constraints sit before the model's `checkpoint_name` tags, so
+a tagged value is the constrained one and a policy decides over it like
+any other tag: `recompute:query_proj` recomputes the head-sharded query
+projection in the backward pass instead of keeping it. Parameters are not
+tagged: XLA re-gathers an FSDP weight in the backward pass whatever the
+policy (the all-gather is inserted after remat decisions are made).
+
+`use` is read while tracing and is not part of JAX's trace cache key: a
+function jitted and traced outside `use` stays unconstrained inside it, so
+build the jitted function (or the model's loss) inside or for the mesh.
+
+Multi-process: `initialize` starts JAX's own distributed runtime
+(`jax.distributed.initialize`) with gloo collectives on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from remat_kit.errors import MeshError, _closest
+
+AXES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers")
+
+# Logical axis -> mesh axes, in Flax's priority order (first free rule wins).
+# MaxText's base.yml rules, cut down to the three mesh axes above; `kv` is
+# the per-head dimension and `layers` the stacked axis of a scanned layer
+# stack, both whole on every device.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("length", None),
+    ("kv", None),
+    ("layers", None),
+)
+
+# Creating more host devices than this takes minutes (8192: about a minute).
+MAX_DEVICES = 1024
+
+_TERM = re.compile(r"^([A-Za-z_]\w*):(\d+)$")
+
+
+def parse_spec(spec: str) -> dict[str, int]:
+    """'data:2,fsdp:2,tensor:2' -> {"data": 2, "fsdp": 2, "tensor": 2}, in spec order.
+
+    Raises:
+      MeshError: empty spec, a term not AXIS:N, an axis not in `AXES` (the
+        closest is suggested), an axis given twice, N < 1, or a product of
+        sizes above `MAX_DEVICES`.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise MeshError(f"mesh spec must be AXIS:N[,AXIS:N...] with AXIS in {list(AXES)}, "
+                        f"got {spec!r}")
+    sizes: dict[str, int] = {}
+    for term in spec.replace(" ", "").split(","):
+        m = _TERM.match(term)
+        if not m:
+            raise MeshError(f"mesh spec {spec!r}: term {term!r} is not AXIS:N with AXIS in "
+                            f"{list(AXES)} and N a positive int")
+        axis, n = m.group(1), int(m.group(2))
+        if axis not in AXES:
+            hint = _closest(axis, AXES)
+            raise MeshError(f"mesh spec {spec!r}: unknown axis {axis!r}; valid: {list(AXES)}"
+                            + (f"; did you mean {hint!r}?" if hint else ""))
+        if axis in sizes:
+            raise MeshError(f"mesh spec {spec!r}: axis {axis!r} is given twice")
+        if n < 1:
+            raise MeshError(f"mesh spec {spec!r}: axis {axis!r} has size {n}; sizes are >= 1")
+        sizes[axis] = n
+    if math.prod(sizes.values()) > MAX_DEVICES:
+        raise MeshError(f"mesh spec {spec!r} needs {math.prod(sizes.values())} devices, more "
+                        f"than the {MAX_DEVICES} supported")
+    return sizes
+
+
+def _product_text(sizes: Mapping[str, int]) -> str:
+    return " x ".join(f"{a} {n}" for a, n in sizes.items())
+
+
+def make(spec: "str | Mapping[str, int]", devices: Sequence | None = None) -> Mesh:
+    """A `jax.sharding.Mesh` for a spec such as "data:2,fsdp:2,tensor:2".
+
+    Built with `jax.make_mesh` (a device order that suits the hardware) with
+    Auto axis types, so XLA's SPMD partitioner propagates shardings from the
+    arguments and `with_sharding_constraint`s.
+
+    Args:
+      spec: a spec string (`parse_spec`) or {axis: size}.
+      devices: the devices to use, default all of `jax.devices()` (every
+        process's, under `jax.distributed`).
+    Raises:
+      MeshError: a bad spec, or a product of sizes other than the number of
+        devices; the message names both numbers and, on CPU, the XLA flag
+        that creates host devices.
+    """
+    sizes = parse_spec(spec) if isinstance(spec, str) else dict(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    need = math.prod(sizes.values())
+    if need != len(devices):
+        hint = (f"; on CPU start with XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+                if devices and devices[0].platform == "cpu" and need > len(devices) else "")
+        raise MeshError(f"mesh {_product_text(sizes)} needs {need} devices, but "
+                        f"{len(devices)} {devices[0].platform if devices else ''} devices are "
+                        f"given{hint}")
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
+                         axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def _shape(mesh: "Mesh | Mapping[str, int]") -> Mapping[str, int]:
+    return mesh.shape if isinstance(mesh, Mesh) else mesh
+
+
+def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """`RULES` restricted to the axes of `mesh` (a Mesh or {axis: size}); a
+    rule's missing axes are dropped."""
+    out = []
+    for logical, axes in RULES:
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ())
+                     if a in _shape(mesh))
+        out.append((logical, kept[0] if len(kept) == 1 else (kept or None)))
+    return tuple(out)
+
+
+def axis_size(mesh: "Mesh | Mapping[str, int] | None", logical: str) -> int:
+    """How many ways `mesh` (a Mesh or {axis: size}) splits a logical axis
+    ("batch" -> data x fsdp, "heads" -> tensor)."""
+    if mesh is None:
+        return 1
+    axes = dict(rules(mesh))[logical]
+    return math.prod(_shape(mesh)[a]
+                     for a in ((axes,) if isinstance(axes, str) else axes or ()))
+
+
+# The mesh `constrain` applies to. Not `jax.set_mesh`: under a global mesh Flax
+# also constrains DenseGeneral's flattened kernel inside its initializer with
+# the unflattened names, which fails (flax 0.12.12).
+_CURRENT: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("remat_kit_mesh",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def use(mesh: Mesh | None) -> Iterator[None]:
+    """Context in which the models' logical constraints (`constrain`) apply on
+    `mesh`, with Flax's `nn.logical_axis_rules(rules(mesh))` set too. Enter it
+    while tracing (jit, lower). A no-op for None."""
+    if mesh is None:
+        yield
+        return
+    token = _CURRENT.set(mesh)
+    try:
+        with nn.logical_axis_rules(rules(mesh)):
+            yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """`x` under the sharding its logical axis `names` get on the mesh of the
+    enclosing `use` (`jax.lax.with_sharding_constraint` through
+    `nn.with_logical_constraint`); `x` itself outside `use`."""
+    mesh = _CURRENT.get()
+    if mesh is None:
+        return x
+    return nn.with_logical_constraint(x, names, rules=rules(mesh), mesh=mesh)
+
+
+def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None:
+    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig` and a
+    global batch: batch by data x fsdp, query and key/value heads and mlp_dim
+    by tensor. The message names the numbers. Dimensions that rules split but
+    that need not divide (vocab, embed) are replicated instead
+    (`shardings`)."""
+    if mesh is None:
+        return
+    n = axis_size(mesh, "batch")
+    if batch % n:
+        raise MeshError(f"batch {batch} does not split over the {n} data-parallel devices of "
+                        f"mesh {_product_text(_shape(mesh))} (data x fsdp = {n})")
+    t = axis_size(mesh, "heads")
+    for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads),
+                        ("mlp_dim", cfg.mlp_dim)):
+        if value % t:
+            raise MeshError(f"{name}={value} is not divisible by the tensor axis of size {t} "
+                            f"(mesh {_product_text(_shape(mesh))}): tensor parallelism splits "
+                            f"the heads and the MLP")
+
+
+def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """`spec` with every mesh axis that does not divide its dimension dropped."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        out.append(axes if dim % math.prod(mesh.shape[a] for a in names) == 0 else None)
+    return PartitionSpec(*out)
+
+
+def shardings(boxed, mesh: Mesh):
+    """NamedShardings for a tree with Flax logical-partitioning boxes.
+
+    boxed: `model.init(...)["params"]`, a train state built from boxed
+    parameters (optax keeps the boxes on its moments), or their
+    `jax.eval_shape`; leaves are `nn.LogicallyPartitioned` or plain arrays
+    (replicated). Returns a tree shaped like `nn.unbox(boxed)`. A dimension
+    the rules split but its size does not divide (e.g. GPT-2's 50257-token
+    vocabulary over tensor:2) stays whole.
+    """
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules(mesh))
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
+                        specs, nn.unbox(boxed), is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[batch, ...] arrays split along batch over data x fsdp (the `batch` rule)."""
+    return NamedSharding(mesh, PartitionSpec(dict(rules(mesh))["batch"]))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Whole on every device (PRNG keys, scalars)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from host data that every process holds alike: each
+    process transfers only the slices its own devices hold."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def per_device_config(cfg, mesh: "Mesh | Mapping[str, int] | None"):
+    """The `TransformerConfig` one device computes under tensor parallelism:
+    num_heads, num_kv_heads and mlp_dim divided by the tensor size, head_dim
+    kept. Its activations at batch / (data x fsdp) are the per-device ones
+    (embed-width activations are whole on every tensor rank: no sequence
+    parallelism). Raises MeshError as `check_fits`."""
+    t = axis_size(mesh, "heads")
+    if t == 1:
+        return cfg
+    check_fits(mesh, cfg, axis_size(mesh, "batch"))
+    return cfg.replace(num_heads=cfg.num_heads // t, num_kv_heads=cfg.kv_heads // t,
+                       head_dim=cfg.heads_dim, mlp_dim=cfg.mlp_dim // t)
+
+
+def _wait_for(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to HOST:PORT opens within timeout_s seconds."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, timeout_s: int = 300) -> None:
+    """Starts JAX's distributed runtime (`jax.distributed.initialize`) for
+    multi-process training; on CPU with gloo collectives
+    (`jax_cpu_collectives_implementation`).
+
+    Args:
+      coordinator: "HOST:PORT" where process 0 serves the coordinator; None
+        reads JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID,
+        as `jax.distributed.initialize` does.
+      num_processes, process_id: this run's size and this process's rank.
+      timeout_s: seconds to wait for the coordinator, and then for every
+        process to join.
+    Raises:
+      MeshError: a malformed address or rank, or (processes other than 0) no
+        coordinator listening at the address within timeout_s seconds. JAX's
+        runtime aborts the process rather than raising, so the coordinator is
+        probed over TCP first. A process 0 whose peers never join is aborted
+        by JAX after timeout_s with DEADLINE_EXCEEDED.
+    Call it before any other JAX call.
+    """
+    address = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if address is None or not re.match(r"^[^:\s]+:\d+$", address):
+        raise MeshError(f"the coordinator must be HOST:PORT (or JAX_COORDINATOR_ADDRESS), "
+                        f"got {address!r}")
+    if num_processes is None or process_id is None or not 0 <= process_id < num_processes:
+        raise MeshError(f"process_id must be in [0, num_processes); got process_id "
+                        f"{process_id}, num_processes {num_processes}")
+    if process_id > 0 and not _wait_for(address, timeout_s):
+        raise MeshError(f"timed out after {timeout_s} s: process {process_id} of "
+                        f"{num_processes} found no coordinator at {address}; start process 0 "
+                        f"with the same coordinator address first")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(address, num_processes, process_id,
+                               initialization_timeout=timeout_s)
+
+
+__all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
+           "check_fits", "constrain", "initialize", "make", "parse_spec", "per_device_config",
+           "put", "replicated", "rules", "shardings", "use"]
