@@ -31,7 +31,7 @@ from remat_kit.errors import RematSpecError
 
 KINDS = ("uniform", "every", "first", "nested")
 _SYNTAX = ("uniform", "every:K", "first:N", "nested", "nested:G")
-_TEXT = re.compile(r"^(?P<kind>[A-Za-z_]\w*)(?::(?P<n>.*))?$")
+_TEXT = re.compile(r"^(?P<kind>[A-Za-z_]\w*)\s*(?::(?P<n>.*))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +101,17 @@ class Schedule:
             return tuple(i < self.n for i in range(num_layers))
         return (True,) * num_layers
 
-    def stored_layer_inputs(self, num_layers: int) -> int:
-        """How many layer inputs [batch, seq, d_model] are stored at any one time
-        under a policy that saves only layer inputs (`full`): one per layer,
-        or for nested L/g group inputs + the g layer inputs of the group
-        being recomputed."""
+    def boundaries(self, num_layers: int) -> int:
+        """Layer (or group) inputs [batch, seq, d_model] the forward pass stores
+        for rematerialized layers: one per remat'd layer; for nested, one per
+        group (L/g). A nested backward pass stores g more while it recomputes
+        one group: L/g + g in all, 2*sqrt(L) at g = sqrt(L) (Chen et al. 2016).
+
+        Raises:
+          ValueError: as `check`.
+        """
         g = self.group_size(num_layers)
-        return num_layers if g == 1 else num_layers // g + g
+        return num_layers // g if g > 1 else sum(self.remat_mask(num_layers))
 
 
 def _divisors(n: int) -> list[int]:

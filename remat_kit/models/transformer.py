@@ -3,7 +3,9 @@
 Two families share one layer structure (`TransformerConfig.family`):
 GPT-2 (LayerNorm, GELU, learned positions, multi-head attention) and Llama
 (RMSNorm, RoPE, SwiGLU, grouped-query attention). Each decoder layer runs
-under `nn.remat` with the config's policy, unless the policy is "none".
+under `nn.remat` with the config's policy, unless the policy is "none"; the
+policy's layer schedule (`remat_kit.schedule`) picks the layers or nests
+them in rematerialized groups.
 
 Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
 """
@@ -19,6 +21,7 @@ import optax
 
 from remat_kit.models.config import TransformerConfig
 from remat_kit.names import tag
+from remat_kit.policy import Policy
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -155,18 +158,54 @@ class _ScanLayer(nn.Module):
         return DecoderLayer(self.config, name="layer")(x, deterministic), None
 
 
-def remat_layer(cls: type[nn.Module], cfg: TransformerConfig) -> type[nn.Module]:
-    """`cls` wrapped in `nn.remat` with the config's policy; unchanged for "none".
+def remat_layer(cls: type[nn.Module], cfg: TransformerConfig,
+                policy: Policy | None = None) -> type[nn.Module]:
+    """`cls` wrapped in `nn.remat` with `policy` (default the config's); unchanged for "none".
 
+    The policy's layer schedule is not applied here (see `Transformer`).
     `deterministic` (argument 2, counting self) is static. Under scan,
     prevent_cse=False: the loop already stops XLA from merging recompute
     with the forward pass (Flax `nn.remat` docs).
     """
-    policy = cfg.policy
+    policy = cfg.policy if policy is None else policy
     if not policy.remat:
         return cls
     return nn.remat(cls, policy=policy.to_jax(), static_argnums=(2,),
                     prevent_cse=not cfg.scan_layers)
+
+
+class _ScanGroup(nn.Module):
+    """One group of a nested scanned stack: an nn.scan over its layers, (carry, None) form."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        cfg = self.config
+        size = cfg.policy.schedule.group_size(cfg.num_layers)
+        return _scan(remat_layer(_ScanLayer, cfg), cfg, size, "group")(x, deterministic), None
+
+
+def _scan(body: type[nn.Module], cfg: TransformerConfig, length: int, name: str):
+    """`length` copies of `body` as one nn.scan, parameters stacked on axis 0."""
+    stack = nn.scan(body, variable_axes={"params": 0},
+                    split_rngs={"params": True, "dropout": True},
+                    in_axes=(nn.broadcast,), length=length)
+    return lambda x, deterministic: stack(cfg, name=name)(x, deterministic)[0]
+
+
+# Chen et al. 2016: a group saves only its input; its layers are recomputed
+# (with their own policy) in the group's backward pass.
+_GROUP_POLICY = jax.checkpoint_policies.nothing_saveable
+
+
+def _looped_layers(module: nn.Module, x, deterministic: bool, lo: int, hi: int):
+    """Layers lo..hi-1 of `module`'s config, each under its own policy, named layers_{i}."""
+    cfg = module.config
+    for i, policy in enumerate(cfg.layer_policies[lo:hi], start=lo):
+        layer = remat_layer(DecoderLayer, cfg, policy)
+        x = layer(cfg, parent=module, name=f"layers_{i}")(x, deterministic)
+    return x
 
 
 class Transformer(nn.Module):
@@ -190,15 +229,20 @@ class Transformer(nn.Module):
                            param_dtype=cfg.param_dtype, name="pos_embed")
             x = x + pos(jnp.arange(tokens.shape[1])[None, :])
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        if cfg.scan_layers:
-            stack = nn.scan(remat_layer(_ScanLayer, cfg), variable_axes={"params": 0},
-                            split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast,), length=cfg.num_layers)
-            x, _ = stack(cfg, name="layers")(x, deterministic)
+        size = cfg.policy.schedule.group_size(cfg.num_layers)  # 1 unless nested
+        if cfg.scan_layers and size == 1:
+            x = _scan(remat_layer(_ScanLayer, cfg), cfg, cfg.num_layers, "layers")(
+                x, deterministic)
+        elif cfg.scan_layers:
+            group = nn.remat(_ScanGroup, policy=_GROUP_POLICY, static_argnums=(2,),
+                             prevent_cse=False)
+            x = _scan(group, cfg, cfg.num_layers // size, "layers")(x, deterministic)
+        elif size == 1:
+            x = _looped_layers(self, x, deterministic, 0, cfg.num_layers)
         else:
-            layer = remat_layer(DecoderLayer, cfg)
-            for i in range(cfg.num_layers):
-                x = layer(cfg, name=f"layers_{i}")(x, deterministic)
+            group = nn.remat(_looped_layers, policy=_GROUP_POLICY, static_argnums=(2, 3, 4))
+            for lo in range(0, cfg.num_layers, size):
+                x = group(self, x, deterministic, lo, lo + size)
         x = _norm(cfg, "final_norm")(x)
         if cfg.family == "gpt2":
             logits = embed.attend(x)
