@@ -13,6 +13,7 @@ Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -78,9 +79,53 @@ def _norm(cfg: TransformerConfig, name: str) -> nn.Module:
                       name=name)
 
 
-class Attention(nn.Module):
+# The layer computation, shared by the linen modules below and the NNX twin
+# (models/nnx_transformer.py). Each takes its submodules as callables:
+# dense(features, name[, axis]) and norm(name) return the named submodule
+# (created by linen on first use, an attribute in NNX); dropout(x) -> x.
+
+def attention(cfg: TransformerConfig, x, dense: Callable, dropout: Callable):
     """Self-attention: tags query_proj, key_proj, value_proj, attn_logits, attn_probs,
     context and out_proj. Input and output [batch, seq, d_model]."""
+    q = tag(dense((cfg.num_heads, cfg.heads_dim), "query")(x), "query_proj")
+    k = tag(dense((cfg.kv_heads, cfg.heads_dim), "key")(x), "key_proj")
+    v = tag(dense((cfg.kv_heads, cfg.heads_dim), "value")(x), "value_proj")
+    if cfg.family == "llama":
+        positions = jnp.arange(x.shape[1])
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    context = tag(causal_attention(q, k, v, dropout, cfg.dtype), "context")
+    return tag(dense(cfg.d_model, "out", axis=(-2, -1))(context), "out_proj")
+
+
+def mlp(cfg: TransformerConfig, x, dense: Callable):
+    """GELU MLP (gpt2: mlpwi, mlp_act, mlpwo) or SwiGLU (llama: mlpwi_0, mlpwi_1,
+    mlp_act, mlpwo). Input and output [batch, seq, d_model]."""
+    if cfg.family == "gpt2":
+        h = tag(dense(cfg.mlp_dim, "wi")(x), "mlpwi")
+        h = tag(jax.nn.gelu(h), "mlp_act")
+    else:
+        gate = tag(dense(cfg.mlp_dim, "wi_0")(x), "mlpwi_0")
+        up = tag(dense(cfg.mlp_dim, "wi_1")(x), "mlpwi_1")
+        h = tag(jax.nn.silu(gate) * up, "mlp_act")
+    return tag(dense(cfg.d_model, "wo")(h), "mlpwo")
+
+
+def decoder_layer(x, norm: Callable, attn: Callable, mlp_: Callable, dropout: Callable):
+    """Pre-norm decoder layer. x: [batch, seq, d_model] -> same shape and dtype.
+
+    Tags decoder_layer_input, attn_norm, mlp_norm, decoder_layer_output;
+    attn(h) and mlp_(h) tag the rest of the vocabulary.
+    """
+    x = tag(x, "decoder_layer_input")
+    h = tag(norm("attn_norm")(x), "attn_norm")
+    x = x + dropout(attn(h))
+    h = tag(norm("mlp_norm")(x), "mlp_norm")
+    x = x + dropout(mlp_(h))
+    return tag(x, "decoder_layer_output")
+
+
+class Attention(nn.Module):
+    """`attention` in linen. Input and output [batch, seq, d_model]."""
 
     config: TransformerConfig
 
@@ -90,22 +135,12 @@ class Attention(nn.Module):
         dense = lambda feats, name, axis=-1: nn.DenseGeneral(
             feats, axis=axis, use_bias=cfg.family == "gpt2", dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, name=name)
-        q = tag(dense((cfg.num_heads, cfg.heads_dim), "query")(x), "query_proj")
-        k = tag(dense((cfg.kv_heads, cfg.heads_dim), "key")(x), "key_proj")
-        v = tag(dense((cfg.kv_heads, cfg.heads_dim), "value")(x), "value_proj")
-        if cfg.family == "llama":
-            positions = jnp.arange(x.shape[1])
-            q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         drop = nn.Dropout(cfg.dropout_rate)
-        context = causal_attention(q, k, v, lambda p: drop(p, deterministic=deterministic),
-                                   cfg.dtype)
-        context = tag(context, "context")
-        return tag(dense(cfg.d_model, "out", axis=(-2, -1))(context), "out_proj")
+        return attention(cfg, x, dense, lambda p: drop(p, deterministic=deterministic))
 
 
 class Mlp(nn.Module):
-    """GELU MLP (gpt2: mlpwi, mlp_act, mlpwo) or SwiGLU (llama: mlpwi_0, mlpwi_1,
-    mlp_act, mlpwo). Input and output [batch, seq, d_model]."""
+    """`mlp` in linen. Input and output [batch, seq, d_model]."""
 
     config: TransformerConfig
 
@@ -115,21 +150,13 @@ class Mlp(nn.Module):
         dense = lambda feats, name: nn.Dense(feats, use_bias=cfg.family == "gpt2",
                                              dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                              name=name)
-        if cfg.family == "gpt2":
-            h = tag(dense(cfg.mlp_dim, "wi")(x), "mlpwi")
-            h = tag(nn.gelu(h), "mlp_act")
-        else:
-            gate = tag(dense(cfg.mlp_dim, "wi_0")(x), "mlpwi_0")
-            up = tag(dense(cfg.mlp_dim, "wi_1")(x), "mlpwi_1")
-            h = tag(nn.silu(gate) * up, "mlp_act")
-        return tag(dense(cfg.d_model, "wo")(h), "mlpwo")
+        return mlp(cfg, x, dense)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer. x: [batch, seq, d_model] -> same shape and dtype.
+    """`decoder_layer` in linen. x: [batch, seq, d_model] -> same shape and dtype.
 
-    Tags decoder_layer_input, attn_norm, mlp_norm, decoder_layer_output and,
-    through Attention and Mlp, the rest of the vocabulary.
+    Tags every value of the vocabulary (the fused qkv_proj, kv_proj aside).
     """
 
     config: TransformerConfig
@@ -138,14 +165,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, deterministic: bool):
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
-        x = tag(x, "decoder_layer_input")
-        h = tag(_norm(cfg, "attn_norm")(x), "attn_norm")
-        h = Attention(cfg, name="attn")(h, deterministic)
-        x = x + drop(h, deterministic=deterministic)
-        h = tag(_norm(cfg, "mlp_norm")(x), "mlp_norm")
-        h = Mlp(cfg, name="mlp")(h)
-        x = x + drop(h, deterministic=deterministic)
-        return tag(x, "decoder_layer_output")
+        return decoder_layer(x, lambda name: _norm(cfg, name),
+                             lambda h: Attention(cfg, name="attn")(h, deterministic),
+                             lambda h: Mlp(cfg, name="mlp")(h),
+                             lambda h: drop(h, deterministic=deterministic))
 
 
 class _ScanLayer(nn.Module):
