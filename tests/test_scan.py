@@ -60,12 +60,16 @@ def test_layout_round_trip_and_shapes():
     cfg = get_config("tiny", num_layers=LAYERS, remat="full@nested:2", scan_layers=True)
     tokens = _tokens(cfg)
     params = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
-    kernel = params["layers"]["group"]["layer"]["attn"]["query"]["kernel"]
-    assert kernel.shape == (2, 2, 64, 4, 16)  # [groups, group size, d_model, heads, head_dim]
+    kernel = params["layers"]["layer"]["attn"]["query"]["kernel"]
+    assert kernel.shape == (LAYERS, 64, 4, 16)  # [layers, d_model, heads, head_dim]
+    # Nested and uniform scanned stacks share one layout.
+    uniform = jax.eval_shape(Transformer(cfg.replace(remat="full")).init, jax.random.key(1),
+                             tokens)["params"]
+    chex.assert_trees_all_equal_shapes(uniform, params)
     looped = unstack_layers(params, cfg)
     assert sorted(k for k in looped if k.startswith("layers")) == [f"layers_{i}"
                                                                    for i in range(LAYERS)]
-    chex.assert_trees_all_equal(looped["layers_3"]["attn"]["query"]["kernel"], kernel[1, 1])
+    chex.assert_trees_all_equal(looped["layers_3"]["attn"]["query"]["kernel"], kernel[3])
     chex.assert_trees_all_equal(stack_layers(looped, cfg), params)
 
 

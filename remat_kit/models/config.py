@@ -45,8 +45,8 @@ class TransformerConfig:
         scan_layers=False.
       scan_layers: run the layer stack as one `nn.scan` (parameters stacked
         on a leading layer axis) instead of a Python loop. Takes the
-        uniform and nested schedules; a nested stack is a scan over groups
-        of a scan over layers, parameters stacked [groups, group size, ...].
+        uniform and nested schedules (nested: a scan over groups of a scan
+        over layers; parameters stacked [num_layers, ...] either way).
       rope_theta: RoPE base frequency (llama).
       norm_eps: epsilon of LayerNorm / RMSNorm.
 

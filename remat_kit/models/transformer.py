@@ -209,11 +209,29 @@ class _ScanGroup(nn.Module):
         return _scan(remat_layer(_ScanLayer, cfg), cfg, size, "group")(x, deterministic), None
 
 
-def _scan(body: type[nn.Module], cfg: TransformerConfig, length: int, name: str):
-    """`length` copies of `body` as one nn.scan, parameters stacked on axis 0."""
+def _scan(body: type[nn.Module], cfg: TransformerConfig, length: int, name: str,
+          groups: int = 1):
+    """`length` copies of `body` as one nn.scan, parameters stacked on axis 0.
+
+    groups > 1: body is a group of num_layers / groups layers (nested);
+    its parameters, stacked [groups, group size, ...] by the two scans, are
+    stored as [num_layers, ...], the layout of the uniform scanned stack.
+    """
     stack = nn.scan(body, variable_axes={"params": 0},
                     split_rngs={"params": True, "dropout": True},
                     in_axes=(nn.broadcast,), length=length)
+    if groups > 1:
+        def grouped(v):  # [num_layers, ...] -> [groups, group size, ...]
+            return {"params": {"group": {"layer": jax.tree.map(
+                lambda a: a.reshape((groups, -1) + a.shape[1:]), v["params"]["layer"])}}}
+
+        def flat(v):  # [groups, group size, ...] -> [num_layers, ...]
+            return {"params": {"layer": jax.tree.map(
+                lambda a: a.reshape((-1,) + a.shape[2:]), v["params"]["group"]["layer"])}}
+
+        stack = nn.map_variables(stack, "params", init=True, mutable=True,
+                                 trans_in_fn=lambda v: grouped(v) if v.get("params") else v,
+                                 trans_out_fn=lambda v: flat(v) if v.get("params") else v)
     return lambda x, deterministic: stack(cfg, name=name)(x, deterministic)[0]
 
 
@@ -259,7 +277,8 @@ class Transformer(nn.Module):
         elif cfg.scan_layers:
             group = nn.remat(_ScanGroup, policy=_GROUP_POLICY, static_argnums=(2,),
                              prevent_cse=False)
-            x = _scan(group, cfg, cfg.num_layers // size, "layers")(x, deterministic)
+            x = _scan(group, cfg, cfg.num_layers // size, "layers",
+                      groups=cfg.num_layers // size)(x, deterministic)
         elif size == 1:
             x = _looped_layers(self, x, deterministic, 0, cfg.num_layers)
         else:
