@@ -172,6 +172,7 @@ def _design_saved(name, fam):
         "save_transformer_layer_output": {"decoder_layer_output"},
         "true": set(), "false": every, "recompute": set(), "save_all": every,
         "offload": set(),
+        "nested": set(),  # full inside each layer; the schedule adds the group level
     }[name]
 
 
