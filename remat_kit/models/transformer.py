@@ -243,9 +243,12 @@ _GROUP_POLICY = jax.checkpoint_policies.nothing_saveable
 def _looped_layers(module: nn.Module, x, deterministic: bool, lo: int, hi: int):
     """Layers lo..hi-1 of `module`'s config, each under its own policy, named layers_{i}."""
     cfg = module.config
-    for i, policy in enumerate(cfg.layer_policies[lo:hi], start=lo):
-        layer = remat_layer(DecoderLayer, cfg, policy)
-        x = layer(cfg, parent=module, name=f"layers_{i}")(x, deterministic)
+    policies = cfg.layer_policies[lo:hi]
+    # One wrapped class per policy: layers sharing a class trace to shared
+    # sub-jaxprs, so equal policies lower to identical programs.
+    classes = {p: remat_layer(DecoderLayer, cfg, p) for p in set(policies)}
+    for i, policy in enumerate(policies, start=lo):
+        x = classes[policy](cfg, parent=module, name=f"layers_{i}")(x, deterministic)
     return x
 
 
