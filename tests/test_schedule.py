@@ -1,4 +1,4 @@
-"""Layer schedules (uniform, every:k, first:n, nested sqrt N, per-layer lists) on a 16-layer tiny."""
+"""Layer schedules (every:k, first:n, nested sqrt N, per-layer lists) on a 16-layer tiny."""
 
 import chex
 import jax

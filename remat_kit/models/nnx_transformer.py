@@ -197,9 +197,10 @@ def from_linen(params: Mapping, cfg: TransformerConfig) -> dict:
     """Linen `Transformer(cfg)` params -> the pure-dict state of the NNX twin.
 
     Use as `state = nnx.state(model, nnx.Param)`,
-    `state.replace_by_pure_dict(from_linen(params, cfg))`, `nnx.update(model, state)`. Parameter names are the same; the looped stack
-    maps layers_{i} to layers[i]; the scanned stack's params["layers"]["layer"]
-    to layers (stacked [num_layers, ...] in both).
+    `state.replace_by_pure_dict(from_linen(params, cfg))`, `nnx.update(model, state)`.
+    Parameter names are the same; the looped stack maps layers_{i} to
+    layers[i]; the scanned stack's params["layers"]["layer"] to layers
+    (stacked [num_layers, ...] in both).
     """
     out = {k: v for k, v in params.items() if not k.startswith("layers")}
     if cfg.scan_layers:
