@@ -12,7 +12,7 @@ spec suffix after "@":
                   group rematerialized as a whole (only group inputs are stored),
                   each layer inside a group under the policy. g must divide the
                   number of layers; the default is the divisor g minimizing
-                  g + L/g (4 for 16 layers, 8 for 64).
+                  g + L/g (4 for 16 layers, 8 for 64). nested:1 is uniform.
 
 So `full@every:2`, `selective@first:4`, `full@nested:4`. `nested` alone means
 `full@nested`, as Levanter's gradient_checkpointing="nested".

@@ -37,9 +37,10 @@ def _saved_tags(found, layers: int) -> dict:
     return {name: (n, *shape) if n == layers else shape for (name, shape), n in counts.items()}
 
 
-@pytest.mark.parametrize("fam, spec", [("tiny_llama", "selective"), ("tiny", "selective@nested:2")])
-def test_scanned_equals_looped(fam, spec):
-    looped = get_config(fam, num_layers=LAYERS, remat=spec)
+@pytest.mark.parametrize("fam, spec, layers", [("tiny_llama", "selective", 2),
+                                               ("tiny", "selective@nested:2", 4)])
+def test_scanned_equals_looped(fam, spec, layers):
+    looped = get_config(fam, num_layers=layers, remat=spec)
     scanned = looped.replace(scan_layers=True)
     params, loss, grads, found = _linen(looped)
     stacked = stack_layers(params, scanned)
@@ -50,10 +51,11 @@ def test_scanned_equals_looped(fam, spec):
         assert [(r.name, r.shape) for r in s_found if r.shape[1:] == (BATCH, SEQ, 64)] == [
             ("scan input", (2, BATCH, SEQ, 64))]
         return
-    # Same tags saved per layer: 4 looped copies of [b, s, ...] vs one [4, b, s, ...].
-    assert _saved_tags(s_found, LAYERS) == _saved_tags(found, LAYERS)
-    assert {"decoder_layer_input", "query_proj", "mlp_act"} <= set(_saved_tags(found, LAYERS))
-    assert "attn_probs" not in _saved_tags(found, LAYERS)
+    # Same tags saved per layer: n looped copies of [b, s, ...] vs one [n, b, s, ...].
+    tags = _saved_tags(found, layers)
+    assert _saved_tags(s_found, layers) == tags
+    assert tags["query_proj"] == (layers, BATCH, SEQ, 4, 16)
+    assert {"decoder_layer_input", "mlp_act"} <= set(tags) and "attn_probs" not in tags
 
 
 def test_layout_round_trip_and_shapes():
