@@ -493,14 +493,15 @@ def _time(compiled, leaves, steps: int) -> StepTime:
 
 def _group(policies: Sequence[Policy], names: Sequence[str],
            emitted: Sequence[str]) -> list[tuple[Policy, list[str]]]:
-    """Policies that decide every emitted tag alike (and share base and memory
-    kinds) compile to the same program; measure each such group once."""
+    """Policies that decide every emitted tag alike (and share base, memory
+    kinds and layer schedule) compile to the same program; measure each such
+    group once."""
     if len(names) != len(policies):
         raise ValueError(f"{len(names)} names for {len(policies)} policies")
     groups: dict[tuple, tuple[Policy, list[str]]] = {}
     for p, name in zip(policies, names):
         kinds = (p.offload_src, p.offload_dst) if p.offload else None
-        key = (p.remat, p.base, kinds, tuple(p.decide(t) for t in emitted))
+        key = (p.remat, p.base, kinds, p.schedule, tuple(p.decide(t) for t in emitted))
         groups.setdefault(key, (p, []))[1].append(name)
     return list(groups.values())
 

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import Offloadable, Recompute, Saveable, name_p
 
 from remat_kit import names
 from remat_kit.errors import RematSpecError
+from remat_kit.schedule import Schedule
 
 cp = jax.checkpoint_policies
 
@@ -74,14 +75,18 @@ class Policy:
         source must be "device" and the destination a host kind.
       remat: False means no remat wrapper at all (the `none` spec). All other
         fields must then keep their defaults.
+      schedule: which layers of a stack run under the policy
+        (`remat_kit.schedule.Schedule`: uniform, every:k, first:n, nested:g);
+        written as the spec suffix "@every:2". `to_jax()` describes one
+        layer and ignores it; the models apply it.
 
     `str(policy)` is the canonical spec string; `remat_kit.parse(str(p)) == p`.
 
     Raises:
       RematSpecError: an unknown base or memory kind, offload to the same
         memory kind, a pattern under two decisions, two equally specific
-        patterns deciding a known tag differently, or fields set with
-        `remat=False`.
+        patterns deciding a known tag differently, fields (or a schedule)
+        set with `remat=False`, or a schedule that is not a `Schedule`.
       UnknownTagError: a pattern names no known tag (aliases are expanded).
     """
 
@@ -92,6 +97,7 @@ class Policy:
     offload_src: str = "device"
     offload_dst: str = "pinned_host"
     remat: bool = True
+    schedule: Schedule = Schedule()
 
     def __post_init__(self):
         if not isinstance(self.remat, bool):
@@ -120,8 +126,11 @@ class Policy:
                     raise RematSpecError(f"conflicting decisions: {sorted(both)} is both "
                                          f"{a} and {b}; give each tag one decision",
                                          token=sorted(both)[0])
+        if not isinstance(self.schedule, Schedule):
+            raise RematSpecError("Policy.schedule must be a remat_kit.schedule.Schedule",
+                                 token=repr(self.schedule))
         if not self.remat and (self.save or self.offload or self.recompute
-                               or self.base != "nothing"):
+                               or self.base != "nothing" or self.schedule != Schedule()):
             raise RematSpecError("the 'none' policy (no remat wrapper) takes no other "
                                  "decisions", token=str(self))
         self.resolve()  # two equally specific patterns deciding one tag differently
@@ -228,7 +237,8 @@ class Policy:
           RematSpecError: a tag saved by one side and offloaded by the other,
             with no `prefer`; the two sides offload to different memory kinds;
             or a side holds a path glob (`*/attn/query`), which cannot be
-            expanded without the model's names (write it in one term instead).
+            expanded without the model's names (write it in one term instead);
+            or they have different non-uniform layer schedules.
         """
         if prefer not in (None, "save", "offload"):
             raise RematSpecError("unknown preference", token=str(prefer),
@@ -241,6 +251,10 @@ class Policy:
             raise RematSpecError("a union ('|') cannot expand path globs; write them in one "
                                  "term, e.g. 'save:*/attn/query;recompute:*'",
                                  token=path_globs[0])
+        schedules = {p.schedule for p in (self, other)} - {Schedule()}
+        if len(schedules) > 1:
+            raise RematSpecError(f"cannot union policies with different layer schedules "
+                                 f"{sorted(map(str, schedules))}", token=str(other))
         kinds = {(p.offload_src, p.offload_dst) for p in (self, other) if p.offload}
         if len(kinds) > 1:
             raise RematSpecError(f"cannot union policies offloading to different memory kinds "
@@ -262,7 +276,8 @@ class Policy:
                 out[d].add(t)
         src, dst = next(iter(kinds), (self.offload_src, self.offload_dst))
         return Policy(save=out["save"], offload=out["offload"], recompute=out["recompute"],
-                      base=base, offload_src=src, offload_dst=dst)
+                      base=base, offload_src=src, offload_dst=dst,
+                      schedule=next(iter(schedules), Schedule()))
 
     def __or__(self, other: "Policy | str") -> "Policy":
         if isinstance(other, str):
@@ -286,7 +301,8 @@ class Policy:
                         "device", "pinned_host"):
                     head += f"[{self.offload_src}->{self.offload_dst}]"
                 clauses.append(f"{head}:{','.join(_ordered(pats))}")
-        return ";".join(clauses) or "full"
+        text = ";".join(clauses) or "full"
+        return text if self.schedule == Schedule() else f"{text}@{self.schedule}"
 
 
 def _ordered(pats: Iterable[str]) -> tuple[str, ...]:

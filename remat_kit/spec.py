@@ -2,7 +2,9 @@
 
 Grammar::
 
-    spec     := term ("|" term)*                 # union: saves what either saves
+    spec     := policy ["@" schedule]            # e.g. full@every:2, selective@first:4
+              | "nested" [":" g]                 # = full@nested[:g] (Levanter "nested")
+    policy   := term ("|" term)*                 # union: saves what either saves
     term     := clause (";" clause)*             # clauses of one policy, merged
     clause   := preset                           # a name from PRESETS, e.g. minimal
               | codebase ":" preset              # e.g. maxtext:minimal, praxis:save_out_proj
@@ -11,6 +13,10 @@ Grammar::
     decision := "save" | "offload" | "recompute"
     kinds    := "[" memory_kind "->" memory_kind "]"   # offload only; default device->pinned_host
     patterns := pattern ("," pattern)*           # tags, aliases (ffn1, core_attn) or globs (mlp*)
+    schedule := "uniform" | "every:" k | "first:" n | "nested" [":" g]   # remat_kit.schedule
+
+The schedule picks the layers of a stack that run under the policy (the
+default, uniform, is every layer); see `remat_kit.schedule`.
 
 A term with `recompute:` clauses but no `save:` clause and no base preset
 saves every other tag (Megatron's --recompute-modules: recompute these
@@ -23,12 +29,14 @@ BARE_NAMES; the codebase prefix picks one where two codebases use one word.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 
 from remat_kit import names
 from remat_kit.errors import RematSpecError, UnknownTagError
 from remat_kit.policy import BASES, DECISIONS, MEMORY_KINDS, Policy
+from remat_kit.schedule import Schedule, parse_schedule
 
 _QKV = "query_proj,key_proj,value_proj,kv_proj,qkv_proj"
 _MINIMAL = f"{_QKV},out_proj,mlpwi,mlpwi_0,mlpwi_1,mlpwo"
@@ -44,6 +52,9 @@ PRESET_TABLE: tuple[tuple[str, str, str, str], ...] = (
     ("remat_kit", "selective", "recompute:attn_logits,attn_probs",
      "Korthikanti et al. 2022 selective recompute: recompute attention scores and "
      "softmax, save every other tag (Megatron-LM --recompute-granularity selective)"),
+    ("remat_kit", "nested", "full@nested",
+     "Chen et al. 2016 sqrt(N): groups of ~sqrt(L) layers rematerialized whole, full remat "
+     "inside; `nested:G` sets the group size (see Layer schedules)"),
     # JAX jax.checkpoint_policies (jax/_src/ad_checkpoint.py)
     ("jax", "nothing_saveable", "full", "JAX nothing_saveable"),
     ("jax", "everything_saveable", "everything", "JAX everything_saveable"),
@@ -95,6 +106,8 @@ PRESET_TABLE: tuple[tuple[str, str, str, str], ...] = (
     ("levanter", "save_all", "everything", "Levanter 'save_all'"),
     ("levanter", "offload", "offload:decoder_layer_input",
      "Levanter 'offload': layer inputs (scan carries) to host, recompute the rest"),
+    ("levanter", "nested", "full@nested",
+     "Levanter 'nested': sqrt(N) nested scan checkpointing (haliax ScanCheckpointPolicy)"),
     # Megatron-LM --recompute-granularity
     ("megatron", "selective", "recompute:attn_logits,attn_probs",
      "Megatron-LM --recompute-granularity selective"),
@@ -132,7 +145,8 @@ def parse(spec: "str | Policy") -> Policy:
 
     Examples: "none", "full", "selective", "minimal", "maxtext:minimal",
     "save:query_proj,key_proj,value_proj", "save:mlp*",
-    "save:query_proj;offload:mlpwo", "recompute:core_attn,mlp", "dots|save:context".
+    "save:query_proj;offload:mlpwo", "recompute:core_attn,mlp", "dots|save:context",
+    "full@every:2", "selective@first:4", "nested", "nested:4", "minimal@nested:4".
 
     Raises:
       RematSpecError: malformed spec; the message names the bad token, its
@@ -148,17 +162,34 @@ def parse(spec: "str | Policy") -> Policy:
     if not spec.strip():
         raise RematSpecError("empty policy spec", spec=spec, token=spec, position=0,
                              choices=valid_words())
+    body, at_sign, sched_text = spec.partition("@")
+    if "@" in sched_text:
+        raise RematSpecError("a spec takes one layer schedule", spec=spec, token="@",
+                             position=len(body) + 1 + sched_text.index("@"))
+    sched_at = len(body) + 1
+    if not at_sign and re.fullmatch(r"\s*nested\s*:.*", spec):  # nested:g = full@nested:g
+        body, sched_text, sched_at = "full", spec, 0
     result, offset = None, 0
-    for term in spec.split("|"):
+    for term in body.split("|"):
         policy = _parse_term(term, spec, offset)
         result = policy if result is None else result.union(policy)
         offset += len(term) + 1
-    return result
+    if not (at_sign or sched_text):
+        return result
+    schedule = parse_schedule(sched_text, spec, sched_at)
+    if not result.remat and schedule != Schedule():
+        raise RematSpecError("'none' runs no layer under remat; it takes no layer schedule",
+                             spec=spec, token=sched_text, position=sched_at)
+    if result.schedule not in (Schedule(), schedule):
+        raise RematSpecError(f"two layer schedules: {result.schedule} (from the preset) and "
+                             f"{schedule}", spec=spec, token=sched_text, position=sched_at)
+    return dataclasses.replace(result, schedule=schedule)
 
 
 def _parse_term(term: str, spec: str, offset: int) -> Policy:
     fields = {d: set() for d in DECISIONS}
     base, kinds, remat, explicit_base = "nothing", None, True, False
+    schedule = Schedule()
     pos = offset
     for raw in term.split(";"):
         clause, at = raw.strip(), pos + len(raw) - len(raw.lstrip())
@@ -185,6 +216,11 @@ def _parse_term(term: str, spec: str, offset: int) -> Policy:
             remat = False
             continue
         explicit_base = True
+        if sub.schedule != Schedule():
+            if schedule not in (Schedule(), sub.schedule):
+                raise RematSpecError("two layer schedules in one term", spec=spec, token=clause,
+                                     position=at)
+            schedule = sub.schedule
         base = max(base, sub.base, key=BASES.index)
         for d in DECISIONS:
             fields[d] |= getattr(sub, d)
@@ -199,7 +235,7 @@ def _parse_term(term: str, spec: str, offset: int) -> Policy:
     try:
         return Policy(save=fields["save"], offload=fields["offload"],
                       recompute=fields["recompute"], base=base, offload_src=src,
-                      offload_dst=dst)
+                      offload_dst=dst, schedule=schedule)
     except RematSpecError as e:
         raise RematSpecError(e.message, spec=spec, token=term.strip(), position=offset,
                              choices=e.choices) from None

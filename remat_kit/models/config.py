@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from remat_kit.errors import RematSpecError, _closest
 from remat_kit.policy import Policy
+from remat_kit.schedule import layer_policies
 from remat_kit.spec import parse
 
 FAMILIES = ("gpt2", "llama")
@@ -36,16 +37,25 @@ class TransformerConfig:
         branches; 0 turns dropout off.
       remat: a policy spec string (see `remat_kit.parse`) or a `Policy`.
         Each layer runs under `nn.remat(..., policy=policy.to_jax())` unless
-        it is "none".
+        it is "none". A layer schedule suffix (`full@every:2`,
+        `selective@first:4`, `nested`, `full@nested:4`; see
+        `remat_kit.schedule`) picks the layers, or nests them in groups.
+      layer_remat: one spec or Policy per layer (no schedules), for any
+        per-layer pattern; empty = use `remat`. Needs remat="none" and
+        scan_layers=False.
       scan_layers: run the layer stack as one `nn.scan` (parameters stacked
-        on a leading layer axis) instead of a Python loop.
+        on a leading layer axis) instead of a Python loop. Takes the
+        uniform and nested schedules (nested: a scan over groups of a scan
+        over layers; parameters stacked [num_layers, ...] either way).
       rope_theta: RoPE base frequency (llama).
       norm_eps: epsilon of LayerNorm / RMSNorm.
 
     Raises:
       TypeError: a field has the wrong type; the message names the field.
       ValueError: a field has a bad value (unknown family or dtype,
-        non-positive size, heads that do not divide).
+        non-positive size, heads that do not divide, a layer schedule that
+        does not fit num_layers or scan_layers, a layer_remat list of the
+        wrong length).
       RematSpecError: `remat` is not a valid spec.
     """
 
@@ -62,15 +72,19 @@ class TransformerConfig:
     param_dtype: str = "float32"
     dropout_rate: float = 0.0
     remat: str | Policy = "none"
+    layer_remat: tuple[str | Policy, ...] = ()
     scan_layers: bool = False
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
 
     def __post_init__(self):
+        if isinstance(self.layer_remat, list):  # from a config file or flag
+            object.__setattr__(self, "layer_remat", tuple(self.layer_remat))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             expected = {"str": str, "int": int, "float": (int, float), "bool": bool,
-                        "int | None": (int, type(None)), "str | Policy": (str, Policy)}[f.type]
+                        "int | None": (int, type(None)), "str | Policy": (str, Policy),
+                        "tuple[str | Policy, ...]": tuple}[f.type]
             bad_bool = isinstance(value, bool) and f.type in ("int", "int | None", "float")
             if bad_bool or not isinstance(value, expected):
                 raise TypeError(f"TransformerConfig.{f.name} must be {f.type}, "
@@ -100,10 +114,22 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.dropout_rate must be in [0, 1), "
                              f"got {self.dropout_rate}")
         try:
-            parse(self.remat)
+            policy = parse(self.remat)
+            layer_policies(self.layer_remat or policy, self.num_layers)
         except RematSpecError as e:
-            raise RematSpecError(f"TransformerConfig.remat: {e.message}", spec=e.spec,
+            field = "layer_remat" if self.layer_remat else "remat"
+            raise RematSpecError(f"TransformerConfig.{field}: {e.message}", spec=e.spec,
                                  token=e.token, position=e.position, choices=e.choices) from None
+        except ValueError as e:
+            raise ValueError(f"TransformerConfig: {e}") from None
+        if self.layer_remat and (policy.remat or self.scan_layers):
+            raise ValueError("TransformerConfig.layer_remat gives each layer its own policy; "
+                             f"it needs remat='none' (got {str(policy)!r}) and "
+                             f"scan_layers=False (got {self.scan_layers})")
+        if self.scan_layers and policy.schedule.kind in ("every", "first"):
+            raise ValueError(f"TransformerConfig: layer schedule {policy.schedule} needs "
+                             "scan_layers=False: one nn.scan body runs every layer under one "
+                             "policy; scanned stacks take the uniform and nested schedules")
 
     @property
     def kv_heads(self) -> int:
@@ -116,6 +142,11 @@ class TransformerConfig:
     @property
     def policy(self) -> Policy:
         return parse(self.remat)
+
+    @property
+    def layer_policies(self) -> tuple[Policy, ...]:
+        """The policy of each layer, schedules applied (`schedule.layer_policies`)."""
+        return layer_policies(self.layer_remat or self.policy, self.num_layers)
 
     @property
     def activation_dtype(self):

@@ -3,7 +3,9 @@
 Two families share one layer structure (`TransformerConfig.family`):
 GPT-2 (LayerNorm, GELU, learned positions, multi-head attention) and Llama
 (RMSNorm, RoPE, SwiGLU, grouped-query attention). Each decoder layer runs
-under `nn.remat` with the config's policy, unless the policy is "none".
+under `nn.remat` with the config's policy, unless the policy is "none"; the
+policy's layer schedule (`remat_kit.schedule`) picks the layers or nests
+them in rematerialized groups.
 
 Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
 
@@ -18,6 +20,7 @@ strips them; `apply` takes either). Activations are constrained with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -27,6 +30,7 @@ import optax
 from remat_kit import mesh as rk_mesh
 from remat_kit.models.config import TransformerConfig
 from remat_kit.names import tag
+from remat_kit.policy import Policy
 
 
 def _axes(init, *names: str | None):
@@ -95,9 +99,65 @@ def _norm(cfg: TransformerConfig, name: str) -> nn.Module:
                       scale_init=scale, name=name)
 
 
-class Attention(nn.Module):
+# The layer computation, shared by the linen modules below and the NNX twin
+# (models/nnx_transformer.py). Each takes its submodules as callables:
+# dense(features, name, logical_axes[, axis]) and norm(name) return the named submodule
+# (created by linen on first use, an attribute in NNX); dropout(x) -> x.
+
+def attention(cfg: TransformerConfig, x, dense: Callable, dropout: Callable):
     """Self-attention: tags query_proj, key_proj, value_proj, attn_logits, attn_probs,
-    context and out_proj. Input and output [batch, seq, d_model]."""
+    context and out_proj. Input and output [batch, seq, d_model].
+
+    Values are constrained to their logical axes before they are tagged, so a
+    policy decides over the sharded values (a no-op off a mesh).
+    """
+    heads = lambda name, n: _constrain(
+        dense((n, cfg.heads_dim), name, ("embed", "heads", "kv"))(x),
+        "batch", "length", "heads", "kv")
+    q = tag(heads("query", cfg.num_heads), "query_proj")
+    k = tag(heads("key", cfg.kv_heads), "key_proj")
+    v = tag(heads("value", cfg.kv_heads), "value_proj")
+    if cfg.family == "llama":
+        positions = jnp.arange(x.shape[1])
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    context = causal_attention(q, k, v, dropout, cfg.dtype)
+    context = tag(_constrain(context, "batch", "length", "heads", "kv"), "context")
+    out = dense((cfg.d_model,), "out", ("heads", "kv", "embed"), axis=(-2, -1))(context)
+    return tag(_constrain(out, "batch", "length", "embed"), "out_proj")
+
+
+def mlp(cfg: TransformerConfig, x, dense: Callable):
+    """GELU MLP (gpt2: mlpwi, mlp_act, mlpwo) or SwiGLU (llama: mlpwi_0, mlpwi_1,
+    mlp_act, mlpwo). Input and output [batch, seq, d_model]."""
+    wi = lambda name: _constrain(dense(cfg.mlp_dim, name, ("embed", "mlp"))(x),
+                                 "batch", "length", "mlp")
+    if cfg.family == "gpt2":
+        h = tag(wi("wi"), "mlpwi")
+        h = tag(jax.nn.gelu(h), "mlp_act")
+    else:
+        gate = tag(wi("wi_0"), "mlpwi_0")
+        up = tag(wi("wi_1"), "mlpwi_1")
+        h = tag(jax.nn.silu(gate) * up, "mlp_act")
+    out = dense(cfg.d_model, "wo", ("mlp", "embed"))(h)
+    return tag(_constrain(out, "batch", "length", "embed"), "mlpwo")
+
+
+def decoder_layer(x, norm: Callable, attn: Callable, mlp_: Callable, dropout: Callable):
+    """Pre-norm decoder layer. x: [batch, seq, d_model] -> same shape and dtype.
+
+    Tags decoder_layer_input, attn_norm, mlp_norm, decoder_layer_output;
+    attn(h) and mlp_(h) tag the rest of the vocabulary.
+    """
+    x = tag(_constrain(x, "batch", "length", "embed"), "decoder_layer_input")
+    h = tag(norm("attn_norm")(x), "attn_norm")
+    x = x + dropout(attn(h))
+    h = tag(norm("mlp_norm")(x), "mlp_norm")
+    x = x + dropout(mlp_(h))
+    return tag(_constrain(x, "batch", "length", "embed"), "decoder_layer_output")
+
+
+class Attention(nn.Module):
+    """`attention` in linen. Input and output [batch, seq, d_model]."""
 
     config: TransformerConfig
 
@@ -109,26 +169,12 @@ class Attention(nn.Module):
             param_dtype=cfg.param_dtype, name=name,
             kernel_init=_axes(nn.initializers.lecun_normal(), *axes),
             bias_init=_axes(nn.initializers.zeros, *axes[len(axes) - len(feats):]))
-        heads = lambda name, n: _constrain(
-            dense((n, cfg.heads_dim), name, ("embed", "heads", "kv"))(x),
-            "batch", "length", "heads", "kv")
-        q = tag(heads("query", cfg.num_heads), "query_proj")
-        k = tag(heads("key", cfg.kv_heads), "key_proj")
-        v = tag(heads("value", cfg.kv_heads), "value_proj")
-        if cfg.family == "llama":
-            positions = jnp.arange(x.shape[1])
-            q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         drop = nn.Dropout(cfg.dropout_rate)
-        context = causal_attention(q, k, v, lambda p: drop(p, deterministic=deterministic),
-                                   cfg.dtype)
-        context = tag(_constrain(context, "batch", "length", "heads", "kv"), "context")
-        out = dense((cfg.d_model,), "out", ("heads", "kv", "embed"), axis=(-2, -1))(context)
-        return tag(_constrain(out, "batch", "length", "embed"), "out_proj")
+        return attention(cfg, x, dense, lambda p: drop(p, deterministic=deterministic))
 
 
 class Mlp(nn.Module):
-    """GELU MLP (gpt2: mlpwi, mlp_act, mlpwo) or SwiGLU (llama: mlpwi_0, mlpwi_1,
-    mlp_act, mlpwo). Input and output [batch, seq, d_model]."""
+    """`mlp` in linen. Input and output [batch, seq, d_model]."""
 
     config: TransformerConfig
 
@@ -139,24 +185,13 @@ class Mlp(nn.Module):
             feats, use_bias=cfg.family == "gpt2", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             kernel_init=_axes(nn.initializers.lecun_normal(), *axes),
             bias_init=_axes(nn.initializers.zeros, axes[-1]), name=name)
-        wi = lambda name: _constrain(dense(cfg.mlp_dim, name, ("embed", "mlp"))(x),
-                                     "batch", "length", "mlp")
-        if cfg.family == "gpt2":
-            h = tag(wi("wi"), "mlpwi")
-            h = tag(nn.gelu(h), "mlp_act")
-        else:
-            gate = tag(wi("wi_0"), "mlpwi_0")
-            up = tag(wi("wi_1"), "mlpwi_1")
-            h = tag(nn.silu(gate) * up, "mlp_act")
-        out = dense(cfg.d_model, "wo", ("mlp", "embed"))(h)
-        return tag(_constrain(out, "batch", "length", "embed"), "mlpwo")
+        return mlp(cfg, x, dense)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer. x: [batch, seq, d_model] -> same shape and dtype.
+    """`decoder_layer` in linen. x: [batch, seq, d_model] -> same shape and dtype.
 
-    Tags decoder_layer_input, attn_norm, mlp_norm, decoder_layer_output and,
-    through Attention and Mlp, the rest of the vocabulary.
+    Tags every value of the vocabulary (the fused qkv_proj, kv_proj aside).
     """
 
     config: TransformerConfig
@@ -165,14 +200,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, deterministic: bool):
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
-        x = tag(_constrain(x, "batch", "length", "embed"), "decoder_layer_input")
-        h = tag(_norm(cfg, "attn_norm")(x), "attn_norm")
-        h = Attention(cfg, name="attn")(h, deterministic)
-        x = x + drop(h, deterministic=deterministic)
-        h = tag(_norm(cfg, "mlp_norm")(x), "mlp_norm")
-        h = Mlp(cfg, name="mlp")(h)
-        x = x + drop(h, deterministic=deterministic)
-        return tag(_constrain(x, "batch", "length", "embed"), "decoder_layer_output")
+        return decoder_layer(x, lambda name: _norm(cfg, name),
+                             lambda h: Attention(cfg, name="attn")(h, deterministic),
+                             lambda h: Mlp(cfg, name="mlp")(h),
+                             lambda h: drop(h, deterministic=deterministic))
 
 
 class _ScanLayer(nn.Module):
@@ -185,18 +216,76 @@ class _ScanLayer(nn.Module):
         return DecoderLayer(self.config, name="layer")(x, deterministic), None
 
 
-def remat_layer(cls: type[nn.Module], cfg: TransformerConfig) -> type[nn.Module]:
-    """`cls` wrapped in `nn.remat` with the config's policy; unchanged for "none".
+def remat_layer(cls: type[nn.Module], cfg: TransformerConfig,
+                policy: Policy | None = None) -> type[nn.Module]:
+    """`cls` wrapped in `nn.remat` with `policy` (default the config's); unchanged for "none".
 
+    The policy's layer schedule is not applied here (see `Transformer`).
     `deterministic` (argument 2, counting self) is static. Under scan,
     prevent_cse=False: the loop already stops XLA from merging recompute
     with the forward pass (Flax `nn.remat` docs).
     """
-    policy = cfg.policy
+    policy = cfg.policy if policy is None else policy
     if not policy.remat:
         return cls
     return nn.remat(cls, policy=policy.to_jax(), static_argnums=(2,),
                     prevent_cse=not cfg.scan_layers)
+
+
+class _ScanGroup(nn.Module):
+    """One group of a nested scanned stack: an nn.scan over its layers, (carry, None) form."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        cfg = self.config
+        size = cfg.policy.schedule.group_size(cfg.num_layers)
+        return _scan(remat_layer(_ScanLayer, cfg), cfg, size, "group")(x, deterministic), None
+
+
+def _scan(body: type[nn.Module], cfg: TransformerConfig, length: int, name: str,
+          groups: int = 1):
+    """`length` copies of `body` as one nn.scan, parameters stacked on axis 0.
+
+    groups > 1: body is a group of num_layers / groups layers (nested);
+    its parameters, stacked [groups, group size, ...] by the two scans, are
+    stored as [num_layers, ...], the layout of the uniform scanned stack.
+    """
+    stack = nn.scan(body, variable_axes={"params": 0},
+                    split_rngs={"params": True, "dropout": True},
+                    in_axes=(nn.broadcast,), length=length,
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+    if groups > 1:
+        def grouped(v):  # [num_layers, ...] -> [groups, group size, ...]
+            return {"params": {"group": {"layer": jax.tree.map(
+                lambda a: a.reshape((groups, -1) + a.shape[1:]), v["params"]["layer"])}}}
+
+        def flat(v):  # [groups, group size, ...] -> [num_layers, ...]
+            return {"params": {"layer": jax.tree.map(
+                lambda a: a.reshape((-1,) + a.shape[2:]), v["params"]["group"]["layer"])}}
+
+        stack = nn.map_variables(stack, "params", init=True, mutable=True,
+                                 trans_in_fn=lambda v: grouped(v) if v.get("params") else v,
+                                 trans_out_fn=lambda v: flat(v) if v.get("params") else v)
+    return lambda x, deterministic: stack(cfg, name=name)(x, deterministic)[0]
+
+
+# Chen et al. 2016: a group saves only its input; its layers are recomputed
+# (with their own policy) in the group's backward pass.
+_GROUP_POLICY = jax.checkpoint_policies.nothing_saveable
+
+
+def _looped_layers(module: nn.Module, x, deterministic: bool, lo: int, hi: int):
+    """Layers lo..hi-1 of `module`'s config, each under its own policy, named layers_{i}."""
+    cfg = module.config
+    policies = cfg.layer_policies[lo:hi]
+    # One wrapped class per policy: layers sharing a class trace to shared
+    # sub-jaxprs, so equal policies lower to identical programs.
+    classes = {p: remat_layer(DecoderLayer, cfg, p) for p in set(policies)}
+    for i, policy in enumerate(policies, start=lo):
+        x = classes[policy](cfg, parent=module, name=f"layers_{i}")(x, deterministic)
+    return x
 
 
 class Transformer(nn.Module):
@@ -223,16 +312,21 @@ class Transformer(nn.Module):
                            embedding_init=_axes(embed_init, None, "embed"))
             x = x + pos(jnp.arange(tokens.shape[1])[None, :])
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        if cfg.scan_layers:
-            stack = nn.scan(remat_layer(_ScanLayer, cfg), variable_axes={"params": 0},
-                            split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast,), length=cfg.num_layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(cfg, name="layers")(x, deterministic)
+        size = cfg.policy.schedule.group_size(cfg.num_layers)  # 1 unless nested
+        if cfg.scan_layers and size == 1:
+            x = _scan(remat_layer(_ScanLayer, cfg), cfg, cfg.num_layers, "layers")(
+                x, deterministic)
+        elif cfg.scan_layers:
+            group = nn.remat(_ScanGroup, policy=_GROUP_POLICY, static_argnums=(2,),
+                             prevent_cse=False)
+            x = _scan(group, cfg, cfg.num_layers // size, "layers",
+                      groups=cfg.num_layers // size)(x, deterministic)
+        elif size == 1:
+            x = _looped_layers(self, x, deterministic, 0, cfg.num_layers)
         else:
-            layer = remat_layer(DecoderLayer, cfg)
-            for i in range(cfg.num_layers):
-                x = layer(cfg, name=f"layers_{i}")(x, deterministic)
+            group = nn.remat(_looped_layers, policy=_GROUP_POLICY, static_argnums=(2, 3, 4))
+            for lo in range(0, cfg.num_layers, size):
+                x = group(self, x, deterministic, lo, lo + size)
         x = _norm(cfg, "final_norm")(x)
         if cfg.family == "gpt2":
             logits = embed.attend(x)

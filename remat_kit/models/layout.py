@@ -1,0 +1,73 @@
+"""Parameter layouts of the reference transformer: looped (one subtree per layer) and scanned
+(one subtree, leaves stacked on a leading layer axis).
+
+Looped: params["layers_0"], ..., params["layers_{L-1}"], for every schedule.
+Scanned (`scan_layers=True`): params["layers"]["layer"], leaves [L, ...], for
+the uniform and the nested schedule alike.
+Both converters keep every other entry (embeddings, final norm, lm_head)
+as is, so a checkpoint of one layout loads into the other model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from remat_kit.models.config import TransformerConfig
+
+
+_STACK = ("layers", "layer")
+
+
+def _check_scanned(cfg: TransformerConfig) -> None:
+    if not cfg.scan_layers:
+        raise ValueError("the config describes a looped stack (scan_layers=False); pass the "
+                         "config of the scanned model")
+
+
+def _missing(params: Mapping, keys, what: str) -> ValueError:
+    return ValueError(f"params have no {what} {'/'.join(keys)}; top-level keys: "
+                      f"{sorted(params) if isinstance(params, Mapping) else type(params)}")
+
+
+def unstack_layers(params: Mapping, cfg: TransformerConfig) -> dict:
+    """Scanned parameters -> the looped layout (layers_0 .. layers_{L-1}).
+
+    Args:
+      params: the "params" collection of `Transformer(cfg)`.
+      cfg: the scanned model's config (scan_layers=True).
+    Returns:
+      A new dict; layer i's leaves are the stacked leaves at index i.
+    Raises:
+      ValueError: cfg is not scanned, or params lack the stacked subtree.
+    """
+    _check_scanned(cfg)
+    if not isinstance(params.get("layers"), Mapping) or "layer" not in params["layers"]:
+        raise _missing(params, _STACK, "scanned subtree")
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out.update({f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], params["layers"]["layer"])
+                for i in range(cfg.num_layers)})
+    return out
+
+
+def stack_layers(params: Mapping, cfg: TransformerConfig) -> dict:
+    """Looped parameters (layers_0 .. layers_{L-1}) -> the scanned layout of `cfg`.
+
+    The inverse of `unstack_layers`.
+
+    Raises:
+      ValueError: cfg is not scanned, or params lack a layers_i entry.
+    """
+    _check_scanned(cfg)
+    names = [f"layers_{i}" for i in range(cfg.num_layers)]
+    if any(n not in params for n in names):
+        raise _missing(params, names[:1], f"{cfg.num_layers} layers like")
+    out = {k: v for k, v in params.items() if k not in names}
+    out["layers"] = {"layer": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                           *[params[n] for n in names])}
+    return out
+
+
+__all__ = ["stack_layers", "unstack_layers"]

@@ -1,0 +1,184 @@
+"""Layer schedules: which decoder layers of a stack run under the remat policy.
+
+A `Schedule` is part of a `Policy` (its `schedule` field), written as a
+spec suffix after "@":
+
+    uniform       every layer under the policy (the default, printed as nothing)
+    every:k       layers 0, k, 2k, ... under the policy, the others without remat
+    first:n       layers 0 .. n-1 under the policy, the others without remat
+                  (Megatron-LM --recompute-method block --recompute-num-layers n)
+    nested[:g]    Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+                  Cost", sqrt(N) checkpointing: layers in groups of g, each
+                  group rematerialized as a whole (only group inputs are stored),
+                  each layer inside a group under the policy. g must divide the
+                  number of layers; the default is the divisor g minimizing
+                  g + L/g (4 for 16 layers, 8 for 64). nested:1 is uniform.
+
+So `full@every:2`, `selective@first:4`, `full@nested:4`. `nested` alone means
+`full@nested`, as Levanter's gradient_checkpointing="nested".
+
+A per-layer list of policies (`TransformerConfig.layer_remat`,
+`layer_policies(list, num_layers)`) covers any other pattern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from remat_kit.errors import RematSpecError
+
+KINDS = ("uniform", "every", "first", "nested")
+_SYNTAX = ("uniform", "every:K", "first:N", "nested", "nested:G")
+_TEXT = re.compile(r"^(?P<kind>[A-Za-z_]\w*)\s*(?::(?P<n>.*))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which layers run under a policy; see the module docstring.
+
+    Attributes:
+      kind: one of `KINDS`.
+      n: k of every:k, n of first:n, the group size g of nested:g (None:
+        chosen from the number of layers); None for uniform.
+
+    Raises:
+      RematSpecError: an unknown kind, n given to uniform or missing for
+        every/first, or n not a positive int.
+    """
+
+    kind: str = "uniform"
+    n: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise RematSpecError("unknown layer schedule", token=str(self.kind), choices=KINDS)
+        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int)
+                                   or self.n <= 0):
+            raise RematSpecError(f"schedule {self.kind}: the layer count must be a positive "
+                                 "int", token=repr(self.n))
+        if self.kind == "uniform" and self.n is not None:
+            raise RematSpecError("the uniform schedule takes no number", token=str(self))
+        if self.kind in ("every", "first") and self.n is None:
+            raise RematSpecError(f"schedule {self.kind} needs a layer count, e.g. "
+                                 f"{self.kind}:2", token=self.kind, choices=_SYNTAX)
+
+    def __str__(self) -> str:
+        return self.kind if self.n is None else f"{self.kind}:{self.n}"
+
+    def check(self, num_layers: int) -> None:
+        """Checks the schedule against a stack of `num_layers` layers.
+
+        Raises:
+          ValueError: k or n outside 1..num_layers, or a nested group size
+            that does not divide num_layers (the message lists the divisors).
+        """
+        if self.kind in ("every", "first") and self.n > num_layers:
+            raise ValueError(f"layer schedule {self}: {self.n} is out of range for "
+                             f"{num_layers} layers; use 1..{num_layers}")
+        if self.kind == "nested" and self.n is not None and num_layers % self.n:
+            raise ValueError(f"layer schedule {self}: group size {self.n} does not divide "
+                             f"{num_layers} layers; use one of {_divisors(num_layers)}")
+
+    def group_size(self, num_layers: int) -> int:
+        """Layers per rematerialized group of `nested` (1 for other kinds)."""
+        if self.kind != "nested":
+            return 1
+        self.check(num_layers)
+        return self.n or min(_divisors(num_layers), key=lambda g: (g + num_layers // g, g))
+
+    def remat_mask(self, num_layers: int) -> tuple[bool, ...]:
+        """Per layer: does it run under the policy (True) or without remat (False)?
+
+        Raises:
+          ValueError: as `check`.
+        """
+        self.check(num_layers)
+        if self.kind == "every":
+            return tuple(i % self.n == 0 for i in range(num_layers))
+        if self.kind == "first":
+            return tuple(i < self.n for i in range(num_layers))
+        return (True,) * num_layers
+
+    def boundaries(self, num_layers: int) -> int:
+        """Layer (or group) inputs [batch, seq, d_model] the forward pass stores
+        for rematerialized layers: one per remat'd layer; for nested, one per
+        group (L/g). A nested backward pass stores g more while it recomputes
+        one group: L/g + g in all, 2*sqrt(L) at g = sqrt(L) (Chen et al. 2016).
+
+        Raises:
+          ValueError: as `check`.
+        """
+        g = self.group_size(num_layers)
+        return num_layers // g if g > 1 else sum(self.remat_mask(num_layers))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_schedule(text: str, spec: str | None = None, at: int | None = None) -> Schedule:
+    """Parses the schedule after "@" in a spec: uniform, every:k, first:n, nested[:g].
+
+    Raises:
+      RematSpecError: unknown kind or a count that is not a positive int; the
+        message gives `spec` and the position `at`.
+    """
+    stripped = text.strip()
+    at = None if at is None else at + len(text) - len(text.lstrip())
+    m = _TEXT.match(stripped)
+    if not m or m.group("kind") not in KINDS:
+        raise RematSpecError("unknown layer schedule", spec=spec, token=stripped or text,
+                             position=at, choices=_SYNTAX)
+    n = m.group("n")
+    if n is not None and not re.fullmatch(r"\s*[0-9]+\s*", n):
+        raise RematSpecError(f"schedule {m.group('kind')}: the layer count must be a "
+                             "positive int", spec=spec, token=n, position=None if at is None
+                             else at + m.start("n"), choices=_SYNTAX)
+    try:
+        return Schedule(m.group("kind"), None if n is None else int(n))
+    except RematSpecError as e:
+        raise RematSpecError(e.message, spec=spec, token=stripped, position=at,
+                             choices=_SYNTAX) from None
+
+
+def layer_policies(policy, num_layers: int) -> tuple:
+    """The policy each of `num_layers` layers runs under, without schedules.
+
+    Args:
+      policy: a `Policy` or spec (its schedule picks the layers; layers
+        outside it get `none`), or a sequence of num_layers specs/Policies
+        without schedules, one per layer.
+    Returns:
+      A tuple of num_layers `Policy`s. For nested, each layer's policy
+      inside its group; the groups themselves are the caller's (see
+      `Schedule.group_size`).
+    Raises:
+      RematSpecError: a spec does not parse, or a list entry has a schedule.
+      ValueError: the schedule does not fit num_layers, or the list's length
+        is not num_layers.
+    """
+    from remat_kit.spec import parse  # spec imports policy, which imports this module
+    from remat_kit.policy import Policy
+
+    if isinstance(policy, (str, Policy)):
+        policy = parse(policy)
+        inner = dataclasses.replace(policy, schedule=Schedule())
+        return tuple(inner if on else Policy(remat=False)
+                     for on in policy.schedule.remat_mask(num_layers))
+    if not isinstance(policy, Sequence):
+        raise TypeError(f"layer policies must be a spec, a Policy or a list of them, got "
+                        f"{type(policy).__name__} {policy!r}")
+    if len(policy) != num_layers:
+        raise ValueError(f"a per-layer policy list needs one entry per layer: got "
+                         f"{len(policy)} entries for {num_layers} layers")
+    out = tuple(parse(p) for p in policy)
+    for i, p in enumerate(out):
+        if p.schedule != Schedule():
+            raise RematSpecError(f"per-layer policy {i} has a layer schedule; entries of a "
+                                 "per-layer list apply to one layer each", token=str(p))
+    return out
+
+
+__all__ = ["KINDS", "Schedule", "layer_policies", "parse_schedule"]
