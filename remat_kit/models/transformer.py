@@ -244,6 +244,16 @@ class _ScanGroup(nn.Module):
         return _scan(remat_layer(_ScanLayer, cfg), cfg, size, "group")(x, deterministic), None
 
 
+def _restack(tree, reshape: Callable, rename: Callable):
+    """Reshapes stacked parameters; a logically partitioned one also gets its axis
+    names renamed, so they keep one name per dimension (see remat_kit.mesh)."""
+    def one(a):
+        if isinstance(a, nn.LogicallyPartitioned):
+            return a.replace(value=reshape(a.value), names=rename(a.names))
+        return reshape(a)
+    return jax.tree.map(one, tree, is_leaf=lambda a: isinstance(a, nn.LogicallyPartitioned))
+
+
 def _scan(body: type[nn.Module], cfg: TransformerConfig, length: int, name: str,
           groups: int = 1):
     """`length` copies of `body` as one nn.scan, parameters stacked on axis 0.
@@ -258,12 +268,14 @@ def _scan(body: type[nn.Module], cfg: TransformerConfig, length: int, name: str,
                     metadata_params={nn.PARTITION_NAME: "layers"})
     if groups > 1:
         def grouped(v):  # [num_layers, ...] -> [groups, group size, ...]
-            return {"params": {"group": {"layer": jax.tree.map(
-                lambda a: a.reshape((groups, -1) + a.shape[1:]), v["params"]["layer"])}}}
+            return {"params": {"group": {"layer": _restack(
+                v["params"]["layer"], lambda a: a.reshape((groups, -1) + a.shape[1:]),
+                lambda names: ("layers",) + names)}}}
 
         def flat(v):  # [groups, group size, ...] -> [num_layers, ...]
-            return {"params": {"layer": jax.tree.map(
-                lambda a: a.reshape((-1,) + a.shape[2:]), v["params"]["group"]["layer"])}}
+            return {"params": {"layer": _restack(
+                v["params"]["group"]["layer"], lambda a: a.reshape((-1,) + a.shape[2:]),
+                lambda names: names[1:])}}
 
         stack = nn.map_variables(stack, "params", init=True, mutable=True,
                                  trans_in_fn=lambda v: grouped(v) if v.get("params") else v,
