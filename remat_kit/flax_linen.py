@@ -22,7 +22,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import wrapping
 from remat_kit.policy import Policy
-from remat_kit.spec import parse
 from remat_kit.validate import check_names, emitted_tags
 
 # Modules whose outputs `auto_tag` names (their `__call__` results).
@@ -130,7 +129,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"rk.linen.remat takes a flax.linen.Module subclass, got {cls!r}; "
                         "for a model instance use rk.linen.apply_remat(model, {...})")
-    policy = parse(policy)
+    policy = wrapping.module_policy(policy)
     if not policy.remat:
         return cls
     methods = tuple(methods or ("__call__",))

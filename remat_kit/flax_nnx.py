@@ -23,7 +23,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import wrapping
 from remat_kit.policy import Policy, TagPolicy
-from remat_kit.spec import parse
 from remat_kit.validate import check_names, emitted_tags
 
 # Modules whose outputs `auto_tag` names (their `__call__` results).
@@ -161,7 +160,7 @@ def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequenc
       RematSpecError: the policy does not parse.
       UnknownTagError: `validate` and the policy names a tag never emitted.
     """
-    policy = parse(policy)
+    policy = wrapping.module_policy(policy)
     is_class = isinstance(module_or_fn, type) and issubclass(module_or_fn, nnx.Module)
     if is_class or isinstance(module_or_fn, nnx.Module):
         if static_argnums != ():

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from remat_kit import names
-from remat_kit.errors import UnknownModuleError
+from remat_kit.errors import RematSpecError, UnknownModuleError
 from remat_kit.policy import Policy
 from remat_kit.spec import parse
 from remat_kit.validate import check_names, tag_of
@@ -101,6 +101,24 @@ def _jaxprs(value):
             yield from _jaxprs(v)
 
 
+def module_policy(spec) -> Policy:
+    """`parse(spec)` for one module's region.
+
+    Raises:
+      RematSpecError: the spec does not parse, or has a layer schedule
+        (`full@every:2`, `nested`): a schedule picks layers of a stack, which
+        one wrapped module does not have (set it on the stack, e.g.
+        `TransformerConfig.remat`, or map each layer class to its own policy).
+    """
+    policy = parse(spec)
+    if policy.schedule.kind != "uniform":
+        raise RematSpecError(
+            "a layer schedule applies to a stack of layers, not to one wrapped module; wrap "
+            "with the policy alone, or give the stack the schedule (TransformerConfig.remat)",
+            token=str(policy))
+    return policy
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Mapping keys (class names or types) -> parsed policies, in the user's order."""
@@ -125,7 +143,7 @@ class Plan:
                                              and issubclass(key, module_base))):
                 raise TypeError(f"{where}: mapping key {key!r} must be a class name or a "
                                 f"{module_base.__module__}.{module_base.__name__} subclass")
-        return cls(tuple(mapping), tuple(parse(p) for p in mapping.values()))
+        return cls(tuple(mapping), tuple(module_policy(p) for p in mapping.values()))
 
     def label(self, key) -> str:
         return key if isinstance(key, str) else key.__name__

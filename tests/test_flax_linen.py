@@ -217,6 +217,10 @@ def test_errors(setup):
         rk.linen.remat(Model(), "full")
     with pytest.raises(TypeError, match="class name"):
         rk.linen.apply_remat(Model(), {3: "full"})
+    for wrap in (lambda: rk.linen.remat(Block, "full@every:2"),
+                 lambda: rk.linen.apply_remat(Model(), {"Block": "nested"})):
+        with pytest.raises(rk.RematSpecError, match="applies to a stack of layers"):
+            wrap()
     assert rk.linen.remat(Block, "none") is Block  # "none" means no wrapper
     with pytest.raises(rk.UnknownTagError, match="never emits") as info:
         model = rk.linen.apply_remat(Model(), {"Block": "save:*/attn/qeury"}, validate=True)

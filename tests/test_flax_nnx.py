@@ -170,6 +170,8 @@ def test_errors(setup):
     assert info.value.closest == "Block" and {"Block", "Mlp", "Linear"} <= set(info.value.choices)
     with pytest.raises(rk.RematSpecError, match="minimal"):
         rk.nnx.apply_remat(model, {"Block": "minimall"})
+    with pytest.raises(rk.RematSpecError, match="applies to a stack of layers"):
+        rk.nnx.remat(Block, "selective@first:2")
     with pytest.raises(TypeError, match="nnx.Module instance"):
         rk.nnx.apply_remat(Model, {"Block": "full"})
     with pytest.raises(TypeError, match="Module class, instance or function"):

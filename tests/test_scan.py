@@ -3,6 +3,7 @@
 from collections import Counter
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -24,7 +25,7 @@ def _linen(cfg, params=None):
     """(loss, grads, residuals) of the linen model of cfg at params (default: init)."""
     tokens = _tokens(cfg)
     if params is None:
-        params = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+        params = nn.unbox(Transformer(cfg).init(jax.random.key(1), tokens)["params"])
     loss = make_loss_fn(Transformer(cfg))
     value, grads = jax.value_and_grad(loss)(params, tokens, tokens, jax.random.key(2))
     return params, value, grads, rk.residuals(loss, params, tokens, tokens, jax.random.key(2))
@@ -61,12 +62,19 @@ def test_scanned_equals_looped(fam, spec, layers):
 def test_layout_round_trip_and_shapes():
     cfg = get_config("tiny", num_layers=LAYERS, remat="full@nested:2", scan_layers=True)
     tokens = _tokens(cfg)
-    params = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+    boxed = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+    params = nn.unbox(boxed)
     kernel = params["layers"]["layer"]["attn"]["query"]["kernel"]
     assert kernel.shape == (LAYERS, 64, 4, 16)  # [layers, d_model, heads, head_dim]
+    # Logical axis names follow the stacked axis both ways.
+    assert boxed["layers"]["layer"]["attn"]["query"]["kernel"].names == (
+        "layers", "embed", "heads", "kv")
+    looped_boxed = unstack_layers(boxed, cfg)
+    assert looped_boxed["layers_0"]["attn"]["query"]["kernel"].names == ("embed", "heads", "kv")
+    chex.assert_trees_all_equal(stack_layers(looped_boxed, cfg), boxed)
     # Nested and uniform scanned stacks share one layout.
-    uniform = jax.eval_shape(Transformer(cfg.replace(remat="full")).init, jax.random.key(1),
-                             tokens)["params"]
+    uniform = nn.unbox(jax.eval_shape(Transformer(cfg.replace(remat="full")).init,
+                                      jax.random.key(1), tokens)["params"])
     chex.assert_trees_all_equal_shapes(uniform, params)
     looped = unstack_layers(params, cfg)
     assert sorted(k for k in looped if k.startswith("layers")) == [f"layers_{i}"

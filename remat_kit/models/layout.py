@@ -5,13 +5,16 @@ Looped: params["layers_0"], ..., params["layers_{L-1}"], for every schedule.
 Scanned (`scan_layers=True`): params["layers"]["layer"], leaves [L, ...], for
 the uniform and the nested schedule alike.
 Both converters keep every other entry (embeddings, final norm, lm_head)
-as is, so a checkpoint of one layout loads into the other model.
+as is, so a checkpoint of one layout loads into the other model. Parameters
+boxed with logical axis names (`model.init`'s output, see remat_kit.mesh)
+gain or lose the "layers" name with the stacked axis.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +22,16 @@ from remat_kit.models.config import TransformerConfig
 
 
 _STACK = ("layers", "layer")
+_BOX = lambda a: isinstance(a, nn.LogicallyPartitioned)
+
+
+def _layer_map(fn, *trees):
+    """fn over the leaves of trees of arrays or of logically partitioned boxes."""
+    def one(*leaves):
+        value, names = fn(*(getattr(a, "value", a) for a in leaves))
+        return leaves[0].replace(value=value, names=names(leaves[0].names)) if _BOX(
+            leaves[0]) else value
+    return jax.tree.map(one, *trees, is_leaf=_BOX)
 
 
 def _check_scanned(cfg: TransformerConfig) -> None:
@@ -47,7 +60,8 @@ def unstack_layers(params: Mapping, cfg: TransformerConfig) -> dict:
     if not isinstance(params.get("layers"), Mapping) or "layer" not in params["layers"]:
         raise _missing(params, _STACK, "scanned subtree")
     out = {k: v for k, v in params.items() if k != "layers"}
-    out.update({f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], params["layers"]["layer"])
+    out.update({f"layers_{i}": _layer_map(lambda a, i=i: (a[i], lambda n: n[1:]),
+                                          params["layers"]["layer"])
                 for i in range(cfg.num_layers)})
     return out
 
@@ -65,8 +79,8 @@ def stack_layers(params: Mapping, cfg: TransformerConfig) -> dict:
     if any(n not in params for n in names):
         raise _missing(params, names[:1], f"{cfg.num_layers} layers like")
     out = {k: v for k, v in params.items() if k not in names}
-    out["layers"] = {"layer": jax.tree.map(lambda *xs: jnp.stack(xs),
-                                           *[params[n] for n in names])}
+    out["layers"] = {"layer": _layer_map(lambda *xs: (jnp.stack(xs), lambda n: ("layers",) + n),
+                                         *[params[n] for n in names])}
     return out
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
 
 from remat_kit.models.config import TransformerConfig
 from remat_kit.models.transformer import attention, decoder_layer, lm_loss, mlp
@@ -200,8 +200,10 @@ def from_linen(params: Mapping, cfg: TransformerConfig) -> dict:
     `state.replace_by_pure_dict(from_linen(params, cfg))`, `nnx.update(model, state)`.
     Parameter names are the same; the looped stack maps layers_{i} to
     layers[i]; the scanned stack's params["layers"]["layer"] to layers
-    (stacked [num_layers, ...] in both).
+    (stacked [num_layers, ...] in both). Logically partitioned params (linen
+    `init`'s boxes) are unboxed.
     """
+    params = linen.unbox(params)
     out = {k: v for k, v in params.items() if not k.startswith("layers")}
     if cfg.scan_layers:
         out["layers"] = params["layers"]["layer"]
