@@ -3,20 +3,26 @@
     import remat_kit as rk
     policy = rk.parse("minimal")            # MaxText's minimal, as a Policy
     nn.remat(Block, policy=policy.to_jax())
+    rk.plan(loss_fn, *args, budget="6GiB")  # the cheapest policy that fits, verified
+
+`rk.plan` is the planner function; its module is `remat_kit.plan` (import
+`Planner` and friends with `from remat_kit.plan import ...`).
 """
 
 from remat_kit import estimate, report
-from remat_kit.errors import RematSpecError, UnknownTagError
+from remat_kit.errors import BudgetError, RematSpecError, UnknownTagError
 from remat_kit.measure import (Record, checkpointed, explain, layer_residuals, measure,
                                measure_config, residuals)
 from remat_kit.names import ALIASES, TAGS, register_tag, tag
+from remat_kit.plan import Plan, Planner, plan
 from remat_kit.policy import Policy
-from remat_kit.spec import PRESETS, from_custom, parse
+from remat_kit.spec import PRESETS, AutoSpec, from_custom, parse
 from remat_kit.validate import emitted_tags, validate
 
 __all__ = [
-    "ALIASES", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS", "UnknownTagError",
+    "ALIASES", "AutoSpec", "BudgetError", "PRESETS", "Plan", "Planner", "Policy", "Record",
+    "RematSpecError", "TAGS", "UnknownTagError",
     "checkpointed", "emitted_tags", "estimate", "explain", "from_custom", "layer_residuals",
-    "measure", "measure_config", "parse", "register_tag", "report", "residuals", "tag",
+    "measure", "measure_config", "parse", "plan", "register_tag", "report", "residuals", "tag",
     "validate",
 ]

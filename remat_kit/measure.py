@@ -50,7 +50,7 @@ from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_
 from remat_kit.models.transformer import remat_layer
 from remat_kit.names import TAGS
 from remat_kit.policy import Policy
-from remat_kit.spec import parse
+from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import emitted_tags, tag_of
 
 LossFactory = Callable[[Policy], Callable]
@@ -186,6 +186,7 @@ class _Staged:
     program: ClosedJaxpr  # value_and_grad w.r.t. args[0], flat inputs and outputs
     residuals: tuple[Residual, ...]
     leaves: list
+    residual_vars: tuple = ()  # program vars (or literals) saved for backward, as `residuals`
 
 
 def _stage(f, args) -> _Staged:
@@ -208,7 +209,7 @@ def _stage(f, args) -> _Staged:
     res_vars = jaxpr.outvars[len(jaxpr.outvars) - n_res:]
     program = ClosedJaxpr(jaxpr.replace(outvars=jaxpr.outvars[:len(jaxpr.outvars) - n_res]),
                           closed.consts)
-    names, sources, seen, found = _leaf_names(f, args), _Sources(), set(), []
+    names, sources, seen, found, kept = _leaf_names(f, args), _Sources(), set(), [], []
     for var in res_vars:
         if not isinstance(var, Literal):
             if var in seen:  # one buffer saved twice is stored once
@@ -218,7 +219,8 @@ def _stage(f, args) -> _Staged:
         kind, name = ("argument", names[src]) if isinstance(src, int) else src
         found.append(Residual(kind, name, tuple(var.aval.shape), str(var.aval.dtype),
                               _aval_bytes(var.aval), _memory(var.aval)))
-    return _Staged(program, tuple(found), leaves)
+        kept.append(var)
+    return _Staged(program, tuple(found), leaves, tuple(kept))
 
 
 def residuals(f: Callable, *args) -> list[Residual]:
@@ -528,7 +530,8 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
       args: arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to measure a
         sharded program; figures are then per device, and residuals are
         traced at the per-device shard shapes).
-      policies: spec strings or `Policy`s. Policies that decide every tag
+      policies: spec strings or `Policy`s; "auto:budget=..." is planned
+        first (`remat_kit.plan.resolve`). Policies that decide every tag
         the loss emits alike, or that lower to the same program (their
         decisions differ only on values the backward pass never reads), are
         measured once, as one record listing all their names.
@@ -545,10 +548,14 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
       other records still come out.
     Raises:
       RematSpecError: a policy spec does not parse.
+      BudgetError: an auto budget below full remat's memory.
       ValueError: `names` and `policies` differ in length.
     """
     parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
     loss_for_policy = _as_factory(loss_for_policy)
+    if any(isinstance(p, AutoSpec) for p in parsed):
+        from remat_kit.plan import resolve  # the planner measures through this module
+        parsed = resolve(parsed, loss_for_policy, *args)
     emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
     leaves = jax.tree.leaves(args)
     local_args = (jax.tree.map(_local, args) if any(_is_sharded(x) for x in leaves) else None)
@@ -641,6 +648,53 @@ def _data_size(mesh) -> int:
     return mesh.shape["data"]
 
 
+def config_program(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None = None,
+                   mesh: jax.sharding.Mesh | None = None):
+    """The language-model loss of a reference transformer, as `measure` takes it.
+
+    Returns:
+      (loss_for_policy, args, sample_args): a factory policy ->
+      loss(params, inputs, targets, dropout_rng) building
+      `Transformer(cfg.replace(remat=policy))`; the args as
+      `jax.ShapeDtypeStruct`s (parameters from `jax.eval_shape`, int32 tokens
+      [batch, seq] split over the mesh's "data" axis, a PRNG key); and
+      key -> concrete args of those shapes, for timed runs.
+    Raises:
+      ValueError: as `measure_config`.
+    """
+    _check_positive("batch", batch)
+    _check_positive("seq", seq)
+    n = _data_size(mesh)
+    if batch % n:
+        raise ValueError(f"batch {batch} does not split over {n} data-parallel devices")
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    if cfg.family == "gpt2" and seq > cfg.max_len:
+        raise ValueError(f"seq {seq} exceeds the model's max_len {cfg.max_len} "
+                         "(GPT-2 learns one position embedding per position)")
+    shard = (lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))) if mesh else (lambda *_: None)
+    model = Transformer(cfg.replace(remat="none"))
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=shard("data"))
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard()),
+        jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))
+        ["params"])
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=shard())
+    deterministic = cfg.dropout_rate == 0
+
+    def loss_for_policy(policy):
+        return make_loss_fn(Transformer(cfg.replace(remat=policy)), deterministic)
+
+    def sample_args(k):
+        k_init, k_in, k_out, k_drop = jax.random.split(k, 4)
+        init_tokens = jnp.zeros((1, seq), jnp.int32)
+        draw = lambda kk: jax.random.randint(kk, (batch, seq), 0, cfg.vocab_size, jnp.int32)
+        return model.init(k_init, init_tokens)["params"], draw(k_in), draw(k_out), k_drop
+
+    return loss_for_policy, (params, tokens, tokens, key), sample_args
+
+
 def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Sequence | None = None,
                    *, names=None, dtype: str | None = None, time_steps: int = 0,
                    mesh: jax.sharding.Mesh | None = None, per_layer: bool = True,
@@ -673,37 +727,11 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         the data axis, seq above a GPT-2 config's max_len, a bad dtype.
       RematSpecError: a policy does not parse.
     """
-    _check_positive("batch", batch)
-    _check_positive("seq", seq)
     n = _data_size(mesh)
-    if batch % n:
-        raise ValueError(f"batch {batch} does not split over {n} data-parallel devices")
+    loss_for_policy, args, sample_args = config_program(cfg, batch, seq, dtype=dtype, mesh=mesh)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    if cfg.family == "gpt2" and seq > cfg.max_len:
-        raise ValueError(f"seq {seq} exceeds the model's max_len {cfg.max_len} "
-                         "(GPT-2 learns one position embedding per position)")
-    shard = (lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))) if mesh else (lambda *_: None)
-    model = Transformer(cfg.replace(remat="none"))
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=shard("data"))
-    params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard()),
-        jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))
-        ["params"])
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=shard())
-    deterministic = cfg.dropout_rate == 0
-
-    def loss_for_policy(policy):
-        return make_loss_fn(Transformer(cfg.replace(remat=policy)), deterministic)
-
-    def sample_args(k):
-        k_init, k_in, k_out, k_drop = jax.random.split(k, 4)
-        init_tokens = jnp.zeros((1, seq), jnp.int32)
-        draw = lambda kk: jax.random.randint(kk, (batch, seq), 0, cfg.vocab_size, jnp.int32)
-        return model.init(k_init, init_tokens)["params"], draw(k_in), draw(k_out), k_drop
-
-    records = measure(loss_for_policy, params, tokens, tokens, key,
+    records = measure(loss_for_policy, *args,
                       policies=policies if policies is not None else [cfg.remat], names=names,
                       time_steps=time_steps, sample_args=sample_args, progress=progress)
     if not per_layer:
@@ -873,6 +901,6 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
 
 
 __all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",
-           "explain",
+           "config_program", "explain",
            "layer_residuals", "loop_scaled_costs", "measure", "measure_config",
            "memory_fields", "platform_label", "residuals"]
