@@ -459,7 +459,6 @@ def _plan(args) -> int:
     from rich.table import Table
 
     from remat_kit import report
-    from remat_kit.measure import measure
     from remat_kit.plan import config_planner, parse_budget
 
     cfg, label, defaults = load_config(args.config)
@@ -483,8 +482,11 @@ def _plan(args) -> int:
     full, none = planner.minimum()
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
-    records = measure(planner.loss_fn, *planner.args, policies=presets, names=presets,
-                      progress=lambda i, n, r: progress(f"[{i}/{n}] preset {r.names[0]}"))
+    # One record per distinct program, named by every preset that compiles to it.
+    named: dict[int, tuple] = {}
+    for spec, r in zip(presets, planner.measure_all(presets)):
+        named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
+    records = [dataclasses.replace(r, names=names) for r, names in named.values()]
     ok = [r for r in records if r.error is None and r.temp_size_in_bytes is not None]
     title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({planner.measure('full').platform}"
              f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "

@@ -265,17 +265,18 @@ def _forward_eqns(jaxpr, outs) -> list:
     return [e for e in jaxpr.eqns if id(e) in keep]
 
 
-def cost_model(loss_fn: Callable, *args, free: Sequence[str] = ()) -> CostModel:
+def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None) -> CostModel:
     """Measures a `CostModel` for `loss_fn(*args)` (see the module docstring).
 
     Args:
       loss_fn: a loss or a policy -> loss factory, as `measure` takes.
       args: arrays or `jax.ShapeDtypeStruct`s; nothing is computed.
       free: tags the remat region keeps whatever the policy (its inputs).
+      staged: the loss already traced under `SAVE_TAGS` (`measure._stage`), if at hand.
     Raises:
       TypeError: the loss does not return a scalar.
     """
-    staged = _stage(_as_factory(loss_fn)(SAVE_TAGS), args)
+    staged = staged or _stage(_as_factory(loss_fn)(SAVE_TAGS), args)
     jaxpr = staged.program.jaxpr
     forward = _forward_eqns(jaxpr, [*staged.residual_vars, jaxpr.outvars[0]])
     producers = {v: e for e in forward for v in e.outvars}
@@ -433,18 +434,29 @@ class Planner:
         self.records: dict[str, Record] = {}
         self._model: CostModel | None = None
         self._fingerprint: str | None = None
+        self._staged = None
 
     # -- measurements, each made once -------------------------------------
 
+    def measure_all(self, policies: Sequence) -> list[Record]:
+        """Records of `policies` (specs or Policies; auto specs not allowed),
+        compiling only those not measured yet, in one `measure` call (so
+        policies that compile alike compile once). Records may carry errors."""
+        keys = [str(parse(p)) for p in policies]
+        todo = [p for p, k in zip(policies, keys) if k not in self.records]
+        if todo:
+            def progress(i, n, record):
+                if self.progress:
+                    self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
+            for record in measure(self.loss_fn, *self.args, policies=todo, progress=progress):
+                for name in record.names:
+                    self.records.setdefault(str(parse(name)), record)
+        return [self.records[k] for k in keys]
+
     def measure(self, policy: "Policy | str") -> Record:
         """The compiled record of `policy` (memoized); raises if it fails to compile."""
-        policy = parse(policy)
-        key = str(policy)
-        if key not in self.records:
-            if self.progress:
-                self.progress(f"compiling {key}")
-            self.records[key] = measure(self.loss_fn, *self.args, policies=[policy])[0]
-        record = self.records[key]
+        record = self.measure_all([policy])[0]
+        key = str(parse(policy))
         if record.error or record.temp_size_in_bytes is None or record.flops is None:
             raise RuntimeError(f"cannot plan: policy {key!r} did not compile to memory and "
                                f"FLOP figures: {record.error or 'the backend reports none'}")
@@ -455,14 +467,20 @@ class Planner:
         """The measured `CostModel` (tags `full` keeps are always available)."""
         if self._model is None:
             free = set(self.measure(Policy()).residual_bytes_by_tag)
-            self._model = cost_model(self.loss_fn, *self.args, free=free)
+            self._model = cost_model(self.loss_fn, *self.args, free=free, staged=self.staged)
         return self._model
+
+    @property
+    def staged(self):
+        """The loss traced under `SAVE_TAGS` (for the cost model and the fingerprint)."""
+        if self._staged is None:
+            self._staged = _stage(self.loss_fn(SAVE_TAGS), self.args)
+        return self._staged
 
     def fingerprint(self) -> str:
         """A hash of the traced program, argument shardings, JAX version and backend."""
         if self._fingerprint is None:
-            staged = _stage(self.loss_fn(SAVE_TAGS), self.args)
-            text = re.sub(r"0x[0-9a-f]+", "", str(staged.program))  # object addresses vary
+            text = re.sub(r"0x[0-9a-f]+", "", str(self.staged.program))  # object addresses vary
             shardings = [str(getattr(x, "sharding", None)) for x in jax.tree.leaves(self.args)]
             blob = "\n".join([text, *shardings, jax.__version__, jax.default_backend(),
                               str(jax.device_count())])
