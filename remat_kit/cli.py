@@ -28,6 +28,7 @@ import inspect
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 from remat_kit import names as tag_names
@@ -479,9 +480,11 @@ def _plan(args) -> int:
 
     planner = config_planner(cfg, batch, seq, mesh=mesh, progress=progress,
                              cache=args.cache if args.cache is not None else True)
+    start = time.perf_counter()
     full, none = planner.minimum()
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
+    plan_seconds = time.perf_counter() - start
     # One record per distinct program, named by every preset that compiles to it.
     named: dict[int, tuple] = {}
     for spec, r in zip(presets, planner.measure_all(presets)):
@@ -515,10 +518,13 @@ def _plan(args) -> int:
                       "cached" if p.cached else str(p.iterations), *preset_cells)
         out.append({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
                     "best_preset": best and best.to_dict()})
-    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(t)
+    console.print(f"planned {len(fits)} budgets in {plan_seconds:.1f} s (with the none and "
+                  f"full compiles; a cached plan is not planned again)")
     context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
                "devices": devices, "platform": planner.measure("full").platform,
-               "none_bytes": none, "minimum_bytes": full}
+               "none_bytes": none, "minimum_bytes": full, "plan_seconds": plan_seconds}
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump({"schema_version": 1, "context": context, "budgets": out,
@@ -576,7 +582,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", default=None, help="data:N, split the batch over N devices")
     plan.add_argument("--cache", default=None, metavar="PATH",
                       help="plan cache file (default: $REMAT_KIT_CACHE or "
-                           "~/.cache/remat_kit/plans.json)")
+                           "~/.cache/remat_kit/plans.json); '' for none")
     plan.add_argument("--json", default=None, metavar="PATH", help="write plans and presets here")
     plan.add_argument("--plot", default=None, metavar="PATH",
                       help="write a PNG of the plans over the presets' points")

@@ -225,3 +225,17 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
 def test_cli_plan_bad_input(argv, message, capsys):
     assert cli.main(["plan", "--config", "tiny", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_plans_auto_budget(tmp_path):
+    """experiments/train.py plans auto:budget= before training; below full remat's
+    memory it is one-line bad input naming the minimum."""
+    from experiments import train
+    from experiments.configs import tiny
+
+    (tmp_path / "text.py").write_text("def f(x):\n    return x + 1\n" * 200)
+    config = tiny.get_config()
+    config.data, config.remat = str(tmp_path / "text.py"), "auto:budget=1KiB"
+    config.seq_len, config.batch_size = SEQ, BATCH
+    with pytest.raises(cli.BadInput, match="below the least temp memory .* under full remat"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
