@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(SHAPES))
     parser.add_argument("--budgets", default=BUDGETS)
+    parser.add_argument("--presets", default=None,
+                        help="specs to compare with (default: every preset)")
     parser.add_argument("--out", default="runs/plan_frontier", help="folder for JSON and PNG")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
         code = cli.main(["plan", "--config", name, "--batch", str(batch), "--seq", str(seq),
                          "--dtype", "bfloat16", "--budgets", args.budgets, "--json", path,
                          "--plot", os.path.join(args.out, f"{name}.png"),
-                         "--cache", ""])
+                         "--cache", "", *(["--presets", args.presets] if args.presets else [])])
         if code:
             return code
         with open(path) as f:

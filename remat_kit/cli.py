@@ -35,7 +35,7 @@ from remat_kit import names as tag_names
 from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
 from remat_kit.models.config import DTYPES
-from remat_kit.spec import BARE_NAMES, PRESET_TABLE, parse
+from remat_kit.spec import BARE_NAMES, PRESET_TABLE, AutoSpec, parse
 
 
 class BadInput(ValueError):
@@ -405,6 +405,9 @@ def _explain(args) -> int:
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
     policy = parse(args.policy if args.policy is not None else cfg.remat)
+    if isinstance(policy, AutoSpec):
+        raise BadInput(f"explain shows one policy; {policy} is planned per model: run "
+                       f"remat-kit plan --budgets {policy.budget} to see what it chooses")
     layer = layer_residuals(cfg, batch, seq, policy)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, one decoder layer under {args.policy or str(policy)!r} "
