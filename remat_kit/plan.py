@@ -523,8 +523,8 @@ class Planner:
                 f"no remat ({none.temp_size_in_bytes:,} bytes)", budget=budget,
                 minimum_bytes=lo, minimum_fraction=lo / none.temp_size_in_bytes)
         if limit >= none.temp_size_in_bytes:
-            return self._finish(key, budget, limit, Policy(remat=False), none, none.temp_size_in_bytes,
-                                none.flops, "the budget holds no remat", 0)
+            return self._finish(key, budget, limit, Policy(remat=False), none,
+                                none.temp_size_in_bytes, none.flops, "the budget holds no remat", 0)
         model = self.model
         base_flops = full.flops - model.cost(frozenset())[1]
         room, hi, status, tried, notes = limit - full.temp_size_in_bytes, None, "", set(), []
@@ -535,8 +535,12 @@ class Planner:
                 break  # the room moved, the answer did not
             tried.add(saved)
             policy = Policy(save=saved)
-            record = self.measure(policy)
+            record = self.measure_all([policy])[0]
             tag_bytes, recompute = model.cost(saved)
+            if record.error or record.temp_size_in_bytes is None or record.flops is None:
+                notes.append(f"{policy}: no figures ({record.error}), skipped")
+                hi, room = tag_bytes, max(0, tag_bytes - 1)
+                continue
             notes.append(f"{policy}: {record.temp_size_in_bytes:,} bytes, "
                          + ("fits" if record.temp_size_in_bytes <= limit else "over"))
             if record.temp_size_in_bytes <= limit:

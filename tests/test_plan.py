@@ -154,15 +154,14 @@ def test_verify_and_tighten(planner, monkeypatch):
     budget = int(0.95 * none)
     first, _ = planner.model.solve(budget - full)
     assert first, "the budget should leave room to save tags"
-    honest = Planner.measure
+    honest = Planner.measure_all
 
-    def pessimist(self, policy):  # the first choice compiles far over the budget
-        record = honest(self, policy)
-        if rk.parse(policy) == rk.Policy(save=first):
-            return dataclasses.replace(record, temp_size_in_bytes=budget + 2**20)
-        return record
+    def pessimist(self, policies):  # the first choice compiles far over the budget
+        return [dataclasses.replace(r, temp_size_in_bytes=budget + 2**20)
+                if rk.parse(p) == rk.Policy(save=first) else r
+                for p, r in zip(policies, honest(self, policies))]
 
-    monkeypatch.setattr(Planner, "measure", pessimist)
+    monkeypatch.setattr(Planner, "measure_all", pessimist)
     p = planner.plan(budget)
     assert p.iterations >= 2 and "over" in p.status
     assert p.policy != rk.Policy(save=first)
@@ -179,11 +178,11 @@ def test_frontier_monotone_and_cache(planner, tmp_path, monkeypatch):
     assert plans[2].spec == "none" and plans[2].flops_overhead == 0
     assert len(json.load(open(path))) == 3
 
-    def no_compiles(self, policy):
+    def no_compiles(self, policies):
         raise AssertionError("a cached plan compiled")
 
     again = config_planner(get_config("tiny"), BATCH, SEQ, cache=path)  # a restarted run
-    monkeypatch.setattr(Planner, "measure", no_compiles)
+    monkeypatch.setattr(Planner, "measure_all", no_compiles)
     cached = again.plan(0.75)
     assert cached.cached and cached.policy == plans[1].policy
 
