@@ -1,6 +1,7 @@
 """The budget planner: budgets, the cost model, the MILP against brute force, verification."""
 
 import dataclasses
+import importlib
 import itertools
 import json
 
@@ -15,6 +16,7 @@ from remat_kit.plan import (Budget, CostModel, Planner, config_planner, cost_mod
                             parse_budget, resolve_config)
 
 BATCH, SEQ = 2, 32
+plan_module = importlib.import_module("remat_kit.plan")  # rk.plan is the function
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +143,11 @@ def test_plan_fits_and_errors(planner):
     assert p.measured_bytes <= p.budget_bytes == int(0.9 * none)
     assert p.minimum_bytes == full and p.none_bytes == none
     assert p.measured_bytes == planner.measure(p.policy).temp_size_in_bytes
+    # A policy compiled before (here a preset) is a candidate: the plan is never worse.
+    minimal = planner.measure("minimal")
+    at_minimal = planner.plan(minimal.temp_size_in_bytes)
+    assert at_minimal.measured_flops <= minimal.flops
+    assert at_minimal.measured_bytes <= minimal.temp_size_in_bytes
     with pytest.raises(rk.BudgetError) as e:
         planner.plan(full - 1)
     assert e.value.minimum_bytes == full
@@ -154,15 +161,18 @@ def test_verify_and_tighten(planner, monkeypatch):
     budget = int(0.95 * none)
     first, _ = planner.model.solve(budget - full)
     assert first, "the budget should leave room to save tags"
-    honest = Planner.measure_all
+    honest, key = plan_module.measure, str(rk.Policy(save=first))
 
-    def pessimist(self, policies):  # the first choice compiles far over the budget
+    def pessimist(*args, policies, **kwargs):  # the first choice compiles far over budget
         return [dataclasses.replace(r, temp_size_in_bytes=budget + 2**20)
-                if rk.parse(p) == rk.Policy(save=first) else r
-                for p, r in zip(policies, honest(self, policies))]
+                if r.policy == key else r for r in honest(*args, policies=policies, **kwargs)]
 
-    monkeypatch.setattr(Planner, "measure_all", pessimist)
-    p = planner.plan(budget)
+    monkeypatch.setattr(plan_module, "measure", pessimist)
+    monkeypatch.delitem(planner.records, key, raising=False)
+    try:
+        p = planner.plan(budget)
+    finally:
+        planner.records.pop(key, None)  # the fake record must not outlive this test
     assert p.iterations >= 2 and "over" in p.status
     assert p.policy != rk.Policy(save=first)
     assert p.measured_bytes <= budget
