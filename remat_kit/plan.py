@@ -570,10 +570,10 @@ class Planner:
         predicted = (full.temp_size_in_bytes + tag_bytes, base_flops + recompute)
         # Any other policy compiled for this loss (e.g. the presets remat-kit plan
         # compares) that fits with fewer FLOPs wins: it is verified just the same.
-        other = min((r for r in set(self.records.values()) if r.error is None
-                     and r.flops is not None and r.temp_size_in_bytes is not None
-                     and r.temp_size_in_bytes <= limit), default=None,
-                    key=lambda r: (r.flops, r.temp_size_in_bytes))
+        compiled = {id(r): r for r in self.records.values()}.values()  # Records do not hash
+        other = min((r for r in compiled if r.error is None and r.flops is not None
+                     and r.temp_size_in_bytes is not None and r.temp_size_in_bytes <= limit),
+                    default=None, key=lambda r: (r.flops, r.temp_size_in_bytes))
         if other is not None and (other.flops, other.temp_size_in_bytes) < best[:2]:
             policy, record = parse(other.policy), other
             predicted = (other.temp_size_in_bytes, other.flops)
