@@ -341,7 +341,8 @@ class Plan:
       measured_bytes, measured_flops: the compiled step's `temp_size_in_bytes`
         and FLOPs (loops counted per trip), from `measure`.
       none_bytes, none_flops: the same for no remat (`none`).
-      minimum_bytes: temp memory under `full`, the least the planner reaches.
+      minimum_bytes: the least temp memory of the policies compiled so far:
+        `full`'s, except on small models where XLA gives another policy less.
       status: the solver's last message, each policy compiled with its
         measured bytes and whether it fit, and the choice.
       iterations: policies compiled to verify (0 for `none`).
@@ -502,9 +503,12 @@ class Planner:
     # -- planning ---------------------------------------------------------
 
     def minimum(self) -> tuple[int, int]:
-        """(temp bytes of `full`, temp bytes of `none`): the least and the reference."""
-        return (self.measure(Policy()).temp_size_in_bytes,
-                self.measure(Policy(remat=False)).temp_size_in_bytes)
+        """(least temp bytes of any compiled policy, temp bytes of `none`), after
+        compiling `full` and `none`. The least is `full`'s except on small models,
+        where XLA can give another policy less."""
+        none = self.measure(Policy(remat=False)).temp_size_in_bytes
+        self.measure(Policy())
+        return min(r.temp_size_in_bytes for r in self._compiled()), none
 
     def plan(self, budget: "str | int | float") -> Plan:
         """The policy with the fewest FLOPs whose compiled temp memory fits `budget`.
@@ -514,8 +518,9 @@ class Planner:
         Returns:
           A verified `Plan`: measured_bytes <= budget_bytes.
         Raises:
-          BudgetError: a malformed budget, or one below the temp memory of
-            `full` (the message gives that minimum in bytes and as a fraction).
+          BudgetError: a malformed budget, or one below the least temp memory
+            of any compiled policy, normally `full` (the message gives that
+            minimum in bytes and as a fraction).
           RuntimeError: `full` or `none` does not compile.
         """
         parsed = parse_budget(budget)
@@ -527,11 +532,13 @@ class Planner:
                 pass  # an entry from an older layout: plan again
         full, none = self.measure(Policy()), self.measure(Policy(remat=False))
         limit = parsed.resolve(none.temp_size_in_bytes)
-        if limit < full.temp_size_in_bytes:
-            lo = full.temp_size_in_bytes
+        least = min(self._compiled(), key=lambda r: r.temp_size_in_bytes)
+        if limit < least.temp_size_in_bytes:
+            lo = least.temp_size_in_bytes
+            which = "full remat" if least is full else f"{least.policy} (below full remat's)"
             raise BudgetError(
                 f"budget {budget} ({limit:,} bytes) is below the least temp memory any policy "
-                f"reaches: {lo:,} bytes under full remat, {lo / none.temp_size_in_bytes:.3f} of "
+                f"reaches: {lo:,} bytes under {which}, {lo / none.temp_size_in_bytes:.3f} of "
                 f"no remat ({none.temp_size_in_bytes:,} bytes)", budget=budget,
                 minimum_bytes=lo, minimum_fraction=lo / none.temp_size_in_bytes)
         if limit >= none.temp_size_in_bytes:
@@ -540,7 +547,9 @@ class Planner:
         model = self.model
         base_flops = full.flops - model.cost(frozenset())[1]
         room, hi, status, tried, notes = limit - full.temp_size_in_bytes, None, "", set(), []
-        best = (full.flops, full.temp_size_in_bytes, Policy(), full, 0, model.cost(frozenset())[1])
+        # full is the fallback; on small models XLA can give it more temp than others.
+        best = ((full.flops, full.temp_size_in_bytes, Policy(), full, 0,
+                 model.cost(frozenset())[1]) if full.temp_size_in_bytes <= limit else None)
         for _ in range(self.max_iterations):
             saved, status = model.solve(room, FLOP_RESOLUTION * none.flops)
             if saved in tried:
@@ -556,8 +565,9 @@ class Planner:
             notes.append(f"{policy}: {record.temp_size_in_bytes:,} bytes, "
                          + ("fits" if record.temp_size_in_bytes <= limit else "over"))
             if record.temp_size_in_bytes <= limit:
-                best = min(best, (record.flops, record.temp_size_in_bytes, policy, record,
-                                  tag_bytes, recompute), key=lambda c: c[:2])
+                found = (record.flops, record.temp_size_in_bytes, policy, record, tag_bytes,
+                         recompute)
+                best = found if best is None else min(best, found, key=lambda c: c[:2])
                 # Fits with bytes to spare: the model over-predicted; offer the slack,
                 # but stay below a room that was already too much.
                 grown = room + limit - record.temp_size_in_bytes
@@ -566,30 +576,34 @@ class Planner:
                 # Over budget: shrink the room by the overshoot, and below this plan's bytes.
                 hi = tag_bytes
                 room = max(0, min(room - (record.temp_size_in_bytes - limit), tag_bytes - 1))
-        _, _, policy, record, tag_bytes, recompute = best
-        predicted = (full.temp_size_in_bytes + tag_bytes, base_flops + recompute)
+        if best is not None:
+            _, _, policy, record, tag_bytes, recompute = best
+            predicted = (full.temp_size_in_bytes + tag_bytes, base_flops + recompute)
         # Any other policy compiled for this loss (e.g. the presets remat-kit plan
         # compares) that fits with fewer FLOPs wins: it is verified just the same.
-        compiled = {id(r): r for r in self.records.values()}.values()  # Records do not hash
-        other = min((r for r in compiled if r.error is None and r.flops is not None
-                     and r.temp_size_in_bytes is not None and r.temp_size_in_bytes <= limit),
-                    default=None, key=lambda r: (r.flops, r.temp_size_in_bytes))
-        if other is not None and (other.flops, other.temp_size_in_bytes) < best[:2]:
+        other = min((r for r in self._compiled() if r.temp_size_in_bytes <= limit),
+                    key=lambda r: (r.flops, r.temp_size_in_bytes))  # `least` fits
+        if best is None or (other.flops, other.temp_size_in_bytes) < best[:2]:
             policy, record = parse(other.policy), other
             predicted = (other.temp_size_in_bytes, other.flops)
             notes.append(f"{other.policy} (compiled before) has fewer FLOPs")
         return self._finish(key, budget, limit, policy, record, *predicted,
                             "; ".join([status, *notes, f"chose {policy}"]), len(tried))
 
+    def _compiled(self) -> list[Record]:
+        """Every policy compiled for this loss that has memory and FLOP figures."""
+        return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
+                if r.error is None and r.flops is not None and r.temp_size_in_bytes is not None]
+
     def _finish(self, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
                 status, iterations) -> Plan:
-        full, none = self.measure(Policy()), self.measure(Policy(remat=False))
+        least, none = self.minimum()
         result = Plan(
             budget=str(budget), budget_bytes=limit, policy=policy, spec=str(policy),
             predicted_bytes=predicted_bytes,
             predicted_flops=predicted_flops, measured_bytes=record.temp_size_in_bytes,
-            measured_flops=record.flops, none_bytes=none.temp_size_in_bytes,
-            none_flops=none.flops, minimum_bytes=full.temp_size_in_bytes, status=status,
+            measured_flops=record.flops, none_bytes=none,
+            none_flops=self.measure(Policy(remat=False)).flops, minimum_bytes=least, status=status,
             iterations=iterations, platform=record.platform)
         if self.cache:
             _write_cache(self.cache, key, result)

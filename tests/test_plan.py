@@ -141,25 +141,29 @@ def test_plan_fits_and_errors(planner):
     full, none = planner.minimum()
     p = planner.plan(0.9)
     assert p.measured_bytes <= p.budget_bytes == int(0.9 * none)
-    assert p.minimum_bytes == full and p.none_bytes == none
+    # The least temp of any policy compiled so far: full's, or less on this tiny model.
+    assert p.minimum_bytes == planner.minimum()[0] <= full and p.none_bytes == none
     assert p.measured_bytes == planner.measure(p.policy).temp_size_in_bytes
     # A policy compiled before (here a preset) is a candidate: the plan is never worse.
     minimal = planner.measure("minimal")
     at_minimal = planner.plan(minimal.temp_size_in_bytes)
     assert at_minimal.measured_flops <= minimal.flops
     assert at_minimal.measured_bytes <= minimal.temp_size_in_bytes
+    least = planner.minimum()[0]
+    assert least == min(r.temp_size_in_bytes for r in planner.records.values())
     with pytest.raises(rk.BudgetError) as e:
-        planner.plan(full - 1)
-    assert e.value.minimum_bytes == full
-    assert e.value.minimum_fraction == pytest.approx(full / none)
-    assert f"{full:,} bytes" in str(e.value) and f"{full / none:.3f}" in str(e.value)
+        planner.plan(least - 1)
+    assert e.value.minimum_bytes == least
+    assert e.value.minimum_fraction == pytest.approx(least / none)
+    assert f"{least:,} bytes" in str(e.value) and f"{least / none:.3f}" in str(e.value)
 
 
 def test_verify_and_tighten(planner, monkeypatch):
     """A compiled policy over budget makes the planner tighten and solve again."""
-    full, none = planner.minimum()
-    budget = int(0.95 * none)
-    first, _ = planner.model.solve(budget - full)
+    full, none = planner.measure("full"), planner.measure("none")
+    budget = int(0.95 * none.temp_size_in_bytes)
+    first, _ = planner.model.solve(budget - full.temp_size_in_bytes,
+                                   plan_module.FLOP_RESOLUTION * none.flops)  # as plan() does
     assert first, "the budget should leave room to save tags"
     honest, key = plan_module.measure, str(rk.Policy(save=first))
 
