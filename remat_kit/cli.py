@@ -511,7 +511,7 @@ def _plan(args) -> int:
         p = plans.get(b)
         preset_cells = ([", ".join(best.names), report.fmt_bytes(best.temp_size_in_bytes),
                          f"{best.flops / planner.measure('none').flops - 1:+.2%}"]
-                        if best else ["none fits", "-", "-"])
+                        if best else ["none fits" if presets else "not compared", "-", "-"])
         if p is None:
             t.add_row(b, report.fmt_bytes(limit), f"below the minimum ({full / none:.3f})",
                       "-", "-", "-", "-", *preset_cells)
