@@ -523,8 +523,8 @@ def _plan(args) -> int:
                     "best_preset": best and best.to_dict()})
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(t)
-    console.print(f"planned {len(fits)} budgets in {plan_seconds:.1f} s after the presets "
-                  f"(a cached plan is not planned again)")
+    console.print(f"planned {len(fits)} budgets in {plan_seconds:.1f} s"
+                  + (" (the presets compiled before, not counted)" if presets else ""))
     context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
                "devices": devices, "platform": planner.measure("full").platform,
                "none_bytes": none, "minimum_bytes": full, "plan_seconds": plan_seconds}
