@@ -51,6 +51,7 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
+from remat_kit.plan import resolve_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -181,6 +182,10 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
                                      config.seed)
         evals = data.eval_batches(corpus.eval, config.batch_size, config.seq_len,
                                   config.eval_batches)
+        # auto:budget=... is planned for these shapes; the plan is cached in the
+        # workdir, so a restarted run does not plan again.
+        cfg = resolve_config(cfg, config.batch_size, config.seq_len,
+                             cache=os.path.join(workdir, "plans.json"))
     except KeyError as e:
         raise BadInput(e.args[0]) from e
     except (RematSpecError, MeshError, TypeError, ValueError, OSError) as e:

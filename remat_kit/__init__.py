@@ -3,22 +3,29 @@
     import remat_kit as rk
     policy = rk.parse("minimal")            # MaxText's minimal, as a Policy
     nn.remat(Block, policy=policy.to_jax())
+    rk.plan(loss_fn, *args, budget="6GiB")  # the cheapest policy that fits, verified
+
+`rk.plan` is the planner function; its module is `remat_kit.plan` (import
+`Planner` and friends with `from remat_kit.plan import ...`).
 """
 
 from remat_kit import estimate, mesh, report
 from remat_kit import flax_linen as linen
 from remat_kit import flax_nnx as nnx
-from remat_kit.errors import MeshError, RematSpecError, UnknownModuleError, UnknownTagError
+from remat_kit.errors import (BudgetError, MeshError, RematSpecError, UnknownModuleError,
+                              UnknownTagError)
 from remat_kit.measure import (Record, checkpointed, explain, layer_residuals, measure,
                                measure_config, residuals)
 from remat_kit.names import ALIASES, TAGS, register_tag, tag
+from remat_kit.plan import Plan, Planner, plan
 from remat_kit.policy import Policy
-from remat_kit.spec import PRESETS, from_custom, parse
+from remat_kit.spec import PRESETS, AutoSpec, from_custom, parse
 from remat_kit.validate import emitted_tags, validate
 
 __all__ = [
-    "ALIASES", "MeshError", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS",
-    "UnknownModuleError", "UnknownTagError", "checkpointed", "emitted_tags", "estimate",
-    "explain", "from_custom", "layer_residuals", "linen", "measure", "measure_config", "mesh",
-    "nnx", "parse", "register_tag", "report", "residuals", "tag", "validate",
+    "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
+    "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError",
+    "checkpointed", "emitted_tags", "estimate", "explain", "from_custom", "layer_residuals",
+    "linen", "measure", "measure_config", "mesh", "nnx", "parse", "plan", "register_tag",
+    "report", "residuals", "tag", "validate",
 ]

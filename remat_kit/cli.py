@@ -3,10 +3,14 @@
     remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
         [--policies a,b,c] [--mesh data:8] [--time N] [--json out.json] [--plot pareto.png]
     remat-kit explain --config tiny --policy selective [--batch B] [--seq S]
+    remat-kit plan --config gpt2_small --batch 8 --seq 1024 --budgets 0.2,0.4,6GiB \\
+        [--presets a,b | --no-presets] [--json plan.json] [--plot plan.png]
 
 `compare` measures every policy compile-only (`remat_kit.measure`) and prints
 a table sorted by memory (`remat_kit.report`). `explain` lists what one
-decoder layer saves, offloads and recomputes under one policy.
+decoder layer saves, offloads and recomputes under one policy. `plan` runs
+the budget planner (`remat_kit.plan`) for each budget and sets its frontier
+against the best fixed preset that fits.
 
 Bad input (unknown config or policy, a config file that does not load, a
 batch or sequence length that is not a positive int or too long for the
@@ -18,12 +22,14 @@ before anything is measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import math
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 from remat_kit import mesh as rk_mesh
@@ -31,7 +37,7 @@ from remat_kit import names as tag_names
 from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
 from remat_kit.models.config import DTYPES
-from remat_kit.spec import BARE_NAMES, PRESET_TABLE, parse
+from remat_kit.spec import BARE_NAMES, PRESET_TABLE, AutoSpec, parse
 
 
 class BadInput(ValueError):
@@ -399,6 +405,9 @@ def _explain(args) -> int:
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
     policy = parse(args.policy if args.policy is not None else cfg.remat)
+    if isinstance(policy, AutoSpec):
+        raise BadInput(f"explain shows one policy; {policy} is planned per model: run "
+                       f"remat-kit plan --budgets {policy.budget} to see what it chooses")
     where = ""
     if args.mesh is not None:  # the layer one device runs; no devices needed
         try:
@@ -436,9 +445,114 @@ def _explain(args) -> int:
     return 0
 
 
+def split_budgets(text: str) -> list[str]:
+    """'0.2,0.4,6GiB' -> ['0.2', '0.4', '6GiB'], each checked (`plan.parse_budget`).
+
+    Raises:
+      BadInput: empty, an empty item, or an item that is not a budget.
+    """
+    from remat_kit.errors import BudgetError
+    from remat_kit.plan import parse_budget
+
+    items = [b.strip() for b in text.split(",")]
+    if not text.strip() or not all(items):
+        raise BadInput(f"--budgets must be comma-separated sizes or fractions, e.g. "
+                       f"0.2,0.4,6GiB; got {text!r}")
+    for b in items:
+        try:
+            parse_budget(b)
+        except BudgetError as e:
+            raise BadInput(f"--budgets: {e}") from None
+    return items
+
+
+def _plan(args) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from remat_kit import report
+    from remat_kit.plan import config_planner, parse_budget
+
+    cfg, label, defaults = load_config(args.config)
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
+    batch, seq = _sizes(args, cfg, defaults)
+    budgets = split_budgets(args.budgets)
+    presets = ([] if args.no_presets else split_policies(args.presets)
+               if args.presets is not None else preset_policies())
+    for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
+        if path is not None:
+            check_output_file(path, flag, suffix=suffix)
+    mesh = device_mesh(args.mesh, batch, cfg)
+    devices = 1 if mesh is None else mesh.size
+
+    def progress(message):
+        print(message, file=sys.stderr, flush=True)
+
+    planner = config_planner(cfg, batch, seq, mesh=mesh, progress=progress,
+                             cache=args.cache if args.cache is not None else True)
+    # Presets first: the planner takes any compiled policy that beats its own plan.
+    named: dict[int, tuple] = {}
+    for spec, r in zip(presets, planner.measure_all(presets)):
+        named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
+    records = [dataclasses.replace(r, names=names) for r, names in named.values()]
+    start = time.perf_counter()
+    full, none = planner.minimum()
+    fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
+    plans = dict(zip(fits, planner.frontier(fits)))
+    plan_seconds = time.perf_counter() - start
+    ok = [r for r in records if r.error is None and r.temp_size_in_bytes is not None]
+    title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({planner.measure('full').platform}"
+             f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
+             f"{report.fmt_bytes(none)} temp, least (full remat): {report.fmt_bytes(full)} "
+             f"({full / none:.3f})")
+    t = Table(title=title, caption="memory: compiled temp_size_in_bytes; FLOPs: over no remat",
+              caption_justify="left")
+    for name in ("budget", "bytes", "planned policy", "memory", "x none", "FLOPs +",
+                 "tries", "best preset that fits", "memory", "FLOPs +"):
+        t.add_column(name, justify="left" if "polic" in name or "preset" in name else "right")
+    out = []
+    for b in budgets:
+        limit = parse_budget(b).resolve(none)
+        fitting = [r for r in ok if r.temp_size_in_bytes <= limit]
+        best = min(fitting, key=lambda r: (r.flops, r.temp_size_in_bytes), default=None)
+        p = plans.get(b)
+        preset_cells = ([", ".join(best.names), report.fmt_bytes(best.temp_size_in_bytes),
+                         f"{best.flops / planner.measure('none').flops - 1:+.2%}"]
+                        if best else ["none fits" if presets else "not compared", "-", "-"])
+        if p is None:
+            t.add_row(b, report.fmt_bytes(limit), f"below the minimum ({full / none:.3f})",
+                      "-", "-", "-", "-", *preset_cells)
+        else:
+            t.add_row(b, report.fmt_bytes(limit), p.spec, report.fmt_bytes(p.measured_bytes),
+                      f"{p.memory_fraction:.3f}", f"{p.flops_overhead:+.2%}",
+                      "cached" if p.cached else str(p.iterations), *preset_cells)
+        out.append({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
+                    "best_preset": best and best.to_dict()})
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(t)
+    console.print(f"planned {len(fits)} budgets in {plan_seconds:.1f} s"
+                  + (" (the presets compiled before, not counted)" if presets else ""))
+    context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
+               "devices": devices, "platform": planner.measure("full").platform,
+               "none_bytes": none, "minimum_bytes": full, "plan_seconds": plan_seconds}
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump({"schema_version": 1, "context": context, "budgets": out,
+                       "presets": [r.to_dict() for r in records]}, f, indent=2)
+            f.write("\n")
+    if args.plot is not None:
+        planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
+                   for b, p in plans.items()]
+        report.plot(args.plot, report.rows(records + planned), title)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", metavar="{compare,explain}")
+    sub = parser.add_subparsers(dest="command", metavar="{compare,explain,plan}")
 
     def common(p):
         p.add_argument("--config", required=True,
@@ -471,6 +585,25 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--mesh", default=None,
                          help="e.g. data:2,fsdp:2,tensor:2: the layer one device runs")
     explain.set_defaults(run=_explain)
+
+    plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")
+    common(plan)
+    plan.add_argument("--budgets", required=True,
+                      help="comma-separated budgets: sizes (6GiB, 512MiB, bytes) or fractions "
+                           "0 < f <= 1 of no-remat temp memory")
+    plan.add_argument("--presets", default=None,
+                      help="comma-separated specs to set against the plans (default: every "
+                           "preset)")
+    plan.add_argument("--no-presets", action="store_true", help="compare with no preset")
+    plan.add_argument("--mesh", default=None,
+                      help="e.g. data:2,fsdp:2,tensor:2: plan the per-device program")
+    plan.add_argument("--cache", default=None, metavar="PATH",
+                      help="plan cache file (default: $REMAT_KIT_CACHE or "
+                           "~/.cache/remat_kit/plans.json); '' for none")
+    plan.add_argument("--json", default=None, metavar="PATH", help="write plans and presets here")
+    plan.add_argument("--plot", default=None, metavar="PATH",
+                      help="write a PNG of the plans over the presets' points")
+    plan.set_defaults(run=_plan)
     return parser
 
 

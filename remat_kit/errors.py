@@ -73,3 +73,22 @@ class UnknownModuleError(RematSpecError):
 class MeshError(ValueError):
     """A mesh spec, a mesh that does not fit the devices or the model, or a failed
     multi-process start. The message names the bad value and the valid choices."""
+
+
+class BudgetError(RematSpecError):
+    """A memory budget that is malformed, or below what any policy reaches.
+
+    Attributes:
+      budget: the budget as given.
+      minimum_bytes: the least temp memory any policy reaches (full remat),
+        bytes per device; None for a malformed budget.
+      minimum_fraction: minimum_bytes / the no-remat temp memory; None for a
+        malformed budget.
+    """
+
+    def __init__(self, message: str, *, budget=None, minimum_bytes: int | None = None,
+                 minimum_fraction: float | None = None, choices: Sequence[str] = ()):
+        self.budget, self.minimum_bytes = budget, minimum_bytes
+        self.minimum_fraction = minimum_fraction
+        super().__init__(message, token=None if budget is None else str(budget),
+                         choices=choices)

@@ -51,7 +51,7 @@ from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_
 from remat_kit.models.transformer import remat_layer
 from remat_kit.names import TAGS
 from remat_kit.policy import Policy
-from remat_kit.spec import parse
+from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import emitted_tags, tag_of
 
 LossFactory = Callable[[Policy], Callable]
@@ -187,6 +187,7 @@ class _Staged:
     program: ClosedJaxpr  # value_and_grad w.r.t. args[0], flat inputs and outputs
     residuals: tuple[Residual, ...]
     leaves: list
+    residual_vars: tuple = ()  # program vars (or literals) saved for backward, as `residuals`
 
 
 def _stage(f, args) -> _Staged:
@@ -209,7 +210,7 @@ def _stage(f, args) -> _Staged:
     res_vars = jaxpr.outvars[len(jaxpr.outvars) - n_res:]
     program = ClosedJaxpr(jaxpr.replace(outvars=jaxpr.outvars[:len(jaxpr.outvars) - n_res]),
                           closed.consts)
-    names, sources, seen, found = _leaf_names(f, args), _Sources(), set(), []
+    names, sources, seen, found, kept = _leaf_names(f, args), _Sources(), set(), [], []
     for var in res_vars:
         if not isinstance(var, Literal):
             if var in seen:  # one buffer saved twice is stored once
@@ -219,7 +220,8 @@ def _stage(f, args) -> _Staged:
         kind, name = ("argument", names[src]) if isinstance(src, int) else src
         found.append(Residual(kind, name, tuple(var.aval.shape), str(var.aval.dtype),
                               _aval_bytes(var.aval), _memory(var.aval)))
-    return _Staged(program, tuple(found), leaves)
+        kept.append(var)
+    return _Staged(program, tuple(found), leaves, tuple(kept))
 
 
 def residuals(f: Callable, *args) -> list[Residual]:
@@ -531,7 +533,8 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
       args: arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to measure a
         sharded program; figures are then per device, and residuals are
         traced at the per-device shard shapes).
-      policies: spec strings or `Policy`s. Policies that decide every tag
+      policies: spec strings or `Policy`s; "auto:budget=..." is planned
+        first (`remat_kit.plan.resolve`). Policies that decide every tag
         the loss emits alike, or that lower to the same program (their
         decisions differ only on values the backward pass never reads), are
         measured once, as one record listing all their names.
@@ -552,10 +555,14 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
       other records still come out.
     Raises:
       RematSpecError: a policy spec does not parse.
+      BudgetError: an auto budget below full remat's memory.
       ValueError: `names` and `policies` differ in length.
     """
     parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
     loss_for_policy = _as_factory(loss_for_policy)
+    if any(isinstance(p, AutoSpec) for p in parsed):
+        from remat_kit.plan import resolve  # the planner measures through this module
+        parsed = resolve(parsed, loss_for_policy, *args)
     emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
     leaves = jax.tree.leaves(args)
     local_args = (jax.tree.map(_local, args) if any(_is_sharded(x) for x in leaves) else None)
@@ -643,6 +650,66 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def config_program(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None = None,
+                   mesh: jax.sharding.Mesh | None = None):
+    """The language-model loss of a reference transformer, as `measure` takes it.
+
+    Returns:
+      (loss_for_policy, args, sample_args): a factory policy ->
+      loss(params, inputs, targets, dropout_rng) building
+      `Transformer(cfg.replace(remat=policy))` (traced under the mesh's
+      logical constraints, `remat_kit.mesh.use`); the args as
+      `jax.ShapeDtypeStruct`s (parameters from `jax.eval_shape`, sharded by
+      their logical axes on the mesh; int32 tokens [batch, seq] split over
+      the mesh's batch axes; a PRNG key); and key -> concrete args of those
+      shapes, for timed runs.
+    Raises:
+      ValueError: as `measure_config`.
+      MeshError: the mesh does not split the batch or the heads.
+    """
+    _check_positive("batch", batch)
+    _check_positive("seq", seq)
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    if cfg.family == "gpt2" and seq > cfg.max_len:
+        raise ValueError(f"seq {seq} exceeds the model's max_len {cfg.max_len} "
+                         "(GPT-2 learns one position embedding per position)")
+    rk_mesh.check_fits(mesh, cfg, batch)
+    deterministic = cfg.dropout_rate == 0
+    model = Transformer(cfg.replace(remat="none"))
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                              jnp.zeros((1, seq), jnp.int32)))["params"]
+    params = nn.unbox(boxed)
+    shardings = (rk_mesh.shardings(boxed, mesh) if mesh is not None
+                 else jax.tree.map(lambda _: None, params))
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          params, shardings)
+    on_mesh = mesh is not None
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
+                                  sharding=rk_mesh.batch_sharding(mesh) if on_mesh else None)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=rk_mesh.replicated(mesh) if on_mesh else None)
+
+    def loss_for_policy(policy):
+        loss = make_loss_fn(Transformer(cfg.replace(remat=policy)), deterministic)
+        if mesh is None:
+            return loss
+
+        def sharded_loss(*args):  # the models' logical constraints apply while tracing
+            with rk_mesh.use(mesh):
+                return loss(*args)
+        return sharded_loss
+
+    def sample_args(k):
+        k_init, k_in, k_out, k_drop = jax.random.split(k, 4)
+        init_tokens = jnp.zeros((1, seq), jnp.int32)
+        draw = lambda kk: jax.random.randint(kk, (batch, seq), 0, cfg.vocab_size, jnp.int32)
+        params = Transformer(cfg).init(k_init, init_tokens)["params"]
+        return nn.unbox(params), draw(k_in), draw(k_out), k_drop
+
+    return loss_for_policy, (params, tokens, tokens, key), sample_args
+
+
 def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Sequence | None = None,
                    *, names=None, dtype: str | None = None, time_steps: int = 0,
                    mesh: jax.sharding.Mesh | None = None, per_layer: bool = True,
@@ -681,54 +748,13 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         (`remat_kit.mesh.check_fits`).
       RematSpecError: a policy does not parse.
     """
-    _check_positive("batch", batch)
-    _check_positive("seq", seq)
+    loss_for_policy, args, sample_args = config_program(cfg, batch, seq, dtype=dtype, mesh=mesh)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    if cfg.family == "gpt2" and seq > cfg.max_len:
-        raise ValueError(f"seq {seq} exceeds the model's max_len {cfg.max_len} "
-                         "(GPT-2 learns one position embedding per position)")
-    rk_mesh.check_fits(mesh, cfg, batch)
-    deterministic = cfg.dropout_rate == 0
-
-    def program(cfg, batch, mesh):
-        """(loss factory, args as ShapeDtypeStructs) of cfg on `mesh` (None: unsharded)."""
-        model = Transformer(cfg.replace(remat="none"))
-        boxed = jax.eval_shape(lambda: model.init(jax.random.key(0),
-                                                  jnp.zeros((1, seq), jnp.int32)))["params"]
-        params = nn.unbox(boxed)
-        shardings = (rk_mesh.shardings(boxed, mesh) if mesh is not None
-                     else jax.tree.map(lambda _: None, params))
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              params, shardings)
-        on_mesh = mesh is not None
-        tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
-                                      sharding=rk_mesh.batch_sharding(mesh) if on_mesh else None)
-        key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                                   sharding=rk_mesh.replicated(mesh) if on_mesh else None)
-
-        def loss_for_policy(policy):
-            loss = make_loss_fn(Transformer(cfg.replace(remat=policy)), deterministic)
-            if mesh is None:
-                return loss
-
-            def sharded_loss(*args):  # the models' logical constraints apply while tracing
-                with rk_mesh.use(mesh):
-                    return loss(*args)
-            return sharded_loss
-        return loss_for_policy, (params, tokens, tokens, key)
-
-    loss_for_policy, args = program(cfg, batch, mesh)
     n = rk_mesh.axis_size(mesh, "batch")
     local_cfg = rk_mesh.per_device_config(cfg, mesh)
-    per_device = program(local_cfg, batch // n, None) if mesh is not None else None
-
-    def sample_args(k):
-        k_init, k_in, k_out, k_drop = jax.random.split(k, 4)
-        init_tokens = jnp.zeros((1, seq), jnp.int32)
-        draw = lambda kk: jax.random.randint(kk, (batch, seq), 0, cfg.vocab_size, jnp.int32)
-        params = Transformer(cfg).init(k_init, init_tokens)["params"]
-        return nn.unbox(params), draw(k_in), draw(k_out), k_drop
+    per_device = (config_program(local_cfg, batch // n, seq)[:2] if mesh is not None
+                  else None)
 
     records = measure(loss_for_policy, *args,
                       policies=policies if policies is not None else [cfg.remat], names=names,
@@ -901,6 +927,6 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
 
 
 __all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",
-           "explain",
+           "config_program", "explain",
            "layer_residuals", "loop_scaled_costs", "measure", "measure_config",
            "memory_fields", "platform_label", "residuals"]

@@ -10,6 +10,7 @@ Grammar::
               | codebase ":" preset              # e.g. maxtext:minimal, praxis:save_out_proj
               | decision [kinds] ":" patterns    # save:query_proj,key_proj  offload:mlpwo
               | jax_fn ":" patterns              # save_only_these_names:query_proj
+    auto     := "auto:budget=" size | fraction   # alone: a budget, planned per model
     decision := "save" | "offload" | "recompute"
     kinds    := "[" memory_kind "->" memory_kind "]"   # offload only; default device->pinned_host
     patterns := pattern ("," pattern)*           # tags, aliases (ffn1, core_attn) or globs (mlp*)
@@ -25,6 +26,9 @@ modules, keep the rest); it is stored as `save:*`.
 One table, PRESETS, drives every named preset: each row is (codebase, name,
 spec in the clause language above, what it is). Bare names resolve through
 BARE_NAMES; the codebase prefix picks one where two codebases use one word.
+
+`auto:budget=6GiB` / `auto:budget=0.25` parse to an `AutoSpec`, a marker
+that only a model can turn into a Policy (`remat_kit.plan.resolve`).
 """
 
 from __future__ import annotations
@@ -131,17 +135,62 @@ JAX_NAME_FUNCTIONS = {
     "save_anything_except_these_names": "everything;recompute:{}",
 }
 
+@dataclasses.dataclass(frozen=True)
+class AutoSpec:
+    """`auto:budget=B`: the policy `remat_kit.plan` picks for memory budget B.
+
+    A marker, not a policy: it depends on the model and shapes, so it is
+    resolved where they are known (`remat_kit.plan.resolve`, which
+    `measure`, `measure_config`, `remat-kit compare` and experiments/train.py
+    call). `str()` gives the spec back.
+
+    Attributes:
+      budget: the budget as written: bytes ("6GiB", "512MiB", "6000000000")
+        or a fraction 0 < f <= 1 of the no-remat temp memory ("0.25").
+    """
+
+    budget: str
+    remat = True  # a remat wrapper will be applied, with the planned policy
+
+    def __str__(self) -> str:
+        return f"auto:budget={self.budget}"
+
+    def to_jax(self, tags=None):
+        """Raises RematSpecError: an unresolved budget has no JAX policy."""
+        raise RematSpecError(f"{self} must be resolved for a model before use: "
+                             "remat_kit.plan.resolve_config(cfg, batch, seq) or "
+                             "remat_kit.plan(loss_fn, *args, budget=...)", token=str(self))
+
+
+_AUTO = re.compile(r"^\s*auto\s*:\s*budget\s*=\s*(?P<budget>\S.*?)\s*$")
+
+
+def _parse_auto(spec: str) -> AutoSpec:
+    from remat_kit.plan import parse_budget  # plan builds on measure, which imports this module
+
+    m = _AUTO.match(spec)
+    if m is None:
+        raise RematSpecError("an auto spec reads auto:budget=SIZE (6GiB, 512MiB, bytes) or "
+                             "auto:budget=FRACTION (0 < f <= 1 of no-remat memory), alone",
+                             spec=spec, token=spec.strip(), position=0,
+                             choices=("auto:budget=6GiB", "auto:budget=0.25"))
+    parse_budget(m.group("budget"))  # BudgetError (a RematSpecError) names the bad value
+    return AutoSpec(m.group("budget"))
+
+
 _CLAUSE = re.compile(r"^(?P<head>[A-Za-z_][\w]*)(?:\[(?P<kinds>[^\]]*)\])?:(?P<body>.*)$")
 
 
 def valid_words() -> tuple[str, ...]:
     """Every word a clause may start with, for error messages."""
     return (tuple(BARE_NAMES) + tuple(f"{cb}:{n}" for cb, n in PRESETS) + DECISIONS
-            + tuple(JAX_NAME_FUNCTIONS))
+            + tuple(JAX_NAME_FUNCTIONS) + ("auto:budget=",))
 
 
-def parse(spec: "str | Policy") -> Policy:
+def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
     """Parses a policy spec string into a `Policy` (a `Policy` passes through).
+
+    "auto:budget=..." gives an `AutoSpec` instead (it passes through too).
 
     Examples: "none", "full", "selective", "minimal", "maxtext:minimal",
     "save:query_proj,key_proj,value_proj", "save:mlp*",
@@ -154,8 +203,10 @@ def parse(spec: "str | Policy") -> Policy:
       UnknownTagError: a pattern that names no known tag (a subclass of
         RematSpecError).
     """
-    if isinstance(spec, Policy):
+    if isinstance(spec, (Policy, AutoSpec)):
         return spec
+    if isinstance(spec, str) and re.match(r"\s*auto\s*:", spec):
+        return _parse_auto(spec)
     if not isinstance(spec, str):
         raise RematSpecError("a policy spec must be a string or a Policy",
                              token=repr(spec), choices=valid_words())

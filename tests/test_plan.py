@@ -1,0 +1,254 @@
+"""The budget planner: budgets, the cost model, the MILP against brute force, verification."""
+
+import dataclasses
+import importlib
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import remat_kit as rk
+from remat_kit import cli
+from remat_kit.models import Transformer, TransformerConfig, get_config
+from remat_kit.plan import (Budget, CostModel, Planner, config_planner, cost_model,
+                            parse_budget, resolve_config)
+
+BATCH, SEQ = 2, 32
+plan_module = importlib.import_module("remat_kit.plan")  # rk.plan is the function
+
+
+@pytest.fixture(scope="module")
+def planner():
+    """One planner for the tiny GPT-2, so each policy compiles once for the module."""
+    return config_planner(get_config("tiny"), BATCH, SEQ, cache=None)
+
+
+# -- budgets -----------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("6GiB", Budget(bytes=6 * 2**30)), ("512MiB", Budget(bytes=512 * 2**20)),
+    ("1.5GB", Budget(bytes=1_500_000_000)), (6_000_000_000, Budget(bytes=6_000_000_000)),
+    ("6000000000", Budget(bytes=6_000_000_000)), (0.25, Budget(fraction=0.25)),
+    ("0.25", Budget(fraction=0.25)), ("25%", Budget(fraction=0.25)), (1, Budget(fraction=1.0)),
+])
+def test_parse_budget(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("abc", "must be a size"), ("-1", "positive"), ("0", "positive"), (0, "positive"),
+    ("-2GiB", "positive"), ("6XB", "unknown unit 'XB'"), ("1.5", "whole number"),
+    ("150%", "at most 100%"), (None, "not a NoneType"), (True, "not a bool"), ("", "a size"),
+])
+def test_bad_budget(text, message):
+    with pytest.raises(rk.BudgetError, match=message):
+        parse_budget(text)
+
+
+def test_auto_spec():
+    spec = rk.parse("auto:budget=6GiB")
+    assert isinstance(spec, rk.AutoSpec) and str(spec) == "auto:budget=6GiB"
+    assert rk.parse(str(spec)) == spec
+    with pytest.raises(rk.BudgetError, match="positive"):
+        rk.parse("auto:budget=-3")
+    with pytest.raises(rk.RematSpecError, match="auto:budget=SIZE"):
+        rk.parse("auto:memory=3GiB")
+    cfg = TransformerConfig(remat="auto:budget=0.5")  # a config may hold it...
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(rk.RematSpecError, match="must be resolved"):  # ...but not build it
+        Transformer(cfg).init(jax.random.key(0), tokens)
+
+
+# -- the MILP against brute force ---------------------------------------------
+
+def _brute_force(model: CostModel, room: float) -> tuple[float, int]:
+    """The fewest recompute FLOPs (then bytes) over every subset of tags that fits."""
+    best = None
+    for k in range(len(model.tags) + 1):
+        for saved in itertools.combinations(model.tags, k):
+            nbytes, flops = model.cost(frozenset(saved))
+            if nbytes <= room and (best is None or (flops, nbytes) < best):
+                best = (flops, nbytes)
+    return best
+
+
+def test_chain_is_not_a_knapsack():
+    """Saving mlpwo's input (mlp_act) alone does not spare mlpwi when GELU's
+    backward reads mlpwi: a knapsack over independent tags would save mlp_act."""
+    model = CostModel(tags=("mlpwi", "mlp_act"), nbytes={"mlpwi": 4, "mlp_act": 4},
+                      flops={"mlpwi": 100.0, "mlp_act": 1.0},
+                      parents={"mlpwi": frozenset(), "mlp_act": frozenset({"mlpwi"})},
+                      needed=frozenset({"mlpwi", "mlp_act"}))
+    assert model.solve(4)[0] == {"mlpwi"}
+    assert model.cost(frozenset({"mlp_act"})) == (4, 100.0)  # mlpwi is still recomputed
+    assert model.solve(8)[0] == {"mlpwi", "mlp_act"}
+    assert model.solve(3)[0] == set()
+
+
+def test_milp_matches_brute_force(planner):
+    model = planner.model
+    # The measured structure of the tiny GPT-2: chains between tags.
+    assert model.parents["mlp_act"] == {"mlpwi"}
+    assert model.parents["context"] == {"attn_probs", "value_proj"}
+    assert model.parents["attn_logits"] == {"query_proj", "key_proj"}
+    assert "mlpwo" not in model.needed and "mlp_act" in model.needed
+    cfg = get_config("tiny")
+    layer_mlp = BATCH * SEQ * cfg.mlp_dim
+    assert model.nbytes["mlpwi"] == cfg.num_layers * layer_mlp * 4
+    # The mlpwi segment: the matmul (2 FLOPs per multiply-add), the bias add, and
+    # Flax's dtype cast of its input (reduce_precision, one per element).
+    assert model.flops["mlpwi"] == cfg.num_layers * ((2 * cfg.d_model + 1) * layer_mlp
+                                                     + BATCH * SEQ * cfg.d_model)
+    total = sum(model.nbytes.values())
+    for room in (0, total * 0.05, total * 0.2, total * 0.4, total * 0.7, total):
+        saved, status = model.solve(room)
+        assert "Optimal" in status
+        assert model.cost(saved)[::-1] == pytest.approx(_brute_force(model, room), rel=1e-9)
+
+
+def test_cost_model_predicts_compiled_flops(planner):
+    """Predicted FLOPs of two policies against their compiled FLOPs (within 2%)."""
+    model, full = planner.model, planner.measure("full")
+    base = full.flops - model.cost(frozenset())[1]
+    for saved in ({"mlpwi", "mlp_act"}, {"query_proj", "key_proj", "value_proj", "out_proj"}):
+        measured = planner.measure(rk.Policy(save=saved)).flops
+        assert base + model.cost(frozenset(saved))[1] == pytest.approx(measured, rel=0.02)
+
+
+def test_generic_loss():
+    """A plain loss: every tag is decided inside one remat region."""
+    def loss(w, x):
+        h = rk.tag(x @ w, "mlpwi")
+        a = rk.tag(jnp.tanh(h), "mlp_act")
+        return jnp.sum(rk.tag(a @ w.T, "mlpwo") ** 2)
+
+    w = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    model = cost_model(loss, w, x)
+    assert model.tags == ("mlpwi", "mlp_act", "mlpwo")
+    assert model.parents == {"mlpwi": set(), "mlp_act": {"mlpwi"}, "mlpwo": {"mlp_act"}}
+    assert model.nbytes == {"mlpwi": 32 * 256 * 4, "mlp_act": 32 * 256 * 4, "mlpwo": 32 * 64 * 4}
+    assert model.flops["mlpwi"] == 2 * 32 * 64 * 256
+    p = rk.plan(loss, w, x, budget=1.0, cache=None)
+    assert p.spec == "none" and p.flops_overhead == 0
+
+
+# -- verification -------------------------------------------------------------
+
+def test_plan_fits_and_errors(planner):
+    full, none = planner.minimum()
+    p = planner.plan(0.9)
+    assert p.measured_bytes <= p.budget_bytes == int(0.9 * none)
+    # The least temp of any policy compiled so far: full's, or less on this tiny model.
+    assert p.minimum_bytes == planner.minimum()[0] <= full and p.none_bytes == none
+    assert p.measured_bytes == planner.measure(p.policy).temp_size_in_bytes
+    # A policy compiled before (here a preset) is a candidate: the plan is never worse.
+    minimal = planner.measure("minimal")
+    at_minimal = planner.plan(minimal.temp_size_in_bytes)
+    assert at_minimal.measured_flops <= minimal.flops
+    assert at_minimal.measured_bytes <= minimal.temp_size_in_bytes
+    least = planner.minimum()[0]
+    assert least == min(r.temp_size_in_bytes for r in planner.records.values())
+    with pytest.raises(rk.BudgetError) as e:
+        planner.plan(least - 1)
+    assert e.value.minimum_bytes == least
+    assert e.value.minimum_fraction == pytest.approx(least / none)
+    assert f"{least:,} bytes" in str(e.value) and f"{least / none:.3f}" in str(e.value)
+
+
+def test_verify_and_tighten(planner, monkeypatch):
+    """A compiled policy over budget makes the planner tighten and solve again."""
+    full, none = planner.measure("full"), planner.measure("none")
+    budget = int(0.95 * none.temp_size_in_bytes)
+    first, _ = planner.model.solve(budget - full.temp_size_in_bytes,
+                                   plan_module.FLOP_RESOLUTION * none.flops)  # as plan() does
+    assert first, "the budget should leave room to save tags"
+    honest, key = plan_module.measure, str(rk.Policy(save=first))
+
+    def pessimist(*args, policies, **kwargs):  # the first choice compiles far over budget
+        return [dataclasses.replace(r, temp_size_in_bytes=budget + 2**20)
+                if r.policy == key else r for r in honest(*args, policies=policies, **kwargs)]
+
+    monkeypatch.setattr(plan_module, "measure", pessimist)
+    monkeypatch.delitem(planner.records, key, raising=False)
+    try:
+        p = planner.plan(budget)
+    finally:
+        planner.records.pop(key, None)  # the fake record must not outlive this test
+    assert p.iterations >= 2 and "over" in p.status
+    assert p.policy != rk.Policy(save=first)
+    assert p.measured_bytes <= budget
+
+
+def test_frontier_monotone_and_cache(planner, tmp_path, monkeypatch):
+    path = str(tmp_path / "plans.json")
+    monkeypatch.setattr(planner, "cache", path)
+    plans = planner.frontier([0.9, 0.75, 1.0])
+    order = sorted(plans, key=lambda p: p.budget_bytes)
+    assert all(a.measured_flops >= b.measured_flops for a, b in zip(order, order[1:]))
+    assert all(p.measured_bytes <= p.budget_bytes for p in plans)
+    assert plans[2].spec == "none" and plans[2].flops_overhead == 0
+    assert len(json.load(open(path))) == 3
+
+    def no_compiles(self, policies):
+        raise AssertionError("a cached plan compiled")
+
+    again = config_planner(get_config("tiny"), BATCH, SEQ, cache=path)  # a restarted run
+    monkeypatch.setattr(Planner, "measure_all", no_compiles)
+    cached = again.plan(0.75)
+    assert cached.cached and cached.policy == plans[1].policy
+
+
+def test_auto_resolves_in_measure_and_config(planner, tmp_path, monkeypatch):
+    path = str(tmp_path / "plans.json")
+    monkeypatch.setattr(planner, "cache", path)
+    monkeypatch.setenv("REMAT_KIT_CACHE", path)  # the default cache of resolve_config, measure
+    chosen = planner.plan(0.9)
+    cfg = get_config("tiny", remat="auto:budget=0.9")
+    assert resolve_config(cfg, BATCH, SEQ).remat == chosen.spec
+    [record] = rk.measure_config(cfg, BATCH, SEQ, names=["auto:budget=0.9"], per_layer=False)
+    assert record.names == ("auto:budget=0.9",) and record.policy == chosen.spec
+    assert record.temp_size_in_bytes == chosen.measured_bytes
+
+
+# -- remat-kit plan -------------------------------------------------------------
+
+def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
+    cache, out = str(tmp_path / "plans.json"), tmp_path / "plan.json"
+    monkeypatch.setattr(planner, "cache", cache)
+    chosen = planner.plan(0.9)  # cached: the command only compiles none and full
+    code = cli.main(["plan", "--config", "tiny", "--batch", str(BATCH), "--seq", str(SEQ),
+                     "--budgets", "0.9,0.01", "--presets", "full", "--json", str(out),
+                     "--cache", cache])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    high, low = doc["budgets"]
+    assert high["plan"]["spec"] == chosen.spec and high["plan"]["cached"]
+    assert high["best_preset"]["names"] == ["full"]
+    assert low["plan"] is None and low["best_preset"] is None
+    assert "below the minimum" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budgets", "0.2,abc"], "--budgets"), (["--budgets", ""], "--budgets"),
+    (["--budgets", "0.2", "--plot", "x.txt"], ".png"),
+])
+def test_cli_plan_bad_input(argv, message, capsys):
+    assert cli.main(["plan", "--config", "tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_plans_auto_budget(tmp_path):
+    """experiments/train.py plans auto:budget= before training; below full remat's
+    memory it is one-line bad input naming the minimum."""
+    from experiments import train
+    from experiments.configs import tiny
+
+    (tmp_path / "text.py").write_text("def f(x):\n    return x + 1\n" * 200)
+    config = tiny.get_config()
+    config.data, config.remat = str(tmp_path / "text.py"), "auto:budget=1KiB"
+    config.seq_len, config.batch_size = SEQ, BATCH
+    with pytest.raises(cli.BadInput, match="below the least temp memory .* under full remat"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
