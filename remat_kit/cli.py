@@ -1,17 +1,20 @@
 """The `remat-kit` command.
 
     remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
-        [--policies a,b,c] [--mesh data:8] [--time N] [--json out.json] [--plot pareto.png]
-    remat-kit explain --config tiny --policy selective [--batch B] [--seq S]
+        [--policies a,b,c] [--mesh data:8] [--target cpu,tpu:v5e:1x1] [--time N] \\
+        [--json out.json] [--plot pareto.png]
+    remat-kit explain --config tiny --policy selective [--batch B] [--seq S] [--target T]
 
 `compare` measures every policy compile-only (`remat_kit.measure`) and prints
 a table sorted by memory (`remat_kit.report`). `explain` lists what one
-decoder layer saves, offloads and recomputes under one policy.
+decoder layer saves, offloads and recomputes under one policy. `--target`
+names the compiler (`remat_kit.targets`): `tpu:v5e:2x2` compiles for a TPU
+slice ahead of time, on a machine without one.
 
 Bad input (unknown config or policy, a config file that does not load, a
 batch or sequence length that is not a positive int or too long for the
-model, a mesh that does not fit the batch or the devices, an output path
-that cannot be written) prints one line on stderr and exits with status 2,
+model, a mesh that does not fit the batch or the devices, an unknown target or
+topology, libtpu missing, an output path that cannot be written) prints one line on stderr and exits with status 2,
 before anything is measured.
 """
 
@@ -30,6 +33,7 @@ from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
 from remat_kit.models.config import DTYPES
 from remat_kit.spec import BARE_NAMES, PRESET_TABLE, parse
+from remat_kit.targets import Target
 
 
 class BadInput(ValueError):
@@ -298,19 +302,28 @@ def preset_policies() -> list[str]:
 MAX_MESH_DEVICES = 1024
 
 
-def data_mesh(text: str | None, batch: int):
+def data_mesh(text: str | None, batch: int, target: Target | None = None):
     """A 1-D `Mesh` over the first N devices for 'data:N', or None.
 
     On CPU, N host devices are created if JAX has not started yet (the
     `jax_num_cpu_devices` option, like XLA_FLAGS=--xla_force_host_platform_device_count=N).
+    For a target compiled ahead of time the devices are its topology's
+    (`targets.make_mesh`).
 
     Raises:
       BadInput: not 'data:N', N above MAX_MESH_DEVICES, a global `batch`
         that does not split over N, or fewer than N devices. All but the last
         are found before JAX starts.
+      TargetError: an AOT target with fewer than N devices.
     """
-    if text is None:
+    if text is None and (target is None or not target.aot):
         return None
+    if text is None:  # a TPU slice: data parallel over all of its chips
+        from remat_kit import targets
+        text = f"data:{len(targets.devices(target))}"
+        flag = f"target {target} ({text})"
+    else:
+        flag = f"--mesh {text}"
     axis, _, count = text.partition(":")
     if axis != "data" or not count.isdigit() or int(count) <= 0:
         raise BadInput(f"--mesh must be data:N with N a positive int (data parallelism only "
@@ -320,8 +333,11 @@ def data_mesh(text: str | None, batch: int):
         raise BadInput(f"--mesh data:{n} asks for more than the {MAX_MESH_DEVICES} devices "
                        f"supported")
     if batch % n:
-        raise BadInput(f"--mesh data:{n} splits the batch over {n} devices, but batch {batch} "
+        raise BadInput(f"{flag} splits the batch over {n} devices, but batch {batch} "
                        f"is not a multiple of {n}")
+    if target is not None and target.aot:
+        from remat_kit import targets
+        return targets.make_mesh(target, {"data": n})
     import jax
     try:
         jax.config.update("jax_num_cpu_devices", n)
@@ -348,9 +364,30 @@ def _sizes(args, cfg: TransformerConfig, defaults: dict) -> tuple[int, int]:
     return batch, seq
 
 
+def _targets(text: str | None) -> list:
+    """The --target list, [None] (JAX's default backend) if not given. Checks that
+    libtpu is there and accepts each TPU topology, before anything is measured."""
+    from remat_kit import targets
+    if text is None:
+        return [None]
+    found = targets.parse_targets(text)
+    for target in found:
+        if target.aot:
+            targets.devices(target)
+    return found
+
+
+def _plot_path(path: str, target, several: bool) -> str:
+    """`path`, or with several targets one file per target: pareto_tpu_v5e_1x1.png."""
+    if not several:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}_{str(target).replace(':', '_')}{ext}"
+
+
 def _compare(args) -> int:
-    from remat_kit import report
-    from remat_kit.measure import measure_config, platform_label
+    from remat_kit import report, targets
+    from remat_kit.measure import measure_config
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
     cfg, label, defaults = load_config(args.config)
@@ -362,28 +399,46 @@ def _compare(args) -> int:
         check_output_file(args.json, "--json")
     if args.plot is not None:
         check_output_file(args.plot, "--plot", suffix=".png")
-    mesh = data_mesh(args.mesh, batch)
-    devices = 1 if mesh is None else mesh.shape["data"]
-    if args.time:
-        check_memory(cfg, batch // devices, seq, f"--batch {batch} and --seq {seq}")
+    target_list = _targets(args.target)
+    if args.time and any(t is not None and t.aot for t in target_list):
+        raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
+                       "of time (tpu:<topology>) cannot be timed")
+    meshes = [data_mesh(args.mesh, batch, t) for t in target_list]
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
-        print(f"[{i}/{n}] {', '.join(record.names)}: {status}", file=sys.stderr, flush=True)
+        print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}",
+              file=sys.stderr, flush=True)
 
-    records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=args.time,
-                             mesh=mesh, progress=progress)
-    rows = report.rows(records, cfg, batch // devices, seq)
-    platform = platform_label()
-    per_device = f", per device of {devices}" if devices > 1 else ""
-    title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({platform}{per_device})"
-    report.print_table(rows, title)
-    context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
-               "devices": devices, "platform": platform}
+    sections, contexts = [], []
+    for target, mesh in zip(target_list, meshes):
+        devices = 1 if mesh is None else mesh.shape["data"]
+        if args.time:
+            check_memory(cfg, batch // devices, seq, f"--batch {batch} and --seq {seq}")
+        records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=args.time,
+                                 mesh=mesh, progress=progress, target=target)
+        target = targets.parse_target(target)
+        found = targets.versions(target)
+        per_device = f", per device of {devices}" if devices > 1 else ""
+        title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({target.label}{per_device}; "
+                 f"jax {found['jax']}, {found['compiler']})")
+        sections.append((target, title, report.rows(records, cfg, batch // devices, seq)))
+        contexts.append({"target": str(target), "platform": target.label, "devices": devices,
+                         "jax_version": found["jax"], "compiler_version": found["compiler"]})
+    if len(sections) == 1:
+        report.print_table(sections[0][2], sections[0][1])
+    else:
+        report.print_side_by_side(
+            [(str(t), rows) for t, _, rows in sections],
+            f"{label}: batch {batch}, seq {seq}, {cfg.dtype}, per device")
     if args.json is not None:
-        report.write_json(args.json, rows, context)
+        # The first target's fields stay at the top level (schema 1); "targets" has them all.
+        context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
+                   **contexts[0], "targets": contexts}
+        report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
     if args.plot is not None:
-        report.plot(args.plot, rows, title)
+        for target, title, rows in sections:
+            report.plot(_plot_path(args.plot, target, len(sections) > 1), rows, title)
     return 0
 
 
@@ -447,6 +502,10 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--policies", default=None,
                          help="comma-separated policy specs (default: every preset)")
     compare.add_argument("--mesh", default=None, help="data:N, split the batch over N devices")
+    compare.add_argument("--target", default=None,
+                         help="whose compiler: cpu, tpu:<topology> (ahead of time via libtpu, "
+                              "e.g. tpu:v5e:2x2), tpu or gpu (this machine's); comma-separated "
+                              "targets go side by side (default: JAX's default backend)")
     compare.add_argument("--time", type=_non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")

@@ -12,10 +12,11 @@ For every policy, the loss's forward and backward pass is traced once with
 
 The compiled executable gives XLA's memory figures (`memory_fields`) and
 FLOPs (`cost_analysis()`, corrected for loop trip counts, see
-`loop_scaled_costs`). These numbers come from the compiler of the platform
-JAX runs on, labelled as such ("XLA CPU compile", `platform_label`):
-accelerator compilers fuse differently, so CPU temp bytes are an
-upper-bound-like proxy, not a GPU/TPU figure. On the XLA CPU backend
+`loop_scaled_costs`). These numbers come from the compiler of the *target*
+(`remat_kit.targets`): JAX's default backend, or e.g. a TPU v5e slice
+compiled ahead of time with libtpu on a machine without a TPU. Records say
+which ("XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"): accelerator
+compilers fuse differently, so CPU temp bytes are not a GPU/TPU figure. On the XLA CPU backend
 `peak_memory_in_bytes` does not include temp buffers: it is about
 arguments + outputs - aliased bytes, the same for every policy however much
 their temp differs. Compare policies on CPU by `temp_size_in_bytes`.
@@ -45,6 +46,7 @@ from jax.extend.core.primitives import (copy_p, device_put_p, reduce_precision_p
                                         reshape_p, scan_p, squeeze_p, transpose_p)
 from jax.sharding import NamedSharding, PartitionSpec
 
+from remat_kit import targets
 from remat_kit._jax_private import hlo_text_cost_analysis
 from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_loss_fn
 from remat_kit.models.transformer import remat_layer
@@ -54,11 +56,6 @@ from remat_kit.spec import parse
 from remat_kit.validate import emitted_tags, tag_of
 
 LossFactory = Callable[[Policy], Callable]
-
-# LLVM optimization only changes the speed of the generated code, not XLA's
-# buffer assignment or cost analysis (checked on every gpt2_small preset), and
-# skipping it makes CPU compiles faster. Timed runs compile normally.
-_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
 
 # ---------------------------------------------------------------------------
 # Residuals: what the forward pass saves, and who produced it
@@ -355,7 +352,11 @@ class Record:
       policy: the canonical spec string (`str(Policy)`).
       names: every name the user gave that maps to this measurement
         (policies that compile to the same program are measured once).
-      platform: whose compiler the numbers come from, e.g. "XLA CPU compile".
+      platform: whose compiler the numbers come from, e.g. "XLA CPU compile",
+        "XLA TPU compile (v5e:2x2, AOT)" (`targets.Target.label`).
+      target: the target string, e.g. "cpu", "tpu:v5e:2x2".
+      jax_version, compiler_version: e.g. "0.12.0.1", "libtpu 0.0.52"
+        (`targets.versions`).
       residual_bytes_by_tag: bytes saved for backward per `checkpoint_name` tag.
       residual_bytes_by_primitive: bytes of untagged residuals, per producing
         primitive ("dot_general", "mul", ...).
@@ -382,6 +383,9 @@ class Record:
     policy: str
     names: tuple[str, ...]
     platform: str
+    target: str = ""
+    jax_version: str = ""
+    compiler_version: str = ""
     residual_bytes_by_tag: dict[str, int] = dataclasses.field(default_factory=dict)
     residual_bytes_by_primitive: dict[str, int] = dataclasses.field(default_factory=dict)
     residual_bytes_by_argument: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -419,7 +423,7 @@ def platform_label(platform: str | None = None) -> str:
 
     platform: a JAX platform name; default JAX's default backend.
     """
-    return f"XLA {(platform or jax.default_backend()).upper()} compile"
+    return targets.Target(platform or jax.default_backend()).label
 
 
 def _split(found: Sequence[Residual]) -> dict:
@@ -515,7 +519,8 @@ def _as_factory(fn: Callable) -> LossFactory:
 
 def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
             time_steps: int = 0, sample_args: Callable | None = None,
-            progress: Callable[[int, int, Record], None] | None = None) -> list[Record]:
+            progress: Callable[[int, int, Record], None] | None = None,
+            target: "str | targets.Target | None" = None) -> list[Record]:
     """Measures a loss under each policy, compile-only (optionally also timed).
 
     Args:
@@ -539,15 +544,27 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         shaped like `args` (normal floats, zero ints).
       progress: called as progress(i, n, record) after the i-th of n
         distinct policies is measured.
+      target: whose compiler to measure with (`remat_kit.targets`): e.g.
+        "cpu", "tpu:v5e:1x1" (ahead of time, no TPU needed); default JAX's
+        default backend. Sharded `args` must be sharded over the target's
+        devices (`targets.make_mesh`); unsharded ones go to its first device.
     Returns:
       One `Record` per distinct policy, in first-seen order. A policy that
-      fails to trace, compile or run gives a record with `error` set; the
-      other records still come out.
+      fails to trace, compile or run gives a record with `error` set (for
+      an AOT target, the compiler's message); the other records still come
+      out.
     Raises:
       RematSpecError: a policy spec does not parse.
+      TargetError: a bad target, libtpu missing, args sharded over other
+        devices, or `time_steps` > 0 for a target compiled ahead of time.
       ValueError: `names` and `policies` differ in length.
     """
     parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    target = targets.parse_target(target)
+    if time_steps > 0 and target.aot:
+        raise targets.TargetError(f"cannot time steps on target {target}: it is compiled "
+                                  "ahead of time, for devices this machine does not have")
+    args = targets.place(args, target)
     loss_for_policy = _as_factory(loss_for_policy)
     emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
     leaves = jax.tree.leaves(args)
@@ -557,19 +574,20 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         data = (sample_args or (lambda k: _random_like(args, k)))(jax.random.key(0))
         data = [jax.device_put(x, s.sharding) if getattr(s, "sharding", None) else x
                 for x, s in zip(jax.tree.leaves(data), leaves)]
-    label = platform_label()
+    label, found_versions = target.label, targets.versions(target)
     records = []
     # Lowered program text -> its record: policies whose decisions differ only
     # on values the backward pass never reads compile to the same program.
     programs: dict[str, int] = {}
     groups = _group(parsed, names if names is not None else [str(p) for p in policies], emitted)
     for i, (policy, group_names) in enumerate(groups):
-        record = Record(str(policy), tuple(group_names), label)
+        record = Record(str(policy), tuple(group_names), label, str(target),
+                        found_versions["jax"], found_versions["compiler"])
         try:
             start = time.perf_counter()
             loss = loss_for_policy(policy)
             staged = _stage(loss, args)
-            lowered = jax.jit(jaxpr_as_fun(staged.program)).lower(*staged.leaves)
+            lowered = targets.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
             same = programs.setdefault(lowered.as_text(), len(records))
             if same != len(records):
                 records[same] = dataclasses.replace(
@@ -577,13 +595,13 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
                 if progress is not None:
                     progress(i + 1, len(groups), records[same])
                 continue
-            compiled = lowered.compile(None if time_steps else _COMPILE_ONLY_OPTIONS)
+            compiled = lowered.compile(targets.compile_options(target, not time_steps))
             seconds = time.perf_counter() - start
-            found = (_stage(loss, local_args).residuals if local_args is not None
-                     else staged.residuals)
-            costs, notes = loop_scaled_costs(compiled)
-            split = _split(found)
-            if split["offloaded_bytes"] and jax.default_backend() == "cpu":
+            local = _stage(loss, local_args) if local_args is not None else staged
+            costs, notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
+                                         local.leaves)
+            split = _split(local.residuals)
+            if split["offloaded_bytes"] and target.platform == "cpu":
                 notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
                           "includes the offloaded residuals",)
             record = dataclasses.replace(
@@ -644,7 +662,8 @@ def _data_size(mesh) -> int:
 def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Sequence | None = None,
                    *, names=None, dtype: str | None = None, time_steps: int = 0,
                    mesh: jax.sharding.Mesh | None = None, per_layer: bool = True,
-                   progress: Callable[[int, int, Record], None] | None = None) -> list[Record]:
+                   progress: Callable[[int, int, Record], None] | None = None,
+                   target: "str | targets.Target | None" = None) -> list[Record]:
     """Measures a reference transformer (`remat_kit.models`) under each policy.
 
     Per policy, builds `Transformer(cfg.replace(remat=policy))` and measures
@@ -662,22 +681,30 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
       time_steps: see `measure`; timed data are random token ids.
       mesh: a `jax.sharding.Mesh` with a "data" axis: the batch is split
         over it (data parallelism), parameters are replicated, and every
-        figure is per device.
+        figure is per device. For a target compiled ahead of time the mesh
+        must be over its devices (`targets.make_mesh`); default a data mesh
+        over all of them (a TPU slice's chips).
       per_layer: also measure one decoder layer alone per policy
         (`Record.layer_residual_bytes`, for the Korthikanti comparison).
       progress: see `measure`.
+      target: see `measure`.
     Returns:
       As `measure`.
     Raises:
       ValueError: batch or seq not a positive int, batch not divisible by
         the data axis, seq above a GPT-2 config's max_len, a bad dtype.
       RematSpecError: a policy does not parse.
+      TargetError: see `measure`.
     """
     _check_positive("batch", batch)
     _check_positive("seq", seq)
+    target = targets.parse_target(target)
+    if mesh is None and target.aot:
+        mesh = targets.make_mesh(target, {"data": len(targets.devices(target))})
     n = _data_size(mesh)
     if batch % n:
-        raise ValueError(f"batch {batch} does not split over {n} data-parallel devices")
+        of = f" of target {target}" if target.aot else ""
+        raise ValueError(f"batch {batch} does not split over {n} data-parallel devices{of}")
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     if cfg.family == "gpt2" and seq > cfg.max_len:
@@ -705,7 +732,8 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
 
     records = measure(loss_for_policy, params, tokens, tokens, key,
                       policies=policies if policies is not None else [cfg.remat], names=names,
-                      time_steps=time_steps, sample_args=sample_args, progress=progress)
+                      time_steps=time_steps, sample_args=sample_args, progress=progress,
+                      target=target)
     if not per_layer:
         return records
     return [dataclasses.replace(r, layer_residual_bytes=_layer_stored_bytes(
