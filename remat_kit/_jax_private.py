@@ -4,8 +4,8 @@ JAX's public API has `print_saved_residuals` but no function that *returns*
 the saved residuals; `jax._src.ad_checkpoint.saved_residuals` does. Nor does
 it run XLA's cost analysis on one computation of a compiled module (needed to
 count a while loop's body once per trip); `jax._src.lib` does. Nor does it say
-whether TPU chips are attached (to keep libtpu quiet on a machine without
-them); `jax._src.hardware_utils` does. If a JAX
+whether TPU chips or NVIDIA GPUs are attached (to set up the plugins for
+compile-only use on a machine without them); `jax._src.hardware_utils` does. If a JAX
 release moves either, only this module changes.
 """
 
@@ -39,9 +39,14 @@ def hlo_text_cost_analysis(text: str, client) -> dict[str, float]:
     return _jax.hlo_module_cost_analysis(client, hlo.hlo_module_from_text(text))
 
 
+def has_nvidia_gpu() -> bool:
+    """True if this machine shows an NVIDIA GPU device file."""
+    return hardware_utils.has_visible_nvidia_gpu()
+
+
 def num_tpu_chips() -> int:
     """TPU chips attached to this machine through PCI (0 on a machine without a TPU)."""
     return hardware_utils.num_available_tpu_chips_and_device_id()[0]
 
 
-__all__ = ["hlo_text_cost_analysis", "num_tpu_chips", "saved_residuals"]
+__all__ = ["has_nvidia_gpu", "hlo_text_cost_analysis", "num_tpu_chips", "saved_residuals"]

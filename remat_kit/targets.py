@@ -14,6 +14,13 @@ a report can give an accelerator's figures on a machine that has none:
                     runs on a machine without a TPU (``pip install
                     remat-kit[tpu]``). Figures are per device of the slice.
 ``gpu``             the GPU devices of this machine (``jax.devices("gpu")``).
+``gpu:<name>[:N]``  ahead of time with the CUDA PJRT plugin for N (default
+                    1) NVIDIA GPUs on one host, described by an XLA
+                    ``GpuTargetConfigProto``: ``gpu:h100`` (H100 SXM 80 GB,
+                    shipped) or ``gpu:/path/to/spec.txtpb``; runs on a
+                    machine without a GPU (``pip install remat-kit[cuda]``,
+                    about 5.6 GB). The GPU compiler gives no cost analysis,
+                    so FLOPs come from the CPU compile of the same program.
 ==================  ========================================================
 
 Ahead-of-time compiles follow JAX's AOT API: the topology's devices come
@@ -21,9 +28,6 @@ from `jax.experimental.topologies.get_topology_desc`, arguments are
 `jax.ShapeDtypeStruct`s with a `NamedSharding` over them, and the program is
 compiled with ``jax.jit(f).trace(*structs).lower(lowering_platforms=(p,))
 .compile()``. No device memory is touched.
-
-Deviceless NVIDIA GPU targets (``gpu:h100``) were tried with the CUDA PJRT
-plugin from PyPI; see the README ("Targets") for what was found.
 
 Other modules (measure, the planner) call `compile_for`, which takes a
 function and its argument structs and returns the compiled executable with
@@ -45,14 +49,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit._jax_private import num_tpu_chips
+from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
 from remat_kit.errors import _closest
 
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
 TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
 _TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
-KINDS = ("cpu", "tpu", "tpu:<topology>", "gpu")
-EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1", "gpu")
+# GPU name -> GpuTargetConfigProto text file in remat_kit/gpu_targets/. Only
+# GPUs with a sourced description are listed: h100_sxm.txtpb describes an
+# NVIDIA H100 SXM 80 GB HBM3 (132 SMs, 50 MiB L2, compute capability 9.0),
+# in the format of XLA's xla/tools/hlo_opt/gpu_specs; it comes with the
+# project's design notes (DESIGN.md, "Measuring: what counts").
+GPU_TARGET_CONFIGS = {"h100": "h100_sxm.txtpb"}
+KINDS = ("cpu", "tpu", "tpu:<topology>", "gpu", "gpu:<name>[:N]")
+EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1", "gpu",
+            "gpu:h100", "gpu:h100:8", "gpu:/path/to/spec.txtpb")
 
 # XLA CPU: LLVM optimization only changes the speed of the generated code,
 # not buffer assignment or cost analysis (checked on every gpt2_small preset),
@@ -68,25 +79,35 @@ class TargetError(ValueError):
     """
 
 
-def _quiet_libtpu() -> None:
-    """Environment libtpu reads when it loads, for a machine with no TPU chip.
+def _plugin_environment() -> None:
+    """Environment the accelerator plugins read when they load, on a machine
+    without that accelerator.
 
     With libtpu installed, JAX tries the TPU backend at start-up and libtpu,
     finding no Cloud TPU metadata, prints a page of warnings about the
     accelerator type and worker hostnames, and holds a lockfile that makes a
-    second JAX process fail to load it. A compile-only client needs none of
-    these, so say so before libtpu loads. Values the user set are kept; on a
-    TPU VM nothing is set.
+    second JAX process fail to load it. With the CUDA plugin installed and no
+    GPU, its start-up version check fails and the plugin is not registered,
+    so no GPU topology can be made. A compile-only client needs none of
+    this, so say so before the plugins load. Values the user set are kept; on
+    a machine with the accelerator nothing is set.
     """
-    if importlib.util.find_spec("libtpu") is None or num_tpu_chips() > 0:
-        return
-    for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
-                       ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
-                       ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
-        os.environ.setdefault(key, value)
+    if importlib.util.find_spec("libtpu") is not None and num_tpu_chips() == 0:
+        for key, value in (("TPU_SKIP_MDS_QUERY", "1"),
+                           ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
+                           ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                           ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+            os.environ.setdefault(key, value)
+    if _cuda_plugin_installed() and not has_nvidia_gpu():
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
-_quiet_libtpu()  # must run before JAX starts its backends
+def _cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+_plugin_environment()  # must run before JAX starts its backends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +116,10 @@ class Target:
 
     Attributes:
       platform: "cpu", "tpu" or "gpu".
-      topology: for an ahead-of-time target, the topology name (e.g.
-        "v5e:2x2"); None for this machine's devices.
+      topology: for an ahead-of-time target, the topology: a TPU topology
+        name (e.g. "v5e:2x2"), or a GPU name or target config path with an
+        optional device count ("h100", "h100:8"); None for this machine's
+        devices.
     """
 
     platform: str
@@ -128,17 +151,15 @@ def parse_target(text: "str | Target | None") -> Target:
         return text
     if text is None:
         return Target(jax.default_backend())
-    word = text.strip().lower()
+    word = text.strip()
     kind, _, topology = word.partition(":")
+    kind = kind.lower()
+    if kind != "gpu":
+        topology = topology.lower()
     if kind == "cpu" and not topology:
         return Target("cpu")
     if kind == "gpu":
-        if topology:
-            raise TargetError(
-                f"unknown target {text!r}: deviceless GPU targets (gpu:<name>) are not "
-                "supported, the CUDA PJRT plugin does not compile without a GPU here "
-                "(README: Targets); 'gpu' compiles for this machine's GPUs")
-        return Target("gpu")
+        return Target("gpu", _gpu_topology(text.strip()[4:], text) if topology else None)
     if kind != "tpu":
         closest = _closest(kind, ("cpu", "tpu", "gpu"))
         hint = f"; did you mean {closest!r}?" if closest else ""
@@ -156,6 +177,33 @@ def parse_target(text: "str | Target | None") -> Target:
         raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: give "
                           f"<generation>:<chips per axis>, e.g. v5e:2x2, v5p:2x2x1")
     return Target("tpu", topology)
+
+
+def _split_count(topology: str) -> tuple[str, int]:
+    """'h100:8' -> ('h100', 8); 'h100' -> ('h100', 1)."""
+    head, sep, tail = topology.rpartition(":")
+    return (head, int(tail)) if sep and tail.isdigit() else (topology, 1)
+
+
+def _gpu_topology(topology: str, text: str) -> str:
+    """'h100' / 'H100:8' / '/path/x.txtpb:8' checked (a known name or an existing file,
+    and a positive device count) and normalized: 'h100', 'h100:8', ..."""
+    name, count = _split_count(topology)
+    if count <= 0 or ":" in name:
+        raise TargetError(f"bad GPU target {text!r}: give gpu:<name> or gpu:<name>:N with N "
+                          "a positive number of GPUs, e.g. gpu:h100:8")
+    if name.endswith(".txtpb"):
+        if not os.path.isfile(name):
+            raise TargetError(f"GPU target config file {name!r} in target {text!r} not found")
+    elif name.lower() not in GPU_TARGET_CONFIGS:
+        closest = _closest(name, tuple(GPU_TARGET_CONFIGS))
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        raise TargetError(f"unknown GPU {name!r} in target {text!r}{hint}; valid: "
+                          f"{', '.join(GPU_TARGET_CONFIGS)}, or a GpuTargetConfigProto "
+                          f"file: gpu:/path/to/spec.txtpb")
+    else:
+        name = name.lower()
+    return name if count == 1 else f"{name}:{count}"
 
 
 def parse_targets(text: str) -> list[Target]:
@@ -195,6 +243,31 @@ def _topology_devices(topology: str) -> tuple:
     return tuple(desc.devices)
 
 
+def _need_cuda_plugin() -> None:
+    if not _cuda_plugin_installed():
+        raise TargetError("GPU targets compiled ahead of time need the CUDA plugin: pip install "
+                          "'remat-kit[cuda]' (jax[cuda12], about 5.6 GB)")
+
+
+@functools.cache
+def _gpu_devices(topology: str) -> tuple:
+    _need_cuda_plugin()
+    from jax.experimental import topologies
+    name, count = _split_count(topology)
+    path = (name if name.endswith(".txtpb") else
+            os.path.join(os.path.dirname(__file__), "gpu_targets", GPU_TARGET_CONFIGS[name]))
+    with open(path) as f:
+        config = f.read()
+    try:
+        desc = topologies.get_topology_desc(
+            topology_name=os.path.splitext(os.path.basename(name))[0], platform="cuda",
+            target_config=config, topology=f"1x1x{count}")
+    except Exception as e:  # noqa: BLE001 - the plugin's own message is the useful one
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TargetError(f"the CUDA plugin rejects GPU target {topology!r}: {detail}") from None
+    return tuple(desc.devices)
+
+
 def devices(target: "str | Target") -> list:
     """The devices `target` compiles for: a TPU topology's compile-only devices,
     or this machine's devices of the target's platform.
@@ -205,7 +278,8 @@ def devices(target: "str | Target") -> list:
     """
     target = parse_target(target)
     if target.aot:
-        return list(_topology_devices(target.topology))
+        return list((_topology_devices if target.platform == "tpu" else _gpu_devices)(
+            target.topology))
     if target.platform == "tpu":
         _need_libtpu()
     try:
@@ -290,7 +364,8 @@ def lower(fn: Callable, leaves: Sequence, target: "str | Target"):
     """`jax.jit(fn)` lowered for `target` at `leaves` (already `place`d): a `Lowered`."""
     target = parse_target(target)
     if target.aot:
-        return jax.jit(fn).trace(*leaves).lower(lowering_platforms=(target.platform,))
+        platform = "cuda" if target.platform == "gpu" else target.platform
+        return jax.jit(fn).trace(*leaves).lower(lowering_platforms=(platform,))
     return jax.jit(fn).lower(*leaves)
 
 
@@ -328,7 +403,8 @@ def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence
     """FLOPs and transcendentals of `compiled`, loops counted per trip, with notes.
 
     If the target's compiler leaves a while loop without a known trip count
-    (the TPU compiler does) or gives no cost analysis, the figures come from
+    (the TPU compiler does) or gives no cost analysis (the deviceless GPU
+    compiler does not), the figures come from
     the XLA CPU compile of the same program at the per-device shapes
     `local_leaves`, and a note says so.
 
@@ -345,9 +421,10 @@ def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence
                for x in local_leaves]
     on_cpu = jax.jit(fn).lower(*structs).compile(_CPU_COMPILE_ONLY_OPTIONS)
     found, cpu_notes = loop_scaled_costs(on_cpu)
-    why = "loops without a known trip count" if notes else "no cost analysis"
+    why = ("has while loops without a known trip count" if found
+           else "gives no cost analysis")
     return found, cpu_notes + (f"FLOPs from the XLA CPU compile of the same program (the "
-                               f"{target} compile has {why})",)
+                               f"{target} compile {why})",)
 
 
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
