@@ -14,8 +14,8 @@ slice ahead of time, on a machine without one.
 Bad input (unknown config or policy, a config file that does not load, a
 batch or sequence length that is not a positive int or too long for the
 model, a mesh that does not fit the batch or the devices, an unknown target or
-topology, libtpu missing, an output path that cannot be written) prints one line on stderr and exits with status 2,
-before anything is measured.
+topology, libtpu missing, an output path that cannot be written) prints one
+line on stderr and exits with status 2, before anything is measured.
 """
 
 from __future__ import annotations
@@ -446,7 +446,7 @@ def _explain(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from remat_kit import report
+    from remat_kit import report, targets
     from remat_kit.measure import layer_residuals
 
     cfg, label, defaults = load_config(args.config)
@@ -454,7 +454,13 @@ def _explain(args) -> int:
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
     policy = parse(args.policy if args.policy is not None else cfg.remat)
-    layer = layer_residuals(cfg, batch, seq, policy)
+    target = None
+    if args.target is not None:
+        found = _targets(args.target)
+        if len(found) > 1:
+            raise BadInput(f"explain takes one --target, got {args.target!r}")
+        target = found[0]
+    layer = layer_residuals(cfg, batch, seq, policy, target=target)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, one decoder layer under {args.policy or str(policy)!r} "
                   f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}")
@@ -478,6 +484,15 @@ def _explain(args) -> int:
     console.print(totals)
     console.print(f"parameters read by the backward pass (not extra memory): "
                   f"{report.fmt_bytes(layer.parameter_bytes)} per layer")
+    if layer.compiled is not None:
+        c, found = layer.compiled, targets.versions(layer.compiled.target)
+        flops = "-" if c.flops is None else f"{c.flops / 1e9:.3g} GFLOP"
+        temp = report.fmt_bytes(c.memory.get("temp_size_in_bytes"))
+        console.print(f"one layer's value-and-grad, {c.target.label} (jax {found['jax']}, "
+                      f"{found['compiler']}): temp {temp}, {flops}, compiled in "
+                      f"{c.seconds:.1f} s", markup=False)
+        for note in c.notes:
+            console.print(note, style="dim", markup=False)
     return 0
 
 
@@ -516,6 +531,9 @@ def _parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="what one layer saves under one policy")
     common(explain)
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
+    explain.add_argument("--target", default=None,
+                         help="also compile the layer for this target (cpu, tpu:v5e:1x1, "
+                              "gpu:h100, ...) and print its temp memory and FLOPs")
     explain.set_defaults(run=_explain)
     return parser
 

@@ -774,12 +774,15 @@ class LayerBreakdown:
         by reference, not extra memory): the layer's parameters for
         `layer_residuals`, every argument for `explain`.
       num_layers: layers in the model.
+      compiled: with a `target`, the layer's value-and-grad compiled for it
+        (`targets.Compiled`: temp bytes, FLOPs, compile seconds), else None.
     """
 
     policy: str
     rows: tuple[LayerRow, ...]
     parameter_bytes: int
     num_layers: int
+    compiled: "targets.Compiled | None" = None
 
     def _sum(self, decision: str) -> int:
         return sum(r.nbytes for r in self.rows if r.decision == decision)
@@ -834,8 +837,9 @@ def _layer_stored_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: Po
 
 
 def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],
-               num_layers: int) -> LayerBreakdown:
-    """Rows for `f`'s residuals, then for the tags it emits but does not store."""
+               num_layers: int, target) -> LayerBreakdown:
+    """Rows for `f`'s residuals, then for the tags it emits but does not store; with a
+    `target`, `f`'s value-and-grad compiled for it."""
     found = residuals(f, *args)
     listed = [r for r in found if r.kind != "argument" or keep_argument(r)]
     rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
@@ -849,10 +853,13 @@ def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Resid
             rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
                                  _aval_bytes(aval), decision))
     unlisted = sum(r.nbytes for r in found if r not in listed)
-    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers)
+    compiled = (None if target is None
+                else targets.compile_for(jax.value_and_grad(f), *args, target=target))
+    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers, compiled)
 
 
-def explain(policy: "str | Policy", fn: Callable, *args) -> LayerBreakdown:
+def explain(policy: "str | Policy", fn: Callable, *args,
+            target: "str | targets.Target | None" = None) -> LayerBreakdown:
     """What `fn` saves, offloads and recomputes under `policy`: one row per residual.
 
     `fn` is wrapped in one remat region (`checkpointed`) and traced under
@@ -863,6 +870,9 @@ def explain(policy: "str | Policy", fn: Callable, *args) -> LayerBreakdown:
       fn: a function of arrays returning a scalar, without remat of its own
         (e.g. one layer and a sum).
       args: arrays or `jax.ShapeDtypeStruct`s.
+      target: if given (e.g. "tpu:v5e:1x1", `remat_kit.targets`), also
+        compile `fn`'s value-and-grad (w.r.t. the first argument) for it:
+        `LayerBreakdown.compiled`.
     Returns:
       A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape,
       dtype, bytes, decision) for every stored residual, then a row for each
@@ -871,14 +881,16 @@ def explain(policy: "str | Policy", fn: Callable, *args) -> LayerBreakdown:
       are kept by reference, and their bytes are `parameter_bytes`.
     Raises:
       RematSpecError: the policy does not parse.
+      TargetError: a bad target, or libtpu / the CUDA plugin missing.
       TypeError: `fn` does not return a scalar.
     """
     policy = parse(policy)
-    return _breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1)
+    return _breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
 
 
 def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
-                    policy: "str | Policy | None" = None) -> LayerBreakdown:
+                    policy: "str | Policy | None" = None,
+                    target: "str | targets.Target | None" = None) -> LayerBreakdown:
     """What one decoder layer of `cfg` saves, offloads and recomputes under `policy`.
 
     Applies `remat_layer(DecoderLayer, cfg)` (the layer exactly as the model
@@ -891,13 +903,16 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
     Args:
       cfg: model config; policy: spec or Policy, default `cfg.remat`.
       batch, seq: per-device batch size and sequence length.
+      target: if given, also compile the layer's value-and-grad for it
+        (`LayerBreakdown.compiled`), see `explain`.
     Raises:
       ValueError: batch or seq not a positive int.
       RematSpecError: the policy does not parse.
+      TargetError: see `explain`.
     """
     policy = parse(cfg.remat if policy is None else policy)
     apply, args = _layer_program(cfg, batch, seq, policy)
-    return _breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers)
+    return _breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers, target)
 
 
 __all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",
