@@ -420,8 +420,7 @@ def _compare(args) -> int:
         target = targets.parse_target(target)
         found = targets.versions(target)
         per_device = f", per device of {devices}" if devices > 1 else ""
-        title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({target.label}{per_device}; "
-                 f"jax {found['jax']}, {found['compiler']})")
+        title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({target.label}{per_device})"
         sections.append((target, title, report.rows(records, cfg, batch // devices, seq)))
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
                          "jax_version": found["jax"], "compiler_version": found["compiler"]})
