@@ -5,7 +5,7 @@
     nn.remat(Block, policy=policy.to_jax())
 """
 
-from remat_kit import estimate, report
+from remat_kit import estimate, report, targets
 from remat_kit.errors import RematSpecError, UnknownTagError
 from remat_kit.measure import (Record, checkpointed, explain, layer_residuals, measure,
                                measure_config, residuals)
@@ -18,5 +18,5 @@ __all__ = [
     "ALIASES", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS", "UnknownTagError",
     "checkpointed", "emitted_tags", "estimate", "explain", "from_custom", "layer_residuals",
     "measure", "measure_config", "parse", "register_tag", "report", "residuals", "tag",
-    "validate",
+    "targets", "validate",
 ]
