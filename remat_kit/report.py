@@ -287,12 +287,12 @@ def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
         f.write("\n")
 
 
-CSV_FIELDS = ("target", "policy", "names", "temp_size_in_bytes", "temp_ratio_to_none",
+CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none",
               "activation_residual_bytes", "offloaded_bytes", "layer_residual_bytes",
               "formula_bytes", "flops", "flops_ratio_to_none", "transcendentals",
               "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
               "step_median_s", "step_min_s", "step_max_s", "step_ratio_to_none",
-              "compile_seconds", "pareto", "error", "platform", "jax_version",
+              "compile_seconds", "pareto", "error", "target", "platform", "jax_version",
               "compiler_version")
 
 
