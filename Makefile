@@ -17,7 +17,7 @@ $(STAMP): requirements.txt pyproject.toml scripts/find_python.sh
 	  rm -rf $(VENV) && "$$python" -m venv $(VENV) || exit 1; \
 	fi
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[tpu]'
 	@touch $(STAMP)
 
 demo: venv

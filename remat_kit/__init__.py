@@ -9,7 +9,7 @@
 `Planner` and friends with `from remat_kit.plan import ...`).
 """
 
-from remat_kit import estimate, mesh, report
+from remat_kit import estimate, mesh, report, targets
 from remat_kit import flax_linen as linen
 from remat_kit import flax_nnx as nnx
 from remat_kit.errors import (BudgetError, MeshError, RematSpecError, UnknownModuleError,
@@ -27,5 +27,5 @@ __all__ = [
     "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError",
     "checkpointed", "emitted_tags", "estimate", "explain", "from_custom", "layer_residuals",
     "linen", "measure", "measure_config", "mesh", "nnx", "parse", "plan", "register_tag",
-    "report", "residuals", "tag", "validate",
+    "report", "residuals", "tag", "targets", "validate",
 ]

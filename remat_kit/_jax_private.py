@@ -3,7 +3,9 @@
 JAX's public API has `print_saved_residuals` but no function that *returns*
 the saved residuals; `jax._src.ad_checkpoint.saved_residuals` does. Nor does
 it run XLA's cost analysis on one computation of a compiled module (needed to
-count a while loop's body once per trip); `jax._src.lib` does. If a JAX
+count a while loop's body once per trip); `jax._src.lib` does. Nor does it say
+whether TPU chips or NVIDIA GPUs are attached (to set up the plugins for
+compile-only use on a machine without them); `jax._src.hardware_utils` does. If a JAX
 release moves either, only this module changes.
 """
 
@@ -18,6 +20,7 @@ if not _MIN <= _version < _MAX:
                       f"(it reads jax._src.ad_checkpoint.saved_residuals); found {jax.__version__}")
 
 from jax._src.ad_checkpoint import saved_residuals  # noqa: E402
+from jax._src import hardware_utils  # noqa: E402
 from jax._src.lib import _jax, hlo  # noqa: E402
 
 
@@ -36,4 +39,14 @@ def hlo_text_cost_analysis(text: str, client) -> dict[str, float]:
     return _jax.hlo_module_cost_analysis(client, hlo.hlo_module_from_text(text))
 
 
-__all__ = ["hlo_text_cost_analysis", "saved_residuals"]
+def has_nvidia_gpu() -> bool:
+    """True if this machine shows an NVIDIA GPU device file."""
+    return hardware_utils.has_visible_nvidia_gpu()
+
+
+def num_tpu_chips() -> int:
+    """TPU chips attached to this machine through PCI (0 on a machine without a TPU)."""
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+
+__all__ = ["has_nvidia_gpu", "hlo_text_cost_analysis", "num_tpu_chips", "saved_residuals"]

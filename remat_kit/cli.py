@@ -1,8 +1,9 @@
 """The `remat-kit` command.
 
     remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
-        [--policies a,b,c] [--mesh data:8] [--time N] [--json out.json] [--plot pareto.png]
-    remat-kit explain --config tiny --policy selective [--batch B] [--seq S]
+        [--policies a,b,c] [--mesh data:2,fsdp:2,tensor:2] [--target cpu,tpu:v5e:1x1] \\
+        [--time N] [--json out.json] [--plot pareto.png]
+    remat-kit explain --config tiny --policy selective [--batch B] [--seq S] [--target T]
     remat-kit plan --config gpt2_small --batch 8 --seq 1024 --budgets 0.2,0.4,6GiB \\
         [--presets a,b | --no-presets] [--json plan.json] [--plot plan.png]
 
@@ -10,13 +11,15 @@
 a table sorted by memory (`remat_kit.report`). `explain` lists what one
 decoder layer saves, offloads and recomputes under one policy. `plan` runs
 the budget planner (`remat_kit.plan`) for each budget and sets its frontier
-against the best fixed preset that fits.
+against the best fixed preset that fits. `--target` names the compiler
+(`remat_kit.targets`): `tpu:v5e:2x2` compiles for a TPU slice ahead of time,
+on a machine without one.
 
 Bad input (unknown config or policy, a config file that does not load, a
 batch or sequence length that is not a positive int or too long for the
-model, a mesh that does not fit the batch or the devices, an output path
-that cannot be written) prints one line on stderr and exits with status 2,
-before anything is measured.
+model, a mesh that does not fit the batch or the devices, an unknown target or
+topology, libtpu missing, an output path that cannot be written) prints one
+line on stderr and exits with status 2, before anything is measured.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
 from remat_kit.models.config import DTYPES
 from remat_kit.spec import BARE_NAMES, PRESET_TABLE, AutoSpec, parse
+from remat_kit.targets import Target
 
 
 class BadInput(ValueError):
@@ -302,13 +306,17 @@ def preset_policies() -> list[str]:
             for cb, name, _, _ in PRESET_TABLE]
 
 
-def device_mesh(text: str | None, batch: int, cfg: TransformerConfig):
+def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
+                target: Target | None = None):
     """The `Mesh` for a --mesh spec such as 'data:2,fsdp:2,tensor:2' over the
     first data x fsdp x tensor devices (`remat_kit.mesh.make`), or None.
 
     On CPU, that many host devices are created if JAX has not started yet
     (the `jax_num_cpu_devices` option, like
-    XLA_FLAGS=--xla_force_host_platform_device_count=N).
+    XLA_FLAGS=--xla_force_host_platform_device_count=N). For a target
+    compiled ahead of time the devices are its topology's
+    (`targets.make_mesh`), and with no --mesh the mesh is data parallel over
+    all of them (a TPU slice's chips).
 
     Raises:
       BadInput: a bad spec (unknown axis, size not a positive int, more than
@@ -316,12 +324,21 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig):
         split over data x fsdp, heads or mlp_dim that do not split over
         tensor, or fewer devices than the mesh needs. All but the last are
         found before JAX starts.
+      TargetError: an AOT target with fewer devices than the mesh (the
+        message names both numbers).
     """
-    if text is None:
+    aot = target is not None and target.aot
+    if text is None and not aot:
         return None
+    if text is None:
+        from remat_kit import targets
+        text = f"data:{len(targets.devices(target))}"
     try:
         sizes = rk_mesh.parse_spec(text)
         rk_mesh.check_fits(sizes, cfg, batch)
+        if aot:
+            from remat_kit import targets
+            return targets.make_mesh(target, sizes)
         import jax
         n = math.prod(sizes.values())
         try:
@@ -352,9 +369,30 @@ def _sizes(args, cfg: TransformerConfig, defaults: dict) -> tuple[int, int]:
     return batch, seq
 
 
+def _targets(text: str | None) -> list:
+    """The --target list, [None] (JAX's default backend) if not given. Checks that
+    libtpu is there and accepts each TPU topology, before anything is measured."""
+    from remat_kit import targets
+    if text is None:
+        return [None]
+    found = targets.parse_targets(text)
+    for target in found:
+        if target.aot:
+            targets.devices(target)
+    return found
+
+
+def _plot_path(path: str, target, several: bool) -> str:
+    """`path`, or with several targets one file per target: pareto_tpu_v5e_1x1.png."""
+    if not several:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}_{str(target).replace(':', '_')}{ext}"
+
+
 def _compare(args) -> int:
-    from remat_kit import report
-    from remat_kit.measure import measure_config, platform_label
+    from remat_kit import report, targets
+    from remat_kit.measure import measure_config
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
     cfg, label, defaults = load_config(args.config)
@@ -366,30 +404,50 @@ def _compare(args) -> int:
         check_output_file(args.json, "--json")
     if args.plot is not None:
         check_output_file(args.plot, "--plot", suffix=".png")
-    mesh = device_mesh(args.mesh, batch, cfg)
-    devices = 1 if mesh is None else mesh.size
-    batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
-    tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
-    if args.time:
-        check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
+    target_list = _targets(args.target)
+    if args.time and any(t is not None and t.aot for t in target_list):
+        raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
+                       "of time (tpu:<topology>) cannot be timed")
+    meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
-        print(f"[{i}/{n}] {', '.join(record.names)}: {status}", file=sys.stderr, flush=True)
+        print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}",
+              file=sys.stderr, flush=True)
 
-    records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=args.time,
-                             mesh=mesh, progress=progress)
-    rows = report.rows(records, cfg, batch // batch_split, seq, tensor=tensor)
-    platform = platform_label()
-    per_device = f", per device of {devices} ({args.mesh})" if devices > 1 else ""
-    title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({platform}{per_device})"
-    report.print_table(rows, title)
-    context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
-               "devices": devices, "mesh": args.mesh, "platform": platform}
+    sections, contexts = [], []
+    for target, mesh in zip(target_list, meshes):
+        devices = 1 if mesh is None else mesh.size
+        batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
+        tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
+        if args.time:
+            check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
+        records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=args.time,
+                                 mesh=mesh, progress=progress, target=target)
+        target = targets.parse_target(target)
+        found = targets.versions(target)
+        mesh_text = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh else None
+        per_device = f", per device of {devices} ({mesh_text})" if devices > 1 else ""
+        title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({target.label}{per_device})"
+        sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,
+                                                    tensor=tensor)))
+        contexts.append({"target": str(target), "platform": target.label, "devices": devices,
+                         "mesh": mesh_text if devices > 1 else args.mesh,
+                         "jax_version": found["jax"], "compiler_version": found["compiler"]})
+    if len(sections) == 1:
+        report.print_table(sections[0][2], sections[0][1])
+    else:
+        report.print_side_by_side(
+            [(str(t), rows) for t, _, rows in sections],
+            f"{label}: batch {batch}, seq {seq}, {cfg.dtype}, per device")
     if args.json is not None:
-        report.write_json(args.json, rows, context)
+        # The first target's fields stay at the top level (schema 1); "targets" has them all.
+        context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
+                   **contexts[0], "targets": contexts}
+        report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
     if args.plot is not None:
-        report.plot(args.plot, rows, title)
+        for target, title, rows in sections:
+            report.plot(_plot_path(args.plot, target, len(sections) > 1), rows, title)
     return 0
 
 
@@ -397,7 +455,7 @@ def _explain(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from remat_kit import report
+    from remat_kit import report, targets
     from remat_kit.measure import layer_residuals
 
     cfg, label, defaults = load_config(args.config)
@@ -418,7 +476,13 @@ def _explain(args) -> int:
             raise BadInput(f"--mesh: {e}") from None
         batch //= rk_mesh.axis_size(sizes, "batch")
         where = f", per device of mesh {args.mesh} (heads {cfg.num_heads}, mlp {cfg.mlp_dim})"
-    layer = layer_residuals(cfg, batch, seq, policy)
+    target = None
+    if args.target is not None:
+        found = _targets(args.target)
+        if len(found) > 1:
+            raise BadInput(f"explain takes one --target, got {args.target!r}")
+        target = found[0]
+    layer = layer_residuals(cfg, batch, seq, policy, target=target)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, one decoder layer under {args.policy or str(policy)!r} "
                   f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}{where}")
@@ -442,6 +506,15 @@ def _explain(args) -> int:
     console.print(totals)
     console.print(f"parameters read by the backward pass (not extra memory): "
                   f"{report.fmt_bytes(layer.parameter_bytes)} per layer")
+    if layer.compiled is not None:
+        c, found = layer.compiled, targets.versions(layer.compiled.target)
+        flops = "-" if c.flops is None else f"{c.flops / 1e9:.3g} GFLOP"
+        temp = report.fmt_bytes(c.memory.get("temp_size_in_bytes"))
+        console.print(f"one layer's value-and-grad, {c.target.label} (jax {found['jax']}, "
+                      f"{found['compiler']}): temp {temp}, {flops}, compiled in "
+                      f"{c.seconds:.1f} s", markup=False)
+        for note in c.notes:
+            console.print(note, style="dim", markup=False)
     return 0
 
 
@@ -572,6 +645,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="comma-separated policy specs (default: every preset)")
     compare.add_argument("--mesh", default=None,
                          help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
+    compare.add_argument("--target", default=None,
+                         help="whose compiler: cpu, tpu:<topology> (ahead of time via libtpu, "
+                              "e.g. tpu:v5e:2x2), tpu or gpu (this machine's); comma-separated "
+                              "targets go side by side (default: JAX's default backend)")
     compare.add_argument("--time", type=_non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")
@@ -584,6 +661,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
     explain.add_argument("--mesh", default=None,
                          help="e.g. data:2,fsdp:2,tensor:2: the layer one device runs")
+    explain.add_argument("--target", default=None,
+                         help="also compile the layer for this target (cpu, tpu:v5e:1x1, "
+                              "gpu:h100, ...) and print its temp memory and FLOPs")
     explain.set_defaults(run=_explain)
 
     plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")

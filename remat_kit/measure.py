@@ -12,10 +12,11 @@ For every policy, the loss's forward and backward pass is traced once with
 
 The compiled executable gives XLA's memory figures (`memory_fields`) and
 FLOPs (`cost_analysis()`, corrected for loop trip counts, see
-`loop_scaled_costs`). These numbers come from the compiler of the platform
-JAX runs on, labelled as such ("XLA CPU compile", `platform_label`):
-accelerator compilers fuse differently, so CPU temp bytes are an
-upper-bound-like proxy, not a GPU/TPU figure. On the XLA CPU backend
+`loop_scaled_costs`). These numbers come from the compiler of the *target*
+(`remat_kit.targets`): JAX's default backend, or e.g. a TPU v5e slice
+compiled ahead of time with libtpu on a machine without a TPU. Records say
+which ("XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"): accelerator
+compilers fuse differently, so CPU temp bytes are not a GPU/TPU figure. On the XLA CPU backend
 `peak_memory_in_bytes` does not include temp buffers: it is about
 arguments + outputs - aliased bytes, the same for every policy however much
 their temp differs. Compare policies on CPU by `temp_size_in_bytes`.
@@ -46,6 +47,7 @@ from jax.extend.core.primitives import (copy_p, device_put_p, reduce_precision_p
                                         reshape_p, scan_p, squeeze_p, transpose_p)
 
 from remat_kit import mesh as rk_mesh
+from remat_kit import targets
 from remat_kit._jax_private import hlo_text_cost_analysis
 from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_loss_fn
 from remat_kit.models.transformer import remat_layer
@@ -55,11 +57,6 @@ from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import emitted_tags, tag_of
 
 LossFactory = Callable[[Policy], Callable]
-
-# LLVM optimization only changes the speed of the generated code, not XLA's
-# buffer assignment or cost analysis (checked on every gpt2_small preset), and
-# skipping it makes CPU compiles faster. Timed runs compile normally.
-_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
 
 # ---------------------------------------------------------------------------
 # Residuals: what the forward pass saves, and who produced it
@@ -358,7 +355,11 @@ class Record:
       policy: the canonical spec string (`str(Policy)`).
       names: every name the user gave that maps to this measurement
         (policies that compile to the same program are measured once).
-      platform: whose compiler the numbers come from, e.g. "XLA CPU compile".
+      platform: whose compiler the numbers come from, e.g. "XLA CPU compile",
+        "XLA TPU compile (v5e:2x2, AOT)" (`targets.Target.label`).
+      target: the target string, e.g. "cpu", "tpu:v5e:2x2".
+      jax_version, compiler_version: e.g. "0.12.0.1", "libtpu 0.0.52"
+        (`targets.versions`).
       residual_bytes_by_tag: bytes saved for backward per `checkpoint_name` tag.
       residual_bytes_by_primitive: bytes of untagged residuals, per producing
         primitive ("dot_general", "mul", ...).
@@ -385,6 +386,9 @@ class Record:
     policy: str
     names: tuple[str, ...]
     platform: str
+    target: str = ""
+    jax_version: str = ""
+    compiler_version: str = ""
     residual_bytes_by_tag: dict[str, int] = dataclasses.field(default_factory=dict)
     residual_bytes_by_primitive: dict[str, int] = dataclasses.field(default_factory=dict)
     residual_bytes_by_argument: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -422,7 +426,7 @@ def platform_label(platform: str | None = None) -> str:
 
     platform: a JAX platform name; default JAX's default backend.
     """
-    return f"XLA {(platform or jax.default_backend()).upper()} compile"
+    return targets.Target(platform or jax.default_backend()).label
 
 
 def _split(found: Sequence[Residual]) -> dict:
@@ -520,7 +524,8 @@ def _as_factory(fn: Callable) -> LossFactory:
 def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
             time_steps: int = 0, sample_args: Callable | None = None,
             progress: Callable[[int, int, Record], None] | None = None,
-            per_device: tuple[LossFactory, tuple] | None = None) -> list[Record]:
+            per_device: tuple[LossFactory, tuple] | None = None,
+            target: "str | targets.Target | None" = None) -> list[Record]:
     """Measures a loss under each policy, compile-only (optionally also timed).
 
     Args:
@@ -549,16 +554,28 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         residuals are reported instead of tracing `args` at their shard
         shapes; needed where a shard is not a valid input (parameters split
         over fsdp or tensor). `measure_config` passes it for its meshes.
+      target: whose compiler to measure with (`remat_kit.targets`): e.g.
+        "cpu", "tpu:v5e:1x1" (ahead of time, no TPU needed); default JAX's
+        default backend. Sharded `args` must be sharded over the target's
+        devices (`targets.make_mesh`); unsharded ones go to its first device.
     Returns:
       One `Record` per distinct policy, in first-seen order. A policy that
-      fails to trace, compile or run gives a record with `error` set; the
-      other records still come out.
+      fails to trace, compile or run gives a record with `error` set (for
+      an AOT target, the compiler's message); the other records still come
+      out.
     Raises:
       RematSpecError: a policy spec does not parse.
       BudgetError: an auto budget below full remat's memory.
+      TargetError: a bad target, libtpu missing, args sharded over other
+        devices, or `time_steps` > 0 for a target compiled ahead of time.
       ValueError: `names` and `policies` differ in length.
     """
     parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    target = targets.parse_target(target)
+    if time_steps > 0 and target.aot:
+        raise targets.TargetError(f"cannot time steps on target {target}: it is compiled "
+                                  "ahead of time, for devices this machine does not have")
+    args = targets.place(args, target)
     loss_for_policy = _as_factory(loss_for_policy)
     if any(isinstance(p, AutoSpec) for p in parsed):
         from remat_kit.plan import resolve  # the planner measures through this module
@@ -571,19 +588,20 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         data = (sample_args or (lambda k: _random_like(args, k)))(jax.random.key(0))
         data = [jax.device_put(x, s.sharding) if getattr(s, "sharding", None) else x
                 for x, s in zip(jax.tree.leaves(data), leaves)]
-    label = platform_label()
+    label, found_versions = target.label, targets.versions(target)
     records = []
     # Lowered program text -> its record: policies whose decisions differ only
     # on values the backward pass never reads compile to the same program.
     programs: dict[str, int] = {}
     groups = _group(parsed, names if names is not None else [str(p) for p in policies], emitted)
     for i, (policy, group_names) in enumerate(groups):
-        record = Record(str(policy), tuple(group_names), label)
+        record = Record(str(policy), tuple(group_names), label, str(target),
+                        found_versions["jax"], found_versions["compiler"])
         try:
             start = time.perf_counter()
             loss = loss_for_policy(policy)
             staged = _stage(loss, args)
-            lowered = jax.jit(jaxpr_as_fun(staged.program)).lower(*staged.leaves)
+            lowered = targets.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
             same = programs.setdefault(lowered.as_text(), len(records))
             if same != len(records):
                 records[same] = dataclasses.replace(
@@ -591,16 +609,14 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
                 if progress is not None:
                     progress(i + 1, len(groups), records[same])
                 continue
-            compiled = lowered.compile(None if time_steps else _COMPILE_ONLY_OPTIONS)
+            compiled = lowered.compile(targets.compile_options(target, not time_steps))
             seconds = time.perf_counter() - start
-            if per_device is not None:
-                found = _stage(per_device[0](policy), per_device[1]).residuals
-            else:
-                found = (_stage(loss, local_args).residuals if local_args is not None
-                         else staged.residuals)
-            costs, notes = loop_scaled_costs(compiled)
-            split = _split(found)
-            if split["offloaded_bytes"] and jax.default_backend() == "cpu":
+            local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
+                     else _stage(loss, local_args) if local_args is not None else staged)
+            costs, notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
+                                         local.leaves)
+            split = _split(local.residuals)
+            if split["offloaded_bytes"] and target.platform == "cpu":
                 notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
                           "includes the offloaded residuals",)
             record = dataclasses.replace(
@@ -713,7 +729,8 @@ def config_program(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str |
 def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Sequence | None = None,
                    *, names=None, dtype: str | None = None, time_steps: int = 0,
                    mesh: jax.sharding.Mesh | None = None, per_layer: bool = True,
-                   progress: Callable[[int, int, Record], None] | None = None) -> list[Record]:
+                   progress: Callable[[int, int, Record], None] | None = None,
+                   target: "str | targets.Target | None" = None) -> list[Record]:
     """Measures a reference transformer (`remat_kit.models`) under each policy.
 
     Per policy, builds `Transformer(cfg.replace(remat=policy))` and measures
@@ -736,9 +753,13 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         the SPMD-partitioned program are per device, and residuals are
         traced on the program one device runs (batch / (data x fsdp),
         heads and mlp / tensor, `remat_kit.mesh.per_device_config`).
+        For a target compiled ahead of time the mesh must be over its
+        devices (`targets.make_mesh`); default a data mesh over all of them
+        (a TPU slice's chips).
       per_layer: also measure one decoder layer alone per policy
         (`Record.layer_residual_bytes`, for the Korthikanti comparison).
       progress: see `measure`.
+      target: see `measure`.
     Returns:
       As `measure`.
     Raises:
@@ -747,7 +768,11 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
       MeshError: the mesh does not split the batch or the heads
         (`remat_kit.mesh.check_fits`).
       RematSpecError: a policy does not parse.
+      TargetError: see `measure`.
     """
+    target = targets.parse_target(target)
+    if mesh is None and target.aot:
+        mesh = targets.make_mesh(target, {"data": len(targets.devices(target))})
     loss_for_policy, args, sample_args = config_program(cfg, batch, seq, dtype=dtype, mesh=mesh)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
@@ -759,7 +784,7 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
     records = measure(loss_for_policy, *args,
                       policies=policies if policies is not None else [cfg.remat], names=names,
                       time_steps=time_steps, sample_args=sample_args, progress=progress,
-                      per_device=per_device)
+                      per_device=per_device, target=target)
     if not per_layer:
         return records
     return [dataclasses.replace(r, layer_residual_bytes=_layer_stored_bytes(
@@ -800,12 +825,15 @@ class LayerBreakdown:
         by reference, not extra memory): the layer's parameters for
         `layer_residuals`, every argument for `explain`.
       num_layers: layers in the model.
+      compiled: with a `target`, the layer's value-and-grad compiled for it
+        (`targets.Compiled`: temp bytes, FLOPs, compile seconds), else None.
     """
 
     policy: str
     rows: tuple[LayerRow, ...]
     parameter_bytes: int
     num_layers: int
+    compiled: "targets.Compiled | None" = None
 
     def _sum(self, decision: str) -> int:
         return sum(r.nbytes for r in self.rows if r.decision == decision)
@@ -860,8 +888,9 @@ def _layer_stored_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: Po
 
 
 def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],
-               num_layers: int) -> LayerBreakdown:
-    """Rows for `f`'s residuals, then for the tags it emits but does not store."""
+               num_layers: int, target) -> LayerBreakdown:
+    """Rows for `f`'s residuals, then for the tags it emits but does not store; with a
+    `target`, `f`'s value-and-grad compiled for it."""
     found = residuals(f, *args)
     listed = [r for r in found if r.kind != "argument" or keep_argument(r)]
     rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
@@ -875,10 +904,13 @@ def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Resid
             rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
                                  _aval_bytes(aval), decision))
     unlisted = sum(r.nbytes for r in found if r not in listed)
-    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers)
+    compiled = (None if target is None
+                else targets.compile_for(jax.value_and_grad(f), *args, target=target))
+    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers, compiled)
 
 
-def explain(policy: "str | Policy", fn: Callable, *args) -> LayerBreakdown:
+def explain(policy: "str | Policy", fn: Callable, *args,
+            target: "str | targets.Target | None" = None) -> LayerBreakdown:
     """What `fn` saves, offloads and recomputes under `policy`: one row per residual.
 
     `fn` is wrapped in one remat region (`checkpointed`) and traced under
@@ -889,6 +921,9 @@ def explain(policy: "str | Policy", fn: Callable, *args) -> LayerBreakdown:
       fn: a function of arrays returning a scalar, without remat of its own
         (e.g. one layer and a sum).
       args: arrays or `jax.ShapeDtypeStruct`s.
+      target: if given (e.g. "tpu:v5e:1x1", `remat_kit.targets`), also
+        compile `fn`'s value-and-grad (w.r.t. the first argument) for it:
+        `LayerBreakdown.compiled`.
     Returns:
       A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape,
       dtype, bytes, decision) for every stored residual, then a row for each
@@ -897,14 +932,16 @@ def explain(policy: "str | Policy", fn: Callable, *args) -> LayerBreakdown:
       are kept by reference, and their bytes are `parameter_bytes`.
     Raises:
       RematSpecError: the policy does not parse.
+      TargetError: a bad target, or libtpu / the CUDA plugin missing.
       TypeError: `fn` does not return a scalar.
     """
     policy = parse(policy)
-    return _breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1)
+    return _breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
 
 
 def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
-                    policy: "str | Policy | None" = None) -> LayerBreakdown:
+                    policy: "str | Policy | None" = None,
+                    target: "str | targets.Target | None" = None) -> LayerBreakdown:
     """What one decoder layer of `cfg` saves, offloads and recomputes under `policy`.
 
     Applies `remat_layer(DecoderLayer, cfg)` (the layer exactly as the model
@@ -917,13 +954,16 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
     Args:
       cfg: model config; policy: spec or Policy, default `cfg.remat`.
       batch, seq: per-device batch size and sequence length.
+      target: if given, also compile the layer's value-and-grad for it
+        (`LayerBreakdown.compiled`), see `explain`.
     Raises:
       ValueError: batch or seq not a positive int.
       RematSpecError: the policy does not parse.
+      TargetError: see `explain`.
     """
     policy = parse(cfg.remat if policy is None else policy)
     apply, args = _layer_program(cfg, batch, seq, policy)
-    return _breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers)
+    return _breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers, target)
 
 
 __all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",

@@ -11,13 +11,20 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
       "schema_version": 1,
       "context": {"config": str, "batch": int, "seq": int, "dtype": str,
                   "devices": int, "mesh": str | null,
-                  "platform": str},                  # as given to `write_json`
+                  "platform": str,                  # of the first target
+                  "target": str, "jax_version": str, "compiler_version": str,
+                  "targets": [{"target": str, "platform": str, "devices": int,
+                               "jax_version": str, "compiler_version": str}]},
       "formula_note": str,                             # FORMULA_NOTE
-      "records": [                                     # one object per policy,
-        {                                              # sorted by temp memory
+      "records": [                    # one object per policy and target;
+        {                             # each target's sorted by temp memory
           "policy": str,                  # canonical spec
           "names": [str],                 # every name that maps to it
-          "platform": str,                # e.g. "XLA CPU compile"
+          "platform": str,                # e.g. "XLA CPU compile",
+                                          # "XLA TPU compile (v5e:2x2, AOT)"
+          "target": str,                  # e.g. "cpu", "tpu:v5e:2x2"
+          "jax_version": str,             # e.g. "0.12.0.1"
+          "compiler_version": str,        # e.g. "jaxlib 0.12.0.1", "libtpu 0.0.52"
           "residual_bytes_by_tag": {str: int},
           "residual_bytes_by_primitive": {str: int},
           "residual_bytes_by_argument": {str: int},
@@ -49,6 +56,7 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
       ]
     }
 
+Ratios and the Pareto front are computed among the records of one target.
 All byte figures are per device. Memory is compared by `temp_size_in_bytes`
 (sorting, ratios, Pareto front, plot): on the XLA CPU backend
 `peak_memory_in_bytes` does not include temp buffers, so it is about the same
@@ -181,14 +189,24 @@ def _fmt_ratio(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def compiled_by(report_rows: Sequence[dict]) -> str:
+    """'XLA TPU compile (v5e:1x1, AOT); jax 0.12.0.1, libtpu 0.0.52': whose figures
+    `report_rows` are (of their first row; '' for no rows)."""
+    if not report_rows:
+        return ""
+    d = report_rows[0]
+    return f"{d['platform']}; jax {d['jax_version']}, {d['compiler_version']}"
+
+
 def table(report_rows: Sequence[dict], title: str = "") -> Table:
-    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *.
-    With tensor parallelism (formula_sp_bytes set) it adds per-device peak bytes
-    and Korthikanti's tensor + sequence parallel row."""
+    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *;
+    the caption names the target and the jax and compiler versions. With tensor
+    parallelism (formula_sp_bytes set) it adds per-device peak bytes and
+    Korthikanti's tensor + sequence parallel row."""
     timed = any(d["step_time"] for d in report_rows)
     sharded = any(d.get("formula_sp_bytes") is not None for d in report_rows)
-    t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)",
-              caption_justify="left")
+    t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
+              f"; {escape(compiled_by(report_rows))}", caption_justify="left")
     for name, justify in (("", "left"), ("policy", "left"), ("temp", "right"),
                           ("x none", "right"), ("residuals", "right"), ("layer x L", "right"),
                           ("Korthikanti x L", "right"), ("FLOPs", "right"), ("x none", "right")):
@@ -228,13 +246,59 @@ def print_table(report_rows: Sequence[dict], title: str = "", console: Console |
                 note: bool = True) -> None:
     """Prints `table(...)` and, if `note`, FORMULA_NOTE. A console that is not a
     terminal gets 180 columns, so piped tables do not wrap."""
+    console = _console(console)
+    console.print(table(report_rows, title))
+    if note and any(d["formula_bytes"] is not None for d in report_rows):
+        console.print(FORMULA_NOTE, style="dim", markup=False)
+
+
+def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "") -> Table:
+    """A rich Table with one line per policy and, per target, its temp memory, the
+    ratio to `none` on that target, the FLOP ratio and the compile seconds.
+
+    Args:
+      sections: (target name, `rows(...)` of that target's records) pairs;
+        lines follow the first target's order (by its temp memory).
+    """
+    t = Table(title=title, caption="; ".join(
+        f"{name}: {escape(compiled_by(rows))}" for name, rows in sections),
+        caption_justify="left")
+    t.add_column("policy", justify="left")
+    for name, _ in sections:
+        for column in ("temp", "x none", "FLOPs x none", "compile s"):
+            t.add_column(f"{column}\n{escape(name)}" if column == "temp" else column,
+                         justify="right")
+    by_target = [{d["policy"]: d for d in rows} for _, rows in sections]
+    policies = list(dict.fromkeys(d["policy"] for _, rows in sections for d in rows))
+    for policy in policies:
+        names = dict.fromkeys(n for found in by_target if policy in found
+                              for n in found[policy]["names"])
+        cells = [escape(", ".join(names))]
+        for found in by_target:
+            d = found.get(policy)
+            if d is None or d["error"]:
+                error = d["error"].splitlines()[0][:60] if d else "not measured"
+                cells += [f"[red]{escape(error)}[/red]", "-", "-", "-"]
+                continue
+            cells += [fmt_bytes(d["temp_size_in_bytes"]), _fmt_ratio(d["temp_ratio_to_none"]),
+                      _fmt_ratio(d["flops_ratio_to_none"]),
+                      "-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}"]
+        t.add_row(*cells)
+    return t
+
+
+def print_side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "",
+                       console: Console | None = None) -> None:
+    """Prints `side_by_side(...)`; a console that is not a terminal gets 180 columns."""
+    _console(console).print(side_by_side(sections, title))
+
+
+def _console(console: Console | None) -> Console:
     if console is None:
         console = Console()
         if not console.is_terminal:
             console = Console(width=180)
-    console.print(table(report_rows, title))
-    if note and any(d["formula_bytes"] is not None for d in report_rows):
-        console.print(FORMULA_NOTE, style="dim", markup=False)
+    return console
 
 
 def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
@@ -252,7 +316,8 @@ CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none",
               "transcendentals",
               "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
               "step_median_s", "step_min_s", "step_max_s", "step_ratio_to_none",
-              "compile_seconds", "pareto", "error")
+              "compile_seconds", "pareto", "error", "target", "platform", "jax_version",
+              "compiler_version")
 
 
 def write_csv(path, report_rows: Sequence[dict]) -> None:
@@ -270,7 +335,8 @@ def write_csv(path, report_rows: Sequence[dict]) -> None:
 def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
     """PNG of temp memory (GiB or MiB) against FLOP overhead (% over `none`, or over the
     fewest FLOPs if `none` is absent): one labelled point per policy, the
-    Pareto front as a step line. Rows with an error are left out."""
+    Pareto front as a step line. Rows with an error are left out. The title's
+    last line names the target and the jax and compiler versions."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -302,7 +368,8 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
     platform = pts[0]["platform"] if pts else ""
     ax.set_xlabel("FLOP overhead vs no remat (%)")
     ax.set_ylabel(f"temp memory, {unit} ({platform})")
-    ax.set_title(title)
+    ax.set_title(f"{title}\n{compiled_by(report_rows)}" if title else compiled_by(report_rows),
+                 fontsize=9)
     ax.grid(alpha=0.3)
     if xy and max(y for _, y in xy) / max(min(y for _, y in xy), 1e-12) > 5:
         ax.set_yscale("log")  # a wide memory range would squash the low rows
@@ -313,5 +380,6 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "fmt_bytes", "formula_bytes",
-           "pareto_flags", "plot", "print_table", "rows", "table", "write_csv", "write_json"]
+__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fmt_bytes",
+           "formula_bytes", "pareto_flags", "plot", "print_side_by_side", "print_table", "rows",
+           "side_by_side", "table", "write_csv", "write_json"]

@@ -156,7 +156,8 @@ def test_default_policies_cover_every_preset():
 
 
 _TYPES = {
-    "policy": str, "names": list, "platform": str, "residual_bytes_by_tag": dict,
+    "policy": str, "names": list, "platform": str, "target": str, "jax_version": str,
+    "compiler_version": str, "residual_bytes_by_tag": dict,
     "residual_bytes_by_primitive": dict, "residual_bytes_by_argument": dict,
     "activation_residual_bytes": int, "offloaded_bytes": int, "temp_size_in_bytes": int,
     "argument_size_in_bytes": int, "output_size_in_bytes": int, "alias_size_in_bytes": int,
@@ -179,8 +180,10 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     assert "[3/3]" in err  # progress: three distinct decision sets
     doc = json.loads(out_json.read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
+    cpu = {"target": "cpu", "platform": "XLA CPU compile", "devices": 1,
+           "jax_version": jax.__version__, "compiler_version": f"jaxlib {jax.__version__}"}
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
-                              "devices": 1, "mesh": None, "platform": "XLA CPU compile"}
+                              "mesh": None, **cpu, "targets": [cpu]}
     # Saving the layer output changes nothing (the next layer keeps it anyway):
     # it lowers to full's program and joins full's row.
     assert [r["names"] for r in doc["records"]] == [

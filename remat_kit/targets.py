@@ -1,0 +1,466 @@
+"""Targets: whose compiler the figures come from, and for which devices.
+
+The XLA CPU compiler fuses and schedules very differently from an
+accelerator's: on GPT-2-small shapes, no remat needs 20 GiB of temp on CPU
+against 3.85 GiB on a TPU v5e, and the policies rank differently. A
+*target* names the compiler and the devices a program is compiled for, so
+a report can give an accelerator's figures on a machine that has none:
+
+==================  ========================================================
+``cpu``             XLA's CPU compiler on this machine.
+``tpu``             the TPU devices of this machine (``jax.devices("tpu")``).
+``tpu:<topology>``  ahead of time with libtpu for a TPU slice, e.g.
+                    ``tpu:v5e:2x2``, ``tpu:v5p:2x2x1``, ``tpu:v4:2x2x1``;
+                    runs on a machine without a TPU (``pip install
+                    remat-kit[tpu]``). Figures are per device of the slice.
+``gpu``             the GPU devices of this machine (``jax.devices("gpu")``).
+``gpu:<name>[:N]``  ahead of time with the CUDA PJRT plugin for N (default
+                    1) NVIDIA GPUs on one host, described by an XLA
+                    ``GpuTargetConfigProto``: ``gpu:h100`` (H100 SXM 80 GB,
+                    shipped) or ``gpu:/path/to/spec.txtpb``; runs on a
+                    machine without a GPU (``pip install remat-kit[cuda]``,
+                    about 5.6 GB). The GPU compiler gives no cost analysis,
+                    so FLOPs come from the CPU compile of the same program.
+==================  ========================================================
+
+Ahead-of-time compiles follow JAX's AOT API: the topology's devices come
+from `jax.experimental.topologies.get_topology_desc`, arguments are
+`jax.ShapeDtypeStruct`s with a `NamedSharding` over them, and the program is
+compiled with ``jax.jit(f).trace(*structs).lower(lowering_platforms=(p,))
+.compile()``. No device memory is touched.
+
+Other modules (measure, the planner) call `compile_for`, which takes a
+function and its argument structs and returns the compiled executable with
+its memory figures, FLOPs and compile seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
+from remat_kit.errors import _closest
+
+# TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
+TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
+_TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
+# GPU name -> GpuTargetConfigProto text file in remat_kit/gpu_targets/. Only
+# GPUs with a sourced description are listed: h100_sxm.txtpb describes an
+# NVIDIA H100 SXM 80 GB HBM3 (132 SMs, 50 MiB L2, compute capability 9.0),
+# in the format of XLA's xla/tools/hlo_opt/gpu_specs; it comes with the
+# project's design notes (DESIGN.md, "Measuring: what counts").
+GPU_TARGET_CONFIGS = {"h100": "h100_sxm.txtpb"}
+KINDS = ("cpu", "tpu", "tpu:<topology>", "gpu", "gpu:<name>[:N]")
+EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1", "gpu",
+            "gpu:h100", "gpu:h100:8", "gpu:/path/to/spec.txtpb")
+
+# XLA CPU: LLVM optimization only changes the speed of the generated code,
+# not buffer assignment or cost analysis (checked on every gpt2_small preset),
+# and skipping it makes CPU compiles several times faster.
+_CPU_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+class TargetError(ValueError):
+    """A target string names no compiler or device set this machine can compile for.
+
+    The message names the bad value and the valid choices (and the closest
+    one), or says what to install.
+    """
+
+
+def _plugin_environment() -> None:
+    """Environment the accelerator plugins read when they load, on a machine
+    without that accelerator.
+
+    With libtpu installed, JAX tries the TPU backend at start-up and libtpu,
+    finding no Cloud TPU metadata, prints a page of warnings about the
+    accelerator type and worker hostnames, and holds a lockfile that makes a
+    second JAX process fail to load it. With the CUDA plugin installed and no
+    GPU, its start-up version check fails and the plugin is not registered,
+    so no GPU topology can be made. A compile-only client needs none of
+    this, so say so before the plugins load. Values the user set are kept; on
+    a machine with the accelerator nothing is set.
+    """
+    if importlib.util.find_spec("libtpu") is not None and num_tpu_chips() == 0:
+        for key, value in (("TPU_SKIP_MDS_QUERY", "1"),
+                           ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
+                           ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                           ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+            os.environ.setdefault(key, value)
+    if _cuda_plugin_installed() and not has_nvidia_gpu():
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+_plugin_environment()  # must run before JAX starts its backends
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A compiler and the devices it compiles for. Build with `parse_target`.
+
+    Attributes:
+      platform: "cpu", "tpu" or "gpu".
+      topology: for an ahead-of-time target, the topology: a TPU topology
+        name (e.g. "v5e:2x2"), or a GPU name or target config path with an
+        optional device count ("h100", "h100:8"); None for this machine's
+        devices.
+    """
+
+    platform: str
+    topology: str | None = None
+
+    def __str__(self) -> str:
+        return self.platform if self.topology is None else f"{self.platform}:{self.topology}"
+
+    @property
+    def aot(self) -> bool:
+        """True if compiled ahead of time for devices this machine need not have."""
+        return self.topology is not None
+
+    @property
+    def label(self) -> str:
+        """Whose figures these are, e.g. "XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"."""
+        where = f" ({self.topology}, AOT)" if self.aot else ""
+        return f"XLA {self.platform.upper()} compile{where}"
+
+
+def parse_target(text: "str | Target | None") -> Target:
+    """'tpu:v5e:2x2' -> Target("tpu", "v5e:2x2"); None -> JAX's default backend.
+
+    Raises:
+      TargetError: an unknown kind or TPU generation, or a topology shape
+        that is not NxM or NxMxK; the message lists the valid ones.
+    """
+    if isinstance(text, Target):
+        return text
+    if text is None:
+        return Target(jax.default_backend())
+    word = text.strip()
+    kind, _, topology = word.partition(":")
+    kind = kind.lower()
+    if kind != "gpu":
+        topology = topology.lower()
+    if kind == "cpu" and not topology:
+        return Target("cpu")
+    if kind == "gpu":
+        return Target("gpu", _gpu_topology(text.strip()[4:], text) if topology else None)
+    if kind != "tpu":
+        closest = _closest(kind, ("cpu", "tpu", "gpu"))
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        raise TargetError(f"unknown target {text!r}{hint}; valid: {', '.join(KINDS)} "
+                          f"(e.g. {', '.join(EXAMPLES)})")
+    if not topology:
+        return Target("tpu")
+    generation, _, shape = topology.partition(":")
+    if generation not in TPU_GENERATIONS:
+        closest = _closest(generation, TPU_GENERATIONS)
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        raise TargetError(f"unknown TPU generation {generation!r} in target {text!r}{hint}; "
+                          f"valid: {', '.join(TPU_GENERATIONS)}")
+    if not _TPU_SHAPE.fullmatch(shape):
+        raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: give "
+                          f"<generation>:<chips per axis>, e.g. v5e:2x2, v5p:2x2x1")
+    return Target("tpu", topology)
+
+
+def _split_count(topology: str) -> tuple[str, int]:
+    """'h100:8' -> ('h100', 8); 'h100' -> ('h100', 1)."""
+    head, sep, tail = topology.rpartition(":")
+    return (head, int(tail)) if sep and tail.isdigit() else (topology, 1)
+
+
+def _gpu_topology(topology: str, text: str) -> str:
+    """'h100' / 'H100:8' / '/path/x.txtpb:8' checked (a known name or an existing file,
+    and a positive device count) and normalized: 'h100', 'h100:8', ..."""
+    name, count = _split_count(topology)
+    if count <= 0 or ":" in name:
+        raise TargetError(f"bad GPU target {text!r}: give gpu:<name> or gpu:<name>:N with N "
+                          "a positive number of GPUs, e.g. gpu:h100:8")
+    if name.endswith(".txtpb"):
+        if not os.path.isfile(name):
+            raise TargetError(f"GPU target config file {name!r} in target {text!r} not found")
+    elif name.lower() not in GPU_TARGET_CONFIGS:
+        closest = _closest(name, tuple(GPU_TARGET_CONFIGS))
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        raise TargetError(f"unknown GPU {name!r} in target {text!r}{hint}; valid: "
+                          f"{', '.join(GPU_TARGET_CONFIGS)}, or a GpuTargetConfigProto "
+                          f"file: gpu:/path/to/spec.txtpb")
+    else:
+        name = name.lower()
+    return name if count == 1 else f"{name}:{count}"
+
+
+def parse_targets(text: str) -> list[Target]:
+    """'cpu,tpu:v5e:1x1' -> [Target("cpu"), Target("tpu", "v5e:1x1")], without repeats.
+
+    Raises:
+      TargetError: empty text or item, or a bad target (`parse_target`).
+    """
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or not all(items):
+        raise TargetError(f"--target needs comma-separated targets, e.g. cpu,tpu:v5e:1x1; "
+                          f"got {text!r}")
+    return list(dict.fromkeys(parse_target(t) for t in items))
+
+
+# ---------------------------------------------------------------------------
+# Devices and versions
+# ---------------------------------------------------------------------------
+
+def _need_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        raise TargetError("TPU targets need libtpu: pip install 'remat-kit[tpu]' "
+                          "(or pip install libtpu)")
+
+
+@functools.cache
+def _topology_devices(topology: str) -> tuple:
+    _need_libtpu()
+    from jax.experimental import topologies
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - libtpu's own message is the useful one
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TargetError(f"libtpu rejects TPU topology {topology!r}: {detail}; valid: "
+                          f"<generation>:<shape> with generation one of "
+                          f"{', '.join(TPU_GENERATIONS)}, e.g. v5e:2x2, v5p:2x2x1") from None
+    return tuple(desc.devices)
+
+
+def _need_cuda_plugin() -> None:
+    if not _cuda_plugin_installed():
+        raise TargetError("GPU targets compiled ahead of time need the CUDA plugin: pip install "
+                          "'remat-kit[cuda]' (jax[cuda12], about 5.6 GB)")
+
+
+@functools.cache
+def _gpu_devices(topology: str) -> tuple:
+    _need_cuda_plugin()
+    from jax.experimental import topologies
+    name, count = _split_count(topology)
+    path = (name if name.endswith(".txtpb") else
+            os.path.join(os.path.dirname(__file__), "gpu_targets", GPU_TARGET_CONFIGS[name]))
+    with open(path) as f:
+        config = f.read()
+    try:
+        desc = topologies.get_topology_desc(
+            topology_name=os.path.splitext(os.path.basename(name))[0], platform="cuda",
+            target_config=config, topology=f"1x1x{count}")
+    except Exception as e:  # noqa: BLE001 - the plugin's own message is the useful one
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TargetError(f"the CUDA plugin rejects GPU target {topology!r}: {detail}") from None
+    return tuple(desc.devices)
+
+
+def devices(target: "str | Target") -> list:
+    """The devices `target` compiles for: a TPU topology's compile-only devices,
+    or this machine's devices of the target's platform.
+
+    Raises:
+      TargetError: libtpu missing or rejecting the topology, or this machine
+        has no device of the platform.
+    """
+    target = parse_target(target)
+    if target.aot:
+        return list((_topology_devices if target.platform == "tpu" else _gpu_devices)(
+            target.topology))
+    if target.platform == "tpu":
+        _need_libtpu()
+    try:
+        return jax.devices(target.platform)
+    except RuntimeError:
+        hint = {"tpu": "; to compile for a TPU without one, name a topology, e.g. tpu:v5e:1x1",
+                "gpu": "; jax[cuda12] and an NVIDIA GPU are needed"}.get(target.platform, "")
+        raise TargetError(f"target {str(target)!r}: this machine has no {target.platform} "
+                          f"device{hint}") from None
+
+
+def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
+    """A `Mesh` of the first prod(shape) devices of `target`, axes named by `shape`.
+
+    Args:
+      shape: axis name -> size, e.g. {"data": 4}.
+    Raises:
+      TargetError: the mesh needs more devices than the target has (the
+        message names both numbers), or `devices` fails.
+    """
+    found = devices(target)
+    n = 1
+    for size in shape.values():
+        n *= size
+    if n > len(found):
+        axes = ",".join(f"{k}:{v}" for k, v in shape.items())
+        raise TargetError(f"mesh {axes} needs {n} devices; target {target} has {len(found)}")
+    return Mesh(np.array(found[:n], dtype=object).reshape(tuple(shape.values())),
+                tuple(shape))
+
+
+def versions(target: "str | Target") -> dict[str, str]:
+    """{"jax": "0.12.0.1", "compiler": "libtpu 0.0.52"}: the versions the figures depend on.
+
+    The compiler is libtpu for TPU targets, the CUDA plugin for GPU ones and
+    jaxlib (XLA CPU) otherwise.
+    """
+    target = parse_target(target)
+    package = {"tpu": "libtpu", "gpu": "jax-cuda12-plugin"}.get(target.platform, "jaxlib")
+    try:
+        compiler = f"{package} {importlib.metadata.version(package)}"
+    except importlib.metadata.PackageNotFoundError:
+        compiler = package
+    return {"jax": jax.__version__, "compiler": compiler}
+
+
+# ---------------------------------------------------------------------------
+# Compiling
+# ---------------------------------------------------------------------------
+
+def place(args, target: "str | Target"):
+    """`args` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs on `target`'s devices.
+
+    Leaves that carry a sharding keep it (it must be over the target's
+    devices); the others are replicated on the target's first device. For
+    JAX's default backend with no sharding given, `args` come back as they are.
+
+    Raises:
+      TargetError: a leaf is sharded over devices that are not the target's.
+    """
+    target = parse_target(target)
+    if not target.aot and target.platform == jax.default_backend():
+        return args
+    found = devices(target)
+    ids = {(d.platform, d.id) for d in found}
+    single = NamedSharding(Mesh(found[:1], ("data",)), PartitionSpec())
+
+    def one(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=single)
+        if not {(d.platform, d.id) for d in sharding.device_set} <= ids:
+            raise TargetError(f"an argument is sharded over {sorted(sharding.device_set)[:2]}"
+                              f"..., not over the devices of target {target}; build the mesh "
+                              f"with remat_kit.targets.make_mesh")
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree.map(one, args)
+
+
+def lower(fn: Callable, leaves: Sequence, target: "str | Target"):
+    """`jax.jit(fn)` lowered for `target` at `leaves` (already `place`d): a `Lowered`."""
+    target = parse_target(target)
+    if target.aot:
+        platform = "cuda" if target.platform == "gpu" else target.platform
+        return jax.jit(fn).trace(*leaves).lower(lowering_platforms=(platform,))
+    return jax.jit(fn).lower(*leaves)
+
+
+def compile_options(target: "str | Target", compile_only: bool) -> dict | None:
+    """XLA options for compiling on `target`; compile_only: the program will not run,
+    so skip code-generation work that changes neither memory nor FLOPs."""
+    return dict(_CPU_COMPILE_ONLY_OPTIONS) if (
+        compile_only and parse_target(target).platform == "cpu") else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A program compiled for one target, with what the report needs.
+
+    Attributes:
+      compiled: JAX's `Compiled` executable (not runnable for an AOT target).
+      target: the `Target`.
+      memory: `measure.memory_fields(compiled)`: bytes per device.
+      flops, transcendentals: per device, while loops counted per trip
+        (`measure.loop_scaled_costs`); None if no compiler reports them.
+      seconds: lowering and compiling, seconds.
+      notes: where a figure came from, if not the target's compiler.
+    """
+
+    compiled: object
+    target: Target
+    memory: dict
+    flops: float | None
+    transcendentals: float | None
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+
+def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence):
+    """FLOPs and transcendentals of `compiled`, loops counted per trip, with notes.
+
+    If the target's compiler leaves a while loop without a known trip count
+    (the TPU compiler does) or gives no cost analysis (the deviceless GPU
+    compiler does not), the figures come from
+    the XLA CPU compile of the same program at the per-device shapes
+    `local_leaves`, and a note says so.
+
+    Returns:
+      ({"flops": float, "transcendentals": float} or {}, notes).
+    """
+    from remat_kit.measure import loop_scaled_costs
+    found, notes = loop_scaled_costs(compiled)
+    if parse_target(target).platform == "cpu" or (found and not notes):
+        return found, notes
+    cpu = jax.devices("cpu")[0]
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(cpu))
+               for x in local_leaves]
+    on_cpu = jax.jit(fn).lower(*structs).compile(_CPU_COMPILE_ONLY_OPTIONS)
+    found, cpu_notes = loop_scaled_costs(on_cpu)
+    why = ("has while loops without a known trip count" if found
+           else "gives no cost analysis")
+    return found, cpu_notes + (f"FLOPs from the XLA CPU compile of the same program (the "
+                               f"{target} compile {why})",)
+
+
+def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
+                compile_only: bool = True) -> Compiled:
+    """Compiles `jax.jit(fn)` at `args` for `target`; nothing is allocated.
+
+    Args:
+      fn: any jittable function of `args`.
+      args: arrays or ShapeDtypeStructs; leaves with a `NamedSharding` over
+        a `make_mesh(target, ...)` mesh give a sharded program, whose
+        figures are per device.
+      target: a target string or `Target`; default JAX's default backend.
+      compile_only: the program will not be run (faster CPU compiles).
+    Returns:
+      A `Compiled`.
+    Raises:
+      TargetError: a bad target, or libtpu missing.
+      Exception: whatever tracing or the compiler raises (e.g.
+        `jax.errors.JaxRuntimeError` for a program the compiler rejects).
+    """
+    from remat_kit.measure import _local, memory_fields
+    target = parse_target(target)
+    placed = place(args, target)
+    leaves, tree = jax.tree.flatten(placed)
+
+    def flat(*xs):
+        return fn(*jax.tree.unflatten(tree, xs))
+
+    start = time.perf_counter()
+    compiled = lower(flat, leaves, target).compile(compile_options(target, compile_only))
+    seconds = time.perf_counter() - start
+    found, notes = costs(compiled, target, flat, [_local(x) for x in leaves])
+    return Compiled(compiled, target, memory_fields(compiled), found.get("flops"),
+                    found.get("transcendentals"), seconds, notes)
+
+
+__all__ = ["Compiled", "EXAMPLES", "KINDS", "TPU_GENERATIONS", "Target", "TargetError",
+           "compile_for", "compile_options", "costs", "devices", "lower", "make_mesh",
+           "parse_target", "parse_targets", "place", "versions"]

@@ -1,0 +1,267 @@
+"""remat_kit.targets: TPU (libtpu) and GPU compiles ahead of time, --target, error paths."""
+
+import csv
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from remat_kit import cli, report, targets
+from remat_kit.models import get_config
+from remat_kit.spec import parse
+
+# The module, not rk.measure (the function the package exports under that name).
+measure = importlib.import_module("remat_kit.measure")
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed "
+                                  "(pip install 'remat-kit[tpu]'; `make test` installs it)")
+HAS_CUDA_PLUGIN = targets._cuda_plugin_installed()
+
+B, S = 8, 16
+POLICIES = "none,minimal"
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- parsing, no compile ----------------------------------------------------------
+
+@pytest.mark.parametrize("text, platform, topology", [
+    ("cpu", "cpu", None), ("CPU", "cpu", None), ("tpu", "tpu", None), ("gpu", "gpu", None),
+    ("tpu:v5e:2x2", "tpu", "v5e:2x2"), ("tpu:V5P:2x2x1", "tpu", "v5p:2x2x1"),
+    ("gpu:h100", "gpu", "h100"), ("gpu:H100:8", "gpu", "h100:8"),
+])
+def test_parse_target(text, platform, topology):
+    target = targets.parse_target(text)
+    assert (target.platform, target.topology) == (platform, topology)
+    assert target.aot == (topology is not None)
+    assert targets.parse_target(str(target)) == target
+
+
+def test_labels_name_the_compiler_and_the_topology():
+    assert targets.parse_target("cpu").label == "XLA CPU compile"
+    assert targets.parse_target("tpu:v5e:2x2").label == "XLA TPU compile (v5e:2x2, AOT)"
+    assert targets.parse_targets("cpu, tpu:v5e:1x1,cpu") == [
+        targets.Target("cpu"), targets.Target("tpu", "v5e:1x1")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("xpu", "unknown target 'xpu'; did you mean 'tpu'?; valid: cpu, tpu, tpu:<topology>"),
+    ("tpu:v5f:2x2", "unknown TPU generation 'v5f' in target 'tpu:v5f:2x2'; did you mean "
+                    "'v5p'?; valid: v2, v3, v4, v5e, v5p, v6e, tpu7x"),
+    ("tpu:v5e:2", "bad TPU topology 'v5e:2' in target 'tpu:v5e:2'"),
+    ("tpu:v5e", "bad TPU topology 'v5e'"),
+    ("gpu:h10", "unknown GPU 'h10' in target 'gpu:h10'; did you mean 'h100'?; valid: h100"),
+    ("gpu:h100:0", "bad GPU target 'gpu:h100:0'"),
+    ("gpu:/no/such.txtpb", "GPU target config file '/no/such.txtpb' in target"),
+])
+def test_bad_targets_list_the_valid_ones(text, message):
+    with pytest.raises(targets.TargetError, match="^" + message.replace("?", r"\?")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        targets.parse_target(text)
+
+
+def test_missing_libtpu_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else real(name, *a))
+    targets._topology_devices.cache_clear()
+    with pytest.raises(targets.TargetError, match=r"pip install 'remat-kit\[tpu\]'"):
+        targets.devices("tpu:v5e:7x7")
+    targets._topology_devices.cache_clear()
+
+
+@pytest.mark.skipif(HAS_CUDA_PLUGIN, reason="the CUDA plugin is installed")
+def test_missing_cuda_plugin_says_what_to_install():
+    with pytest.raises(targets.TargetError, match=r"pip install 'remat-kit\[cuda\]'"):
+        targets.devices("gpu:h100")
+
+
+# -- TPU, ahead of time -----------------------------------------------------------
+
+@needs_libtpu
+def test_libtpu_rejects_a_topology_with_the_valid_form():
+    with pytest.raises(targets.TargetError, match=r"libtpu rejects TPU topology 'v5e:3x3': "
+                       r".*not divisible.*valid: <generation>:<shape>"):
+        targets.devices("tpu:v5e:3x3")
+
+
+@needs_libtpu
+def test_mesh_larger_than_the_topology_names_both_numbers():
+    assert len(targets.devices("tpu:v5e:2x2")) == 4
+    with pytest.raises(targets.TargetError,
+                       match="mesh data:8 needs 8 devices; target tpu:v5e:2x2 has 4"):
+        targets.make_mesh("tpu:v5e:2x2", {"data": 8})
+
+
+@needs_libtpu
+def test_no_libtpu_warnings_at_jax_start_or_aot_compile():
+    """A fresh process without the TPU variables set: importing remat_kit sets them, so
+    neither JAX's start (which tries the TPU backend) nor the topology prints a word."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TPU_", "ALLOW_MULTIPLE_LIBTPU", "JAX_PLATFORMS"))}
+    code = ("import remat_kit, jax; print(jax.devices()[0].platform); "
+            "print(len(remat_kit.targets.devices('tpu:v5e:2x2')))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "4"]
+    assert done.stderr == ""
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory):
+    """One CLI run: tiny on CPU and TPU v5e side by side, JSON and plots."""
+    tmp = tmp_path_factory.mktemp("targets")
+    argv = ["compare", "--config", "tiny", "--batch", str(B), "--seq", str(S), "--policies",
+            POLICIES, "--target", "cpu,tpu:v5e:1x1", "--json", str(tmp / "c.json"),
+            "--plot", str(tmp / "p.png")]
+    if not HAS_LIBTPU:
+        pytest.skip("libtpu is not installed")
+    code = cli.main(argv)
+    assert code == 0
+    doc = json.loads((tmp / "c.json").read_text())
+    by = {}
+    for r in doc["records"]:
+        by.setdefault(r["target"], {})[r["policy"]] = r
+    return doc, by, tmp
+
+
+def test_tpu_saves_the_same_tags_and_needs_other_temp_bytes(side_by_side):
+    _, by, _ = side_by_side
+    cpu, tpu = by["cpu"], by["tpu:v5e:1x1"]
+    assert set(cpu) == set(tpu) and len(cpu) == 2
+    for policy in cpu:
+        # What is saved is decided before any compiler runs: the same tags, the same bytes.
+        assert tpu[policy]["residual_bytes_by_tag"] == cpu[policy]["residual_bytes_by_tag"]
+        assert tpu[policy]["temp_size_in_bytes"] != cpu[policy]["temp_size_in_bytes"]
+        assert tpu[policy]["error"] is None
+        # Both compilers count the same 51 matmuls. The TPU cost model counts elementwise
+        # ops its own way (3.4x the transcendentals: divides become reciprocals), which on
+        # tiny (d_model 64, where elementwise work weighs most) adds 1.3% to 2.1%.
+        assert tpu[policy]["flops"] == pytest.approx(cpu[policy]["flops"], rel=0.025)
+    minimal = str(parse("minimal"))
+    assert set(tpu["none"]["residual_bytes_by_tag"]) != set(tpu[minimal]["residual_bytes_by_tag"])
+    assert tpu[minimal]["flops_ratio_to_none"] == pytest.approx(
+        cpu[minimal]["flops_ratio_to_none"], rel=0.01)
+
+
+def test_records_say_what_they_measured(side_by_side):
+    doc, by, tmp = side_by_side
+    tpu = by["tpu:v5e:1x1"]["none"]
+    assert tpu["platform"] == "XLA TPU compile (v5e:1x1, AOT)"
+    assert tpu["jax_version"] == jax.__version__
+    assert tpu["compiler_version"] == f"libtpu {importlib.metadata.version('libtpu')}"
+    assert by["cpu"]["none"]["compiler_version"] == f"jaxlib {jax.__version__}"
+    assert tpu["compile_seconds"] > 0
+    assert [t["target"] for t in doc["context"]["targets"]] == ["cpu", "tpu:v5e:1x1"]
+    assert doc["context"]["target"] == "cpu"
+    # One Pareto plot per target.
+    assert (tmp / "p_cpu.png").stat().st_size > 0
+    assert (tmp / "p_tpu_v5e_1x1.png").stat().st_size > 0
+    rows = [r for r in doc["records"] if r["target"] == "tpu:v5e:1x1"]
+    assert report.compiled_by(rows) == (f"XLA TPU compile (v5e:1x1, AOT); jax {jax.__version__}, "
+                                        f"libtpu {importlib.metadata.version('libtpu')}")
+    path = tmp / "t.csv"
+    report.write_csv(path, rows)
+    with open(path) as f:
+        first = next(csv.DictReader(f))
+    assert first["target"] == "tpu:v5e:1x1" and first["compiler_version"].startswith("libtpu")
+
+
+@needs_libtpu
+def test_slice_gives_per_device_figures(side_by_side):
+    """On v5e:2x2 the batch splits over 4 chips: per-chip residuals are a quarter of one
+    chip's, and so (within 2%) are the FLOPs."""
+    _, by, _ = side_by_side
+    one = by["tpu:v5e:1x1"][str(parse("minimal"))]
+    records = measure.measure_config(get_config("tiny"), B, S, ["minimal"],
+                                     target="tpu:v5e:2x2", per_layer=False)
+    (four,) = records
+    assert four.error is None and four.target == "tpu:v5e:2x2"
+    assert four.residual_bytes_by_tag == {k: v // 4
+                                          for k, v in one["residual_bytes_by_tag"].items()}
+    assert four.flops == pytest.approx(one["flops"] / 4, rel=0.02)
+
+
+@needs_libtpu
+def test_a_failed_aot_compile_is_a_row_with_the_compilers_message():
+    def loss(x):  # a 8 GiB argument and its 8 GiB gradient: more than a v5e's 16 GiB HBM
+        return jnp.sum(jnp.tanh(x) * jnp.sin(x))
+
+    x = jax.ShapeDtypeStruct((1 << 17, 1 << 14), jnp.float32)
+    records = measure.measure(loss, x, policies=["none", "full"], target="tpu:v5e:1x1")
+    assert len(records) == 2
+    for r in records:
+        assert r.error.startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
+        assert "Ran out of memory on HBM" in r.error and r.temp_size_in_bytes is None
+
+
+@needs_libtpu
+def test_explain_compiles_one_layer_for_the_target():
+    cfg = get_config("tiny")
+    tpu = measure.layer_residuals(cfg, 2, S, "minimal", target="tpu:v5e:1x1").compiled
+    cpu = measure.layer_residuals(cfg, 2, S, "minimal", target="cpu").compiled
+    assert tpu.target == targets.Target("tpu", "v5e:1x1") and tpu.seconds > 0
+    assert set(tpu.memory) >= {"temp_size_in_bytes", "argument_size_in_bytes"}
+    assert tpu.memory["argument_size_in_bytes"] > 0
+    assert tpu.flops == pytest.approx(cpu.flops, rel=0.02)
+
+
+@needs_libtpu
+def test_scanned_layers_take_flops_from_the_cpu_compile():
+    """The TPU compiler drops the while loop's trip count, so FLOPs come from the CPU
+    compile of the same program, counted per trip, and a note says so."""
+    def loss(w, x):
+        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=4)
+        return jnp.sum(y)
+
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    tpu = targets.compile_for(jax.value_and_grad(loss), w, x, target="tpu:v5e:1x1")
+    cpu = targets.compile_for(jax.value_and_grad(loss), w, x, target="cpu")
+    assert tpu.flops == cpu.flops
+    assert cpu.flops >= 4 * 3 * 2 * 8 * 64 * 64  # 4 trips of a matmul and its two grads
+    assert any("FLOPs from the XLA CPU compile" in n for n in tpu.notes)
+
+
+# -- the command ------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "xpu"], "unknown target 'xpu'"),
+    (["--target", "cpu,"], "--target needs comma-separated targets"),
+    (["--target", "tpu:v5e:1x1", "--time", "2"], "--time runs steps"),
+    (["--target", "tpu:v5e:2x2", "--mesh", "data:8"],
+     "mesh data:8 needs 8 devices; target tpu:v5e:2x2 has 4"),
+    (["--target", "tpu:v5e:2x2", "--batch", "2"],
+     "target tpu:v5e:2x2 (data:4) splits the batch over 4 devices, but batch 2"),
+])
+def test_bad_targets_are_one_line_and_exit_2(capsys, argv, message):
+    if any(a.startswith("tpu:") for a in argv) and not HAS_LIBTPU:
+        pytest.skip("libtpu is not installed")
+    code, out, err = run(capsys, "compare", "--config", "tiny", *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert out == ""
+
+
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="the CUDA plugin is not installed "
+                    "(pip install 'remat-kit[cuda]', about 5.6 GB)")
+def test_gpu_h100_compiles_without_a_gpu():
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    gpu = targets.compile_for(jax.value_and_grad(loss), w, x, target="gpu:h100")
+    assert gpu.memory["argument_size_in_bytes"] == 2 * (256 * 256 + 64 * 256)
+    assert gpu.flops is not None and any("XLA CPU compile" in n for n in gpu.notes)
