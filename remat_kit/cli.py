@@ -3,10 +3,14 @@
     remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
         [--policies a,b,c] [--mesh data:8] [--time N] [--json out.json] [--plot pareto.png]
     remat-kit explain --config tiny --policy selective [--batch B] [--seq S]
+    remat-kit fit --config llama_1b --budget 16GiB --vary seq [--batch 1] [--multiple 128] \\
+        [--policies a,b,c] [--json out.json] [--plot fit.png]
 
 `compare` measures every policy compile-only (`remat_kit.measure`) and prints
 a table sorted by memory (`remat_kit.report`). `explain` lists what one
-decoder layer saves, offloads and recomputes under one policy.
+decoder layer saves, offloads and recomputes under one policy. `fit` finds
+the longest sequence (or largest batch) whose whole train step fits a
+per-device memory budget under each policy (`remat_kit.fit`).
 
 Bad input (unknown config or policy, a config file that does not load, a
 batch or sequence length that is not a positive int or too long for the
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import json
 import os
 import sys
 import tempfile
@@ -426,9 +431,53 @@ def _explain(args) -> int:
     return 0
 
 
+def _fit(args) -> int:
+    from rich.console import Console
+
+    from remat_kit import report
+    from remat_kit.fit import DEFAULT_MULTIPLE, fit
+
+    cfg, label, defaults = load_config(args.config)
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
+    try:
+        budget = report.parse_bytes(args.budget, "--budget")
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    batch = args.batch or (1 if args.vary == "seq" else defaults.get("batch", 8))
+    seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024))
+    if args.vary == "batch":
+        check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
+    specs = (split_policies(args.policies) if args.policies is not None
+             else ["none", "full", "minimal", "selective", "dots"])
+    for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
+        if path is not None:
+            check_output_file(path, flag, suffix=suffix)
+    multiple = args.multiple or DEFAULT_MULTIPLE[args.vary]
+
+    def progress(i, n, row):
+        status = row.error or f"{args.vary} {row.size}, {row.compiles} compiles"
+        print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
+
+    result = fit(cfg, budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
+                 multiple=multiple, progress=progress)
+    fixed = f"batch {batch}" if args.vary == "seq" else f"seq {seq}"
+    title = (f"{label}: longest {args.vary} within {report.fmt_bytes(budget)}, {fixed}, "
+             f"{cfg.dtype}, multiple {multiple} ({result.platform})")
+    console = Console() if sys.stdout.isatty() else Console(width=180)
+    console.print(report.fit_table(result, title))
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(report.fit_to_dict(result) | {"config": label}, f, indent=2)
+            f.write("\n")
+    if args.plot is not None:
+        report.plot_fit(args.plot, result, f"{label}, {fixed}, {cfg.dtype}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", metavar="{compare,explain}")
+    sub = parser.add_subparsers(dest="command", metavar="{compare,explain,fit}")
 
     def common(p):
         p.add_argument("--config", required=True,
@@ -458,6 +507,24 @@ def _parser() -> argparse.ArgumentParser:
     common(explain)
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
     explain.set_defaults(run=_explain)
+
+    fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "
+                                     "in a memory budget")
+    common(fit)
+    fit.add_argument("--budget", required=True,
+                     help="device memory per device, e.g. 16GiB, 512MiB, 8e9")
+    fit.add_argument("--vary", choices=("seq", "batch"), default="seq",
+                     help="search the sequence length (batch fixed, default 1) or the batch "
+                          "(seq fixed)")
+    fit.add_argument("--multiple", type=_positive_int, default=None,
+                     help="search in multiples of this (default 128 for seq, 1 for batch)")
+    fit.add_argument("--policies", default=None,
+                     help="comma-separated policy specs (default: none,full,minimal,selective,"
+                          "dots)")
+    fit.add_argument("--json", default=None, metavar="PATH", help="write the result here")
+    fit.add_argument("--plot", default=None, metavar="PATH",
+                     help="write a bar chart of the sizes (PNG) here")
+    fit.set_defaults(run=_fit)
     return parser
 
 

@@ -57,3 +57,16 @@ class UnknownTagError(RematSpecError):
     def __init__(self, name: str, choices: Sequence[str], *, spec: str | None = None,
                  position: int | None = None, message: str = "unknown tag"):
         super().__init__(message, spec=spec, token=name, position=position, choices=choices)
+
+
+class BudgetError(ValueError):
+    """A memory budget that nothing can meet.
+
+    Attributes:
+      budget_bytes: the budget asked for, bytes.
+      minimum_bytes: the least memory any choice needs, bytes.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int, minimum_bytes: int):
+        self.budget_bytes, self.minimum_bytes = budget_bytes, minimum_bytes
+        super().__init__(message)
