@@ -6,7 +6,8 @@
 """
 
 from remat_kit import estimate, report
-from remat_kit.errors import RematSpecError, UnknownTagError
+from remat_kit.errors import BudgetError, RematSpecError, UnknownTagError
+from remat_kit.fit import fit, step_memory
 from remat_kit.measure import (Record, checkpointed, explain, layer_residuals, measure,
                                measure_config, residuals)
 from remat_kit.names import ALIASES, TAGS, register_tag, tag
@@ -15,8 +16,8 @@ from remat_kit.spec import PRESETS, from_custom, parse
 from remat_kit.validate import emitted_tags, validate
 
 __all__ = [
-    "ALIASES", "PRESETS", "Policy", "Record", "RematSpecError", "TAGS", "UnknownTagError",
-    "checkpointed", "emitted_tags", "estimate", "explain", "from_custom", "layer_residuals",
-    "measure", "measure_config", "parse", "register_tag", "report", "residuals", "tag",
-    "validate",
+    "ALIASES", "PRESETS", "BudgetError", "Policy", "Record", "RematSpecError", "TAGS",
+    "UnknownTagError", "checkpointed", "emitted_tags", "estimate", "explain", "fit",
+    "from_custom", "layer_residuals", "measure", "measure_config", "parse", "register_tag",
+    "report", "residuals", "step_memory", "tag", "validate",
 ]
