@@ -14,6 +14,7 @@ from remat_kit import flax_linen as linen
 from remat_kit import flax_nnx as nnx
 from remat_kit.errors import (BudgetError, MeshError, RematSpecError, UnknownModuleError,
                               UnknownTagError)
+from remat_kit.fit import fit, step_memory
 from remat_kit.measure import (Record, checkpointed, explain, layer_residuals, measure,
                                measure_config, residuals)
 from remat_kit.names import ALIASES, TAGS, register_tag, tag
@@ -25,7 +26,7 @@ from remat_kit.validate import emitted_tags, validate
 __all__ = [
     "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
     "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError",
-    "checkpointed", "emitted_tags", "estimate", "explain", "from_custom", "layer_residuals",
-    "linen", "measure", "measure_config", "mesh", "nnx", "parse", "plan", "register_tag",
-    "report", "residuals", "tag", "targets", "validate",
+    "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom",
+    "layer_residuals", "linen", "measure", "measure_config", "mesh", "nnx", "parse", "plan",
+    "register_tag", "report", "residuals", "step_memory", "tag", "targets", "validate",
 ]

@@ -6,12 +6,16 @@
     remat-kit explain --config tiny --policy selective [--batch B] [--seq S] [--target T]
     remat-kit plan --config gpt2_small --batch 8 --seq 1024 --budgets 0.2,0.4,6GiB \\
         [--presets a,b | --no-presets] [--json plan.json] [--plot plan.png]
+    remat-kit fit --config llama_1b --budget 16GiB --vary seq [--batch 1] [--multiple 128] \\
+        [--target T] [--policies a,b,c] [--json out.json] [--plot fit.png]
 
 `compare` measures every policy compile-only (`remat_kit.measure`) and prints
 a table sorted by memory (`remat_kit.report`). `explain` lists what one
 decoder layer saves, offloads and recomputes under one policy. `plan` runs
 the budget planner (`remat_kit.plan`) for each budget and sets its frontier
-against the best fixed preset that fits. `--target` names the compiler
+against the best fixed preset that fits. `fit` finds the longest sequence
+(or largest batch) whose whole train step fits a per-device memory budget
+under each policy (`remat_kit.fit`). `--target` names the compiler
 (`remat_kit.targets`): `tpu:v5e:2x2` compiles for a TPU slice ahead of time,
 on a machine without one.
 
@@ -28,6 +32,7 @@ import argparse
 import dataclasses
 import importlib.util
 import inspect
+import json
 import math
 import os
 import sys
@@ -623,9 +628,61 @@ def _plan(args) -> int:
     return 0
 
 
+def _fit(args) -> int:
+    from rich.console import Console
+
+    from remat_kit import report
+    from remat_kit.errors import BudgetError
+    from remat_kit.fit import DEFAULT_MULTIPLE, fit
+    from remat_kit.plan import parse_budget
+
+    cfg, label, defaults = load_config(args.config)
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
+    try:
+        budget = parse_budget(args.budget).bytes
+    except BudgetError as e:
+        raise BadInput(f"--budget: {e}") from None
+    if budget is None:
+        raise BadInput(f"--budget must be a size such as 16GiB, not a fraction: got "
+                       f"{args.budget!r}")
+    target_list = _targets(args.target)
+    if len(target_list) > 1:
+        raise BadInput(f"fit takes one --target, got {args.target!r}")
+    batch = args.batch or (1 if args.vary == "seq" else defaults.get("batch", 8))
+    seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024))
+    if args.vary == "batch":
+        check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
+    specs = (split_policies(args.policies) if args.policies is not None
+             else ["none", "full", "minimal", "selective", "dots"])
+    for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
+        if path is not None:
+            check_output_file(path, flag, suffix=suffix)
+    multiple = args.multiple or DEFAULT_MULTIPLE[args.vary]
+
+    def progress(i, n, row):
+        status = row.error or f"{args.vary} {row.size}, {row.compiles} compiles"
+        print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
+
+    result = fit(cfg, budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
+                 multiple=multiple, target=target_list[0], progress=progress)
+    fixed = f"batch {batch}" if args.vary == "seq" else f"seq {seq}"
+    title = (f"{label}: longest {args.vary} within {report.fmt_bytes(budget)}, {fixed}, "
+             f"{cfg.dtype}, multiple {multiple} ({result.platform})")
+    console = Console() if sys.stdout.isatty() else Console(width=180)
+    console.print(report.fit_table(result, title))
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(report.fit_to_dict(result) | {"config": label}, f, indent=2)
+            f.write("\n")
+    if args.plot is not None:
+        report.plot_fit(args.plot, result, f"{label}, {fixed}, {cfg.dtype}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", metavar="{compare,explain,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{compare,explain,plan,fit}")
 
     def common(p):
         p.add_argument("--config", required=True,
@@ -684,6 +741,27 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, metavar="PATH",
                       help="write a PNG of the plans over the presets' points")
     plan.set_defaults(run=_plan)
+
+    fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "
+                                     "in a memory budget")
+    common(fit)
+    fit.add_argument("--budget", required=True,
+                     help="device memory per device, e.g. 16GiB, 512MiB, 8e9 bytes")
+    fit.add_argument("--vary", choices=("seq", "batch"), default="seq",
+                     help="search the sequence length (batch fixed, default 1) or the batch "
+                          "(seq fixed)")
+    fit.add_argument("--multiple", type=_positive_int, default=None,
+                     help="search in multiples of this (default 128 for seq, 1 for batch)")
+    fit.add_argument("--policies", default=None,
+                     help="comma-separated policy specs (default: none,full,minimal,selective,"
+                          "dots)")
+    fit.add_argument("--target", default=None,
+                     help="whose compiler: cpu, tpu:<topology> (ahead of time), gpu:h100, ... "
+                          "(default: JAX's default backend); the budget is per chip")
+    fit.add_argument("--json", default=None, metavar="PATH", help="write the result here")
+    fit.add_argument("--plot", default=None, metavar="PATH",
+                     help="write a bar chart of the sizes (PNG) here")
+    fit.set_defaults(run=_fit)
     return parser
 
 

@@ -380,6 +380,68 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fmt_bytes",
-           "formula_bytes", "pareto_flags", "plot", "print_side_by_side", "print_table", "rows",
-           "side_by_side", "table", "write_csv", "write_json"]
+
+def fit_table(result, title: str = "") -> Table:
+    """A rich Table of a `remat_kit.fit.FitResult`: one line per policy with the
+    largest size, the step memory there and its parts, and the FLOP overhead."""
+    vary = result.vary
+    t = Table(title=title, caption=(
+        f"budget {fmt_bytes(result.budget_bytes)} per device; step memory = "
+        f"{result.rows[0].memory.source if result.rows and result.rows[0].memory else 'n/a'}; "
+        f"x none = step FLOPs / no remat's at the same {vary}"), caption_justify="left")
+    for name in ("policy", f"max {vary}", "step memory", "params", "grads", "opt state",
+                 "activations+other", "FLOPs/token", "x none", "compiles"):
+        t.add_column(name, justify="left" if name == "policy" else "right")
+    for r in result.rows:
+        if r.error and r.memory is None:
+            t.add_row(escape(r.policy), f"[red]error: {escape(r.error.splitlines()[0])}[/red]",
+                      *["-"] * 7, str(r.compiles))
+            continue
+        m = r.memory
+        size = str(r.size) + (" (cap)" if r.capped else "") if r.size else "none fits"
+        overhead = _fmt_ratio(r.flop_overhead)
+        if r.none_fits is False:
+            overhead += " (none over budget)"
+        if r.none_flops == "extrapolated":
+            overhead += " extrap."
+        cells = [fmt_bytes(x) for x in (m.total_bytes, m.params_bytes, m.grads_bytes,
+                                        m.opt_state_bytes, m.other_bytes)] if m else ["-"] * 5
+        t.add_row(escape(r.policy), size, *cells,
+                  "-" if r.flops_per_token is None else f"{r.flops_per_token:.4g}", overhead,
+                  str(r.compiles))
+    return t
+
+
+def fit_to_dict(result) -> dict:
+    """A JSON-ready dict of a `remat_kit.fit.FitResult` (every field; bytes, FLOPs, seconds)."""
+    import dataclasses
+    return {"schema_version": SCHEMA_VERSION, **dataclasses.asdict(result)}
+
+
+def plot_fit(path, result, title: str = "") -> None:
+    """PNG: the largest size per policy as bars, the FLOP overhead (x no remat at
+    that size) as points on a second axis. Rows without a size are left out."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.rows if r.size]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 5), dpi=120)
+    x = range(len(rows))
+    ax.bar(x, [r.size for r in rows], color="tab:blue", alpha=0.8)
+    ax.set_xticks(list(x), [r.policy for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(f"max {result.vary} within {fmt_bytes(result.budget_bytes)} per device")
+    twin = ax.twinx()
+    twin.plot(x, [r.flop_overhead for r in rows], "o", color="tab:red")
+    twin.set_ylabel("FLOP overhead (x no remat at that size)", color="tab:red")
+    ax.set_title(f"{title}\n{result.platform}" if title else result.platform)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_table",
+           "fit_to_dict", "fmt_bytes", "formula_bytes", "pareto_flags", "plot", "plot_fit",
+           "print_side_by_side", "print_table", "rows", "side_by_side", "table", "write_csv",
+           "write_json"]

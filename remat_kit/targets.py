@@ -360,13 +360,16 @@ def place(args, target: "str | Target"):
     return jax.tree.map(one, args)
 
 
-def lower(fn: Callable, leaves: Sequence, target: "str | Target"):
-    """`jax.jit(fn)` lowered for `target` at `leaves` (already `place`d): a `Lowered`."""
+def lower(fn: Callable, leaves: Sequence, target: "str | Target",
+          donate_argnums: tuple[int, ...] = ()):
+    """`jax.jit(fn, donate_argnums=...)` lowered for `target` at `leaves` (already
+    `place`d): a `Lowered`."""
     target = parse_target(target)
+    jitted = jax.jit(fn, donate_argnums=donate_argnums)
     if target.aot:
         platform = "cuda" if target.platform == "gpu" else target.platform
-        return jax.jit(fn).trace(*leaves).lower(lowering_platforms=(platform,))
-    return jax.jit(fn).lower(*leaves)
+        return jitted.trace(*leaves).lower(lowering_platforms=(platform,))
+    return jitted.lower(*leaves)
 
 
 def compile_options(target: "str | Target", compile_only: bool) -> dict | None:
@@ -428,7 +431,7 @@ def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence
 
 
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
-                compile_only: bool = True) -> Compiled:
+                compile_only: bool = True, donate: tuple[int, ...] = ()) -> Compiled:
     """Compiles `jax.jit(fn)` at `args` for `target`; nothing is allocated.
 
     Args:
@@ -438,6 +441,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         figures are per device.
       target: a target string or `Target`; default JAX's default backend.
       compile_only: the program will not be run (faster CPU compiles).
+      donate: indices of `args` whose buffers the program may reuse
+        (`jax.jit`'s donate_argnums), e.g. the parameters of a train step.
     Returns:
       A `Compiled`.
     Raises:
@@ -453,8 +458,12 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     def flat(*xs):
         return fn(*jax.tree.unflatten(tree, xs))
 
+    counts = [len(jax.tree.leaves(a)) for a in placed]
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    donated = tuple(j for i in donate for j in range(first[i], first[i] + counts[i]))
     start = time.perf_counter()
-    compiled = lower(flat, leaves, target).compile(compile_options(target, compile_only))
+    compiled = lower(flat, leaves, target, donated).compile(
+        compile_options(target, compile_only))
     seconds = time.perf_counter() - start
     found, notes = costs(compiled, target, flat, [_local(x) for x in leaves])
     return Compiled(compiled, target, memory_fields(compiled), found.get("flops"),
