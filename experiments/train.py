@@ -49,9 +49,10 @@ from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, chec
                            out_of_memory)
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import MeshError, RematSpecError
+from remat_kit.fit import in_use_bytes
 from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
-from remat_kit.plan import resolve_config
+from remat_kit.plan import parse_budget, resolve_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -95,12 +96,16 @@ def make_train_step(model: Transformer, deterministic: bool) -> Callable:
 
 def _compiled_stats(compiled) -> dict:
     """The summary's figures of a compiled train step: temp_size_in_bytes and
-    peak_memory_in_bytes (`memory_fields`) and flops, loops counted per
-    trip (`loop_scaled_costs`); None where the backend reports none."""
+    peak_memory_in_bytes (`memory_fields`), step_bytes (the device memory the
+    whole step holds at its peak, `remat_kit.fit.in_use_bytes`, per device)
+    and flops, loops counted per trip (`loop_scaled_costs`); None where the
+    backend reports none."""
     memory = memory_fields(compiled)
     costs, _ = loop_scaled_costs(compiled)
+    step_bytes, source = in_use_bytes(memory, jax.default_backend())
     return {"temp_size_in_bytes": memory.get("temp_size_in_bytes"),
             "peak_memory_in_bytes": memory.get("peak_memory_in_bytes"),
+            "step_bytes": step_bytes, "step_bytes_source": source,
             "flops": costs.get("flops")}
 
 
@@ -128,6 +133,7 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
         check_int(f"config.{name}", config[name])
     for name in ("warmup_steps", "seed", "hang_after_step"):
         check_int(f"config.{name}", config[name], minimum=0)
+    _budget_bytes(config)  # a bad memory_budget fails before anything compiles
     if not isinstance(config.tensorboard, bool):
         raise BadInput(f"config.tensorboard must be True or False, got {config.tensorboard!r}")
     if config.warmup_steps > config.num_steps:
@@ -236,9 +242,18 @@ def _print_summary(console: Console, summary: dict) -> None:
     mem.add_column("remat=none", justify="right")
     mem.add_column("ratio", justify="right")
     for key, fmt in (("temp_size_in_bytes", _format_bytes), ("peak_memory_in_bytes", _format_bytes),
+                     ("step_bytes", _format_bytes),
                      ("flops", lambda f: "n/a" if f is None else f"{f:.3e}")):
         mem.add_row(key, fmt(policy[key]), fmt(none[key]), _format_ratio(policy[key], none[key]))
     console.print(mem)
+    console.print(f"step_bytes: device memory the whole step holds at its peak "
+                  f"({policy['step_bytes_source']})", style="dim")
+    budget = summary["memory_budget"]
+    if budget:
+        console.print(f"memory budget {budget['budget']}: this run's step holds "
+                      f"{_format_bytes(budget['step_bytes'])}; remat=none would hold "
+                      f"{_format_bytes(budget['none_step_bytes'])} "
+                      f"({'fits' if budget['none_fits'] else 'over the budget'})")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -388,6 +403,9 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         stats["none"] = _compiled_stats(compile_step(none_model))
     else:
         stats["none"] = stats["policy"]
+    budget = _budget_bytes(config)
+    if budget is not None:
+        _check_budget(config, budget, stats)
     with rk_mesh.use(mesh):
         eval_fn = jax.jit(make_loss_fn(model, deterministic=True),
                           **on((state_sh.params if sharded else None, batch_sh, batch_sh, key_sh),
@@ -476,11 +494,46 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                        "write_seconds": ckpt.last_write_seconds,
                        "blocking_seconds": ckpt.last_blocking_seconds},
         "mesh": config.get("mesh") or None, "processes": jax.process_count(),
+        "memory_budget": budget and {
+            "budget": config.memory_budget, "bytes": budget,
+            "step_bytes": stats["policy"]["step_bytes"],
+            "none_step_bytes": stats["none"]["step_bytes"],
+            "none_fits": stats["none"]["step_bytes"] <= budget},
     }
     if lead:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
     return summary
+
+
+def _budget_bytes(config: ml_collections.ConfigDict) -> int | None:
+    """config.memory_budget in bytes per device, or None when unset ('');
+    BadInput for anything but a size."""
+    text = config.get("memory_budget") or ""
+    if not text:
+        return None
+    try:
+        budget = parse_budget(text).bytes
+    except RematSpecError as e:
+        raise BadInput(f"config.memory_budget: {e}") from None
+    if budget is None:
+        raise BadInput(f"config.memory_budget must be a size such as 96MiB, got {text!r}")
+    return budget
+
+
+def _check_budget(config: ml_collections.ConfigDict, budget: int, stats: dict) -> None:
+    """BadInput, with the numbers, if the compiled train step holds more than
+    `budget` bytes per device. Nothing enforces a budget on the CPU, so the
+    run checks it before the first step."""
+    used = stats["policy"]
+    if used["step_bytes"] <= budget:
+        return
+    raise BadInput(
+        f"config.memory_budget={config.memory_budget} ({budget} bytes per device): the "
+        f"compiled train step under remat={config.remat} holds {used['step_bytes']} bytes "
+        f"({_format_bytes(used['step_bytes'])}; {used['step_bytes_source']}, "
+        f"{stats['label']}), over the budget. `remat-kit fit --budget "
+        f"{config.memory_budget}` lists the largest seq_len each policy fits")
 
 
 def _mesh(config: ml_collections.ConfigDict):

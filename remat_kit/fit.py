@@ -116,6 +116,24 @@ def default_optimizer() -> optax.GradientTransformation:
     return optax.adamw(1e-4)
 
 
+def in_use_bytes(memory: dict, platform: str) -> tuple[int, str]:
+    """Device memory a compiled step holds at its peak, and how it was found.
+
+    Args:
+      memory: `measure.memory_fields(compiled)`.
+      platform: the compiler's platform ("cpu", "tpu", "gpu").
+    Returns:
+      (bytes, source): `peak_memory_in_bytes` where a non-CPU compiler
+      reports it; else argument + temp + output - alias bytes (the XLA CPU
+      peak figure leaves out temp buffers).
+    """
+    if platform != "cpu" and memory.get("peak_memory_in_bytes"):
+        return memory["peak_memory_in_bytes"], "peak_memory_in_bytes"
+    return (memory["argument_size_in_bytes"] + memory["temp_size_in_bytes"]
+            + memory["output_size_in_bytes"] - memory["alias_size_in_bytes"],
+            "argument + temp + output - alias")
+
+
 def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Policy", *,
                 optimizer: optax.GradientTransformation | None = None,
                 target: "str | targets.Target | None" = None) -> StepMemory:
@@ -162,12 +180,7 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
     c = targets.compile_for(step, params, opt_state, tokens, tokens, rng, target=target,
                             donate=(0, 1))
     mem = c.memory
-    if target.platform != "cpu" and mem.get("peak_memory_in_bytes"):
-        total, source = mem["peak_memory_in_bytes"], "peak_memory_in_bytes"
-    else:
-        total = (mem["argument_size_in_bytes"] + mem["temp_size_in_bytes"]
-                 + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"])
-        source = "argument + temp + output - alias"
+    total, source = in_use_bytes(mem, target.platform)
     p_bytes, o_bytes = _tree_bytes(params), _tree_bytes(opt_state)
     return StepMemory(total, source, p_bytes, p_bytes, o_bytes,
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),

@@ -168,3 +168,20 @@ def test_step_memory_on_a_tpu_target_uses_its_peak():
     assert tpu.total_bytes != cpu.total_bytes
     assert tpu.params_bytes == cpu.params_bytes and tpu.opt_state_bytes == cpu.opt_state_bytes
     assert tpu.flops == pytest.approx(cpu.flops, rel=0.025)
+
+
+def test_long_context_config_checks_its_budget_before_training(tmp_path):
+    from experiments import train
+    from experiments.configs import long_context
+
+    def config(remat):
+        c = long_context.get_config()
+        c.update(remat=remat, num_steps=1, warmup_steps=0, eval_every=1, eval_batches=1)
+        return c
+
+    with pytest.raises(cli.BadInput, match=r"memory_budget=96MiB \(100663296 bytes per device\)"
+                                           r": the compiled train step under remat=none holds"):
+        train.train_and_evaluate(config("none"), str(tmp_path / "none"))
+    budget = train.train_and_evaluate(config("selective"), str(tmp_path / "sel"))["memory_budget"]
+    assert budget["bytes"] == 96 * 2**20 and budget["step_bytes"] <= budget["bytes"]
+    assert not budget["none_fits"] and budget["none_step_bytes"] > budget["bytes"]

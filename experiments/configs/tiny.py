@@ -56,6 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Testing aid: after this step (0 = never), finish the checkpoint writes and
     # wait for a signal, as a run pre-empted at a known step.
     config.hang_after_step = 0
+    # Device memory per device the compiled train step may hold ("" = no limit),
+    # e.g. "96MiB": checked before the first step (nothing enforces it on a CPU).
+    config.memory_budget = ""
 
     # Sharding (remat_kit.mesh): "" = one device; else e.g. "data:2,fsdp:2,tensor:2",
     # whose product is the number of devices of all processes.
