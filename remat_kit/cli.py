@@ -335,9 +335,11 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
     aot = target is not None and target.aot
     if text is None and not aot:
         return None
-    if text is None:
+    flag = "--mesh"
+    if text is None:  # a TPU slice: data parallel over all of its chips
         from remat_kit import targets
         text = f"data:{len(targets.devices(target))}"
+        flag = f"target {target} ({text})"
     try:
         sizes = rk_mesh.parse_spec(text)
         rk_mesh.check_fits(sizes, cfg, batch)
@@ -358,7 +360,7 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
                 "starting")
         return rk_mesh.make(sizes, devices[:n])
     except rk_mesh.MeshError as e:
-        raise BadInput(f"--mesh: {e}") from None
+        raise BadInput(f"{flag}: {e}") from None
 
 
 # ---------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     cpu = {"target": "cpu", "platform": "XLA CPU compile", "devices": 1,
            "jax_version": jax.__version__, "compiler_version": f"jaxlib {jax.__version__}"}
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
-                              "mesh": None, **cpu, "targets": [cpu]}
+                              "mesh": None, **cpu, "targets": [{**cpu, "mesh": None}]}
     # Saving the layer output changes nothing (the next layer keeps it anyway):
     # it lowers to full's program and joins full's row.
     assert [r["names"] for r in doc["records"]] == [

@@ -244,7 +244,7 @@ def test_scanned_layers_take_flops_from_the_cpu_compile():
     (["--target", "tpu:v5e:2x2", "--mesh", "data:8"],
      "mesh data:8 needs 8 devices; target tpu:v5e:2x2 has 4"),
     (["--target", "tpu:v5e:2x2", "--batch", "2"],
-     "target tpu:v5e:2x2 (data:4) splits the batch over 4 devices, but batch 2"),
+     "target tpu:v5e:2x2 (data:4): batch 2 does not split over the 4 data-parallel devices"),
 ])
 def test_bad_targets_are_one_line_and_exit_2(capsys, argv, message):
     if any(a.startswith("tpu:") for a in argv) and not HAS_LIBTPU:
