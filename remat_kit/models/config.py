@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from remat_kit.errors import RematSpecError, _closest
 from remat_kit.policy import Policy
 from remat_kit.schedule import layer_policies
-from remat_kit.spec import parse
+from remat_kit.spec import AutoSpec, parse
 
 FAMILIES = ("gpt2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -115,6 +115,12 @@ class TransformerConfig:
                              f"got {self.dropout_rate}")
         try:
             policy = parse(self.remat)
+            if isinstance(policy, AutoSpec):
+                # Planned for known shapes before the model is built (remat_kit.plan).
+                if self.layer_remat:
+                    raise ValueError("TransformerConfig.layer_remat needs remat='none', got "
+                                     f"{str(policy)!r}")
+                return
             layer_policies(self.layer_remat or policy, self.num_layers)
         except RematSpecError as e:
             field = "layer_remat" if self.layer_remat else "remat"
@@ -141,7 +147,12 @@ class TransformerConfig:
 
     @property
     def policy(self) -> Policy:
-        return parse(self.remat)
+        """The parsed remat policy. Raises RematSpecError for an auto:budget= spec
+        not yet planned for this model's shapes (`remat_kit.plan.resolve_config`)."""
+        policy = parse(self.remat)
+        if isinstance(policy, AutoSpec):
+            policy.to_jax()  # raises, naming how to resolve it
+        return policy
 
     @property
     def layer_policies(self) -> tuple[Policy, ...]:
