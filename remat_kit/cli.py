@@ -565,14 +565,18 @@ def _plan(args) -> int:
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)
-    mesh = device_mesh(args.mesh, batch, cfg)
+    target_list = _targets(args.target)
+    if len(target_list) > 1:
+        raise BadInput(f"plan takes one --target, got {args.target!r}")
+    mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
     devices = 1 if mesh is None else mesh.size
 
     def progress(message):
         print(message, file=sys.stderr, flush=True)
 
     planner = config_planner(cfg, batch, seq, mesh=mesh, progress=progress,
-                             cache=args.cache if args.cache is not None else True)
+                             cache=args.cache if args.cache is not None else True,
+                             target=target_list[0])
     # Presets first: the planner takes any compiled policy that beats its own plan.
     named: dict[int, tuple] = {}
     for spec, r in zip(presets, planner.measure_all(presets)):
@@ -736,6 +740,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-presets", action="store_true", help="compare with no preset")
     plan.add_argument("--mesh", default=None,
                       help="e.g. data:2,fsdp:2,tensor:2: plan the per-device program")
+    plan.add_argument("--target", default=None,
+                      help="plan against this target's compiled memory (cpu, tpu:v5e:1x1, "
+                           "gpu:h100, ...; default JAX's default backend)")
     plan.add_argument("--cache", default=None, metavar="PATH",
                       help="plan cache file (default: $REMAT_KIT_CACHE or "
                            "~/.cache/remat_kit/plans.json); '' for none")

@@ -579,7 +579,7 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
     loss_for_policy = _as_factory(loss_for_policy)
     if any(isinstance(p, AutoSpec) for p in parsed):
         from remat_kit.plan import resolve  # the planner measures through this module
-        parsed = resolve(parsed, loss_for_policy, *args)
+        parsed = resolve(parsed, loss_for_policy, *args, target=target)
     emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
     leaves = jax.tree.leaves(args)
     local_args = (jax.tree.map(_local, args) if any(_is_sharded(x) for x in leaves) else None)

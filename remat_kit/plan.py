@@ -66,6 +66,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from remat_kit import targets
 from remat_kit.errors import BudgetError
 from remat_kit.measure import Record, _as_factory, _stage, config_program, measure
 from remat_kit.policy import Policy
@@ -434,16 +435,21 @@ class Planner:
       max_iterations: policies compiled per budget before falling back to
         `full`, which always fits.
       progress: called with a one-line message as each policy is compiled.
+      target: whose compiler the plan is verified with and whose memory it
+        fits (`remat_kit.targets`, e.g. "tpu:v5e:1x1"); default JAX's
+        default backend.
     """
 
     def __init__(self, loss_fn: Callable, *args, cache: "str | bool | None" = True,
-                 max_iterations: int = 3, progress: Callable[[str], None] | None = None):
+                 max_iterations: int = 3, progress: Callable[[str], None] | None = None,
+                 target=None):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
         self.loss_fn, self.args = _as_factory(loss_fn), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
+        self.target = targets.parse_target(target)
         self.records: dict[str, Record] = {}
         self._model: CostModel | None = None
         self._fingerprint: str | None = None
@@ -461,7 +467,8 @@ class Planner:
             def progress(i, n, record):
                 if self.progress:
                     self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
-            for record in measure(self.loss_fn, *self.args, policies=todo, progress=progress):
+            for record in measure(self.loss_fn, *self.args, policies=todo, progress=progress,
+                                  target=self.target):
                 for name in record.names:
                     self.records.setdefault(str(parse(name)), record)
         return [self.records[k] for k in keys]
@@ -491,11 +498,11 @@ class Planner:
         return self._staged
 
     def fingerprint(self) -> str:
-        """A hash of the traced program, argument shardings, JAX version and backend."""
+        """A hash of the traced program, argument shardings, JAX version and target."""
         if self._fingerprint is None:
             text = re.sub(r"0x[0-9a-f]+", "", str(self.staged.program))  # object addresses vary
             shardings = [str(getattr(x, "sharding", None)) for x in jax.tree.leaves(self.args)]
-            blob = "\n".join([text, *shardings, jax.__version__, jax.default_backend(),
+            blob = "\n".join([text, *shardings, jax.__version__, str(self.target),
                               str(jax.device_count())])
             self._fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:32]
         return self._fingerprint
@@ -654,14 +661,19 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
 
 
 def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=None,
-                   cache: "str | bool | None" = True, **kwargs) -> Planner:
-    """A `Planner` for a reference transformer's loss (`measure.config_program`)."""
+                   cache: "str | bool | None" = True, target=None, **kwargs) -> Planner:
+    """A `Planner` for a reference transformer's loss (`measure.config_program`); for
+    a target compiled ahead of time with no mesh, data parallel over its chips, as
+    `measure_config` measures it."""
+    target = targets.parse_target(target)
+    if mesh is None and target.aot:
+        mesh = targets.make_mesh(target, {"data": len(targets.devices(target))})
     loss_for_policy, args, _ = config_program(cfg, batch, seq, dtype=dtype, mesh=mesh)
-    return Planner(loss_for_policy, *args, cache=cache, **kwargs)
+    return Planner(loss_for_policy, *args, cache=cache, target=target, **kwargs)
 
 
 def resolve(policies: Sequence, loss_fn: Callable, *args,
-            cache: "str | bool | None" = True) -> list[Policy]:
+            cache: "str | bool | None" = True, target=None) -> list[Policy]:
     """`policies` with every `auto:budget=...` replaced by its planned Policy.
 
     Raises:
@@ -670,7 +682,7 @@ def resolve(policies: Sequence, loss_fn: Callable, *args,
     parsed = [parse(p) for p in policies]
     if not any(isinstance(p, AutoSpec) for p in parsed):
         return parsed
-    planner = Planner(loss_fn, *args, cache=cache)
+    planner = Planner(loss_fn, *args, cache=cache, target=target)
     return [planner.plan(p.budget).policy if isinstance(p, AutoSpec) else p for p in parsed]
 
 
