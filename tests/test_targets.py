@@ -265,3 +265,14 @@ def test_gpu_h100_compiles_without_a_gpu():
     gpu = targets.compile_for(jax.value_and_grad(loss), w, x, target="gpu:h100")
     assert gpu.memory["argument_size_in_bytes"] == 2 * (256 * 256 + 64 * 256)
     assert gpu.flops is not None and any("XLA CPU compile" in n for n in gpu.notes)
+
+
+@needs_libtpu
+def test_plan_verifies_on_the_target(capsys):
+    # The planner compiles none and full for the TPU and budgets against their figures.
+    code, out, err = run(capsys, "plan", "--config", "tiny", "--batch", "2", "--seq", "16",
+                         "--budgets", "1.0", "--no-presets", "--cache", "",
+                         "--target", "tpu:v5e:1x1")
+    assert code == 0, err
+    assert "XLA TPU compile (v5e:1x1, AOT)" in out
+    assert "compiled none" in err and "compiled full" in err
