@@ -304,6 +304,22 @@ def split_policies(text: str) -> list[str]:
     return [spec for _, spec in items]
 
 
+def check_schedules(cfg: TransformerConfig, specs: Sequence[str], flag: str) -> None:
+    """BadInput, before anything compiles, for a spec whose layer schedule does not
+    fit the model's layers (full@every:99 on 2 layers, nested:7)."""
+    for spec in specs:
+        policy = parse(spec)
+        if isinstance(policy, AutoSpec):
+            continue
+        try:
+            policy.schedule.check(cfg.num_layers)
+            if cfg.scan_layers and policy.schedule.kind in ("every", "first"):
+                raise ValueError(f"layer schedule {policy.schedule} needs a looped stack; "
+                                 "this model is scanned (scan_layers=True)")
+        except ValueError as e:
+            raise BadInput(f"{flag} {spec!r}: {e}") from None
+
+
 def preset_policies() -> list[str]:
     """Every row of `spec.PRESET_TABLE` as a spec that is also its display name: the
     bare word where it means this row (`spec.BARE_NAMES`), else 'codebase:name'."""
@@ -407,6 +423,7 @@ def _compare(args) -> int:
         cfg = cfg.replace(dtype=args.dtype)
     batch, seq = _sizes(args, cfg, defaults)
     specs = split_policies(args.policies) if args.policies is not None else preset_policies()
+    check_schedules(cfg, specs, "--policies")
     if args.json is not None:
         check_output_file(args.json, "--json")
     if args.plot is not None:
@@ -473,6 +490,10 @@ def _explain(args) -> int:
     if isinstance(policy, AutoSpec):
         raise BadInput(f"explain shows one policy; {policy} is planned per model: run "
                        f"remat-kit plan --budgets {policy.budget} to see what it chooses")
+    if policy.schedule.kind != "uniform":
+        raise BadInput(f"explain shows one layer under one policy; {policy} runs its layers "
+                       f"under different policies (schedule {policy.schedule}): explain the "
+                       f"policy without '@{policy.schedule}', or compare the whole model")
     where = ""
     if args.mesh is not None:  # the layer one device runs; no devices needed
         try:
@@ -553,7 +574,7 @@ def _plan(args) -> int:
     from rich.table import Table
 
     from remat_kit import report
-    from remat_kit.plan import config_planner, parse_budget
+    from remat_kit.plan import config_planner, parse_budget, read_cache
 
     cfg, label, defaults = load_config(args.config)
     if args.dtype:
@@ -562,9 +583,13 @@ def _plan(args) -> int:
     budgets = split_budgets(args.budgets)
     presets = ([] if args.no_presets else split_policies(args.presets)
                if args.presets is not None else preset_policies())
+    check_schedules(cfg, presets, "--presets")
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)
+    if args.cache and (os.path.isdir(args.cache) or read_cache(args.cache) is None):
+        raise BadInput(f"--cache {args.cache!r} is not a plan cache (a JSON object written by "
+                       f"remat-kit plan); give a new file, or '' for none")
     target_list = _targets(args.target)
     if len(target_list) > 1:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
@@ -661,6 +686,10 @@ def _fit(args) -> int:
         check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
     specs = (split_policies(args.policies) if args.policies is not None
              else ["none", "full", "minimal", "selective", "dots"])
+    check_schedules(cfg, specs, "--policies")
+    if any(isinstance(parse(p), AutoSpec) for p in specs):
+        raise BadInput("fit does not plan auto:budget= specs yet (the planner budgets "
+                       "value-and-grad temp memory, fit the whole step); see remat-kit plan")
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)

@@ -47,7 +47,7 @@ import numpy as np
 import optax
 
 from remat_kit import targets
-from remat_kit.errors import BudgetError
+from remat_kit.errors import BudgetError, RematSpecError
 from remat_kit.models import Transformer, TransformerConfig, make_loss_fn
 from remat_kit.plan import parse_budget
 from remat_kit.policy import Policy
@@ -111,6 +111,28 @@ def _sized(cfg: TransformerConfig, seq: int) -> TransformerConfig:
     return cfg.replace(max_len=seq) if cfg.family == "gpt2" and seq > cfg.max_len else cfg
 
 
+def _check_args(cfg, optimizer, **sizes) -> None:
+    """TypeError / ValueError naming the argument, before anything compiles."""
+    if not isinstance(cfg, TransformerConfig):
+        raise TypeError(f"cfg must be a remat_kit.models.TransformerConfig (e.g. "
+                        f"get_config('tiny')), got {type(cfg).__name__} {cfg!r}")
+    if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _policy(spec) -> Policy:
+    """parse(spec), refusing an auto:budget= spec (the planner budgets value-and-grad
+    temp memory; fit measures the whole step)."""
+    policy = parse(spec)
+    if not isinstance(policy, Policy):
+        raise RematSpecError(f"fit does not plan {policy} specs yet; run remat-kit plan, then "
+                             "fit the policy it picks", token=str(policy))
+    return policy
+
+
 def default_optimizer() -> optax.GradientTransformation:
     """optax AdamW (Loshchilov & Hutter 2019): two float32-like moments per parameter."""
     return optax.adamw(1e-4)
@@ -156,12 +178,15 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
     Returns:
       A `StepMemory` (bytes, FLOPs, seconds).
     Raises:
-      RematSpecError: the policy does not parse.
+      TypeError, ValueError: cfg, batch, seq or optimizer of the wrong type
+        or not positive.
+      RematSpecError: the policy does not parse, or is an auto:budget= spec.
       TargetError: a bad target, or libtpu missing.
       Any compiler error, e.g. an out-of-memory error from an accelerator's
       compiler (see `is_out_of_memory`).
     """
-    cfg = _sized(cfg, seq).replace(remat=parse(policy))
+    _check_args(cfg, optimizer, batch=batch, seq=seq)
+    cfg = _sized(cfg, seq).replace(remat=_policy(policy))
     optimizer = optimizer or default_optimizer()
     model = Transformer(cfg.replace(remat="none"))
     params = nn.unbox(jax.eval_shape(
@@ -368,8 +393,10 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     Returns:
       A `FitResult`; its rows follow `policies`' order.
     Raises:
+      TypeError: cfg not a TransformerConfig, optimizer not an optax
+        transformation.
       ValueError: vary not in VARY; batch, seq, multiple or max_size not a
-        positive int.
+        positive int; a layer schedule that does not fit the model.
       BudgetError: a budget that is not a size in bytes, or one below the
         parameters plus the optimizer state (the floor, stated in bytes), so
         no size can fit.
@@ -378,14 +405,14 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     """
     if vary not in VARY:
         raise ValueError(f"vary must be one of {list(VARY)}, got {vary!r}")
+    if isinstance(policies, (str, Policy)):
+        policies = [policies]
     multiple = DEFAULT_MULTIPLE[vary] if multiple is None else multiple
     batch = 1 if batch is None else batch
-    seq = min(cfg.max_len, 1024) if seq is None else seq
+    seq = (min(cfg.max_len, 1024) if isinstance(cfg, TransformerConfig) else 1) if seq is None \
+        else seq
     max_size = DEFAULT_MAX_SIZE[vary] if max_size is None else max_size
-    for name, value in (("batch", batch), ("seq", seq), ("multiple", multiple),
-                        ("max_size", max_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_args(cfg, optimizer, batch=batch, seq=seq, multiple=multiple, max_size=max_size)
     if max_size < multiple:
         raise ValueError(f"max_size {max_size} is below multiple {multiple}")
     budget_bytes = parse_budget(budget).bytes
@@ -396,7 +423,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     target = targets.parse_target(target)
     specs = [p if isinstance(p, str) else str(p) for p in policies]
     for p in specs:
-        parse(p)  # bad specs fail before anything compiles
+        _policy(p).schedule.check(cfg.num_layers)  # bad specs fail before anything compiles
     optimizer = optimizer or default_optimizer()
 
     model = Transformer(cfg.replace(remat="none"))

@@ -787,8 +787,11 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
                       per_device=per_device, target=target)
     if not per_layer:
         return records
+    # One layer x L describes a uniform stack only; a schedule runs layers differently.
     return [dataclasses.replace(r, layer_residual_bytes=_layer_stored_bytes(
-        local_cfg, batch // n, seq, parse(r.policy))) if r.error is None else r for r in records]
+        local_cfg, batch // n, seq, parse(r.policy)))
+        if r.error is None and parse(r.policy).schedule.kind == "uniform" else r
+        for r in records]
 
 
 # ---------------------------------------------------------------------------

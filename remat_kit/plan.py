@@ -398,25 +398,34 @@ def default_cache_path() -> str:
     return os.path.join(base, "remat_kit", "plans.json")
 
 
-def _read_cache(path: str) -> dict:
+def read_cache(path: str) -> dict | None:
+    """The plan cache at `path`: {} if there is none yet, None if the file is not
+    a plan cache (a JSON object); such a file is never overwritten."""
     try:
         with open(path) as f:
             data = json.load(f)
-        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return {}
     except (OSError, ValueError):
-        return {}  # a missing or corrupt cache only means planning again
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _write_cache(path: str, key: str, plan: Plan) -> None:
-    data = _read_cache(path) | {key: plan.to_dict()}
+    data = read_cache(path)
+    if data is None:
+        warnings.warn(f"plan cache {path!r} is not a plan cache (a JSON object); left as it "
+                      "is, the plan is not cached", stacklevel=3)
+        return
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
+            json.dump(data | {key: plan.to_dict()}, f, indent=1)
         os.replace(tmp, path)  # atomic: concurrent runs never read half a file
-    except OSError:
-        pass  # an unwritable cache only costs planning again
+    except OSError as e:
+        warnings.warn(f"cannot write plan cache {path!r} ({e}); the plan is not cached",
+                      stacklevel=3)
 
 
 class Planner:
@@ -532,7 +541,7 @@ class Planner:
         """
         parsed = parse_budget(budget)
         key = f"{self.fingerprint()}|{parsed}"
-        if self.cache and key in (hit := _read_cache(self.cache)):
+        if self.cache and key in (hit := read_cache(self.cache) or {}):
             try:
                 return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
             except (TypeError, ValueError, KeyError):
@@ -696,4 +705,5 @@ def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool |
 
 
 __all__ = ["Budget", "CostModel", "Plan", "Planner", "config_planner", "cost_model",
-           "default_cache_path", "parse_budget", "plan", "resolve", "resolve_config"]
+           "default_cache_path", "parse_budget", "plan", "read_cache", "resolve",
+           "resolve_config"]

@@ -175,6 +175,9 @@ def layer_policies(policy, num_layers: int) -> tuple:
                          f"{len(policy)} entries for {num_layers} layers")
     out = tuple(parse(p) for p in policy)
     for i, p in enumerate(out):
+        if not isinstance(p, Policy):  # an auto:budget= spec plans a whole model
+            raise RematSpecError(f"per-layer policy {i} is {p}, which is planned for a whole "
+                                 "model; give each layer a policy", token=str(p))
         if p.schedule != Schedule():
             raise RematSpecError(f"per-layer policy {i} has a layer schedule; entries of a "
                                  "per-layer list apply to one layer each", token=str(p))

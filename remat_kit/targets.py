@@ -151,6 +151,9 @@ def parse_target(text: "str | Target | None") -> Target:
         return text
     if text is None:
         return Target(jax.default_backend())
+    if not isinstance(text, str):
+        raise TargetError(f"a target is a string such as 'cpu' or 'tpu:v5e:2x2', got "
+                          f"{type(text).__name__} {text!r}")
     word = text.strip()
     kind, _, topology = word.partition(":")
     kind = kind.lower()
@@ -173,7 +176,7 @@ def parse_target(text: "str | Target | None") -> Target:
         hint = f"; did you mean {closest!r}?" if closest else ""
         raise TargetError(f"unknown TPU generation {generation!r} in target {text!r}{hint}; "
                           f"valid: {', '.join(TPU_GENERATIONS)}")
-    if not _TPU_SHAPE.fullmatch(shape):
+    if not _TPU_SHAPE.fullmatch(shape) or any(int(n) < 1 for n in shape.split("x")):
         raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: give "
                           f"<generation>:<chips per axis>, e.g. v5e:2x2, v5p:2x2x1")
     return Target("tpu", topology)

@@ -14,7 +14,7 @@ import numpy as np
 from remat_kit import names
 from remat_kit.errors import RematSpecError, UnknownModuleError
 from remat_kit.policy import Policy
-from remat_kit.spec import parse
+from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import check_names, tag_of
 
 
@@ -105,12 +105,18 @@ def module_policy(spec) -> Policy:
     """`parse(spec)` for one module's region.
 
     Raises:
-      RematSpecError: the spec does not parse, or has a layer schedule
+      RematSpecError: the spec does not parse, is an auto:budget= spec, or has
+        a layer schedule
         (`full@every:2`, `nested`): a schedule picks layers of a stack, which
         one wrapped module does not have (set it on the stack, e.g.
         `TransformerConfig.remat`, or map each layer class to its own policy).
     """
     policy = parse(spec)
+    if isinstance(policy, AutoSpec):
+        raise RematSpecError(
+            "an auto:budget= spec is planned for a whole model's shapes; plan it first "
+            "(remat_kit.plan(loss_fn, *args, budget=...).policy) and wrap with that policy",
+            token=str(policy))
     if policy.schedule.kind != "uniform":
         raise RematSpecError(
             "a layer schedule applies to a stack of layers, not to one wrapped module; wrap "

@@ -20,6 +20,18 @@ def run(capsys, *argv):
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["compare", "--config", "tiny", "--policies", "full,full@every:99"],
+     "--policies 'full@every:99': layer schedule every:99: 99 is out of range for 2 layers"),
+    (["explain", "--config", "tiny", "--policy", "full@every:2"],
+     "explain shows one layer under one policy"),
+    (["plan", "--config", "tiny", "--budgets", "1", "--cache", "experiments/configs/tiny.py"],
+     "'experiments/configs/tiny.py' is not a plan cache"),
+    (["plan", "--config", "tiny", "--budgets", "1", "--presets", "nested:7"],
+     "group size 7 does not divide 2 layers"),
+    (["fit", "--config", "tiny", "--budget", "4MiB", "--policies", "auto:budget=0.5"],
+     "fit does not plan auto:budget= specs yet"),
+    (["explain", "--config", "tiny", "--policy", "full", "--target", "tpu:v5e:0x1"],
+     "bad TPU topology 'v5e:0x1'"),
     (["compare", "--config", "gpt3"], "unknown model config 'gpt3'"),
     (["compare", "--config", "tiny", "--batch", "0"], "--batch: must be a positive int"),
     (["compare", "--config", "tiny", "--batch", "abc"], "--batch: must be a positive int"),

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import remat_kit as rk
 from remat_kit import cli
 from remat_kit.errors import BudgetError
 from remat_kit.fit import StepMemory, fit, step_memory
@@ -185,3 +186,18 @@ def test_long_context_config_checks_its_budget_before_training(tmp_path):
     budget = train.train_and_evaluate(config("selective"), str(tmp_path / "sel"))["memory_budget"]
     assert budget["bytes"] == 96 * 2**20 and budget["step_bytes"] <= budget["bytes"]
     assert not budget["none_fits"] and budget["none_step_bytes"] > budget["bytes"]
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: step_memory(CFG, 0, 16, "full"), ValueError, "batch must be a positive int, got 0"),
+    (lambda: step_memory(CFG, 2, 16.0, "full"), ValueError, "seq must be a positive int"),
+    (lambda: step_memory("tiny", 2, 16, "full"), TypeError, "cfg must be a remat_kit.models"),
+    (lambda: step_memory(CFG, 2, 16, "full", optimizer="adam"), TypeError, "optax"),
+    (lambda: step_memory(CFG, 2, 16, "auto:budget=0.5"), rk.RematSpecError,
+     "fit does not plan auto:budget=0.5"),
+    (lambda: fit(CFG, BUDGET, policies=["full@every:99"]), ValueError, "99 is out of range"),
+    (lambda: fit(CFG, BUDGET, target=["cpu"]), ValueError, "a target is a string"),
+])
+def test_bad_calls_fail_before_compiling(call, error, message):
+    with pytest.raises(error, match=message):
+        call()

@@ -221,6 +221,8 @@ def test_errors(setup):
                  lambda: rk.linen.apply_remat(Model(), {"Block": "nested"})):
         with pytest.raises(rk.RematSpecError, match="applies to a stack of layers"):
             wrap()
+    with pytest.raises(rk.RematSpecError, match="planned for a whole model's shapes"):
+        rk.linen.remat(Block, "auto:budget=0.5")
     assert rk.linen.remat(Block, "none") is Block  # "none" means no wrapper
     with pytest.raises(rk.UnknownTagError, match="never emits") as info:
         model = rk.linen.apply_remat(Model(), {"Block": "save:*/attn/qeury"}, validate=True)
