@@ -320,20 +320,30 @@ def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None) -> in
 
 
 def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
-            budget: int, max_units: int) -> tuple[int, bool]:
+            budget: int, max_units: int, start: int = 1) -> tuple[int, bool]:
     """The largest k in [0, max_units] with fits(k), assuming fits is monotone.
 
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
     already probed (None if not probed or out of memory), for prediction.
+    `start`: the first unit probed, e.g. another policy's answer.
     """
-    if not fits(1):
+    start = min(max(start, 1), max_units)
+    if fits(start):
+        lo, hi = start, None  # fits(lo); not fits(hi)
+        if lo == max_units:
+            return lo, True
+    elif start == 1 or not fits(1):
         return 0, False
-    lo, hi, stalls = 1, None, 0  # fits(lo); not fits(hi)
+    else:
+        lo, hi = 1, start
+    stalls = 0
     while hi is None or hi - lo > 1:
         points = {k: b for k in range(1, (hi or lo) + 1) if (b := bytes_at(k)) is not None}
         guess = _predict(points, budget, lo, hi)
-        if guess == lo:
-            k = lo + 1  # the boundary is predicted at lo: confirm that lo + 1 fails
+        if guess == lo or (guess is None and hi is None and lo == start > 1):
+            # The boundary is predicted at lo, or lo is another policy's boundary:
+            # confirm that lo + 1 fails.
+            k = lo + 1
         elif hi is None:
             # Grow: to the predicted boundary, at most 8x a step; 2x without one.
             k = 2 * lo if guess is None or guess < lo else min(guess, 8 * lo)
@@ -444,8 +454,10 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     start = time.perf_counter()
     rows = []
     for i, spec in enumerate(specs):
+        # Policies land near each other: start at the largest size found so far.
+        start_units = max((r.size for r in rows), default=0) // multiple
         row = _fit_one(spec, steps, budget_bytes, multiple, max_size // multiple, vary,
-                       sizes)
+                       sizes, start_units)
         rows.append(row)
         if progress is not None:
             progress(i + 1, len(specs), row)
@@ -454,7 +466,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
 
 
 def _fit_one(spec: str, steps: _Steps, budget: int, multiple: int, max_units: int, vary: str,
-             sizes: Callable[[int], tuple[int, int]]) -> FitRow:
+             sizes: Callable[[int], tuple[int, int]], start: int) -> FitRow:
     before = steps.total
     probes = []
 
@@ -472,7 +484,7 @@ def _fit_one(spec: str, steps: _Steps, budget: int, multiple: int, max_units: in
         return None if m is None else m.total_bytes
 
     try:
-        units, capped = _search(fits, bytes_at, budget, max_units)
+        units, capped = _search(fits, bytes_at, budget, max_units, start)
     except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
         return FitRow(spec, 0, compiles=steps.total - before, probes=tuple(probes),
                       error=f"{type(e).__name__}: {e}")

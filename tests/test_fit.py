@@ -201,3 +201,12 @@ def test_long_context_config_checks_its_budget_before_training(tmp_path):
 def test_bad_calls_fail_before_compiling(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_later_policies_start_at_the_size_found_so_far(monkeypatch):
+    model = lambda s: 1_600_000 + 300 * s + s * s // 7
+    calls = fake_step(monkeypatch, model)
+    rows = fit(CFG, 10**7, policies=["none", "full"], multiple=128).rows
+    assert rows[0].size == rows[1].size == 6656
+    # full: the start (fits), then size + multiple (does not), cached "none" compiles aside.
+    assert [c[2] for c in calls if c[0] == "full"] == [6656, 6784]
