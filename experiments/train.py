@@ -381,6 +381,12 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     sample = put(np.zeros((config.batch_size, config.seq_len), np.int32))
     num_params = sum(p.size for p in jax.tree.leaves(state.params))
     state, train_rng, start_step = _resume(ckpt, config, state, train_rng)
+    done = workdir / "summary.json"
+    if start_step == config.num_steps and done.exists():
+        # A finished run started again: keep its summary and metrics as they are.
+        console.print(f"{workdir} already holds a finished run of {start_step} steps; nothing "
+                      f"to train (raise --config.num_steps to train on, or use a new workdir)")
+        return json.loads(done.read_text())
     policies, changed = (runlog.record_start(workdir, config, str(cfg.policy), start_step)
                          if lead else ([], []))
     if start_step:
@@ -532,8 +538,9 @@ def _check_budget(config: ml_collections.ConfigDict, budget: int, stats: dict) -
         f"config.memory_budget={config.memory_budget} ({budget} bytes per device): the "
         f"compiled train step under remat={config.remat} holds {used['step_bytes']} bytes "
         f"({_format_bytes(used['step_bytes'])}; {used['step_bytes_source']}, "
-        f"{stats['label']}), over the budget. `remat-kit fit --budget "
-        f"{config.memory_budget}` lists the largest seq_len each policy fits")
+        f"{stats['label']}), over the budget. `remat-kit fit --config {config.model} "
+        f"--budget {config.memory_budget} --batch {config.batch_size}` lists the largest "
+        f"seq_len each policy fits")
 
 
 def _mesh(config: ml_collections.ConfigDict):

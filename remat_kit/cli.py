@@ -615,7 +615,7 @@ def _plan(args) -> int:
     ok = [r for r in records if r.error is None and r.temp_size_in_bytes is not None]
     title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({planner.measure('full').platform}"
              f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
-             f"{report.fmt_bytes(none)} temp, least (full remat): {report.fmt_bytes(full)} "
+             f"{report.fmt_bytes(none)} temp, least compiled: {report.fmt_bytes(full)} "
              f"({full / none:.3f})")
     t = Table(title=title, caption="memory: compiled temp_size_in_bytes; FLOPs: over no remat",
               caption_justify="left")

@@ -120,6 +120,17 @@ def test_uninterrupted_run_checkpoints_and_history(reference):
     assert json.loads((reference / "config.json").read_text())["num_steps"] == N
 
 
+def test_starting_a_finished_run_again_changes_nothing(data, reference, tmp_path):
+    workdir = tmp_path / "copy"
+    shutil.copytree(reference, workdir)
+    before = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    summary = train.train_and_evaluate(_config(data), str(workdir))
+    assert summary == json.loads(before["summary.json"])
+    after = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    assert after["summary.json"] == before["summary.json"]
+    assert after["metrics.jsonl"] == before["metrics.jsonl"]
+
+
 def test_sigkill_then_resume_is_bitwise_equal(data, reference, tmp_path):
     proc = _stopped_run(data, tmp_path, hang=5, signum=signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
