@@ -305,17 +305,12 @@ def split_policies(text: str) -> list[str]:
 
 
 def check_schedules(cfg: TransformerConfig, specs: Sequence[str], flag: str) -> None:
-    """BadInput, before anything compiles, for a spec whose layer schedule does not
-    fit the model's layers (full@every:99 on 2 layers, nested:7)."""
+    """BadInput, before anything compiles, for a spec the model cannot take: the
+    config's own checks (`TransformerConfig`), e.g. a layer schedule that does not
+    fit its layers (full@every:99 on 2 layers, nested:7) or needs a looped stack."""
     for spec in specs:
-        policy = parse(spec)
-        if isinstance(policy, AutoSpec):
-            continue
         try:
-            policy.schedule.check(cfg.num_layers)
-            if cfg.scan_layers and policy.schedule.kind in ("every", "first"):
-                raise ValueError(f"layer schedule {policy.schedule} needs a looped stack; "
-                                 "this model is scanned (scan_layers=True)")
+            cfg.replace(remat=spec)
         except ValueError as e:
             raise BadInput(f"{flag} {spec!r}: {e}") from None
 

@@ -48,6 +48,7 @@ import optax
 
 from remat_kit import targets
 from remat_kit.errors import BudgetError, RematSpecError
+from remat_kit.measure import _check_positive
 from remat_kit.models import Transformer, TransformerConfig, make_loss_fn
 from remat_kit.plan import parse_budget
 from remat_kit.policy import Policy
@@ -119,8 +120,7 @@ def _check_args(cfg, optimizer, **sizes) -> None:
     if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _check_positive(name, value)
 
 
 def _policy(spec) -> Policy:

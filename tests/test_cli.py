@@ -21,7 +21,8 @@ def run(capsys, *argv):
 
 @pytest.mark.parametrize("argv, message", [
     (["compare", "--config", "tiny", "--policies", "full,full@every:99"],
-     "--policies 'full@every:99': layer schedule every:99: 99 is out of range for 2 layers"),
+     "--policies 'full@every:99': TransformerConfig: layer schedule every:99: 99 is out of "
+     "range for 2 layers"),
     (["explain", "--config", "tiny", "--policy", "full@every:2"],
      "explain shows one layer under one policy"),
     (["plan", "--config", "tiny", "--budgets", "1", "--cache", "experiments/configs/tiny.py"],
