@@ -218,9 +218,9 @@ def memory_kind_of(report_rows: Sequence[dict]) -> str:
 
 
 _MEMORY_NOTES = {
-    TEMP: "memory: temp_size_in_bytes (XLA CPU's peak figure leaves temp buffers out)",
-    PEAK: "memory: peak_memory_in_bytes, the compiler's peak (its temp figure leaves out "
-          "buffers the peak counts)"}
+    TEMP: "temp: temp_size_in_bytes (XLA CPU's peak figure leaves temp buffers out)",
+    PEAK: "peak: the compiler's peak_memory_in_bytes (its temp figure leaves out buffers "
+          "the peak counts)"}
 
 
 def table(report_rows: Sequence[dict], title: str = "") -> Table:
@@ -237,7 +237,7 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
     other = TEMP if kind == PEAK else PEAK if sharded else None
     label = MEMORY_LABELS[kind]
     t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
-              f"; {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}",
+              f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}",
               caption_justify="left")
     for name, justify in (("", "left"), ("policy", "left"), (label, "right"),
                           (f"{label} x none", "right"), ("residuals", "right"),
