@@ -330,3 +330,4 @@ def test_plan_verifies_on_the_target(capsys):
     assert code == 0, err
     assert "XLA TPU compile (v5e:1x1, AOT)" in out
     assert "compiled none" in err and "compiled full" in err
+    assert "memory: compiled peak_memory_in_bytes" in out  # budgets are of the peak
