@@ -8,7 +8,8 @@ machine, no TPU needed) and prints the seconds each distinct policy took
 (trace + lower + compile, from the JSON it wrote) and the wall time of the
 whole command. Target (issue 8): at most 300 s on 2 CPU cores. Then, unless
 --no-cpu, runs the same command with `--target cpu` and prints, for every
-preset, temp memory on both compilers and as a share of no remat, as a
+preset, temp memory on both compilers and as a share of no remat, and the
+target's peak and its share (what compare ranks the target's rows by), as a
 Markdown table (the README's). The load average is printed at the start and
 the end: other processes on the machine slow the compiles.
 """
@@ -26,8 +27,8 @@ def gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
-def share(r: dict) -> str:
-    return "-" if r.get("temp_ratio_to_none") is None else f"{100 * r['temp_ratio_to_none']:.1f}%"
+def share(r: dict, key: str = "temp_ratio_to_none") -> str:
+    return "-" if r.get(key) is None else f"{r[key]:.3f}"
 
 
 def main() -> int:
@@ -42,17 +43,19 @@ def main() -> int:
         cpu, cpu_wall = compare("--dtype", "bfloat16", "--target", "cpu")
         print(f"cpu: {cpu_wall:.1f} s wall\n")
         by_policy = {r["policy"]: r for r in cpu}
-        print(f"| policy | CPU temp | CPU % of none | {args.target} temp | "
-              f"{args.target} % of none | FLOPs {args.target} / CPU |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for r in records:  # sorted by the target's temp memory
+        print(f"| policy | CPU temp | CPU temp × none | {args.target} temp | temp × none | "
+              f"{args.target} peak | peak × none | FLOPs {args.target} / CPU |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in records:  # sorted by the target's memory figure (its peak on TPU)
             c = by_policy.get(r["policy"], {})
             flops = (f"{r['flops'] / c['flops']:.3f}" if r.get("flops") and c.get("flops")
                      else "-")
             names = ", ".join(f"`{n}`" for n in r["names"][:3])
             more = f" (+{len(r['names']) - 3})" if len(r["names"]) > 3 else ""
             print(f"| {names}{more} | {gib(c.get('temp_size_in_bytes'))} | {share(c)} | "
-                  f"{gib(r['temp_size_in_bytes'])} | {share(r)} | {flops} |")
+                  f"{gib(r['temp_size_in_bytes'])} | {share(r)} | "
+                  f"{gib(r['peak_memory_in_bytes'])} | {share(r, 'memory_ratio_to_none')} | "
+                  f"{flops} |")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     return 0 if wall <= TARGET_SECONDS else 1
 

@@ -10,7 +10,7 @@ tokens. The model, batch_size and seq_len come from the config file (see
 
     records.json   the `remat_kit.report` JSON schema, one object per policy
     records.csv    one line per policy (`remat_kit.report.CSV_FIELDS`)
-    pareto.png     temp memory against FLOP overhead, Pareto front marked
+    pareto.png     memory (temp on CPU, peak on TPU/GPU) against FLOP overhead, Pareto front marked
 
 and prints the table. Without --policies, every preset is swept.
 

@@ -569,6 +569,7 @@ def _plan(args) -> int:
     from rich.table import Table
 
     from remat_kit import report
+    from remat_kit.measure import MEMORY_LABELS
     from remat_kit.plan import config_planner, parse_budget, read_cache
 
     cfg, label, defaults = load_config(args.config)
@@ -607,23 +608,26 @@ def _plan(args) -> int:
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
     plan_seconds = time.perf_counter() - start
-    ok = [r for r in records if r.error is None and r.temp_size_in_bytes is not None]
+    kind = planner.memory_kind
+    memory = MEMORY_LABELS[kind]
+    ok = [r for r in records if r.error is None and r.memory_bytes is not None
+          and r.memory_kind == kind]
     title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({planner.measure('full').platform}"
              f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
-             f"{report.fmt_bytes(none)} temp, least compiled: {report.fmt_bytes(full)} "
+             f"{report.fmt_bytes(none)} {memory}, least compiled: {report.fmt_bytes(full)} "
              f"({full / none:.3f})")
-    t = Table(title=title, caption="memory: compiled temp_size_in_bytes; FLOPs: over no remat",
-              caption_justify="left")
-    for name in ("budget", "bytes", "planned policy", "memory", "x none", "FLOPs +",
-                 "tries", "best preset that fits", "memory", "FLOPs +"):
+    t = Table(title=title, caption=f"memory: compiled {kind}, budgets and x none of it; "
+              "FLOPs: over no remat", caption_justify="left")
+    for name in ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
+                 "tries", "best preset that fits", memory, "FLOPs +"):
         t.add_column(name, justify="left" if "polic" in name or "preset" in name else "right")
     out = []
     for b in budgets:
         limit = parse_budget(b).resolve(none)
-        fitting = [r for r in ok if r.temp_size_in_bytes <= limit]
-        best = min(fitting, key=lambda r: (r.flops, r.temp_size_in_bytes), default=None)
+        fitting = [r for r in ok if r.memory_bytes <= limit]
+        best = min(fitting, key=lambda r: (r.flops, r.memory_bytes), default=None)
         p = plans.get(b)
-        preset_cells = ([", ".join(best.names), report.fmt_bytes(best.temp_size_in_bytes),
+        preset_cells = ([", ".join(best.names), report.fmt_bytes(best.memory_bytes),
                          f"{best.flops / planner.measure('none').flops - 1:+.2%}"]
                         if best else ["none fits" if presets else "not compared", "-", "-"])
         if p is None:
@@ -641,7 +645,8 @@ def _plan(args) -> int:
                   + (" (the presets compiled before, not counted)" if presets else ""))
     context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
                "devices": devices, "platform": planner.measure("full").platform,
-               "none_bytes": none, "minimum_bytes": full, "plan_seconds": plan_seconds}
+               "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
+               "plan_seconds": plan_seconds}
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump({"schema_version": 1, "context": context, "budgets": out,
@@ -757,7 +762,8 @@ def _parser() -> argparse.ArgumentParser:
     common(plan)
     plan.add_argument("--budgets", required=True,
                       help="comma-separated budgets: sizes (6GiB, 512MiB, bytes) or fractions "
-                           "0 < f <= 1 of no-remat temp memory")
+                           "0 < f <= 1 of no remat's memory (temp on CPU, the compiler's "
+                           "peak on TPU and GPU)")
     plan.add_argument("--presets", default=None,
                       help="comma-separated specs to set against the plans (default: every "
                            "preset)")

@@ -80,10 +80,11 @@ class BudgetError(RematSpecError):
 
     Attributes:
       budget: the budget as given.
-      minimum_bytes: the least temp memory any policy reaches (full remat),
-        bytes per device; None for a malformed budget.
-      minimum_fraction: minimum_bytes / the no-remat temp memory; None for a
-        malformed budget.
+      minimum_bytes: the least memory any policy reaches (full remat), bytes
+        per device (the planner's figure: temp on CPU, peak on TPU and GPU;
+        `fit`'s whole step); None for a malformed budget.
+      minimum_fraction: minimum_bytes / no remat's memory; None for a
+        malformed budget or where there is no such ratio.
     """
 
     def __init__(self, message: str, *, budget=None, minimum_bytes: int | None = None,

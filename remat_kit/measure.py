@@ -19,7 +19,9 @@ which ("XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"): accelerator
 compilers fuse differently, so CPU temp bytes are not a GPU/TPU figure. On the XLA CPU backend
 `peak_memory_in_bytes` does not include temp buffers: it is about
 arguments + outputs - aliased bytes, the same for every policy however much
-their temp differs. Compare policies on CPU by `temp_size_in_bytes`.
+their temp differs. Policies are compared on CPU by `temp_size_in_bytes`, on
+accelerator targets by the compiler's `peak_memory_in_bytes`: `memory_kind`
+and `Record.memory_bytes`.
 
 Policies apply through a *loss factory*: `measure(loss_for_policy, ...)`
 calls `loss_for_policy(policy)` to get the loss under that policy, so the
@@ -370,8 +372,8 @@ class Record:
       temp_size_in_bytes, peak_memory_in_bytes, argument_size_in_bytes,
         output_size_in_bytes, alias_size_in_bytes: from
         `compiled.memory_analysis()` (`memory_fields`); None where the
-        backend gives none. On CPU peak_memory_in_bytes leaves out temp
-        buffers; temp_size_in_bytes is the figure to compare there.
+        backend gives none. Which of the first two a policy is ranked and
+        budgeted by is `memory_kind` (`memory_bytes` is its value).
       flops, transcendentals: from `compiled.cost_analysis()`, loops counted
         per trip (`loop_scaled_costs`); None where the backend gives none.
       compile_seconds: tracing, lowering and compiling, seconds.
@@ -412,13 +414,57 @@ class Record:
         return (sum(self.residual_bytes_by_tag.values())
                 + sum(self.residual_bytes_by_primitive.values()))
 
+    @property
+    def memory_kind(self) -> str:
+        """The figure this policy's memory is ranked and budgeted by: `memory_kind(platform)`
+        of the record's target; TEMP where the compiler reported no peak or the
+        record names no target."""
+        kind = memory_kind(self.target.split(":", 1)[0]) if self.target else TEMP
+        return kind if getattr(self, kind) is not None else TEMP
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The memory this policy costs on its target, per device, in bytes: the
+        `memory_kind` field's value (None if the policy did not compile)."""
+        return getattr(self, self.memory_kind)
+
     def to_dict(self) -> dict:
-        """A JSON-ready dict of every field, plus activation_residual_bytes."""
+        """A JSON-ready dict of every field, plus activation_residual_bytes,
+        memory_kind and memory_bytes."""
         d = dataclasses.asdict(self)
         d["names"] = list(self.names)
         d["notes"] = list(self.notes)
         d["activation_residual_bytes"] = self.activation_residual_bytes
+        d["memory_kind"], d["memory_bytes"] = self.memory_kind, self.memory_bytes
         return d
+
+
+TEMP, PEAK = "temp_size_in_bytes", "peak_memory_in_bytes"
+MEMORY_LABELS = {TEMP: "temp", PEAK: "peak"}  # short names for table headers and axes
+
+
+def memory_kind(platform: str) -> str:
+    """Which compiled memory figure says what a policy costs on `platform`.
+
+    The one definition that `compare` (sorting, x none, Pareto front, plot) and
+    the planner (budgets, fractions, minimum, verification) use:
+
+    * "cpu": TEMP, `temp_size_in_bytes`. The XLA CPU backend's
+      `peak_memory_in_bytes` leaves temp buffers out (it is about arguments +
+      outputs - aliased bytes, alike for every policy).
+    * any other platform ("tpu", "gpu"): PEAK, `peak_memory_in_bytes`, the
+      compiler's own peak. XLA:TPU's temp figure leaves out buffers its peak
+      counts: tiny, batch 8, seq 128 on TPU v5e has temp 1.17 MiB for no
+      remat and 1.30 MiB for full remat, peak 11.67 and 7.28 MiB, so temp
+      would rank full remat above no remat. (A record whose compiler gave no
+      peak falls back to TEMP, `Record.memory_kind`.)
+
+    Args:
+      platform: a target's platform, "cpu", "tpu" or "gpu" (`targets.Target.platform`).
+    Returns:
+      TEMP or PEAK, the name of the `Record` / `memory_fields` field.
+    """
+    return TEMP if platform == "cpu" else PEAK
 
 
 def platform_label(platform: str | None = None) -> str:
@@ -969,7 +1015,8 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
     return _breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers, target)
 
 
-__all__ = ["LayerBreakdown", "LayerRow", "Record", "Residual", "StepTime", "checkpointed",
+__all__ = ["MEMORY_LABELS", "PEAK", "TEMP", "LayerBreakdown", "LayerRow", "Record", "Residual",
+           "StepTime", "checkpointed",
            "config_program", "explain",
            "layer_residuals", "loop_scaled_costs", "measure", "measure_config",
-           "memory_fields", "platform_label", "residuals"]
+           "memory_fields", "memory_kind", "platform_label", "residuals"]

@@ -24,7 +24,7 @@ memory?" in three steps:
        minimize    sum_t flops_t r_t
        subject to  s_t + r_t >= 1              t needed by the backward pass
                    s_p + r_p >= r_t            p a parent of t (recomputing t reads p)
-                   sum_t bytes_t s_t <= room   room = budget - temp memory of `full`
+                   sum_t bytes_t s_t <= room   room = budget - memory of `full`
 
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `FLOP_RESOLUTION` of the cheapest, so nothing
@@ -32,7 +32,7 @@ memory?" in three steps:
    `mlpwo`'s input means recomputing `mlp_act`, which reads `mlpwi`: the
    parent constraints carry such chains.
 3. Verification: the chosen policy (`save:` the tags with s_t = 1) is compiled
-   and its real `temp_size_in_bytes` checked. Over budget, the room shrinks
+   and its real memory checked. Over budget, the room shrinks
    by the overshoot (and below the rejected plan's bytes) and the program is
    solved again; under budget, the unused bytes are offered back (XLA's
    buffer reuse often makes saved tags cost less than their size). Up to
@@ -41,13 +41,21 @@ memory?" in three steps:
    the `Planner` has compiled for this loss (e.g. the presets `remat-kit plan`
    compares) is a candidate too. A budget that holds no remat returns `none`.
 
-Memory is XLA's compiled `temp_size_in_bytes` per device: what remat
-changes. A fractional budget is a fraction of the `none` policy's. On the
-XLA CPU backend these are CPU compile figures (see `remat_kit.measure`).
+Memory is the figure `remat_kit.measure.memory_kind` names for the target
+(`Record.memory_bytes`), per device, as `remat-kit compare` ranks by: XLA's
+`temp_size_in_bytes` on the XLA CPU backend (its peak figure leaves temp
+buffers out), the compiler's `peak_memory_in_bytes` on TPU and GPU targets
+(XLA:TPU's temp figure leaves out buffers its peak counts, and can rank full
+remat above no remat). A fractional budget is a fraction of the `none`
+policy's figure, the minimum is the least figure of any compiled policy, and
+the room the MILP fills is the budget minus `full`'s figure; saved tags add
+to either figure about their bytes, and verification by compiling corrects
+what they do not. `Plan.memory_kind` says which figure a plan's bytes are.
 
 Plans are cached in a JSON file keyed by a fingerprint of the traced program
-(model, shapes, dtypes, shardings), the budget, the JAX version and the
-backend, so a restarted run does not plan again.
+(model, shapes, dtypes, shardings), the JAX version, the target, the memory
+figure and the budget, so a restarted run does not plan again and a plan made
+for one figure is never returned for another.
 """
 
 from __future__ import annotations
@@ -68,7 +76,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat_kit import targets
 from remat_kit.errors import BudgetError
-from remat_kit.measure import Record, _as_factory, _stage, config_program, measure
+from remat_kit.measure import (MEMORY_LABELS, Record, _as_factory, _stage, config_program,
+                               measure, memory_kind)
 from remat_kit.policy import Policy
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import tag_of
@@ -82,7 +91,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*(?P<num>[-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[a-z]*)\s*$",
                    re.I)
 _HELP = "a size (6GiB, 512MiB, 6000000000 bytes) or a fraction 0 < f <= 1 of no-remat memory " \
-        "(0.25, 25%)"
+        "(0.25, 25%; temp memory on CPU, peak on TPU and GPU)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +102,7 @@ class Budget:
     fraction: float | None = None
 
     def resolve(self, none_bytes: int) -> int:
-        """Bytes, given the no-remat temp memory `none_bytes`."""
+        """Bytes, given no remat's memory `none_bytes` (`Record.memory_bytes` of `none`)."""
         return self.bytes if self.bytes is not None else int(self.fraction * none_bytes)
 
 
@@ -103,8 +112,9 @@ def parse_budget(budget: "str | int | float") -> Budget:
     Args:
       budget: a size: an int or a string of a number and a unit ("6GiB",
         "512MiB", "1.5GB", "6000000000"; KiB/MiB/GiB/TiB are powers of 1024,
-        KB/MB/GB/TB of 1000, no unit or B is bytes); or a fraction of the
-        no-remat temp memory: a number 0 < f <= 1 ("0.25", 0.25, 1) or a
+        KB/MB/GB/TB of 1000, no unit or B is bytes); or a fraction of no
+        remat's memory (`Record.memory_bytes`: temp on CPU, peak on TPU and
+        GPU): a number 0 < f <= 1 ("0.25", 0.25, 1) or a
         percentage ("25%"). Numbers above 1 without a unit are bytes.
     Returns:
       A `Budget`.
@@ -331,23 +341,29 @@ def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None) 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The planner's answer for one budget. Bytes are per device (XLA temp memory).
+    """The planner's answer for one budget. Bytes are per device, of the compiled
+    figure `memory_kind` names.
 
     Attributes:
       budget: the budget as given (e.g. "6GiB", 0.25).
-      budget_bytes: it in bytes.
+      budget_bytes: it in bytes (a fraction resolved against none_bytes).
       policy: the chosen `Policy`; spec: its canonical spec string.
-      predicted_bytes, predicted_flops: the cost model's temp memory and
-        FLOPs of the step (value and grad) under the policy.
-      measured_bytes, measured_flops: the compiled step's `temp_size_in_bytes`
-        and FLOPs (loops counted per trip), from `measure`.
+      predicted_bytes, predicted_flops: the cost model's memory (`full`'s
+        figure plus the saved tags' bytes) and FLOPs of the step (value and
+        grad) under the policy.
+      measured_bytes, measured_flops: the compiled step's memory
+        (`Record.memory_bytes`: `temp_size_in_bytes` on CPU,
+        `peak_memory_in_bytes` on TPU and GPU) and FLOPs (loops counted per
+        trip), from `measure`.
       none_bytes, none_flops: the same for no remat (`none`).
-      minimum_bytes: the least temp memory of the policies compiled so far:
+      minimum_bytes: the least memory of the policies compiled so far:
         `full`'s, except on small models where XLA gives another policy less.
       status: the solver's last message, each policy compiled with its
         measured bytes and whether it fit, and the choice.
       iterations: policies compiled to verify (0 for `none`).
       platform: whose compiler measured, e.g. "XLA CPU compile".
+      memory_kind: which figure the bytes above are: "temp_size_in_bytes"
+        or "peak_memory_in_bytes" (`remat_kit.measure.memory_kind`).
       cached: read from the plan cache rather than planned now.
     """
 
@@ -365,6 +381,7 @@ class Plan:
     status: str
     iterations: int
     platform: str
+    memory_kind: str
     cached: bool = False
 
     @property
@@ -446,7 +463,9 @@ class Planner:
       progress: called with a one-line message as each policy is compiled.
       target: whose compiler the plan is verified with and whose memory it
         fits (`remat_kit.targets`, e.g. "tpu:v5e:1x1"); default JAX's
-        default backend.
+        default backend. It sets the memory figure budgeted:
+        `temp_size_in_bytes` on CPU, `peak_memory_in_bytes` on TPU and GPU
+        (`remat_kit.measure.memory_kind`).
     """
 
     def __init__(self, loss_fn: Callable, *args, cache: "str | bool | None" = True,
@@ -486,7 +505,7 @@ class Planner:
         """The compiled record of `policy` (memoized); raises if it fails to compile."""
         record = self.measure_all([policy])[0]
         key = str(parse(policy))
-        if record.error or record.temp_size_in_bytes is None or record.flops is None:
+        if record.error or record.memory_bytes is None or record.flops is None:
             raise RuntimeError(f"cannot plan: policy {key!r} did not compile to memory and "
                                f"FLOP figures: {record.error or 'the backend reports none'}")
         return record
@@ -518,54 +537,62 @@ class Planner:
 
     # -- planning ---------------------------------------------------------
 
+    @property
+    def memory_kind(self) -> str:
+        """The figure this planner budgets, "temp_size_in_bytes" or
+        "peak_memory_in_bytes": `none`'s `Record.memory_kind` (compiles `none`)."""
+        return self.measure(Policy(remat=False)).memory_kind
+
     def minimum(self) -> tuple[int, int]:
-        """(least temp bytes of any compiled policy, temp bytes of `none`), after
-        compiling `full` and `none`. The least is `full`'s except on small models,
-        where XLA can give another policy less."""
-        none = self.measure(Policy(remat=False)).temp_size_in_bytes
+        """(least memory of any compiled policy, memory of `none`), bytes of
+        `memory_kind`, after compiling `full` and `none`. The least is `full`'s
+        except on small models, where XLA can give another policy less."""
+        none = self.measure(Policy(remat=False)).memory_bytes
         self.measure(Policy())
-        return min(r.temp_size_in_bytes for r in self._compiled()), none
+        return min(r.memory_bytes for r in self._compiled()), none
 
     def plan(self, budget: "str | int | float") -> Plan:
-        """The policy with the fewest FLOPs whose compiled temp memory fits `budget`.
+        """The policy with the fewest FLOPs whose compiled memory fits `budget`.
 
         Args:
           budget: see `parse_budget`.
         Returns:
           A verified `Plan`: measured_bytes <= budget_bytes.
         Raises:
-          BudgetError: a malformed budget, or one below the least temp memory
-            of any compiled policy, normally `full` (the message gives that
+          BudgetError: a malformed budget, or one below the least memory of
+            any compiled policy, normally `full` (the message gives that
             minimum in bytes and as a fraction).
           RuntimeError: `full` or `none` does not compile.
         """
         parsed = parse_budget(budget)
-        key = f"{self.fingerprint()}|{parsed}"
+        # The figure budgeted is in the key: a temp plan never answers a peak budget.
+        key = f"{self.fingerprint()}|{memory_kind(self.target.platform)}|{parsed}"
         if self.cache and key in (hit := read_cache(self.cache) or {}):
             try:
                 return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
             except (TypeError, ValueError, KeyError):
                 pass  # an entry from an older layout: plan again
         full, none = self.measure(Policy()), self.measure(Policy(remat=False))
-        limit = parsed.resolve(none.temp_size_in_bytes)
-        least = min(self._compiled(), key=lambda r: r.temp_size_in_bytes)
-        if limit < least.temp_size_in_bytes:
-            lo = least.temp_size_in_bytes
+        limit = parsed.resolve(none.memory_bytes)
+        least = min(self._compiled(), key=lambda r: r.memory_bytes)
+        if limit < least.memory_bytes:
+            lo = least.memory_bytes
             which = "full remat" if least is full else f"{least.policy} (below full remat's)"
             raise BudgetError(
-                f"budget {budget} ({limit:,} bytes) is below the least temp memory any policy "
-                f"reaches: {lo:,} bytes under {which}, {lo / none.temp_size_in_bytes:.3f} of "
-                f"no remat ({none.temp_size_in_bytes:,} bytes)", budget=budget,
-                minimum_bytes=lo, minimum_fraction=lo / none.temp_size_in_bytes)
-        if limit >= none.temp_size_in_bytes:
+                f"budget {budget} ({limit:,} bytes) is below the least "
+                f"{MEMORY_LABELS[none.memory_kind]} memory any policy "
+                f"reaches: {lo:,} bytes under {which}, {lo / none.memory_bytes:.3f} of "
+                f"no remat ({none.memory_bytes:,} bytes)", budget=budget,
+                minimum_bytes=lo, minimum_fraction=lo / none.memory_bytes)
+        if limit >= none.memory_bytes:
             return self._finish(key, budget, limit, Policy(remat=False), none,
-                                none.temp_size_in_bytes, none.flops, "the budget holds no remat", 0)
+                                none.memory_bytes, none.flops, "the budget holds no remat", 0)
         model = self.model
         base_flops = full.flops - model.cost(frozenset())[1]
-        room, hi, status, tried, notes = limit - full.temp_size_in_bytes, None, "", set(), []
-        # full is the fallback; on small models XLA can give it more temp than others.
-        best = ((full.flops, full.temp_size_in_bytes, Policy(), full, 0,
-                 model.cost(frozenset())[1]) if full.temp_size_in_bytes <= limit else None)
+        room, hi, status, tried, notes = limit - full.memory_bytes, None, "", set(), []
+        # full is the fallback; on small models XLA can give it more memory than others.
+        best = ((full.flops, full.memory_bytes, Policy(), full, 0,
+                 model.cost(frozenset())[1]) if full.memory_bytes <= limit else None)
         for _ in range(self.max_iterations):
             saved, status = model.solve(room, FLOP_RESOLUTION * none.flops)
             if saved in tried:
@@ -574,34 +601,34 @@ class Planner:
             policy = Policy(save=saved)
             record = self.measure_all([policy])[0]
             tag_bytes, recompute = model.cost(saved)
-            if record.error or record.temp_size_in_bytes is None or record.flops is None:
+            if record.error or record.memory_bytes is None or record.flops is None:
                 notes.append(f"{policy}: no figures ({record.error}), skipped")
                 hi, room = tag_bytes, max(0, tag_bytes - 1)
                 continue
-            notes.append(f"{policy}: {record.temp_size_in_bytes:,} bytes, "
-                         + ("fits" if record.temp_size_in_bytes <= limit else "over"))
-            if record.temp_size_in_bytes <= limit:
-                found = (record.flops, record.temp_size_in_bytes, policy, record, tag_bytes,
+            notes.append(f"{policy}: {record.memory_bytes:,} bytes, "
+                         + ("fits" if record.memory_bytes <= limit else "over"))
+            if record.memory_bytes <= limit:
+                found = (record.flops, record.memory_bytes, policy, record, tag_bytes,
                          recompute)
                 best = found if best is None else min(best, found, key=lambda c: c[:2])
                 # Fits with bytes to spare: the model over-predicted; offer the slack,
                 # but stay below a room that was already too much.
-                grown = room + limit - record.temp_size_in_bytes
+                grown = room + limit - record.memory_bytes
                 room = grown if hi is None else min(grown, (room + hi) / 2)
             else:
                 # Over budget: shrink the room by the overshoot, and below this plan's bytes.
                 hi = tag_bytes
-                room = max(0, min(room - (record.temp_size_in_bytes - limit), tag_bytes - 1))
+                room = max(0, min(room - (record.memory_bytes - limit), tag_bytes - 1))
         if best is not None:
             _, _, policy, record, tag_bytes, recompute = best
-            predicted = (full.temp_size_in_bytes + tag_bytes, base_flops + recompute)
+            predicted = (full.memory_bytes + tag_bytes, base_flops + recompute)
         # Any other policy compiled for this loss (e.g. the presets remat-kit plan
         # compares) that fits with fewer FLOPs wins: it is verified just the same.
-        other = min((r for r in self._compiled() if r.temp_size_in_bytes <= limit),
-                    key=lambda r: (r.flops, r.temp_size_in_bytes))  # `least` fits
-        if best is None or (other.flops, other.temp_size_in_bytes) < best[:2]:
+        other = min((r for r in self._compiled() if r.memory_bytes <= limit),
+                    key=lambda r: (r.flops, r.memory_bytes))  # `least` fits
+        if best is None or (other.flops, other.memory_bytes) < best[:2]:
             policy, record = parse(other.policy), other
-            predicted = (other.temp_size_in_bytes, other.flops)
+            predicted = (other.memory_bytes, other.flops)
             notes.append(f"{other.policy} (compiled before) has fewer FLOPs")
         return self._finish(key, budget, limit, policy, record, *predicted,
                             "; ".join([status, *notes, f"chose {policy}"]), len(tried))
@@ -609,7 +636,7 @@ class Planner:
     def _compiled(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures."""
         return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
-                if r.error is None and r.flops is not None and r.temp_size_in_bytes is not None]
+                if r.error is None and r.flops is not None and r.memory_bytes is not None]
 
     def _finish(self, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
                 status, iterations) -> Plan:
@@ -617,10 +644,10 @@ class Planner:
         result = Plan(
             budget=str(budget), budget_bytes=limit, policy=policy, spec=str(policy),
             predicted_bytes=predicted_bytes,
-            predicted_flops=predicted_flops, measured_bytes=record.temp_size_in_bytes,
+            predicted_flops=predicted_flops, measured_bytes=record.memory_bytes,
             measured_flops=record.flops, none_bytes=none,
             none_flops=self.measure(Policy(remat=False)).flops, minimum_bytes=least, status=status,
-            iterations=iterations, platform=record.platform)
+            iterations=iterations, platform=record.platform, memory_kind=self.memory_kind)
         if self.cache:
             _write_cache(self.cache, key, result)
         return result
@@ -647,8 +674,8 @@ class Planner:
 
 
 def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
-         max_iterations: int = 3) -> Plan:
-    """The cheapest policy (fewest FLOPs) whose compiled temp memory fits `budget`.
+         max_iterations: int = 3, target=None) -> Plan:
+    """The cheapest policy (fewest FLOPs) whose compiled memory fits `budget`.
 
     `rk.plan(loss_fn, *args, budget="6GiB")`: a mixed-integer program over the
     tags `loss_fn` emits, costs measured from its jaxpr and XLA, verified by
@@ -658,15 +685,20 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       loss_fn: a loss(*args) -> scalar, or a policy -> loss factory.
       args: arrays or `jax.ShapeDtypeStruct`s.
       budget: bytes ("6GiB", "512MiB", 6_000_000_000) or a fraction 0 < f <= 1
-        of the no-remat temp memory (0.25).
+        of no remat's memory (0.25); memory is `temp_size_in_bytes` on the XLA
+        CPU backend, `peak_memory_in_bytes` on TPU and GPU (`Planner`).
       cache: plan cache path, True for `default_cache_path()`, None for none.
       max_iterations: compiles per budget before falling back to `full`.
+      target: whose compiler to plan for (`remat_kit.targets`, e.g.
+        "tpu:v5e:1x1"); default JAX's default backend.
     Returns:
       A `Plan` with measured_bytes <= budget_bytes.
     Raises:
       BudgetError: a malformed budget, or one below full remat's memory.
+      TargetError: a bad target, or libtpu / the CUDA plugin missing.
     """
-    return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations).plan(budget)
+    return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
+                   target=target).plan(budget)
 
 
 def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=None,

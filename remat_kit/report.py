@@ -17,7 +17,7 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
                                "jax_version": str, "compiler_version": str}]},
       "formula_note": str,                             # FORMULA_NOTE
       "records": [                    # one object per policy and target;
-        {                             # each target's sorted by temp memory
+        {                             # each target's sorted by memory_bytes
           "policy": str,                  # canonical spec
           "names": [str],                 # every name that maps to it
           "platform": str,                # e.g. "XLA CPU compile",
@@ -30,8 +30,12 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
           "residual_bytes_by_argument": {str: int},
           "activation_residual_bytes": int,   # tags + primitives
           "offloaded_bytes": int,
-          "temp_size_in_bytes": int | null,   # what rows are compared by
+          "temp_size_in_bytes": int | null,
           "peak_memory_in_bytes": int | null, # on CPU: no temp buffers
+          "memory_kind": str,             # which of the two rows are compared
+                                          # by: "temp_size_in_bytes" on CPU,
+                                          # "peak_memory_in_bytes" on TPU/GPU
+          "memory_bytes": int | null,     # that figure's value
           "argument_size_in_bytes": int | null,
           "output_size_in_bytes": int | null,
           "alias_size_in_bytes": int | null,
@@ -45,10 +49,11 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
           "layers_residual_bytes": int | null, # that x num_layers
           "notes": [str],
           "error": str | null,
-          "temp_ratio_to_none": float | null,
+          "memory_ratio_to_none": float | null, # memory_bytes / none's
+          "temp_ratio_to_none": float | null,   # temp / none's temp
           "flops_ratio_to_none": float | null,
           "pareto": bool,                 # no other row has less or equal
-                                          # temp memory and FLOPs, one strictly
+                                          # memory_bytes and FLOPs, one strictly
           "formula_bytes": int | null,    # Korthikanti per layer x layers (tensor
                                       # parallel row when devices split heads)
       "formula_sp_bytes": int | null  # tensor + sequence parallel row, or null
@@ -57,10 +62,14 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
     }
 
 Ratios and the Pareto front are computed among the records of one target.
-All byte figures are per device. Memory is compared by `temp_size_in_bytes`
-(sorting, ratios, Pareto front, plot): on the XLA CPU backend
-`peak_memory_in_bytes` does not include temp buffers, so it is about the same
-for every policy (about arguments + outputs - aliased bytes).
+All byte figures are per device. Memory is compared (sorting, ratios, Pareto
+front, plot) by `Record.memory_bytes`, the figure `measure.memory_kind` names
+for the target: `temp_size_in_bytes` on the XLA CPU backend, whose
+`peak_memory_in_bytes` leaves temp buffers out (it is about arguments +
+outputs - aliased bytes, alike for every policy); the compiler's
+`peak_memory_in_bytes` on TPU and GPU targets, whose temp figure leaves out
+buffers the peak counts. Tables name the figure in their headers ("peak",
+"peak x none") and keep the other one in a column beside it.
 """
 
 from __future__ import annotations
@@ -74,7 +83,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from remat_kit import estimate
-from remat_kit.measure import Record
+from remat_kit.measure import MEMORY_LABELS, PEAK, TEMP, Record
 from remat_kit.models import TransformerConfig
 from remat_kit.spec import parse
 
@@ -120,12 +129,12 @@ def formula_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: str, t: 
 
 
 def pareto_flags(records: Sequence[Record]) -> list[bool]:
-    """Per record: True if no other measured record has temp memory and FLOPs
-    both <=, one strictly <. Records with an error or missing figures are never
-    optimal."""
+    """Per record: True if no other measured record has memory (`Record.memory_bytes`)
+    and FLOPs both <=, one strictly <. Records with an error or missing figures
+    are never optimal."""
     def point(r):
-        ok = r.error is None and r.temp_size_in_bytes is not None and r.flops is not None
-        return (r.temp_size_in_bytes, r.flops) if ok else None
+        ok = r.error is None and r.memory_bytes is not None and r.flops is not None
+        return (r.memory_bytes, r.flops) if ok else None
 
     points = [point(r) for r in records]
     return [p is not None and not any(
@@ -139,9 +148,10 @@ def _ratio(a, b) -> float | None:
 
 def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
          batch: int | None = None, seq: int | None = None, tensor: int = 1) -> list[dict]:
-    """Records as dicts (`Record.to_dict`) plus temp_ratio_to_none,
+    """Records as dicts (`Record.to_dict`) plus memory_ratio_to_none (memory_bytes
+    over none's, both of one memory_kind), temp_ratio_to_none,
     flops_ratio_to_none, pareto, formula_bytes, formula_sp_bytes and
-    layers_residual_bytes; sorted by temp memory (failed rows last). cfg,
+    layers_residual_bytes; sorted by memory_bytes (failed rows last). cfg,
     batch (per device), seq: for the two per-layer figures. tensor: the
     tensor-parallel size; above 1, formula_bytes is Korthikanti's "tensor
     parallel" row and formula_sp_bytes the "tensor + sequence parallel" row
@@ -150,6 +160,8 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
     out = []
     for r, pareto in zip(records, pareto_flags(records)):
         d = r.to_dict()
+        d["memory_ratio_to_none"] = (_ratio(r.memory_bytes, none.memory_bytes)
+                                     if none and none.memory_kind == r.memory_kind else None)
         d["temp_ratio_to_none"] = _ratio(r.temp_size_in_bytes, none and none.temp_size_in_bytes)
         d["flops_ratio_to_none"] = _ratio(r.flops, none and none.flops)
         d["pareto"] = pareto
@@ -162,8 +174,7 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
                                       if cfg is not None and r.layer_residual_bytes is not None
                                       else None)
         out.append(d)
-    return sorted(out, key=lambda d: (d["temp_size_in_bytes"] is None,
-                                      d["temp_size_in_bytes"] or 0))
+    return sorted(out, key=lambda d: (d["memory_bytes"] is None, d["memory_bytes"] or 0))
 
 
 def fmt_bytes(n) -> str:
@@ -198,55 +209,66 @@ def compiled_by(report_rows: Sequence[dict]) -> str:
     return f"{d['platform']}; jax {d['jax_version']}, {d['compiler_version']}"
 
 
-def _accelerator(report_rows: Sequence[dict]) -> bool:
-    """Whether the rows come from an accelerator compiler that reports a peak. Its
-    peak covers buffers its temp figure leaves out (tiny, batch 8, seq 128 on TPU
-    v5e: temp 1.23 MB for none and 1.36 MB for full; peak 12.2 and 7.6 MB), so
-    the tables show it beside temp."""
-    return any(not d["platform"].startswith("XLA CPU") and d["peak_memory_in_bytes"]
-               for d in report_rows)
+def memory_kind_of(report_rows: Sequence[dict]) -> str:
+    """The `memory_kind` `report_rows` (of one target) are compared by: that of
+    their `none` row, else of their first row that compiled; TEMP for none."""
+    measured = [d for d in report_rows if d["memory_bytes"] is not None]
+    found = next((d for d in measured if d["policy"] == "none"), measured[0] if measured else None)
+    return found["memory_kind"] if found else TEMP
+
+
+_MEMORY_NOTES = {
+    TEMP: "temp: temp_size_in_bytes (XLA CPU's peak figure leaves temp buffers out)",
+    PEAK: "peak: the compiler's peak_memory_in_bytes (its temp figure leaves out buffers "
+          "the peak counts)"}
 
 
 def table(report_rows: Sequence[dict], title: str = "") -> Table:
     """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *;
-    the caption names the target and the jax and compiler versions. With tensor
-    parallelism (formula_sp_bytes set) it adds Korthikanti's tensor + sequence
-    parallel row; with tensor parallelism or an accelerator target, the
-    per-device peak bytes."""
+    the caption names the target, the jax and compiler versions and the memory
+    figure. Rows are ranked by `memory_kind_of(report_rows)`, which names the
+    first two columns ("peak", "peak x none" on TPU and GPU; "temp", "temp x
+    none" on CPU); the other figure gets a column too, on CPU only with tensor
+    parallelism. With tensor parallelism (formula_sp_bytes set) it adds
+    Korthikanti's tensor + sequence parallel row."""
     timed = any(d["step_time"] for d in report_rows)
     sharded = any(d.get("formula_sp_bytes") is not None for d in report_rows)
-    accelerator = _accelerator(report_rows)
+    kind = memory_kind_of(report_rows)
+    other = TEMP if kind == PEAK else PEAK if sharded else None
+    label = MEMORY_LABELS[kind]
     t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
-              f"; {escape(compiled_by(report_rows))}", caption_justify="left")
-    for name, justify in (("", "left"), ("policy", "left"), ("temp", "right"),
-                          ("x none", "right"), ("residuals", "right"), ("layer x L", "right"),
-                          ("Korthikanti x L", "right"), ("FLOPs", "right"), ("x none", "right")):
+              f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}",
+              caption_justify="left")
+    for name, justify in (("", "left"), ("policy", "left"), (label, "right"),
+                          (f"{label} x none", "right"), ("residuals", "right"),
+                          ("layer x L", "right"), ("Korthikanti x L", "right"),
+                          ("FLOPs", "right"), ("FLOPs x none", "right")):
         t.add_column(name, justify=justify)
     if sharded:
         t.add_column("Korthikanti SP x L", justify="right")
-    if sharded or accelerator:
-        t.add_column("peak", justify="right")
+    if other:
+        t.add_column(MEMORY_LABELS[other], justify="right")
     if timed:
         t.add_column("step s (min-max)", justify="right")
-        t.add_column("x none", justify="right")
+        t.add_column("step x none", justify="right")
     t.add_column("compile s", justify="right")
     for d in report_rows:
-        label = escape(", ".join(d["names"]))  # specs hold [src->dst], not markup
+        names = escape(", ".join(d["names"]))  # specs hold [src->dst], not markup
         if d["error"]:
             error = escape(d["error"].splitlines()[0])
-            cells = ["", f"{label}\n[red]error: {error}[/red]"] + ["-"] * (len(t.columns) - 2)
+            cells = ["", f"{names}\n[red]error: {error}[/red]"] + ["-"] * (len(t.columns) - 2)
             t.add_row(*cells)
             continue
-        cells = ["*" if d["pareto"] else "", label, fmt_bytes(d["temp_size_in_bytes"]),
-                 _fmt_ratio(d["temp_ratio_to_none"]),
+        cells = ["*" if d["pareto"] else "", names, fmt_bytes(d["memory_bytes"]),
+                 _fmt_ratio(d["memory_ratio_to_none"]),
                  fmt_bytes(d["activation_residual_bytes"]),
                  fmt_bytes(d["layers_residual_bytes"]),
                  fmt_bytes(d["formula_bytes"]), _fmt_flops(d["flops"]),
                  _fmt_ratio(d["flops_ratio_to_none"])]
         if sharded:
             cells.append(fmt_bytes(d["formula_sp_bytes"]))
-        if sharded or accelerator:
-            cells.append(fmt_bytes(d["peak_memory_in_bytes"]))
+        if other:
+            cells.append(fmt_bytes(d[other]))
         if timed:
             st = d["step_time"]
             cells += [f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-",
@@ -267,23 +289,27 @@ def print_table(report_rows: Sequence[dict], title: str = "", console: Console |
 
 
 def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "") -> Table:
-    """A rich Table with one line per policy and, per target, its temp memory, the
-    ratio to `none` on that target, the FLOP ratio and the compile seconds.
+    """A rich Table with one line per policy and, per target, its memory (the
+    figure that target is compared by, `memory_kind_of`: temp on CPU, peak on
+    TPU and GPU, named in the column header), the ratio to `none` on that
+    target, the temp memory where peak is the figure, the FLOP ratio and the
+    compile seconds.
 
     Args:
       sections: (target name, `rows(...)` of that target's records) pairs;
-        lines follow the first target's order (by its temp memory).
+        lines follow the first target's order (by its memory figure).
     """
+    kinds = [memory_kind_of(rows) for _, rows in sections]
+    peaks = [k == PEAK for k in kinds]
     t = Table(title=title, caption="; ".join(
-        f"{name}: {escape(compiled_by(rows))}" for name, rows in sections),
-        caption_justify="left")
+        [*(f"{name}: {escape(compiled_by(rows))}" for name, rows in sections),
+         *(_MEMORY_NOTES[k] for k in dict.fromkeys(kinds))]), caption_justify="left")
     t.add_column("policy", justify="left")
-    peaks = [_accelerator(rows) for _, rows in sections]
     for (name, _), peak in zip(sections, peaks):
-        for column in ("temp", "x none", *(("peak",) if peak else ()), "FLOPs x none",
-                       "compile s"):
-            t.add_column(f"{column}\n{escape(name)}" if column == "temp" else column,
-                         justify="right")
+        label = MEMORY_LABELS[PEAK if peak else TEMP]
+        for column in (f"{label}\n{escape(name)}", f"{label} x none",
+                       *(("temp",) if peak else ()), "FLOPs x none", "compile s"):
+            t.add_column(column, justify="right")
     by_target = [{d["policy"]: d for d in rows} for _, rows in sections]
     policies = list(dict.fromkeys(d["policy"] for _, rows in sections for d in rows))
     for policy in policies:
@@ -296,8 +322,8 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
                 error = d["error"].splitlines()[0][:60] if d else "not measured"
                 cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (3 + peak)
                 continue
-            cells += [fmt_bytes(d["temp_size_in_bytes"]), _fmt_ratio(d["temp_ratio_to_none"]),
-                      *((fmt_bytes(d["peak_memory_in_bytes"]),) if peak else ()),
+            cells += [fmt_bytes(d["memory_bytes"]), _fmt_ratio(d["memory_ratio_to_none"]),
+                      *((fmt_bytes(d["temp_size_in_bytes"]),) if peak else ()),
                       _fmt_ratio(d["flops_ratio_to_none"]),
                       "-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}"]
         t.add_row(*cells)
@@ -327,7 +353,8 @@ def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
         f.write("\n")
 
 
-CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none",
+CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none", "memory_kind",
+              "memory_bytes", "memory_ratio_to_none",
               "activation_residual_bytes", "offloaded_bytes", "layer_residual_bytes",
               "formula_bytes", "formula_sp_bytes", "flops", "flops_ratio_to_none",
               "transcendentals",
@@ -350,22 +377,23 @@ def write_csv(path, report_rows: Sequence[dict]) -> None:
 
 
 def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
-    """PNG of temp memory (GiB or MiB) against FLOP overhead (% over `none`, or over the
-    fewest FLOPs if `none` is absent): one labelled point per policy, the
-    Pareto front as a step line. Rows with an error are left out. The title's
-    last line names the target and the jax and compiler versions."""
+    """PNG of memory (`memory_bytes`, GiB or MiB: temp on CPU, peak on TPU and GPU,
+    named on the axis) against FLOP overhead (% over `none`, or over the fewest
+    FLOPs if `none` is absent): one labelled point per policy, the Pareto front
+    as a step line. Rows with an error are left out. The title's last line
+    names the target and the jax and compiler versions."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FormatStrFormatter
 
     pts = [d for d in report_rows if d["error"] is None and d["flops"] is not None
-           and d["temp_size_in_bytes"] is not None]
+           and d["memory_bytes"] is not None]
     base = next((d["flops"] for d in pts if d["policy"] == "none"),
                 min((d["flops"] for d in pts), default=1.0))
-    top = max((d["temp_size_in_bytes"] for d in pts), default=0)
+    top = max((d["memory_bytes"] for d in pts), default=0)
     unit, size = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-    xy = [((d["flops"] / base - 1) * 100, d["temp_size_in_bytes"] / size) for d in pts]
+    xy = [((d["flops"] / base - 1) * 100, d["memory_bytes"] / size) for d in pts]
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
     ax.scatter([x for x, _ in xy], [y for _, y in xy],
                c=["tab:red" if d["pareto"] else "tab:blue" for d in pts], zorder=3)
@@ -384,7 +412,7 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
         ax.legend()
     platform = pts[0]["platform"] if pts else ""
     ax.set_xlabel("FLOP overhead vs no remat (%)")
-    ax.set_ylabel(f"temp memory, {unit} ({platform})")
+    ax.set_ylabel(f"{MEMORY_LABELS[memory_kind_of(pts)]} memory, {unit} ({platform})")
     ax.set_title(f"{title}\n{compiled_by(report_rows)}" if title else compiled_by(report_rows),
                  fontsize=9)
     ax.grid(alpha=0.3)
@@ -459,6 +487,7 @@ def plot_fit(path, result, title: str = "") -> None:
 
 
 __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_table",
-           "fit_to_dict", "fmt_bytes", "formula_bytes", "pareto_flags", "plot", "plot_fit",
+           "fit_to_dict", "fmt_bytes", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
+           "plot_fit",
            "print_side_by_side", "print_table", "rows", "side_by_side", "table", "write_csv",
            "write_json"]

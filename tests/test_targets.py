@@ -14,18 +14,21 @@ import jax.numpy as jnp
 import pytest
 
 from remat_kit import cli, report, targets
+from remat_kit.measure import PEAK, TEMP
 from remat_kit.models import get_config
+from remat_kit.plan import config_planner
 from remat_kit.spec import parse
 
-# The module, not rk.measure (the function the package exports under that name).
+# The modules, not rk.measure and rk.plan (the functions the package exports under those names).
 measure = importlib.import_module("remat_kit.measure")
+plan_module = importlib.import_module("remat_kit.plan")
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed "
                                   "(pip install 'remat-kit[tpu]'; `make test` installs it)")
 HAS_CUDA_PLUGIN = targets._cuda_plugin_installed()
 
 B, S = 8, 16
-POLICIES = "none,minimal"
+POLICIES = "none,full,minimal"
 
 
 def run(capsys, *argv):
@@ -140,7 +143,7 @@ def side_by_side(tmp_path_factory):
 def test_tpu_saves_the_same_tags_and_needs_other_temp_bytes(side_by_side):
     _, by, _ = side_by_side
     cpu, tpu = by["cpu"], by["tpu:v5e:1x1"]
-    assert set(cpu) == set(tpu) and len(cpu) == 2
+    assert set(cpu) == set(tpu) and len(cpu) == 3
     for policy in cpu:
         # What is saved is decided before any compiler runs: the same tags, the same bytes.
         assert tpu[policy]["residual_bytes_by_tag"] == cpu[policy]["residual_bytes_by_tag"]
@@ -177,6 +180,57 @@ def test_records_say_what_they_measured(side_by_side):
     with open(path) as f:
         first = next(csv.DictReader(f))
     assert first["target"] == "tpu:v5e:1x1" and first["compiler_version"].startswith("libtpu")
+
+
+def test_tpu_rows_rank_by_the_peak(side_by_side):
+    """On tiny the TPU's temp figure ranks full and minimal above no remat; its peak,
+    which the rows, ratios and Pareto front follow, ranks them below."""
+    doc, by, _ = side_by_side
+    tpu_rows = [r for r in doc["records"] if r["target"] == "tpu:v5e:1x1"]
+    tpu, minimal = by["tpu:v5e:1x1"], str(parse("minimal"))
+    assert [r["policy"] for r in tpu_rows] == ["full", minimal, "none"]
+    assert [r["memory_kind"] for r in tpu_rows] == [PEAK] * 3
+    assert [r["memory_bytes"] for r in tpu_rows] == [r["peak_memory_in_bytes"] for r in tpu_rows]
+    assert tpu["full"]["temp_size_in_bytes"] > tpu["none"]["temp_size_in_bytes"]
+    for policy in ("full", minimal):
+        assert tpu[policy]["memory_ratio_to_none"] == (tpu[policy]["peak_memory_in_bytes"]
+                                                       / tpu["none"]["peak_memory_in_bytes"]) < 1
+    # CPU rows are still ranked by temp.
+    cpu = by["cpu"]
+    assert all(r["memory_kind"] == TEMP for r in cpu.values())
+    assert cpu["full"]["memory_ratio_to_none"] == cpu["full"]["temp_ratio_to_none"] < 1
+
+
+@needs_libtpu
+def test_planner_budgets_the_peak_on_tpu(tmp_path):
+    """A budget no remat's temp fits but its peak does not: the planner must remat, within
+    the peak; a plan cached for another figure is never returned."""
+    cache = tmp_path / "plans.json"
+    planner = config_planner(get_config("tiny"), B, S, target="tpu:v5e:1x1", cache=str(cache))
+    none, full = planner.measure("none"), planner.measure("full")
+    assert planner.memory_kind == PEAK
+    budget = (none.peak_memory_in_bytes + full.peak_memory_in_bytes) // 2
+    assert none.temp_size_in_bytes < full.peak_memory_in_bytes < budget < none.peak_memory_in_bytes
+    p = planner.plan(budget)
+    assert p.spec != "none" and p.memory_kind == PEAK
+    assert p.measured_bytes == planner.records[p.spec].peak_memory_in_bytes <= budget
+    assert (p.minimum_bytes, p.none_bytes) == planner.minimum()
+    assert p.none_bytes == none.peak_memory_in_bytes
+    assert p.minimum_bytes <= full.peak_memory_in_bytes
+    assert p.measured_flops < full.flops  # it saves something, within the budget
+    # Fractions are of no remat's peak: all of it holds no remat.
+    whole = planner.plan(1.0)
+    assert (whole.spec, whole.budget_bytes) == ("none", none.peak_memory_in_bytes)
+    # The cache key names the figure: plant a "none" plan under this budget's key as it
+    # would be for temp, and as keys were before; the planner plans again.
+    entries = json.loads(cache.read_text())
+    (key,) = [k for k in entries if k.endswith(f"|{plan_module.parse_budget(budget)}")]
+    assert f"|{PEAK}|" in key
+    stale = entries[key] | {"spec": "none", "policy": "none", "memory_kind": TEMP}
+    cache.write_text(json.dumps({key.replace(PEAK, TEMP): stale,
+                                 key.replace(f"|{PEAK}", ""): stale}))
+    again = planner.plan(budget)
+    assert not again.cached and again.spec == p.spec
 
 
 @needs_libtpu
@@ -276,3 +330,4 @@ def test_plan_verifies_on_the_target(capsys):
     assert code == 0, err
     assert "XLA TPU compile (v5e:1x1, AOT)" in out
     assert "compiled none" in err and "compiled full" in err
+    assert "memory: compiled peak_memory_in_bytes" in out  # budgets are of the peak
