@@ -278,8 +278,49 @@ def _forward_eqns(jaxpr, outs) -> list:
     return [e for e in jaxpr.eqns if id(e) in keep]
 
 
+def _add_tags(eqns, scale: int, free: set, acc: dict, flop_cache: dict) -> None:
+    """Adds the tags applied by `eqns` (one program level) to `acc`, each
+    tag's bytes and segment FLOPs times `scale`, descending into `scan`
+    bodies (`nn.scan` over layers: a body runs `length` times).
+
+    A segment ends at the level's inputs (a scan body's carry and slices)
+    and at scan outputs: a tag after a layer stack reads the stack's result,
+    which no layer policy recomputes.
+    """
+    producers = {v: e for e in eqns for v in e.outvars}
+    for eqn in eqns:
+        if eqn.primitive.name == "scan":
+            body = eqn.params["jaxpr"].jaxpr
+            _add_tags(body.eqns, scale * eqn.params["length"], free, acc, flop_cache)
+            continue
+        tag = tag_of(eqn)
+        if tag is None or tag in free:
+            continue
+        aval = eqn.outvars[0].aval
+        acc["nbytes"][tag] = acc["nbytes"].get(tag, 0) \
+            + scale * math.prod(aval.shape) * aval.dtype.itemsize
+        parents = acc["parents"].setdefault(tag, set())
+        seen, stack = set(), list(eqn.invars)
+        while stack:  # the segment: back to the nearest tags or the inputs
+            v = stack.pop()
+            e = None if isinstance(v, Literal) else producers.get(v)
+            if e is None or id(e) in seen or e.primitive.name == "scan":
+                continue
+            if (t := tag_of(e)) is not None:
+                if t not in free:
+                    parents.add(t)
+                continue
+            seen.add(id(e))
+            acc["flops"][tag] = acc["flops"].get(tag, 0.0) + scale * _eqn_flops(e, flop_cache)
+            stack += e.invars
+
+
 def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None) -> CostModel:
     """Measures a `CostModel` for `loss_fn(*args)` (see the module docstring).
+
+    Tags inside a `scan` (a scanned layer stack, `TransformerConfig.scan_layers`,
+    or nested scans) count once per iteration: a tag in a body of length L
+    holds L times its bytes, and recomputing it costs L times its segment.
 
     Args:
       loss_fn: a loss or a policy -> loss factory, as `measure` takes.
@@ -292,35 +333,13 @@ def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None) 
     staged = staged or _stage(_as_factory(loss_fn)(SAVE_TAGS), args)
     jaxpr = staged.program.jaxpr
     forward = _forward_eqns(jaxpr, [*staged.residual_vars, jaxpr.outvars[0]])
-    producers = {v: e for e in forward for v in e.outvars}
     free = set(free)
     needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-    flop_cache: dict = {}
-    nbytes: dict[str, int] = {}
-    flops: dict[str, float] = {}
-    parents: dict[str, set] = {}
-    for eqn in forward:
-        tag = tag_of(eqn)
-        if tag is None or tag in free:
-            continue
-        aval = eqn.outvars[0].aval
-        nbytes[tag] = nbytes.get(tag, 0) + math.prod(aval.shape) * aval.dtype.itemsize
-        parents.setdefault(tag, set())
-        seen, stack = set(), list(eqn.invars)
-        while stack:  # the segment: back to the nearest tags or the inputs
-            v = stack.pop()
-            e = None if isinstance(v, Literal) else producers.get(v)
-            if e is None or id(e) in seen:
-                continue
-            if (t := tag_of(e)) is not None:
-                if t not in free:
-                    parents[tag].add(t)
-                continue
-            seen.add(id(e))
-            flops[tag] = flops.get(tag, 0.0) + _eqn_flops(e, flop_cache)
-            stack += e.invars
+    acc: dict = {"nbytes": {}, "flops": {}, "parents": {}}
+    _add_tags(forward, 1, free, acc, {})
+    nbytes, parents = acc["nbytes"], acc["parents"]
     tags = tuple(nbytes)
-    return CostModel(tags, nbytes, {t: flops.get(t, 0.0) for t in tags},
+    return CostModel(tags, nbytes, {t: acc["flops"].get(t, 0.0) for t in tags},
                      {t: frozenset(parents[t] - {t}) for t in tags},
                      frozenset(needed & set(tags)))
 

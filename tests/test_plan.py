@@ -117,6 +117,31 @@ def test_cost_model_predicts_compiled_flops(planner):
         assert base + model.cost(frozenset(saved))[1] == pytest.approx(measured, rel=0.02)
 
 
+def test_scanned_stack_costs_as_unrolled(planner):
+    """A scanned layer stack gives the planner the same tags, bytes, FLOPs and chains
+    as the unrolled one (each body tag counts once per layer), so it plans a real
+    policy rather than falling back to full."""
+    unrolled = planner.model
+    scanned_planner = config_planner(get_config("tiny", scan_layers=True), BATCH, SEQ, cache=None)
+    scanned = scanned_planner.model
+    # The stack's boundary differs: unrolled, full keeps each layer's output (the next
+    # layer's input); scanned, it keeps the carry, each layer's input.
+    inner = set(unrolled.tags) - {"decoder_layer_input"}
+    assert set(scanned.tags) == inner | {"decoder_layer_output"}
+    assert scanned.needed == unrolled.needed - {"decoder_layer_input"}
+    layers = get_config("tiny").num_layers
+    for t in inner:
+        assert scanned.nbytes[t] == unrolled.nbytes[t], t
+        # The unrolled layer builds its causal mask [seq, seq] in the attn_probs
+        # segment; the scan hoists it out of the body.
+        mask = layers * 2 * SEQ**2 if t == "attn_probs" else 0
+        assert scanned.flops[t] == unrolled.flops[t] - mask, t
+        assert scanned.parents[t] == unrolled.parents[t] - {"decoder_layer_input"}, t
+    plan = scanned_planner.plan(0.5)
+    assert plan.spec != "full" and plan.measured_bytes <= plan.budget_bytes
+    assert plan.measured_flops < scanned_planner.measure("full").flops
+
+
 def test_generic_loss():
     """A plain loss: every tag is decided inside one remat region."""
     def loss(w, x):
