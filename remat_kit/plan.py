@@ -68,7 +68,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat_kit import targets
 from remat_kit.errors import BudgetError
-from remat_kit.measure import Record, _as_factory, _stage, config_program, measure
+from remat_kit.measure import (Record, _as_factory, _stage, config_program, measure,
+                               per_device_program)
 from remat_kit.policy import Policy
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import tag_of
@@ -466,11 +467,16 @@ class Planner:
       target: whose compiler the plan is verified with and whose memory it
         fits (`remat_kit.targets`, e.g. "tpu:v5e:1x1"); default JAX's
         default backend.
+      per_device: for args sharded over a mesh, (factory, args) of the
+        program one device runs (`measure.per_device_program`), as `measure`
+        takes it: the cost model's bytes and FLOPs are then per device, like
+        the compiled figures. Needed where a shard is not a valid input
+        (parameters split over fsdp or tensor).
     """
 
     def __init__(self, loss_fn: Callable, *args, cache: "str | bool | None" = True,
                  max_iterations: int = 3, progress: Callable[[str], None] | None = None,
-                 target=None):
+                 target=None, per_device: tuple[Callable, tuple] | None = None):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
@@ -478,6 +484,7 @@ class Planner:
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
         self.target = targets.parse_target(target)
+        self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._model: CostModel | None = None
         self._fingerprint: str | None = None
@@ -496,7 +503,7 @@ class Planner:
                 if self.progress:
                     self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
             for record in measure(self.loss_fn, *self.args, policies=todo, progress=progress,
-                                  target=self.target):
+                                  target=self.target, per_device=self.per_device):
                 for name in record.names:
                     self.records.setdefault(str(parse(name)), record)
         return [self.records[k] for k in keys]
@@ -515,7 +522,9 @@ class Planner:
         """The measured `CostModel` (tags `full` keeps are always available)."""
         if self._model is None:
             free = set(self.measure(Policy()).residual_bytes_by_tag)
-            self._model = cost_model(self.loss_fn, *self.args, free=free, staged=self.staged)
+            self._model = (cost_model(self.loss_fn, *self.args, free=free, staged=self.staged)
+                           if self.per_device is None
+                           else cost_model(self.per_device[0], *self.per_device[1], free=free))
         return self._model
 
     @property
@@ -697,12 +706,15 @@ def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=
     if mesh is None and target.aot:
         mesh = targets.make_mesh(target, {"data": len(targets.devices(target))})
     loss_for_policy, args, _ = config_program(cfg, batch, seq, dtype=dtype, mesh=mesh)
-    return Planner(loss_for_policy, *args, cache=cache, target=target, **kwargs)
+    return Planner(loss_for_policy, *args, cache=cache, target=target,
+                   per_device=per_device_program(cfg, batch, seq, mesh, dtype=dtype), **kwargs)
 
 
 def resolve(policies: Sequence, loss_fn: Callable, *args,
-            cache: "str | bool | None" = True, target=None) -> list[Policy]:
+            cache: "str | bool | None" = True, target=None, per_device=None) -> list[Policy]:
     """`policies` with every `auto:budget=...` replaced by its planned Policy.
+
+    per_device: as `Planner` takes it, for args sharded over a mesh.
 
     Raises:
       RematSpecError: a spec does not parse. BudgetError: as `plan`.
@@ -710,7 +722,7 @@ def resolve(policies: Sequence, loss_fn: Callable, *args,
     parsed = [parse(p) for p in policies]
     if not any(isinstance(p, AutoSpec) for p in parsed):
         return parsed
-    planner = Planner(loss_fn, *args, cache=cache, target=target)
+    planner = Planner(loss_fn, *args, cache=cache, target=target, per_device=per_device)
     return [planner.plan(p.budget).policy if isinstance(p, AutoSpec) else p for p in parsed]
 
 

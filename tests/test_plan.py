@@ -277,3 +277,26 @@ def test_train_plans_auto_budget(tmp_path):
     config.seq_len, config.batch_size = SEQ, BATCH
     with pytest.raises(cli.BadInput, match="below the least temp memory .* under full remat"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_train_plans_auto_budget_on_its_mesh(planner, tmp_path):
+    """On config.mesh, auto:budget= is planned per device on that mesh: the minimum
+    in the refusal is the sharded program's, not the one-device program's. A tensor
+    axis splits parameters, which the planner once traced at their shard shapes."""
+    from experiments import train
+    from experiments.configs import tiny
+    from remat_kit.models import from_config_dict
+
+    (tmp_path / "text.py").write_text("def f(x):\n    return x + 1\n" * 200)
+    config = tiny.get_config()
+    config.data, config.remat, config.mesh = str(tmp_path / "text.py"), "auto:budget=1KiB", \
+        "data:2,tensor:4"
+    config.seq_len, config.batch_size, config.max_len = SEQ, BATCH, get_config("tiny").max_len
+    with pytest.raises(cli.BadInput) as raised:
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    cfg = from_config_dict(config, remat="none")
+    assert cfg == get_config("tiny")  # the fixture's model, planned on one device
+    sharded = config_planner(cfg, BATCH, SEQ, mesh=rk.mesh.make("data:2,tensor:4"),
+                             cache=None).minimum()[0]
+    assert sharded < planner.minimum()[0]
+    assert f"reaches: {sharded:,} bytes" in str(raised.value)
