@@ -188,9 +188,9 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
                                      config.seed)
         evals = data.eval_batches(corpus.eval, config.batch_size, config.seq_len,
                                   config.eval_batches)
-        # auto:budget=... is planned for these shapes; the plan is cached in the
-        # workdir, so a restarted run does not plan again.
-        cfg = resolve_config(cfg, config.batch_size, config.seq_len,
+        # auto:budget=... is planned for these shapes on the run's mesh (per-device
+        # bytes); the plan is cached in the workdir, so a restarted run does not plan again.
+        cfg = resolve_config(cfg, config.batch_size, config.seq_len, mesh=_mesh(config),
                              cache=os.path.join(workdir, "plans.json"))
     except KeyError as e:
         raise BadInput(e.args[0]) from e

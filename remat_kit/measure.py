@@ -625,7 +625,7 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
     loss_for_policy = _as_factory(loss_for_policy)
     if any(isinstance(p, AutoSpec) for p in parsed):
         from remat_kit.plan import resolve  # the planner measures through this module
-        parsed = resolve(parsed, loss_for_policy, *args, target=target)
+        parsed = resolve(parsed, loss_for_policy, *args, target=target, per_device=per_device)
     emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
     leaves = jax.tree.leaves(args)
     local_args = (jax.tree.map(_local, args) if any(_is_sharded(x) for x in leaves) else None)
@@ -772,6 +772,26 @@ def config_program(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str |
     return loss_for_policy, (params, tokens, tokens, key), sample_args
 
 
+def per_device_program(cfg: TransformerConfig, batch: int, seq: int,
+                       mesh: jax.sharding.Mesh | None, *, dtype: str | None = None):
+    """The program one device of `mesh` runs, as `measure`'s `per_device` takes it.
+
+    The model with its heads and MLP split by the mesh's tensor axis
+    (`remat_kit.mesh.per_device_config`) on batch / (data-parallel devices)
+    sequences of `seq` tokens, unsharded: a shard of a split parameter is not
+    a valid input of the global model.
+
+    Returns:
+      (loss_for_policy, args) of `config_program`, or None without a mesh.
+    """
+    if mesh is None:
+        return None
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    local_cfg = rk_mesh.per_device_config(cfg, mesh)
+    return config_program(local_cfg, batch // rk_mesh.axis_size(mesh, "batch"), seq)[:2]
+
+
 def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Sequence | None = None,
                    *, names=None, dtype: str | None = None, time_steps: int = 0,
                    mesh: jax.sharding.Mesh | None = None, per_layer: bool = True,
@@ -824,8 +844,7 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         cfg = cfg.replace(dtype=dtype)
     n = rk_mesh.axis_size(mesh, "batch")
     local_cfg = rk_mesh.per_device_config(cfg, mesh)
-    per_device = (config_program(local_cfg, batch // n, seq)[:2] if mesh is not None
-                  else None)
+    per_device = per_device_program(cfg, batch, seq, mesh)
 
     records = measure(loss_for_policy, *args,
                       policies=policies if policies is not None else [cfg.remat], names=names,

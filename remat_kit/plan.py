@@ -77,7 +77,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from remat_kit import targets
 from remat_kit.errors import BudgetError
 from remat_kit.measure import (MEMORY_LABELS, Record, _as_factory, _stage, config_program,
-                               measure, memory_kind)
+                               measure, memory_kind, per_device_program)
 from remat_kit.policy import Policy
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import tag_of
@@ -288,8 +288,49 @@ def _forward_eqns(jaxpr, outs) -> list:
     return [e for e in jaxpr.eqns if id(e) in keep]
 
 
+def _add_tags(eqns, scale: int, free: set, acc: dict, flop_cache: dict) -> None:
+    """Adds the tags applied by `eqns` (one program level) to `acc`, each
+    tag's bytes and segment FLOPs times `scale`, descending into `scan`
+    bodies (`nn.scan` over layers: a body runs `length` times).
+
+    A segment ends at the level's inputs (a scan body's carry and slices)
+    and at scan outputs: a tag after a layer stack reads the stack's result,
+    which no layer policy recomputes.
+    """
+    producers = {v: e for e in eqns for v in e.outvars}
+    for eqn in eqns:
+        if eqn.primitive.name == "scan":
+            body = eqn.params["jaxpr"].jaxpr
+            _add_tags(body.eqns, scale * eqn.params["length"], free, acc, flop_cache)
+            continue
+        tag = tag_of(eqn)
+        if tag is None or tag in free:
+            continue
+        aval = eqn.outvars[0].aval
+        acc["nbytes"][tag] = acc["nbytes"].get(tag, 0) \
+            + scale * math.prod(aval.shape) * aval.dtype.itemsize
+        parents = acc["parents"].setdefault(tag, set())
+        seen, stack = set(), list(eqn.invars)
+        while stack:  # the segment: back to the nearest tags or the inputs
+            v = stack.pop()
+            e = None if isinstance(v, Literal) else producers.get(v)
+            if e is None or id(e) in seen or e.primitive.name == "scan":
+                continue
+            if (t := tag_of(e)) is not None:
+                if t not in free:
+                    parents.add(t)
+                continue
+            seen.add(id(e))
+            acc["flops"][tag] = acc["flops"].get(tag, 0.0) + scale * _eqn_flops(e, flop_cache)
+            stack += e.invars
+
+
 def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None) -> CostModel:
     """Measures a `CostModel` for `loss_fn(*args)` (see the module docstring).
+
+    Tags inside a `scan` (a scanned layer stack, `TransformerConfig.scan_layers`,
+    or nested scans) count once per iteration: a tag in a body of length L
+    holds L times its bytes, and recomputing it costs L times its segment.
 
     Args:
       loss_fn: a loss or a policy -> loss factory, as `measure` takes.
@@ -302,35 +343,13 @@ def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None) 
     staged = staged or _stage(_as_factory(loss_fn)(SAVE_TAGS), args)
     jaxpr = staged.program.jaxpr
     forward = _forward_eqns(jaxpr, [*staged.residual_vars, jaxpr.outvars[0]])
-    producers = {v: e for e in forward for v in e.outvars}
     free = set(free)
     needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-    flop_cache: dict = {}
-    nbytes: dict[str, int] = {}
-    flops: dict[str, float] = {}
-    parents: dict[str, set] = {}
-    for eqn in forward:
-        tag = tag_of(eqn)
-        if tag is None or tag in free:
-            continue
-        aval = eqn.outvars[0].aval
-        nbytes[tag] = nbytes.get(tag, 0) + math.prod(aval.shape) * aval.dtype.itemsize
-        parents.setdefault(tag, set())
-        seen, stack = set(), list(eqn.invars)
-        while stack:  # the segment: back to the nearest tags or the inputs
-            v = stack.pop()
-            e = None if isinstance(v, Literal) else producers.get(v)
-            if e is None or id(e) in seen:
-                continue
-            if (t := tag_of(e)) is not None:
-                if t not in free:
-                    parents[tag].add(t)
-                continue
-            seen.add(id(e))
-            flops[tag] = flops.get(tag, 0.0) + _eqn_flops(e, flop_cache)
-            stack += e.invars
+    acc: dict = {"nbytes": {}, "flops": {}, "parents": {}}
+    _add_tags(forward, 1, free, acc, {})
+    nbytes, parents = acc["nbytes"], acc["parents"]
     tags = tuple(nbytes)
-    return CostModel(tags, nbytes, {t: flops.get(t, 0.0) for t in tags},
+    return CostModel(tags, nbytes, {t: acc["flops"].get(t, 0.0) for t in tags},
                      {t: frozenset(parents[t] - {t}) for t in tags},
                      frozenset(needed & set(tags)))
 
@@ -466,11 +485,16 @@ class Planner:
         default backend. It sets the memory figure budgeted:
         `temp_size_in_bytes` on CPU, `peak_memory_in_bytes` on TPU and GPU
         (`remat_kit.measure.memory_kind`).
+      per_device: for args sharded over a mesh, (factory, args) of the
+        program one device runs (`measure.per_device_program`), as `measure`
+        takes it: the cost model's bytes and FLOPs are then per device, like
+        the compiled figures. Needed where a shard is not a valid input
+        (parameters split over fsdp or tensor).
     """
 
     def __init__(self, loss_fn: Callable, *args, cache: "str | bool | None" = True,
                  max_iterations: int = 3, progress: Callable[[str], None] | None = None,
-                 target=None):
+                 target=None, per_device: tuple[Callable, tuple] | None = None):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
@@ -478,6 +502,7 @@ class Planner:
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
         self.target = targets.parse_target(target)
+        self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._model: CostModel | None = None
         self._fingerprint: str | None = None
@@ -496,7 +521,7 @@ class Planner:
                 if self.progress:
                     self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
             for record in measure(self.loss_fn, *self.args, policies=todo, progress=progress,
-                                  target=self.target):
+                                  target=self.target, per_device=self.per_device):
                 for name in record.names:
                     self.records.setdefault(str(parse(name)), record)
         return [self.records[k] for k in keys]
@@ -515,7 +540,9 @@ class Planner:
         """The measured `CostModel` (tags `full` keeps are always available)."""
         if self._model is None:
             free = set(self.measure(Policy()).residual_bytes_by_tag)
-            self._model = cost_model(self.loss_fn, *self.args, free=free, staged=self.staged)
+            self._model = (cost_model(self.loss_fn, *self.args, free=free, staged=self.staged)
+                           if self.per_device is None
+                           else cost_model(self.per_device[0], *self.per_device[1], free=free))
         return self._model
 
     @property
@@ -710,12 +737,15 @@ def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=
     if mesh is None and target.aot:
         mesh = targets.make_mesh(target, {"data": len(targets.devices(target))})
     loss_for_policy, args, _ = config_program(cfg, batch, seq, dtype=dtype, mesh=mesh)
-    return Planner(loss_for_policy, *args, cache=cache, target=target, **kwargs)
+    return Planner(loss_for_policy, *args, cache=cache, target=target,
+                   per_device=per_device_program(cfg, batch, seq, mesh, dtype=dtype), **kwargs)
 
 
 def resolve(policies: Sequence, loss_fn: Callable, *args,
-            cache: "str | bool | None" = True, target=None) -> list[Policy]:
+            cache: "str | bool | None" = True, target=None, per_device=None) -> list[Policy]:
     """`policies` with every `auto:budget=...` replaced by its planned Policy.
+
+    per_device: as `Planner` takes it, for args sharded over a mesh.
 
     Raises:
       RematSpecError: a spec does not parse. BudgetError: as `plan`.
@@ -723,7 +753,7 @@ def resolve(policies: Sequence, loss_fn: Callable, *args,
     parsed = [parse(p) for p in policies]
     if not any(isinstance(p, AutoSpec) for p in parsed):
         return parsed
-    planner = Planner(loss_fn, *args, cache=cache, target=target)
+    planner = Planner(loss_fn, *args, cache=cache, target=target, per_device=per_device)
     return [planner.plan(p.budget).policy if isinstance(p, AutoSpec) else p for p in parsed]
 
 

@@ -117,6 +117,31 @@ def test_cost_model_predicts_compiled_flops(planner):
         assert base + model.cost(frozenset(saved))[1] == pytest.approx(measured, rel=0.02)
 
 
+def test_scanned_stack_costs_as_unrolled(planner):
+    """A scanned layer stack gives the planner the same tags, bytes, FLOPs and chains
+    as the unrolled one (each body tag counts once per layer), so it plans a real
+    policy rather than falling back to full."""
+    unrolled = planner.model
+    scanned_planner = config_planner(get_config("tiny", scan_layers=True), BATCH, SEQ, cache=None)
+    scanned = scanned_planner.model
+    # The stack's boundary differs: unrolled, full keeps each layer's output (the next
+    # layer's input); scanned, it keeps the carry, each layer's input.
+    inner = set(unrolled.tags) - {"decoder_layer_input"}
+    assert set(scanned.tags) == inner | {"decoder_layer_output"}
+    assert scanned.needed == unrolled.needed - {"decoder_layer_input"}
+    layers = get_config("tiny").num_layers
+    for t in inner:
+        assert scanned.nbytes[t] == unrolled.nbytes[t], t
+        # The unrolled layer builds its causal mask [seq, seq] in the attn_probs
+        # segment; the scan hoists it out of the body.
+        mask = layers * 2 * SEQ**2 if t == "attn_probs" else 0
+        assert scanned.flops[t] == unrolled.flops[t] - mask, t
+        assert scanned.parents[t] == unrolled.parents[t] - {"decoder_layer_input"}, t
+    plan = scanned_planner.plan(0.5)
+    assert plan.spec != "full" and plan.measured_bytes <= plan.budget_bytes
+    assert plan.measured_flops < scanned_planner.measure("full").flops
+
+
 def test_generic_loss():
     """A plain loss: every tag is decided inside one remat region."""
     def loss(w, x):
@@ -252,3 +277,26 @@ def test_train_plans_auto_budget(tmp_path):
     config.seq_len, config.batch_size = SEQ, BATCH
     with pytest.raises(cli.BadInput, match="below the least temp memory .* under full remat"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_train_plans_auto_budget_on_its_mesh(planner, tmp_path):
+    """On config.mesh, auto:budget= is planned per device on that mesh: the minimum
+    in the refusal is the sharded program's, not the one-device program's. A tensor
+    axis splits parameters, which the planner once traced at their shard shapes."""
+    from experiments import train
+    from experiments.configs import tiny
+    from remat_kit.models import from_config_dict
+
+    (tmp_path / "text.py").write_text("def f(x):\n    return x + 1\n" * 200)
+    config = tiny.get_config()
+    config.data, config.remat, config.mesh = str(tmp_path / "text.py"), "auto:budget=1KiB", \
+        "data:2,tensor:4"
+    config.seq_len, config.batch_size, config.max_len = SEQ, BATCH, get_config("tiny").max_len
+    with pytest.raises(cli.BadInput) as raised:
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    cfg = from_config_dict(config, remat="none")
+    assert cfg == get_config("tiny")  # the fixture's model, planned on one device
+    sharded = config_planner(cfg, BATCH, SEQ, mesh=rk.mesh.make("data:2,tensor:4"),
+                             cache=None).minimum()[0]
+    assert sharded < planner.minimum()[0]
+    assert f"reaches: {sharded:,} bytes" in str(raised.value)
