@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import numbers
 import os
 import re
 import socket
@@ -80,35 +81,47 @@ MAX_DEVICES = 1024
 _TERM = re.compile(r"^([A-Za-z_]\w*):(\d+)$")
 
 
-def parse_spec(spec: str) -> dict[str, int]:
+def parse_spec(spec: "str | Mapping[str, int]") -> dict[str, int]:
     """'data:2,fsdp:2,tensor:2' -> {"data": 2, "fsdp": 2, "tensor": 2}, in spec order.
+
+    A {axis: size} mapping goes through the same checks and comes back as a
+    dict, so both forms of `make` accept and refuse the same meshes.
 
     Raises:
       MeshError: empty spec, a term not AXIS:N, an axis not in `AXES` (the
-        closest is suggested), an axis given twice, N < 1, or a product of
-        sizes above `MAX_DEVICES`.
+        closest is suggested), an axis given twice, a size that is not an
+        int >= 1, a product of sizes above `MAX_DEVICES`, or a spec that is
+        neither a string nor a mapping.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise MeshError(f"mesh spec must be AXIS:N[,AXIS:N...] with AXIS in {list(AXES)}, "
-                        f"got {spec!r}")
+    if isinstance(spec, Mapping):
+        shown, terms = repr(dict(spec)), list(spec.items())
+    elif isinstance(spec, str) and spec.strip():
+        shown, terms = repr(spec), []
+        for term in spec.replace(" ", "").split(","):
+            m = _TERM.match(term)
+            if not m:
+                raise MeshError(f"mesh spec {spec!r}: term {term!r} is not AXIS:N with AXIS in "
+                                f"{list(AXES)} and N a positive int")
+            terms.append((m.group(1), int(m.group(2))))
+    else:
+        raise MeshError(f"mesh spec must be AXIS:N[,AXIS:N...] or {{AXIS: N}} with AXIS in "
+                        f"{list(AXES)}, got {spec!r}")
+    if not terms:
+        raise MeshError(f"mesh spec {shown} names no axis; give AXIS:N with AXIS in {list(AXES)}")
     sizes: dict[str, int] = {}
-    for term in spec.replace(" ", "").split(","):
-        m = _TERM.match(term)
-        if not m:
-            raise MeshError(f"mesh spec {spec!r}: term {term!r} is not AXIS:N with AXIS in "
-                            f"{list(AXES)} and N a positive int")
-        axis, n = m.group(1), int(m.group(2))
+    for axis, n in terms:
         if axis not in AXES:
-            hint = _closest(axis, AXES)
-            raise MeshError(f"mesh spec {spec!r}: unknown axis {axis!r}; valid: {list(AXES)}"
+            hint = _closest(axis, AXES) if isinstance(axis, str) else None
+            raise MeshError(f"mesh spec {shown}: unknown axis {axis!r}; valid: {list(AXES)}"
                             + (f"; did you mean {hint!r}?" if hint else ""))
         if axis in sizes:
-            raise MeshError(f"mesh spec {spec!r}: axis {axis!r} is given twice")
-        if n < 1:
-            raise MeshError(f"mesh spec {spec!r}: axis {axis!r} has size {n}; sizes are >= 1")
-        sizes[axis] = n
+            raise MeshError(f"mesh spec {shown}: axis {axis!r} is given twice")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise MeshError(f"mesh spec {shown}: axis {axis!r} has size {n!r}; sizes are ints "
+                            ">= 1")
+        sizes[axis] = int(n)
     if math.prod(sizes.values()) > MAX_DEVICES:
-        raise MeshError(f"mesh spec {spec!r} needs {math.prod(sizes.values())} devices, more "
+        raise MeshError(f"mesh spec {shown} needs {math.prod(sizes.values())} devices, more "
                         f"than the {MAX_DEVICES} supported")
     return sizes
 
@@ -125,15 +138,15 @@ def make(spec: "str | Mapping[str, int]", devices: Sequence | None = None) -> Me
     arguments and `with_sharding_constraint`s.
 
     Args:
-      spec: a spec string (`parse_spec`) or {axis: size}.
+      spec: a spec string or {axis: size}, both checked by `parse_spec`.
       devices: the devices to use, default all of `jax.devices()` (every
         process's, under `jax.distributed`).
     Raises:
-      MeshError: a bad spec, or a product of sizes other than the number of
+      MeshError: a bad spec (`parse_spec`), or a product of sizes other than the number of
         devices; the message names both numbers and, on CPU, the XLA flag
         that creates host devices.
     """
-    sizes = parse_spec(spec) if isinstance(spec, str) else dict(spec)
+    sizes = parse_spec(spec)
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(sizes.values())
     if need != len(devices):
@@ -212,6 +225,8 @@ def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None
     (`shardings`)."""
     if mesh is None:
         return
+    if not isinstance(mesh, Mesh):
+        mesh = parse_spec(mesh)
     n = axis_size(mesh, "batch")
     if batch % n:
         raise MeshError(f"batch {batch} does not split over the {n} data-parallel devices of "
