@@ -44,7 +44,7 @@ def path_name(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def auto_tag(classes: Sequence[type] = AUTO_TAG_CLASSES):
+def auto_tag(classes: "Sequence[type] | type" = AUTO_TAG_CLASSES):
     """Names the outputs of standard layers by module path, for any linen model.
 
     Inside the context every `__call__` of a module of `classes` (default
@@ -57,8 +57,13 @@ def auto_tag(classes: Sequence[type] = AUTO_TAG_CLASSES):
 
     Based on `flax.linen.intercept_methods`; enter it around `init`/`apply`
     (or around `jax.jit` tracing of a function that calls them).
+
+    Raises (on entering the context):
+      TypeError: `classes` is a string or holds something that is not a
+        `flax.linen.Module` subclass (an NNX class, a name, an instance).
+      ValueError: `classes` is empty.
     """
-    classes = tuple(classes)
+    classes = wrapping.module_classes(classes, nn.Module, "rk.linen.auto_tag")
 
     def interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)

@@ -62,7 +62,8 @@ def _tagging_class(cls: type, name: str) -> type:
     return _subclass(cls, {"__call__": __call__})
 
 
-def auto_tag(model: nnx.Module, classes: Sequence[type] = AUTO_TAG_CLASSES) -> nnx.Module:
+def auto_tag(model: nnx.Module,
+             classes: "Sequence[type] | type" = AUTO_TAG_CLASSES) -> nnx.Module:
     """A copy of `model` whose standard layers name their outputs by attribute path.
 
     Every node of `classes` (default `AUTO_TAG_CLASSES`: Linear, LinearGeneral,
@@ -74,10 +75,13 @@ def auto_tag(model: nnx.Module, classes: Sequence[type] = AUTO_TAG_CLASSES) -> n
     `nnx.state` paths are unchanged.
 
     Raises:
-      TypeError: `model` is not an nnx Module.
+      TypeError: `model` is not an nnx Module, or `classes` is a string or
+        holds something that is not a `flax.nnx.Module` subclass (a linen
+        class, a name, an instance).
+      ValueError: `classes` is empty.
     """
     _check_module(model, "rk.nnx.auto_tag")
-    classes = tuple(classes)
+    classes = wrapping.module_classes(classes, nnx.Module, "rk.nnx.auto_tag")
     out = _copy(model)
     for path, node in nnx.iter_graph(out):
         if isinstance(node, classes):

@@ -6,7 +6,7 @@ splitting call arguments into traced arrays and static values, and turning a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -39,6 +39,31 @@ def split_static(args: tuple, kwargs: dict):
         return jax.tree.unflatten(tree, out)
 
     return tuple(leaves[i] for i in dynamic), rebuild
+
+
+def module_classes(classes, module_base: type, where: str) -> tuple[type, ...]:
+    """Checks the `classes` of an `auto_tag`: one `module_base` subclass or a
+    non-empty sequence of them; returns them as a tuple.
+
+    Raises:
+      TypeError: a string, a non-sequence, or an entry that is not a
+        `module_base` subclass (named with its index).
+      ValueError: an empty sequence, which would tag nothing.
+    """
+    base = f"{module_base.__module__}.{module_base.__name__}"
+    if isinstance(classes, type):
+        classes = (classes,)
+    if isinstance(classes, (str, bytes)) or not isinstance(classes, Iterable):
+        raise TypeError(f"{where}: classes must be {base} subclasses (a class or a tuple of "
+                        f"them), got {classes!r}")
+    classes = tuple(classes)
+    if not classes:
+        raise ValueError(f"{where}: classes is empty, so nothing would be tagged; give "
+                         f"{base} subclasses, e.g. the default AUTO_TAG_CLASSES")
+    for i, c in enumerate(classes):
+        if not (isinstance(c, type) and issubclass(c, module_base)):
+            raise TypeError(f"{where}: classes[{i}] is {c!r}, not a {base} subclass")
+    return classes
 
 
 def needs_names(policy: Policy) -> bool:
