@@ -548,8 +548,9 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         steps of value-and-grad per policy on `sample_args` data.
       sample_args: key -> concrete args for timed mode; default random data
         shaped like `args` (normal floats, zero ints).
-      progress: called as progress(i, n, record) after the i-th of n
-        distinct policies is measured.
+      progress: called as progress(i, n, record) after the i-th of the n
+        distinct programs is compiled and measured (policies that lower to
+        one program count once; one that fails to lower counts as one).
       per_device: (factory, args) of the program one device runs, whose
         residuals are reported instead of tracing `args` at their shard
         shapes; needed where a shard is not a valid input (parameters split
@@ -590,27 +591,17 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
                 for x, s in zip(jax.tree.leaves(data), leaves)]
     label, found_versions = target.label, targets.versions(target)
     records = []
-    # Lowered program text -> its record: policies whose decisions differ only
-    # on values the backward pass never reads compile to the same program.
-    programs: dict[str, int] = {}
     groups = _group(parsed, names if names is not None else [str(p) for p in policies], emitted)
-    for i, (policy, group_names) in enumerate(groups):
+    programs = _lower_programs(groups, loss_for_policy, args, target)
+    for i, (policy, group_names, loss, staged, lowered, seconds) in enumerate(programs):
         record = Record(str(policy), tuple(group_names), label, str(target),
                         found_versions["jax"], found_versions["compiler"])
         try:
+            if isinstance(lowered, Exception):
+                raise lowered
             start = time.perf_counter()
-            loss = loss_for_policy(policy)
-            staged = _stage(loss, args)
-            lowered = targets.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
-            same = programs.setdefault(lowered.as_text(), len(records))
-            if same != len(records):
-                records[same] = dataclasses.replace(
-                    records[same], names=records[same].names + record.names)
-                if progress is not None:
-                    progress(i + 1, len(groups), records[same])
-                continue
             compiled = lowered.compile(targets.compile_options(target, not time_steps))
-            seconds = time.perf_counter() - start
+            seconds += time.perf_counter() - start
             local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
                      else _stage(loss, local_args) if local_args is not None else staged)
             costs, notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
@@ -630,8 +621,33 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
             record = dataclasses.replace(record, error=f"{type(e).__name__}: {detail}")
         records.append(record)
         if progress is not None:
-            progress(i + 1, len(groups), record)
+            progress(i + 1, len(programs), record)
     return _with_time_ratios(records)
+
+
+def _lower_programs(groups, loss_for_policy: LossFactory, args, target) -> list[tuple]:
+    """(policy, names, loss, staged, lowered, seconds) per distinct program, in
+    first-seen order; `lowered` is the exception where tracing or lowering
+    failed. Groups whose decisions differ only on values the backward pass
+    never reads lower to the same program: they become one entry with all
+    their names, so `measure` compiles, and counts, each program once."""
+    out, seen = [], {}  # lowered program text -> its index in out
+    for policy, group_names in groups:
+        start = time.perf_counter()
+        try:
+            loss = loss_for_policy(policy)
+            staged = _stage(loss, args)
+            lowered = targets.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
+        except Exception as e:  # noqa: BLE001 - reported in the policy's record
+            out.append((policy, list(group_names), None, None, e, 0.0))
+            continue
+        same = seen.setdefault(lowered.as_text(), len(out))
+        if same != len(out):
+            out[same][1].extend(group_names)
+            continue
+        out.append((policy, list(group_names), loss, staged, lowered,
+                    time.perf_counter() - start))
+    return out
 
 
 def _with_time_ratios(records: list[Record]) -> list[Record]:

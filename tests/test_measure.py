@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import importlib
+import remat_kit as rk
 from remat_kit import report
 
 # The module, not rk.measure (the function the package exports under that name).
@@ -197,6 +198,21 @@ def test_generic_measure_with_checkpointed_loss_and_timing():
     assert none.step_time.ratio_to_none == 1.0
     assert full.step_time.ratio_to_none == pytest.approx(
         full.step_time.median_s / none.step_time.median_s)
+
+
+def test_progress_counts_compiled_programs():
+    def loss(w, x):
+        h = rk.tag(jnp.tanh(x @ w), "mlpwi")
+        return jnp.sum(rk.tag(h @ w.T, "mlpwo"))  # sum's backward never reads mlpwo
+
+    calls = []
+    w, x = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    recs = M.measure(loss, w, x, policies=["none", "full", "save:mlpwo", "save:mlpwi"],
+                     progress=lambda i, n, r: calls.append((i, n, r.names)))
+    # Four decision sets, three programs: save:mlpwo lowers to full's program.
+    assert calls == [(1, 3, ("none",)), (2, 3, ("full", "save:mlpwo")), (3, 3, ("save:mlpwi",))]
+    assert [r.names for r in recs] == [names for _, _, names in calls]
+    assert all(r.compile_seconds > 0 for r in recs)
 
 
 def test_bad_sizes_raise_before_measuring(tiny):
