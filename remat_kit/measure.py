@@ -53,6 +53,7 @@ from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_
 from remat_kit.models.transformer import remat_layer
 from remat_kit.names import TAGS
 from remat_kit.policy import Policy
+from remat_kit.schedule import layer_policies
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import emitted_tags, tag_of
 
@@ -377,7 +378,13 @@ class Record:
       compile_seconds: tracing, lowering and compiling, seconds.
       step_time: timed mode only (`StepTime`), else None.
       layer_residual_bytes: residual bytes of one decoder layer measured
-        alone (`layer_residuals`), excluding parameters; `measure_config` only.
+        alone (`layer_residuals`), excluding parameters; `measure_config`
+        only, and None for a layer schedule (its layers differ).
+      layers_residual_bytes: what the decoder stack stores, each layer
+        measured alone under its own policy and summed: L x one layer for a
+        uniform policy; for every:k / first:n the layers under the policy
+        plus those without remat; for nested:g (g > 1) the L/g group inputs
+        (a full-remat layer's bytes each). `measure_config` only.
       notes: caveats on these numbers.
       error: why the policy could not be measured ("TypeName: message"); the
         numbers are then None / empty.
@@ -403,6 +410,7 @@ class Record:
     compile_seconds: float | None = None
     step_time: StepTime | None = None
     layer_residual_bytes: int | None = None
+    layers_residual_bytes: int | None = None
     notes: tuple[str, ...] = ()
     error: str | None = None
 
@@ -772,8 +780,9 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         For a target compiled ahead of time the mesh must be over its
         devices (`targets.make_mesh`); default a data mesh over all of them
         (a TPU slice's chips).
-      per_layer: also measure one decoder layer alone per policy
-        (`Record.layer_residual_bytes`, for the Korthikanti comparison).
+      per_layer: also measure each decoder layer alone under its policy
+        (`Record.layer_residual_bytes` and `layers_residual_bytes`, for the
+        Korthikanti comparison); layer schedules are summed layer by layer.
       progress: see `measure`.
       target: see `measure`.
     Returns:
@@ -803,11 +812,9 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
                       per_device=per_device, target=target)
     if not per_layer:
         return records
-    # One layer x L describes a uniform stack only; a schedule runs layers differently.
-    return [dataclasses.replace(r, layer_residual_bytes=_layer_stored_bytes(
-        local_cfg, batch // n, seq, parse(r.policy)))
-        if r.error is None and parse(r.policy).schedule.kind == "uniform" else r
-        for r in records]
+    return [dataclasses.replace(r, **_stack_stored_bytes(local_cfg, batch // n, seq,
+                                                         parse(r.policy)))
+            if r.error is None else r for r in records]
 
 
 # ---------------------------------------------------------------------------
@@ -904,6 +911,22 @@ def _is_param(r: Residual) -> bool:
 def _layer_stored_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: Policy) -> int:
     apply, args = _layer_program(cfg, batch, seq, policy)
     return sum(r.nbytes for r in residuals(apply, *args) if not _is_param(r))
+
+
+def _stack_stored_bytes(cfg: TransformerConfig, batch: int, seq: int,
+                        policy: Policy) -> dict[str, int | None]:
+    """{"layer_residual_bytes", "layers_residual_bytes"} of `Record` for the
+    decoder stack of `cfg` under `policy`, one layer measured at a time."""
+    schedule, L = policy.schedule, cfg.num_layers
+    if schedule.kind == "nested" and schedule.group_size(L) > 1:
+        # A group is rematerialized whole: the forward pass keeps its input only.
+        per_layer = (Policy(),) * (L // schedule.group_size(L))
+    else:
+        per_layer = layer_policies(policy, L)
+    measured = {p: _layer_stored_bytes(cfg, batch, seq, p) for p in set(per_layer)}
+    return {"layer_residual_bytes": (measured[per_layer[0]] if schedule.kind == "uniform"
+                                     else None),
+            "layers_residual_bytes": sum(measured[p] for p in per_layer)}
 
 
 def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],
