@@ -230,6 +230,11 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
                              choices=valid_words())
     body, at_sign, sched_text = spec.partition("@")
     sched_at = len(body) + 1
+    if at_sign and not body.strip():
+        example = sched_text.partition("@")[0].strip() or "every:2"
+        raise RematSpecError("no policy before '@': a layer schedule follows a policy, e.g. "
+                             f"full@{example}", spec=spec, token=body, position=0,
+                             choices=valid_words())
     if "@" in sched_text or (at_sign and re.fullmatch(r"\s*nested\s*:.*", body)):
         first, _, second = sched_text.partition("@") if "@" in sched_text else (
             "", "", sched_text)
@@ -238,10 +243,6 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
                              f"and {given[1]!r}; for other layer patterns give one policy per "
                              "layer (TransformerConfig.layer_remat)", spec=spec,
                              token="@" + second, position=len(spec) - len(second) - 1)
-    if at_sign and not body.strip():
-        raise RematSpecError("no policy before '@': a layer schedule follows a policy, e.g. "
-                             f"full@{sched_text.strip()}", spec=spec, token=body, position=0,
-                             choices=valid_words())
     if not at_sign and re.fullmatch(r"\s*nested\s*:.*", spec):  # nested:g = full@nested:g
         body, sched_text, sched_at = "full", spec, 0
     _check_nothing_follows(spec, body, sched_text, sched_at)
@@ -273,9 +274,18 @@ def _check_nothing_follows(spec: str, body: str, sched_text: str, sched_at: int)
         body, what = "full", f"{sched!r} is the whole spec 'full@{sched}', so"
     else:
         what = f"the layer schedule '@{sched}' applies to the whole spec, so"
-    raise RematSpecError(f"{what} nothing may follow it; write the schedule once at the end: "
-                         f"{body.strip() + rest.rstrip()}@{sched}", spec=spec, token=rest,
-                         position=sched_at + m.start())
+    raise RematSpecError(f"{what} nothing may follow it; write the schedule once, at the end"
+                         + _fix(f"{body.strip() + rest.rstrip()}@{sched}"), spec=spec,
+                         token=rest, position=sched_at + m.start())
+
+
+def _fix(spec: str) -> str:
+    """': SPEC' to end an error message with, if `spec` parses; else ''."""
+    try:
+        parse(spec)
+    except RematSpecError:
+        return ""
+    return f": {spec}"
 
 
 def _parse_term(term: str, spec: str, offset: int) -> Policy:
@@ -379,9 +389,9 @@ def _parse_decision_clause(clause: str, spec: str, at: int):
         whole = f"full@nested:{m.group('body').strip()}"
         fix = (spec[:at] + "full" + spec[at + len(clause):]).strip() + whole[4:]
         raise RematSpecError(f"{clause!r} is shorthand for the whole spec {whole!r}; in a union "
-                             "or with other clauses write the layer schedule once, at the end: "
-                             + (fix if "@" not in spec else "full;save:context@nested:4"),
-                             spec=spec, token=clause, position=at)
+                             "or with other clauses write the layer schedule once, at the end"
+                             + ("" if "@" in spec else _fix(fix)), spec=spec, token=clause,
+                             position=at)
     if m and head not in DECISIONS and (head in BARE_NAMES or head in BASES):
         raise RematSpecError(f"preset {head!r} takes no ':' arguments; write {head!r} alone",
                              spec=spec, token=clause, position=at)

@@ -56,6 +56,7 @@ def test_layer_policies():
 @pytest.mark.parametrize("spec, token, position, words", [
     ("full@", "", 5, ["missing layer schedule after '@'", "every:K"]),
     ("@every:2", "", 0, ["no policy before '@'", "full@every:2"]),
+    ("@@", "", 0, ["no policy before '@'", "full@every:2"]),
     ("full@every", "every", 5, ["every needs a layer count", "every:2",
                                 "did you mean 'every:K'"]),
     ("full@every:0", "0", 11, ["every:K", "K must be a positive int"]),
@@ -72,7 +73,8 @@ def test_layer_policies():
     ("nested:4@every:2", "@every:2", 8, ["one layer schedule", "'nested:4' and 'every:2'"]),
     # A schedule applies to the whole spec: terms or clauses after it are misplaced.
     ("a@first:2|b", "|b", 9, ["'@first:2' applies to the whole spec", "nothing may follow",
-                              "a|b@first:2"]),
+                              "write the schedule once, at the end;"]),  # a|b does not parse
+    ("full@every:2|none", "|none", 12, ["nothing may follow", "at the end;"]),  # none: no @
     ("full@first:2|selective", "|selective", 12, ["nothing may follow",
                                                   "full|selective@first:2"]),
     ("full@every:2;save:context", ";save:context", 12, ["full;save:context@every:2"]),
@@ -104,10 +106,13 @@ def test_bad_schedule_specs(spec, token, position, words):
         assert "did you mean" not in str(e)
 
 
-def test_every_suggested_fix_parses():
-    assert rk.parse("full|selective@first:2").schedule == Schedule("first", 2)
-    assert rk.parse("full;save:context@every:2") == rk.parse("save:context@every:2")
-    assert rk.parse("full|full@nested:4") == rk.parse("nested:4")
+@pytest.mark.parametrize("spec", ["full@first:2|selective", "full@every:2;save:context",
+                                  "nested:4|full", "full|nested:4", "nested:4;save:context"])
+def test_suggested_fix_parses(spec):
+    with pytest.raises(rk.RematSpecError) as info:
+        rk.parse(spec)
+    fix = str(info.value).split("at the end: ")[1].split("; in spec")[0]
+    assert rk.parse(fix).schedule != Schedule()
 
 
 def test_schedule_constructor_names_the_count():
