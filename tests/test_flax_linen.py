@@ -258,3 +258,29 @@ def test_auto_tag_takes_one_class(setup):
         found = emitted_tags(lambda p: Model().apply({"params": p}, tokens), params)
     assert set(found) == {"LayerNorm_0",
                           *(f"Block_{i}/ln{j}" for i in range(LAYERS) for j in (1, 2))}
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    # flax shifts positions down by one for self: 0 would mark the last argument static.
+    (lambda: rk.linen.remat(Block, "full", static_argnums=(0,)), ValueError,
+     "first argument after self is 1"),
+    (lambda: rk.linen.remat(Block, "full", static_argnums="2"), TypeError, "got '2'"),
+    (lambda: rk.linen.remat(Block, "full", prevent_cse="no"), TypeError,
+     "prevent_cse must be True or False, got 'no'"),
+    (lambda: rk.linen.remat(Block, "full", methods=["encode"]), ValueError,
+     "Block has no method 'encode'; methods it defines: __call__"),
+    (lambda: rk.linen.apply_remat(Model(), {"Block": "full"}, methods=()), ValueError,
+     "methods is empty"),
+    (lambda: rk.linen.apply_remat(Model(), {"Block": "full"}, validate="yes"), TypeError,
+     "validate must be True or False"),
+])
+def test_wrapper_options_are_checked(call, exc, message):
+    with pytest.raises(exc) as info:
+        call()
+    assert message in str(info.value)
+
+
+def test_one_method_name_is_a_method_list(setup):
+    tokens, params, _ = setup
+    model = rk.linen.apply_remat(Model(), {"Block": "full"}, methods="__call__")
+    assert jax.eval_shape(model.apply, {"params": params}, tokens).shape == (BATCH, SEQ, VOCAB)

@@ -202,3 +202,21 @@ def test_auto_tag_checks_classes(setup, classes, exc, message):
     with pytest.raises(exc) as info:
         rk.nnx.auto_tag(model, classes)
     assert message in str(info.value) and "rk.nnx.auto_tag" in str(info.value)
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda m: rk.nnx.remat(lambda b, x: b(x), "full", static_argnums="1"), TypeError,
+     "static_argnums must be an int or a tuple of ints, got '1'"),
+    (lambda m: rk.nnx.remat(Block, "full", prevent_cse=1), TypeError,
+     "prevent_cse must be True or False, got 1"),
+    (lambda m: rk.nnx.remat(Block, "full", methods=("encode",)), ValueError,
+     "Block has no method 'encode'; methods it defines: __call__"),
+    (lambda m: rk.nnx.apply_remat(m, {"Mlp": "full"}, methods=("encode",)), ValueError,
+     "Mlp has no method 'encode'"),
+    (lambda m: rk.nnx.apply_remat(m, {"Mlp": "full"}, methods=[]), ValueError,
+     "methods is empty"),
+])
+def test_wrapper_options_are_checked(setup, call, exc, message):
+    with pytest.raises(exc) as info:
+        call(setup[0])
+    assert message in str(info.value)
