@@ -48,7 +48,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -142,25 +142,39 @@ def make(spec: "str | Mapping[str, int]", devices: Sequence | None = None) -> Me
       devices: the devices to use, default all of `jax.devices()` (every
         process's, under `jax.distributed`).
     Raises:
-      MeshError: a bad spec (`parse_spec`), or a product of sizes other than the number of
-        devices; the message names both numbers and, on CPU, the XLA flag
-        that creates host devices.
+      MeshError: a bad spec (`parse_spec`), or a product of sizes other than
+        the number of devices; the message names both numbers and, on CPU,
+        the XLA flag that creates host devices.
+      TypeError: `devices` is not a list of jax devices.
     """
     sizes = parse_spec(spec)
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (Iterable, type(None))):
+        raise TypeError(f"rk.mesh.make: devices must be a list of jax devices (e.g. "
+                        f"jax.devices()[:4]), got {devices!r}")
     devices = list(jax.devices() if devices is None else devices)
+    bad = next((d for d in devices if not hasattr(d, "platform")), None)
+    if bad is not None:
+        raise TypeError(f"rk.mesh.make: devices must be jax devices (jax.devices()), got {bad!r}")
     need = math.prod(sizes.values())
     if need != len(devices):
         hint = (f"; on CPU start with XLA_FLAGS=--xla_force_host_platform_device_count={need}"
                 if devices and devices[0].platform == "cpu" and need > len(devices) else "")
+        kind = f" {devices[0].platform}" if devices else ""
         raise MeshError(f"mesh {_product_text(sizes)} needs {need} devices, but "
-                        f"{len(devices)} {devices[0].platform if devices else ''} devices are "
-                        f"given{hint}")
+                        f"{len(devices)}{kind} devices are given{hint}")
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
                          axis_types=(AxisType.Auto,) * len(sizes))
 
 
 def _shape(mesh: "Mesh | Mapping[str, int]") -> Mapping[str, int]:
-    return mesh.shape if isinstance(mesh, Mesh) else mesh
+    return mesh.shape if isinstance(mesh, Mesh) else parse_spec(mesh)
+
+
+def _mesh(mesh, where: str) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{where} takes a jax.sharding.Mesh, e.g. "
+                        f"rk.mesh.make('data:2,tensor:4'), got {mesh!r}")
+    return mesh
 
 
 def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
@@ -177,6 +191,8 @@ def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str,
 def axis_size(mesh: "Mesh | Mapping[str, int] | None", logical: str) -> int:
     """How many ways `mesh` (a Mesh or {axis: size}) splits a logical axis
     ("batch" -> data x fsdp, "heads" -> tensor)."""
+    if logical not in LOGICAL_AXES:
+        raise MeshError(f"unknown logical axis {logical!r}; valid: {list(LOGICAL_AXES)}")
     if mesh is None:
         return 1
     axes = dict(rules(mesh))[logical]
@@ -195,11 +211,12 @@ _CURRENT: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("remat_ki
 def use(mesh: Mesh | None) -> Iterator[None]:
     """Context in which the models' logical constraints (`constrain`) apply on
     `mesh`, with Flax's `nn.logical_axis_rules(rules(mesh))` set too. Enter it
-    while tracing (jit, lower). A no-op for None."""
+    while tracing (jit, lower). A no-op for None. Raises TypeError for
+    anything else that is not a Mesh (a spec string: build it with `make`)."""
     if mesh is None:
         yield
         return
-    token = _CURRENT.set(mesh)
+    token = _CURRENT.set(_mesh(mesh, "rk.mesh.use"))
     try:
         with nn.logical_axis_rules(rules(mesh)):
             yield
@@ -259,19 +276,21 @@ def shardings(boxed, mesh: Mesh):
     the rules split but its size does not divide (e.g. GPT-2's 50257-token
     vocabulary over tensor:2) stays whole.
     """
-    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules(mesh))
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed),
+                               rules(_mesh(mesh, "rk.mesh.shardings")))
     return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
                         specs, nn.unbox(boxed), is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[batch, ...] arrays split along batch over data x fsdp (the `batch` rule)."""
-    return NamedSharding(mesh, PartitionSpec(dict(rules(mesh))["batch"]))
+    return NamedSharding(mesh, PartitionSpec(dict(rules(_mesh(mesh, "rk.mesh.batch_sharding")))
+                                             ["batch"]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     """Whole on every device (PRNG keys, scalars)."""
-    return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(_mesh(mesh, "rk.mesh.replicated"), PartitionSpec())
 
 
 def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -254,3 +254,22 @@ def test_explain_shows_the_layer_one_device_runs(capsys):
     assert "[2, 16, 128]" in lines["mlpwi"] and "[2, 16, 64]" in lines["out_proj"]
     assert cli.main(["explain", "--config", "tiny", "--mesh", "fsdp:3"]) == 2
     assert "batch 8 does not split over the 3 data-parallel devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda: rk_mesh.make("data:1", "cpu"), TypeError, "devices must be a list of jax devices"),
+    (lambda: rk_mesh.make("data:1", ["cpu"]), TypeError, "devices must be jax devices"),
+    (lambda: rk_mesh.make("data:2", []), MeshError, "needs 2 devices, but 0 devices are given"),
+    (lambda: rk_mesh.use("data:2").__enter__(), TypeError,
+     "rk.mesh.use takes a jax.sharding.Mesh"),
+    (lambda: rk_mesh.batch_sharding({"data": 2}), TypeError, "rk.mesh.batch_sharding takes"),
+    (lambda: rk_mesh.replicated("data:2"), TypeError, "rk.mesh.replicated takes"),
+    (lambda: rk_mesh.axis_size({"data": 2}, "hidden"), MeshError,
+     "unknown logical axis 'hidden'; valid: ['batch', 'length'"),
+    (lambda: rk_mesh.axis_size({"data": 2, "model": 4}, "batch"), MeshError,
+     "unknown axis 'model'"),
+])
+def test_mesh_helpers_reject_wrong_types(call, exc, message):
+    with pytest.raises(exc) as e:
+        call()
+    assert message in str(e.value)
