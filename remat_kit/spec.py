@@ -463,7 +463,10 @@ def from_custom(mapping: Mapping[str, str]) -> Policy:
     meaning = {"remat": "recompute", "device": "save", "offload": "offload"}
     fields = {d: set() for d in DECISIONS}
     for tag_name, choice in mapping.items():
-        if choice not in meaning:
+        if not isinstance(tag_name, str):
+            raise RematSpecError("a custom policy's keys are tag names (strings)",
+                                 token=repr(tag_name), choices=names.known_tags())
+        if not isinstance(choice, str) or choice not in meaning:
             raise RematSpecError(f"unknown decision for tag {tag_name!r} in custom policy",
                                  token=str(choice), choices=tuple(meaning))
         fields[meaning[choice]].update(names.expand(tag_name))

@@ -63,6 +63,10 @@ def run(capsys, *argv):
     (["compare", "--config", "tiny", "--json", "tests"], "'tests' is a folder"),
     (["compare", "--config", "tiny", "--plot", "/proc/x.png"], "cannot write in folder '/proc'"),
     (["compare", "--config", "tiny", "--plot", "pareto.jpg"], "must end in .png"),
+    (["compare", "--config", "tiny", "--time", "-1"], "must be 0 or a positive int"),
+    (["plan", "--config", "tiny", "--budgets", "0.5", "--presets", ""], "--presets is empty"),
+    (["compare", "--config", "tiny", "--policies", "full@first:2|selective"],
+     "write the schedule once, at the end: full|selective@first:2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
