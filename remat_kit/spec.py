@@ -265,8 +265,9 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
 
 def _check_nothing_follows(spec: str, body: str, sched_text: str, sched_at: int) -> None:
     """Raises RematSpecError for clauses or terms after the layer schedule
-    (`full@first:2|dots`): the schedule ends the spec and applies to all of it."""
-    m = re.search(r"[|;]", sched_text)
+    (`full@first:2|dots`, or tags: `save:a@every:2,b`): the schedule ends the
+    spec and applies to all of it."""
+    m = re.search(r"[|;,]", sched_text)
     if m is None:
         return
     sched, rest = sched_text[:m.start()].strip(), sched_text[m.start():]

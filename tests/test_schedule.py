@@ -78,6 +78,8 @@ def test_layer_policies():
     ("full@first:2|selective", "|selective", 12, ["nothing may follow",
                                                   "full|selective@first:2"]),
     ("full@every:2;save:context", ";save:context", 12, ["full;save:context@every:2"]),
+    ("save:context@nested:2,out_proj", ",out_proj", 21,
+     ["nothing may follow", "save:context,out_proj@nested:2"]),
     # nested:G is shorthand for the whole spec full@nested:G.
     ("nested:0", "0", 7, ["nested:G", "G must be a positive int"]),
     ("nested:x", "x", 7, ["G must be a positive int"]),
