@@ -82,7 +82,13 @@ def _positive_int(text: str) -> int:
 
 
 def _non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive_int(text)
+    if text.strip() == "0":
+        return 0
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive int (at most {MAX_INT}), "
+                                         f"got {text!r}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -274,7 +280,7 @@ def _starts_policy(piece: str) -> bool:
     return False
 
 
-def split_policies(text: str) -> list[str]:
+def split_policies(text: str, flag: str = "--policies") -> list[str]:
     """'minimal,save:query_proj,key_proj,full' -> ['minimal', 'save:query_proj,key_proj', 'full'].
 
     Commas separate policies, except before a tag, alias or glob after a
@@ -285,7 +291,7 @@ def split_policies(text: str) -> list[str]:
         policy does not parse (the message gives its item number).
     """
     if not text.strip():
-        raise BadInput("--policies is empty; give comma-separated policy specs, or leave it "
+        raise BadInput(f"{flag} is empty; give comma-separated policy specs, or leave it "
                        "out for every preset")
     items: list[tuple[int, str]] = []
     for i, piece in enumerate(text.split(","), 1):
@@ -577,7 +583,7 @@ def _plan(args) -> int:
         cfg = cfg.replace(dtype=args.dtype)
     batch, seq = _sizes(args, cfg, defaults)
     budgets = split_budgets(args.budgets)
-    presets = ([] if args.no_presets else split_policies(args.presets)
+    presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
                if args.presets is not None else preset_policies())
     check_schedules(cfg, presets, "--presets")
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):

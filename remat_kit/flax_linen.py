@@ -44,7 +44,7 @@ def path_name(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def auto_tag(classes: Sequence[type] = AUTO_TAG_CLASSES):
+def auto_tag(classes: "Sequence[type] | type" = AUTO_TAG_CLASSES):
     """Names the outputs of standard layers by module path, for any linen model.
 
     Inside the context every `__call__` of a module of `classes` (default
@@ -57,8 +57,13 @@ def auto_tag(classes: Sequence[type] = AUTO_TAG_CLASSES):
 
     Based on `flax.linen.intercept_methods`; enter it around `init`/`apply`
     (or around `jax.jit` tracing of a function that calls them).
+
+    Raises (on entering the context):
+      TypeError: `classes` is a string or holds something that is not a
+        `flax.linen.Module` subclass (an NNX class, a name, an instance).
+      ValueError: `classes` is empty.
     """
-    classes = tuple(classes)
+    classes = wrapping.module_classes(classes, nn.Module, "rk.linen.auto_tag")
 
     def interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
@@ -112,7 +117,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
       validate: at each call (once per compile under `jax.jit`), trace the
         unwrapped module alone (no FLOPs) and check the policy's tags against
         what it emits; auto tags count only inside `auto_tag()`.
-      methods: method names to wrap; default `("__call__",)`.
+      methods: a method name or names to wrap; default `("__call__",)`.
     Returns:
       The wrapped class. Parameters keep the names and structure of `cls`.
       Without `validate` and globs it is flax's `nn.remat(cls, policy=...)`
@@ -121,7 +126,10 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
       a built-in over those names, and then runs as one lifted remat region,
       as `apply_remat` does: array arguments are traced, all others static.
     Raises:
-      TypeError: `cls` is not a linen Module class.
+      TypeError: `cls` is not a linen Module class; `static_argnums` not
+        ints; `prevent_cse` or `validate` not a bool.
+      ValueError: a `static_argnums` position below 1 (`self` is 0), no
+        methods, or a method `cls` does not define.
       RematSpecError: the policy does not parse.
       UnknownTagError: `validate` and the policy names a tag the module never
         emits (raised when the module is called).
@@ -129,10 +137,11 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"rk.linen.remat takes a flax.linen.Module subclass, got {cls!r}; "
                         "for a model instance use rk.linen.apply_remat(model, {...})")
+    methods = wrapping.options("rk.linen.remat", prevent_cse, validate, methods, cls, nn.Module)
+    static_argnums = wrapping.static_positions(static_argnums, "rk.linen.remat", minimum=1)
     policy = wrapping.module_policy(policy)
     if not policy.remat:
         return cls
-    methods = tuple(methods or ("__call__",))
     if not (validate or wrapping.needs_names(policy)):
         return nn.remat(cls, policy=policy.to_jax(), static_argnums=static_argnums,
                         prevent_cse=prevent_cse, methods=list(methods))
@@ -199,8 +208,10 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
       trace per distinct argument signature). Array arguments of a matched
       call are traced; other arguments (flags) stay static.
     Raises:
-      TypeError: `model` is not a linen Module instance, or a mapping key is
-        neither a class name nor a Module class.
+      TypeError: `model` is not a linen Module instance, a mapping key is
+        neither a class name nor a Module class, or `prevent_cse` /
+        `validate` is not a bool.
+      ValueError: `methods` is empty.
       RematSpecError: a policy spec does not parse.
       UnknownModuleError: on a call of `__call__`, a key matched no submodule;
         lists the classes the model calls and the closest name.
@@ -211,6 +222,7 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
         raise TypeError(f"rk.linen.apply_remat takes a flax.linen.Module instance, got "
                         f"{model!r}; for a class use rk.linen.remat(cls, policy)")
     plan = wrapping.Plan.of(mapping, nn.Module, "rk.linen.apply_remat")
+    methods = wrapping.options("rk.linen.apply_remat", prevent_cse, validate, methods)
     base = type(model)
     resolved_cache: dict = {}
 

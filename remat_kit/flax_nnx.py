@@ -62,7 +62,8 @@ def _tagging_class(cls: type, name: str) -> type:
     return _subclass(cls, {"__call__": __call__})
 
 
-def auto_tag(model: nnx.Module, classes: Sequence[type] = AUTO_TAG_CLASSES) -> nnx.Module:
+def auto_tag(model: nnx.Module,
+             classes: "Sequence[type] | type" = AUTO_TAG_CLASSES) -> nnx.Module:
     """A copy of `model` whose standard layers name their outputs by attribute path.
 
     Every node of `classes` (default `AUTO_TAG_CLASSES`: Linear, LinearGeneral,
@@ -74,10 +75,13 @@ def auto_tag(model: nnx.Module, classes: Sequence[type] = AUTO_TAG_CLASSES) -> n
     `nnx.state` paths are unchanged.
 
     Raises:
-      TypeError: `model` is not an nnx Module.
+      TypeError: `model` is not an nnx Module, or `classes` is a string or
+        holds something that is not a `flax.nnx.Module` subclass (a linen
+        class, a name, an instance).
+      ValueError: `classes` is empty.
     """
     _check_module(model, "rk.nnx.auto_tag")
-    classes = tuple(classes)
+    classes = wrapping.module_classes(classes, nnx.Module, "rk.nnx.auto_tag")
     out = _copy(model)
     for path, node in nnx.iter_graph(out):
         if isinstance(node, classes):
@@ -156,7 +160,9 @@ def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequenc
       saved names as the built-in under either remat mode for base "nothing").
     Raises:
       TypeError: not a Module class, instance or callable; `static_argnums`
-        with a module; `validate` with a function (use `rk.validate`).
+        with a module or not ints; `validate` with a function (use
+        `rk.validate`); `prevent_cse` or `validate` not a bool.
+      ValueError: no methods, or a method the module's class does not define.
       RematSpecError: the policy does not parse.
       UnknownTagError: `validate` and the policy names a tag never emitted.
     """
@@ -166,19 +172,24 @@ def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequenc
         if static_argnums != ():
             raise TypeError("rk.nnx.remat: static_argnums is for functions; module forms keep "
                             "non-array arguments static themselves")
+        cls = module_or_fn if is_class else type(module_or_fn)
+        methods = wrapping.options("rk.nnx.remat", prevent_cse, validate, methods, cls,
+                                   nnx.Module)
         if not policy.remat:
             return module_or_fn
         if is_class:
-            return _remat_class(module_or_fn, policy, prevent_cse, validate, tuple(methods))
+            return _remat_class(module_or_fn, policy, prevent_cse, validate, methods)
         out = _copy(module_or_fn)
-        out.__class__ = _remat_class(type(out), policy, prevent_cse, validate, tuple(methods))
+        out.__class__ = _remat_class(type(out), policy, prevent_cse, validate, methods)
         return out
     if isinstance(module_or_fn, type) or not callable(module_or_fn):
         raise TypeError(f"rk.nnx.remat takes an nnx Module class, instance or function, got "
                         f"{module_or_fn!r}")
+    wrapping.options("rk.nnx.remat", prevent_cse, validate, methods)
     if validate:
         raise TypeError("rk.nnx.remat: validate=True needs a module; for a function call "
                         "rk.validate(policy, fn, *args)")
+    static_argnums = wrapping.static_positions(static_argnums, "rk.nnx.remat")
     if not policy.remat:
         return module_or_fn
     lazy = wrapping.needs_names(policy) and policy.base == "nothing"
@@ -197,7 +208,8 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
         {"Block": "selective", "MLP": "full"}. A name matches the class or a
         base class; a module matched by several keys takes the key of its
         most derived class. Nested matches nest remat regions.
-      prevent_cse, validate, methods: as in `remat`.
+      prevent_cse, validate, methods: as in `remat`; each matched module's
+        class must define the methods (ValueError otherwise).
     Returns:
       The copy (same arrays, new Variables; `nnx.state` paths unchanged).
     Raises:
@@ -211,6 +223,7 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
     """
     _check_module(model, "rk.nnx.apply_remat")
     plan = wrapping.Plan.of(mapping, nnx.Module, "rk.nnx.apply_remat")
+    wrapping.options("rk.nnx.apply_remat", prevent_cse, validate, methods)
     out = _copy(model)
     matched, seen = set(), {}
     for _, node in nnx.iter_graph(out):
@@ -224,7 +237,9 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
         policy = plan.policy(key)
         if policy.remat:
             node.__class__ = _remat_class(type(node), policy, prevent_cse, validate,
-                                          tuple(methods))
+                                          wrapping.options("rk.nnx.apply_remat", prevent_cse,
+                                                           validate, methods, type(node),
+                                                           nnx.Module))
     plan.check_matched(matched, seen)
     return out
 

@@ -55,6 +55,7 @@ from remat_kit.models import DecoderLayer, Transformer, TransformerConfig, make_
 from remat_kit.models.transformer import remat_layer
 from remat_kit.names import TAGS
 from remat_kit.policy import Policy
+from remat_kit.schedule import layer_policies
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import emitted_tags, tag_of
 
@@ -379,7 +380,13 @@ class Record:
       compile_seconds: tracing, lowering and compiling, seconds.
       step_time: timed mode only (`StepTime`), else None.
       layer_residual_bytes: residual bytes of one decoder layer measured
-        alone (`layer_residuals`), excluding parameters; `measure_config` only.
+        alone (`layer_residuals`), excluding parameters; `measure_config`
+        only, and None for a layer schedule (its layers differ).
+      layers_residual_bytes: what the decoder stack stores, each layer
+        measured alone under its own policy and summed: L x one layer for a
+        uniform policy; for every:k / first:n the layers under the policy
+        plus those without remat; for nested:g (g > 1) the L/g group inputs
+        (a full-remat layer's bytes each). `measure_config` only.
       notes: caveats on these numbers.
       error: why the policy could not be measured ("TypeName: message"); the
         numbers are then None / empty.
@@ -405,6 +412,7 @@ class Record:
     compile_seconds: float | None = None
     step_time: StepTime | None = None
     layer_residual_bytes: int | None = None
+    layers_residual_bytes: int | None = None
     notes: tuple[str, ...] = ()
     error: str | None = None
 
@@ -594,8 +602,9 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
         steps of value-and-grad per policy on `sample_args` data.
       sample_args: key -> concrete args for timed mode; default random data
         shaped like `args` (normal floats, zero ints).
-      progress: called as progress(i, n, record) after the i-th of n
-        distinct policies is measured.
+      progress: called as progress(i, n, record) after the i-th of the n
+        distinct programs is compiled and measured (policies that lower to
+        one program count once; one that fails to lower counts as one).
       per_device: (factory, args) of the program one device runs, whose
         residuals are reported instead of tracing `args` at their shard
         shapes; needed where a shard is not a valid input (parameters split
@@ -636,27 +645,17 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
                 for x, s in zip(jax.tree.leaves(data), leaves)]
     label, found_versions = target.label, targets.versions(target)
     records = []
-    # Lowered program text -> its record: policies whose decisions differ only
-    # on values the backward pass never reads compile to the same program.
-    programs: dict[str, int] = {}
     groups = _group(parsed, names if names is not None else [str(p) for p in policies], emitted)
-    for i, (policy, group_names) in enumerate(groups):
+    programs = _lower_programs(groups, loss_for_policy, args, target)
+    for i, (policy, group_names, loss, staged, lowered, seconds) in enumerate(programs):
         record = Record(str(policy), tuple(group_names), label, str(target),
                         found_versions["jax"], found_versions["compiler"])
         try:
+            if isinstance(lowered, Exception):
+                raise lowered
             start = time.perf_counter()
-            loss = loss_for_policy(policy)
-            staged = _stage(loss, args)
-            lowered = targets.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
-            same = programs.setdefault(lowered.as_text(), len(records))
-            if same != len(records):
-                records[same] = dataclasses.replace(
-                    records[same], names=records[same].names + record.names)
-                if progress is not None:
-                    progress(i + 1, len(groups), records[same])
-                continue
             compiled = lowered.compile(targets.compile_options(target, not time_steps))
-            seconds = time.perf_counter() - start
+            seconds += time.perf_counter() - start
             local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
                      else _stage(loss, local_args) if local_args is not None else staged)
             costs, notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
@@ -676,8 +675,33 @@ def measure(loss_for_policy: LossFactory, *args, policies: Sequence, names=None,
             record = dataclasses.replace(record, error=f"{type(e).__name__}: {detail}")
         records.append(record)
         if progress is not None:
-            progress(i + 1, len(groups), record)
+            progress(i + 1, len(programs), record)
     return _with_time_ratios(records)
+
+
+def _lower_programs(groups, loss_for_policy: LossFactory, args, target) -> list[tuple]:
+    """(policy, names, loss, staged, lowered, seconds) per distinct program, in
+    first-seen order; `lowered` is the exception where tracing or lowering
+    failed. Groups whose decisions differ only on values the backward pass
+    never reads lower to the same program: they become one entry with all
+    their names, so `measure` compiles, and counts, each program once."""
+    out, seen = [], {}  # lowered program text -> its index in out
+    for policy, group_names in groups:
+        start = time.perf_counter()
+        try:
+            loss = loss_for_policy(policy)
+            staged = _stage(loss, args)
+            lowered = targets.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
+        except Exception as e:  # noqa: BLE001 - reported in the policy's record
+            out.append((policy, list(group_names), None, None, e, 0.0))
+            continue
+        same = seen.setdefault(lowered.as_text(), len(out))
+        if same != len(out):
+            out[same][1].extend(group_names)
+            continue
+        out.append((policy, list(group_names), loss, staged, lowered,
+                    time.perf_counter() - start))
+    return out
 
 
 def _with_time_ratios(records: list[Record]) -> list[Record]:
@@ -822,8 +846,9 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         For a target compiled ahead of time the mesh must be over its
         devices (`targets.make_mesh`); default a data mesh over all of them
         (a TPU slice's chips).
-      per_layer: also measure one decoder layer alone per policy
-        (`Record.layer_residual_bytes`, for the Korthikanti comparison).
+      per_layer: also measure each decoder layer alone under its policy
+        (`Record.layer_residual_bytes` and `layers_residual_bytes`, for the
+        Korthikanti comparison); layer schedules are summed layer by layer.
       progress: see `measure`.
       target: see `measure`.
     Returns:
@@ -852,11 +877,9 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
                       per_device=per_device, target=target)
     if not per_layer:
         return records
-    # One layer x L describes a uniform stack only; a schedule runs layers differently.
-    return [dataclasses.replace(r, layer_residual_bytes=_layer_stored_bytes(
-        local_cfg, batch // n, seq, parse(r.policy)))
-        if r.error is None and parse(r.policy).schedule.kind == "uniform" else r
-        for r in records]
+    return [dataclasses.replace(r, **_stack_stored_bytes(local_cfg, batch // n, seq,
+                                                         parse(r.policy)))
+            if r.error is None else r for r in records]
 
 
 # ---------------------------------------------------------------------------
@@ -953,6 +976,22 @@ def _is_param(r: Residual) -> bool:
 def _layer_stored_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: Policy) -> int:
     apply, args = _layer_program(cfg, batch, seq, policy)
     return sum(r.nbytes for r in residuals(apply, *args) if not _is_param(r))
+
+
+def _stack_stored_bytes(cfg: TransformerConfig, batch: int, seq: int,
+                        policy: Policy) -> dict[str, int | None]:
+    """{"layer_residual_bytes", "layers_residual_bytes"} of `Record` for the
+    decoder stack of `cfg` under `policy`, one layer measured at a time."""
+    schedule, L = policy.schedule, cfg.num_layers
+    if schedule.kind == "nested" and schedule.group_size(L) > 1:
+        # A group is rematerialized whole: the forward pass keeps its input only.
+        per_layer = (Policy(),) * (L // schedule.group_size(L))
+    else:
+        per_layer = layer_policies(policy, L)
+    measured = {p: _layer_stored_bytes(cfg, batch, seq, p) for p in set(per_layer)}
+    return {"layer_residual_bytes": (measured[per_layer[0]] if schedule.kind == "uniform"
+                                     else None),
+            "layers_residual_bytes": sum(measured[p] for p in per_layer)}
 
 
 def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],

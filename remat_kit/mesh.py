@@ -43,11 +43,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import numbers
 import os
 import re
 import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -80,35 +81,47 @@ MAX_DEVICES = 1024
 _TERM = re.compile(r"^([A-Za-z_]\w*):(\d+)$")
 
 
-def parse_spec(spec: str) -> dict[str, int]:
+def parse_spec(spec: "str | Mapping[str, int]") -> dict[str, int]:
     """'data:2,fsdp:2,tensor:2' -> {"data": 2, "fsdp": 2, "tensor": 2}, in spec order.
+
+    A {axis: size} mapping goes through the same checks and comes back as a
+    dict, so both forms of `make` accept and refuse the same meshes.
 
     Raises:
       MeshError: empty spec, a term not AXIS:N, an axis not in `AXES` (the
-        closest is suggested), an axis given twice, N < 1, or a product of
-        sizes above `MAX_DEVICES`.
+        closest is suggested), an axis given twice, a size that is not an
+        int >= 1, a product of sizes above `MAX_DEVICES`, or a spec that is
+        neither a string nor a mapping.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise MeshError(f"mesh spec must be AXIS:N[,AXIS:N...] with AXIS in {list(AXES)}, "
-                        f"got {spec!r}")
+    if isinstance(spec, Mapping):
+        shown, terms = repr(dict(spec)), list(spec.items())
+    elif isinstance(spec, str) and spec.strip():
+        shown, terms = repr(spec), []
+        for term in spec.replace(" ", "").split(","):
+            m = _TERM.match(term)
+            if not m:
+                raise MeshError(f"mesh spec {spec!r}: term {term!r} is not AXIS:N with AXIS in "
+                                f"{list(AXES)} and N a positive int")
+            terms.append((m.group(1), int(m.group(2))))
+    else:
+        raise MeshError(f"mesh spec must be AXIS:N[,AXIS:N...] or {{AXIS: N}} with AXIS in "
+                        f"{list(AXES)}, got {spec!r}")
+    if not terms:
+        raise MeshError(f"mesh spec {shown} names no axis; give AXIS:N with AXIS in {list(AXES)}")
     sizes: dict[str, int] = {}
-    for term in spec.replace(" ", "").split(","):
-        m = _TERM.match(term)
-        if not m:
-            raise MeshError(f"mesh spec {spec!r}: term {term!r} is not AXIS:N with AXIS in "
-                            f"{list(AXES)} and N a positive int")
-        axis, n = m.group(1), int(m.group(2))
+    for axis, n in terms:
         if axis not in AXES:
-            hint = _closest(axis, AXES)
-            raise MeshError(f"mesh spec {spec!r}: unknown axis {axis!r}; valid: {list(AXES)}"
+            hint = _closest(axis, AXES) if isinstance(axis, str) else None
+            raise MeshError(f"mesh spec {shown}: unknown axis {axis!r}; valid: {list(AXES)}"
                             + (f"; did you mean {hint!r}?" if hint else ""))
         if axis in sizes:
-            raise MeshError(f"mesh spec {spec!r}: axis {axis!r} is given twice")
-        if n < 1:
-            raise MeshError(f"mesh spec {spec!r}: axis {axis!r} has size {n}; sizes are >= 1")
-        sizes[axis] = n
+            raise MeshError(f"mesh spec {shown}: axis {axis!r} is given twice")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise MeshError(f"mesh spec {shown}: axis {axis!r} has size {n!r}; sizes are ints "
+                            ">= 1")
+        sizes[axis] = int(n)
     if math.prod(sizes.values()) > MAX_DEVICES:
-        raise MeshError(f"mesh spec {spec!r} needs {math.prod(sizes.values())} devices, more "
+        raise MeshError(f"mesh spec {shown} needs {math.prod(sizes.values())} devices, more "
                         f"than the {MAX_DEVICES} supported")
     return sizes
 
@@ -125,29 +138,43 @@ def make(spec: "str | Mapping[str, int]", devices: Sequence | None = None) -> Me
     arguments and `with_sharding_constraint`s.
 
     Args:
-      spec: a spec string (`parse_spec`) or {axis: size}.
+      spec: a spec string or {axis: size}, both checked by `parse_spec`.
       devices: the devices to use, default all of `jax.devices()` (every
         process's, under `jax.distributed`).
     Raises:
-      MeshError: a bad spec, or a product of sizes other than the number of
-        devices; the message names both numbers and, on CPU, the XLA flag
-        that creates host devices.
+      MeshError: a bad spec (`parse_spec`), or a product of sizes other than
+        the number of devices; the message names both numbers and, on CPU,
+        the XLA flag that creates host devices.
+      TypeError: `devices` is not a list of jax devices.
     """
-    sizes = parse_spec(spec) if isinstance(spec, str) else dict(spec)
+    sizes = parse_spec(spec)
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (Iterable, type(None))):
+        raise TypeError(f"rk.mesh.make: devices must be a list of jax devices (e.g. "
+                        f"jax.devices()[:4]), got {devices!r}")
     devices = list(jax.devices() if devices is None else devices)
+    bad = next((d for d in devices if not hasattr(d, "platform")), None)
+    if bad is not None:
+        raise TypeError(f"rk.mesh.make: devices must be jax devices (jax.devices()), got {bad!r}")
     need = math.prod(sizes.values())
     if need != len(devices):
         hint = (f"; on CPU start with XLA_FLAGS=--xla_force_host_platform_device_count={need}"
                 if devices and devices[0].platform == "cpu" and need > len(devices) else "")
+        kind = f" {devices[0].platform}" if devices else ""
         raise MeshError(f"mesh {_product_text(sizes)} needs {need} devices, but "
-                        f"{len(devices)} {devices[0].platform if devices else ''} devices are "
-                        f"given{hint}")
+                        f"{len(devices)}{kind} devices are given{hint}")
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
                          axis_types=(AxisType.Auto,) * len(sizes))
 
 
 def _shape(mesh: "Mesh | Mapping[str, int]") -> Mapping[str, int]:
-    return mesh.shape if isinstance(mesh, Mesh) else mesh
+    return mesh.shape if isinstance(mesh, Mesh) else parse_spec(mesh)
+
+
+def _mesh(mesh, where: str) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{where} takes a jax.sharding.Mesh, e.g. "
+                        f"rk.mesh.make('data:2,tensor:4'), got {mesh!r}")
+    return mesh
 
 
 def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
@@ -164,6 +191,8 @@ def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str,
 def axis_size(mesh: "Mesh | Mapping[str, int] | None", logical: str) -> int:
     """How many ways `mesh` (a Mesh or {axis: size}) splits a logical axis
     ("batch" -> data x fsdp, "heads" -> tensor)."""
+    if logical not in LOGICAL_AXES:
+        raise MeshError(f"unknown logical axis {logical!r}; valid: {list(LOGICAL_AXES)}")
     if mesh is None:
         return 1
     axes = dict(rules(mesh))[logical]
@@ -182,11 +211,12 @@ _CURRENT: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("remat_ki
 def use(mesh: Mesh | None) -> Iterator[None]:
     """Context in which the models' logical constraints (`constrain`) apply on
     `mesh`, with Flax's `nn.logical_axis_rules(rules(mesh))` set too. Enter it
-    while tracing (jit, lower). A no-op for None."""
+    while tracing (jit, lower). A no-op for None. Raises TypeError for
+    anything else that is not a Mesh (a spec string: build it with `make`)."""
     if mesh is None:
         yield
         return
-    token = _CURRENT.set(mesh)
+    token = _CURRENT.set(_mesh(mesh, "rk.mesh.use"))
     try:
         with nn.logical_axis_rules(rules(mesh)):
             yield
@@ -212,6 +242,8 @@ def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None
     (`shardings`)."""
     if mesh is None:
         return
+    if not isinstance(mesh, Mesh):
+        mesh = parse_spec(mesh)
     n = axis_size(mesh, "batch")
     if batch % n:
         raise MeshError(f"batch {batch} does not split over the {n} data-parallel devices of "
@@ -244,19 +276,21 @@ def shardings(boxed, mesh: Mesh):
     the rules split but its size does not divide (e.g. GPT-2's 50257-token
     vocabulary over tensor:2) stays whole.
     """
-    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), rules(mesh))
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed),
+                               rules(_mesh(mesh, "rk.mesh.shardings")))
     return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
                         specs, nn.unbox(boxed), is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[batch, ...] arrays split along batch over data x fsdp (the `batch` rule)."""
-    return NamedSharding(mesh, PartitionSpec(dict(rules(mesh))["batch"]))
+    return NamedSharding(mesh, PartitionSpec(dict(rules(_mesh(mesh, "rk.mesh.batch_sharding")))
+                                             ["batch"]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     """Whole on every device (PRNG keys, scalars)."""
-    return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(_mesh(mesh, "rk.mesh.replicated"), PartitionSpec())
 
 
 def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -46,7 +46,7 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
                                "q1_s": float, "q3_s": float, "steps": int,
                                "ratio_to_none": float | null},
           "layer_residual_bytes": int | null, # one layer measured alone
-          "layers_residual_bytes": int | null, # that x num_layers
+          "layers_residual_bytes": int | null, # each layer alone, summed
           "notes": [str],
           "error": str | null,
           "memory_ratio_to_none": float | null, # memory_bytes / none's
@@ -94,8 +94,9 @@ FORMULA_NOTE = (
     "parallelism for none/everything, selective, full recompute 2sbh; the 'tensor parallel' "
     "row on a mesh with a tensor axis, and the 'tensor + sequence parallel' row in 'Korthikanti "
     "SP x L') times the layers, at "
-    "this run's bytes per element, dropout masks only with dropout on. 'layer x L': one "
-    "decoder layer measured alone, times the layers. Gaps come from what the formula models: "
+    "this run's bytes per element, dropout masks only with dropout on. 'layer x L': each "
+    "decoder layer measured alone under its policy, summed over the layers. Gaps come from "
+    "what the formula models: "
     "Megatron's GeLU 4h-wide multi-head layer with 16-bit tensors. Here, without remat, the "
     "softmax keeps its exp output in f32, jnp.where's causal mask keeps a bool [b,h,s,s] mask "
     "and an f32 [b,h,s,s] zero tangent, LayerNorm keeps f32 intermediates and GELU keeps its "
@@ -150,8 +151,8 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
          batch: int | None = None, seq: int | None = None, tensor: int = 1) -> list[dict]:
     """Records as dicts (`Record.to_dict`) plus memory_ratio_to_none (memory_bytes
     over none's, both of one memory_kind), temp_ratio_to_none,
-    flops_ratio_to_none, pareto, formula_bytes, formula_sp_bytes and
-    layers_residual_bytes; sorted by memory_bytes (failed rows last). cfg,
+    flops_ratio_to_none, pareto, formula_bytes and formula_sp_bytes; sorted
+    by memory_bytes (failed rows last). cfg,
     batch (per device), seq: for the two per-layer figures. tensor: the
     tensor-parallel size; above 1, formula_bytes is Korthikanti's "tensor
     parallel" row and formula_sp_bytes the "tensor + sequence parallel" row
@@ -170,9 +171,6 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
         d["formula_sp_bytes"] = (formula_bytes(cfg, batch, seq, r.policy, tensor, True)
                                  if cfg is not None and r.error is None and tensor > 1
                                  else None)
-        d["layers_residual_bytes"] = (r.layer_residual_bytes * cfg.num_layers
-                                      if cfg is not None and r.layer_residual_bytes is not None
-                                      else None)
         out.append(d)
     return sorted(out, key=lambda d: (d["memory_bytes"] is None, d["memory_bytes"] or 0))
 

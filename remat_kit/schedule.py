@@ -32,6 +32,14 @@ from remat_kit.errors import RematSpecError
 KINDS = ("uniform", "every", "first", "nested")
 _SYNTAX = ("uniform", "every:K", "first:N", "nested", "nested:G")
 _TEXT = re.compile(r"^(?P<kind>[A-Za-z_]\w*)\s*(?::(?P<n>.*))?$")
+# What the number of each kind means, for messages.
+_COUNTS = {"every": "every:K puts layers 0, K, 2K, ... under the policy; K",
+           "first": "first:N puts layers 0 .. N-1 under the policy; N",
+           "nested": "nested:G rematerializes groups of G layers; G"}
+
+
+def _count_message(kind: str) -> str:
+    return f"{_COUNTS[kind]} must be a positive int"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +62,12 @@ class Schedule:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise RematSpecError("unknown layer schedule", token=str(self.kind), choices=KINDS)
+        if self.kind == "uniform" and self.n is not None:
+            raise RematSpecError("the uniform schedule takes no number", token=repr(self.n),
+                                 choices=_SYNTAX)
         if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int)
                                    or self.n <= 0):
-            raise RematSpecError(f"schedule {self.kind}: the layer count must be a positive "
-                                 "int", token=repr(self.n))
-        if self.kind == "uniform" and self.n is not None:
-            raise RematSpecError("the uniform schedule takes no number", token=str(self))
+            raise RematSpecError(_count_message(self.kind), token=repr(self.n), choices=_SYNTAX)
         if self.kind in ("every", "first") and self.n is None:
             raise RematSpecError(f"schedule {self.kind} needs a layer count, e.g. "
                                  f"{self.kind}:2", token=self.kind, choices=_SYNTAX)
@@ -127,17 +135,24 @@ def parse_schedule(text: str, spec: str | None = None, at: int | None = None) ->
     """
     stripped = text.strip()
     at = None if at is None else at + len(text) - len(text.lstrip())
+    if not stripped:
+        raise RematSpecError("missing layer schedule after '@'", spec=spec, token=text,
+                             position=at, choices=_SYNTAX)
     m = _TEXT.match(stripped)
     if not m or m.group("kind") not in KINDS:
-        raise RematSpecError("unknown layer schedule", spec=spec, token=stripped or text,
+        raise RematSpecError("unknown layer schedule", spec=spec, token=stripped,
                              position=at, choices=_SYNTAX)
-    n = m.group("n")
-    if n is not None and not re.fullmatch(r"\s*[0-9]+\s*", n):
-        raise RematSpecError(f"schedule {m.group('kind')}: the layer count must be a "
-                             "positive int", spec=spec, token=n, position=None if at is None
-                             else at + m.start("n"), choices=_SYNTAX)
+    kind, n = m.group("kind"), m.group("n")
+    n_at = None if at is None or n is None else at + m.start("n")
+    if n is not None and kind == "uniform":
+        raise RematSpecError("the uniform schedule takes no number; write 'uniform' or leave "
+                             "the schedule out", spec=spec, token=n, position=n_at,
+                             choices=_SYNTAX)
+    if n is not None and not re.fullmatch(r"\s*0*[1-9][0-9]*\s*", n):
+        raise RematSpecError(_count_message(kind), spec=spec, token=n, position=n_at,
+                             choices=_SYNTAX)
     try:
-        return Schedule(m.group("kind"), None if n is None else int(n))
+        return Schedule(kind, None if n is None else int(n))
     except RematSpecError as e:
         raise RematSpecError(e.message, spec=spec, token=stripped, position=at,
                              choices=_SYNTAX) from None

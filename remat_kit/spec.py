@@ -162,7 +162,10 @@ class AutoSpec:
                              "remat_kit.plan(loss_fn, *args, budget=...)", token=str(self))
 
 
-_AUTO = re.compile(r"^\s*auto\s*:\s*budget\s*=\s*(?P<budget>\S.*?)\s*$")
+_AUTO = re.compile(r"^\s*auto\s*:\s*budget\s*=(?P<budget>[^@|;]*)(?P<rest>.*)$", re.S)
+_AUTO_EXAMPLES = ("auto:budget=6GiB", "auto:budget=0.25")
+_AUTO_ALONE = ("an auto:budget= spec stands alone: the planner picks the whole policy, so it "
+               "cannot be a term of a union ('|') or a clause (';')")
 
 
 def _parse_auto(spec: str) -> AutoSpec:
@@ -172,10 +175,22 @@ def _parse_auto(spec: str) -> AutoSpec:
     if m is None:
         raise RematSpecError("an auto spec reads auto:budget=SIZE (6GiB, 512MiB, bytes) or "
                              "auto:budget=FRACTION (0 < f <= 1 of no-remat memory), alone",
-                             spec=spec, token=spec.strip(), position=0,
-                             choices=("auto:budget=6GiB", "auto:budget=0.25"))
-    parse_budget(m.group("budget"))  # BudgetError (a RematSpecError) names the bad value
-    return AutoSpec(m.group("budget"))
+                             spec=spec, token=spec.strip(), position=0, choices=_AUTO_EXAMPLES)
+    rest, budget = m.group("rest"), m.group("budget").strip()
+    if rest.startswith("@"):
+        raise RematSpecError("an auto:budget= spec takes no layer schedule: the planner decides "
+                             "every layer's policy; remove it", spec=spec, token=rest,
+                             position=m.start("rest"), choices=_AUTO_EXAMPLES)
+    if rest:
+        raise RematSpecError(_AUTO_ALONE, spec=spec, token=rest, position=m.start("rest"),
+                             choices=_AUTO_EXAMPLES)
+    if not budget:
+        raise RematSpecError("auto:budget= needs a budget after '=': a size (6GiB, 512MiB, "
+                             "bytes) or a fraction 0 < f <= 1 of no-remat memory", spec=spec,
+                             token=m.group("budget"), position=m.start("budget"),
+                             choices=_AUTO_EXAMPLES)
+    parse_budget(budget)  # BudgetError (a RematSpecError) names the bad value
+    return AutoSpec(budget)
 
 
 _CLAUSE = re.compile(r"^(?P<head>[A-Za-z_][\w]*)(?:\[(?P<kinds>[^\]]*)\])?:(?P<body>.*)$")
@@ -205,7 +220,7 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
     """
     if isinstance(spec, (Policy, AutoSpec)):
         return spec
-    if isinstance(spec, str) and re.match(r"\s*auto\s*:", spec):
+    if isinstance(spec, str) and re.match(r"\s*auto\b", spec):
         return _parse_auto(spec)
     if not isinstance(spec, str):
         raise RematSpecError("a policy spec must be a string or a Policy",
@@ -214,12 +229,23 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
         raise RematSpecError("empty policy spec", spec=spec, token=spec, position=0,
                              choices=valid_words())
     body, at_sign, sched_text = spec.partition("@")
-    if "@" in sched_text:
-        raise RematSpecError("a spec takes one layer schedule", spec=spec, token="@",
-                             position=len(body) + 1 + sched_text.index("@"))
     sched_at = len(body) + 1
+    if at_sign and not body.strip():
+        example = sched_text.partition("@")[0].strip() or "every:2"
+        raise RematSpecError("no policy before '@': a layer schedule follows a policy, e.g. "
+                             f"full@{example}", spec=spec, token=body, position=0,
+                             choices=valid_words())
+    if "@" in sched_text or (at_sign and re.fullmatch(r"\s*nested\s*:.*", body)):
+        first, _, second = sched_text.partition("@") if "@" in sched_text else (
+            "", "", sched_text)
+        given = [re.split(r"[|;]", s)[0].strip() for s in (first or body, second)]
+        raise RematSpecError(f"a spec takes one layer schedule, at its end: got {given[0]!r} "
+                             f"and {given[1]!r}; for other layer patterns give one policy per "
+                             "layer (TransformerConfig.layer_remat)", spec=spec,
+                             token="@" + second, position=len(spec) - len(second) - 1)
     if not at_sign and re.fullmatch(r"\s*nested\s*:.*", spec):  # nested:g = full@nested:g
         body, sched_text, sched_at = "full", spec, 0
+    _check_nothing_follows(spec, body, sched_text, sched_at)
     result, offset = None, 0
     for term in body.split("|"):
         policy = _parse_term(term, spec, offset)
@@ -235,6 +261,32 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
         raise RematSpecError(f"two layer schedules: {result.schedule} (from the preset) and "
                              f"{schedule}", spec=spec, token=sched_text, position=sched_at)
     return dataclasses.replace(result, schedule=schedule)
+
+
+def _check_nothing_follows(spec: str, body: str, sched_text: str, sched_at: int) -> None:
+    """Raises RematSpecError for clauses or terms after the layer schedule
+    (`full@first:2|dots`, or tags: `save:a@every:2,b`): the schedule ends the
+    spec and applies to all of it."""
+    m = re.search(r"[|;,]", sched_text)
+    if m is None:
+        return
+    sched, rest = sched_text[:m.start()].strip(), sched_text[m.start():]
+    if sched_at == 0:  # nested:g alone is shorthand for full@nested:g
+        body, what = "full", f"{sched!r} is the whole spec 'full@{sched}', so"
+    else:
+        what = f"the layer schedule '@{sched}' applies to the whole spec, so"
+    raise RematSpecError(f"{what} nothing may follow it; write the schedule once, at the end"
+                         + _fix(f"{body.strip() + rest.rstrip()}@{sched}"), spec=spec,
+                         token=rest, position=sched_at + m.start())
+
+
+def _fix(spec: str) -> str:
+    """': SPEC' to end an error message with, if `spec` parses; else ''."""
+    try:
+        parse(spec)
+    except RematSpecError:
+        return ""
+    return f": {spec}"
 
 
 def _parse_term(term: str, spec: str, offset: int) -> Policy:
@@ -332,6 +384,15 @@ def _parse_decision_clause(clause: str, spec: str, at: int):
     if head in DECISIONS and not m:
         raise RematSpecError(f"{head!r} needs a tag list, e.g. {head}:query_proj,key_proj",
                              spec=spec, token=clause, position=at)
+    if head == "auto":  # a spec that starts with auto went to _parse_auto
+        raise RematSpecError(_AUTO_ALONE, spec=spec, token=clause, position=at)
+    if m and head == "nested":  # nested:g is a whole spec, full@nested:g
+        whole = f"full@nested:{m.group('body').strip()}"
+        fix = (spec[:at] + "full" + spec[at + len(clause):]).strip() + whole[4:]
+        raise RematSpecError(f"{clause!r} is shorthand for the whole spec {whole!r}; in a union "
+                             "or with other clauses write the layer schedule once, at the end"
+                             + ("" if "@" in spec else _fix(fix)), spec=spec, token=clause,
+                             position=at)
     if m and head not in DECISIONS and (head in BARE_NAMES or head in BASES):
         raise RematSpecError(f"preset {head!r} takes no ':' arguments; write {head!r} alone",
                              spec=spec, token=clause, position=at)
@@ -403,7 +464,10 @@ def from_custom(mapping: Mapping[str, str]) -> Policy:
     meaning = {"remat": "recompute", "device": "save", "offload": "offload"}
     fields = {d: set() for d in DECISIONS}
     for tag_name, choice in mapping.items():
-        if choice not in meaning:
+        if not isinstance(tag_name, str):
+            raise RematSpecError("a custom policy's keys are tag names (strings)",
+                                 token=repr(tag_name), choices=names.known_tags())
+        if not isinstance(choice, str) or choice not in meaning:
             raise RematSpecError(f"unknown decision for tag {tag_name!r} in custom policy",
                                  token=str(choice), choices=tuple(meaning))
         fields[meaning[choice]].update(names.expand(tag_name))

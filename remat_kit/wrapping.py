@@ -6,7 +6,7 @@ splitting call arguments into traced arrays and static values, and turning a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -39,6 +39,90 @@ def split_static(args: tuple, kwargs: dict):
         return jax.tree.unflatten(tree, out)
 
     return tuple(leaves[i] for i in dynamic), rebuild
+
+
+def module_classes(classes, module_base: type, where: str) -> tuple[type, ...]:
+    """Checks the `classes` of an `auto_tag`: one `module_base` subclass or a
+    non-empty sequence of them; returns them as a tuple.
+
+    Raises:
+      TypeError: a string, a non-sequence, or an entry that is not a
+        `module_base` subclass (named with its index).
+      ValueError: an empty sequence, which would tag nothing.
+    """
+    base = f"{module_base.__module__}.{module_base.__name__}"
+    if isinstance(classes, type):
+        classes = (classes,)
+    if isinstance(classes, (str, bytes)) or not isinstance(classes, Iterable):
+        raise TypeError(f"{where}: classes must be {base} subclasses (a class or a tuple of "
+                        f"them), got {classes!r}")
+    classes = tuple(classes)
+    if not classes:
+        raise ValueError(f"{where}: classes is empty, so nothing would be tagged; give "
+                         f"{base} subclasses, e.g. the default AUTO_TAG_CLASSES")
+    for i, c in enumerate(classes):
+        if not (isinstance(c, type) and issubclass(c, module_base)):
+            raise TypeError(f"{where}: classes[{i}] is {c!r}, not a {base} subclass")
+    return classes
+
+
+def options(where: str, prevent_cse, validate, methods, cls: type | None = None,
+            module_base: type | None = None) -> tuple[str, ...]:
+    """Checks the options every wrapper takes; returns `methods` as a tuple of names.
+
+    Args:
+      methods: a method name or a sequence of them; None means ("__call__",).
+      cls, module_base: for the class forms, the class whose methods are
+        wrapped and the Module base whose own methods are not listed.
+    Raises:
+      TypeError: `prevent_cse` or `validate` not a bool, or a method name
+        not a string.
+      ValueError: no method names, or a name `cls` does not define (the
+        message lists the methods it defines).
+    """
+    for name, value in (("prevent_cse", prevent_cse), ("validate", validate)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
+    if methods is None:
+        methods = ("__call__",)
+    if isinstance(methods, str) or not isinstance(methods, Iterable):
+        methods = (methods,)
+    methods = tuple(methods)
+    if not methods:
+        raise ValueError(f"{where}: methods is empty; give the names of the methods to "
+                         "rematerialize, e.g. ('__call__',)")
+    for m in methods:
+        if not isinstance(m, str):
+            raise TypeError(f"{where}: a method name must be a string, got {m!r}")
+        if cls is not None and not callable(getattr(cls, m, None)):
+            own = sorted({n for c in cls.__mro__[:cls.__mro__.index(module_base)]
+                          for n, v in vars(c).items() if callable(v)
+                          and (n == "__call__" or not n.startswith("_"))})
+            raise ValueError(f"{where}: {cls.__name__} has no method {m!r}; methods it "
+                             f"defines: {', '.join(own) or 'none'}")
+    return methods
+
+
+def static_positions(value, where: str, minimum: int | None = None) -> tuple[int, ...]:
+    """`static_argnums` (an int or ints, each >= `minimum` if given) as a tuple.
+
+    Raises:
+      TypeError: not an int or a sequence of ints.
+      ValueError: an int below `minimum` (linen counts `self` as 0, so its
+        minimum is 1: flax shifts every position down by one, and 0 would
+        silently mark the last argument static).
+    """
+    nums = (value,) if isinstance(value, int) else value
+    if (isinstance(nums, (str, bytes)) or not isinstance(nums, Iterable)
+            or any(isinstance(n, bool) or not isinstance(n, int) for n in nums)):
+        raise TypeError(f"{where}: static_argnums must be an int or a tuple of ints, "
+                        f"got {value!r}")
+    nums = tuple(nums)
+    if minimum is not None and any(n < minimum for n in nums):
+        raise ValueError(f"{where}: static_argnums {value!r}: positions count self as 0 "
+                         f"(flax's convention), so the first argument after self is "
+                         f"{minimum}")
+    return nums
 
 
 def needs_names(policy: Policy) -> bool:

@@ -63,6 +63,10 @@ def run(capsys, *argv):
     (["compare", "--config", "tiny", "--json", "tests"], "'tests' is a folder"),
     (["compare", "--config", "tiny", "--plot", "/proc/x.png"], "cannot write in folder '/proc'"),
     (["compare", "--config", "tiny", "--plot", "pareto.jpg"], "must end in .png"),
+    (["compare", "--config", "tiny", "--time", "-1"], "must be 0 or a positive int"),
+    (["plan", "--config", "tiny", "--budgets", "0.5", "--presets", ""], "--presets is empty"),
+    (["compare", "--config", "tiny", "--policies", "full@first:2|selective"],
+     "write the schedule once, at the end: full|selective@first:2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -191,7 +195,8 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     assert code == 0, err
     assert "tiny: batch 2, seq 16, float32 (XLA CPU compile)" in out
     assert "full, save_nothing" in out and "bool [b,h,s,s] mask" in out
-    assert "[3/3]" in err  # progress: three distinct decision sets
+    # Progress counts compiled programs: three decision sets lower to two programs.
+    assert "[2/2]" in err and "/3]" not in err
     doc = json.loads(out_json.read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
     cpu = {"target": "cpu", "platform": "XLA CPU compile", "devices": 1,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import remat_kit as rk
+from remat_kit.validate import emitted_tags
 
 measure = importlib.import_module("remat_kit.measure")  # the module, not rk.measure()
 
@@ -234,3 +235,52 @@ def test_errors(setup):
         model = rk.linen.apply_remat(Model(), {"Block": "save:*/attn/*"}, validate=True)
         assert jax.eval_shape(model.apply, {"params": params}, tokens).shape == (
             BATCH, SEQ, VOCAB)
+
+
+@pytest.mark.parametrize("classes, exc, message", [
+    ("Dense", TypeError, "got 'Dense'"),
+    ((), ValueError, "classes is empty"),
+    ((nn.Dense, "LayerNorm"), TypeError, "classes[1] is 'LayerNorm', not a flax.linen"),
+    ((nn.Dense, int), TypeError, "classes[1] is <class 'int'>"),
+    ([nn.Dense(4)], TypeError, "classes[0] is Dense("),
+    (3, TypeError, "got 3"),
+])
+def test_auto_tag_checks_classes(classes, exc, message):
+    with pytest.raises(exc) as info:
+        with rk.linen.auto_tag(classes):
+            pass
+    assert message in str(info.value) and "rk.linen.auto_tag" in str(info.value)
+
+
+def test_auto_tag_takes_one_class(setup):
+    tokens, params, _ = setup
+    with rk.linen.auto_tag(nn.LayerNorm):
+        found = emitted_tags(lambda p: Model().apply({"params": p}, tokens), params)
+    assert set(found) == {"LayerNorm_0",
+                          *(f"Block_{i}/ln{j}" for i in range(LAYERS) for j in (1, 2))}
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    # flax shifts positions down by one for self: 0 would mark the last argument static.
+    (lambda: rk.linen.remat(Block, "full", static_argnums=(0,)), ValueError,
+     "first argument after self is 1"),
+    (lambda: rk.linen.remat(Block, "full", static_argnums="2"), TypeError, "got '2'"),
+    (lambda: rk.linen.remat(Block, "full", prevent_cse="no"), TypeError,
+     "prevent_cse must be True or False, got 'no'"),
+    (lambda: rk.linen.remat(Block, "full", methods=["encode"]), ValueError,
+     "Block has no method 'encode'; methods it defines: __call__"),
+    (lambda: rk.linen.apply_remat(Model(), {"Block": "full"}, methods=()), ValueError,
+     "methods is empty"),
+    (lambda: rk.linen.apply_remat(Model(), {"Block": "full"}, validate="yes"), TypeError,
+     "validate must be True or False"),
+])
+def test_wrapper_options_are_checked(call, exc, message):
+    with pytest.raises(exc) as info:
+        call()
+    assert message in str(info.value)
+
+
+def test_one_method_name_is_a_method_list(setup):
+    tokens, params, _ = setup
+    model = rk.linen.apply_remat(Model(), {"Block": "full"}, methods="__call__")
+    assert jax.eval_shape(model.apply, {"params": params}, tokens).shape == (BATCH, SEQ, VOCAB)

@@ -10,7 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
+from flax import linen, nnx
 
 import remat_kit as rk
 
@@ -187,3 +187,36 @@ def test_errors(setup):
         jax.eval_shape(pure_loss(wrapped), nnx.state(wrapped), tokens)
     assert info.value.closest == "blocks/0/attn/query"
     assert type(model.blocks[0]) is Block  # the failed wrap left the input as it was
+
+
+@pytest.mark.parametrize("classes, exc, message", [
+    ("Linear", TypeError, "got 'Linear'"),
+    ((), ValueError, "classes is empty"),
+    ((nnx.Linear, "LayerNorm"), TypeError, "classes[1] is 'LayerNorm', not a flax.nnx"),
+    ((nnx.Linear, linen.Dense), TypeError,
+     "classes[1] is <class 'flax.linen.linear.Dense'>, not a flax.nnx"),
+    (None, TypeError, "got None"),
+])
+def test_auto_tag_checks_classes(setup, classes, exc, message):
+    model = setup[0]
+    with pytest.raises(exc) as info:
+        rk.nnx.auto_tag(model, classes)
+    assert message in str(info.value) and "rk.nnx.auto_tag" in str(info.value)
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda m: rk.nnx.remat(lambda b, x: b(x), "full", static_argnums="1"), TypeError,
+     "static_argnums must be an int or a tuple of ints, got '1'"),
+    (lambda m: rk.nnx.remat(Block, "full", prevent_cse=1), TypeError,
+     "prevent_cse must be True or False, got 1"),
+    (lambda m: rk.nnx.remat(Block, "full", methods=("encode",)), ValueError,
+     "Block has no method 'encode'; methods it defines: __call__"),
+    (lambda m: rk.nnx.apply_remat(m, {"Mlp": "full"}, methods=("encode",)), ValueError,
+     "Mlp has no method 'encode'"),
+    (lambda m: rk.nnx.apply_remat(m, {"Mlp": "full"}, methods=[]), ValueError,
+     "methods is empty"),
+])
+def test_wrapper_options_are_checked(setup, call, exc, message):
+    with pytest.raises(exc) as info:
+        call(setup[0])
+    assert message in str(info.value)

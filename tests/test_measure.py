@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import importlib
+import remat_kit as rk
 from remat_kit import report
 
 # The module, not rk.measure (the function the package exports under that name).
@@ -199,6 +200,21 @@ def test_generic_measure_with_checkpointed_loss_and_timing():
         full.step_time.median_s / none.step_time.median_s)
 
 
+def test_progress_counts_compiled_programs():
+    def loss(w, x):
+        h = rk.tag(jnp.tanh(x @ w), "mlpwi")
+        return jnp.sum(rk.tag(h @ w.T, "mlpwo"))  # sum's backward never reads mlpwo
+
+    calls = []
+    w, x = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    recs = M.measure(loss, w, x, policies=["none", "full", "save:mlpwo", "save:mlpwi"],
+                     progress=lambda i, n, r: calls.append((i, n, r.names)))
+    # Four decision sets, three programs: save:mlpwo lowers to full's program.
+    assert calls == [(1, 3, ("none",)), (2, 3, ("full", "save:mlpwo")), (3, 3, ("save:mlpwi",))]
+    assert [r.names for r in recs] == [names for _, _, names in calls]
+    assert all(r.compile_seconds > 0 for r in recs)
+
+
 def test_bad_sizes_raise_before_measuring(tiny):
     for batch, seq in ((0, 16), (2, -1), (2.0, 16), (True, 16)):
         with pytest.raises(ValueError, match="positive int"):
@@ -222,6 +238,38 @@ def test_layer_residuals_under_selective(tiny):
     assert layer.recomputed_bytes == 2 * scores
     assert layer.saved_bytes == sum(r.nbytes for r in layer.rows if r.decision == "saved")
     assert layer.num_layers == tiny.num_layers and layer.parameter_bytes > 0
+
+
+def test_layers_column_sums_each_layers_policy_for_schedules():
+    """layer x L of a schedule is the sum over its layers, each under its own policy (a
+    nested group keeps its input only); with what lies outside the stack (embeddings,
+    logits, loss: full's residuals less its 4 layers) it is the whole step's residuals."""
+    cfg = get_config("tiny", num_layers=4)
+    one = {p: M._stack_stored_bytes(cfg, B, S, rk.parse(p))["layer_residual_bytes"]
+           for p in ("none", "full", "minimal")}
+    assert one["full"] == B * S * cfg.d_model * F32  # a full-remat layer keeps its input
+    expected = {"none": 4 * one["none"], "full": 4 * one["full"], "minimal": 4 * one["minimal"],
+                "full@every:2": 2 * one["full"] + 2 * one["none"],
+                "minimal@first:3": 3 * one["minimal"] + one["none"],
+                "minimal@nested:2": 2 * one["full"]}
+    loss_for_policy, args, _ = M.config_program(cfg, B, S)
+
+    def whole_step(spec):  # traced, not compiled: Record.activation_residual_bytes
+        return sum(r.nbytes for r in M.residuals(loss_for_policy(rk.parse(spec)), *args)
+                   if r.kind != "argument")
+
+    outside = whole_step("full") - expected["full"]
+    for spec, total in expected.items():
+        found = M._stack_stored_bytes(cfg, B, S, rk.parse(spec))
+        assert found["layers_residual_bytes"] == total, spec
+        assert whole_step(spec) == outside + total, spec
+        if rk.parse(spec).schedule.kind != "uniform":
+            assert found["layer_residual_bytes"] is None  # no one layer stands for the stack
+    # measure_config fills the record, and the report's layer x L column reads it.
+    (rec,) = M.measure_config(cfg, B, S, ["full@every:2"])
+    assert rec.layers_residual_bytes == expected["full@every:2"]
+    (row,) = report.rows([rec], cfg, B, S)
+    assert row["layers_residual_bytes"] == expected["full@every:2"]
 
 
 # -- report rows ----------------------------------------------------------------

@@ -4,6 +4,7 @@ Runs on the 8 host devices tests/conftest.py creates.
 """
 
 import functools
+import math
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import remat_kit as rk
@@ -147,19 +149,45 @@ def test_shardings_keep_a_dimension_the_mesh_does_not_divide():
         None, "tensor")
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("data:2,model:4", "unknown axis 'model'; valid: ['data', 'fsdp', 'tensor']"),
-    ("dta:8", "did you mean 'data'?"),
-    ("data:2,data:4", "axis 'data' is given twice"),
-    ("data:0", "size 0"),
-    ("data=8", "term 'data=8' is not AXIS:N"),
-    ("", "mesh spec must be AXIS:N"),
-    ("data:2048", "needs 2048 devices, more than the 1024 supported"),
+# The string form, its {axis: size} twin (None: that form cannot say it), the message.
+@pytest.mark.parametrize("spec, sizes, message", [
+    ("data:2,model:4", {"data": 2, "model": 4},
+     "unknown axis 'model'; valid: ['data', 'fsdp', 'tensor']"),
+    ("dta:8", {"dta": 8}, "did you mean 'data'?"),
+    ("data:2,data:4", None, "axis 'data' is given twice"),
+    ("data:0", {"data": 0}, "has size 0; sizes are ints >= 1"),
+    ("data=8", None, "term 'data=8' is not AXIS:N"),
+    ("", None, "mesh spec must be AXIS:N"),
+    (None, {}, "names no axis"),
+    ("data:2048", {"data": 2048}, "needs 2048 devices, more than the 1024 supported"),
+    (None, {"data": -8}, "axis 'data' has size -8"),
+    (None, {"data": 2.0}, "axis 'data' has size 2.0; sizes are ints >= 1"),
+    (None, {"data": True}, "has size True"),
+    (None, {"data": "8"}, "has size '8'"),
+    (None, {8: 1}, "unknown axis 8"),
+    (None, ["data", 8], "got ['data', 8]"),
 ])
-def test_bad_mesh_spec(spec, message):
-    with pytest.raises(MeshError, match=None) as e:
-        rk_mesh.parse_spec(spec)
-    assert message in str(e.value)
+def test_bad_mesh_spec_string_and_dict(spec, sizes, message):
+    """Both forms go through one check: `make` refuses a dict the string form refuses."""
+    for form in (f for f in (spec, sizes) if f is not None):
+        with pytest.raises(MeshError) as e:
+            rk_mesh.parse_spec(form)
+        assert message in str(e.value)
+        # As many devices as the mesh asks for, so only the spec check can refuse it.
+        n = math.prod(form.values()) if isinstance(form, dict) else None
+        devices = jax.devices()[:n] if type(n) is int and 0 < n <= len(jax.devices()) else None
+        with pytest.raises(MeshError) as e:
+            rk_mesh.make(form, devices)
+        assert message in str(e.value)
+
+
+def test_dict_mesh_equals_string_mesh():
+    assert rk_mesh.parse_spec({"data": 2, "tensor": np.int64(4)}) == {"data": 2, "tensor": 4}
+    assert rk_mesh.make({"data": 2, "tensor": 4}).shape == rk_mesh.make("data:2,tensor:4").shape
+    with pytest.raises(MeshError, match=r"mesh data 2 x tensor 2 needs 4 devices, but 8 cpu "):
+        rk_mesh.make({"data": 2, "tensor": 2})
+    with pytest.raises(MeshError, match="unknown axis 'model'"):
+        rk_mesh.check_fits({"data": 2, "model": 4}, get_config("tiny"), 8)
 
 
 def test_mesh_product_must_match_the_devices():
@@ -226,3 +254,22 @@ def test_explain_shows_the_layer_one_device_runs(capsys):
     assert "[2, 16, 128]" in lines["mlpwi"] and "[2, 16, 64]" in lines["out_proj"]
     assert cli.main(["explain", "--config", "tiny", "--mesh", "fsdp:3"]) == 2
     assert "batch 8 does not split over the 3 data-parallel devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda: rk_mesh.make("data:1", "cpu"), TypeError, "devices must be a list of jax devices"),
+    (lambda: rk_mesh.make("data:1", ["cpu"]), TypeError, "devices must be jax devices"),
+    (lambda: rk_mesh.make("data:2", []), MeshError, "needs 2 devices, but 0 devices are given"),
+    (lambda: rk_mesh.use("data:2").__enter__(), TypeError,
+     "rk.mesh.use takes a jax.sharding.Mesh"),
+    (lambda: rk_mesh.batch_sharding({"data": 2}), TypeError, "rk.mesh.batch_sharding takes"),
+    (lambda: rk_mesh.replicated("data:2"), TypeError, "rk.mesh.replicated takes"),
+    (lambda: rk_mesh.axis_size({"data": 2}, "hidden"), MeshError,
+     "unknown logical axis 'hidden'; valid: ['batch', 'length'"),
+    (lambda: rk_mesh.axis_size({"data": 2, "model": 4}, "batch"), MeshError,
+     "unknown axis 'model'"),
+])
+def test_mesh_helpers_reject_wrong_types(call, exc, message):
+    with pytest.raises(exc) as e:
+        call()
+    assert message in str(e.value)

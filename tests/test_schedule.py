@@ -52,20 +52,76 @@ def test_layer_policies():
     assert layer_policies(["full", "none", "selective"], 3) == (full, none, rk.parse("selective"))
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("full@", "unknown layer schedule"),
-    ("full@every", "every needs a layer count"),
-    ("full@every:0", "positive int"),
-    ("full@every:x", "positive int"),
-    ("full@sometimes:2", "unknown layer schedule"),
-    ("none@every:2", "'none' runs no layer under remat"),
-    ("nested@first:2", "two layer schedules"),
-    ("full@every:2@first:1", "one layer schedule"),
-    ("full@nested|dots@every:2", "one layer schedule"),
+# spec, the token the error names, its position, words the message must contain.
+@pytest.mark.parametrize("spec, token, position, words", [
+    ("full@", "", 5, ["missing layer schedule after '@'", "every:K"]),
+    ("@every:2", "", 0, ["no policy before '@'", "full@every:2"]),
+    ("@@", "", 0, ["no policy before '@'", "full@every:2"]),
+    ("full@every", "every", 5, ["every needs a layer count", "every:2",
+                                "did you mean 'every:K'"]),
+    ("full@every:0", "0", 11, ["every:K", "K must be a positive int"]),
+    ("full@every:x", "x", 11, ["K must be a positive int"]),
+    ("full@first:-1", "-1", 11, ["first:N", "N must be a positive int"]),
+    ("full@uniform:3", "3", 13, ["uniform schedule takes no number"]),
+    ("full@sometimes:2", "sometimes:2", 5, ["unknown layer schedule", "nested:G"]),
+    ("none@every:2", "every:2", 5, ["'none' runs no layer under remat"]),
+    ("nested@first:2", "first:2", 7, ["two layer schedules", "nested", "first:2"]),
+    ("full@every:2@first:1", "@first:1", 12, ["one layer schedule", "'every:2' and "
+                                              "'first:1'", "layer_remat"]),
+    ("full@nested|dots@every:2", "@every:2", 16, ["one layer schedule", "'nested' and "
+                                                  "'every:2'"]),
+    ("nested:4@every:2", "@every:2", 8, ["one layer schedule", "'nested:4' and 'every:2'"]),
+    # A schedule applies to the whole spec: terms or clauses after it are misplaced.
+    ("a@first:2|b", "|b", 9, ["'@first:2' applies to the whole spec", "nothing may follow",
+                              "write the schedule once, at the end;"]),  # a|b does not parse
+    ("full@every:2|none", "|none", 12, ["nothing may follow", "at the end;"]),  # none: no @
+    ("full@first:2|selective", "|selective", 12, ["nothing may follow",
+                                                  "full|selective@first:2"]),
+    ("full@every:2;save:context", ";save:context", 12, ["full;save:context@every:2"]),
+    ("save:context@nested:2,out_proj", ",out_proj", 21,
+     ["nothing may follow", "save:context,out_proj@nested:2"]),
+    # nested:G is shorthand for the whole spec full@nested:G.
+    ("nested:0", "0", 7, ["nested:G", "G must be a positive int"]),
+    ("nested:x", "x", 7, ["G must be a positive int"]),
+    ("nested:", "", 7, ["G must be a positive int"]),
+    ("nested:4|full", "|full", 8, ["'nested:4' is the whole spec 'full@nested:4'",
+                                   "nothing may follow", "full|full@nested:4"]),
+    ("full|nested:4", "nested:4", 5, ["shorthand for the whole spec 'full@nested:4'",
+                                      "full|full@nested:4"]),
+    # auto:budget= is planned for a whole model: alone, without a schedule.
+    ("auto:budget=0.5|full", "|full", 15, ["auto:budget= spec stands alone", "union"]),
+    ("auto:budget=0.5;full", ";full", 15, ["stands alone", "clause"]),
+    ("full|auto:budget=0.5", "auto:budget=0.5", 5, ["stands alone"]),
+    ("auto:budget=0.5@every:2", "@every:2", 15, ["takes no layer schedule", "planner"]),
+    ("auto:budget=", "", 12, ["auto:budget= needs a budget after '='", "6GiB", "fraction"]),
+    ("auto", "auto", 0, ["auto:budget=SIZE", "auto:budget=FRACTION"]),
 ])
-def test_bad_schedule_specs(spec, message):
-    with pytest.raises(rk.RematSpecError, match=message):
+def test_bad_schedule_specs(spec, token, position, words):
+    with pytest.raises(rk.RematSpecError) as info:
         rk.parse(spec)
+    e = info.value
+    assert (e.token, e.position) == (token, position)
+    assert f"in spec {spec!r} at position {position}: {token!r}" in str(e)
+    for word in words:
+        assert word in str(e)
+    if not any("did you mean" in word for word in words):  # no near miss for misplaced syntax
+        assert "did you mean" not in str(e)
+
+
+@pytest.mark.parametrize("spec", ["full@first:2|selective", "full@every:2;save:context",
+                                  "nested:4|full", "full|nested:4", "nested:4;save:context"])
+def test_suggested_fix_parses(spec):
+    with pytest.raises(rk.RematSpecError) as info:
+        rk.parse(spec)
+    fix = str(info.value).split("at the end: ")[1].split("; in spec")[0]
+    assert rk.parse(fix).schedule != Schedule()
+
+
+def test_schedule_constructor_names_the_count():
+    with pytest.raises(rk.RematSpecError, match="G must be a positive int; got '0'"):
+        Schedule("nested", 0)
+    with pytest.raises(rk.RematSpecError, match="uniform schedule takes no number; got '2'"):
+        Schedule("uniform", 2)
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -252,6 +252,9 @@ def test_recompute_everything_is_not_a_conflict():
 @pytest.mark.parametrize("call, exc, message", [
     (lambda: rk.tag(1.0, 5), rk.UnknownTagError, "non-empty string"),
     (lambda: rk.from_custom("query_proj"), rk.RematSpecError, "is a mapping"),
+    (lambda: rk.from_custom({3: "remat"}), rk.RematSpecError, "keys are tag names.*got '3'"),
+    (lambda: rk.from_custom({"mlpwo": ["remat"]}), rk.RematSpecError,
+     "unknown decision for tag 'mlpwo'.*valid choices: remat, device, offload"),
     (lambda: rk.register_tag(" padded "), ValueError, "without whitespace"),
 ])
 def test_library_calls_reject_wrong_types(call, exc, message):
