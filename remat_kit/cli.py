@@ -770,10 +770,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="comma-separated budgets: sizes (6GiB, 512MiB, bytes) or fractions "
                            "0 < f <= 1 of no remat's memory (temp on CPU, the compiler's "
                            "peak on TPU and GPU)")
-    plan.add_argument("--presets", default=None,
-                      help="comma-separated specs to set against the plans (default: every "
-                           "preset)")
-    plan.add_argument("--no-presets", action="store_true", help="compare with no preset")
+    presets = plan.add_mutually_exclusive_group()
+    presets.add_argument("--presets", default=None,
+                         help="comma-separated specs to set against the plans (default: every "
+                              "preset)")
+    presets.add_argument("--no-presets", action="store_true", help="compare with no preset")
     plan.add_argument("--mesh", default=None,
                       help="e.g. data:2,fsdp:2,tensor:2: plan the per-device program")
     plan.add_argument("--target", default=None,

@@ -239,7 +239,11 @@ class Policy:
             or a side holds a path glob (`*/attn/query`), which cannot be
             expanded without the model's names (write it in one term instead);
             or they have different non-uniform layer schedules.
+          TypeError: `other` is not a Policy.
         """
+        if not isinstance(other, Policy):
+            raise TypeError(f"a Policy unites only with a Policy (parse a spec string with "
+                            f"remat_kit.parse), got {type(other).__name__} {other!r}")
         if prefer not in (None, "save", "offload"):
             raise RematSpecError("unknown preference", token=str(prefer),
                                  choices=("save", "offload"))

@@ -259,6 +259,7 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--budgets", "0.2,abc"], "--budgets"), (["--budgets", ""], "--budgets"),
     (["--budgets", "0.2", "--plot", "x.txt"], ".png"),
+    (["--budgets", "0.2", "--no-presets", "--presets", "full"], "not allowed with"),
 ])
 def test_cli_plan_bad_input(argv, message, capsys):
     assert cli.main(["plan", "--config", "tiny", *argv]) == 2

@@ -93,6 +93,8 @@ def test_union_conflict_needs_explicit_resolution():
         rk.parse("save:mlpwo|offload:mlpwo")
     resolved = rk.parse("save:mlpwo").union(rk.parse("offload:mlpwo"), prefer="offload")
     assert resolved == rk.parse("offload:mlpwo")
+    with pytest.raises(TypeError, match="unites only with a Policy.*int 3"):
+        rk.parse("full").union(3)
 
 
 def test_from_custom_maxtext_mapping():
