@@ -68,7 +68,7 @@ def fake_step(monkeypatch, bytes_at, error_at=None):
     """Replaces the compile with a memory model: total = bytes_at(batch * seq)."""
     calls = []
 
-    def step(cfg, batch, seq, policy, optimizer=None, target=None):
+    def step(cfg, batch, seq, policy, optimizer=None, target=None, mesh=None):
         calls.append((policy, batch, seq))
         if error_at is not None and batch * seq >= error_at[0]:
             raise error_at[1]
@@ -194,7 +194,7 @@ def test_long_context_config_checks_its_budget_before_training(tmp_path):
     (lambda: step_memory("tiny", 2, 16, "full"), TypeError, "cfg must be a remat_kit.models"),
     (lambda: step_memory(CFG, 2, 16, "full", optimizer="adam"), TypeError, "optax"),
     (lambda: step_memory(CFG, 2, 16, "auto:budget=0.5"), rk.RematSpecError,
-     "fit does not plan auto:budget=0.5"),
+     "step_memory compiles one policy, not auto:budget=0.5"),
     (lambda: fit(CFG, BUDGET, policies=["full@every:99"]), ValueError, "99 is out of range"),
     (lambda: fit(CFG, BUDGET, target=["cpu"]), ValueError, "a target is a string"),
 ])
