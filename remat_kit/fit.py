@@ -58,6 +58,7 @@ from remat_kit.report import fmt_bytes
 from remat_kit.spec import AutoSpec, parse
 
 VARY = ("seq", "batch")
+FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
 DEFAULT_MULTIPLE = {"seq": 128, "batch": 1}
 # Sizes beyond these are not searched: XLA takes shapes as 32-bit ints, and a
 # policy that still fits there is reported as capped.
@@ -465,7 +466,7 @@ def _extrapolated_flops(known: dict[int, StepMemory], size: int, degree: int) ->
 
 
 def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
-        policies: Sequence["str | Policy"] = ("none", "full", "minimal", "selective", "dots"),
+        policies: Sequence["str | Policy"] = FIT_POLICIES,
         batch: int | None = None, seq: int | None = None, multiple: int | None = None,
         max_size: int | None = None, optimizer: optax.GradientTransformation | None = None,
         target: "str | targets.Target | None" = None, mesh: Mesh | None = None,
