@@ -691,7 +691,7 @@ def _fit(args) -> int:
                        f"devices of --mesh {args.mesh} (data x fsdp); the batch is global: "
                        f"use a multiple of {split}")
     # "auto" is fit's planner row; its budget is the fit budget.
-    text = (",".join(f"auto:budget={budget}" if p.strip() == "auto" else p
+    text = (",".join(f"auto:budget={args.budget}" if p.strip() == "auto" else p
                      for p in args.policies.split(",")) if args.policies is not None else None)
     specs = split_policies(text) if text is not None else list(FIT_POLICIES)
     check_schedules(cfg, specs, "--policies")
