@@ -31,6 +31,13 @@ length (attention scores are [batch, heads, seq, seq]) and linearly with the
 batch, so the prediction is usually right within one unit and a policy costs
 a handful of compiles. The size found is exact: it fits and size + multiple
 does not, both compiled.
+
+On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
+`measure.config_program`'s loss plus the update; the budget and every byte
+figure are per device, the sizes global (the batch is split over data x
+fsdp). The auto row ("auto") asks the budget planner (`remat_kit.plan`) for
+a policy at each size, with the step budget translated into its
+value-and-grad budget, and verifies the plan on the whole step (`fit`).
 """
 
 from __future__ import annotations
@@ -575,8 +582,8 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     steps = _Steps(lambda p, size: step_memory(cfg, *sizes(size), p, optimizer=optimizer,
                                                target=target, mesh=mesh))
     # The auto row's planner runs on the step's devices: one of an AOT target without a mesh.
-    plan_mesh = mesh if mesh is not None or not target.aot else targets.make_mesh(target,
-                                                                                  {"data": 1})
+    plan_mesh = (targets.make_mesh(target, {"data": 1}) if mesh is None and target.aot
+                 and any(auto) else mesh)
     devices = 1 if mesh is None else mesh.size
     start = time.perf_counter()
     rows: list[FitRow | None] = [None] * len(specs)

@@ -244,7 +244,8 @@ def test_auto_budget_is_the_fit_budget(capsys):
         fit(CFG, BUDGET, policies=["auto:budget=0.5"])
     assert cli.main(["fit", "--config", "tiny", "--budget", "2MB", "--policies",
                      "auto:budget=1GiB"]) == 2
-    assert "write 'auto' or 'auto:budget=2000000', not 'auto:budget=1GiB'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "write 'auto' or 'auto:budget=2000000', not 'auto:budget=1GiB'" in err
 
 
 def per_device_param_bytes(split: int) -> int:
