@@ -488,9 +488,10 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
 
     The auto row ("auto", or "auto:budget=" the same budget) is the
     planner's choice at each size (`remat_kit.plan`): the whole-step budget
-    is translated into the planner's value-and-grad temp budget by taking
-    off what the step holds besides (full remat's step memory minus its
-    value-and-grad temp at that size), the planned policy's whole step is
+    is translated into the planner's value-and-grad budget (its temp memory
+    on CPU) by taking off what the step holds besides (full remat's step
+    memory minus the planner's figure for full remat at that size,
+    `Planner.minimum`), the planned policy's whole step is
     compiled, and an over-budget plan is planned again with the overshoot
     taken off (3 tries). Of it and every policy already compiled at that
     size (the other rows', `full`), the one with the fewest FLOPs whose step
@@ -632,9 +633,10 @@ class _Auto:
         full = self.steps.get("full", size)
         if full is not None:
             planner = self.planner_at(size)
-            # What the step holds besides value-and-grad's temp: parameters, gradients,
-            # optimizer state, the update's temporaries. Full remat's step gives it.
-            limit = self.budget - (full.total_bytes - planner.measure("full").temp_size_in_bytes)
+            # Take off what the step holds besides the value-and-grad memory the planner
+            # budgets (parameters, gradients, optimizer state, the update): full remat's step
+            # minus the planner's own figure for it (`minimum`: full's, in its memory kind).
+            limit = self.budget - (full.total_bytes - planner.minimum()[0])
             for _ in range(self.TRIES):
                 try:
                     plan = planner.plan(limit)
