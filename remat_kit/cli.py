@@ -800,10 +800,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="device memory per device, e.g. 16GiB, 512MiB, 8e9 bytes (also the "
                           "budget of an auto row)")
     fit.add_argument("--vary", choices=("seq", "batch"), default="seq",
-                     help="search the sequence length (batch fixed, default 1) or the batch "
-                          "(seq fixed)")
+                     help="search the sequence length (global batch fixed, default 1, or "
+                          "data x fsdp on a mesh) or the global batch (seq fixed)")
     fit.add_argument("--multiple", type=_positive_int, default=None,
-                     help="search in multiples of this (default 128 for seq, 1 for batch)")
+                     help="search in multiples of this (default 128 for seq; 1 for batch, or "
+                          "data x fsdp on a mesh)")
     fit.add_argument("--policies", default=None,
                      help="comma-separated policy specs, and auto for the planner's pick at "
                           "each size (default: none,full,minimal,selective,dots)")
