@@ -7,7 +7,8 @@
     remat-kit plan --config gpt2_small --batch 8 --seq 1024 --budgets 0.2,0.4,6GiB \\
         [--presets a,b | --no-presets] [--json plan.json] [--plot plan.png]
     remat-kit fit --config llama_1b --budget 16GiB --vary seq [--batch 1] [--multiple 128] \\
-        [--target T] [--policies a,b,c] [--json out.json] [--plot fit.png]
+        [--target T] [--mesh data:2,fsdp:2] [--policies a,b,auto] [--json out.json] \\
+        [--plot fit.png]
 
 `compare` measures every policy compile-only (`remat_kit.measure`) and prints
 a table sorted by memory (`remat_kit.report`). `explain` lists what one
@@ -670,7 +671,7 @@ def _fit(args) -> int:
 
     from remat_kit import report
     from remat_kit.errors import BudgetError
-    from remat_kit.fit import DEFAULT_MULTIPLE, fit
+    from remat_kit.fit import DEFAULT_MULTIPLE, FIT_POLICIES, fit
     from remat_kit.plan import parse_budget
 
     cfg, label, defaults = load_config(args.config)
@@ -686,29 +687,46 @@ def _fit(args) -> int:
     target_list = _targets(args.target)
     if len(target_list) > 1:
         raise BadInput(f"fit takes one --target, got {args.target!r}")
-    batch = args.batch or (1 if args.vary == "seq" else defaults.get("batch", 8))
+    try:  # the global batch splits over data x fsdp: its default and unit follow the mesh
+        split = rk_mesh.axis_size(rk_mesh.parse_spec(args.mesh), "batch") if args.mesh else 1
+    except rk_mesh.MeshError as e:
+        raise BadInput(f"--mesh: {e}") from None
+    batch = args.batch or (split if args.vary == "seq" else defaults.get("batch", 8))
     seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024))
     if args.vary == "batch":
         check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
-    specs = (split_policies(args.policies) if args.policies is not None
-             else ["none", "full", "minimal", "selective", "dots"])
+    multiple = args.multiple or DEFAULT_MULTIPLE[args.vary] * (split if args.vary == "batch"
+                                                               else 1)
+    if args.vary == "batch" and multiple % split:
+        raise BadInput(f"--multiple {multiple} does not split over the {split} data-parallel "
+                       f"devices of --mesh {args.mesh} (data x fsdp); the batch is global: "
+                       f"use a multiple of {split}")
+    # "auto" is fit's planner row; its budget is the fit budget.
+    text = (",".join(f"auto:budget={args.budget}" if p.strip() == "auto" else p
+                     for p in args.policies.split(",")) if args.policies is not None else None)
+    specs = split_policies(text) if text is not None else list(FIT_POLICIES)
     check_schedules(cfg, specs, "--policies")
-    if any(isinstance(parse(p), AutoSpec) for p in specs):
-        raise BadInput("fit does not plan auto:budget= specs yet (the planner budgets "
-                       "value-and-grad temp memory, fit the whole step); see remat-kit plan")
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)
-    multiple = args.multiple or DEFAULT_MULTIPLE[args.vary]
+    # Without --mesh the step runs on one device, of an AOT target's slice too.
+    mesh = (device_mesh(args.mesh, batch if args.vary == "seq" else multiple, cfg,
+                        target_list[0]) if args.mesh else None)
 
     def progress(i, n, row):
-        status = row.error or f"{args.vary} {row.size}, {row.compiles} compiles"
+        status = row.error or (f"{args.vary} {row.size}, {row.compiles} compiles"
+                               + (f", picked {row.picked}" if row.picked else ""))
         print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
 
-    result = fit(cfg, budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
-                 multiple=multiple, target=target_list[0], progress=progress)
+    try:
+        result = fit(cfg, budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
+                     multiple=multiple, target=target_list[0], mesh=mesh, progress=progress)
+    except BudgetError as e:
+        raise BadInput(f"--budget: {e}") from None
     fixed = f"batch {batch}" if args.vary == "seq" else f"seq {seq}"
-    title = (f"{label}: longest {args.vary} within {report.fmt_bytes(budget)}, {fixed}, "
+    where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
+             if result.mesh else "per device")
+    title = (f"{label}: longest {args.vary} within {report.fmt_bytes(budget)} {where}, {fixed}, "
              f"{cfg.dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(report.fit_table(result, title))
@@ -792,15 +810,20 @@ def _parser() -> argparse.ArgumentParser:
                                      "in a memory budget")
     common(fit)
     fit.add_argument("--budget", required=True,
-                     help="device memory per device, e.g. 16GiB, 512MiB, 8e9 bytes")
+                     help="device memory per device, e.g. 16GiB, 512MiB, 8e9 bytes (also the "
+                          "budget of an auto row)")
     fit.add_argument("--vary", choices=("seq", "batch"), default="seq",
-                     help="search the sequence length (batch fixed, default 1) or the batch "
-                          "(seq fixed)")
+                     help="search the sequence length (global batch fixed, default 1, or "
+                          "data x fsdp on a mesh) or the global batch (seq fixed)")
     fit.add_argument("--multiple", type=_positive_int, default=None,
-                     help="search in multiples of this (default 128 for seq, 1 for batch)")
+                     help="search in multiples of this (default 128 for seq; 1 for batch, or "
+                          "data x fsdp on a mesh)")
     fit.add_argument("--policies", default=None,
-                     help="comma-separated policy specs (default: none,full,minimal,selective,"
-                          "dots)")
+                     help="comma-separated policy specs, and auto for the planner's pick at "
+                          "each size (default: none,full,minimal,selective,dots)")
+    fit.add_argument("--mesh", default=None,
+                     help="e.g. data:2,fsdp:2,tensor:2: the step sharded over a mesh; the "
+                          "budget is per device, the batch global (default: one device)")
     fit.add_argument("--target", default=None,
                      help="whose compiler: cpu, tpu:<topology> (ahead of time), gpu:h100, ... "
                           "(default: JAX's default backend); the budget is per chip")

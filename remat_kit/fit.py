@@ -31,6 +31,13 @@ length (attention scores are [batch, heads, seq, seq]) and linearly with the
 batch, so the prediction is usually right within one unit and a policy costs
 a handful of compiles. The size found is exact: it fits and size + multiple
 does not, both compiled.
+
+On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
+`measure.config_program`'s loss plus the update; the budget and every byte
+figure are per device, the sizes global (the batch is split over data x
+fsdp). The auto row ("auto") asks the budget planner (`remat_kit.plan`) for
+a policy at each size, with the step budget translated into its
+value-and-grad budget, and verifies the plan on the whole step (`fit`).
 """
 
 from __future__ import annotations
@@ -40,22 +47,25 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax.sharding import Mesh
+
+from remat_kit import mesh as rk_mesh
 from remat_kit import targets
-from remat_kit.errors import BudgetError, RematSpecError
-from remat_kit.measure import _check_positive
-from remat_kit.models import Transformer, TransformerConfig, make_loss_fn
-from remat_kit.plan import parse_budget
+from remat_kit.errors import BudgetError, MeshError, RematSpecError
+from remat_kit.measure import _check_positive, _local, config_program
+from remat_kit.models import TransformerConfig
+from remat_kit.plan import config_planner, parse_budget
 from remat_kit.policy import Policy
 from remat_kit.report import fmt_bytes
-from remat_kit.spec import parse
+from remat_kit.spec import AutoSpec, parse
 
 VARY = ("seq", "batch")
+FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
 DEFAULT_MULTIPLE = {"seq": 128, "batch": 1}
 # Sizes beyond these are not searched: XLA takes shapes as 32-bit ints, and a
 # policy that still fits there is reported as capped.
@@ -103,7 +113,9 @@ class StepMemory:
 
 
 def _tree_bytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    """Bytes one device holds of a tree of (possibly sharded) ShapeDtypeStructs."""
+    return sum(math.prod(_local(x).shape) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
 
 
 def _sized(cfg: TransformerConfig, seq: int) -> TransformerConfig:
@@ -124,13 +136,32 @@ def _check_args(cfg, optimizer, **sizes) -> None:
 
 
 def _policy(spec) -> Policy:
-    """parse(spec), refusing an auto:budget= spec (the planner budgets value-and-grad
-    temp memory; fit measures the whole step)."""
+    """parse(spec), refusing an auto:budget= spec: a step compiles one policy."""
     policy = parse(spec)
     if not isinstance(policy, Policy):
-        raise RematSpecError(f"fit does not plan {policy} specs yet; run remat-kit plan, then "
-                             "fit the policy it picks", token=str(policy))
+        raise RematSpecError(f"step_memory compiles one policy, not {policy}: fit's auto row "
+                             "plans it for each size, remat-kit plan for one", token=str(policy))
     return policy
+
+
+def _is_auto(spec: str, budget_bytes: int) -> bool:
+    """Whether `spec` is fit's auto row: "auto", or auto:budget= the fit budget.
+
+    Raises:
+      RematSpecError: a spec that does not parse. BudgetError: an auto spec
+        with another budget (in fit, auto's budget is the step budget).
+    """
+    if spec == "auto":
+        return True
+    policy = parse(spec)
+    if not isinstance(policy, AutoSpec):
+        return False
+    if parse_budget(policy.budget).bytes != budget_bytes:
+        raise BudgetError(
+            f"in fit, auto's budget is the fit budget ({fmt_bytes(budget_bytes)}, "
+            f"{budget_bytes} bytes per device, of the whole step); write 'auto' or "
+            f"'auto:budget={budget_bytes}', not {spec!r}", budget=policy.budget)
+    return True
 
 
 def default_optimizer() -> optax.GradientTransformation:
@@ -156,53 +187,104 @@ def in_use_bytes(memory: dict, platform: str) -> tuple[int, str]:
             "argument + temp + output - alias")
 
 
+def _train_state(cfg: TransformerConfig, batch: int, seq: int,
+                 optimizer: optax.GradientTransformation, mesh: Mesh | None):
+    """The reference transformer's loss and one train step's arguments, as
+    `jax.ShapeDtypeStruct`s: (loss_for_policy, params, opt_state, tokens, key).
+
+    `measure.config_program` gives the loss, the parameters (sharded by their
+    logical axes on `mesh`), the tokens [batch, seq] (split over the mesh's
+    batch axes) and the PRNG key; the optimizer state is sharded like the
+    parameters each of its leaves mirrors (`optax.tree_map_params`), its
+    other leaves (AdamW's step count) replicated.
+    """
+    loss_for_policy, (params, tokens, _, key), _ = config_program(
+        _sized(cfg, seq), batch, seq, mesh=mesh)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    if mesh is not None:
+        replicated = rk_mesh.replicated(mesh)
+        opt_state = optax.tree_map_params(
+            optimizer, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
+            opt_state, params,
+            transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                sharding=replicated))
+    return loss_for_policy, params, opt_state, tokens, key
+
+
+def _check_mesh(mesh) -> None:
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (remat_kit.mesh.make(\"fsdp:2\") or "
+                        f"remat_kit.targets.make_mesh), got {type(mesh).__name__} {mesh!r}")
+
+
+def mesh_text(mesh: Mesh | None) -> str | None:
+    """"data:2,fsdp:2,tensor:2" for a mesh (its axes in order), None for None."""
+    return None if mesh is None else ",".join(f"{k}:{v}" for k, v in mesh.shape.items())
+
+
 def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Policy", *,
                 optimizer: optax.GradientTransformation | None = None,
-                target: "str | targets.Target | None" = None) -> StepMemory:
-    """Compiles one train step of a reference transformer and returns its memory.
+                target: "str | targets.Target | None" = None,
+                mesh: Mesh | None = None) -> StepMemory:
+    """Compiles one train step of a reference transformer and returns its memory per device.
 
     The step is `jax.value_and_grad` of the language-model loss on int32
     tokens [batch, seq], then `optimizer.update` and `optax.apply_updates`;
     it is jitted with the parameters and the optimizer state donated. For a
     GPT-2 config and seq > max_len, the position table is made seq long.
 
+    On a mesh the program is SPMD-partitioned: parameters are sharded by
+    their logical axes (`remat_kit.mesh.RULES`), each optimizer-state leaf
+    like the parameter it mirrors, the tokens split over the batch axes
+    (data x fsdp); the updated parameters and state keep their input
+    shardings, so the donated buffers are reused. XLA's memory and cost
+    analysis of such a program are per device, and so is every figure
+    returned (the parameter bytes are those of one device's shards).
+
     Args:
       cfg: the model config (its dtype, param_dtype, dropout); its remat is
         replaced by `policy`.
-      batch, seq: per-device batch size and sequence length, positive ints.
+      batch, seq: the global batch size (split over the mesh's data x fsdp
+        axes) and the sequence length, positive ints.
       policy: a spec string or `Policy`.
       optimizer: an optax transformation; default `default_optimizer()`.
       target: whose compiler (`remat_kit.targets`): "cpu", "tpu:v5e:1x1"
-        (ahead of time), "gpu:h100", ...; default JAX's default backend. The
-        step runs on one device of the target.
+        (ahead of time), "gpu:h100", ...; default JAX's default backend.
+        Without a mesh the step runs on one device of the target.
+      mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`, or
+        `targets.make_mesh` for a target compiled ahead of time); default
+        none, one device.
     Returns:
-      A `StepMemory` (bytes, FLOPs, seconds).
+      A `StepMemory` (bytes per device, FLOPs per device, seconds).
     Raises:
-      TypeError, ValueError: cfg, batch, seq or optimizer of the wrong type
-        or not positive.
+      TypeError, ValueError: cfg, batch, seq, optimizer or mesh of the wrong
+        type, or sizes not positive.
+      MeshError: the mesh does not split the batch or the heads
+        (`remat_kit.mesh.check_fits`).
       RematSpecError: the policy does not parse, or is an auto:budget= spec.
       TargetError: a bad target, or libtpu missing.
       Any compiler error, e.g. an out-of-memory error from an accelerator's
       compiler (see `is_out_of_memory`).
     """
     _check_args(cfg, optimizer, batch=batch, seq=seq)
-    cfg = _sized(cfg, seq).replace(remat=_policy(policy))
+    _check_mesh(mesh)
+    policy = _policy(policy)
     optimizer = optimizer or default_optimizer()
-    model = Transformer(cfg.replace(remat="none"))
-    params = nn.unbox(jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))["params"])
-    opt_state = jax.eval_shape(optimizer.init, params)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    rng = jax.eval_shape(lambda: jax.random.key(0))
-    loss_fn = make_loss_fn(Transformer(cfg), deterministic=cfg.dropout_rate == 0)
+    loss_for_policy, params, opt_state, tokens, key = _train_state(cfg, batch, seq, optimizer,
+                                                                   mesh)
+    loss_fn = loss_for_policy(policy)
+    state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
 
     def step(params, opt_state, inputs, targets, rng):
         loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, rng)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        state = optax.apply_updates(params, updates), opt_state
+        if mesh is not None:  # where the donated inputs live, so their buffers are reused
+            state = jax.lax.with_sharding_constraint(state, state_shardings)
+        return *state, loss
 
     target = targets.parse_target(target)
-    c = targets.compile_for(step, params, opt_state, tokens, tokens, rng, target=target,
+    c = targets.compile_for(step, params, opt_state, tokens, tokens, key, target=target,
                             donate=(0, 1))
     mem = c.memory
     total, source = in_use_bytes(mem, target.platform)
@@ -226,10 +308,12 @@ class FitRow:
 
     Attributes:
       policy: the spec as given.
-      size: the largest fitting sequence length or batch size (a multiple
-        of `multiple`); 0 if not even one multiple fits.
-      memory: the step at `size` (`StepMemory`); None if size is 0 or on error.
-      flops_per_token: step FLOPs / (batch * seq) at `size`.
+      size: the largest fitting sequence length or global batch size (a
+        multiple of `multiple`); 0 if not even one multiple fits.
+      memory: the step at `size` (`StepMemory`, per device); None if size is
+        0 or on error.
+      flops_per_token: FLOPs of the whole step over all devices per token:
+        per-device step FLOPs x devices / (global batch * seq), at `size`.
       flop_overhead: step FLOPs / no remat's step FLOPs at the same size.
       none_fits: whether no remat fits the budget at `size`.
       none_flops: how no remat's FLOPs at `size` were found: "compiled", or
@@ -237,12 +321,15 @@ class FitRow:
         polynomial in the size, degree 2 in seq and 1 in batch, fitted
         exactly through compiled smaller sizes).
       capped: `size` is the search's upper limit and still fits.
-      compiles: train-step compiles this row needed (cached ones not counted).
+      compiles: train-step compiles this row needed (cached ones not
+        counted); for an auto row, plus the planner's value-and-grad compiles.
       probes: (size, total bytes or None on an out-of-memory compile) for
         every size compiled for this policy, in search order.
       error: why the search stopped ("TypeName: message"), for a compile that
         failed for a reason other than memory; the other fields are then
         what was found before it.
+      picked: for an auto row, the policy it picked at `size` (canonical
+        spec string); None for a fixed policy.
     """
 
     policy: str
@@ -256,6 +343,7 @@ class FitRow:
     compiles: int = 0
     probes: tuple[tuple[int, int | None], ...] = ()
     error: str | None = None
+    picked: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,12 +353,15 @@ class FitResult:
     Attributes:
       rows: one `FitRow` per policy, in the order given.
       vary: "seq" or "batch".
-      fixed: the other size (the batch when varying seq, and vice versa).
+      fixed: the other size (the global batch when varying seq, the
+        sequence length when varying the batch).
       multiple: the search unit.
       budget_bytes: the per-device budget, bytes.
-      floor_bytes: parameters plus optimizer state, bytes (per device).
+      floor_bytes: parameters plus optimizer state, bytes per device.
       platform: whose compiler the figures come from, e.g. "XLA CPU compile".
       seconds: wall time of the whole search.
+      mesh: the mesh, e.g. "data:2,fsdp:2,tensor:2"; None for one device.
+      devices: devices the step runs on (the mesh's size, else 1).
     """
 
     rows: tuple[FitRow, ...]
@@ -281,17 +372,20 @@ class FitResult:
     floor_bytes: int
     platform: str
     seconds: float
+    mesh: str | None = None
+    devices: int = 1
 
 
 class _Steps:
-    """Compiled step figures by (policy, size), so no size is compiled twice."""
+    """Compiled step figures by (canonical policy spec, size), so no policy is
+    compiled twice at a size, whichever name (or planner) asked for it."""
 
     def __init__(self, measure: Callable[[str, int], StepMemory]):
         self._measure, self._cache, self.total = measure, {}, 0
 
     def get(self, policy: str, size: int) -> StepMemory | None:
         """The step at `size`, or None if its compile ran out of memory."""
-        key = (policy, size)
+        key = (str(parse(policy)), size)
         if key not in self._cache:
             self.total += 1
             try:
@@ -303,7 +397,12 @@ class _Steps:
         return self._cache[key]
 
     def known(self, policy: str) -> dict[int, StepMemory]:
+        policy = str(parse(policy))
         return {s: m for (p, s), m in self._cache.items() if p == policy and m is not None}
+
+    def at(self, size: int) -> dict[str, StepMemory]:
+        """Every policy compiled at `size` that did not run out of memory."""
+        return {p: m for (p, s), m in self._cache.items() if s == size and m is not None}
 
 
 def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None) -> int | None:
@@ -374,12 +473,30 @@ def _extrapolated_flops(known: dict[int, StepMemory], size: int, degree: int) ->
 
 
 def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
-        policies: Sequence["str | Policy"] = ("none", "full", "minimal", "selective", "dots"),
+        policies: Sequence["str | Policy"] = FIT_POLICIES,
         batch: int | None = None, seq: int | None = None, multiple: int | None = None,
         max_size: int | None = None, optimizer: optax.GradientTransformation | None = None,
-        target: "str | targets.Target | None" = None,
+        target: "str | targets.Target | None" = None, mesh: Mesh | None = None,
+        cache: "str | bool | None" = None,
         progress: Callable[[int, int, FitRow], None] | None = None) -> FitResult:
     """For each policy, the largest sequence length or batch whose train step fits `budget`.
+
+    Sizes are global (the whole mesh's batch, the sequence length); memory
+    is per device, and the budget is per device: on a mesh each device's
+    step (its parameter, gradient and optimizer-state shards, its part of
+    the batch) must fit it.
+
+    The auto row ("auto", or "auto:budget=" the same budget) is the
+    planner's choice at each size (`remat_kit.plan`): the whole-step budget
+    is translated into the planner's value-and-grad budget (its temp memory
+    on CPU) by taking off what the step holds besides (full remat's step
+    memory minus the planner's figure for full remat at that size,
+    `Planner.minimum`), the planned policy's whole step is
+    compiled, and an over-budget plan is planned again with the overshoot
+    taken off (3 tries). Of it and every policy already compiled at that
+    size (the other rows', `full`), the one with the fewest FLOPs whose step
+    fits is picked (`FitRow.picked`). The auto row is searched last, from
+    the largest size the other rows found.
 
     Args:
       cfg: the model config (dtype, dropout, family, sizes).
@@ -387,44 +504,57 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
         ("16GiB", "512MiB", "8e9"; `remat_kit.plan.parse_budget`, but not a
         fraction: there is no fixed no-remat figure to take it of).
       vary: "seq" (find the longest sequence at a fixed batch) or "batch"
-        (the largest batch at a fixed sequence length).
-      policies: spec strings or `Policy`s; "none" is compiled as well when
-        absent, for the FLOP overhead.
-      batch: the fixed batch when vary="seq" (default 1).
+        (the largest global batch at a fixed sequence length).
+      policies: spec strings or `Policy`s, and "auto" for the planner's row;
+        "none" is compiled as well when absent, for the FLOP overhead.
+      batch: the fixed global batch when vary="seq" (default: the mesh's
+        data x fsdp size, 1 without a mesh).
       seq: the fixed sequence length when vary="batch" (default
         min(cfg.max_len, 1024)).
-      multiple: the search unit, a positive int (default 128 for seq, 1 for
-        batch); every size searched is a multiple of it.
+      multiple: the search unit, a positive int (default 128 for seq; for
+        batch the mesh's data x fsdp size, 1 without a mesh); every size
+        searched is a multiple of it.
       max_size: the largest size searched (default 2**20 tokens for seq,
         2**16 for batch); a policy that fits there is `capped`.
-      optimizer, target: see `step_memory`; the budget is per device of
-        the target.
+      optimizer, target, mesh: see `step_memory`.
+      cache: the plan cache of the auto row's planner (`remat_kit.plan.Planner`);
+        default none.
       progress: called as progress(i, n, row) after the i-th of n policies.
     Returns:
       A `FitResult`; its rows follow `policies`' order.
     Raises:
       TypeError: cfg not a TransformerConfig, optimizer not an optax
-        transformation.
+        transformation, mesh not a `jax.sharding.Mesh`.
       ValueError: vary not in VARY; batch, seq, multiple or max_size not a
         positive int; a layer schedule that does not fit the model.
-      BudgetError: a budget that is not a size in bytes, or one below the
-        parameters plus the optimizer state (the floor, stated in bytes), so
-        no size can fit.
+      MeshError: the mesh does not split the batch or the heads, or (vary
+        "batch") a multiple that its data x fsdp size does not divide.
+      BudgetError: a budget that is not a size in bytes, one below the
+        parameters plus the optimizer state per device (the floor, stated
+        in bytes), so no size can fit, or an auto spec with another budget.
       TargetError: a bad target, or libtpu missing.
       RematSpecError: a policy does not parse (before anything compiles).
     """
     if vary not in VARY:
         raise ValueError(f"vary must be one of {list(VARY)}, got {vary!r}")
+    _check_mesh(mesh)
     if isinstance(policies, (str, Policy)):
         policies = [policies]
-    multiple = DEFAULT_MULTIPLE[vary] if multiple is None else multiple
-    batch = 1 if batch is None else batch
+    split = rk_mesh.axis_size(mesh, "batch")
+    multiple = (DEFAULT_MULTIPLE[vary] * (split if vary == "batch" else 1) if multiple is None
+                else multiple)
+    batch = split if batch is None else batch
     seq = (min(cfg.max_len, 1024) if isinstance(cfg, TransformerConfig) else 1) if seq is None \
         else seq
     max_size = DEFAULT_MAX_SIZE[vary] if max_size is None else max_size
     _check_args(cfg, optimizer, batch=batch, seq=seq, multiple=multiple, max_size=max_size)
     if max_size < multiple:
         raise ValueError(f"max_size {max_size} is below multiple {multiple}")
+    if vary == "batch" and multiple % split:
+        raise MeshError(f"multiple {multiple} does not split over the {split} data-parallel "
+                        f"devices of mesh {mesh_text(mesh)} (data x fsdp = {split}): the "
+                        f"batch is global; use a multiple of {split}")
+    rk_mesh.check_fits(mesh, cfg, batch if vary == "seq" else multiple)
     budget_bytes = parse_budget(budget).bytes
     if budget_bytes is None:
         raise BudgetError(f"fit needs a budget in bytes, such as 16GiB; {budget!r} is a "
@@ -432,66 +562,134 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
                           budget=budget)
     target = targets.parse_target(target)
     specs = [p if isinstance(p, str) else str(p) for p in policies]
-    for p in specs:
-        _policy(p).schedule.check(cfg.num_layers)  # bad specs fail before anything compiles
+    auto = [_is_auto(p, budget_bytes) for p in specs]
+    for p, is_auto in zip(specs, auto):
+        if not is_auto:
+            _policy(p).schedule.check(cfg.num_layers)  # bad specs fail before anything compiles
     optimizer = optimizer or default_optimizer()
 
-    model = Transformer(cfg.replace(remat="none"))
-    params = nn.unbox(jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"])
-    floor = _tree_bytes(params) + _tree_bytes(jax.eval_shape(optimizer.init, params))
+    _, params, opt_state, _, _ = _train_state(cfg, split, 1, optimizer, mesh)
+    floor = _tree_bytes(params) + _tree_bytes(opt_state)
     if budget_bytes < floor:
+        where = f"per device of mesh {mesh_text(mesh)}" if mesh is not None else "per device"
         raise BudgetError(
             f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the parameters "
-            f"plus optimizer state alone, {fmt_bytes(floor)} ({floor} bytes): no "
+            f"plus optimizer state alone, {fmt_bytes(floor)} ({floor} bytes {where}): no "
             f"{vary} fits", budget=budget, minimum_bytes=floor)
 
     def sizes(size: int) -> tuple[int, int]:
         return (batch, size) if vary == "seq" else (size, seq)
 
     steps = _Steps(lambda p, size: step_memory(cfg, *sizes(size), p, optimizer=optimizer,
-                                               target=target))
+                                               target=target, mesh=mesh))
+    # The auto row's planner runs on the step's devices: one of an AOT target without a mesh.
+    plan_mesh = (targets.make_mesh(target, {"data": 1}) if mesh is None and target.aot
+                 and any(auto) else mesh)
+    devices = 1 if mesh is None else mesh.size
     start = time.perf_counter()
-    rows = []
-    for i, spec in enumerate(specs):
-        # Policies land near each other: start at the largest size found so far.
-        start_units = max((r.size for r in rows), default=0) // multiple
-        row = _fit_one(spec, steps, budget_bytes, multiple, max_size // multiple, vary,
-                       sizes, start_units)
-        rows.append(row)
+    rows: list[FitRow | None] = [None] * len(specs)
+    # Fixed policies first (the auto row picks among what they compiled), each
+    # starting at the largest size found so far: policies land near each other.
+    order = [i for i in range(len(specs)) if not auto[i]] + [i for i in range(len(specs))
+                                                            if auto[i]]
+    for n, i in enumerate(order):
+        start_units = max((r.size for r in rows if r is not None), default=0) // multiple
+        if auto[i]:
+            chooser = _Auto(steps, budget_bytes, lambda size: config_planner(
+                _sized(cfg, sizes(size)[1]), *sizes(size), mesh=plan_mesh, cache=cache,
+                target=target))
+            at, extra, seen = chooser.at, lambda: chooser.planner_compiles, {}
+        else:
+            # A policy's sizes compiled before (no remat's, for the overhead) help predict.
+            at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
+                               lambda: 0, steps.known(specs[i]))
+        rows[i] = _fit_one(specs[i], at, extra, steps, budget_bytes, multiple,
+                           max_size // multiple, vary, sizes, devices, start_units, seen)
         if progress is not None:
-            progress(i + 1, len(specs), row)
+            progress(n + 1, len(specs), rows[i])
     return FitResult(tuple(rows), vary, batch if vary == "seq" else seq, multiple, budget_bytes,
-                     floor, target.label, time.perf_counter() - start)
+                     floor, target.label, time.perf_counter() - start, mesh_text(mesh), devices)
 
 
-def _fit_one(spec: str, steps: _Steps, budget: int, multiple: int, max_units: int, vary: str,
-             sizes: Callable[[int], tuple[int, int]], start: int) -> FitRow:
-    before = steps.total
+class _Auto:
+    """The auto row's choice at each size: the fewest-FLOP policy whose whole
+    step fits, among the planner's verified plan and every policy already
+    compiled at that size (see `fit`)."""
+
+    TRIES = 3
+
+    def __init__(self, steps: _Steps, budget: int, planner_at: Callable[[int], object]):
+        self.steps, self.budget, self.planner_at = steps, budget, planner_at
+        self.planner_compiles = 0
+        self._chosen: dict[int, tuple[str | None, StepMemory | None]] = {}
+
+    def at(self, size: int) -> tuple[str | None, StepMemory | None]:
+        """(picked spec, its step) at `size`; (None, None) if nothing fits."""
+        if size not in self._chosen:
+            self._chosen[size] = self._choose(size)
+        return self._chosen[size]
+
+    def _choose(self, size: int) -> tuple[str | None, StepMemory | None]:
+        full = self.steps.get("full", size)
+        if full is not None:
+            planner = self.planner_at(size)
+            # Take off what the step holds besides the value-and-grad memory the planner
+            # budgets (parameters, gradients, optimizer state, the update): full remat's step
+            # minus the planner's own figure for it (`minimum`: full's, in its memory kind).
+            limit = self.budget - (full.total_bytes - planner.minimum()[0])
+            for _ in range(self.TRIES):
+                try:
+                    plan = planner.plan(limit)
+                except BudgetError:
+                    break  # below what the planner can reach: full (compiled) is the fallback
+                step = self.steps.get(plan.spec, size)
+                if step is not None and step.total_bytes <= self.budget:
+                    break
+                # Over: take the overshoot off the planner's budget (an out-of-memory
+                # compile: plan below what this plan measured).
+                limit = (limit - (step.total_bytes - self.budget) if step is not None
+                         else plan.measured_bytes - 1)
+            self.planner_compiles += len({id(r) for r in planner.records.values()})
+        fitting = [(m.flops, m.total_bytes, spec) for spec, m in self.steps.at(size).items()
+                   if m.total_bytes <= self.budget and m.flops is not None]
+        if not fitting:
+            return None, None
+        spec = min(fitting)[2]
+        return spec, self.steps.get(spec, size)
+
+
+def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
+             extra_compiles: Callable[[], int], steps: _Steps, budget: int, multiple: int,
+             max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
+             start: int, seen: dict[int, StepMemory]) -> FitRow:
+    """One row: search the largest size where `at(size)` gives a fitting step.
+
+    at(size) -> (picked spec or None for a fixed policy, step or None if out of memory).
+    seen: steps of this row compiled before, by size, for the search's prediction.
+    """
+    before, extra_before = steps.total, extra_compiles()
     probes = []
-
-    def at(k: int) -> StepMemory | None:
-        m = steps.get(spec, k * multiple)
-        probes.append((k * multiple, None if m is None else m.total_bytes))
-        return m
+    known = {s // multiple: m.total_bytes for s, m in seen.items() if s % multiple == 0}
 
     def fits(k: int) -> bool:
-        m = at(k)
+        _, m = at(k * multiple)
+        probes.append((k * multiple, None if m is None else m.total_bytes))
+        if m is not None:
+            known[k] = m.total_bytes
         return m is not None and m.total_bytes <= budget
 
-    def bytes_at(k: int) -> int | None:
-        m = steps.known(spec).get(k * multiple)
-        return None if m is None else m.total_bytes
+    def compiles() -> int:
+        return steps.total - before + extra_compiles() - extra_before
 
     try:
-        units, capped = _search(fits, bytes_at, budget, max_units, start)
+        units, capped = _search(fits, known.get, budget, max_units, start)
     except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
-        return FitRow(spec, 0, compiles=steps.total - before, probes=tuple(probes),
+        return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
                       error=f"{type(e).__name__}: {e}")
     size = units * multiple
     if size == 0:
-        return FitRow(spec, 0, compiles=steps.total - before, probes=tuple(probes))
-    memory = steps.get(spec, size)
+        return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes))
+    picked, memory = at(size)
     try:
         none = steps.get("none", size)
     except Exception as e:  # noqa: BLE001
@@ -504,11 +702,10 @@ def _fit_one(spec: str, steps: _Steps, budget: int, multiple: int, max_units: in
         none_flops = _extrapolated_flops(steps.known("none"), size, 2 if vary == "seq" else 1)
         how = "extrapolated" if none_flops is not None else None
     b, s = sizes(size)
-    compiles = steps.total - before
     return FitRow(
         spec, size, memory,
-        flops_per_token=None if memory.flops is None else memory.flops / (b * s),
+        flops_per_token=None if memory.flops is None else memory.flops * devices / (b * s),
         flop_overhead=(None if memory.flops is None or not none_flops
                        else memory.flops / none_flops),
         none_fits=None if none is None else none.total_bytes <= budget, none_flops=how,
-        capped=capped, compiles=compiles, probes=tuple(probes), error=error)
+        capped=capped, compiles=compiles(), probes=tuple(probes), error=error, picked=picked)

@@ -426,19 +426,26 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
 
 def fit_table(result, title: str = "") -> Table:
     """A rich Table of a `remat_kit.fit.FitResult`: one line per policy with the
-    largest size, the step memory there and its parts, and the FLOP overhead."""
+    largest size, the step memory there (per device) and its parts, and the FLOP
+    overhead; a "picked" column with the auto row's policy where there is one."""
     vary = result.vary
+    where = (f"per device of mesh {result.mesh} ({result.devices} devices); sizes and "
+             f"FLOPs/token global" if result.mesh else "per device")
     t = Table(title=title, caption=(
-        f"budget {fmt_bytes(result.budget_bytes)} per device; step memory = "
+        f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = "
         f"{result.rows[0].memory.source if result.rows and result.rows[0].memory else 'n/a'}; "
         f"x none = step FLOPs / no remat's at the same {vary}"), caption_justify="left")
-    for name in ("policy", f"max {vary}", "step memory", "params", "grads", "opt state",
-                 "activations+other", "FLOPs/token", "x none", "compiles"):
-        t.add_column(name, justify="left" if name == "policy" else "right")
+    auto = any(r.picked for r in result.rows)
+    for name in ("policy", *(("picked",) if auto else ()), f"max {vary}", "step memory",
+                 "params", "grads", "opt state", "activations+other", "FLOPs/token", "x none",
+                 "compiles"):
+        t.add_column(name, justify="left" if name in ("policy", "picked") else "right")
     for r in result.rows:
+        picked = (escape(r.picked or "-"),) if auto else ()
         if r.error and r.memory is None:
-            t.add_row(escape(r.policy), f"[red]error: {escape(r.error.splitlines()[0])}[/red]",
-                      *["-"] * 7, str(r.compiles))
+            t.add_row(escape(r.policy), *picked,
+                      f"[red]error: {escape(r.error.splitlines()[0])}[/red]", *["-"] * 7,
+                      str(r.compiles))
             continue
         m = r.memory
         size = str(r.size) + (" (cap)" if r.capped else "") if r.size else "none fits"
@@ -449,7 +456,7 @@ def fit_table(result, title: str = "") -> Table:
             overhead += " extrap."
         cells = [fmt_bytes(x) for x in (m.total_bytes, m.params_bytes, m.grads_bytes,
                                         m.opt_state_bytes, m.other_bytes)] if m else ["-"] * 5
-        t.add_row(escape(r.policy), size, *cells,
+        t.add_row(escape(r.policy), *picked, size, *cells,
                   "-" if r.flops_per_token is None else f"{r.flops_per_token:.4g}", overhead,
                   str(r.compiles))
     return t
@@ -472,8 +479,12 @@ def plot_fit(path, result, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 5), dpi=120)
     x = range(len(rows))
     ax.bar(x, [r.size for r in rows], color="tab:blue", alpha=0.8)
-    ax.set_xticks(list(x), [r.policy for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel(f"max {result.vary} within {fmt_bytes(result.budget_bytes)} per device")
+    # An auto row names what it picked (cut short: a planned spec lists many tags).
+    labels = [r.policy + (f"\n{r.picked[:28]}{'...' * (len(r.picked) > 28)}" if r.picked else "")
+              for r in rows]
+    ax.set_xticks(list(x), labels, rotation=20, ha="right", fontsize=8)
+    mesh = f" of mesh {result.mesh}" if result.mesh else ""
+    ax.set_ylabel(f"max {result.vary} within {fmt_bytes(result.budget_bytes)} per device{mesh}")
     twin = ax.twinx()
     twin.plot(x, [r.flop_overhead for r in rows], "o", color="tab:red")
     twin.set_ylabel("FLOP overhead (x no remat at that size)", color="tab:red")

@@ -30,7 +30,7 @@ def run(capsys, *argv):
     (["plan", "--config", "tiny", "--budgets", "1", "--presets", "nested:7"],
      "group size 7 does not divide 2 layers"),
     (["fit", "--config", "tiny", "--budget", "4MiB", "--policies", "auto:budget=0.5"],
-     "fit does not plan auto:budget= specs yet"),
+     "in fit, auto's budget is the fit budget"),
     (["explain", "--config", "tiny", "--policy", "full", "--target", "tpu:v5e:0x1"],
      "bad TPU topology 'v5e:0x1'"),
     (["compare", "--config", "gpt3"], "unknown model config 'gpt3'"),

@@ -24,7 +24,12 @@ BUDGET = 24 * 2**20
 
 @pytest.fixture(scope="module")
 def seq_fit():
-    return fit(CFG, BUDGET, vary="seq", policies=["none", "minimal", "full"], multiple=128)
+    return fit(CFG, BUDGET, vary="seq", policies=["none", "minimal", "full", "auto"],
+               multiple=128)
+
+
+def fsdp2():
+    return rk.mesh.make("fsdp:2", jax.devices()[:2])
 
 
 def test_seq_boundary_is_exact(seq_fit):
@@ -68,7 +73,7 @@ def fake_step(monkeypatch, bytes_at, error_at=None):
     """Replaces the compile with a memory model: total = bytes_at(batch * seq)."""
     calls = []
 
-    def step(cfg, batch, seq, policy, optimizer=None, target=None):
+    def step(cfg, batch, seq, policy, optimizer=None, target=None, mesh=None):
         calls.append((policy, batch, seq))
         if error_at is not None and batch * seq >= error_at[0]:
             raise error_at[1]
@@ -136,13 +141,16 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
     fake_step(monkeypatch, lambda tokens: 10**6 + 100 * tokens)
     out = tmp_path / "fit.json"
     code = cli.main(["fit", "--config", "tiny", "--budget", "2MB", "--policies", "none,full",
-                     "--json", str(out)])
+                     "--mesh", "fsdp:2", "--json", str(out)])
     stdout, _ = capsys.readouterr()
     assert code == 0
     assert "max seq" in stdout and "none" in stdout
+    assert "per device of mesh fsdp:2 (2 devices; sizes global), batch 2" in stdout
     doc = json.loads(out.read_text())
     assert doc["budget_bytes"] == 2 * 10**6 and doc["vary"] == "seq"
-    assert [r["size"] for r in doc["rows"]] == [9984, 9984]  # 1e6 + 100 * 9984 <= 2e6
+    assert doc["mesh"] == "fsdp:2" and doc["devices"] == 2 and doc["fixed"] == 2
+    assert [r["size"] for r in doc["rows"]] == [4992, 4992]  # 1e6 + 100 * 2 * 4992 <= 2e6
+    assert [r["picked"] for r in doc["rows"]] == [None, None]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -194,7 +202,7 @@ def test_long_context_config_checks_its_budget_before_training(tmp_path):
     (lambda: step_memory("tiny", 2, 16, "full"), TypeError, "cfg must be a remat_kit.models"),
     (lambda: step_memory(CFG, 2, 16, "full", optimizer="adam"), TypeError, "optax"),
     (lambda: step_memory(CFG, 2, 16, "auto:budget=0.5"), rk.RematSpecError,
-     "fit does not plan auto:budget=0.5"),
+     "step_memory compiles one policy, not auto:budget=0.5"),
     (lambda: fit(CFG, BUDGET, policies=["full@every:99"]), ValueError, "99 is out of range"),
     (lambda: fit(CFG, BUDGET, target=["cpu"]), ValueError, "a target is a string"),
 ])
@@ -210,3 +218,105 @@ def test_later_policies_start_at_the_size_found_so_far(monkeypatch):
     assert rows[0].size == rows[1].size == 6656
     # full: the start (fits), then size + multiple (does not), cached "none" compiles aside.
     assert [c[2] for c in calls if c[0] == "full"] == [6656, 6784]
+
+
+def test_auto_row_picks_the_cheapest_fitting_policy_at_the_largest_size(seq_fit):
+    *fixed, auto = seq_fit.rows
+    assert auto.policy == "auto" and auto.error is None and auto.picked is not None
+    # It could have picked any fixed row's policy at that row's size: at least the largest.
+    assert auto.size == max(r.size for r in fixed) >= fixed[2].size  # full's
+    # The picked policy fits there, compiled apart from fit's cache...
+    picked = step_memory(CFG, 1, auto.size, auto.picked)
+    assert picked.total_bytes == auto.memory.total_bytes <= BUDGET
+    # ...and nothing auto tried fits one multiple further.
+    over = [b for s, b in auto.probes if s == auto.size + 128]
+    assert over and all(b is None or b > BUDGET for b in over)
+    # Never more FLOPs than a fixed policy that fits at the same size (full here).
+    full_there = step_memory(CFG, 1, auto.size, "full")
+    assert full_there.total_bytes <= BUDGET
+    assert picked.flops <= full_there.flops
+    assert auto.flop_overhead == pytest.approx(picked.flops / step_memory(
+        CFG, 1, auto.size, "none").flops)
+
+
+def test_auto_budget_is_the_fit_budget(capsys):
+    with pytest.raises(BudgetError, match="in fit, auto's budget is the fit budget"):
+        fit(CFG, BUDGET, policies=["auto:budget=0.5"])
+    assert cli.main(["fit", "--config", "tiny", "--budget", "2MB", "--policies",
+                     "auto:budget=1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "write 'auto' or 'auto:budget=2000000', not 'auto:budget=1GiB'" in err
+
+
+def per_device_param_bytes(split: int) -> int:
+    """Parameter bytes on one device of an fsdp:`split` mesh, from the logical axes:
+    a leaf with an `embed` dimension that `split` divides is cut along it."""
+    boxed = jax.eval_shape(lambda: Transformer(CFG).init(
+        jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    total = 0
+    for leaf in jax.tree.leaves(boxed, is_leaf=lambda x: hasattr(x, "names")):
+        names, shape = leaf.names, leaf.value.shape
+        cut = any(n == "embed" and d % split == 0 for n, d in zip(names, shape))
+        total += math.prod(shape) * 4 // (split if cut else 1)
+    return total
+
+
+def test_mesh_step_figures_are_per_device():
+    batch, seq = 2, 128
+    whole = step_memory(CFG, batch, seq, "full")
+    sharded = step_memory(CFG, batch, seq, "full", mesh=fsdp2())
+    p = per_device_param_bytes(2)
+    assert whole.params_bytes == per_device_param_bytes(1)
+    assert sharded.params_bytes == sharded.grads_bytes == p < whole.params_bytes
+    assert sharded.opt_state_bytes == 2 * p + 4  # AdamW's moments follow their params
+    # memory_analysis() of the SPMD program is per device: its arguments are one
+    # device's shards of the donated state plus its half of the tokens (and the key).
+    key = whole.argument_size_in_bytes - whole.params_bytes - whole.opt_state_bytes \
+        - 2 * batch * seq * 4
+    assert 0 <= key <= 16
+    assert sharded.argument_size_in_bytes == 3 * p + 4 + 2 * (batch // 2) * seq * 4 + key
+    assert sharded.alias_size_in_bytes == 3 * p + 4  # donated, reused in place
+    assert sharded.flops == pytest.approx(whole.flops / 2, rel=0.01)
+
+
+def test_mesh_floor_is_per_device():
+    floor = 3 * per_device_param_bytes(2) + 4
+    with pytest.raises(BudgetError, match=f"{floor} bytes per device of mesh fsdp:2") as e:
+        fit(CFG, floor - 1, policies=["full"], mesh=fsdp2())
+    assert e.value.minimum_bytes == floor
+
+
+def test_mesh_sizes_are_global(monkeypatch):
+    calls = fake_step(monkeypatch, lambda tokens: 2 * 10**6 + 1000 * tokens)
+    result = fit(CFG, 2 * 10**6 + 64_000, vary="batch", seq=8, policies=["none"], mesh=fsdp2())
+    (row,) = result.rows
+    assert result.multiple == 2 and result.mesh == "fsdp:2" and result.devices == 2
+    assert row.size == 8 and all(b % 2 == 0 for _, b, _ in calls)
+    # FLOPs per token over the whole mesh: per-device FLOPs (here batch * seq) x 2 devices.
+    assert row.flops_per_token == pytest.approx(2.0)
+    before = len(calls)
+    (row,) = fit(CFG, 10**9, policies=["none"], mesh=fsdp2(), max_size=256).rows
+    assert row.size == 256 and {b for _, b, _ in calls[before:]} == {2}  # data x fsdp
+
+
+@pytest.mark.parametrize("mesh, kwargs, message", [
+    ("tensor:3", {}, "num_heads=4 is not divisible by the tensor axis of size 3"),
+    ("fsdp:2", {"batch": 3}, "batch 3 does not split over the 2 data-parallel devices"),
+    ("fsdp:2", {"vary": "batch", "multiple": 3}, "multiple 3 does not split over the 2"),
+])
+def test_mesh_that_does_not_split_fails_before_compiling(mesh, kwargs, message):
+    m = rk.mesh.make(mesh, jax.devices()[:math.prod(rk.mesh.parse_spec(mesh).values())])
+    with pytest.raises(rk.MeshError, match=message):
+        fit(CFG, BUDGET, mesh=m, **kwargs)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "tensor:3"], "--mesh: num_heads=4 is not divisible"),
+    (["--mesh", "fsdp:2", "--vary", "batch", "--multiple", "3", "--seq", "64"],
+     "--multiple 3 does not split over the 2 data-parallel devices"),
+    (["--mesh", "fsdp:x"], "--mesh: mesh spec 'fsdp:x'"),
+])
+def test_cli_fit_mesh_errors(capsys, argv, message):
+    assert cli.main(["fit", "--config", "tiny", "--budget", "1GiB", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
