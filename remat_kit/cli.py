@@ -684,6 +684,11 @@ def _fit(args) -> int:
     if budget is None:
         raise BadInput(f"--budget must be a size such as 16GiB, not a fraction: got "
                        f"{args.budget!r}")
+    searched = {"seq": args.seq, "batch": args.batch}[args.vary]
+    if searched is not None:
+        other = "batch" if args.vary == "seq" else "seq"
+        raise BadInput(f"--{args.vary} {searched} is what --vary {args.vary} searches; fix "
+                       f"the --{other} instead, or search the {other} with --vary {other}")
     target_list = _targets(args.target)
     if len(target_list) > 1:
         raise BadInput(f"fit takes one --target, got {args.target!r}")

@@ -57,7 +57,7 @@ from jax.sharding import Mesh
 from remat_kit import mesh as rk_mesh
 from remat_kit import targets
 from remat_kit.errors import BudgetError, MeshError, RematSpecError
-from remat_kit.measure import _check_positive, _local, config_program
+from remat_kit.measure import PEAK, _check_positive, _local, config_program, memory_kind
 from remat_kit.models import TransformerConfig
 from remat_kit.plan import config_planner, parse_budget
 from remat_kit.policy import Policy
@@ -176,12 +176,13 @@ def in_use_bytes(memory: dict, platform: str) -> tuple[int, str]:
       memory: `measure.memory_fields(compiled)`.
       platform: the compiler's platform ("cpu", "tpu", "gpu").
     Returns:
-      (bytes, source): `peak_memory_in_bytes` where a non-CPU compiler
-      reports it; else argument + temp + output - alias bytes (the XLA CPU
-      peak figure leaves out temp buffers).
+      (bytes, source): `peak_memory_in_bytes` where the platform's policies
+      are ranked by the compiler's peak (`measure.memory_kind`: TPU, GPU) and
+      it reports one; else argument + temp + output - alias bytes (the XLA
+      CPU peak figure leaves out temp buffers).
     """
-    if platform != "cpu" and memory.get("peak_memory_in_bytes"):
-        return memory["peak_memory_in_bytes"], "peak_memory_in_bytes"
+    if memory_kind(platform) == PEAK and memory.get(PEAK):
+        return memory[PEAK], PEAK
     return (memory["argument_size_in_bytes"] + memory["temp_size_in_bytes"]
             + memory["output_size_in_bytes"] - memory["alias_size_in_bytes"],
             "argument + temp + output - alias")

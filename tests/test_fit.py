@@ -161,6 +161,8 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
     (["--budget", "1GiB", "--vary", "x"], "invalid choice: 'x'"),
     (["--budget", "1GiB", "--multiple", "0"], "--multiple: must be a positive int"),
     (["--budget", "1GiB", "--vary", "batch", "--seq", "4096"], "exceeds the model's max_len"),
+    (["--budget", "1GiB", "--seq", "16"], "--seq 16 is what --vary seq searches; fix the --batch"),
+    (["--budget", "1GiB", "--vary", "batch", "--batch", "2"], "--batch 2 is what --vary batch"),
 ])
 def test_cli_fit_errors(capsys, argv, message):
     assert cli.main(["fit", "--config", "tiny", *argv]) == 2
