@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -322,3 +323,23 @@ def test_cli_fit_mesh_errors(capsys, argv, message):
     assert cli.main(["fit", "--config", "tiny", "--budget", "1GiB", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_llama_1b_v5e_config_has_the_parameters_its_docs_state():
+    """experiments/configs/llama_1b_v5e.py is llama_1b in bfloat16, scanned: 1.50e9
+    parameters (Llama 3.2 1B's shapes, output layer untied), counted from the shapes."""
+    cfg, _, defaults = cli.load_config("experiments/configs/llama_1b_v5e.py")
+    assert (cfg.family, cfg.vocab_size, cfg.num_layers, cfg.scan_layers) == ("llama", 128256, 16,
+                                                                             True)
+    assert (cfg.dtype, cfg.param_dtype, defaults) == ("bfloat16", "bfloat16",
+                                                      {"batch": 1, "seq": 4096})
+    params = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0),
+                                                          jnp.zeros((1, 8), jnp.int32)))
+    d, q, kv, mlp = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.mlp_dim
+    layer = d * q * 2 + d * kv * 2 + 3 * d * mlp + 2 * d  # q, o; k, v; gate, up, down; 2 norms
+    expected = 2 * cfg.vocab_size * d + cfg.num_layers * layer + d
+    leaves = jax.tree.leaves(nn.unbox(params))
+    assert sum(x.size for x in leaves) == expected
+    assert round(expected / 1e9, 2) == 1.50
+    assert {x.dtype for x in leaves} == {jnp.dtype("bfloat16")}
