@@ -612,6 +612,9 @@ def _plan(args) -> int:
     records = [dataclasses.replace(r, names=names) for r, names in named.values()]
     start = time.perf_counter()
     full, none = planner.minimum()
+    if none is None and any(parse_budget(b).bytes is None for b in budgets):
+        raise BadInput(f"--budgets: no remat runs out of {target_list[0]}'s memory at these "
+                       "shapes, so a fraction of it means nothing; give budgets in bytes")
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
     plan_seconds = time.perf_counter() - start
@@ -621,8 +624,8 @@ def _plan(args) -> int:
           and r.memory_kind == kind]
     title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({planner.measure('full').platform}"
              f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
-             f"{report.fmt_bytes(none)} {memory}, least compiled: {report.fmt_bytes(full)} "
-             f"({full / none:.3f})")
+             f"{report.fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
+             f"least compiled: {report.fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
     t = Table(title=title, caption=f"memory: compiled {kind}, budgets and x none of it; "
               "FLOPs: over no remat", caption_justify="left")
     for name in ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
@@ -635,14 +638,16 @@ def _plan(args) -> int:
         best = min(fitting, key=lambda r: (r.flops, r.memory_bytes), default=None)
         p = plans.get(b)
         preset_cells = ([", ".join(best.names), report.fmt_bytes(best.memory_bytes),
-                         f"{best.flops / planner.measure('none').flops - 1:+.2%}"]
+                         f"{best.flops / planner.none_flops() - 1:+.2%}"]
                         if best else ["none fits" if presets else "not compared", "-", "-"])
         if p is None:
-            t.add_row(b, report.fmt_bytes(limit), f"below the minimum ({full / none:.3f})",
+            t.add_row(b, report.fmt_bytes(limit), "below the minimum"
+                      + (f" ({full / none:.3f})" if none else f" ({report.fmt_bytes(full)})"),
                       "-", "-", "-", "-", *preset_cells)
         else:
             t.add_row(b, report.fmt_bytes(limit), p.spec, report.fmt_bytes(p.measured_bytes),
-                      f"{p.memory_fraction:.3f}", f"{p.flops_overhead:+.2%}",
+                      "-" if p.memory_fraction is None else f"{p.memory_fraction:.3f}",
+                      f"{p.flops_overhead:+.2%}",
                       "cached" if p.cached else str(p.iterations), *preset_cells)
         out.append({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
                     "best_preset": best and best.to_dict()})

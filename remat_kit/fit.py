@@ -63,6 +63,7 @@ from remat_kit.plan import config_planner, parse_budget
 from remat_kit.policy import Policy
 from remat_kit.report import fmt_bytes
 from remat_kit.spec import AutoSpec, parse
+from remat_kit.targets import is_out_of_memory
 
 VARY = ("seq", "batch")
 FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
@@ -295,12 +296,6 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),
                       mem.get("alias_size_in_bytes"), mem.get("peak_memory_in_bytes"),
                       c.flops, c.seconds)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether a compile failed for lack of device memory (RESOURCE_EXHAUSTED)."""
-    text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -637,19 +632,19 @@ class _Auto:
             # Take off what the step holds besides the value-and-grad memory the planner
             # budgets (parameters, gradients, optimizer state, the update): full remat's step
             # minus the planner's own figure for it (`minimum`: full's, in its memory kind).
-            limit = self.budget - (full.total_bytes - planner.minimum()[0])
-            for _ in range(self.TRIES):
-                try:
+            try:
+                limit = self.budget - (full.total_bytes - planner.minimum()[0])
+                for _ in range(self.TRIES):
                     plan = planner.plan(limit)
-                except BudgetError:
-                    break  # below what the planner can reach: full (compiled) is the fallback
-                step = self.steps.get(plan.spec, size)
-                if step is not None and step.total_bytes <= self.budget:
-                    break
-                # Over: take the overshoot off the planner's budget (an out-of-memory
-                # compile: plan below what this plan measured).
-                limit = (limit - (step.total_bytes - self.budget) if step is not None
-                         else plan.measured_bytes - 1)
+                    step = self.steps.get(plan.spec, size)
+                    if step is not None and step.total_bytes <= self.budget:
+                        break
+                    # Over: take the overshoot off the planner's budget (an out-of-memory
+                    # compile: plan below what this plan measured).
+                    limit = (limit - (step.total_bytes - self.budget) if step is not None
+                             else plan.measured_bytes - 1)
+            except BudgetError:
+                pass  # below what the planner can reach: full (compiled) is the fallback
             self.planner_compiles += len({id(r) for r in planner.records.values()})
         fitting = [(m.flops, m.total_bytes, spec) for spec, m in self.steps.at(size).items()
                    if m.total_bytes <= self.budget and m.flops is not None]

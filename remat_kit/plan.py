@@ -101,7 +101,7 @@ class Budget:
     bytes: int | None = None
     fraction: float | None = None
 
-    def resolve(self, none_bytes: int) -> int:
+    def resolve(self, none_bytes: int | None) -> int:
         """Bytes, given no remat's memory `none_bytes` (`Record.memory_bytes` of `none`)."""
         return self.bytes if self.bytes is not None else int(self.fraction * none_bytes)
 
@@ -374,7 +374,10 @@ class Plan:
         (`Record.memory_bytes`: `temp_size_in_bytes` on CPU,
         `peak_memory_in_bytes` on TPU and GPU) and FLOPs (loops counted per
         trip), from `measure`.
-      none_bytes, none_flops: the same for no remat (`none`).
+      none_bytes, none_flops: the same for no remat (`none`). Where no
+        remat's compile runs out of the target's memory (`none_out_of_memory`),
+        none_bytes is None and none_flops is the cost model's: `full`'s
+        measured FLOPs less its predicted recompute.
       minimum_bytes: the least memory of the policies compiled so far:
         `full`'s, except on small models where XLA gives another policy less.
       status: the solver's last message, each policy compiled with its
@@ -384,6 +387,8 @@ class Plan:
       memory_kind: which figure the bytes above are: "temp_size_in_bytes"
         or "peak_memory_in_bytes" (`remat_kit.measure.memory_kind`).
       cached: read from the plan cache rather than planned now.
+      none_out_of_memory: no remat did not compile for lack of the target's
+        memory (e.g. XLA:TPU's CompileTimeHbmOom), so the budget cannot hold it.
     """
 
     budget: str
@@ -394,7 +399,7 @@ class Plan:
     predicted_flops: float
     measured_bytes: int
     measured_flops: float
-    none_bytes: int
+    none_bytes: int | None
     none_flops: float
     minimum_bytes: int
     status: str
@@ -402,11 +407,12 @@ class Plan:
     platform: str
     memory_kind: str
     cached: bool = False
+    none_out_of_memory: bool = False
 
     @property
-    def memory_fraction(self) -> float:
-        """measured_bytes / none_bytes."""
-        return self.measured_bytes / self.none_bytes
+    def memory_fraction(self) -> float | None:
+        """measured_bytes / none_bytes; None where no remat ran out of memory."""
+        return None if self.none_bytes is None else self.measured_bytes / self.none_bytes
 
     @property
     def flops_overhead(self) -> float:
@@ -527,9 +533,20 @@ class Planner:
         return [self.records[k] for k in keys]
 
     def measure(self, policy: "Policy | str") -> Record:
-        """The compiled record of `policy` (memoized); raises if it fails to compile."""
+        """The compiled record of `policy` (memoized).
+
+        Raises:
+          BudgetError: `full` runs out of the target's memory when compiled:
+            no policy fits the device at these shapes.
+          RuntimeError: the policy fails to compile for another reason, or
+            the backend gives no memory or FLOP figures.
+        """
         record = self.measure_all([policy])[0]
         key = str(parse(policy))
+        if record.error and key == "full" and targets.is_out_of_memory(record.error):
+            raise BudgetError(f"even full remat runs out of {self.target}'s memory at these "
+                              f"shapes, so no policy fits: {record.error.splitlines()[0]}",
+                              budget=str(self.target))
         if record.error or record.memory_bytes is None or record.flops is None:
             raise RuntimeError(f"cannot plan: policy {key!r} did not compile to memory and "
                                f"FLOP figures: {record.error or 'the backend reports none'}")
@@ -567,16 +584,33 @@ class Planner:
     @property
     def memory_kind(self) -> str:
         """The figure this planner budgets, "temp_size_in_bytes" or
-        "peak_memory_in_bytes": `none`'s `Record.memory_kind` (compiles `none`)."""
-        return self.measure(Policy(remat=False)).memory_kind
+        "peak_memory_in_bytes": `full`'s `Record.memory_kind` (compiles `full`)."""
+        return self.measure(Policy()).memory_kind
 
-    def minimum(self) -> tuple[int, int]:
-        """(least memory of any compiled policy, memory of `none`), bytes of
-        `memory_kind`, after compiling `full` and `none`. The least is `full`'s
-        except on small models, where XLA can give another policy less."""
-        none = self.measure(Policy(remat=False)).memory_bytes
+    def none(self) -> Record | None:
+        """No remat's record; None where its compile runs out of the target's
+        memory (it cannot fit any budget on that device)."""
+        record = self.measure_all([Policy(remat=False)])[0]
+        if record.error and targets.is_out_of_memory(record.error):
+            return None
+        return self.measure(Policy(remat=False))
+
+    def none_flops(self) -> float:
+        """No remat's FLOPs: compiled, or where it runs out of memory, the cost
+        model's (`full`'s measured FLOPs less its predicted recompute)."""
+        none = self.none()
+        if none is not None:
+            return none.flops
+        return self.measure(Policy()).flops - self.model.cost(frozenset())[1]
+
+    def minimum(self) -> tuple[int, int | None]:
+        """(least memory of any compiled policy, memory of `none` or None where
+        it runs out of memory), bytes of `memory_kind`, after compiling `full`
+        and `none`. The least is `full`'s except on small models, where XLA
+        can give another policy less."""
         self.measure(Policy())
-        return min(r.memory_bytes for r in self._compiled()), none
+        none = self.none()
+        return min(r.memory_bytes for r in self._compiled()), none and none.memory_bytes
 
     def plan(self, budget: "str | int | float") -> Plan:
         """The policy with the fewest FLOPs whose compiled memory fits `budget`.
@@ -588,8 +622,10 @@ class Planner:
         Raises:
           BudgetError: a malformed budget, or one below the least memory of
             any compiled policy, normally `full` (the message gives that
-            minimum in bytes and as a fraction).
-          RuntimeError: `full` or `none` does not compile.
+            minimum in bytes and as a fraction); a fraction budget where no
+            remat runs out of the target's memory (there is nothing to take a
+            fraction of); `full` runs out of the target's memory.
+          RuntimeError: `full` or `none` does not compile for another reason.
         """
         parsed = parse_budget(budget)
         # The figure budgeted is in the key: a temp plan never answers a peak budget.
@@ -599,19 +635,24 @@ class Planner:
                 return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
             except (TypeError, ValueError, KeyError):
                 pass  # an entry from an older layout: plan again
-        full, none = self.measure(Policy()), self.measure(Policy(remat=False))
-        limit = parsed.resolve(none.memory_bytes)
+        full, none = self.measure(Policy()), self.none()
+        if none is None and parsed.bytes is None:
+            raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "
+                              f"runs out of {self.target}'s memory at these shapes; give the "
+                              "budget in bytes (e.g. 12GiB)", budget=budget)
+        limit = parsed.resolve(none and none.memory_bytes)
         least = min(self._compiled(), key=lambda r: r.memory_bytes)
         if limit < least.memory_bytes:
             lo = least.memory_bytes
             which = "full remat" if least is full else f"{least.policy} (below full remat's)"
+            of_none = (f"{lo / none.memory_bytes:.3f} of no remat ({none.memory_bytes:,} bytes)"
+                       if none else f"no remat runs out of {self.target}'s memory")
             raise BudgetError(
                 f"budget {budget} ({limit:,} bytes) is below the least "
-                f"{MEMORY_LABELS[none.memory_kind]} memory any policy "
-                f"reaches: {lo:,} bytes under {which}, {lo / none.memory_bytes:.3f} of "
-                f"no remat ({none.memory_bytes:,} bytes)", budget=budget,
-                minimum_bytes=lo, minimum_fraction=lo / none.memory_bytes)
-        if limit >= none.memory_bytes:
+                f"{MEMORY_LABELS[full.memory_kind]} memory any policy "
+                f"reaches: {lo:,} bytes under {which}, {of_none}", budget=budget,
+                minimum_bytes=lo, minimum_fraction=none and lo / none.memory_bytes)
+        if none is not None and limit >= none.memory_bytes:
             return self._finish(key, budget, limit, Policy(remat=False), none,
                                 none.memory_bytes, none.flops, "the budget holds no remat", 0)
         model = self.model
@@ -621,7 +662,7 @@ class Planner:
         best = ((full.flops, full.memory_bytes, Policy(), full, 0,
                  model.cost(frozenset())[1]) if full.memory_bytes <= limit else None)
         for _ in range(self.max_iterations):
-            saved, status = model.solve(room, FLOP_RESOLUTION * none.flops)
+            saved, status = model.solve(room, FLOP_RESOLUTION * self.none_flops())
             if saved in tried:
                 break  # the room moved, the answer did not
             tried.add(saved)
@@ -668,13 +709,16 @@ class Planner:
     def _finish(self, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
                 status, iterations) -> Plan:
         least, none = self.minimum()
+        if none is None:
+            status += "; no remat runs out of the target's memory: its FLOPs are the cost model's"
         result = Plan(
             budget=str(budget), budget_bytes=limit, policy=policy, spec=str(policy),
             predicted_bytes=predicted_bytes,
             predicted_flops=predicted_flops, measured_bytes=record.memory_bytes,
-            measured_flops=record.flops, none_bytes=none,
-            none_flops=self.measure(Policy(remat=False)).flops, minimum_bytes=least, status=status,
-            iterations=iterations, platform=record.platform, memory_kind=self.memory_kind)
+            measured_flops=record.flops, none_bytes=none, none_flops=self.none_flops(),
+            minimum_bytes=least, status=status, iterations=iterations,
+            platform=record.platform, memory_kind=self.memory_kind,
+            none_out_of_memory=none is None)
         if self.cache:
             _write_cache(self.cache, key, result)
         return result

@@ -314,6 +314,14 @@ def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
                 tuple(shape))
 
 
+def is_out_of_memory(error: "BaseException | str") -> bool:
+    """Whether a compile failed for lack of device memory: XLA's RESOURCE_EXHAUSTED
+    (e.g. XLA:TPU's CompileTimeHbmOom). `error`: the exception or its text
+    (`Record.error`)."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
+
+
 def versions(target: "str | Target") -> dict[str, str]:
     """{"jax": "0.12.0.1", "compiler": "libtpu 0.0.52"}: the versions the figures depend on.
 
@@ -474,5 +482,6 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
 
 
 __all__ = ["Compiled", "EXAMPLES", "KINDS", "TPU_GENERATIONS", "Target", "TargetError",
-           "compile_for", "compile_options", "costs", "devices", "lower", "make_mesh",
+           "compile_for", "compile_options", "costs", "devices", "is_out_of_memory", "lower",
+           "make_mesh",
            "parse_target", "parse_targets", "place", "versions"]

@@ -142,6 +142,43 @@ def test_scanned_stack_costs_as_unrolled(planner):
     assert plan.measured_flops < scanned_planner.measure("full").flops
 
 
+def _out_of_memory(monkeypatch, *policies):
+    """Makes `policies` compile as out of the device's memory, as XLA:TPU reports it."""
+    real = plan_module.measure
+
+    def measure(*args, policies: list, **kwargs):
+        return [dataclasses.replace(r, error="JaxRuntimeError: RESOURCE_EXHAUSTED: E1000: "
+                                    "CompileTimeHbmOom: Ran out of memory on HBM")
+                if r.policy in policies_out else r
+                for r in real(*args, policies=policies, **kwargs)]
+    policies_out = policies
+    monkeypatch.setattr(plan_module, "measure", measure)
+
+
+def test_plan_when_no_remat_runs_out_of_memory(planner, monkeypatch):
+    """On an accelerator, no remat's value-and-grad can outgrow the device at long
+    contexts: byte budgets still plan (no remat's FLOPs from the cost model), a
+    fraction budget has nothing to be a fraction of, and full out of memory means
+    nothing fits."""
+    full, none = planner.measure("full").memory_bytes, planner.measure("none")
+    _out_of_memory(monkeypatch, "none")
+    oom = config_planner(get_config("tiny"), BATCH, SEQ, cache=None)
+    assert oom.minimum() == (full, None)
+    budget = (full + none.memory_bytes) // 2
+    plan = oom.plan(budget)
+    assert plan.none_out_of_memory and plan.none_bytes is None and plan.memory_fraction is None
+    assert plan.measured_bytes <= budget and plan.spec not in ("none", "full")
+    assert plan.none_flops == pytest.approx(none.flops, rel=0.02)
+    assert "its FLOPs are the cost model's" in plan.status
+    with pytest.raises(rk.BudgetError, match="fraction of no remat's memory, but no remat runs"):
+        oom.plan(0.5)
+    with pytest.raises(rk.BudgetError, match="below the least temp memory.*no remat runs out"):
+        oom.plan(oom.minimum()[0] - 1)
+    _out_of_memory(monkeypatch, "none", "full")
+    with pytest.raises(rk.BudgetError, match="even full remat runs out of"):
+        config_planner(get_config("tiny"), BATCH, SEQ, cache=None).plan(budget)
+
+
 def test_generic_loss():
     """A plain loss: every tag is decided inside one remat region."""
     def loss(w, x):
