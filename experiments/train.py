@@ -446,12 +446,14 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
             if not math.isfinite(loss):
                 ckpt.wait()
                 last = ckpt.latest_step()
-                kept = (f"the last good checkpoint is step {last} in {ckpt.directory}"
-                        if last is not None else "no checkpoint was written before it")
+                kept = (f"the last good checkpoint is step {last} in {ckpt.directory}. Lower "
+                        "config.learning_rate or change the data, then resume with the same "
+                        "workdir" if last is not None else
+                        "no checkpoint was written before it. Lower config.learning_rate or "
+                        "change the data, then start again")
                 raise guards.NonFiniteLoss(
                     f"train loss is {loss} at step {step}: stopped without saving that "
-                    f"state; {kept}. Lower config.learning_rate or change the data, then "
-                    f"resume with the same workdir")
+                    f"state; {kept}")
             step_seconds.append(seconds)
             window_loss.append(loss)
             window_time.append(seconds)

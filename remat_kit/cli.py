@@ -653,7 +653,8 @@ def _plan(args) -> int:
                     "best_preset": best and best.to_dict()})
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(t)
-    console.print(f"planned {len(fits)} budgets in {plan_seconds:.1f} s"
+    console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
+                  f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))
     context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
                "devices": devices, "platform": planner.measure("full").platform,
@@ -729,7 +730,7 @@ def _fit(args) -> int:
         print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
 
     try:
-        result = fit(cfg, budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
+        result = fit(cfg, args.budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
                      multiple=multiple, target=target_list[0], mesh=mesh, progress=progress)
     except BudgetError as e:
         raise BadInput(f"--budget: {e}") from None
