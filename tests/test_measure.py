@@ -209,8 +209,12 @@ def test_progress_counts_compiled_programs():
     w, x = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32)
     recs = M.measure(loss, w, x, policies=["none", "full", "save:mlpwo", "save:mlpwi"],
                      progress=lambda i, n, r: calls.append((i, n, r.names)))
-    # Four decision sets, three programs: save:mlpwo lowers to full's program.
-    assert calls == [(1, 3, ("none",)), (2, 3, ("full", "save:mlpwo")), (3, 3, ("save:mlpwi",))]
+    if jax.config.jax_remat3:  # the hi-primitive remat lowers save:mlpwo apart from full
+        assert calls == [(1, 4, ("none",)), (2, 4, ("full",)), (3, 4, ("save:mlpwo",)),
+                         (4, 4, ("save:mlpwi",))]
+    else:  # four decision sets, three programs: save:mlpwo lowers to full's program
+        assert calls == [(1, 3, ("none",)), (2, 3, ("full", "save:mlpwo")),
+                         (3, 3, ("save:mlpwi",))]
     assert [r.names for r in recs] == [names for _, _, names in calls]
     assert all(r.compile_seconds > 0 for r in recs)
 
