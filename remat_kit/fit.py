@@ -419,7 +419,9 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     """The largest k in [0, max_units] with fits(k), assuming fits is monotone.
 
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
-    already probed (None if not probed or out of memory), for prediction.
+    already probed (None if not probed or out of memory), for prediction;
+    bytes_at(0) may give the memory the step holds at no size at all (its
+    parameters, gradients and optimizer state), which is never compiled.
     `start`: the first unit probed, e.g. another policy's answer.
     """
     start = min(max(start, 1), max_units)
@@ -427,13 +429,13 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
         lo, hi = start, None  # fits(lo); not fits(hi)
         if lo == max_units:
             return lo, True
-    elif start == 1 or not fits(1):
+    elif start == 1:
         return 0, False
     else:
-        lo, hi = 1, start
+        lo, hi = 0, start  # size 0 fits trivially; the prediction picks the next probe
     stalls = 0
     while hi is None or hi - lo > 1:
-        points = {k: b for k in range(1, (hi or lo) + 1) if (b := bytes_at(k)) is not None}
+        points = {k: b for k in range(0, (hi or lo) + 1) if (b := bytes_at(k)) is not None}
         guess = _predict(points, budget, lo, hi)
         if guess == lo or (guess is None and hi is None and lo == start > 1):
             # The boundary is predicted at lo, or lo is another policy's boundary:
@@ -566,6 +568,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
 
     _, params, opt_state, _, _ = _train_state(cfg, split, 1, optimizer, mesh)
     floor = _tree_bytes(params) + _tree_bytes(opt_state)
+    at_zero = floor + _tree_bytes(params)  # and the gradients: the step's memory at size 0
     if budget_bytes < floor:
         where = f"per device of mesh {mesh_text(mesh)}" if mesh is not None else "per device"
         raise BudgetError(
@@ -600,7 +603,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
             at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
                                lambda: 0, steps.known(specs[i]))
         rows[i] = _fit_one(specs[i], at, extra, steps, budget_bytes, multiple,
-                           max_size // multiple, vary, sizes, devices, start_units, seen)
+                           max_size // multiple, vary, sizes, devices, start_units, seen, at_zero)
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
     return FitResult(tuple(rows), vary, batch if vary == "seq" else seq, multiple, budget_bytes,
@@ -657,15 +660,18 @@ class _Auto:
 def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
              extra_compiles: Callable[[], int], steps: _Steps, budget: int, multiple: int,
              max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
-             start: int, seen: dict[int, StepMemory]) -> FitRow:
+             start: int, seen: dict[int, StepMemory], at_zero: int) -> FitRow:
     """One row: search the largest size where `at(size)` gives a fitting step.
 
     at(size) -> (picked spec or None for a fixed policy, step or None if out of memory).
     seen: steps of this row compiled before, by size, for the search's prediction.
+    at_zero: the step's bytes at size 0 (parameters, gradients, optimizer state), a
+    point for the prediction that needs no compile.
     """
     before, extra_before = steps.total, extra_compiles()
     probes = []
-    known = {s // multiple: m.total_bytes for s, m in seen.items() if s % multiple == 0}
+    known = {0: at_zero} | {s // multiple: m.total_bytes for s, m in seen.items()
+                            if s % multiple == 0}
 
     def fits(k: int) -> bool:
         _, m = at(k * multiple)
