@@ -639,7 +639,7 @@ def _plan(args) -> int:
         p = plans.get(b)
         preset_cells = ([", ".join(best.names), report.fmt_bytes(best.memory_bytes),
                          f"{best.flops / planner.none_flops() - 1:+.2%}"]
-                        if best else ["none fits" if presets else "not compared", "-", "-"])
+                        if best else ["no preset fits" if presets else "not compared", "-", "-"])
         if p is None:
             t.add_row(b, report.fmt_bytes(limit), "below the minimum"
                       + (f" ({full / none:.3f})" if none else f" ({report.fmt_bytes(full)})"),
@@ -677,7 +677,7 @@ def _fit(args) -> int:
 
     from remat_kit import report
     from remat_kit.errors import BudgetError
-    from remat_kit.fit import DEFAULT_MULTIPLE, FIT_POLICIES, fit
+    from remat_kit.fit import DEFAULT_MAX_SIZE, DEFAULT_MULTIPLE, FIT_POLICIES, _is_auto, fit
     from remat_kit.plan import parse_budget
 
     cfg, label, defaults = load_config(args.config)
@@ -717,6 +717,14 @@ def _fit(args) -> int:
                      for p in args.policies.split(",")) if args.policies is not None else None)
     specs = split_policies(text) if text is not None else list(FIT_POLICIES)
     check_schedules(cfg, specs, "--policies")
+    if args.multiple and args.multiple > DEFAULT_MAX_SIZE[args.vary]:
+        raise BadInput(f"--multiple {args.multiple} is above the largest {args.vary} fit "
+                       f"searches, {DEFAULT_MAX_SIZE[args.vary]}")
+    for spec in specs:
+        try:
+            _is_auto(spec, budget)
+        except BudgetError as e:
+            raise BadInput(f"--policies: {e}") from None
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)

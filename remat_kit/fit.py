@@ -68,9 +68,10 @@ from remat_kit.targets import is_out_of_memory
 VARY = ("seq", "batch")
 FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
 DEFAULT_MULTIPLE = {"seq": 128, "batch": 1}
-# Sizes beyond these are not searched: XLA takes shapes as 32-bit ints, and a
-# policy that still fits there is reported as capped.
-DEFAULT_MAX_SIZE = {"seq": 1 << 20, "batch": 1 << 16}
+# Sizes beyond these are not searched, and a policy that still fits there is
+# reported as capped: XLA's CPU compiler aborts the process (SIGFPE) compiling
+# tiny at seq 2**20, while 655360 compiles.
+DEFAULT_MAX_SIZE = {"seq": 1 << 19, "batch": 1 << 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,7 +548,8 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     max_size = DEFAULT_MAX_SIZE[vary] if max_size is None else max_size
     _check_args(cfg, optimizer, batch=batch, seq=seq, multiple=multiple, max_size=max_size)
     if max_size < multiple:
-        raise ValueError(f"max_size {max_size} is below multiple {multiple}")
+        raise ValueError(f"multiple {multiple} is above the largest {vary} searched, "
+                         f"max_size {max_size}")
     if vary == "batch" and multiple % split:
         raise MeshError(f"multiple {multiple} does not split over the {split} data-parallel "
                         f"devices of mesh {mesh_text(mesh)} (data x fsdp = {split}): the "
@@ -559,7 +561,9 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
                           "fraction of no-remat memory, which changes with the size searched",
                           budget=budget)
     target = targets.parse_target(target)
-    specs = [p if isinstance(p, str) else str(p) for p in policies]
+    specs = list(dict.fromkeys(p if isinstance(p, str) else str(p) for p in policies))
+    if not specs:
+        raise ValueError("policies is empty; give at least one spec, e.g. ['none', 'full']")
     auto = [_is_auto(p, budget_bytes) for p in specs]
     for p, is_auto in zip(specs, auto):
         if not is_auto:

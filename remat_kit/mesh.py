@@ -144,7 +144,7 @@ def make(spec: "str | Mapping[str, int]", devices: Sequence | None = None) -> Me
     Raises:
       MeshError: a bad spec (`parse_spec`), or a product of sizes other than
         the number of devices; the message names both numbers and, on CPU,
-        the XLA flag that creates host devices.
+        the XLA flag that creates host devices; a device given twice.
       TypeError: `devices` is not a list of jax devices.
     """
     sizes = parse_spec(spec)
@@ -156,6 +156,10 @@ def make(spec: "str | Mapping[str, int]", devices: Sequence | None = None) -> Me
     if bad is not None:
         raise TypeError(f"rk.mesh.make: devices must be jax devices (jax.devices()), got {bad!r}")
     need = math.prod(sizes.values())
+    repeated = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
+    if repeated is not None:
+        raise MeshError(f"rk.mesh.make: device {repeated} is given twice; a mesh takes "
+                        "distinct devices")
     if need != len(devices):
         hint = (f"; on CPU start with XLA_FLAGS=--xla_force_host_platform_device_count={need}"
                 if devices and devices[0].platform == "cpu" and need > len(devices) else "")

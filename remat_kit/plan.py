@@ -112,7 +112,8 @@ def parse_budget(budget: "str | int | float") -> Budget:
     Args:
       budget: a size: an int or a string of a number and a unit ("6GiB",
         "512MiB", "1.5GB", "6000000000"; KiB/MiB/GiB/TiB are powers of 1024,
-        KB/MB/GB/TB of 1000, no unit or B is bytes); or a fraction of no
+        KB/MB/GB/TB of 1000, no unit or B is bytes; a size with a unit is
+        rounded down to whole bytes); or a fraction of no
         remat's memory (`Record.memory_bytes`: temp on CPU, peak on TPU and
         GPU): a number 0 < f <= 1 ("0.25", 0.25, 1) or a
         percentage ("25%"). Numbers above 1 without a unit are bytes.
@@ -137,7 +138,9 @@ def parse_budget(budget: "str | int | float") -> Budget:
         raise BudgetError(f"unknown unit {m.group('unit')!r} in a budget; units: "
                           "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)",
                           budget=budget)
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value):
+        raise BudgetError(f"a budget must be finite ({_HELP})", budget=budget)
+    if value <= 0:
         raise BudgetError(f"a budget must be positive ({_HELP})", budget=budget)
     if percent:
         if value > 100:
@@ -146,8 +149,11 @@ def parse_budget(budget: "str | int | float") -> Budget:
     if not unit and value <= 1:
         return Budget(fraction=value)
     n = value * _UNITS[unit]
+    if unit and unit != "b":
+        return Budget(bytes=int(n))  # 3.2MiB is 3355443.2 bytes: whole bytes, rounded down
     if n != int(n):
-        raise BudgetError(f"a budget in bytes must be a whole number ({_HELP})", budget=budget)
+        raise BudgetError(f"a fraction must be 0 < f <= 1 and a size in bytes a whole number "
+                          f"({_HELP})", budget=budget)
     return Budget(bytes=int(n))
 
 

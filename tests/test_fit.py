@@ -163,6 +163,9 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
     (["--budget", "1GiB", "--multiple", "0"], "--multiple: must be a positive int"),
     (["--budget", "1GiB", "--vary", "batch", "--seq", "4096"], "exceeds the model's max_len"),
     (["--budget", "1GiB", "--seq", "16"], "--seq 16 is what --vary seq searches; fix the --batch"),
+    (["--budget", "1GiB", "--multiple", "2000000"], "--multiple 2000000 is above the largest seq"),
+    (["--budget", "24MiB", "--policies", "auto:budget=16MiB"],
+     "--policies: in fit, auto's budget is the fit budget"),
     (["--budget", "1GiB", "--vary", "batch", "--batch", "2"], "--batch 2 is what --vary batch"),
 ])
 def test_cli_fit_errors(capsys, argv, message):

@@ -195,6 +195,9 @@ def test_mesh_product_must_match_the_devices():
         rk_mesh.make("data:2,tensor:2")
     with pytest.raises(MeshError, match="xla_force_host_platform_device_count=16"):
         rk_mesh.make("data:16")
+    d = jax.devices()[0]
+    with pytest.raises(MeshError, match=f"device {d} is given twice"):
+        rk_mesh.make("data:2", [d, d])
 
 
 @pytest.mark.parametrize("spec, devices, batch, message", [

@@ -32,6 +32,7 @@ def planner():
     ("1.5GB", Budget(bytes=1_500_000_000)), (6_000_000_000, Budget(bytes=6_000_000_000)),
     ("6000000000", Budget(bytes=6_000_000_000)), (0.25, Budget(fraction=0.25)),
     ("0.25", Budget(fraction=0.25)), ("25%", Budget(fraction=0.25)), (1, Budget(fraction=1.0)),
+    ("3.2MiB", Budget(bytes=3355443)),  # 3355443.2 bytes, rounded down
 ])
 def test_parse_budget(text, expected):
     assert parse_budget(text) == expected
@@ -39,7 +40,8 @@ def test_parse_budget(text, expected):
 
 @pytest.mark.parametrize("text, message", [
     ("abc", "must be a size"), ("-1", "positive"), ("0", "positive"), (0, "positive"),
-    ("-2GiB", "positive"), ("6XB", "unknown unit 'XB'"), ("1.5", "whole number"),
+    ("-2GiB", "positive"), ("6XB", "unknown unit 'XB'"), ("1.5", "fraction must be 0 < f <= 1"),
+    ("1.5B", "whole number"), ("1e400", "finite"),
     ("150%", "at most 100%"), (None, "not a NoneType"), (True, "not a bool"), ("", "a size"),
 ])
 def test_bad_budget(text, message):
