@@ -173,9 +173,13 @@ def _parse_auto(spec: str) -> AutoSpec:
 
     m = _AUTO.match(spec)
     if m is None:
+        # Suggest the user's own value in the right form ('auto:Budget=0.5' -> 'auto:budget=0.5').
+        value = spec.rpartition("=")[2].strip()
         raise RematSpecError("an auto spec reads auto:budget=SIZE (6GiB, 512MiB, bytes) or "
                              "auto:budget=FRACTION (0 < f <= 1 of no-remat memory), alone",
-                             spec=spec, token=spec.strip(), position=0, choices=_AUTO_EXAMPLES)
+                             spec=spec, token=spec.strip(), position=0,
+                             choices=(f"auto:budget={value}",) if value and "=" in spec
+                             else _AUTO_EXAMPLES)
     rest, budget = m.group("rest"), m.group("budget").strip()
     if rest.startswith("@"):
         raise RematSpecError("an auto:budget= spec takes no layer schedule: the planner decides "

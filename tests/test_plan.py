@@ -57,6 +57,8 @@ def test_auto_spec():
         rk.parse("auto:budget=-3")
     with pytest.raises(rk.RematSpecError, match="auto:budget=SIZE"):
         rk.parse("auto:memory=3GiB")
+    with pytest.raises(rk.RematSpecError, match="did you mean 'auto:budget=0.5'"):
+        rk.parse("auto:Budget=0.5")  # the user's value, in the right form
     cfg = TransformerConfig(remat="auto:budget=0.5")  # a config may hold it...
     tokens = jnp.zeros((1, 8), jnp.int32)
     with pytest.raises(rk.RematSpecError, match="must be resolved"):  # ...but not build it
