@@ -587,6 +587,10 @@ def _plan(args) -> int:
     presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
                if args.presets is not None else preset_policies())
     check_schedules(cfg, presets, "--presets")
+    auto = [p for p in presets if p.strip().startswith("auto")]
+    if auto:
+        raise BadInput(f"--presets: {auto[0]!r} is a budget for the planner, not a preset; "
+                       "give its budget in --budgets")
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)

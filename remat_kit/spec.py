@@ -324,6 +324,14 @@ def _parse_term(term: str, spec: str, offset: int) -> Policy:
             continue
         explicit_base = True
         if sub.schedule != Schedule():
+            if "|" in spec:  # a union's terms share one schedule, written once at the end
+                plain = str(dataclasses.replace(sub, schedule=Schedule()))
+                raise RematSpecError(
+                    f"preset {clause!r} is shorthand for the whole spec {str(sub)!r}; in a "
+                    "union write the layer schedule once, at the end"
+                    + ("" if "@" in spec else _fix(f"{spec[:at]}{plain}"
+                                                   f"{spec[at + len(clause):]}@{sub.schedule}")),
+                    spec=spec, token=clause, position=at)
             if schedule not in (Schedule(), sub.schedule):
                 raise RematSpecError("two layer schedules in one term", spec=spec, token=clause,
                                      position=at)

@@ -301,6 +301,8 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
     (["--budgets", "0.2,abc"], "--budgets"), (["--budgets", ""], "--budgets"),
     (["--budgets", "0.2", "--plot", "x.txt"], ".png"),
     (["--budgets", "0.2", "--no-presets", "--presets", "full"], "not allowed with"),
+    (["--budgets", "0.8", "--presets", "full,auto:budget=0.3"],
+     "--presets: 'auto:budget=0.3' is a budget for the planner, not a preset"),
 ])
 def test_cli_plan_bad_input(argv, message, capsys):
     assert cli.main(["plan", "--config", "tiny", *argv]) == 2

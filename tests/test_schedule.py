@@ -88,6 +88,10 @@ def test_layer_policies():
                                    "nothing may follow", "full|full@nested:4"]),
     ("full|nested:4", "nested:4", 5, ["shorthand for the whole spec 'full@nested:4'",
                                       "full|full@nested:4"]),
+    # So are the presets nested and levanter:nested (full@nested), in a union.
+    ("nested|selective", "nested", 0, ["preset 'nested' is shorthand for the whole spec "
+                                       "'full@nested'", "full|selective@nested"]),
+    ("dots|levanter:nested", "levanter:nested", 5, ["dots|full@nested"]),
     # auto:budget= is planned for a whole model: alone, without a schedule.
     ("auto:budget=0.5|full", "|full", 15, ["auto:budget= spec stands alone", "union"]),
     ("auto:budget=0.5;full", ";full", 15, ["stands alone", "clause"]),
