@@ -452,7 +452,7 @@ def _compare(args) -> int:
                                  mesh=mesh, progress=progress, target=target)
         target = targets.parse_target(target)
         found = targets.versions(target)
-        mesh_text = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh else None
+        mesh_text = rk_mesh.spec_text(mesh)
         per_device = f", per device of {devices} ({mesh_text})" if devices > 1 else ""
         title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({target.label}{per_device})"
         sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,

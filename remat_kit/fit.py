@@ -220,11 +220,6 @@ def _check_mesh(mesh) -> None:
                         f"remat_kit.targets.make_mesh), got {type(mesh).__name__} {mesh!r}")
 
 
-def mesh_text(mesh: Mesh | None) -> str | None:
-    """"data:2,fsdp:2,tensor:2" for a mesh (its axes in order), None for None."""
-    return None if mesh is None else ",".join(f"{k}:{v}" for k, v in mesh.shape.items())
-
-
 def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Policy", *,
                 optimizer: optax.GradientTransformation | None = None,
                 target: "str | targets.Target | None" = None,
@@ -552,7 +547,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
                          f"max_size {max_size}")
     if vary == "batch" and multiple % split:
         raise MeshError(f"multiple {multiple} does not split over the {split} data-parallel "
-                        f"devices of mesh {mesh_text(mesh)} (data x fsdp = {split}): the "
+                        f"devices of mesh {rk_mesh.spec_text(mesh)} (data x fsdp = {split}): the "
                         f"batch is global; use a multiple of {split}")
     rk_mesh.check_fits(mesh, cfg, batch if vary == "seq" else multiple)
     budget_bytes = parse_budget(budget).bytes
@@ -574,7 +569,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     floor = _tree_bytes(params) + _tree_bytes(opt_state)
     at_zero = floor + _tree_bytes(params)  # and the gradients: the step's memory at size 0
     if budget_bytes < floor:
-        where = f"per device of mesh {mesh_text(mesh)}" if mesh is not None else "per device"
+        where = f"per device of mesh {rk_mesh.spec_text(mesh)}" if mesh is not None else "per device"
         raise BudgetError(
             f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the parameters "
             f"plus optimizer state alone, {fmt_bytes(floor)} ({floor} bytes {where}): no "
@@ -611,7 +606,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
     return FitResult(tuple(rows), vary, batch if vary == "seq" else seq, multiple, budget_bytes,
-                     floor, target.label, time.perf_counter() - start, mesh_text(mesh), devices)
+                     floor, target.label, time.perf_counter() - start, rk_mesh.spec_text(mesh), devices)
 
 
 class _Auto:

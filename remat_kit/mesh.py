@@ -81,6 +81,15 @@ MAX_DEVICES = 1024
 _TERM = re.compile(r"^([A-Za-z_]\w*):(\d+)$")
 
 
+def spec_text(mesh: "Mesh | Mapping[str, int] | None") -> str | None:
+    """The spec string of a mesh or {axis: size}, axes in order ("data:2,fsdp:2",
+    the inverse of `parse_spec`); None for None."""
+    if mesh is None:
+        return None
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return ",".join(f"{k}:{v}" for k, v in shape.items())
+
+
 def parse_spec(spec: "str | Mapping[str, int]") -> dict[str, int]:
     """'data:2,fsdp:2,tensor:2' -> {"data": 2, "fsdp": 2, "tensor": 2}, in spec order.
 
@@ -374,4 +383,4 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
            "check_fits", "constrain", "initialize", "make", "parse_spec", "per_device_config",
-           "put", "replicated", "rules", "shardings", "use"]
+           "put", "replicated", "rules", "shardings", "spec_text", "use"]

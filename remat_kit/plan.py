@@ -551,8 +551,7 @@ class Planner:
         key = str(parse(policy))
         if record.error and key == "full" and targets.is_out_of_memory(record.error):
             raise BudgetError(f"even full remat runs out of {self.target}'s memory at these "
-                              f"shapes, so no policy fits: {record.error.splitlines()[0]}",
-                              budget=str(self.target))
+                              f"shapes, so no policy fits: {record.error.splitlines()[0]}")
         if record.error or record.memory_bytes is None or record.flops is None:
             raise RuntimeError(f"cannot plan: policy {key!r} did not compile to memory and "
                                f"FLOP figures: {record.error or 'the backend reports none'}")

@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
 from remat_kit.errors import _closest
+from remat_kit.mesh import spec_text
 
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
 TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
@@ -308,8 +309,8 @@ def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
     for size in shape.values():
         n *= size
     if n > len(found):
-        axes = ",".join(f"{k}:{v}" for k, v in shape.items())
-        raise TargetError(f"mesh {axes} needs {n} devices; target {target} has {len(found)}")
+        raise TargetError(f"mesh {spec_text(shape)} needs {n} devices; target {target} has "
+                          f"{len(found)}")
     return Mesh(np.array(found[:n], dtype=object).reshape(tuple(shape.values())),
                 tuple(shape))
 
