@@ -482,7 +482,7 @@ def _explain(args) -> int:
     from rich.table import Table
 
     from remat_kit import report, targets
-    from remat_kit.measure import layer_residuals
+    from remat_kit.explain import layer_residuals
 
     cfg, label, defaults = load_config(args.config)
     batch, seq = _sizes(args, cfg, defaults)
@@ -576,7 +576,7 @@ def _plan(args) -> int:
     from rich.table import Table
 
     from remat_kit import report
-    from remat_kit.measure import MEMORY_LABELS
+    from remat_kit.record import MEMORY_LABELS
     from remat_kit.plan import config_planner, parse_budget, read_cache
 
     cfg, label, defaults = load_config(args.config)

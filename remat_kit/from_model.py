@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 
 from remat_kit import flax_linen, flax_nnx, regions, roles, wrapping
+from remat_kit import mesh as rk_mesh
 from remat_kit.errors import UnknownModuleError
 from remat_kit.schedule import layer_policies
 from remat_kit.validate import emitted_tags
@@ -140,7 +141,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block) -> tuple:
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     instances, variables = _linen_instances(model, init_tokens)
     cls, _ = pick_block(instances, block)
-    params = nn.unbox(variables["params"])
+    params = variables["params"]  # boxed with logical axes where the model names them
     rest = {k: v for k, v in variables.items() if k != "params"}
 
     def loss(params, tokens, rest):
@@ -157,6 +158,21 @@ def _linen(model: nn.Module, batch: int, seq: int, block) -> tuple:
 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     return cls, marked, (params, tokens, nn.unbox(rest))
+
+
+def _on_mesh(args, mesh):
+    """args as ShapeDtypeStructs placed on `mesh`: parameters by their logical axes
+    where they are boxed (linen `nn.with_logical_partitioning`), else whole; the
+    tokens split over the batch axes; other variables whole."""
+    params, tokens, rest = args
+    if mesh is None:
+        return nn.unbox(params), tokens, rest
+    shardings = rk_mesh.shardings(params, mesh)
+    place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    whole = rk_mesh.replicated(mesh)
+    return (jax.tree.map(place, nn.unbox(params), shardings),
+            place(tokens, rk_mesh.batch_sharding(mesh)),
+            jax.tree.map(lambda x: place(x, whole), rest))
 
 
 # ---------------------------------------------------------------------------
@@ -207,7 +223,8 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block) -> tuple:
 # the provider
 # ---------------------------------------------------------------------------
 
-def workload(model, batch: int, seq: int, *, block=None, name: str | None = None) -> Workload:
+def workload(model, batch: int, seq: int, *, block=None, name: str | None = None,
+             mesh: jax.sharding.Mesh | None = None) -> Workload:
     """The `Workload` of a linen or NNX language model's next-token loss.
 
     Args:
@@ -217,18 +234,31 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
       batch, seq: positive ints.
       block: the block class or its name; default the repeated class found.
       name: the report's name for the model; default its class name.
+      mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) with data and fsdp
+        axes: tokens split over them, parameters sharded by their logical
+        axes where the model names them (linen), else whole on every device.
+        A tensor axis needs the model's own tensor parallelism: refused.
     Returns:
       A `Workload` with args (params, tokens, other variables) as
       ShapeDtypeStructs; `loss_for_policy` takes a policy, a layer schedule
       or one policy per block. Resizing re-traces the model.
     Raises:
-      ModelError: not a linen/NNX module, or the output has no logits.
+      ModelError: not a linen/NNX module, the output has no logits, or a mesh
+        with a tensor axis.
       UnknownModuleError: no repeated block class, or `block` matches none.
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
     for label, value in (("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
+    if mesh is not None and rk_mesh.axis_size(mesh, "heads") > 1:
+        raise ModelError(f"mesh {rk_mesh.spec_text(mesh)}: a tensor axis splits heads and MLP "
+                         "inside the model's own layers, which remat_kit cannot do for a model "
+                         "that is not its own; use data and fsdp axes")
+    if mesh is not None and batch % rk_mesh.axis_size(mesh, "batch"):
+        raise ModelError(f"batch {batch} does not split over the "
+                         f"{rk_mesh.axis_size(mesh, 'batch')} data x fsdp devices of mesh "
+                         f"{rk_mesh.spec_text(mesh)}")
     if isinstance(model, nnx.Module):
         cls, marked, args = _nnx(model, batch, seq, block)
     elif isinstance(model, nn.Module) and not isinstance(model, type):
@@ -236,7 +266,8 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
-    traced = _trace(marked, args)
+    args = _on_mesh(args, mesh)
+    traced = _trace(marked, args, mesh)
     n = regions.count_marked(traced.jaxpr, _KEY)
     if n == 0:
         raise UnknownModuleError(
@@ -250,25 +281,34 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                                                  *jax.tree.leaves(args)),
                                    *found.of.values())))
     traced_regions = regions.Regions(traced, jax.tree.structure(args), _KEY, n, found.of,
-                                     emitted)
+                                     emitted, num_params=len(leaves))
 
     def loss_for_policy(policy):
         return traced_regions.loss(layer_policies(policy, n))
 
     label = name or type(model).__name__
     notes = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
+    local = None
+    if mesh is not None:  # what one device runs: its share of the batch, whole parameters
+        one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls)
+        local = (one.loss_for_policy, one.args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,
-                    resize=lambda b, s: workload(model, b, s, block=cls, name=label),
-                    num_layers=n, notes=notes)
+                    resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh),
+                    per_device=local, mesh=mesh, num_layers=n, notes=notes,
+                    block=traced_regions.block)
 
 
-def _trace(fn: Callable, args):
-    traced = jax.make_jaxpr(fn)(*args)
+def _trace(fn: Callable, args, mesh):
+    def traced_fn(*xs):
+        with rk_mesh.use(mesh):
+            return fn(*xs)
+
+    traced = jax.make_jaxpr(traced_fn)(*args)
     if regions.count_marked(traced.jaxpr, _KEY) == 0:
         # A jit-ed call traced before (by the user, at these shapes) comes from
         # jax's trace cache, without our interceptors: trace it afresh.
         jax.clear_caches()
-        traced = jax.make_jaxpr(fn)(*args)
+        traced = jax.make_jaxpr(traced_fn)(*args)
     return traced
 
 

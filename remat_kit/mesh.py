@@ -381,6 +381,19 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                initialization_timeout=timeout_s)
 
 
+def local_shape(leaf) -> jax.ShapeDtypeStruct:
+    """A leaf (array or ShapeDtypeStruct) at its per-device shape: the shard shape
+    of its sharding, or its own shape without one."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+
+def is_sharded(leaf) -> bool:
+    """Whether a leaf's sharding spans more than one device."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
-           "check_fits", "constrain", "initialize", "make", "parse_spec", "per_device_config",
+           "check_fits", "is_sharded", "local_shape", "constrain", "initialize", "make", "parse_spec", "per_device_config",
            "put", "replicated", "rules", "shardings", "spec_text", "use"]

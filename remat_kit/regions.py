@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Literal
 
@@ -163,6 +164,50 @@ class _Run:
         return [*carry, *ys]
 
 
+# Equations whose outputs are parameters again when their float inputs are.
+_PARAM_PRESERVING = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim",
+                     "copy", "squeeze", "expand_dims", "slice", "dynamic_slice", "concatenate",
+                     "sharding_constraint", "device_put", "reduce_precision")
+
+
+def derives_from_params(eqn, flags: Mapping) -> bool:
+    """Whether `eqn`'s outputs are (copies, casts, slices of) parameters: every float
+    input is one, and at least one input is."""
+    if eqn.primitive.name not in _PARAM_PRESERVING:
+        return False
+    floats = [v for v in eqn.invars if not isinstance(v, Literal)
+              and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    return bool(floats) and all(flags.get(v, False) for v in floats)
+
+
+def _first_block(jaxpr, key: str, flags: dict):
+    """(inner jaxpr, consts, is-parameter per inner input) of the first marked
+    region, looking into jit-ed calls and scan bodies; None if there is none."""
+    for eqn in jaxpr.eqns:
+        r = region(eqn)
+        if r is not None and isinstance(r[2], wrapping.Marker) and r[2].key == key:
+            return r[0], r[1], [flags.get(v, False) for v in eqn.invars]
+        for v in eqn.outvars:
+            flags[v] = derives_from_params(eqn, flags)
+        if eqn.primitive.name in _CALLS or r is not None:
+            closed = r[0] if r is not None else eqn.params.get("jaxpr",
+                                                               eqn.params.get("call_jaxpr"))
+            inner = getattr(closed, "jaxpr", closed)
+            sub = {iv: flags.get(ov, False) for iv, ov in zip(inner.invars, eqn.invars)}
+            found = _first_block(inner, key, sub)
+        elif eqn.primitive.name == "scan":
+            body, nc, ncarry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], \
+                eqn.params["num_carry"]
+            sub = {iv: flags.get(ov, False) and not nc <= i < nc + ncarry
+                   for i, (iv, ov) in enumerate(zip(body.invars, eqn.invars))}
+            found = _first_block(body, key, sub)
+        else:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
 def _bind(eqn, invals) -> list:
     got = eqn.primitive.get_bind_params(eqn.params)
     # jax 0.12 returns the params; older releases (subfuns, params).
@@ -185,6 +230,8 @@ class Regions:
       roles: {jaxpr Var: canonical tag} (`remat_kit.roles.infer_roles`).
       emitted: every tag the loss emits once tagged (path tags and roles),
         to resolve globs against.
+      num_params: how many of the jaxpr's inputs are parameter leaves (the
+        first ones).
     """
 
     closed: ClosedJaxpr
@@ -193,6 +240,39 @@ class Regions:
     num_layers: int
     roles: Mapping
     emitted: tuple[str, ...]
+    num_params: int = 0
+
+    def block(self, policy: Policy) -> tuple[Callable, tuple]:
+        """The first block alone under `policy`, for `explain`: (fn(params, inputs)
+        -> the sum of its float outputs, (params, inputs) as tuples of
+        ShapeDtypeStructs). params are the block's inputs that derive from the
+        loss's parameters (`args[0]`), inputs the rest (activations, keys).
+
+        Raises:
+          ValueError: no marked block is found outside scans and conds.
+        """
+        flags = {v: i < self.num_params for i, v in enumerate(self.closed.jaxpr.invars)}
+        found = _first_block(self.closed.jaxpr, self.key, flags)
+        if found is None:
+            raise ValueError("no block region found to explain")
+        inner, consts, is_param = found
+        struct = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
+        params = tuple(struct(v) for v, p in zip(inner.invars, is_param) if p)
+        inputs = tuple(struct(v) for v, p in zip(inner.invars, is_param) if not p)
+        memo: dict = {}
+
+        def run_block(params, inputs):
+            ps, xs = iter(params), iter(inputs)
+            flat = [next(ps) if p else next(xs) for p in is_param]
+            run = _Run(self.key, self.roles, (policy,), self.emitted, memo)
+            body = lambda *a: run.eval(inner, consts, a)  # noqa: E731
+            if policy.remat:
+                body = jax.checkpoint(body, policy=wrapping.to_jax(policy, self.emitted))
+            outs = body(*flat)
+            return sum(o.astype(jnp.float32).sum() for o in outs
+                       if jnp.issubdtype(o.dtype, jnp.floating))
+
+        return run_block, (params, inputs)
 
     def loss(self, policies: Sequence[Policy]) -> Callable:
         """The loss(*args) with block i under policies[i] (one entry per block)."""

@@ -49,6 +49,9 @@ class Workload:
       mesh: the `jax.sharding.Mesh` the args are sharded over, or None.
       num_layers: how many blocks a layer schedule or a per-layer list
         counts (None where the loss has no blocks).
+      block: policy -> (loss of one block alone under that policy, its args
+        as ShapeDtypeStructs, args[0] the block's parameters), for `explain`
+        and the per-layer figures; None where the loss has no blocks.
       notes: lines the reports print under the table (e.g. a preset's roles
         the model lacks).
     """
@@ -63,6 +66,7 @@ class Workload:
     per_device: tuple | None = None
     mesh: jax.sharding.Mesh | None = None
     num_layers: int | None = None
+    block: Callable | None = None
     notes: tuple[str, ...] = ()
 
     @property
