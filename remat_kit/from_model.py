@@ -37,7 +37,7 @@ from remat_kit.workload import Workload
 _KEY = "remat_kit_block"
 
 
-class ModelError(TypeError):
+class ModelError(ValueError):
     """The model is not a language model remat_kit can measure without glue."""
 
 

@@ -180,7 +180,9 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 for x, s in zip(jax.tree.leaves(data), leaves)]
     label, found_versions = target.label, targets.versions(target)
     records = []
-    groups = _group(parsed, names if names is not None else [str(p) for p in policies], emitted)
+    names = names if names is not None else [str(p) for p in policies]
+    by_name = dict(zip(names, parsed))
+    groups = _group(parsed, names, emitted)
     programs = _lower_programs(groups, loss_for_policy, args, target)
     for i, (policy, group_names, loss, staged, lowered, seconds) in enumerate(programs):
         record = Record(str(policy), tuple(group_names), label, str(target),
@@ -199,7 +201,9 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             if found["offloaded_bytes"] and target.platform == "cpu":
                 notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
                           "includes the offloaded residuals",)
-            notes += _policy_notes(policy, emitted, workload.notes)
+            for name in group_names:  # merged policies may each select nothing
+                notes += tuple(f"{name}: {line}" for line in _policy_notes(
+                    by_name.get(name, policy), emitted, workload.notes))
             layers = stack_stored_bytes(workload, policy) if per_layer else {}
             record = dataclasses.replace(
                 record, **found, **memory_fields(compiled), flops=costs.get("flops"),
