@@ -63,7 +63,9 @@ _ELEMENTWISE = _NONLIN | {
 # Ops a value is looked through on its way between two matmuls (rope, head
 # repeats for grouped-query attention, splits of a fused projection).
 _THROUGH = _ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "slice", "dynamic_slice", "concatenate",
-                                     "split", "gather"}
+                                     "split", "unstack", "gather"}
+# Ops between an MLP's input matmuls and its activation (a fused gate/up split in two).
+_MLP_THROUGH = _LAYOUT | {"broadcast_in_dim", "slice", "split", "unstack", "concatenate"}
 _FUSED_ATTENTION = re.compile(r"attention|attn|flash|fmha|\bmha|splash", re.IGNORECASE)
 
 
@@ -172,7 +174,14 @@ class _Graph:
                     for i, (v, src) in enumerate(zip(jaxpr.invars, like))]
 
         if name == "scan":
-            body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+            body = p["jaxpr"]
+            if "ft_in" in p:  # jax 0.12: a tree of (consts, carry, xs)
+                consts, carry, _ = p["ft_in"].update(list(ins)).unpack()
+                nc, ncarry = len(list(consts)), len(list(carry))
+            else:
+                nc, ncarry = p["num_consts"], p["num_carry"]
+            if len(body.jaxpr.invars) != len(ins):
+                return
             vals = fresh(body.jaxpr, nc, ins)
             for i in range(nc, nc + ncarry):  # a carry is never a parameter
                 vals[i].param, vals[i].data = False, True
@@ -312,10 +321,12 @@ def _dot_operand_axes(node, axes: set) -> dict[int, set]:
 def _fwd_end(val: _Val, extra=lambda n, v: False, ops=_LAYOUT) -> _Val:
     """The last value of `val`'s single-consumer chain of `ops` (and of ops where
     `extra(node, val)` holds), skipping `name` outputs: a role sits on the named value."""
-    best = val
+    best, depth = val, val.depth
     while len(val.consumers) == 1:
         n = val.consumers[0]
-        if len(n.outs) != 1 or not (n.prim in ops or extra(n, val)):
+        # Never into a call's body: a helper jit (jnp.where's) is shared by its callers.
+        if (len(n.outs) != 1 or n.outs[0].depth > depth
+                or not (n.prim in ops or extra(n, val))):
             break
         val = n.outs[0]
         if n.prim != "name":
@@ -325,7 +336,9 @@ def _fwd_end(val: _Val, extra=lambda n, v: False, ops=_LAYOUT) -> _Val:
 
 def _back_end(val: _Val, ops=_LAYOUT | {"broadcast_in_dim"}) -> _Val:
     """`val` walked back through layout ops to the value they rearrange."""
-    while val.producer is not None and val.producer.prim in ops and len(val.producer.ins) == 1:
+    depth = val.depth
+    while (val.producer is not None and val.producer.prim in ops
+           and len(val.producer.ins) == 1 and val.producer.ins[0].depth <= depth):
         val = val.producer.ins[0]
     return val
 
@@ -510,13 +523,11 @@ def _mlp(g: _Graph, a: _Assign, skip: set) -> list[_Node]:
             continue
         act = _back_end(wo.ins[ix[1]])
         region, leaves, ok = [], [], True
-        for n, _ in _back(act, _ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "slice", "split",
-                                                          "squeeze", "concatenate"},
+        for n, _ in _back(act, _ELEMENTWISE | _MLP_THROUGH,
                           stop=lambda n: _param_dot(n) is not None):
             if _param_dot(n) is not None:
                 leaves.append(n)
-            elif n.prim in _ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "slice", "split",
-                                                      "squeeze", "concatenate"}:
+            elif n.prim in _ELEMENTWISE | _MLP_THROUGH:
                 region.append(n)
             elif any(o.data for o in n.outs):
                 ok = False  # the input is not made from matmuls alone
