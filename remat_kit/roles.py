@@ -23,8 +23,8 @@ reads the roles from the dataflow instead, the way a reader of the model would:
 - a fused attention op (cuDNN's `dot_product_attention_fwd`, a custom call or
   Pallas kernel named like attention) has only `context`: its scores never exist.
 
-The walk sees through calls (jit/pjit, closed_call, checkpoint/remat,
-custom_jvp_call, custom_vjp_call, shard_map) and into scan, while and cond
+The walk sees through calls (jit/pjit, closed_call, checkpoint/remat in
+either remat mode, custom_jvp_call, custom_vjp_call, shard_map) and into scan, while and cond
 bodies; a parameter stays a parameter through layout ops and casts. Names
 already in the jaxpr (`checkpoint_name`'s `name` primitive) are transparent: a
 role goes to the named value itself, never to the `name` equation's output.
@@ -49,7 +49,7 @@ ROLES = ("attn_norm", "query_proj", "key_proj", "value_proj", "kv_proj", "qkv_pr
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
           "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-          "shard_map": "jaxpr"}
+          "shard_map": "jaxpr", "call_hi_primitive": "jaxpr"}
 # Ops that move or relabel a value without computing: a role goes before or after
 # them alike. `name` is checkpoint_name.
 _LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "name", "sharding_constraint",
@@ -142,7 +142,9 @@ class _Graph:
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
-            sub = eqn.params.get(_CALLS.get(name, ""))
+            # jax_remat3 stages remat as a hi-primitive holding its params.
+            params = getattr(eqn.params.get("_prim"), "params", None) or eqn.params
+            sub = params.get(_CALLS.get(name, ""))
             inner = getattr(sub, "jaxpr", sub)
             if (isinstance(inner, jcore.Jaxpr) and len(inner.invars) == len(ins)
                     and len(inner.outvars) == len(eqn.outvars)):
@@ -561,11 +563,11 @@ def _not_relu_guard(n) -> bool:
 
 def _norm_of(val: _Val) -> _Val | None:
     """`val` (walked back through layout ops) if it is a normalized value: made
-    elementwise from an rsqrt of a reduce_sum over the last axis."""
+    elementwise from an rsqrt (or sqrt, or a power) of a reduce_sum over the last axis."""
     out = _back_end(val)
     saw_rsqrt = False
     for n, _ in _back(out, _ELEMENTWISE | {"broadcast_in_dim"} | _LAYOUT):
-        if n.prim == "rsqrt" or (n.prim == "pow" and n.ins[1].literal):
+        if n.prim in ("rsqrt", "sqrt") or (n.prim == "pow" and n.ins[1].literal):
             saw_rsqrt = True
         if (n.prim == "reduce_sum" and saw_rsqrt
                 and tuple(n.params["axes"]) == (len(n.ins[0].shape) - 1,)):
