@@ -1,0 +1,206 @@
+"""Role inference (remat_kit.roles) on our reference models and on models written as libraries do.
+
+Each zoo model must get exactly its roles, per block, on values of the right
+shape; values without a role (the embedding, the LM head, an MoE router) none.
+The walker must see through: jit (nn.jit, nnx.jit, jnp helpers), checkpoint
+(remat), scan (scanned layers), custom_jvp_call (softmax with
+jax_softmax_custom_jvp, relu), custom_vjp_call (a custom-gradient attention),
+and ffi_call (a fused attention kernel, one op).
+"""
+
+import collections
+import importlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.extend import core as jcore
+
+from remat_kit.models import Transformer, get_config, make_loss_fn
+from remat_kit.roles import ROLES, infer_roles
+from tests.zoo import fused_nnx
+
+B, T = 2, 8
+BLOCK = ("attn_norm", "attn_logits", "attn_probs", "context", "out_proj", "mlp_norm", "mlp_act",
+         "mlpwo")
+
+# model -> {tag: (values, shape)}: each zoo model has 2 blocks.
+EXPECTED = {
+    "gemma_linen": {**{t: (2, None) for t in BLOCK}, "query_proj": (2, (B, T, 4, 8)),
+                    "kv_proj": (2, (2, B, T, 2, 8)), "mlpwi_0": (2, (B, T, 64)),
+                    "mlpwi_1": (2, (B, T, 64)), "attn_logits": (2, (B, T, 4, T))},
+    "gpt_linen": {**{t: (2, None) for t in BLOCK}, "qkv_proj": (2, (B, T, 96)),
+                  "mlpwi": (2, (B, T, 128)), "attn_probs": (2, (B, 4, T, T))},
+    "llama_nnx": {**{t: (2, None) for t in BLOCK}, "query_proj": (2, (B, T, 32)),
+                  "key_proj": (2, (B, T, 16)), "value_proj": (2, (B, T, 16)),
+                  "mlpwi_0": (2, (B, T, 48)), "mlpwi_1": (2, (B, T, 48)),
+                  "attn_logits": (2, (B, 4, T, T))},
+    "fused_nnx": {**{t: (2, None) for t in BLOCK}, "query_proj": (2, (B, T, 32)),
+                  "key_proj": (2, (B, T, 32)), "value_proj": (2, (B, T, 32)),
+                  "mlpwi": (2, (B, T, 96)), "context": (2, (B, T, 32))},
+    # Two experts per MoE layer: each expert's MLP has its own roles.
+    "nano_moe": {**{t: (2, None) for t in BLOCK}, "qkv_proj": (2, (B, T, 96)),
+                 "mlpwi": (4, (B, T, 64)), "mlp_act": (4, (B, T, 64)),
+                 "mlpwo": (4, (B, T, 32))},
+}
+# Primitives each model's jaxpr must contain, so the walk through them is tested.
+PRIMS = {"gemma_linen": {"jit", "unstack", "tanh", "split"}, "gpt_linen": {"split"},
+         "llama_nnx": {"jit", "concatenate"}, "fused_nnx": {"split"}, "nano_moe": {"gather"}}
+
+
+def _subs(eqn):
+    params = getattr(eqn.params.get("_prim"), "params", None) or eqn.params  # jax_remat3
+    return jcore.jaxprs_in_params(params)
+
+
+def prims_of(jaxpr) -> set:
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in _subs(eqn):
+            out |= prims_of(sub)
+    return out
+
+
+def trace(fwd, params):
+    tokens = jnp.zeros((B, T), jnp.int32)
+    jaxpr = jax.make_jaxpr(fwd)(params, tokens)
+    return jaxpr, infer_roles(jaxpr, [True] * len(jax.tree.leaves(params)) + [False])
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    out = {}
+    for name in EXPECTED:
+        if name == "nano_moe":
+            pytest.importorskip("nano_moe", reason="nano-moe-jax (requirements.txt) not installed")
+        _, params, fwd = importlib.import_module(f"tests.zoo.{name}").make(B, T, abstract=True)
+        out[name] = trace(fwd, params)
+    return out
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_zoo_roles_per_block(zoo, name):
+    jaxpr, roles = zoo[name]
+    counts = collections.Counter(roles.of.values())
+    assert dict(counts) == {t: n for t, (n, _) in EXPECTED[name].items()}
+    for tag, (_, shape) in EXPECTED[name].items():
+        if shape is not None:
+            assert {tuple(v.aval.shape) for v, t in roles.of.items() if t == tag} == {shape}, tag
+    # Every role it lacks is explained; none it has is.
+    assert set(roles.missing) == set(ROLES) - set(counts)
+    assert all(isinstance(r, str) and r for r in roles.missing.values())
+    assert PRIMS[name] <= prims_of(jaxpr.jaxpr)
+
+
+@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx"])
+def test_projections_are_param_matmuls(zoo, name):
+    """Each projection role sits on a dot_general (or its bias add) with a parameter operand."""
+    jaxpr, roles = zoo[name]
+    producers = {}
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            for v in eqn.outvars:
+                producers[v] = eqn
+            for sub in _subs(eqn):
+                walk(sub)
+    walk(jaxpr.jaxpr)
+    for var, tag in roles.of.items():
+        if tag.endswith("_proj") or tag.startswith("mlpw"):
+            assert producers[var].primitive.name in ("dot_general", "add"), (tag, producers[var])
+        if tag in ("attn_probs", "mlp_act", "attn_norm", "mlp_norm"):
+            assert producers[var].primitive.name != "dot_general", tag
+
+
+def test_fused_attention_one_op():
+    """A fused kernel (one op) has context but no scores: missing says why."""
+    _, params, fwd = fused_nnx.make(B, T, attention=fused_nnx.one_op_attention, abstract=True)
+    jaxpr, roles = trace(fwd, params)
+    assert "ffi_call" in prims_of(jaxpr.jaxpr)
+    counts = collections.Counter(roles.of.values())
+    assert counts["context"] == 2 and counts["query_proj"] == 2 and counts["out_proj"] == 2
+    assert "attn_logits" not in counts and "attn_probs" not in counts
+    for tag in ("attn_logits", "attn_probs"):
+        assert roles.missing[tag].startswith("fused attention (one op, ffi_call)")
+
+
+def test_custom_vjp_attention_is_seen_through():
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return fused_nnx.causal_dpa(q, k, v)
+
+    def fwd_rule(q, k, v):
+        out, vjp = jax.vjp(fused_nnx.causal_dpa, q, k, v)
+        return out, vjp
+
+    attention.defvjp(fwd_rule, lambda vjp, g: vjp(g))
+    _, params, fwd = fused_nnx.make(B, T, attention=attention, abstract=True)
+    jaxpr, roles = trace(fwd, params)
+    assert "custom_vjp_call" in prims_of(jaxpr.jaxpr)
+    assert collections.Counter(roles.of.values()) == collections.Counter(
+        {t: n for t, (n, _) in EXPECTED["fused_nnx"].items()})
+
+
+def named_tags(jaxpr) -> dict:
+    """Var -> tag of every checkpoint_name in the jaxpr (its input var)."""
+    out = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            out[eqn.invars[0]] = eqn.params["name"]
+        for sub in _subs(eqn):
+            out.update(named_tags(sub))
+    return out
+
+
+@pytest.mark.remat_modes
+@pytest.mark.parametrize("fam,changes,custom_jvp", [
+    ("tiny", {}, False),
+    ("tiny_llama", {}, False),
+    ("tiny", {"dtype": "bfloat16", "dropout_rate": 0.1}, True),
+    ("tiny_llama", {"dtype": "bfloat16", "remat": "minimal"}, True),
+    ("tiny_llama", {"scan_layers": True, "remat": "full"}, False),
+])
+def test_reference_model_roles_equal_its_tags(fam, changes, custom_jvp):
+    """Our fully tagged model: inferred roles are its own tags, value for value."""
+    prev = jax.config.jax_softmax_custom_jvp
+    jax.config.update("jax_softmax_custom_jvp", custom_jvp)
+    try:
+        cfg = get_config(fam, **changes)
+        model = Transformer(cfg)
+        tokens = jnp.zeros((B, T), jnp.int32)
+        params = jax.eval_shape(lambda k, t: model.init(k, t), jax.random.key(1), tokens)["params"]
+        jaxpr = jax.make_jaxpr(make_loss_fn(model, deterministic=False))(
+            params, tokens, tokens, jax.random.key(2))
+    finally:
+        jax.config.update("jax_softmax_custom_jvp", prev)
+    roles = infer_roles(jaxpr, [True] * len(jax.tree.leaves(params)) + [False] * 3)
+    expected = {v: t for v, t in named_tags(jaxpr.jaxpr).items()
+                if t not in ("decoder_layer_input", "decoder_layer_output")}
+    assert roles.of == expected
+    want = {"custom_jvp_call"} if custom_jvp else set()
+    want |= {"scan"} if changes.get("scan_layers") else set()
+    assert want <= prims_of(jaxpr.jaxpr)
+    if changes.get("remat"):  # jax.checkpoint's primitive (a hi-primitive under jax_remat3)
+        assert prims_of(jaxpr.jaxpr) & {"remat2", "call_hi_primitive"}
+
+
+def test_no_transformer_no_roles():
+    """A linear model and a two-layer net without a nonlinearity have no roles."""
+    def f(w1, w2, x):
+        h = jnp.einsum("bd,df->bf", x, w1)
+        return jax.nn.softmax(h @ w2, axis=-1)  # a softmax over a parameter matmul
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((8, 3)), jnp.ones((2, 4)))
+    roles = infer_roles(jaxpr, [True, True, False])
+    assert roles.of == {}
+    assert set(roles.missing) == set(ROLES)
+    assert roles.missing["attn_probs"].startswith("no attention found")
+    assert roles.missing["mlpwo"].startswith("no MLP found")
+
+
+def test_bad_arguments():
+    jaxpr = jax.make_jaxpr(lambda w, x: x @ w)(jnp.ones((2, 2)), jnp.ones((2, 2)))
+    with pytest.raises(ValueError, match="is_param has 1 entries; the jaxpr has 2 inputs"):
+        infer_roles(jaxpr, [True])
+    with pytest.raises(TypeError, match="needs a ClosedJaxpr or Jaxpr"):
+        infer_roles(lambda x: x, [])
