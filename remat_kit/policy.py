@@ -198,9 +198,11 @@ class Policy:
           matches names no vocabulary lists, so it is never resolved here:
           the policy becomes a `TagPolicy`, which decides each name as the
           traced function emits it (for base "nothing" the same residuals
-          as the built-in over the emitted names, in either remat mode). Under `jax_remat3` JAX consults a policy only for
-          `dot_general` and `checkpoint_name`, so a callable then recomputes
-          every other primitive; a warning names the policy in that case.
+          as the built-in over the emitted names, in either remat mode).
+          Under `jax_remat3` JAX consults a policy only for `dot_general` and
+          `checkpoint_name`, so a callable then recomputes every other
+          primitive; a warning names the policy in that case (not for base
+          "nothing", which recomputes them anyway).
           `none` returns `everything_saveable` (the same residuals as no
           wrapper).
         """

@@ -202,7 +202,7 @@ def test_errors(setup):
     ((nnx.Linear, "LayerNorm"), TypeError, "classes[1] is 'LayerNorm', not a flax.nnx"),
     ((nnx.Linear, linen.Dense), TypeError,
      "classes[1] is <class 'flax.linen.linear.Dense'>, not a flax.nnx"),
-    (None, TypeError, "got None"),
+    (3, TypeError, "got 3"),  # None is the default: every called submodule
 ])
 def test_auto_tag_checks_classes(setup, classes, exc, message):
     model = setup[0]
