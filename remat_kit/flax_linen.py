@@ -160,7 +160,9 @@ def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args,
         a, kw = rebuild(xs)
         token = _ENTERED.set(_call_id(mdl, method))
         try:
-            outs, output["rebuild"] = wrapping.split_output(getattr(mdl, method)(*a, **kw))
+            # An nn.jit method re-enters its own jit here: a key of its own, not recursion.
+            with wrapping.keyed("region"):
+                outs, output["rebuild"] = wrapping.split_output(getattr(mdl, method)(*a, **kw))
             return outs
         finally:
             _ENTERED.reset(token)
