@@ -283,7 +283,9 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
       gradients as `model`'s. Policies with globs (`save:*/attn/*`) are
       resolved to JAX built-ins with the names the model emits (one extra
       trace per distinct argument signature). Array arguments of a matched
-      call are traced; other arguments (flags) stay static.
+      call are traced; other arguments (flags) stay static. Calls inside
+      `nn.jit` methods are matched too: the wrapper's state is part of the
+      jit cache key, so a body traced before wrapping is traced again.
     Raises:
       TypeError: `model` is not a linen Module instance, a mapping key is
         neither a class name nor a Module class, or `prevent_cse` /
@@ -357,14 +359,22 @@ _MATCHED: dict = {}
 
 
 @contextlib.contextmanager
-def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool, part):
+def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
+                  part=None):
     """An interceptor that runs matching submodule calls as remat regions; on exit,
     if `check`, raises for plan keys that matched nothing.
 
-    `part` (hashable, or holding None for arguments that are not) goes into the
-    jit cache key, so nn.jit bodies are traced with these regions, not reused
-    from a trace without them.
+    `part` (hashable, or holding None for arguments that are not; default the
+    plan and its policies) goes into the jit cache key, so nn.jit bodies are
+    traced with these regions, not reused from a trace without them.
     """
+    if part is None:
+        part = ("linen.intercepting", plan, prevent_cse, tuple(methods),
+                tuple(policies[k] for k in plan.keys))
+    try:
+        hash(part)
+    except TypeError:
+        part = (None,)
     matched, seen = set(), {}
 
     def interceptor(next_fun, args, kwargs, context):
