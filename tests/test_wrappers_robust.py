@@ -209,13 +209,13 @@ def test_linen_instance_form_glob_and_grads(linen_setup, jit):
     share_scope inner module is saved by its own name; grads equal no remat."""
     tokens, params, ref = linen_setup
     plain = Model(jit=jit)
-    jax.jit(linen_loss(plain))(params, tokens)  # traced before wrapping, same shapes
+    jax.eval_shape(linen_loss(plain), params, tokens)  # traced before wrapping, same shapes
     model = rk.linen.apply_remat(plain, {"Block": SPEC}, validate=True)
     assert type(model).INFO == Model.INFO and model.jit is jit
     with rk.linen.auto_tag():
         close(jax.jit(jax.value_and_grad(linen_loss(model)))(params, tokens), ref)
-        model.apply({"params": params}, tokens)  # eager, twice: nn.jit hits its cache
-        model.apply({"params": params}, tokens)
+        for _ in range(2):  # again at the same shapes: nn.jit reuses its trace
+            jax.eval_shape(model.apply, {"params": params}, tokens)
     assert linen_saved(model, params, tokens) == per_layer("layer_", "/attn/q_einsum",
                                                            "/mlp/inner")
 
