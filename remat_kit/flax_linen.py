@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import wrapping
 from remat_kit.policy import Policy

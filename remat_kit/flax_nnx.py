@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import wrapping
 from remat_kit.policy import Policy, TagPolicy
