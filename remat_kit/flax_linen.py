@@ -29,7 +29,9 @@ AUTO_TAG_CLASSES: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Einsum, nn.Conv, nn.LayerNorm, nn.RMSNorm,
     nn.MultiHeadDotProductAttention)
 
-# The module a remat region is re-entering, so the interceptor lets that one call through.
+# (module, owners): the module a remat region is re-entering and the wrappers (an
+# apply_remat plan, a class form) whose regions it is inside, so each lets that call
+# through once it has made its region; another wrapper nests its own region inside.
 _ENTERED: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_entered",
                                                           default=None)
 # Path of the module being traced on its own (class-form validation), prefixed to auto tags.
@@ -81,17 +83,27 @@ def auto_tag(classes: "Sequence[type] | type" = AUTO_TAG_CLASSES):
         _TAGGING.reset(token)
 
 
-def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs):
-    """Runs `module.method(*args, **kwargs)` as one lifted `nn.remat` region.
+def _entered(module: nn.Module, owner) -> bool:
+    """Whether this call of `module` is inside a region `owner` made for it."""
+    entry = _ENTERED.get()
+    return entry is not None and entry[0] is module and any(o is owner for o in entry[1])
+
+
+def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs,
+            owner):
+    """Runs `module.method(*args, **kwargs)` as one lifted `nn.remat` region made by
+    `owner` (inside the regions other owners made for this call, if any).
 
     Array arguments are traced; everything else (flags, None) is closed over,
     so `deterministic=True` stays a Python bool inside the region.
     """
     arrays, rebuild = wrapping.split_static(args, kwargs)
+    entry = _ENTERED.get()
+    owners = (*entry[1], owner) if entry is not None and entry[0] is module else (owner,)
 
     def body(mdl, *xs):
         a, kw = rebuild(xs)
-        token = _ENTERED.set(mdl)
+        token = _ENTERED.set((mdl, owners))
         try:
             return getattr(mdl, method)(*a, **kw)
         finally:
@@ -148,14 +160,14 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
 
     def wrap(name):
         def method(self, *args, **kwargs):
-            if _ENTERED.get() is self:  # the region's own call of this method
+            if _entered(self, traced):  # the region's own call of this method
                 return getattr(super(traced, self), name)(*args, **kwargs)
             emitted = _emitted_alone(cls, self, name, args, kwargs)
             if validate:
                 check_names(policy, emitted,
                             where=f"{cls.__name__} at {'/'.join(self.path) or 'root'}")
             jax_policy = wrapping.to_jax(policy, emitted)
-            return _region(self, name, jax_policy, prevent_cse, args, kwargs)
+            return _region(self, name, jax_policy, prevent_cse, args, kwargs, traced)
         return method
 
     traced = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__,
@@ -281,7 +293,7 @@ def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool)
     def interceptor(next_fun, args, kwargs, context):
         mod = context.module
         seen.setdefault(type(mod).__name__)
-        if _ENTERED.get() is mod or context.method_name not in methods:
+        if _entered(mod, plan) or context.method_name not in methods:
             return next_fun(*args, **kwargs)
         key = plan.match(mod)
         if key is None:
@@ -289,7 +301,8 @@ def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool)
         matched.add(key)
         if not plan.policy(key).remat:
             return next_fun(*args, **kwargs)
-        return _region(mod, context.method_name, policies[key], prevent_cse, args, kwargs)
+        return _region(mod, context.method_name, policies[key], prevent_cse, args, kwargs,
+                       plan)
 
     with nn.intercept_methods(interceptor):
         yield
