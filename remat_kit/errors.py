@@ -61,11 +61,12 @@ class RematSpecError(ValueError):
         if self.closest == token:  # the token is valid here, the syntax around it is not
             self.closest = None
         parts = [shorten(message, 2 * _SHOWN)]
-        if token is not None and spec is not None and position is not None \
-                and token.strip() != spec.strip():
-            parts.append(f"in spec {_around(spec, position)} at position {position}: "
-                         f"{shorten(token)!r}")
-        elif token is not None:  # the whole spec, or no spec: show it once
+        if token is not None and spec is not None and position is not None:
+            where = f"in spec {_around(spec, position)} at position {position}"
+            # A token that is the whole spec is not shown twice.
+            parts.append(where if token.strip() == spec.strip() else
+                         f"{where}: {shorten(token)!r}")
+        elif token is not None:
             parts.append(f"got {shorten(token)!r}")
         if self.closest:
             parts.append(f"did you mean {self.closest!r}?")

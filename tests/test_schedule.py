@@ -106,8 +106,7 @@ def test_bad_schedule_specs(spec, token, position, words):
     e = info.value
     assert (e.token, e.position) == (token, position)
     # A token that is the whole spec is shown once.
-    shown = (f"got {token!r}" if token == spec
-             else f"in spec {spec!r} at position {position}: {token!r}")
+    shown = f"in spec {spec!r} at position {position}" + ("" if token == spec else f": {token!r}")
     assert shown in str(e)
     for word in words:
         assert word in str(e)
