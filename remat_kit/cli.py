@@ -39,8 +39,8 @@ import os
 import re
 import sys
 import tempfile
-import warnings
 import time
+import warnings
 from collections.abc import Sequence
 
 from remat_kit import mesh as rk_mesh
@@ -599,7 +599,9 @@ def _plan(args) -> int:
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)
-    if args.cache and (why := outputs.problem(args.cache)):
+    # A cache in a folder not made yet is fine: the first plan makes it.
+    if args.cache and os.path.isdir(os.path.dirname(os.path.abspath(args.cache))) \
+            and (why := outputs.problem(args.cache)):
         raise BadInput(f"--cache: {why}; give a plan cache file, or '' for none")
     if args.cache and read_cache(args.cache) is None:
         raise BadInput(f"--cache {args.cache!r} is not a plan cache (a JSON object written by "
