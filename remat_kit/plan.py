@@ -442,6 +442,7 @@ class Plan:
 
 # The most of a plan cache file read: an entry is ~1 KB, so tens of thousands of plans.
 CACHE_LIMIT = 64 << 20
+_DAMAGED: set[tuple[str, bytes]] = set()  # (path, contents) of damaged caches warned about
 
 
 def default_cache_path() -> str:
@@ -472,8 +473,10 @@ def read_cache(path: str) -> dict | None:
     except ValueError as e:
         if text.strip() and not text.lstrip().startswith(b"{"):
             return None  # some other file, e.g. a config given as --cache by mistake
-        warnings.warn(f"plan cache {path!r} is damaged ({str(e)[:80] or 'empty'}); read as "
-                      "empty, it is rewritten by the next plan", stacklevel=2)
+        if (path, text) not in _DAMAGED:  # once per damage, not at every read
+            _DAMAGED.add((path, text))
+            warnings.warn(f"plan cache {path!r} is damaged ({str(e)[:80] or 'empty'}); read "
+                          "as empty, it is rewritten by the next plan", stacklevel=2)
         return {}
     return data if isinstance(data, dict) else None
 
