@@ -515,5 +515,6 @@ def plot_fit(path, result, title: str = "") -> None:
 __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_table",
            "fit_to_dict", "fmt_bytes", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
            "plot_fit",
-           "print_side_by_side", "print_table", "rows", "side_by_side", "table", "write_csv",
+           "print_side_by_side", "print_table", "rows", "save_figure", "side_by_side", "table",
+           "write_csv",
            "write_json"]
