@@ -36,14 +36,17 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 
 from remat_kit import mesh as rk_mesh
 from remat_kit import names as tag_names
-from remat_kit.errors import RematSpecError
+from remat_kit import outputs
+from remat_kit.errors import RematSpecError, shorten
 from remat_kit.models import CONFIGS, TransformerConfig, from_config_dict, get_config
 from remat_kit.models.config import DTYPES
 from remat_kit.spec import BARE_NAMES, PRESET_TABLE, AutoSpec, parse
@@ -325,25 +328,25 @@ def check_folder(path: str, flag: str, create: bool = False) -> None:
 
 def check_output_file(path: str, flag: str, suffix: str | None = None) -> None:
     """BadInput unless `path` names a file (ending in `suffix`, if given) that
-    can be written: not a folder, in a folder that exists and is writable."""
+    can be written: not a folder, FIFO or device, in a folder that exists and
+    is writable (`outputs.problem`). Run before any long work."""
     if not path:
         raise BadInput(f"{flag} is empty; give a file path")
     if suffix and not path.lower().endswith(suffix):
         raise BadInput(f"{flag} {path!r} must end in {suffix}")
-    if os.path.isdir(path):
-        raise BadInput(f"{flag} {path!r} is a folder; give a file path")
-    check_folder(os.path.dirname(os.path.abspath(path)), flag)
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise BadInput(f"{flag}: {path!r} is not writable")
+    why = outputs.problem(path)
+    if why:
+        raise BadInput(f"{flag}: {why}; give a file path")
 
 
 def _starts_policy(piece: str) -> bool:
-    """False for a bare tag, alias or glob: it continues the previous tag list."""
-    word = piece.strip()
-    if word in BARE_NAMES or any(c in word for c in ":;|"):
+    """False where `piece` opens with a bare tag, alias or glob (query_proj,
+    key_proj;recompute:x): it continues the previous spec's tag list."""
+    head = re.split(r"[;|@]", piece, maxsplit=1)[0].strip()
+    if head in BARE_NAMES or ":" in head:
         return True
     try:
-        tag_names.expand(word)
+        tag_names.expand(head)
     except RematSpecError:
         return True
     return False
@@ -352,8 +355,10 @@ def _starts_policy(piece: str) -> bool:
 def split_policies(text: str, flag: str = "--policies") -> list[str]:
     """'minimal,save:query_proj,key_proj,full' -> ['minimal', 'save:query_proj,key_proj', 'full'].
 
-    Commas separate policies, except before a tag, alias or glob after a
-    spec with a tag list (one with ':'), which continues that list.
+    Commas separate policies, except before a piece that opens with a tag,
+    alias or glob after a spec with a tag list (one with ':'): it continues
+    that list, so every spec `parse` accepts stays whole
+    ('save:query_proj,key_proj;recompute:attn_probs' is one policy).
 
     Raises:
       BadInput: `text` is empty, an item between commas is empty, or a
@@ -366,7 +371,7 @@ def split_policies(text: str, flag: str = "--policies") -> list[str]:
     for i, piece in enumerate(text.split(","), 1):
         word = piece.strip()
         if not word:
-            raise BadInput(f"empty policy at item {i} of {text!r}")
+            raise BadInput(f"empty policy at item {i} of {shorten(text)!r}")
         if items and ":" in items[-1][1] and not _starts_policy(word):
             items[-1] = (items[-1][0], f"{items[-1][1]},{word}")
         else:
@@ -375,7 +380,7 @@ def split_policies(text: str, flag: str = "--policies") -> list[str]:
         try:
             parse(spec)
         except RematSpecError as e:
-            raise BadInput(f"policy at item {i} of {text!r}: {e}") from None
+            raise BadInput(f"policy at item {i} of {shorten(text)!r}: {e}") from None
     return [spec for _, spec in items]
 
 
@@ -394,7 +399,7 @@ def check_schedules(cfg: "TransformerConfig | int | None", specs: Sequence[str],
                 if not isinstance(policy, AutoSpec):
                     policy.schedule.check(cfg)
         except ValueError as e:
-            raise BadInput(f"{flag} {spec!r}: {e}") from None
+            raise BadInput(f"{flag} {shorten(spec)!r}: {e}") from None
 
 
 def preset_policies() -> list[str]:
@@ -678,8 +683,8 @@ def _plan(args) -> int:
     from rich.table import Table
 
     from remat_kit import report
+    from remat_kit.plan import CACHE_LIMIT, Planner, parse_budget, read_cache
     from remat_kit.record import MEMORY_LABELS
-    from remat_kit.plan import Planner, parse_budget, read_cache
 
     src = load_source(args)
     cfg, label = src.cfg, src.label
@@ -695,9 +700,14 @@ def _plan(args) -> int:
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)
-    if args.cache and (os.path.isdir(args.cache) or read_cache(args.cache) is None):
+    # A cache in a folder not made yet is fine: the first plan makes it.
+    if args.cache and os.path.isdir(os.path.dirname(os.path.abspath(args.cache))) \
+            and (why := outputs.problem(args.cache)):
+        raise BadInput(f"--cache: {why}; give a plan cache file, or '' for none")
+    if args.cache and read_cache(args.cache) is None:
         raise BadInput(f"--cache {args.cache!r} is not a plan cache (a JSON object written by "
-                       f"remat-kit plan); give a new file, or '' for none")
+                       f"remat-kit plan, at most {CACHE_LIMIT >> 20} MiB); give a new file, "
+                       "or '' for none")
     target_list = _targets(args.target)
     if len(target_list) > 1:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
@@ -770,7 +780,7 @@ def _plan(args) -> int:
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "plan_seconds": plan_seconds}
     if args.json is not None:
-        with open(args.json, "w") as f:
+        with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": 1, "context": context, "budgets": out,
                        "presets": [r.to_dict() for r in records]}, f, indent=2)
             f.write("\n")
@@ -865,7 +875,7 @@ def _fit(args) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(report.fit_table(result, title))
     if args.json is not None:
-        with open(args.json, "w") as f:
+        with outputs.atomic_write(args.json) as f:
             json.dump(report.fit_to_dict(result) | {"config": label}, f, indent=2)
             f.write("\n")
     if args.plot is not None:
@@ -986,13 +996,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    try:
-        return args.run(args)
-    except (BadInput, RematSpecError, ValueError) as e:
-        # RematSpecError is a ValueError; other ValueErrors here come from
-        # validating sizes and dtypes before anything is measured.
-        print(f"remat-kit: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            return args.run(args)
+        except (BadInput, RematSpecError, ValueError) as e:
+            # RematSpecError is a ValueError; other ValueErrors here come from
+            # validating sizes and dtypes before anything is measured.
+            print(f"remat-kit: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        except outputs.OutputError as e:  # at the end, after the work: a disk fills up
+            print(f"remat-kit: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 1
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"remat-kit: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
 
 
 if __name__ == "__main__":

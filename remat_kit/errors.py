@@ -20,6 +20,27 @@ def _choices_text(choices: Sequence[str], limit: int = 24) -> str:
     return shown + (more if len(choices) > limit else "")
 
 
+# Characters of a long spec shown either side of the error in messages.
+_SHOWN = 80
+
+
+def shorten(text: str, keep: int = _SHOWN) -> str:
+    """`text`, or for a long one (a 100k-character spec) its first and last `keep`
+    characters around how many are left out, so that messages stay readable."""
+    if len(text) <= 2 * keep + 20:
+        return text
+    return f"{text[:keep]}...[{len(text) - 2 * keep} characters]...{text[-keep:]}"
+
+
+def _around(spec: str, position: int) -> str:
+    """repr of `spec`, or of its `_SHOWN` characters either side of `position` if long."""
+    if len(spec) <= 2 * _SHOWN + 20:
+        return repr(spec)
+    lo, hi = max(0, position - _SHOWN), min(len(spec), position + _SHOWN)
+    return (f"{'...' if lo else ''}{spec[lo:hi]!r}{'...' if hi < len(spec) else ''} "
+            f"({len(spec)} characters)")
+
+
 class RematSpecError(ValueError):
     """A policy spec string (or Policy field) is malformed.
 
@@ -39,11 +60,14 @@ class RematSpecError(ValueError):
         self.closest = _closest(token, self.choices) if token and self.choices else None
         if self.closest == token:  # the token is valid here, the syntax around it is not
             self.closest = None
-        parts = [message]
+        parts = [shorten(message, 2 * _SHOWN)]
         if token is not None and spec is not None and position is not None:
-            parts.append(f"in spec {spec!r} at position {position}: {token!r}")
+            where = f"in spec {_around(spec, position)} at position {position}"
+            # A token that is the whole spec is not shown twice.
+            parts.append(where if token.strip() == spec.strip() else
+                         f"{where}: {shorten(token)!r}")
         elif token is not None:
-            parts.append(f"got {token!r}")
+            parts.append(f"got {shorten(token)!r}")
         if self.closest:
             parts.append(f"did you mean {self.closest!r}?")
         if self.choices:

@@ -73,9 +73,17 @@ VARY = ("seq", "batch")
 FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
 DEFAULT_MULTIPLE = {"seq": 128, "batch": 1}
 # Sizes beyond these are not searched, and a policy that still fits there is
-# reported as capped: XLA's CPU compiler aborts the process (SIGFPE) compiling
-# tiny at seq 2**20, while 655360 compiles.
+# reported as capped.
 DEFAULT_MAX_SIZE = {"seq": 1 << 19, "batch": 1 << 16}
+# The most elements of one buffer in a step compiled for CPU or GPU. XLA's CPU
+# compiler aborts the whole process (SIGFPE, in the tiled fusion emitter it shares
+# with XLA GPU) on train steps of tiny whose attention scores have power-of-two
+# shapes from 2**36 elements: [1, 4, 2**17, 2**17] under dots, [2, 4, 2**18, 2**18]
+# under full; [2, 4, 2**16, 2**16] under dots and [1, 4, 2**18, 2**18] under full
+# compile. A signal cannot be caught, so no step with a buffer past int32 indexing
+# is compiled there.
+MAX_ELEMENTS = 1 << 31
+_TILED = ("cpu", "gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +160,43 @@ def _check_args(optimizer, **sizes) -> None:
         raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
     for name, value in sizes.items():
         check_positive(name, value)
+
+
+def size_bound(cfg: TransformerConfig, vary: str, fixed: int, budget_bytes: int,
+               floor_bytes: int = 0, mesh: Mesh | None = None,
+               platform: str = "cpu") -> tuple[int, bool]:
+    """The largest `vary` size whose step might fit the budget and can be compiled.
+
+    One layer's attention scores [batch, heads, seq, seq] (per device: batch
+    over data x fsdp, heads over tensor) are a whole buffer in every policy's
+    step, in the activation dtype or wider, alive with the parameters and the
+    optimizer state (`floor_bytes`): no size whose scores alone outgrow
+    budget - floor fits. On CPU and GPU no buffer may pass `MAX_ELEMENTS`: the
+    scores, nor the [batch, seq, max(vocab, mlp_dim)] logits and MLP values.
+
+    Args:
+      fixed: the other size (the global batch when vary="seq", else the seq).
+      platform: the target's, e.g. "cpu", "gpu", "tpu".
+    Returns:
+      (size, exact): exact is True when the budget set the bound (a policy
+      that fits there has its exact answer: one unit more cannot fit), False
+      when the compiler's limit did (a policy that fits there is capped).
+    """
+    split = rk_mesh.axis_size(mesh, "batch")
+    heads = max(1, cfg.num_heads // rk_mesh.axis_size(mesh, "heads"))
+    width = max(cfg.vocab_size, cfg.mlp_dim)
+    budget_elements = max(0, budget_bytes - floor_bytes) // jnp.dtype(cfg.dtype).itemsize
+    if vary == "seq":
+        b = max(1, fixed // split)
+        by_budget = math.isqrt(budget_elements // (b * heads))
+        by_compiler = min(math.isqrt(MAX_ELEMENTS // (b * heads)), MAX_ELEMENTS // (b * width))
+    else:
+        by_budget = budget_elements // (heads * fixed * fixed) * split
+        by_compiler = min(MAX_ELEMENTS // (heads * fixed * fixed),
+                          MAX_ELEMENTS // (fixed * width)) * split
+    if platform not in _TILED:
+        return by_budget, True
+    return min(by_budget, by_compiler), by_budget < by_compiler
 
 
 def _policy(spec) -> Policy:
@@ -439,6 +484,8 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     parameters, gradients and optimizer state), which is never compiled.
     `start`: the first unit probed, e.g. another policy's answer.
     """
+    if max_units < 1:
+        return 0, False
     start = min(max(start, 1), max_units)
     if fits(start):
         lo, hi = start, None  # fits(lo); not fits(hi)
@@ -530,8 +577,10 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
       multiple: the search unit, a positive int (default 128 for seq; for
         batch the mesh's data x fsdp size, 1 without a mesh); every size
         searched is a multiple of it.
-      max_size: the largest size searched (default 2**20 tokens for seq,
-        2**16 for batch); a policy that fits there is `capped`.
+      max_size: the largest size searched (default 2**19 tokens for seq,
+        2**16 for batch); a policy that fits there is `capped`. Sizes whose
+        attention scores alone outgrow the budget, or XLA's limit
+        (`size_bound`), are not searched either.
       optimizer, target, mesh: see `step_memory`.
       cache: the plan cache of the auto row's planner (`remat_kit.plan.Planner`);
         default none.
@@ -607,6 +656,15 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
             f"plus optimizer state alone, {fmt_bytes(floor)} ({floor} bytes {where}): no "
             f"{vary} fits", budget=budget, minimum_bytes=floor)
 
+    # No size is compiled past what one layer's scores can take (`size_bound`); at a bound
+    # the budget set, a policy that fits has its exact answer, not a capped one. A model
+    # not ours has no config to bound it by: its search stops at max_size.
+    bound, exact = (size_bound(model, vary, batch if vary == "seq" else seq, budget_bytes,
+                               floor, mesh, target.platform)
+                    if isinstance(model, TransformerConfig) else (max_size, False))
+    exact = exact and bound < max_size
+    max_units = min(max_size, bound) // multiple
+
     steps = _Steps(lambda p, size: _step_memory(at_size(size), _policy(p), optimizer,
                                                 target))
     devices = 1 if mesh is None else mesh.size
@@ -627,8 +685,8 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
             at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
                                lambda: 0, steps.known(specs[i]))
-        rows[i] = _fit_one(specs[i], at, extra, steps, budget_bytes, multiple,
-                           max_size // multiple, vary, sizes, devices, start_units, seen, at_zero)
+        rows[i] = _fit_one(specs[i], at, extra, steps, budget_bytes, multiple, max_units, vary,
+                           sizes, devices, start_units, seen, at_zero, exact)
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
     return FitResult(tuple(rows), vary, batch if vary == "seq" else seq, multiple, budget_bytes,
@@ -685,13 +743,15 @@ class _Auto:
 def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
              extra_compiles: Callable[[], int], steps: _Steps, budget: int, multiple: int,
              max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
-             start: int, seen: dict[int, StepMemory], at_zero: int) -> FitRow:
+             start: int, seen: dict[int, StepMemory], at_zero: int,
+             exact: bool = False) -> FitRow:
     """One row: search the largest size where `at(size)` gives a fitting step.
 
     at(size) -> (picked spec or None for a fixed policy, step or None if out of memory).
     seen: steps of this row compiled before, by size, for the search's prediction.
     at_zero: the step's bytes at size 0 (parameters, gradients, optimizer state), a
     point for the prediction that needs no compile.
+    exact: max_units is the most the budget allows (`size_bound`): fitting there is not capped.
     """
     before, extra_before = steps.total, extra_compiles()
     probes = []
@@ -710,6 +770,7 @@ def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]
 
     try:
         units, capped = _search(fits, known.get, budget, max_units, start)
+        capped = capped and not exact
     except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
         return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
                       error=f"{type(e).__name__}: {e}")

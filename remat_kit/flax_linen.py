@@ -40,17 +40,13 @@ def _call_id(module: nn.Module, method: str) -> tuple:
 
 
 @contextlib.contextmanager
-def _passing(module: nn.Module, method: str):
-    """Inside, if this call is the one a region re-enters: True, and nested calls
-    of the same module method are wrapped again; else False."""
-    if _ENTERED.get() != _call_id(module, method):
-        yield False
-        return
-    token = _ENTERED.set(None)
-    try:
-        yield True
-    finally:
-        _ENTERED.reset(token)
+def _passing(module: nn.Module, method: str, owner):
+    """True inside if this call is the one a region made by `owner` (an
+    apply_remat plan, a class form) re-enters, so `owner` lets it through; a
+    wrapper whose region this is not (a second apply_remat) nests its own."""
+    entry = _ENTERED.get()
+    yield entry is not None and entry[0] == _call_id(module, method) and \
+        any(o is owner for o in entry[1])
 # Path of the module being traced on its own (class-form validation), prefixed to auto tags.
 _PREFIX: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_prefix", default=())
 # The class tuples of the active auto_tag contexts: the names a model emits depend on them.
@@ -146,18 +142,22 @@ def _key_jit_by_path() -> None:
     proxy.from_module = classmethod(from_module)
 
 
-def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs):
-    """Runs `module.method(*args, **kwargs)` as one lifted `nn.remat` region.
+def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs,
+            owner):
+    """Runs `module.method(*args, **kwargs)` as one lifted `nn.remat` region made by
+    `owner`, inside the regions other owners made for this call, if any.
 
     Array arguments are traced; everything else (flags, None) is closed over,
     so `deterministic=True` stays a Python bool inside the region.
     """
     arrays, rebuild = wrapping.split_static(args, kwargs)
     output = {}  # the output's non-array structure, filled while tracing
+    entry, call = _ENTERED.get(), _call_id(module, method)
+    owners = (*entry[1], owner) if entry is not None and entry[0] == call else (owner,)
 
     def body(mdl, *xs):
         a, kw = rebuild(xs)
-        token = _ENTERED.set(_call_id(mdl, method))
+        token = _ENTERED.set((_call_id(mdl, method), owners))
         try:
             # An nn.jit method re-enters its own jit here: a key of its own, not recursion.
             with wrapping.keyed("region"):
@@ -218,7 +218,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
 
     def wrap(name):
         def method(self, *args, **kwargs):
-            with _passing(self, name) as inside:  # the region's own call of this method
+            with _passing(self, name, traced) as inside:  # the region's own call of this method
                 if inside:
                     return getattr(super(traced, self), name)(*args, **kwargs)
             emitted = _emitted_alone(cls, self, name, args, kwargs)
@@ -226,7 +226,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
                 check_names(policy, emitted,
                             where=f"{cls.__name__} at {'/'.join(self.path) or 'root'}")
             jax_policy = wrapping.to_jax(policy, emitted)
-            return _region(self, name, jax_policy, prevent_cse, args, kwargs)
+            return _region(self, name, jax_policy, prevent_cse, args, kwargs, traced)
         return method
 
     traced = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__,
@@ -381,7 +381,7 @@ def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
         seen.setdefault(type(mod).__name__)
         if context.method_name not in methods:
             return next_fun(*args, **kwargs)
-        with _passing(mod, context.method_name) as inside:
+        with _passing(mod, context.method_name, plan) as inside:
             if inside:
                 return next_fun(*args, **kwargs)
         key = plan.match(mod)
@@ -390,7 +390,8 @@ def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
         matched.add(key)
         if not plan.policy(key).remat:
             return next_fun(*args, **kwargs)
-        return _region(mod, context.method_name, policies[key], prevent_cse, args, kwargs)
+        return _region(mod, context.method_name, policies[key], prevent_cse, args, kwargs,
+                       plan)
 
     fresh = None in part  # unhashable arguments: a key of its own, never reused
     with wrapping.keyed(object() if fresh else part), nn.intercept_methods(interceptor):

@@ -70,6 +70,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -78,6 +79,7 @@ from remat_kit import targets
 from remat_kit.errors import BudgetError
 from remat_kit.measure import measure
 from remat_kit.models.program import workload as config_workload
+from remat_kit.outputs import atomic_write, read_regular
 from remat_kit.record import MEMORY_LABELS, Record, memory_kind
 from remat_kit.residuals import _stage
 from remat_kit.workload import Workload, _as_factory
@@ -441,6 +443,11 @@ class Plan:
         return cls(**{k: v for k, v in d.items() if k in fields} | {"policy": parse(d["spec"])})
 
 
+# The most of a plan cache file read: an entry is ~1 KB, so tens of thousands of plans.
+CACHE_LIMIT = 64 << 20
+_DAMAGED: set[tuple[str, bytes]] = set()  # (path, contents) of damaged caches warned about
+
+
 def default_cache_path() -> str:
     """$REMAT_KIT_CACHE, else $XDG_CACHE_HOME/remat_kit/plans.json (~/.cache by default)."""
     if os.environ.get("REMAT_KIT_CACHE"):
@@ -451,14 +458,29 @@ def default_cache_path() -> str:
 
 def read_cache(path: str) -> dict | None:
     """The plan cache at `path`: {} if there is none yet, None if the file is not
-    a plan cache (a JSON object); such a file is never overwritten."""
+    a plan cache (a JSON object); such a file is never overwritten.
+
+    A damaged cache (empty, or a JSON object cut short or garbled, as a killed
+    writer of an older version could leave it) reads as {} with a warning, and
+    is rewritten by the next plan. A folder, FIFO or device, or a file over
+    `CACHE_LIMIT` bytes, is not a plan cache: it is never read past the limit.
+    """
     try:
-        with open(path) as f:
-            data = json.load(f)
+        text = read_regular(path, CACHE_LIMIT)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError):
+    except OSError:
         return None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        if text.strip() and not text.lstrip().startswith(b"{"):
+            return None  # some other file, e.g. a config given as --cache by mistake
+        if (path, text) not in _DAMAGED:  # once per damage, not at every read
+            _DAMAGED.add((path, text))
+            warnings.warn(f"plan cache {path!r} is damaged ({str(e)[:80] or 'empty'}); read "
+                          "as empty, it is rewritten by the next plan", stacklevel=2)
+        return {}
     return data if isinstance(data, dict) else None
 
 
@@ -470,13 +492,28 @@ def _write_cache(path: str, key: str, plan: Plan) -> None:
         return
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        with atomic_write(path) as f:  # concurrent runs never read half a file
             json.dump(data | {key: plan.to_dict()}, f, indent=1)
-        os.replace(tmp, path)  # atomic: concurrent runs never read half a file
     except OSError as e:
         warnings.warn(f"cannot write plan cache {path!r} ({e}); the plan is not cached",
                       stacklevel=3)
+
+
+def _check_differentiable(args) -> None:
+    """ValueError unless args[0], what the loss is differentiated by, holds a float array."""
+    if not args:
+        raise ValueError("cannot plan a loss called with no arguments: there is nothing to "
+                         "differentiate (a plan decides what the backward pass with respect "
+                         "to the first argument, the parameters, saves); pass them: "
+                         "rk.plan(loss_fn, params, *batch, budget=...)")
+    dtypes = {str(x.dtype if hasattr(x, "dtype") else jnp.result_type(x))
+              for x in jax.tree.leaves(args[0])}
+    if not any(jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+        found = ", ".join(sorted(dtypes)) or "no arrays"
+        raise ValueError(f"cannot plan: the first argument, which the loss is differentiated "
+                         f"by, holds no floating-point array ({found}), so there is no "
+                         "backward pass to plan; pass the float parameters first: "
+                         "rk.plan(loss_fn, params, *batch, budget=...)")
 
 
 class Planner:
@@ -519,6 +556,7 @@ class Planner:
                 raise TypeError("Planner takes a Workload or a loss and its args, not both")
             per_device = per_device or loss_fn.per_device
             loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
+        _check_differentiable(args)
         self.loss_fn, self.args = _as_factory(loss_fn), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
@@ -647,8 +685,8 @@ class Planner:
         if self.cache and key in (hit := read_cache(self.cache) or {}):
             try:
                 return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
-            except (TypeError, ValueError, KeyError):
-                pass  # an entry from an older layout: plan again
+            except (TypeError, ValueError, KeyError, AttributeError):
+                pass  # an entry from an older layout, or damaged: plan again
         full, none = self.measure(Policy()), self.none()
         if none is None and parsed.bytes is None:
             raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "
@@ -781,6 +819,8 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
     Raises:
       BudgetError: a malformed budget, or one below full remat's memory.
       TargetError: a bad target, or libtpu / the CUDA plugin missing.
+      ValueError: no args, or args[0] holds no floating-point array: there
+        is nothing to differentiate.
     """
     return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
                    target=target).plan(budget)

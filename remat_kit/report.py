@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Sequence
 
 from rich.console import Console
@@ -85,6 +86,7 @@ from rich.table import Table
 from remat_kit import estimate
 from remat_kit.record import MEMORY_LABELS, PEAK, TEMP, Record
 from remat_kit.models import TransformerConfig
+from remat_kit.outputs import atomic_write
 from remat_kit.spec import parse
 
 SCHEMA_VERSION = 1
@@ -346,7 +348,7 @@ def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
     """Writes the schema in this module's docstring to `path`."""
     doc = {"schema_version": SCHEMA_VERSION, "context": context, "formula_note": FORMULA_NOTE,
            "records": list(report_rows)}
-    with open(path, "w") as f:
+    with atomic_write(path) as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
 
@@ -364,7 +366,7 @@ CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none", "me
 
 def write_csv(path, report_rows: Sequence[dict]) -> None:
     """One line per policy with the scalar fields in CSV_FIELDS (names joined by ' ')."""
-    with open(path, "w", newline="") as f:
+    with atomic_write(path) as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for d in report_rows:
@@ -372,6 +374,23 @@ def write_csv(path, report_rows: Sequence[dict]) -> None:
             w.writerow(d | {"names": " ".join(d["names"]), "step_median_s": st.get("median_s"),
                             "step_min_s": st.get("min_s"), "step_max_s": st.get("max_s"),
                             "step_ratio_to_none": st.get("ratio_to_none")})
+
+
+def save_figure(fig, path) -> None:
+    """Writes a matplotlib figure to `path` in the format its suffix names (PNG by
+    default) with `outputs.atomic_write`, and closes it.
+
+    Raises:
+      OutputError: the file cannot be written; nothing is left half-written.
+    """
+    import matplotlib.pyplot as plt
+
+    suffix = os.path.splitext(str(path))[1].lstrip(".").lower()
+    try:
+        with atomic_write(path, "wb") as f:
+            fig.savefig(f, format=suffix or "png")
+    finally:
+        plt.close(fig)
 
 
 def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
@@ -419,8 +438,7 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 
@@ -491,12 +509,12 @@ def plot_fit(path, result, title: str = "") -> None:
     ax.set_title(f"{title}\n{result.platform}" if title else result.platform)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_table",
            "fit_to_dict", "fmt_bytes", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
            "plot_fit",
-           "print_side_by_side", "print_table", "rows", "side_by_side", "table", "write_csv",
+           "print_side_by_side", "print_table", "rows", "save_figure", "side_by_side", "table",
+           "write_csv",
            "write_json"]

@@ -275,3 +275,72 @@ def test_sweep_writes_json_csv_and_plot(tmp_path):
     csv_lines = (tmp_path / "records.csv").read_text().splitlines()
     assert len(csv_lines) == 3 and csv_lines[0].startswith("policy,names,temp_size_in_bytes")
     assert (tmp_path / "pareto.png").stat().st_size > 10_000
+
+
+# Break-test faults (issue 19): output paths, plan caches, policy lists.
+
+@pytest.mark.parametrize("argv", [
+    ["compare", "--policies", "full", "--json", "/dev/full"],
+    ["compare", "--policies", "full", "--plot", "{tmp}/link.png"],  # a symlink to /dev/full
+    ["plan", "--budgets", "0.5", "--no-presets", "--cache", "", "--json", "/dev/full"],
+    ["fit", "--budget", "64MiB", "--policies", "full", "--json", "/dev/full"],
+])
+def test_an_output_that_cannot_take_a_file_fails_before_compiling(capsys, tmp_path, argv):
+    """Fault 6: /dev/full opened fine and failed at the end, after every compile."""
+    os.symlink("/dev/full", tmp_path / "link.png")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    flags = ["--config", "tiny", "--batch", "2"] + ([] if argv[0] == "fit" else ["--seq", "64"])
+    code, out, err = run(capsys, argv[0], *flags, *argv[1:])
+    flag, path = argv[-2:]
+    assert code == 2 and out == "", err  # no table, no progress: nothing compiled
+    assert err == (f"remat-kit: error: {flag}: '{path}' is a character device, not a regular "
+                   "file; give a file path\n")
+
+
+def test_a_failed_write_is_one_line_and_keeps_the_old_file(tmp_path):
+    """Fault 6: a write that fails at the end (here the file size limit, as a full disk
+    would) is one line and exit 1, and the file written before is left whole."""
+    out = tmp_path / "out.json"
+    out.write_text("old\n")
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+        from remat_kit import cli
+        sys.exit(cli.main(["compare", "--config", "tiny", "--batch", "2", "--seq", "16",
+                           "--policies", "full", "--json", {str(out)!r}]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[-1] == (f"remat-kit: error: cannot write '{out}': File too large; nothing "
+                         "was written, the old file is left as it was")
+    assert out.read_text() == "old\n" and os.listdir(tmp_path) == ["out.json"]  # no temp left
+
+
+def test_special_files_are_refused_as_plan_caches(capsys, tmp_path):
+    """Fault 7: --cache /dev/full read zeros forever, a FIFO blocked on open."""
+    fifo = tmp_path / "cache.fifo"
+    os.mkfifo(fifo)
+    for path, kind in (("/dev/full", "a character device"), (str(fifo), "a FIFO"),
+                       (str(tmp_path), "a folder")):
+        code, out, err = run(capsys, "plan", "--config", "tiny", "--batch", "2", "--seq", "64",
+                             "--budgets", "0.5", "--cache", path)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err == (f"remat-kit: error: --cache: '{path}' is {kind}"
+                       + (" (named pipe)" if "FIFO" in kind else "")
+                       + ", not a regular file; give a plan cache file, or '' for none\n")
+
+
+@pytest.mark.parametrize("spec", [
+    "save:query_proj,key_proj;recompute:attn_probs", "save:context,out_proj;dots",
+    "save:query_proj,key_proj|save:mlpwo", "save:*/attn/query,*/attn/key;recompute:*",
+])
+def test_split_policies_keeps_every_spec_parse_accepts(spec):
+    """Fault 9: a comma inside a spec's tag list split it, before a ';' or '|'."""
+    from remat_kit.spec import parse
+
+    parse(spec)
+    assert cli.split_policies(spec) == [spec]
+    assert cli.split_policies(f"minimal,{spec},full") == ["minimal", spec, "full"]

@@ -70,9 +70,13 @@ def test_floor_is_params_plus_adamw_state():
     assert e.value.minimum_bytes == 3 * 4 * n + 4
 
 
-def fake_step(monkeypatch, bytes_at, error_at=None):
-    """Replaces the compile with a memory model: total = bytes_at(batch * seq)."""
+def fake_step(monkeypatch, bytes_at, error_at=None, bound=False):
+    """Replaces the compile with a memory model: total = bytes_at(batch * seq). Without
+    `bound`, fit's size bound (the real model's attention scores) is lifted too: these
+    models grow slower than the scores."""
     calls = []
+    if not bound:
+        monkeypatch.setattr(fit_mod, "size_bound", lambda *args: (1 << 62, False))
 
     def step(workload, policy, optimizer, target):
         batch, seq = workload.batch, workload.seq
@@ -347,3 +351,24 @@ def test_llama_1b_v5e_config_has_the_parameters_its_docs_state():
     assert sum(x.size for x in leaves) == expected
     assert round(expected / 1e9, 2) == 1.50
     assert {x.dtype for x in leaves} == {jnp.dtype("bfloat16")}
+
+
+def test_no_size_past_what_the_scores_allow_is_compiled(monkeypatch):
+    """Fault 8: fit --budget 100TiB handed XLA seq 524288, whose [1, 4, s, s] scores crash
+    XLA's CPU compiler (SIGFPE). Sizes stop at 2**31 score elements, and at what one
+    layer's scores [batch, heads, seq, seq] leave of the budget."""
+    floor = fit_mod._tree_bytes(fit_mod._train_state(CFG, 1, 1, fit_mod.default_optimizer(),
+                                                     None)[1]) * 3 + 4  # params, AdamW
+    calls = fake_step(monkeypatch, lambda s: floor + 32 * s * s, bound=True)  # 2 layers' scores
+    (row,) = fit(CFG, "100TiB", policies=["full"]).rows
+    assert max(4 * b * s * s for _, b, s in calls) <= 2**31
+    assert row.size == 23168 and row.capped  # isqrt(2**31 / 4 heads) = 23170, in 128s
+    # Within the budget: a step that is one layer's scores reaches the budget's bound,
+    # which is its exact answer (1100 cannot fit), not a cap; nothing past it compiles.
+    budget = floor + 16 * 1000**2
+    assert fit_mod.size_bound(CFG, "seq", 1, budget, floor) == (1000, True)
+    calls = fake_step(monkeypatch, lambda s: floor + 16 * s * s, bound=True)
+    (row,) = fit(CFG, budget, policies=["full"], multiple=100).rows
+    assert row.size == 1000 and not row.capped and max(s for _, _, s in calls) == 1000
+    # A TPU compiles its own way: only the budget bounds the search there.
+    assert fit_mod.size_bound(CFG, "seq", 1, 10**15, floor, platform="tpu")[0] > 10**6

@@ -292,3 +292,19 @@ def test_one_method_name_is_a_method_list(setup):
     tokens, params, _ = setup
     model = rk.linen.apply_remat(Model(), {"Block": "full"}, methods="__call__")
     assert jax.eval_shape(model.apply, {"params": params}, tokens).shape == (BATCH, SEQ, VOCAB)
+
+
+def test_apply_remat_of_a_rematerialized_model_nests(setup):
+    """Fault 10: a second apply_remat raised UnknownModuleError naming 'Block' as absent
+    and present. Each wraps Block in its own region, the second around the first."""
+    tokens, params, ref = setup
+    once = rk.linen.apply_remat(Model(dropout_rate=0.1), {"Block": "save:*/mlp/wi"})
+    twice = rk.linen.apply_remat(once, {"Block": "full"})
+    same_tree(twice, params, tokens)
+    with rk.linen.auto_tag():
+        grads = jax.jit(jax.value_and_grad(loss_fn(twice, False)))(
+            params, tokens, jax.random.key(2))
+    chex.assert_trees_all_close(grads, ref, rtol=1e-5, atol=1e-7)
+    # The outer full region saves nothing of the layer, whatever the inner one saves.
+    assert saved_tags(twice, params, tokens) == set()
+    assert saved_tags(once, params, tokens) == per_layer("mlp/wi")

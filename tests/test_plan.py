@@ -344,3 +344,35 @@ def test_train_plans_auto_budget_on_its_mesh(planner, tmp_path):
                              cache=None).minimum()[0]
     assert sharded < planner.minimum()[0]
     assert f"reaches: {sharded:,} bytes" in str(raised.value)
+
+
+# -- break-test faults (issue 19) ---------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    ((), "cannot plan a loss called with no arguments: there is nothing to differentiate"),
+    ((jnp.arange(3),), "holds no floating-point array (int32)"),
+    (({"w": jnp.ones(3, jnp.int8)}, jnp.ones(3)), "holds no floating-point array (int8)"),
+    ((jax.ShapeDtypeStruct((3,), jnp.uint8),), "(uint8)"),
+])
+def test_nothing_to_differentiate_is_refused(args, message):
+    """Fault 10: no arguments gave an IndexError; integer ones a `none` plan of 0 bytes."""
+    loss = lambda *xs: sum(jnp.sum(x) for x in jax.tree.leaves(xs)).astype(jnp.float32) \
+        if xs else jnp.float32(1.0)
+    with pytest.raises(ValueError, match="rk.plan\\(loss_fn, params, \\*batch, budget=...\\)") \
+            as e:
+        rk.plan(loss, *args, budget=0.5, cache=None)
+    assert message in str(e.value) and not isinstance(e.value, IndexError)
+
+
+def test_damaged_and_oversized_caches(tmp_path, monkeypatch):
+    """Fault 7: a cache cut short was refused for good; any file was read whole."""
+    path = tmp_path / "plans.json"
+    path.write_text('{"key": {"spec": "full", "budg')  # a writer killed mid-file
+    with pytest.warns(UserWarning, match="plans.json' is damaged .* read as empty"):
+        assert plan_module.read_cache(str(path)) == {}
+    path.write_text("# not a cache\n")  # some other file: never taken, never overwritten
+    assert plan_module.read_cache(str(path)) is None
+    path.write_text(json.dumps({"k": "v" * 1000}))
+    assert plan_module.read_cache(str(path)) == {"k": "v" * 1000}
+    monkeypatch.setattr(plan_module, "CACHE_LIMIT", 100)
+    assert plan_module.read_cache(str(path)) is None  # over the limit: not read past it

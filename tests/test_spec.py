@@ -273,3 +273,18 @@ def test_config_rejects_bad_heads(overrides, message):
     from remat_kit.models import TransformerConfig
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**overrides)
+
+
+@pytest.mark.parametrize("spec, position", [
+    ("x" * 100_000, 0), ("save:query_proj," + "b" * 100_000, 16),
+    ("save:query_proj;" * 10_000 + "bad", 160_000),
+])
+def test_long_specs_are_shown_once_and_shortened(spec, position):
+    """Fault 10: a 100k-character spec gave a 200k-character message (spec and token)."""
+    with pytest.raises(rk.RematSpecError) as e:
+        rk.parse(spec)
+    message = str(e.value)
+    assert len(message) < 1000 and e.value.spec == spec and e.value.position == position
+    assert f"({len(spec)} characters)" in message or f"[{len(spec) - 160} characters]" in message
+    if position:
+        assert f"at position {position}" in message
