@@ -550,8 +550,9 @@ class Planner:
         """The Policy (or per-layer tuple) a compiled record measured."""
         return self._policies.get(record.policy) or parse(record.policy)
 
-    def _score(self, record: Record) -> tuple:
-        """What the objective ranks a compiled record by, then its memory."""
+    def score(self, record: Record) -> tuple:
+        """What the objective ranks a compiled record by (measured FLOPs, or
+        predicted seconds), then its memory."""
         if self.objective == "time":
             return (self.seconds(self._policy_of(record)), record.memory_bytes)
         return (record.flops, record.memory_bytes)
@@ -699,7 +700,7 @@ class Planner:
                 notes.append(f"{name}: {record.memory_bytes:,} bytes, "
                              + ("fits" if record.memory_bytes <= limit else "over"))
                 if record.memory_bytes <= limit:
-                    found = (self._score(record), policy, record,
+                    found = (self.score(record), policy, record,
                              self._predict(base, floor, model, saved))
                     best = found if best is None or found[0] < best[0] else best
                     # Fits with bytes to spare: the model over-predicted; offer the slack,
@@ -714,8 +715,8 @@ class Planner:
         # remat-kit plan compares) that fits and scores better wins: it is verified
         # just the same.
         other = min((r for r in self._compiled() if r.memory_bytes <= limit),
-                    key=self._score)  # `least` fits
-        if best is None or self._score(other) < best[0]:
+                    key=self.score)  # `least` fits
+        if best is None or self.score(other) < best[0]:
             policy, record = self._policy_of(other), other
             predicted = (other.memory_bytes, other.flops)
             if best is not None:
