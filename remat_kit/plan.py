@@ -3,16 +3,18 @@
 `plan(loss_fn, *args, budget=...)` answers "what should I save for this much
 memory?" in three steps:
 
-1. A cost model, measured from the program itself (`cost_model`). The loss is
-   traced under `save:*` (every tag saved, untagged values recomputed). The
-   tags the backward pass then reads are the *needed* tags. In the forward
-   jaxpr each tag has a *segment*: the equations between it and its nearest
-   tagged ancestors (its *parents*) or the function's inputs. A tag's
-   recompute cost is its segment's FLOPs, each equation's FLOPs counted by
-   XLA (`lower(...).cost_analysis()` of that equation alone); its bytes are
-   its values' bytes over all layers. Tags that the remat region keeps anyway
-   (its inputs, e.g. `decoder_layer_input`, found as the tag residuals of
-   `full`) are always available.
+1. A cost model, measured from the program itself (`remat_kit.cost_model`).
+   The loss is traced under `save:*`; the tags the backward pass then reads
+   are the *needed* tags. Each tag's *segment* (the equations between it and
+   its nearest tagged ancestors, the remat region's inputs, or values the
+   base rule saves) gives its recompute FLOPs and predicted seconds
+   (`remat_kit.time_model`); its bytes are its values' bytes. Tags inside
+   `jax.jit`-ed calls are seen; tags inside a scan count once per trip. Tags
+   that the remat region keeps anyway (its inputs, e.g.
+   `decoder_layer_input`, found as the tag residuals of `full`) are always
+   available. Decisions are per tag, or per tag and group of layers
+   (`groups`), over each base rule for untagged values (nothing,
+   dots_no_batch, dots), each compiled alone as the floor the tags fill above.
 2. A mixed-integer program over the tags, after Checkmate (Jain et al. 2020,
    "Checkmate: Breaking the Memory Wall with Optimal Tensor
    Rematerialization") with one recompute stage, as in PyTorch's
@@ -21,23 +23,25 @@ memory?" in three steps:
    dependencies between tags as constraints rather than a knapsack over
    independent items. Binary s_t (save t) and r_t (recompute t):
 
-       minimize    sum_t flops_t r_t
+       minimize    sum_t cost_t r_t           cost: FLOPs, or predicted seconds
        subject to  s_t + r_t >= 1              t needed by the backward pass
                    s_p + r_p >= r_t            p a parent of t (recomputing t reads p)
-                   sum_t bytes_t s_t <= room   room = budget - memory of `full`
+                   sum_t bytes_t s_t <= room   room = budget - memory of the base alone
 
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `FLOP_RESOLUTION` of the cheapest, so nothing
    useless is saved. Recomputing
    `mlpwo`'s input means recomputing `mlp_act`, which reads `mlpwi`: the
    parent constraints carry such chains.
-3. Verification: the chosen policy (`save:` the tags with s_t = 1) is compiled
+3. Verification: the chosen policy (`save:` the tags with s_t = 1; one per
+   layer for a per-layer plan, the model's program with each layer's remat
+   region under its own policy) is compiled
    and its real memory checked. Over budget, the room shrinks
    by the overshoot (and below the rejected plan's bytes) and the program is
    solved again; under budget, the unused bytes are offered back (XLA's
    buffer reuse often makes saved tags cost less than their size). Up to
    `max_iterations` policies are compiled; the one with the fewest measured
-   FLOPs that fits is returned, and `full` always fits. Every other policy
+   FLOPs (or least predicted time) that fits is returned, and `full` always fits. Every other policy
    the `Planner` has compiled for this loss (e.g. the presets `remat-kit plan`
    compares) is a candidate too. A budget that holds no remat returns `none`.
 
@@ -52,21 +56,15 @@ the room the MILP fills is the budget minus `full`'s figure; saved tags add
 to either figure about their bytes, and verification by compiling corrects
 what they do not. `Plan.memory_kind` says which figure a plan's bytes are.
 
-Plans are cached in a JSON file keyed by a fingerprint of the traced program
-(model, shapes, dtypes, shardings), the JAX version, the target, the memory
-figure and the budget, so a restarted run does not plan again and a plan made
-for one figure is never returned for another.
+Plans are cached (`remat_kit.plan_cache`), so a restarted run does not plan again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import os
 import re
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -77,6 +75,8 @@ from remat_kit.cost_model import (PLANNED_BASES, SAVE_TAGS, CostModel, Program, 
 from remat_kit.errors import BudgetError
 from remat_kit.measure import MEMORY_LABELS, Record, _as_factory, _stage, config_program, \
     measure, memory_kind, per_device_program
+from remat_kit.plan_cache import Plan, _write_cache, default_cache_path, layers_summary, \
+    read_cache
 from remat_kit.policy import Policy
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.time_model import OBJECTIVES
@@ -162,160 +162,6 @@ def parse_budget(budget: "str | int | float") -> Budget:
 FLOP_RESOLUTION = 1e-4
 # Stacks up to this many layers get one group per layer by default (`groups="layers"`).
 MAX_DEFAULT_GROUPS = 64
-
-
-# ---------------------------------------------------------------------------
-# Plans
-# ---------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The planner's answer for one budget. Bytes are per device, of the compiled
-    figure `memory_kind` names.
-
-    Attributes:
-      budget: the budget as given (e.g. "6GiB", 0.25).
-      budget_bytes: it in bytes (a fraction resolved against none_bytes).
-      policy: the chosen `Policy` (a tuple of one per layer for a per-layer
-        plan, see `layer_specs`); spec: its canonical spec string.
-      predicted_bytes, predicted_flops: the cost model's memory (`full`'s
-        figure plus the saved tags' bytes) and FLOPs of the step (value and
-        grad) under the policy.
-      measured_bytes, measured_flops: the compiled step's memory
-        (`Record.memory_bytes`: `temp_size_in_bytes` on CPU,
-        `peak_memory_in_bytes` on TPU and GPU) and FLOPs (loops counted per
-        trip), from `measure`.
-      none_bytes, none_flops: the same for no remat (`none`). Where no
-        remat's compile runs out of the target's memory (`none_out_of_memory`),
-        none_bytes is None and none_flops is the cost model's: `full`'s
-        measured FLOPs less its predicted recompute.
-      minimum_bytes: the least memory of the policies compiled so far:
-        `full`'s, except on small models where XLA gives another policy less.
-      status: the solver's last message, each policy compiled with its
-        measured bytes and whether it fit, and the choice.
-      iterations: policies compiled to verify (0 for `none`).
-      platform: whose compiler measured, e.g. "XLA CPU compile".
-      memory_kind: which figure the bytes above are: "temp_size_in_bytes"
-        or "peak_memory_in_bytes" (`remat_kit.measure.memory_kind`).
-      cached: read from the plan cache rather than planned now.
-      none_out_of_memory: no remat did not compile for lack of the target's
-        memory (e.g. XLA:TPU's CompileTimeHbmOom), so the budget cannot hold it.
-      layer_specs: for a per-layer plan, each layer's spec (apply them as
-        `TransformerConfig(remat="none", layer_remat=...)`); `policy` is then
-        the tuple of their Policies and `spec` a summary ("0-6 save:mlpwi /
-        7-11 full"). Empty for a plan that is one policy for every layer.
-      groups: layer groups the tags were decided in (1: one decision per tag).
-      objective: what the plan minimized, "flops" or "time" (`OBJECTIVES`).
-      predicted_seconds, none_seconds: predicted step time of the plan and of no
-        remat (`time_model.program_seconds`: the roofline of every equation of
-        the value-and-grad program on the target's peaks), seconds; None where
-        not predicted.
-    """
-
-    budget: str
-    budget_bytes: int
-    policy: Policy
-    spec: str
-    predicted_bytes: int
-    predicted_flops: float
-    measured_bytes: int
-    measured_flops: float
-    none_bytes: int | None
-    none_flops: float
-    minimum_bytes: int
-    status: str
-    iterations: int
-    platform: str
-    memory_kind: str
-    cached: bool = False
-    none_out_of_memory: bool = False
-    layer_specs: tuple[str, ...] = ()
-    groups: int = 1
-    objective: str = "flops"
-    predicted_seconds: float | None = None
-    none_seconds: float | None = None
-
-    @property
-    def memory_fraction(self) -> float | None:
-        """measured_bytes / none_bytes; None where no remat ran out of memory."""
-        return None if self.none_bytes is None else self.measured_bytes / self.none_bytes
-
-    @property
-    def flops_overhead(self) -> float:
-        """measured_flops / none_flops - 1 (0.05 is 5% more FLOPs than no remat)."""
-        return self.measured_flops / self.none_flops - 1
-
-    @property
-    def time_overhead(self) -> float | None:
-        """predicted_seconds / none_seconds - 1; None where not predicted."""
-        if self.predicted_seconds is None or not self.none_seconds:
-            return None
-        return self.predicted_seconds / self.none_seconds - 1
-
-    def to_dict(self) -> dict:
-        """JSON-ready: every field (policy as its spec), plus memory_fraction,
-        flops_overhead and time_overhead."""
-        d = dataclasses.asdict(self) | {"policy": self.spec, "layer_specs": list(self.layer_specs)}
-        return d | {"memory_fraction": self.memory_fraction,
-                    "flops_overhead": self.flops_overhead, "time_overhead": self.time_overhead}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        """The inverse of `to_dict`."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        layers = tuple(d.get("layer_specs") or ())
-        policy = tuple(parse(s) for s in layers) if layers else parse(d["spec"])
-        return cls(**{k: v for k, v in d.items() if k in fields}
-                   | {"policy": policy, "layer_specs": layers})
-
-
-def layers_summary(policies: Sequence[Policy]) -> str:
-    """'0-6 save:mlpwi / 7-11 full': runs of consecutive layers with one policy."""
-    runs: list[list] = []
-    for i, p in enumerate(policies):
-        if runs and runs[-1][2] == p:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i, p])
-    return " / ".join(f"{a}{'' if a == b else f'-{b}'} {p}" for a, b, p in runs)
-
-
-def default_cache_path() -> str:
-    """$REMAT_KIT_CACHE, else $XDG_CACHE_HOME/remat_kit/plans.json (~/.cache by default)."""
-    if os.environ.get("REMAT_KIT_CACHE"):
-        return os.environ["REMAT_KIT_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "remat_kit", "plans.json")
-
-
-def read_cache(path: str) -> dict | None:
-    """The plan cache at `path`: {} if there is none yet, None if the file is not
-    a plan cache (a JSON object); such a file is never overwritten."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_cache(path: str, key: str, plan: Plan) -> None:
-    data = read_cache(path)
-    if data is None:
-        warnings.warn(f"plan cache {path!r} is not a plan cache (a JSON object); left as it "
-                      "is, the plan is not cached", stacklevel=3)
-        return
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data | {key: plan.to_dict()}, f, indent=1)
-        os.replace(tmp, path)  # atomic: concurrent runs never read half a file
-    except OSError as e:
-        warnings.warn(f"cannot write plan cache {path!r} ({e}); the plan is not cached",
-                      stacklevel=3)
 
 
 class Planner:

@@ -285,7 +285,7 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
     chosen = planner.plan(0.9)  # cached: the command only compiles none and full
     code = cli.main(["plan", "--config", "tiny", "--batch", str(BATCH), "--seq", str(SEQ),
                      "--budgets", "0.9,0.01", "--presets", "full", "--json", str(out),
-                     "--cache", cache])
+                     "--cache", cache, "--groups", "1"])  # the fixture's decision space
     assert code == 0
     doc = json.loads(out.read_text())
     high, low = doc["budgets"]

@@ -179,3 +179,26 @@ def test_cli_plan_bad_groups_objective(argv, message, capsys):
     assert cli.main(["plan", "--config", "tiny", "--budgets", "0.5", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def llama_planner():
+    return config_planner(get_config("tiny_llama"), BATCH, SEQ, cache=None)
+
+
+@pytest.mark.parametrize("which", ["planner", "llama_planner"])
+def test_solver_optimum_equals_brute_force(which, request):
+    """On tiny and tiny_llama, for each base rule, at 5 budgets: the MILP's optimum
+    equals the best of every subset of tags under its own model (2^tags subsets)."""
+    p = request.getfixturevalue(which)
+    for base in PLANNED_BASES:
+        model = p.model_for(base, 1)
+        costs = [model.cost(frozenset(saved)) for k in range(len(model.tags) + 1)
+                 for saved in itertools.combinations(model.tags, k)]
+        total = sum(model.nbytes.values())
+        for frac in (0.05, 0.2, 0.4, 0.6, 0.9):
+            room = frac * total
+            best = min((f, b) for b, f in costs if b <= room)
+            saved, status = model.solve(room)
+            assert "Optimal" in status
+            assert model.cost(saved)[::-1] == pytest.approx(best, rel=1e-9), (base, frac)
