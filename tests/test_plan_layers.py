@@ -12,7 +12,7 @@ from remat_kit import cli
 from remat_kit.cost_model import PLANNED_BASES, CostModel, with_region_policies
 from remat_kit.measure import config_program
 from remat_kit.models import Transformer, get_config, make_loss_fn
-from remat_kit.plan import Planner, config_planner, cost_model
+from remat_kit.plan import Planner, config_planner, cost_model, resolve_config
 
 BATCH, SEQ = 2, 32
 
@@ -153,10 +153,13 @@ def test_per_layer_grads_equal_no_remat(planner, layered):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_per_layer_plan_and_config(planner, layered):
+def test_per_layer_plan_and_config(planner, layered, tmp_path, monkeypatch):
     """A budget between saving the MLP in no layer and in both: the per-layer plan
-    fits, beats the best uniform policy compiled, and applies as layer_remat."""
+    fits, beats the best uniform policy compiled, and applies as layer_remat, also
+    through auto:budget= (resolve_config)."""
     _, record = layered
+    path = str(tmp_path / "plans.json")
+    monkeypatch.setattr(planner, "cache", path)
     plan = planner.plan(record.temp_size_in_bytes)
     assert plan.measured_bytes <= plan.budget_bytes
     uniform = [r for k, r in planner.records.items() if "/" not in k
@@ -168,6 +171,10 @@ def test_per_layer_plan_and_config(planner, layered):
         cfg = get_config("tiny", layer_remat=plan.layer_specs)
         [r] = rk.measure_config(cfg, BATCH, SEQ, policies=["none"], per_layer=False)
         assert r.temp_size_in_bytes == plan.measured_bytes
+    auto = get_config("tiny", remat=f"auto:budget={record.temp_size_in_bytes}")
+    resolved = resolve_config(auto, BATCH, SEQ, cache=path, groups="layers")  # cached
+    assert resolved.layer_remat == plan.layer_specs
+    assert resolved.remat == ("none" if plan.layer_specs else plan.spec)
 
 
 @pytest.mark.parametrize("argv, message", [
