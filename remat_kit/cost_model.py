@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat_kit import time_model
@@ -350,8 +350,9 @@ def forward_jaxpr(loss: Callable, args) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *xs: loss(*jax.tree.unflatten(tree, xs)))(*leaves)
 
 
-def with_region_policies(closed: ClosedJaxpr, policies: dict[int, Policy], args) -> Callable:
-    """A loss(*args) that runs `closed` with remat region i under `policies[i]`.
+def with_region_policies(closed: ClosedJaxpr, policies: dict[int, Policy]) -> Callable:
+    """A loss(*args) that runs `closed` (`forward_jaxpr` of a loss at args) with
+    remat region i under `policies[i]`.
 
     Regions are counted as `Program` counts them (walk order); regions not in
     `policies` keep theirs. The result is the model's own program with only the
@@ -384,9 +385,7 @@ def with_region_policies(closed: ClosedJaxpr, policies: dict[int, Policy], args)
             eqns.append(eqn.replace(params=params))
         return jaxpr.replace(eqns=eqns)
 
-    new = ClosedJaxpr(rewrite(closed.jaxpr), closed.consts)
-    from jax.extend.core import jaxpr_as_fun
-    fun = jaxpr_as_fun(new)
+    fun = jaxpr_as_fun(ClosedJaxpr(rewrite(closed.jaxpr), closed.consts))
 
     def loss(*xs):
         return fun(*jax.tree.leaves(xs))[0]

@@ -303,10 +303,10 @@ class Planner:
 
     def _layer_program(self, policies: tuple):
         regions = dict(zip(self.program.layers, policies))
-        loss = with_region_policies(self._forward("global"), regions, self.args)
+        loss = with_region_policies(self._forward("global"), regions)
         per_device = None
         if self.per_device is not None:
-            local = with_region_policies(self._forward("local"), regions, self.per_device[1])
+            local = with_region_policies(self._forward("local"), regions)
             per_device = (lambda _: local, self.per_device[1])
         return loss, per_device
 

@@ -10,7 +10,6 @@ import pytest
 import remat_kit as rk
 from remat_kit import cli
 from remat_kit.cost_model import PLANNED_BASES, CostModel, with_region_policies
-from remat_kit.measure import config_program
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.plan import Planner, config_planner, cost_model, resolve_config
 
@@ -141,13 +140,13 @@ def test_per_layer_grads_equal_no_remat(planner, layered):
     tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, cfg.vocab_size)
     params = Transformer(cfg).init(jax.random.key(0), tokens)["params"]
     key = jax.random.key(2)
-    ref = jax.grad(make_loss_fn(Transformer(cfg), True))(params, tokens, tokens, key)
+    ref = jax.jit(jax.grad(make_loss_fn(Transformer(cfg), True)))(params, tokens, tokens, key)
     layered_cfg = cfg.replace(layer_remat=tuple(map(str, policies)))
-    got = jax.grad(make_loss_fn(Transformer(layered_cfg), True))(params, tokens, tokens, key)
-    factory, args, _ = config_program(cfg, BATCH, SEQ)
+    got = jax.jit(jax.grad(make_loss_fn(Transformer(layered_cfg), True)))(params, tokens,
+                                                                          tokens, key)
     rewritten = with_region_policies(planner._forward("global"),
-                                     dict(zip(planner.program.layers, policies)), args)
-    got_rewritten = jax.grad(rewritten)(params, tokens, tokens, key)
+                                     dict(zip(planner.program.layers, policies)))
+    got_rewritten = jax.jit(jax.grad(rewritten))(params, tokens, tokens, key)
     for g in (got, got_rewritten):
         for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(g)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
