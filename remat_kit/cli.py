@@ -676,6 +676,21 @@ def split_budgets(text: str) -> list[str]:
     return items
 
 
+def plan_groups(text: str | None, num_layers: int) -> "int | str":
+    """--groups G checked against the model's layers: an int 1..num_layers, or
+    "layers" (one group per layer) when not given."""
+    if text is None:
+        return "layers"
+    try:
+        g = int(text)
+    except ValueError:
+        g = None
+    if g is None or not 1 <= g <= num_layers:
+        raise BadInput(f"--groups {text!r}: give a whole number of layer groups from 1 to "
+                       f"{num_layers} (the model's layers)")
+    return g
+
+
 def _plan(args) -> int:
     import json
 
@@ -685,6 +700,7 @@ def _plan(args) -> int:
     from remat_kit import report
     from remat_kit.plan import CACHE_LIMIT, Planner, parse_budget, read_cache
     from remat_kit.record import MEMORY_LABELS
+    from remat_kit.time_model import OBJECTIVES
 
     src = load_source(args)
     cfg, label = src.cfg, src.label
@@ -713,9 +729,12 @@ def _plan(args) -> int:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
     mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
     devices = 1 if mesh is None else mesh.size
+    if args.objective is not None and args.objective not in OBJECTIVES:
+        raise BadInput(f"--objective {args.objective!r}: use one of {', '.join(OBJECTIVES)}")
     work = src.workload(batch, seq, mesh)
     if cfg is None:
         check_schedules(work.num_layers, presets, "--presets")
+    groups = plan_groups(args.groups, work.num_layers or 1)
     dtype = src.dtype(work)
 
     def progress(message):
@@ -723,7 +742,7 @@ def _plan(args) -> int:
 
     planner = Planner(work, progress=progress,
                       cache=args.cache if args.cache is not None else True,
-                      target=target_list[0])
+                      target=target_list[0], groups=groups, objective=args.objective)
     # Presets first: the planner takes any compiled policy that beats its own plan.
     named: dict[int, tuple] = {}
     for spec, r in zip(presets, planner.measure_all(presets)):
@@ -746,30 +765,39 @@ def _plan(args) -> int:
              f"{report.fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
              f"least compiled: {report.fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
     t = Table(title=title, caption=f"memory: compiled {kind}, budgets and x none of it; "
-              "FLOPs: over no remat", caption_justify="left")
+              f"FLOPs: over no remat; time: predicted step time over no remat "
+              f"({planner.roofline.source}); objective: {planner.objective}",
+              caption_justify="left")
     for name in ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
-                 "tries", "best preset that fits", memory, "FLOPs +"):
+                 "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +"):
         t.add_column(name, justify="left" if "polic" in name or "preset" in name else "right")
     out = []
+    none_seconds = planner.seconds(parse("none"))
     for b in budgets:
         limit = parse_budget(b).resolve(none)
         fitting = [r for r in ok if r.memory_bytes <= limit]
-        best = min(fitting, key=lambda r: (r.flops, r.memory_bytes), default=None)
+        # The best preset by the planner's objective: fewest FLOPs or least predicted time.
+        best = min(fitting, key=planner.score, default=None)
+        best_time = best and planner.seconds(parse(best.policy)) / none_seconds - 1
         p = plans.get(b)
         preset_cells = ([", ".join(best.names), report.fmt_bytes(best.memory_bytes),
-                         f"{best.flops / planner.none_flops() - 1:+.2%}"]
-                        if best else ["no preset fits" if presets else "not compared", "-", "-"])
+                         f"{best.flops / planner.none_flops() - 1:+.2%}", f"{best_time:+.2%}"]
+                        if best else ["no preset fits" if presets else "not compared", "-", "-",
+                                      "-"])
         if p is None:
             t.add_row(b, report.fmt_bytes(limit), "below the minimum"
                       + (f" ({full / none:.3f})" if none else f" ({report.fmt_bytes(full)})"),
-                      "-", "-", "-", "-", *preset_cells)
+                      "-", "-", "-", "-", "-", *preset_cells)
         else:
             t.add_row(b, report.fmt_bytes(limit), p.spec, report.fmt_bytes(p.measured_bytes),
                       "-" if p.memory_fraction is None else f"{p.memory_fraction:.3f}",
                       f"{p.flops_overhead:+.2%}",
+                      "-" if p.time_overhead is None else f"{p.time_overhead:+.2%}",
                       "cached" if p.cached else str(p.iterations), *preset_cells)
         out.append({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
-                    "best_preset": best and best.to_dict()})
+                    "best_preset": best and (best.to_dict() | {
+                        "predicted_seconds": planner.seconds(parse(best.policy)),
+                        "time_overhead": best_time})})
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(t)
     console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
@@ -956,6 +984,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", default=None, metavar="PATH", help="write plans and presets here")
     plan.add_argument("--plot", default=None, metavar="PATH",
                       help="write a PNG of the plans over the presets' points")
+    plan.add_argument("--groups", default=None, metavar="G",
+                      help="decide each tag in G groups of consecutive layers (default: one "
+                           "group per layer, up to 64; 1: one decision for every layer)")
+    plan.add_argument("--objective", default=None, metavar="flops|time",
+                      help="minimize FLOPs or predicted step time (default: time on TPU and "
+                           "GPU targets, flops on CPU)")
     plan.set_defaults(run=_plan)
 
     fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "

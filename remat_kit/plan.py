@@ -3,16 +3,18 @@
 `plan(loss_fn, *args, budget=...)` answers "what should I save for this much
 memory?" in three steps:
 
-1. A cost model, measured from the program itself (`cost_model`). The loss is
-   traced under `save:*` (every tag saved, untagged values recomputed). The
-   tags the backward pass then reads are the *needed* tags. In the forward
-   jaxpr each tag has a *segment*: the equations between it and its nearest
-   tagged ancestors (its *parents*) or the function's inputs. A tag's
-   recompute cost is its segment's FLOPs, each equation's FLOPs counted by
-   XLA (`lower(...).cost_analysis()` of that equation alone); its bytes are
-   its values' bytes over all layers. Tags that the remat region keeps anyway
-   (its inputs, e.g. `decoder_layer_input`, found as the tag residuals of
-   `full`) are always available.
+1. A cost model, measured from the program itself (`remat_kit.cost_model`).
+   The loss is traced under `save:*`; the tags the backward pass then reads
+   are the *needed* tags. Each tag's *segment* (the equations between it and
+   its nearest tagged ancestors, the remat region's inputs, or values the
+   base rule saves) gives its recompute FLOPs and predicted seconds
+   (`remat_kit.time_model`); its bytes are its values' bytes. Tags inside
+   `jax.jit`-ed calls are seen; tags inside a scan count once per trip. Tags
+   that the remat region keeps anyway (its inputs, e.g.
+   `decoder_layer_input`, found as the tag residuals of `full`) are always
+   available. Decisions are per tag, or per tag and group of layers
+   (`groups`), over each base rule for untagged values (nothing,
+   dots_no_batch, dots), each compiled alone as the floor the tags fill above.
 2. A mixed-integer program over the tags, after Checkmate (Jain et al. 2020,
    "Checkmate: Breaking the Memory Wall with Optimal Tensor
    Rematerialization") with one recompute stage, as in PyTorch's
@@ -21,23 +23,25 @@ memory?" in three steps:
    dependencies between tags as constraints rather than a knapsack over
    independent items. Binary s_t (save t) and r_t (recompute t):
 
-       minimize    sum_t flops_t r_t
+       minimize    sum_t cost_t r_t           cost: FLOPs, or predicted seconds
        subject to  s_t + r_t >= 1              t needed by the backward pass
                    s_p + r_p >= r_t            p a parent of t (recomputing t reads p)
-                   sum_t bytes_t s_t <= room   room = budget - memory of `full`
+                   sum_t bytes_t s_t <= room   room = budget - memory of the base alone
 
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `FLOP_RESOLUTION` of the cheapest, so nothing
    useless is saved. Recomputing
    `mlpwo`'s input means recomputing `mlp_act`, which reads `mlpwi`: the
    parent constraints carry such chains.
-3. Verification: the chosen policy (`save:` the tags with s_t = 1) is compiled
+3. Verification: the chosen policy (`save:` the tags with s_t = 1; one per
+   layer for a per-layer plan, the model's program with each layer's remat
+   region under its own policy) is compiled
    and its real memory checked. Over budget, the room shrinks
    by the overshoot (and below the rejected plan's bytes) and the program is
    solved again; under budget, the unused bytes are offered back (XLA's
    buffer reuse often makes saved tags cost less than their size). Up to
    `max_iterations` policies are compiled; the one with the fewest measured
-   FLOPs that fits is returned, and `full` always fits. Every other policy
+   FLOPs (or least predicted time) that fits is returned, and `full` always fits. Every other policy
    the `Planner` has compiled for this loss (e.g. the presets `remat-kit plan`
    compares) is a candidate too. A budget that holds no remat returns `none`.
 
@@ -52,40 +56,34 @@ the room the MILP fills is the budget minus `full`'s figure; saved tags add
 to either figure about their bytes, and verification by compiling corrects
 what they do not. `Plan.memory_kind` says which figure a plan's bytes are.
 
-Plans are cached in a JSON file keyed by a fingerprint of the traced program
-(model, shapes, dtypes, shardings), the JAX version, the target, the memory
-figure and the budget, so a restarted run does not plan again and a plan made
-for one figure is never returned for another.
+Plans are cached (`remat_kit.plan_cache`), so a restarted run does not plan again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import os
 import re
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
-from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat_kit import targets
+from remat_kit import targets, time_model
+from remat_kit.cost_model import (PLANNED_BASES, SAVE_TAGS, CostModel, Program, cost_model,
+                                  forward_jaxpr, with_region_policies)
 from remat_kit.errors import BudgetError
 from remat_kit.measure import measure
 from remat_kit.models.program import workload as config_workload
-from remat_kit.outputs import atomic_write, read_regular
+from remat_kit.plan_cache import CACHE_LIMIT, Plan, _write_cache, default_cache_path, layers_summary, \
+    read_cache
+from remat_kit.policy import Policy
 from remat_kit.record import MEMORY_LABELS, Record, memory_kind
 from remat_kit.residuals import _stage
-from remat_kit.workload import Workload, _as_factory
-from remat_kit.policy import Policy
 from remat_kit.spec import AutoSpec, parse
-from remat_kit.validate import tag_of
+from remat_kit.time_model import OBJECTIVES
+from remat_kit.workload import Workload, _as_factory
 
 # ---------------------------------------------------------------------------
 # Budgets
@@ -162,341 +160,12 @@ def parse_budget(budget: "str | int | float") -> Budget:
     return Budget(bytes=int(n))
 
 
-# ---------------------------------------------------------------------------
-# The cost model
-# ---------------------------------------------------------------------------
-
-SAVE_TAGS = Policy(save=frozenset({"*"}))
-
 # Recompute FLOPs below this fraction of the step's are within the cost model's
 # error (predicted vs compiled FLOPs differ by ~0.1% on gpt2_small and llama_1b),
 # so the MILP's second solve trades them for fewer saved bytes.
 FLOP_RESOLUTION = 1e-4
-
-
-def _eqn_key(eqn) -> tuple:
-    return (eqn.primitive.name, tuple(str(v.aval) for v in eqn.invars),
-            tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
-
-
-def _eqn_flops(eqn, cache: dict) -> float:
-    """XLA's FLOPs of one equation, lowered alone (HloCostAnalysis, no compile)."""
-    key = _eqn_key(eqn)
-    if key not in cache:
-        invars = list(dict.fromkeys(v for v in eqn.invars if not isinstance(v, Literal)))
-        structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
-        try:
-            with warnings.catch_warnings():  # a hand-built Jaxpr has no DebugInfo; harmless
-                warnings.simplefilter("ignore", DeprecationWarning)
-                closed = ClosedJaxpr(Jaxpr([], invars, list(eqn.outvars), [eqn]), [])
-                costs = jax.jit(jaxpr_as_fun(closed)).lower(*structs).cost_analysis()
-            costs = costs[0] if isinstance(costs, (list, tuple)) else costs
-            cache[key] = float((costs or {}).get("flops", 0.0))
-        except Exception:  # noqa: BLE001 - an equation XLA cannot lower alone costs nothing here
-            cache[key] = 0.0
-    return cache[key]
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """What saving or recomputing each tag costs, summed over its occurrences (layers).
-
-    Attributes:
-      tags: the tags the policy decides, in forward order.
-      nbytes: bytes of each tag's values (all occurrences), per device.
-      flops: FLOPs of recomputing each tag from its parents (its segment).
-      parents: tags each tag's segment reads (always-available tags left out).
-      needed: tags the backward pass reads.
-    """
-
-    tags: tuple[str, ...]
-    nbytes: dict[str, int]
-    flops: dict[str, float]
-    parents: dict[str, frozenset[str]]
-    needed: frozenset[str]
-
-    def recomputed(self, saved) -> frozenset[str]:
-        """The tags recomputed when `saved` are saved: needed ones not saved,
-        and the unsaved parents of every recomputed tag, transitively."""
-        out, stack = set(), [t for t in self.needed if t not in saved]
-        while stack:
-            t = stack.pop()
-            if t not in out:
-                out.add(t)
-                stack += [p for p in self.parents[t] if p not in saved]
-        return frozenset(out)
-
-    def cost(self, saved) -> tuple[int, float]:
-        """(saved bytes, recompute FLOPs) of saving `saved`."""
-        return (sum(self.nbytes[t] for t in saved),
-                sum(self.flops[t] for t in self.recomputed(saved)))
-
-    def solve(self, room: float, flop_tolerance: float = 0.0) -> tuple[frozenset[str], str]:
-        """The cheapest tags to save within `room` bytes (the MILP above).
-
-        Args:
-          room: bytes the saved tags may take.
-          flop_tolerance: FLOPs the second solve may give up for fewer bytes.
-        Returns:
-          (saved tags, HiGHS status message). Among plans within
-          `flop_tolerance` of the fewest recompute FLOPs, the one with the
-          fewest saved bytes.
-        """
-        n = len(self.tags)
-        if n == 0:
-            return frozenset(), "no tags to decide"
-        index = {t: i for i, t in enumerate(self.tags)}
-        rows, lower = [], []
-
-        def row(s=(), r=(), minus_r=()):
-            a = np.zeros(2 * n)
-            for t in s:
-                a[index[t]] += 1
-            for t in r:
-                a[n + index[t]] += 1
-            for t in minus_r:
-                a[n + index[t]] -= 1
-            return a
-
-        for t in self.needed:
-            rows.append(row(s=[t], r=[t]))
-            lower.append(1)
-        for t in self.tags:
-            for p in self.parents[t]:
-                rows.append(row(s=[p], r=[p], minus_r=[t]))
-                lower.append(0)
-        # Scaled to ~1 so HiGHS's tolerances mean the same at any model size.
-        b = np.array([self.nbytes[t] for t in self.tags], float)
-        f = np.array([self.flops[t] for t in self.tags], float)
-        b_scale, f_scale = max(b.max(), 1.0), max(f.max(), 1.0)
-        memory = np.concatenate([b / b_scale, np.zeros(n)])
-        cons = [LinearConstraint(np.array(rows), lower, np.inf)] if rows else []
-        cons.append(LinearConstraint(memory[None], -np.inf, max(room, 0) / b_scale + 1e-9))
-        opts = dict(integrality=np.ones(2 * n), bounds=Bounds(0, 1),
-                    options={"mip_rel_gap": 0.0})
-        first = milp(np.concatenate([np.zeros(n), f / f_scale]), constraints=cons, **opts)
-        if first.x is None:
-            return frozenset(), f"HiGHS: {first.message}"
-        flops_row = np.concatenate([np.zeros(n), f / f_scale])
-        cons.append(LinearConstraint(flops_row[None], -np.inf,
-                                     first.fun + 1e-7 + flop_tolerance / f_scale))
-        second = milp(memory, constraints=cons, **opts)
-        x = second.x if second.x is not None else first.x
-        saved = frozenset(t for t in self.tags if x[index[t]] > 0.5)
-        return saved, f"HiGHS: {second.message if second.x is not None else first.message}"
-
-
-def _forward_eqns(jaxpr, outs) -> list:
-    """The equations `outs` depend on (the forward pass), in program order."""
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-    keep, stack = set(), list(outs)
-    while stack:
-        v = stack.pop()
-        e = None if isinstance(v, Literal) else producers.get(v)
-        if e is not None and id(e) not in keep:
-            keep.add(id(e))
-            stack += e.invars
-    return [e for e in jaxpr.eqns if id(e) in keep]
-
-
-def _add_tags(eqns, scale: int, free: set, acc: dict, flop_cache: dict) -> None:
-    """Adds the tags applied by `eqns` (one program level) to `acc`, each
-    tag's bytes and segment FLOPs times `scale`, descending into `scan`
-    bodies (`nn.scan` over layers: a body runs `length` times).
-
-    A segment ends at the level's inputs (a scan body's carry and slices)
-    and at scan outputs: a tag after a layer stack reads the stack's result,
-    which no layer policy recomputes.
-    """
-    producers = {v: e for e in eqns for v in e.outvars}
-    for eqn in eqns:
-        if eqn.primitive.name == "scan":
-            body = eqn.params["jaxpr"].jaxpr
-            _add_tags(body.eqns, scale * eqn.params["length"], free, acc, flop_cache)
-            continue
-        tag = tag_of(eqn)
-        if tag is None or tag in free:
-            continue
-        aval = eqn.outvars[0].aval
-        acc["nbytes"][tag] = acc["nbytes"].get(tag, 0) \
-            + scale * math.prod(aval.shape) * aval.dtype.itemsize
-        parents = acc["parents"].setdefault(tag, set())
-        seen, stack = set(), list(eqn.invars)
-        while stack:  # the segment: back to the nearest tags or the inputs
-            v = stack.pop()
-            e = None if isinstance(v, Literal) else producers.get(v)
-            if e is None or id(e) in seen or e.primitive.name == "scan":
-                continue
-            if (t := tag_of(e)) is not None:
-                if t not in free:
-                    parents.add(t)
-                continue
-            seen.add(id(e))
-            acc["flops"][tag] = acc["flops"].get(tag, 0.0) + scale * _eqn_flops(e, flop_cache)
-            stack += e.invars
-
-
-def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None) -> CostModel:
-    """Measures a `CostModel` for `loss_fn(*args)` (see the module docstring).
-
-    Tags inside a `scan` (a scanned layer stack, `TransformerConfig.scan_layers`,
-    or nested scans) count once per iteration: a tag in a body of length L
-    holds L times its bytes, and recomputing it costs L times its segment.
-
-    Args:
-      loss_fn: a loss or a policy -> loss factory, as `measure` takes.
-      args: arrays or `jax.ShapeDtypeStruct`s; nothing is computed.
-      free: tags the remat region keeps whatever the policy (its inputs).
-      staged: the loss already traced under `SAVE_TAGS` (`measure._stage`), if at hand.
-    Raises:
-      TypeError: the loss does not return a scalar.
-    """
-    staged = staged or _stage(_as_factory(loss_fn)(SAVE_TAGS), args)
-    jaxpr = staged.program.jaxpr
-    forward = _forward_eqns(jaxpr, [*staged.residual_vars, jaxpr.outvars[0]])
-    free = set(free)
-    needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-    acc: dict = {"nbytes": {}, "flops": {}, "parents": {}}
-    _add_tags(forward, 1, free, acc, {})
-    nbytes, parents = acc["nbytes"], acc["parents"]
-    tags = tuple(nbytes)
-    return CostModel(tags, nbytes, {t: acc["flops"].get(t, 0.0) for t in tags},
-                     {t: frozenset(parents[t] - {t}) for t in tags},
-                     frozenset(needed & set(tags)))
-
-
-# ---------------------------------------------------------------------------
-# Plans
-# ---------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The planner's answer for one budget. Bytes are per device, of the compiled
-    figure `memory_kind` names.
-
-    Attributes:
-      budget: the budget as given (e.g. "6GiB", 0.25).
-      budget_bytes: it in bytes (a fraction resolved against none_bytes).
-      policy: the chosen `Policy`; spec: its canonical spec string.
-      predicted_bytes, predicted_flops: the cost model's memory (`full`'s
-        figure plus the saved tags' bytes) and FLOPs of the step (value and
-        grad) under the policy.
-      measured_bytes, measured_flops: the compiled step's memory
-        (`Record.memory_bytes`: `temp_size_in_bytes` on CPU,
-        `peak_memory_in_bytes` on TPU and GPU) and FLOPs (loops counted per
-        trip), from `measure`.
-      none_bytes, none_flops: the same for no remat (`none`). Where no
-        remat's compile runs out of the target's memory (`none_out_of_memory`),
-        none_bytes is None and none_flops is the cost model's: `full`'s
-        measured FLOPs less its predicted recompute.
-      minimum_bytes: the least memory of the policies compiled so far:
-        `full`'s, except on small models where XLA gives another policy less.
-      status: the solver's last message, each policy compiled with its
-        measured bytes and whether it fit, and the choice.
-      iterations: policies compiled to verify (0 for `none`).
-      platform: whose compiler measured, e.g. "XLA CPU compile".
-      memory_kind: which figure the bytes above are: "temp_size_in_bytes"
-        or "peak_memory_in_bytes" (`remat_kit.measure.memory_kind`).
-      cached: read from the plan cache rather than planned now.
-      none_out_of_memory: no remat did not compile for lack of the target's
-        memory (e.g. XLA:TPU's CompileTimeHbmOom), so the budget cannot hold it.
-    """
-
-    budget: str
-    budget_bytes: int
-    policy: Policy
-    spec: str
-    predicted_bytes: int
-    predicted_flops: float
-    measured_bytes: int
-    measured_flops: float
-    none_bytes: int | None
-    none_flops: float
-    minimum_bytes: int
-    status: str
-    iterations: int
-    platform: str
-    memory_kind: str
-    cached: bool = False
-    none_out_of_memory: bool = False
-
-    @property
-    def memory_fraction(self) -> float | None:
-        """measured_bytes / none_bytes; None where no remat ran out of memory."""
-        return None if self.none_bytes is None else self.measured_bytes / self.none_bytes
-
-    @property
-    def flops_overhead(self) -> float:
-        """measured_flops / none_flops - 1 (0.05 is 5% more FLOPs than no remat)."""
-        return self.measured_flops / self.none_flops - 1
-
-    def to_dict(self) -> dict:
-        """JSON-ready: every field (policy as its spec), plus memory_fraction and flops_overhead."""
-        d = dataclasses.asdict(self) | {"policy": self.spec}
-        return d | {"memory_fraction": self.memory_fraction,
-                    "flops_overhead": self.flops_overhead}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        """The inverse of `to_dict`."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields} | {"policy": parse(d["spec"])})
-
-
-# The most of a plan cache file read: an entry is ~1 KB, so tens of thousands of plans.
-CACHE_LIMIT = 64 << 20
-_DAMAGED: set[tuple[str, bytes]] = set()  # (path, contents) of damaged caches warned about
-
-
-def default_cache_path() -> str:
-    """$REMAT_KIT_CACHE, else $XDG_CACHE_HOME/remat_kit/plans.json (~/.cache by default)."""
-    if os.environ.get("REMAT_KIT_CACHE"):
-        return os.environ["REMAT_KIT_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "remat_kit", "plans.json")
-
-
-def read_cache(path: str) -> dict | None:
-    """The plan cache at `path`: {} if there is none yet, None if the file is not
-    a plan cache (a JSON object); such a file is never overwritten.
-
-    A damaged cache (empty, or a JSON object cut short or garbled, as a killed
-    writer of an older version could leave it) reads as {} with a warning, and
-    is rewritten by the next plan. A folder, FIFO or device, or a file over
-    `CACHE_LIMIT` bytes, is not a plan cache: it is never read past the limit.
-    """
-    try:
-        text = read_regular(path, CACHE_LIMIT)
-    except FileNotFoundError:
-        return {}
-    except OSError:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        if text.strip() and not text.lstrip().startswith(b"{"):
-            return None  # some other file, e.g. a config given as --cache by mistake
-        if (path, text) not in _DAMAGED:  # once per damage, not at every read
-            _DAMAGED.add((path, text))
-            warnings.warn(f"plan cache {path!r} is damaged ({str(e)[:80] or 'empty'}); read "
-                          "as empty, it is rewritten by the next plan", stacklevel=2)
-        return {}
-    return data if isinstance(data, dict) else None
-
-
-def _write_cache(path: str, key: str, plan: Plan) -> None:
-    data = read_cache(path)
-    if data is None:
-        warnings.warn(f"plan cache {path!r} is not a plan cache (a JSON object); left as it "
-                      "is, the plan is not cached", stacklevel=3)
-        return
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with atomic_write(path) as f:  # concurrent runs never read half a file
-            json.dump(data | {key: plan.to_dict()}, f, indent=1)
-    except OSError as e:
-        warnings.warn(f"cannot write plan cache {path!r} ({e}); the plan is not cached",
-                      stacklevel=3)
+# Stacks up to this many layers get one group per layer by default (`groups="layers"`).
+MAX_DEFAULT_GROUPS = 64
 
 
 def _check_differentiable(args) -> None:
@@ -522,12 +191,11 @@ class Planner:
     `Planner(loss_fn, *args).plan("6GiB")`; `.frontier([0.1, 0.2])`.
 
     Args:
-      loss_fn: a `Workload` (`remat_kit.workload`), a loss(*args) returning a
-        scalar (wrapped whole in one remat region per policy) or a factory
-        policy -> loss (the model applies the policy, e.g. per layer), as
-        `measure` takes; differentiated with respect to args[0].
-      args: with a loss, arrays or `jax.ShapeDtypeStruct`s (with shardings
-        for a mesh).
+      loss_fn: a loss(*args) returning a scalar (wrapped whole in one remat
+        region per policy) or a factory policy -> loss (the model applies the
+        policy, e.g. per layer), as `measure` takes; differentiated with
+        respect to args[0].
+      args: arrays or `jax.ShapeDtypeStruct`s (with shardings for a mesh).
       cache: path of the JSON plan cache; True for `default_cache_path()`;
         None or False for none.
       max_iterations: policies compiled per budget before falling back to
@@ -543,14 +211,35 @@ class Planner:
         takes it: the cost model's bytes and FLOPs are then per device, like
         the compiled figures. Needed where a shard is not a valid input
         (parameters split over fsdp or tensor).
+      groups: layer groups each tag is decided in: 1 (one decision per tag for
+        every layer), an int G from 1 to the number of layers (G runs of
+        consecutive layers, as even as possible), or "layers" (one group per
+        layer, up to `MAX_DEFAULT_GROUPS` groups). The layers are the remat
+        regions that hold tags (`cost_model.Program`); where they cannot take
+        their own policies (a scanned stack, one remat region) plans are
+        uniform and say why in their status.
+      objective: "flops" (fewest FLOPs) or "time" (least predicted step time,
+        `remat_kit.time_model`); default "time" on TPU and GPU targets, "flops"
+        on CPU.
+      predict_time: also predict each plan's step time (`Plan.predicted_seconds`);
+        always on for objective "time".
+
+    Raises:
+      ValueError: max_iterations not a positive int, groups not a positive int
+        or "layers", an objective other than "flops" or "time".
     """
 
     def __init__(self, loss_fn: Callable, *args, cache: "str | bool | None" = True,
                  max_iterations: int = 3, progress: Callable[[str], None] | None = None,
-                 target=None, per_device: tuple[Callable, tuple] | None = None):
+                 target=None, per_device: tuple[Callable, tuple] | None = None,
+                 groups: "int | str" = 1, objective: str | None = None,
+                 predict_time: bool = True):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
+        if groups != "layers" and (isinstance(groups, bool) or not isinstance(groups, int)
+                                   or groups < 1):
+            raise ValueError(f"groups must be a positive int or 'layers', got {groups!r}")
         if isinstance(loss_fn, Workload):
             if args:
                 raise TypeError("Planner takes a Workload or a loss and its args, not both")
@@ -561,9 +250,21 @@ class Planner:
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
         self.target = targets.parse_target(target)
+        self.objective = objective or ("flops" if self.target.platform == "cpu" else "time")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
+                             f"{objective!r}")
+        self.groups = groups
+        self.predict_time = predict_time or self.objective == "time"
         self.per_device = per_device
         self.records: dict[str, Record] = {}
-        self._model: CostModel | None = None
+        self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
+        self._models: dict[tuple, CostModel] = {}
+        self._seconds: dict[str, float] = {}
+        self._eqn_cache: dict = {}
+        self._program: Program | None = None
+        self._forwards: dict = {}
+        self._roofline = None
         self._fingerprint: str | None = None
         self._staged = None
 
@@ -576,14 +277,17 @@ class Planner:
         keys = [str(parse(p)) for p in policies]
         todo = [p for p, k in zip(policies, keys) if k not in self.records]
         if todo:
-            def progress(i, n, record):
-                if self.progress:
-                    self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
-            for record in measure(self.loss_fn, *self.args, policies=todo, progress=progress,
-                                  target=self.target, per_device=self.per_device):
+            for record in measure(self.loss_fn, *self.args, policies=todo,
+                                  progress=self._progress, target=self.target,
+                                  per_device=self.per_device):
                 for name in record.names:
                     self.records.setdefault(str(parse(name)), record)
+                    self._policies.setdefault(str(parse(name)), parse(name))
         return [self.records[k] for k in keys]
+
+    def _progress(self, i, n, record):
+        if self.progress:
+            self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
 
     def measure(self, policy: "Policy | str") -> Record:
         """The compiled record of `policy` (memoized).
@@ -604,15 +308,127 @@ class Planner:
                                f"FLOP figures: {record.error or 'the backend reports none'}")
         return record
 
+    def _measure_layers(self, policies: tuple) -> Record:
+        """The compiled record of one policy per layer (the model's program with
+        each layer's remat region under its policy, `cost_model.with_region_policies`)."""
+        key = layers_summary(policies)
+        if key not in self.records:
+            loss, per_device = self._layer_program(policies)
+            [record] = measure(lambda _: loss, *self.args, policies=[Policy()], names=[key],
+                               progress=self._progress, target=self.target,
+                               per_device=per_device)
+            self.records[key] = dataclasses.replace(record, policy=key)
+            self._policies[key] = policies
+        return self.records[key]
+
+    def _forward(self, which: str):
+        """The forward jaxpr under `full` of the loss ("global") or of the per-device program."""
+        if which not in self._forwards:
+            fn, args = ((self.loss_fn, self.args) if which == "global" else self.per_device)
+            self._forwards[which] = forward_jaxpr(fn(Policy()), args)
+        return self._forwards[which]
+
+    def _layer_program(self, policies: tuple):
+        regions = dict(zip(self.program.layers, policies))
+        loss = with_region_policies(self._forward("global"), regions)
+        per_device = None
+        if self.per_device is not None:
+            local = with_region_policies(self._forward("local"), regions)
+            per_device = (lambda _: local, self.per_device[1])
+        return loss, per_device
+
+    # -- the cost model ----------------------------------------------------
+
+    @property
+    def program(self) -> Program:
+        """The forward program the cost model reads (`cost_model.Program`), per device."""
+        if self._program is None:
+            fn, args = self.per_device or (self.loss_fn, self.args)
+            self._program = Program(forward_jaxpr(fn(SAVE_TAGS), args).jaxpr)
+        return self._program
+
+    @property
+    def roofline(self):
+        """The target's `time_model.Roofline` (on CPU, measured once and cached)."""
+        if self._roofline is None:
+            self._roofline = time_model.roofline(self.target)
+        return self._roofline
+
+    def model_for(self, base: str = "nothing", groups: int = 1) -> CostModel:
+        """The `CostModel` under base rule `base` with tags decided in `groups` layer groups."""
+        if (base, groups) not in self._models:
+            free = set(self.measure(Policy()).residual_bytes_by_tag)
+            staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
+                      if self.per_device is not None else self.staged)
+            needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
+            self._models[(base, groups)] = self.program.model(
+                free=free, needed=needed, base=base, groups=groups,
+                roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache)
+        return self._models[(base, groups)]
+
     @property
     def model(self) -> CostModel:
-        """The measured `CostModel` (tags `full` keeps are always available)."""
-        if self._model is None:
-            free = set(self.measure(Policy()).residual_bytes_by_tag)
-            self._model = (cost_model(self.loss_fn, *self.args, free=free, staged=self.staged)
-                           if self.per_device is None
-                           else cost_model(self.per_device[0], *self.per_device[1], free=free))
-        return self._model
+        """The measured `CostModel`: one decision per tag, base rule nothing."""
+        return self.model_for()
+
+    def group_count(self) -> tuple[int, str | None]:
+        """(groups the tags are decided in, a note where fewer than asked).
+
+        Raises:
+          ValueError: an int `groups` above the number of layers.
+        """
+        why, layers = self.program.per_layer, len(self.program.layers)
+        if self.groups == "layers":
+            return (1, None) if why else (min(layers, MAX_DEFAULT_GROUPS), None)
+        if self.groups == 1:
+            return 1, None
+        if why:
+            return 1, f"groups={self.groups} not possible ({why}): one decision per tag"
+        if self.groups > layers:
+            raise ValueError(f"groups={self.groups} is more than the {layers} layers; use "
+                             f"1..{layers}")
+        return self.groups, None
+
+    def _policy(self, saved, base: str, groups: int):
+        """The policy saving `saved` items: one Policy, or one per layer where they differ."""
+        if groups == 1:
+            return Policy(save=frozenset(saved), base=base)
+        group = self.program.groups(groups)
+        layers = tuple(Policy(save=frozenset(t for t, g in saved if g == group[r]), base=base)
+                       for r in self.program.layers)
+        return layers[0] if len(set(layers)) == 1 else layers
+
+    def _record(self, policy) -> Record:
+        return self._measure_layers(policy) if isinstance(policy, tuple) \
+            else self.measure_all([policy])[0]
+
+    def seconds(self, policy) -> float:
+        """Predicted step seconds of `policy` (a Policy, spec or per-layer tuple): the
+        roofline of every equation of its value-and-grad program, per device
+        (`time_model.program_seconds`)."""
+        key = layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
+        if key not in self._seconds:
+            if isinstance(policy, tuple):
+                loss, per_device = self._layer_program(policy)
+                fn, args = per_device or ((lambda _: loss), self.args)
+            else:
+                fn, args = self.per_device or (self.loss_fn, self.args)
+            program = _stage(fn(parse(policy) if not isinstance(policy, tuple) else None),
+                             args).program
+            self._seconds[key] = time_model.program_seconds(program.jaxpr, self.roofline,
+                                                            self._eqn_cache)
+        return self._seconds[key]
+
+    def _policy_of(self, record: Record):
+        """The Policy (or per-layer tuple) a compiled record measured."""
+        return self._policies.get(record.policy) or parse(record.policy)
+
+    def score(self, record: Record) -> tuple:
+        """What the objective ranks a compiled record by (measured FLOPs, or
+        predicted seconds), then its memory."""
+        if self.objective == "time":
+            return (self.seconds(self._policy_of(record)), record.memory_bytes)
+        return (record.flops, record.memory_bytes)
 
     @property
     def staged(self):
@@ -665,7 +481,16 @@ class Planner:
         return min(r.memory_bytes for r in self._compiled()), none and none.memory_bytes
 
     def plan(self, budget: "str | int | float") -> Plan:
-        """The policy with the fewest FLOPs whose compiled memory fits `budget`.
+        """The policy with the fewest FLOPs (or least predicted time) whose
+        compiled memory fits `budget`.
+
+        Each base rule for untagged values (`cost_model.PLANNED_BASES`: nothing,
+        dots_no_batch, dots) whose own compile fits is a starting point: the
+        MILP fills the room the budget leaves above it, with the segments that
+        base rule implies. The base with the best predicted objective is
+        verified by compiling (and re-solved with the room corrected, up to
+        `max_iterations` compiles); every compiled policy, the bases alone
+        included, is a candidate, so a plan is never worse than them.
 
         Args:
           budget: see `parse_budget`.
@@ -678,15 +503,18 @@ class Planner:
             remat runs out of the target's memory (there is nothing to take a
             fraction of); `full` runs out of the target's memory.
           RuntimeError: `full` or `none` does not compile for another reason.
+          ValueError: more groups than layers (`group_count`).
         """
         parsed = parse_budget(budget)
+        groups, group_note = self.group_count()
         # The figure budgeted is in the key: a temp plan never answers a peak budget.
-        key = f"{self.fingerprint()}|{memory_kind(self.target.platform)}|{parsed}"
+        key = (f"{self.fingerprint()}|{memory_kind(self.target.platform)}|{parsed}"
+               f"|groups={groups}|{self.objective}")
         if self.cache and key in (hit := read_cache(self.cache) or {}):
             try:
                 return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
             except (TypeError, ValueError, KeyError, AttributeError):
-                pass  # an entry from an older layout, or damaged: plan again
+                pass  # an entry from an older layout: plan again
         full, none = self.measure(Policy()), self.none()
         if none is None and parsed.bytes is None:
             raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "
@@ -706,52 +534,85 @@ class Planner:
                 minimum_bytes=lo, minimum_fraction=none and lo / none.memory_bytes)
         if none is not None and limit >= none.memory_bytes:
             return self._finish(key, budget, limit, Policy(remat=False), none,
-                                none.memory_bytes, none.flops, "the budget holds no remat", 0)
-        model = self.model
-        base_flops = full.flops - model.cost(frozenset())[1]
-        room, hi, status, tried, notes = limit - full.memory_bytes, None, "", set(), []
-        # full is the fallback; on small models XLA can give it more memory than others.
-        best = ((full.flops, full.memory_bytes, Policy(), full, 0,
-                 model.cost(frozenset())[1]) if full.memory_bytes <= limit else None)
-        for _ in range(self.max_iterations):
-            saved, status = model.solve(room, FLOP_RESOLUTION * self.none_flops())
-            if saved in tried:
-                break  # the room moved, the answer did not
-            tried.add(saved)
-            policy = Policy(save=saved)
-            record = self.measure_all([policy])[0]
-            tag_bytes, recompute = model.cost(saved)
-            if record.error or record.memory_bytes is None or record.flops is None:
-                notes.append(f"{policy}: no figures ({record.error}), skipped")
-                hi, room = tag_bytes, max(0, tag_bytes - 1)
+                                none.memory_bytes, none.flops, "the budget holds no remat", 0,
+                                groups)
+        notes = [group_note] if group_note else []
+        time_objective = self.objective == "time"
+        unit = FLOP_RESOLUTION * (self.seconds(Policy(remat=False)) if time_objective
+                                  else self.none_flops())
+        # Each base rule alone is compiled: its memory is the floor the MILP fills above.
+        floors = dict(zip(PLANNED_BASES, self.measure_all([Policy(base=b)
+                                                           for b in PLANNED_BASES])))
+        starts = []
+        for base, floor in floors.items():
+            if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
                 continue
-            notes.append(f"{policy}: {record.memory_bytes:,} bytes, "
-                         + ("fits" if record.memory_bytes <= limit else "over"))
-            if record.memory_bytes <= limit:
-                found = (record.flops, record.memory_bytes, policy, record, tag_bytes,
-                         recompute)
-                best = found if best is None else min(best, found, key=lambda c: c[:2])
-                # Fits with bytes to spare: the model over-predicted; offer the slack,
-                # but stay below a room that was already too much.
-                grown = room + limit - record.memory_bytes
-                room = grown if hi is None else min(grown, (room + hi) / 2)
-            else:
-                # Over budget: shrink the room by the overshoot, and below this plan's bytes.
-                hi = tag_bytes
-                room = max(0, min(room - (record.memory_bytes - limit), tag_bytes - 1))
-        if best is not None:
-            _, _, policy, record, tag_bytes, recompute = best
-            predicted = (full.memory_bytes + tag_bytes, base_flops + recompute)
-        # Any other policy compiled for this loss (e.g. the presets remat-kit plan
-        # compares) that fits with fewer FLOPs wins: it is verified just the same.
+            model = self.model_for(base, groups)
+            saved, _ = model.solve(limit - floor.memory_bytes, unit, self.objective)
+            starts.append((self._predict(base, floor, model, saved)[2 if time_objective else 1],
+                           base))
+        tried, status, best = set(), "", None
+        if starts:
+            base = min(starts)[1]
+            floor, model = floors[base], self.model_for(base, groups)
+            notes.append(f"base {base}")
+            room, hi = limit - floor.memory_bytes, None
+            for _ in range(self.max_iterations):
+                saved, status = model.solve(room, unit, self.objective)
+                if saved in tried:
+                    break  # the room moved, the answer did not
+                tried.add(saved)
+                policy = self._policy(saved, base, groups)
+                record = self._record(policy)
+                tag_bytes = model.cost(saved)[0]
+                name = record.policy
+                if record.error or record.memory_bytes is None or record.flops is None:
+                    notes.append(f"{name}: no figures ({record.error}), skipped")
+                    hi, room = tag_bytes, max(0, tag_bytes - 1)
+                    continue
+                notes.append(f"{name}: {record.memory_bytes:,} bytes, "
+                             + ("fits" if record.memory_bytes <= limit else "over"))
+                if record.memory_bytes <= limit:
+                    found = (self.score(record), policy, record,
+                             self._predict(base, floor, model, saved))
+                    best = found if best is None or found[0] < best[0] else best
+                    # Fits with bytes to spare: the model over-predicted; offer the slack,
+                    # but stay below a room that was already too much.
+                    grown = room + limit - record.memory_bytes
+                    room = grown if hi is None else min(grown, (room + hi) / 2)
+                else:
+                    # Over budget: shrink the room by the overshoot, and below this plan's bytes.
+                    hi = tag_bytes
+                    room = max(0, min(room - (record.memory_bytes - limit), tag_bytes - 1))
+        # Any other policy compiled for this loss (the base rules alone, the presets
+        # remat-kit plan compares) that fits and scores better wins: it is verified
+        # just the same.
         other = min((r for r in self._compiled() if r.memory_bytes <= limit),
-                    key=lambda r: (r.flops, r.memory_bytes))  # `least` fits
-        if best is None or (other.flops, other.memory_bytes) < best[:2]:
-            policy, record = parse(other.policy), other
+                    key=self.score)  # `least` fits
+        if best is None or self.score(other) < best[0]:
+            policy, record = self._policy_of(other), other
             predicted = (other.memory_bytes, other.flops)
-            notes.append(f"{other.policy} (compiled before) has fewer FLOPs")
+            if best is not None:
+                notes.append(f"{other.policy} (compiled before) scores better")
+        else:
+            _, policy, record, predicted = best
+            predicted = predicted[:2]
         return self._finish(key, budget, limit, policy, record, *predicted,
-                            "; ".join([status, *notes, f"chose {policy}"]), len(tried))
+                            "; ".join([status, *notes, "chose " + (
+                                layers_summary(policy) if isinstance(policy, tuple)
+                                else str(policy))]), len(tried),
+                            groups)
+
+    def _predict(self, base, floor, model, saved) -> tuple[int, float, float | None]:
+        """(bytes, FLOPs, seconds or None) the cost model predicts for saving `saved`
+        above base rule `base` alone (`floor`, its compiled record)."""
+        nbytes, flops = model.cost(saved)
+        empty = model.cost(frozenset())[1]
+        seconds = None
+        if self.objective == "time":
+            seconds = self.seconds(Policy(base=base)) - model.time(frozenset()) + \
+                model.time(saved)
+        return floor.memory_bytes + nbytes, floor.flops - empty + flops, seconds
 
     def _compiled(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures."""
@@ -759,25 +620,32 @@ class Planner:
                 if r.error is None and r.flops is not None and r.memory_bytes is not None]
 
     def _finish(self, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
-                status, iterations) -> Plan:
+                status, iterations, groups) -> Plan:
         least, none = self.minimum()
         if none is None:
             status += "; no remat runs out of the target's memory: its FLOPs are the cost model's"
+        layered = isinstance(policy, tuple)
         result = Plan(
-            budget=str(budget), budget_bytes=limit, policy=policy, spec=str(policy),
+            budget=str(budget), budget_bytes=limit, policy=policy,
+            spec=layers_summary(policy) if layered else str(policy),
             predicted_bytes=predicted_bytes,
             predicted_flops=predicted_flops, measured_bytes=record.memory_bytes,
             measured_flops=record.flops, none_bytes=none, none_flops=self.none_flops(),
             minimum_bytes=least, status=status, iterations=iterations,
             platform=record.platform, memory_kind=self.memory_kind,
-            none_out_of_memory=none is None)
+            none_out_of_memory=none is None,
+            layer_specs=tuple(map(str, policy)) if layered else (), groups=groups,
+            objective=self.objective,
+            predicted_seconds=self.seconds(policy) if self.predict_time else None,
+            none_seconds=self.seconds(Policy(remat=False)) if self.predict_time else None)
         if self.cache:
             _write_cache(self.cache, key, result)
         return result
 
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: where a smaller budget's plan
-        has fewer measured FLOPs, it is kept for the larger budget too (it fits).
+        scores better (fewer measured FLOPs, or less predicted time), it is kept
+        for the larger budget too (it fits).
 
         Returns:
           Plans in the order of `budgets`.
@@ -785,19 +653,22 @@ class Planner:
           BudgetError: as `plan`, for the first budget that fails.
         """
         plans = [self.plan(b) for b in budgets]
+        score = ((lambda p: p.predicted_seconds) if self.objective == "time"
+                 else (lambda p: p.measured_flops))
         best: Plan | None = None
         for i in sorted(range(len(plans)), key=lambda i: plans[i].budget_bytes):
             p = plans[i]
-            if best is not None and best.measured_flops < p.measured_flops:
+            if best is not None and score(best) < score(p):
                 plans[i] = dataclasses.replace(
                     best, budget=p.budget, budget_bytes=p.budget_bytes, cached=p.cached,
-                    status=p.status + f"; kept the plan of budget {best.budget} (fewer FLOPs)")
+                    status=p.status + f"; kept the plan of budget {best.budget} (scores better)")
             best = plans[i]
         return plans
 
 
 def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
-         max_iterations: int = 3, target=None) -> Plan:
+         max_iterations: int = 3, target=None, groups: "int | str" = 1,
+         objective: str | None = None) -> Plan:
     """The cheapest policy (fewest FLOPs) whose compiled memory fits `budget`.
 
     `rk.plan(loss_fn, *args, budget="6GiB")`: a mixed-integer program over the
@@ -814,6 +685,7 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       max_iterations: compiles per budget before falling back to `full`.
       target: whose compiler to plan for (`remat_kit.targets`, e.g.
         "tpu:v5e:1x1"); default JAX's default backend.
+      groups, objective: see `Planner`.
     Returns:
       A `Plan` with measured_bytes <= budget_bytes.
     Raises:
@@ -823,7 +695,7 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
         is nothing to differentiate.
     """
     return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
-                   target=target).plan(budget)
+                   target=target, groups=groups, objective=objective).plan(budget)
 
 
 def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=None,
@@ -854,15 +726,22 @@ def resolve(policies: Sequence, loss_fn: Callable, *args,
     return [planner.plan(p.budget).policy if isinstance(p, AutoSpec) else p for p in parsed]
 
 
-def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool | None" = True):
-    """`cfg` with an `auto:budget=...` remat replaced by the planned policy's spec;
-    any other cfg unchanged. batch, seq: the global shapes the model will train at."""
+def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool | None" = True,
+                   **kwargs):
+    """`cfg` with an `auto:budget=...` remat replaced by the planned policy's spec,
+    or for a per-layer plan by remat="none" and its `layer_remat`; any other cfg
+    unchanged. batch, seq: the global shapes the model will train at. kwargs:
+    `Planner`'s (groups, objective)."""
     if not isinstance(parse(cfg.remat), AutoSpec):
         return cfg
-    planner = config_planner(cfg.replace(remat="none"), batch, seq, mesh=mesh, cache=cache)
-    return cfg.replace(remat=planner.plan(parse(cfg.remat).budget).spec)
+    planner = config_planner(cfg.replace(remat="none"), batch, seq, mesh=mesh, cache=cache,
+                             **kwargs)
+    planned = planner.plan(parse(cfg.remat).budget)
+    if planned.layer_specs:
+        return cfg.replace(remat="none", layer_remat=planned.layer_specs)
+    return cfg.replace(remat=planned.spec)
 
 
-__all__ = ["Budget", "CostModel", "Plan", "Planner", "config_planner", "cost_model",
-           "default_cache_path", "parse_budget", "plan", "read_cache", "resolve",
-           "resolve_config"]
+__all__ = ["Budget", "CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner", "config_planner",
+           "cost_model", "default_cache_path", "layers_summary", "parse_budget", "plan",
+           "read_cache", "resolve", "resolve_config"]

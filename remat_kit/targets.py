@@ -224,6 +224,53 @@ def parse_targets(text: str) -> list[Target]:
 
 
 # ---------------------------------------------------------------------------
+# Peak figures, for the planner's time model (remat_kit.time_model)
+# ---------------------------------------------------------------------------
+
+_PCIE5_X16 = 64e9  # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b coding, ~63 GB/s each way
+# Dense (no sparsity) peaks. bf16_flops: 16-bit matmul; f32_flops: what an f32
+# matmul runs at under JAX's default precision (TPU: one bf16 pass; NVIDIA: TF32).
+PEAKS = {
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2.
+    "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
+                "source": "cloud.google.com/tpu/docs/v5e"},
+    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
+    "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
+                "source": "cloud.google.com/tpu/docs/v5p"},
+    # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM): BF16 1,979 TFLOP/s
+    # with sparsity (989 dense), TF32 989 with sparsity (494.5 dense), 3.35 TB/s HBM3;
+    # host link PCIe Gen5 x16.
+    "gpu:h100": {"bf16_flops": 989e12, "f32_flops": 494.5e12, "bandwidth": 3.35e12,
+                 "host_bandwidth": _PCIE5_X16, "source": "nvidia.com/en-us/data-center/h100"},
+    # https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM): the H100's compute,
+    # 4.8 TB/s HBM3e; host link PCIe Gen5 x16.
+    "gpu:h200": {"bf16_flops": 989e12, "f32_flops": 494.5e12, "bandwidth": 4.8e12,
+                 "host_bandwidth": _PCIE5_X16, "source": "nvidia.com/en-us/data-center/h200"},
+}
+
+
+def peaks(target: "str | Target") -> dict | None:
+    """`PEAKS` of `target`'s chip: {"bf16_flops", "f32_flops" (FLOP/s), "bandwidth",
+    "host_bandwidth" (bytes/s), "source"}; None for the CPU and for chips not listed
+    (the time model then measures this CPU, `time_model.calibrate_cpu`). A target of
+    this machine's devices is matched by its device kind ("NVIDIA H200", "TPU v5 lite")."""
+    target = parse_target(target)
+    if target.platform == "cpu":
+        return None
+    if target.aot:
+        name = target.topology.split(":")[0].lower()
+    else:
+        try:
+            kind = jax.devices(target.platform)[0].device_kind.lower()
+        except RuntimeError:
+            return None
+        names = (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e")),
+                 ("v5p", ("v5p",)))
+        name = next((n for n, words in names if any(w in kind for w in words)), "")
+    return PEAKS.get(f"{target.platform}:{name}")
+
+
+# ---------------------------------------------------------------------------
 # Devices and versions
 # ---------------------------------------------------------------------------
 
@@ -486,4 +533,4 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
 __all__ = ["Compiled", "EXAMPLES", "KINDS", "TPU_GENERATIONS", "Target", "TargetError",
            "compile_for", "compile_options", "costs", "devices", "is_out_of_memory", "lower",
            "make_mesh",
-           "parse_target", "parse_targets", "place", "versions"]
+           "PEAKS", "parse_target", "peaks", "parse_targets", "place", "versions"]

@@ -1,0 +1,421 @@
+"""The planner's cost model: what saving or recomputing each tag costs, measured from the program.
+
+The loss is traced forward (`jax.make_jaxpr`) and flattened (`Program`): calls
+that only group equations (`jax.jit` / `nn.jit` / `nnx.jit`, `closed_call`,
+custom_jvp / custom_vjp functions) are inlined, so tags inside them are seen;
+every remat region (`checkpoint`) is a *region*, whose inputs the remat keeps
+(a recompute never reaches past them); a `scan` body is a level of its own whose
+tags count once per trip. The regions outside any scan that hold tags are the
+*layers*, in forward order: per-layer decisions (`Program.model(groups=G)`)
+decide each tag per group of consecutive layers. A scanned stack's layers are
+one body, so its tags are decided for all layers at once (`Program.per_layer`
+says why not otherwise).
+
+In the forward pass each tag has a *segment*: the equations between it and its
+nearest tagged ancestors (its *parents*), the region's or level's inputs, and
+the values the base rule saves (`dots` saves every `dot_general` output, so a
+segment stops there and the dot is never recomputed). A tag's recompute cost is
+its segment's FLOPs and predicted seconds, each equation's figures from XLA's
+cost analysis of that equation alone (`remat_kit.time_model`); its bytes are its
+values' bytes, none where the base rule saves them anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from remat_kit import time_model
+from remat_kit.residuals import _COPIES, _stage
+from remat_kit.workload import _as_factory
+from remat_kit.policy import BASES, Policy
+from remat_kit.validate import tag_of
+
+SAVE_TAGS = Policy(save=frozenset({"*"}))
+# Base rules the planner chooses among; "everything" saves what no remat saves.
+PLANNED_BASES = tuple(b for b in BASES if b != "everything")
+_REMAT = ("checkpoint", "remat2", "remat")
+_CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+_cp = jax.checkpoint_policies
+_BASE_SAVES = {"nothing": None, "dots": _cp.dots_saveable,
+               "dots_no_batch": _cp.dots_with_no_batch_dims_saveable}
+
+
+# ---------------------------------------------------------------------------
+# The MILP over decision items
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """What saving or recomputing each decision item costs, summed over its occurrences.
+
+    An item is a tag (uniform decisions) or a (tag, group) pair (per layer group).
+
+    Attributes:
+      tags: the items the policy decides, in forward order.
+      nbytes: bytes of each item's values (all occurrences), per device.
+      flops: FLOPs of recomputing each item from its parents (its segment).
+      parents: items each item's segment reads (always-available tags left out).
+      needed: items the backward pass reads.
+      seconds: predicted seconds of recomputing each item (`time_model`); empty
+        when no time model was given.
+      base: the base rule the segments assume (`PLANNED_BASES`).
+    """
+
+    tags: tuple
+    nbytes: dict
+    flops: dict
+    parents: dict
+    needed: frozenset
+    seconds: dict = dataclasses.field(default_factory=dict)
+    base: str = "nothing"
+
+    def recomputed(self, saved) -> frozenset:
+        """The items recomputed when `saved` are saved: needed ones not saved,
+        and the unsaved parents of every recomputed item, transitively."""
+        out, stack = set(), [t for t in self.needed if t not in saved]
+        while stack:
+            t = stack.pop()
+            if t not in out:
+                out.add(t)
+                stack += [p for p in self.parents[t] if p not in saved]
+        return frozenset(out)
+
+    def cost(self, saved) -> tuple[int, float]:
+        """(saved bytes, recompute FLOPs) of saving `saved`."""
+        return (sum(self.nbytes[t] for t in saved),
+                sum(self.flops[t] for t in self.recomputed(saved)))
+
+    def time(self, saved) -> float:
+        """Predicted recompute seconds of saving `saved` (0 without a time model)."""
+        return sum(self.seconds.get(t, 0.0) for t in self.recomputed(saved))
+
+    def solve(self, room: float, flop_tolerance: float = 0.0,
+              objective: str = "flops") -> tuple[frozenset, str]:
+        """The cheapest items to save within `room` bytes.
+
+        Binary s_t (save t) and r_t (recompute t), after Checkmate (Jain et al.
+        2020) with one recompute stage:
+
+            minimize    sum_t cost_t r_t
+            subject to  s_t + r_t >= 1              t needed by the backward pass
+                        s_p + r_p >= r_t            p a parent of t
+                        sum_t bytes_t s_t <= room
+
+        then again for the fewest bytes among solutions within the tolerance.
+
+        Args:
+          room: bytes the saved items may take.
+          flop_tolerance: cost the second solve may give up for fewer bytes, in
+            the objective's unit (FLOPs, or seconds for "time").
+          objective: "flops" (cost_t = flops) or "time" (cost_t = seconds).
+        Returns:
+          (saved items, HiGHS status message).
+        """
+        n = len(self.tags)
+        if n == 0:
+            return frozenset(), "no tags to decide"
+        index = {t: i for i, t in enumerate(self.tags)}
+        rows, lower = [], []
+
+        def row(s=(), r=(), minus_r=()):
+            a = np.zeros(2 * n)
+            for t in s:
+                a[index[t]] += 1
+            for t in r:
+                a[n + index[t]] += 1
+            for t in minus_r:
+                a[n + index[t]] -= 1
+            return a
+
+        for t in self.needed:
+            rows.append(row(s=[t], r=[t]))
+            lower.append(1)
+        for t in self.tags:
+            for p in self.parents[t]:
+                rows.append(row(s=[p], r=[p], minus_r=[t]))
+                lower.append(0)
+        weights = self.seconds if objective == "time" else self.flops
+        # Scaled to ~1 so HiGHS's tolerances mean the same at any model size.
+        b = np.array([self.nbytes[t] for t in self.tags], float)
+        f = np.array([weights.get(t, 0.0) for t in self.tags], float)
+        b_scale, f_scale = max(b.max(), 1.0), max(f.max(), 1e-30)
+        memory = np.concatenate([b / b_scale, np.zeros(n)])
+        cons = [LinearConstraint(np.array(rows), lower, np.inf)] if rows else []
+        cons.append(LinearConstraint(memory[None], -np.inf, max(room, 0) / b_scale + 1e-9))
+        opts = dict(integrality=np.ones(2 * n), bounds=Bounds(0, 1),
+                    options={"mip_rel_gap": 0.0})
+        cost_row = np.concatenate([np.zeros(n), f / f_scale])
+        first = milp(cost_row, constraints=cons, **opts)
+        if first.x is None:
+            return frozenset(), f"HiGHS: {first.message}"
+        cons.append(LinearConstraint(cost_row[None], -np.inf,
+                                     first.fun + 1e-7 + flop_tolerance / f_scale))
+        second = milp(memory, constraints=cons, **opts)
+        x = second.x if second.x is not None else first.x
+        saved = frozenset(t for t in self.tags if x[index[t]] > 0.5)
+        return saved, f"HiGHS: {second.message if second.x is not None else first.message}"
+
+
+# ---------------------------------------------------------------------------
+# The flattened forward program
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Node:
+    eqn: object
+    ins: list          # keys of the inputs (None for a literal)
+    outs: list         # keys of the outputs
+    region: int | None  # innermost remat region, or None
+    scale: int         # trips of the scans around it
+
+
+def _call_body(eqn):
+    """The jaxpr of a call-like equation whose inputs and outputs match its own."""
+    for key in _CALL_KEYS:
+        body = eqn.params.get(key)
+        body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+        if (hasattr(body, "eqns") and len(body.invars) == len(eqn.invars)
+                and len(body.outvars) == len(eqn.outvars)):
+            return body
+    return None
+
+
+class Program:
+    """A loss's forward program, flattened for the cost model (see the module docstring).
+
+    Args:
+      jaxpr: the forward jaxpr (`jax.make_jaxpr` of the loss on flat leaves).
+
+    Attributes:
+      nodes: the equations, call bodies inlined, in program order.
+      regions: per remat region, in walk order: True where it is inside a scan.
+      layers: the regions that hold tags outside any scan, in forward order.
+    """
+
+    def __init__(self, jaxpr):
+        self.nodes: list[_Node] = []
+        self.regions: list[bool] = []
+        self._alias: dict = {}
+        self._contexts = 0
+        self._walk(jaxpr, self._context(), None, 1, False)
+        self.producers = {k: n for n in self.nodes for k in n.outs if k is not None}
+        tagged = [n for n in self.nodes if tag_of(n.eqn) is not None]
+        self.layers = tuple(dict.fromkeys(n.region for n in tagged if n.region is not None
+                                          and not self.regions[n.region]))
+        self._loose = [n for n in tagged if n.region is None or self.regions[n.region]]
+
+    def _context(self) -> int:
+        self._contexts += 1
+        return self._contexts
+
+    def _key(self, ctx, v):
+        if isinstance(v, Literal):
+            return None
+        return self._alias.get((ctx, v), (ctx, v))
+
+    def _walk(self, jaxpr, ctx, region, scale, in_scan):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = [self._key(ctx, v) for v in eqn.invars]
+            body = _call_body(eqn)
+            if name == "scan":
+                inner = eqn.params["jaxpr"].jaxpr
+                self._walk(inner, self._context(), region, scale * eqn.params["length"], True)
+            elif name in _REMAT and body is not None:
+                self.regions.append(in_scan)
+                inner = self._context()
+                self._walk(body, inner, len(self.regions) - 1, scale, in_scan)
+                for o, io in zip(eqn.outvars, body.outvars):
+                    self._alias[(ctx, o)] = self._key(inner, io)
+                continue
+            elif body is not None:
+                inner = self._context()
+                for iv, k in zip(body.invars, ins):
+                    self._alias[(inner, iv)] = k
+                self._walk(body, inner, region, scale, in_scan)
+                for o, io in zip(eqn.outvars, body.outvars):
+                    self._alias[(ctx, o)] = self._key(inner, io)
+                continue
+            # A scan is a boundary: a segment never recomputes a loop.
+            self.nodes.append(_Node(eqn, ins, [self._key(ctx, v) for v in eqn.outvars],
+                                    region, scale))
+
+    @property
+    def per_layer(self) -> str | None:
+        """None where tags can be decided per layer; else why not."""
+        if self._loose:
+            inside = any(n.region is not None for n in self._loose)
+            return ("the layers are one scan body, which takes one policy for every layer"
+                    if inside else "some tags are outside any per-layer remat region")
+        if len(self.layers) < 2:
+            return "the program has one remat region"
+        return None
+
+    def groups(self, groups: int) -> dict[int, int]:
+        """Region -> group, `groups` runs of consecutive layers as even as possible."""
+        n = len(self.layers)
+        return {r: i * groups // n for i, r in enumerate(self.layers)}
+
+    def _saved_by_base(self, node: _Node, base: str) -> bool:
+        rule = _BASE_SAVES[base]
+        return rule is not None and bool(rule(node.eqn.primitive,
+                                              *[v.aval for v in node.eqn.invars],
+                                              **node.eqn.params))
+
+    def _source(self, key):
+        """The node producing `key`, through copies and layout changes."""
+        node = self.producers.get(key)
+        while node is not None and node.eqn.primitive in _COPIES and node.ins:
+            node = self.producers.get(node.ins[0])
+        return node
+
+    def model(self, *, free: Sequence[str] = (), needed: Sequence[str] = (),
+              base: str = "nothing", groups: int = 1,
+              roofline: "time_model.Roofline | None" = None, cache: dict | None = None
+              ) -> CostModel:
+        """The `CostModel` of this program under base rule `base`.
+
+        Args:
+          free: tags the remat regions keep whatever the policy (their inputs).
+          needed: tag names the backward pass reads.
+          base: "nothing", "dots_no_batch" or "dots".
+          groups: 1 for one decision per tag (items are tag names); G > 1 for
+            one per tag and group of layers (items are (tag, group) pairs);
+            needs `per_layer` to be None.
+          roofline: for predicted seconds (`CostModel.seconds`).
+          cache: equation figures already measured (`time_model.eqn_costs`).
+        Raises:
+          ValueError: groups > 1 where `per_layer` says no, or outside 1..layers.
+        """
+        if groups > 1 and (self.per_layer or groups > len(self.layers)):
+            raise ValueError(f"cannot decide tags in {groups} layer groups: "
+                             f"{self.per_layer or f'the program has {len(self.layers)} layers'}")
+        cache = {} if cache is None else cache
+        group = self.groups(groups) if groups > 1 else {}
+        free = set(free)
+        nbytes, flops, seconds, parents, order = {}, {}, {}, {}, {}
+
+        def item(node):
+            tag = tag_of(node.eqn)
+            return tag if groups == 1 else (tag, group.get(node.region, 0))
+
+        for node in self.nodes:
+            tag = tag_of(node.eqn)
+            if tag is None or tag in free:
+                continue
+            it = item(node)
+            order.setdefault(it, None)
+            aval = node.eqn.outvars[0].aval
+            source = self._source(node.ins[0]) if node.ins else None
+            kept = source is not None and self._saved_by_base(source, base)
+            nbytes[it] = nbytes.get(it, 0) + (0 if kept else node.scale * math.prod(
+                aval.shape) * aval.dtype.itemsize)
+            reads = parents.setdefault(it, set())
+            seen, stack = set(), list(node.ins)
+            while stack:  # the segment: back to the nearest tags, inputs or base-saved values
+                e = self.producers.get(stack.pop())
+                if e is None or id(e) in seen or e.eqn.primitive.name == "scan":
+                    continue
+                seen.add(id(e))
+                if (t := tag_of(e.eqn)) is not None:
+                    if t not in free:
+                        reads.add(item(e))
+                    continue
+                if self._saved_by_base(e, base):
+                    continue
+                f, b = time_model.eqn_costs(e.eqn, cache)
+                flops[it] = flops.get(it, 0.0) + e.scale * f
+                if roofline is not None:
+                    seconds[it] = seconds.get(it, 0.0) + e.scale * roofline.seconds(
+                        f, b, getattr(e.eqn.outvars[0].aval, "dtype", None))
+                stack += e.ins
+        tags = tuple(order)
+        wanted = set(needed)
+        return CostModel(tags, nbytes, {t: flops.get(t, 0.0) for t in tags},
+                         {t: frozenset(parents[t] - {t}) for t in tags},
+                         frozenset(t for t in tags if (t if groups == 1 else t[0]) in wanted),
+                         {t: seconds.get(t, 0.0) for t in tags} if roofline else {}, base)
+
+
+def forward_jaxpr(loss: Callable, args) -> ClosedJaxpr:
+    """`loss(*args)` traced forward on its flat leaves (nothing is computed)."""
+    leaves, tree = jax.tree.flatten(args)
+    return jax.make_jaxpr(lambda *xs: loss(*jax.tree.unflatten(tree, xs)))(*leaves)
+
+
+def with_region_policies(closed: ClosedJaxpr, policies: dict[int, Policy]) -> Callable:
+    """A loss(*args) that runs `closed` (`forward_jaxpr` of a loss at args) with
+    remat region i under `policies[i]`.
+
+    Regions are counted as `Program` counts them (walk order); regions not in
+    `policies` keep theirs. The result is the model's own program with only the
+    regions' policies changed, so it compiles as the model would with those
+    per-layer policies (e.g. `TransformerConfig.layer_remat`).
+    """
+    counter = [0]
+    jax_policies = {i: p.to_jax() for i, p in policies.items()}
+
+    def rewrite(jaxpr):
+        eqns = []
+        for eqn in jaxpr.eqns:
+            params = dict(eqn.params)
+            name = eqn.primitive.name
+            if name == "scan":
+                sub = params["jaxpr"]
+                params["jaxpr"] = ClosedJaxpr(rewrite(sub.jaxpr), sub.consts)
+            else:
+                for key in _CALL_KEYS:
+                    sub = params.get(key)
+                    if _call_body(eqn) is None or sub is None:
+                        continue
+                    if name in _REMAT:
+                        i, counter[0] = counter[0], counter[0] + 1
+                        if i in jax_policies:
+                            params["policy"] = jax_policies[i]
+                    params[key] = (ClosedJaxpr(rewrite(sub.jaxpr), sub.consts)
+                                   if isinstance(sub, ClosedJaxpr) else rewrite(sub))
+                    break
+            eqns.append(eqn.replace(params=params))
+        return jaxpr.replace(eqns=eqns)
+
+    fun = jaxpr_as_fun(ClosedJaxpr(rewrite(closed.jaxpr), closed.consts))
+
+    def loss(*xs):
+        return fun(*jax.tree.leaves(xs))[0]
+    return loss
+
+
+def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None,
+               base: str = "nothing", groups: int = 1, roofline=None) -> CostModel:
+    """Measures a `CostModel` for `loss_fn(*args)` (see the module docstring).
+
+    Tags inside a `scan` (a scanned layer stack, `TransformerConfig.scan_layers`,
+    or nested scans) count once per iteration; tags inside `jax.jit`-ed calls
+    are seen.
+
+    Args:
+      loss_fn: a loss or a policy -> loss factory, as `measure` takes.
+      args: arrays or `jax.ShapeDtypeStruct`s; nothing is computed.
+      free: tags the remat region keeps whatever the policy (its inputs).
+      staged: the loss already traced under `SAVE_TAGS` (`residuals._stage`), if at hand.
+      base, groups, roofline: as `Program.model`.
+    Raises:
+      TypeError: the loss does not return a scalar.
+    """
+    loss = _as_factory(loss_fn)(SAVE_TAGS)
+    staged = staged or _stage(loss, args)
+    needed = {r.name for r in staged.residuals if r.kind == "tag"} - set(free)
+    return Program(forward_jaxpr(loss, args).jaxpr).model(
+        free=free, needed=needed, base=base, groups=groups, roofline=roofline)
+
+
+__all__ = ["CostModel", "PLANNED_BASES", "Program", "SAVE_TAGS", "cost_model", "forward_jaxpr",
+           "with_region_policies"]
