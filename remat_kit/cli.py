@@ -435,6 +435,9 @@ def _compare(args) -> int:
         raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
                        "of time (tpu:<topology>) cannot be timed")
     meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
+    auto = [p.budget for p in map(parse, specs) if isinstance(p, AutoSpec)]
+    for target, mesh in zip(target_list, meshes):
+        check_planner_floor(cfg, auto, target, mesh, "--policies auto:budget=")
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
@@ -549,13 +552,13 @@ def _explain(args) -> int:
 
 
 def split_budgets(text: str) -> list[str]:
-    """'0.2,0.4,6GiB' -> ['0.2', '0.4', '6GiB'], each checked (`plan.parse_budget`).
+    """'0.2,0.4,6GiB' -> ['0.2', '0.4', '6GiB'], each checked (`budget.parse_budget`).
 
     Raises:
       BadInput: empty, an empty item, or an item that is not a budget.
     """
     from remat_kit.errors import BudgetError
-    from remat_kit.plan import parse_budget
+    from remat_kit.budget import parse_budget
 
     items = [b.strip() for b in text.split(",")]
     if not text.strip() or not all(items):
@@ -569,6 +572,24 @@ def split_budgets(text: str) -> list[str]:
     return items
 
 
+def check_planner_floor(cfg, budgets: Sequence[str], target, mesh, flag: str) -> None:
+    """BadInput, in one line naming the floor, for a budget in bytes below the
+    parameters plus gradients where the planner's figure counts them
+    (`floor.planner_floor`: TPU and GPU); eval_shape only, nothing compiles."""
+    from remat_kit import floor, targets
+    from remat_kit.budget import parse_budget
+    from remat_kit.errors import BudgetError
+
+    sizes = [n for n in (parse_budget(b).bytes for b in budgets) if n is not None]
+    if not sizes:
+        return
+    least = floor.planner_floor(cfg, targets.parse_target(target).platform, mesh)
+    try:
+        floor.check(min(sizes), least, "the parameters plus gradients")
+    except BudgetError as e:
+        raise BadInput(f"{flag}: {e}") from None
+
+
 def _plan(args) -> int:
     import json
 
@@ -577,7 +598,8 @@ def _plan(args) -> int:
 
     from remat_kit import report
     from remat_kit.measure import MEMORY_LABELS
-    from remat_kit.plan import config_planner, parse_budget, read_cache
+    from remat_kit.budget import parse_budget
+    from remat_kit.plan import config_planner, read_cache
 
     cfg, label, defaults = load_config(args.config)
     if args.dtype:
@@ -601,6 +623,7 @@ def _plan(args) -> int:
     if len(target_list) > 1:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
     mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
+    check_planner_floor(cfg, budgets, target_list[0], mesh, "--budgets")
     devices = 1 if mesh is None else mesh.size
 
     def progress(message):
@@ -673,6 +696,10 @@ def _plan(args) -> int:
         planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
                    for b, p in plans.items()]
         report.plot(args.plot, report.rows(records + planned), title)
+    if not fits:
+        print(f"error: no budget can be met: each is below the least compiled memory, "
+              f"{report.fmt_bytes(full)} {memory}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -682,7 +709,7 @@ def _fit(args) -> int:
     from remat_kit import report
     from remat_kit.errors import BudgetError
     from remat_kit.fit import DEFAULT_MAX_SIZE, DEFAULT_MULTIPLE, FIT_POLICIES, _is_auto, fit
-    from remat_kit.plan import parse_budget
+    from remat_kit.budget import parse_budget
 
     cfg, label, defaults = load_config(args.config)
     if args.dtype:

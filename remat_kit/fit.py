@@ -48,7 +48,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -57,9 +56,11 @@ from jax.sharding import Mesh
 from remat_kit import mesh as rk_mesh
 from remat_kit import targets
 from remat_kit.errors import BudgetError, MeshError, RematSpecError
-from remat_kit.measure import PEAK, _check_positive, _local, config_program, memory_kind
+from remat_kit.floor import sized, train_state, tree_bytes
+from remat_kit.measure import PEAK, _check_positive, memory_kind
 from remat_kit.models import TransformerConfig
-from remat_kit.plan import config_planner, parse_budget
+from remat_kit.budget import parse_budget
+from remat_kit.plan import config_planner
 from remat_kit.policy import Policy
 from remat_kit.report import fmt_bytes
 from remat_kit.spec import AutoSpec, parse
@@ -114,18 +115,6 @@ class StepMemory:
     compile_seconds: float
 
 
-def _tree_bytes(tree) -> int:
-    """Bytes one device holds of a tree of (possibly sharded) ShapeDtypeStructs."""
-    return sum(math.prod(_local(x).shape) * jnp.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))
-
-
-def _sized(cfg: TransformerConfig, seq: int) -> TransformerConfig:
-    # GPT-2 learns one position embedding per position: a longer context
-    # needs a longer table, as it would in the user's run.
-    return cfg.replace(max_len=seq) if cfg.family == "gpt2" and seq > cfg.max_len else cfg
-
-
 def _check_args(cfg, optimizer, **sizes) -> None:
     """TypeError / ValueError naming the argument, before anything compiles."""
     if not isinstance(cfg, TransformerConfig):
@@ -162,7 +151,7 @@ def _is_auto(spec: str, budget_bytes: int) -> bool:
         raise BudgetError(
             f"in fit, auto's budget is the fit budget ({fmt_bytes(budget_bytes)}, "
             f"{budget_bytes} bytes per device, of the whole step); write 'auto' or "
-            f"'auto:budget={budget_bytes}', not {spec!r}", budget=policy.budget)
+            f"'auto:budget={budget_bytes}B', not {spec!r}", budget=policy.budget)
     return True
 
 
@@ -188,30 +177,6 @@ def in_use_bytes(memory: dict, platform: str) -> tuple[int, str]:
     return (memory["argument_size_in_bytes"] + memory["temp_size_in_bytes"]
             + memory["output_size_in_bytes"] - memory["alias_size_in_bytes"],
             "argument + temp + output - alias")
-
-
-def _train_state(cfg: TransformerConfig, batch: int, seq: int,
-                 optimizer: optax.GradientTransformation, mesh: Mesh | None):
-    """The reference transformer's loss and one train step's arguments, as
-    `jax.ShapeDtypeStruct`s: (loss_for_policy, params, opt_state, tokens, key).
-
-    `measure.config_program` gives the loss, the parameters (sharded by their
-    logical axes on `mesh`), the tokens [batch, seq] (split over the mesh's
-    batch axes) and the PRNG key; the optimizer state is sharded like the
-    parameters each of its leaves mirrors (`optax.tree_map_params`), its
-    other leaves (AdamW's step count) replicated.
-    """
-    loss_for_policy, (params, tokens, _, key), _ = config_program(
-        _sized(cfg, seq), batch, seq, mesh=mesh)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    if mesh is not None:
-        replicated = rk_mesh.replicated(mesh)
-        opt_state = optax.tree_map_params(
-            optimizer, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
-            opt_state, params,
-            transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                                sharding=replicated))
-    return loss_for_policy, params, opt_state, tokens, key
 
 
 def _check_mesh(mesh) -> None:
@@ -268,7 +233,7 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
     _check_mesh(mesh)
     policy = _policy(policy)
     optimizer = optimizer or default_optimizer()
-    loss_for_policy, params, opt_state, tokens, key = _train_state(cfg, batch, seq, optimizer,
+    loss_for_policy, params, opt_state, tokens, key = train_state(cfg, batch, seq, optimizer,
                                                                    mesh)
     loss_fn = loss_for_policy(policy)
     state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
@@ -286,7 +251,7 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
                             donate=(0, 1))
     mem = c.memory
     total, source = in_use_bytes(mem, target.platform)
-    p_bytes, o_bytes = _tree_bytes(params), _tree_bytes(opt_state)
+    p_bytes, o_bytes = tree_bytes(params), tree_bytes(opt_state)
     return StepMemory(total, source, p_bytes, p_bytes, o_bytes,
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),
@@ -495,7 +460,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     Args:
       cfg: the model config (dtype, dropout, family, sizes).
       budget: device memory per device: bytes as an int, or a size string
-        ("16GiB", "512MiB", "8e9"; `remat_kit.plan.parse_budget`, but not a
+        ("16GiB", "512MiB", "8e9"; `remat_kit.budget.parse_budget`, but not a
         fraction: there is no fixed no-remat figure to take it of).
       vary: "seq" (find the longest sequence at a fixed batch) or "batch"
         (the largest global batch at a fixed sequence length).
@@ -565,9 +530,9 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
             _policy(p).schedule.check(cfg.num_layers)  # bad specs fail before anything compiles
     optimizer = optimizer or default_optimizer()
 
-    _, params, opt_state, _, _ = _train_state(cfg, split, 1, optimizer, mesh)
-    floor = _tree_bytes(params) + _tree_bytes(opt_state)
-    at_zero = floor + _tree_bytes(params)  # and the gradients: the step's memory at size 0
+    _, params, opt_state, _, _ = train_state(cfg, split, 1, optimizer, mesh)
+    floor = tree_bytes(params) + tree_bytes(opt_state)
+    at_zero = floor + tree_bytes(params)  # and the gradients: the step's memory at size 0
     if budget_bytes < floor:
         where = f"per device of mesh {rk_mesh.spec_text(mesh)}" if mesh is not None else "per device"
         raise BudgetError(
@@ -594,7 +559,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
         start_units = max((r.size for r in rows if r is not None), default=0) // multiple
         if auto[i]:
             chooser = _Auto(steps, budget_bytes, lambda size: config_planner(
-                _sized(cfg, sizes(size)[1]), *sizes(size), mesh=plan_mesh, cache=cache,
+                sized(cfg, sizes(size)[1]), *sizes(size), mesh=plan_mesh, cache=cache,
                 target=target))
             at, extra, seen = chooser.at, lambda: chooser.planner_compiles, {}
         else:

@@ -75,87 +75,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat_kit import targets
+from remat_kit.budget import parse_budget
 from remat_kit.errors import BudgetError
 from remat_kit.measure import (MEMORY_LABELS, Record, _as_factory, _stage, config_program,
                                measure, memory_kind, per_device_program)
 from remat_kit.policy import Policy
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import tag_of
-
-# ---------------------------------------------------------------------------
-# Budgets
-# ---------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(?P<num>[-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[a-z]*)\s*$",
-                   re.I)
-_HELP = "a size (6GiB, 512MiB, 6000000000 bytes) or a fraction 0 < f <= 1 of no-remat memory " \
-        "(0.25, 25%; temp memory on CPU, peak on TPU and GPU)"
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-    """A parsed memory budget: `bytes` (int) or `fraction` (0 < f <= 1) of no-remat memory."""
-
-    bytes: int | None = None
-    fraction: float | None = None
-
-    def resolve(self, none_bytes: int | None) -> int:
-        """Bytes, given no remat's memory `none_bytes` (`Record.memory_bytes` of `none`)."""
-        return self.bytes if self.bytes is not None else int(self.fraction * none_bytes)
-
-
-def parse_budget(budget: "str | int | float") -> Budget:
-    """Parses a memory budget.
-
-    Args:
-      budget: a size: an int or a string of a number and a unit ("6GiB",
-        "512MiB", "1.5GB", "6000000000"; KiB/MiB/GiB/TiB are powers of 1024,
-        KB/MB/GB/TB of 1000, no unit or B is bytes; a size with a unit is
-        rounded down to whole bytes); or a fraction of no
-        remat's memory (`Record.memory_bytes`: temp on CPU, peak on TPU and
-        GPU): a number 0 < f <= 1 ("0.25", 0.25, 1) or a
-        percentage ("25%"). Numbers above 1 without a unit are bytes.
-    Returns:
-      A `Budget`.
-    Raises:
-      BudgetError: not a size or fraction, zero or negative, an unknown
-        unit, or a byte count that is not whole (1.5).
-    """
-    if isinstance(budget, Budget):
-        return budget
-    if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
-        raise BudgetError(f"a budget is a size or a fraction ({_HELP}), not a "
-                          f"{type(budget).__name__}", budget=repr(budget))
-    text = str(budget).strip()
-    percent = text.endswith("%")
-    m = _SIZE.match(text[:-1] if percent else text)
-    if m is None or (percent and m.group("unit")):
-        raise BudgetError(f"a budget must be {_HELP}", budget=budget)
-    value, unit = float(m.group("num")), m.group("unit").lower()
-    if unit not in _UNITS:
-        raise BudgetError(f"unknown unit {m.group('unit')!r} in a budget; units: "
-                          "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)",
-                          budget=budget)
-    if not math.isfinite(value):
-        raise BudgetError(f"a budget must be finite ({_HELP})", budget=budget)
-    if value <= 0:
-        raise BudgetError(f"a budget must be positive ({_HELP})", budget=budget)
-    if percent:
-        if value > 100:
-            raise BudgetError("a percentage budget must be at most 100%", budget=budget)
-        return Budget(fraction=value / 100)
-    if not unit and value <= 1:
-        return Budget(fraction=value)
-    n = value * _UNITS[unit]
-    if unit and unit != "b":
-        return Budget(bytes=int(n))  # 3.2MiB is 3355443.2 bytes: whole bytes, rounded down
-    if n != int(n):
-        raise BudgetError(f"a fraction must be 0 < f <= 1 and a size in bytes a whole number "
-                          f"({_HELP})", budget=budget)
-    return Budget(bytes=int(n))
-
 
 # ---------------------------------------------------------------------------
 # The cost model
@@ -815,6 +741,6 @@ def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool |
     return cfg.replace(remat=planner.plan(parse(cfg.remat).budget).spec)
 
 
-__all__ = ["Budget", "CostModel", "Plan", "Planner", "config_planner", "cost_model",
-           "default_cache_path", "parse_budget", "plan", "read_cache", "resolve",
+__all__ = ["CostModel", "Plan", "Planner", "config_planner", "cost_model",
+           "default_cache_path", "plan", "read_cache", "resolve",
            "resolve_config"]
