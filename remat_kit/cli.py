@@ -884,6 +884,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def use_compile_cache() -> None:
+    """Keeps the commands' compiled programs in JAX's persistent compilation cache,
+    so a repeated run loads them instead of compiling (the same memory and FLOP
+    figures; only the compile seconds shrink). The folder is $REMAT_KIT_COMPILE_CACHE,
+    default ~/.cache/remat_kit/jax ($XDG_CACHE_HOME if set); an empty value
+    turns it off, and JAX_COMPILATION_CACHE_DIR, if set, is used as JAX uses it."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.environ.get("REMAT_KIT_COMPILE_CACHE", os.path.join(home, "remat_kit", "jax"))
+    if path:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input)."""
     parser = _parser()
@@ -894,6 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    use_compile_cache()
     try:
         return args.run(args)
     except (BadInput, RematSpecError, ValueError) as e:
