@@ -38,12 +38,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "remat_kit.cli"]
 PARTS = {
-    "compare_cpu": CLI + ["compare", "--config", "gpt2_small", "--json", "{out}"],
-    "compare_tpu": CLI + ["compare", "--config", "gpt2_small", "--target", "tpu:v5e:1x1",
+    "compare_cpu": CLI + ["compare", "--config", "{config}", "--json", "{out}"],
+    "compare_tpu": CLI + ["compare", "--config", "{config}", "--target", "tpu:v5e:1x1",
                           "--policies", "none,full,selective,minimal", "--json", "{out}"],
-    "plan": CLI + ["plan", "--config", "gpt2_small", "--budgets",
+    "plan": CLI + ["plan", "--config", "{config}", "--budgets",
                    "0.1,0.15,0.2,0.3,0.4,0.6", "--cache", "", "--json", "{out}"],
-    "fit": CLI + ["fit", "--config", "gpt2_small", "--budget", "16GiB", "--json", "{out}"],
+    "fit": CLI + ["fit", "--config", "{config}", "--budget", "16GiB", "--json", "{out}"],
     "suite": ["sh", "-c", f"{sys.executable} -m pytest tests -q -p no:cacheprovider && "
               f"JAX_REMAT3=1 {sys.executable} -m pytest tests -q -p no:cacheprovider "
               "-m remat_modes"],
@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", default="dc9de24", help="the commit to compare against")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}")
+    parser.add_argument("--config", default="gpt2_small",
+                        help="the model of compare, plan and fit (tiny for a quick run)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",")]
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
                    stdout=subprocess.DEVNULL)
     results = {}
     try:
-        print(f"base {args.base} vs this tree; load average at start {os.getloadavg()}",
+        print(f"base {args.base} vs this tree, --config {args.config}; load average at start "
+              f"{os.getloadavg()}",
               flush=True)
         for part in parts:
             cache = os.path.join(work, f"cache_{part}")
@@ -111,7 +114,8 @@ def main(argv=None) -> int:
             for name, tree, cache_dir in (("base", base, None), ("cold", ROOT, cache),
                                           ("warm", ROOT, cache)):
                 out = os.path.join(work, f"{part}_{name}.json")
-                cmd = [a.replace("{out}", out) for a in PARTS[part]]
+                cmd = [a.replace("{out}", out).replace("{config}", args.config)
+                       for a in PARTS[part]]
                 runs[name] = _run(cmd, tree, _env(tree, cache_dir))
                 if os.path.exists(out):
                     with open(out) as f:
