@@ -25,6 +25,8 @@ demo: venv
 
 # The second run repeats the tests marked remat_modes under JAX's newer remat
 # (jax_remat3); exit code 5 means none are marked yet, which is not a failure.
+# Each prints its 15 slowest tests, so drift is seen. Compiled programs are cached
+# in .cache/jax (tests/conftest.py): a second `make test` compiles only what changed.
 test: venv
-	$(PY) -m pytest tests
-	JAX_REMAT3=1 $(PY) -m pytest tests -m remat_modes; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest tests --durations=15
+	JAX_REMAT3=1 $(PY) -m pytest tests -m remat_modes --durations=15; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

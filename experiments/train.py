@@ -48,12 +48,15 @@ from experiments.common import fail, parse_flags
 from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
 from remat_kit import mesh as rk_mesh
-from remat_kit.errors import MeshError, RematSpecError
+from remat_kit.budget import parse_budget
+from remat_kit import floor
+from remat_kit.errors import BudgetError, MeshError, RematSpecError
 from remat_kit.fit import in_use_bytes
 from remat_kit.costs import loop_scaled_costs, memory_fields
 from remat_kit.record import platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
-from remat_kit.plan import parse_budget, resolve_config
+from remat_kit.plan import resolve_config
+from remat_kit.spec import AutoSpec, parse
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -184,6 +187,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
                              f"per byte value), got {cfg.vocab_size}")
         check_seq(cfg, config.seq_len, "config.seq_len")
         check_memory(cfg, config.batch_size, config.seq_len, _sizes(config))
+        _check_floor(config, cfg)
         corpus = data.load_corpus(config.data)
         batches = data.train_batches(corpus.train, config.batch_size, config.seq_len,
                                      config.seed)
@@ -528,6 +532,24 @@ def _budget_bytes(config: ml_collections.ConfigDict) -> int | None:
     if budget is None:
         raise BadInput(f"config.memory_budget must be a size such as 96MiB, got {text!r}")
     return budget
+
+
+def _check_floor(config: ml_collections.ConfigDict, cfg) -> None:
+    """BadInput, in one line naming the floor, for a memory_budget or an
+    auto:budget= below what no policy frees (`remat_kit.floor`); eval_shape
+    only, before the data loads and anything compiles."""
+    budget, mesh, policy = _budget_bytes(config), _mesh(config), parse(cfg.remat)
+    auto = isinstance(policy, AutoSpec) and parse_budget(policy.budget).bytes
+    checks = [("config.memory_budget", budget, lambda: floor.step_floor(
+                   cfg, make_optimizer(config)[0], mesh), "the parameters plus optimizer state"),
+              ("config.remat", auto, lambda: floor.planner_floor(cfg, jax.default_backend(), mesh),
+               "the parameters plus gradients")]
+    for field, limit, floor_of, what in checks:
+        if limit:
+            try:
+                floor.check(limit, floor_of(), what)
+            except BudgetError as e:
+                raise BadInput(f"{field}: {e}") from None
 
 
 def _check_budget(config: ml_collections.ConfigDict, budget: int, stats: dict) -> None:

@@ -519,6 +519,9 @@ def _compare(args) -> int:
     works = [src.workload(batch, seq, mesh) for mesh in meshes]  # traced, not compiled
     if cfg is None:
         check_schedules(works[0].num_layers, specs, "--policies")
+    auto = [p.budget for p in map(parse, specs) if isinstance(p, AutoSpec)]
+    for target, mesh, work in zip(target_list, meshes, works):
+        check_planner_floor(work, auto, target, mesh, "--policies auto:budget=")
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
@@ -656,13 +659,13 @@ def _explain(args) -> int:
 
 
 def split_budgets(text: str) -> list[str]:
-    """'0.2,0.4,6GiB' -> ['0.2', '0.4', '6GiB'], each checked (`plan.parse_budget`).
+    """'0.2,0.4,6GiB' -> ['0.2', '0.4', '6GiB'], each checked (`budget.parse_budget`).
 
     Raises:
       BadInput: empty, an empty item, or an item that is not a budget.
     """
     from remat_kit.errors import BudgetError
-    from remat_kit.plan import parse_budget
+    from remat_kit.budget import parse_budget
 
     items = [b.strip() for b in text.split(",")]
     if not text.strip() or not all(items):
@@ -691,6 +694,24 @@ def plan_groups(text: str | None, num_layers: int) -> "int | str":
     return g
 
 
+def check_planner_floor(work, budgets: Sequence[str], target, mesh, flag: str) -> None:
+    """BadInput, in one line naming the floor, for a budget in bytes below the
+    parameters plus gradients where the planner's figure counts them
+    (`floor.planner_floor`: TPU and GPU); eval_shape only, nothing compiles."""
+    from remat_kit import floor, targets
+    from remat_kit.budget import parse_budget
+    from remat_kit.errors import BudgetError
+
+    sizes = [n for n in (parse_budget(b).bytes for b in budgets) if n is not None]
+    if not sizes:
+        return
+    least = floor.planner_floor(work, targets.parse_target(target).platform, mesh)
+    try:
+        floor.check(min(sizes), least, "the parameters plus gradients")
+    except BudgetError as e:
+        raise BadInput(f"{flag}: {e}") from None
+
+
 def _plan(args) -> int:
     import json
 
@@ -698,7 +719,8 @@ def _plan(args) -> int:
     from rich.table import Table
 
     from remat_kit import report
-    from remat_kit.plan import CACHE_LIMIT, Planner, parse_budget, read_cache
+    from remat_kit.budget import parse_budget
+    from remat_kit.plan import CACHE_LIMIT, Planner, read_cache
     from remat_kit.record import MEMORY_LABELS
     from remat_kit.time_model import OBJECTIVES
 
@@ -732,6 +754,7 @@ def _plan(args) -> int:
     if args.objective is not None and args.objective not in OBJECTIVES:
         raise BadInput(f"--objective {args.objective!r}: use one of {', '.join(OBJECTIVES)}")
     work = src.workload(batch, seq, mesh)
+    check_planner_floor(work, budgets, target_list[0], mesh, "--budgets")
     if cfg is None:
         check_schedules(work.num_layers, presets, "--presets")
     groups = plan_groups(args.groups, work.num_layers or 1)
@@ -816,6 +839,10 @@ def _plan(args) -> int:
         planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
                    for b, p in plans.items()]
         report.plot(args.plot, report.rows(records + planned), title)
+    if not fits:
+        print(f"error: no budget can be met: each is below the least compiled memory, "
+              f"{report.fmt_bytes(full)} {memory}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -825,7 +852,7 @@ def _fit(args) -> int:
     from remat_kit import report
     from remat_kit.errors import BudgetError
     from remat_kit.fit import DEFAULT_MAX_SIZE, DEFAULT_MULTIPLE, FIT_POLICIES, _is_auto, fit
-    from remat_kit.plan import parse_budget
+    from remat_kit.budget import parse_budget
 
     src = load_source(args)
     cfg, label, defaults = src.cfg, src.label, src.defaults
@@ -1020,6 +1047,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def use_compile_cache() -> None:
+    """Keeps the commands' compiled programs in JAX's persistent compilation cache,
+    so a repeated run loads them instead of compiling (the same memory and FLOP
+    figures; only the compile seconds shrink). The folder is $REMAT_KIT_COMPILE_CACHE,
+    default ~/.cache/remat_kit/jax ($XDG_CACHE_HOME if set); an empty value
+    turns it off, and JAX_COMPILATION_CACHE_DIR, if set, is used as JAX uses it."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.environ.get("REMAT_KIT_COMPILE_CACHE", os.path.join(home, "remat_kit", "jax"))
+    if path:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input)."""
     parser = _parser()
@@ -1030,6 +1072,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    use_compile_cache()
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         try:

@@ -33,7 +33,7 @@ a handful of compiles. The size found is exact: it fits and size + multiple
 does not, both compiled.
 
 On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
-`measure.config_program`'s loss plus the update; the budget and every byte
+the workload's loss plus the update; the budget and every byte
 figure are per device, the sizes global (the batch is split over data x
 fsdp). The auto row ("auto") asks the budget planner (`remat_kit.plan`) for
 a policy at each size, with the step budget translated into its
@@ -61,7 +61,9 @@ from remat_kit.errors import BudgetError, MeshError, RematSpecError
 from remat_kit.models import TransformerConfig
 from remat_kit.models.program import check_positive, sized
 from remat_kit.models.program import workload as config_workload
-from remat_kit.plan import Planner, parse_budget
+from remat_kit.budget import parse_budget
+from remat_kit.floor import train_state, tree_bytes
+from remat_kit.plan import Planner
 from remat_kit.policy import Policy
 from remat_kit.record import PEAK, memory_kind
 from remat_kit.report import fmt_bytes
@@ -124,12 +126,6 @@ class StepMemory:
     peak_memory_in_bytes: int | None
     flops: float | None
     compile_seconds: float
-
-
-def _tree_bytes(tree) -> int:
-    """Bytes one device holds of a tree of (possibly sharded) ShapeDtypeStructs."""
-    return sum(math.prod(rk_mesh.local_shape(x).shape) * jnp.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))
 
 
 def _resizer(model, mesh: Mesh | None) -> tuple[Callable[[int, int], Workload], Workload]:
@@ -224,7 +220,7 @@ def _is_auto(spec: str, budget_bytes: int) -> bool:
         raise BudgetError(
             f"in fit, auto's budget is the fit budget ({fmt_bytes(budget_bytes)}, "
             f"{budget_bytes} bytes per device, of the whole step); write 'auto' or "
-            f"'auto:budget={budget_bytes}', not {spec!r}", budget=policy.budget)
+            f"'auto:budget={budget_bytes}B', not {spec!r}", budget=policy.budget)
     return True
 
 
@@ -250,26 +246,6 @@ def in_use_bytes(memory: dict, platform: str) -> tuple[int, str]:
     return (memory["argument_size_in_bytes"] + memory["temp_size_in_bytes"]
             + memory["output_size_in_bytes"] - memory["alias_size_in_bytes"],
             "argument + temp + output - alias")
-
-
-def _train_state(workload: Workload, optimizer: optax.GradientTransformation):
-    """One train step's arguments as `jax.ShapeDtypeStruct`s: (params, opt_state, rest).
-
-    The optimizer state is sharded like the parameters each of its leaves
-    mirrors (`optax.tree_map_params`), its other leaves (AdamW's step count)
-    replicated on the workload's mesh.
-    """
-    params, rest = workload.args[0], workload.args[1:]
-    opt_state = jax.eval_shape(optimizer.init, params)
-    mesh = workload.mesh
-    if mesh is not None:
-        replicated = rk_mesh.replicated(mesh)
-        opt_state = optax.tree_map_params(
-            optimizer, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
-            opt_state, params,
-            transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                                sharding=replicated))
-    return params, opt_state, rest
 
 
 def _check_mesh(mesh) -> None:
@@ -334,7 +310,7 @@ def step_memory(model, batch: int, seq: int, policy: "str | Policy", *,
 
 
 def _step_memory(workload: Workload, policy: Policy, optimizer, target) -> StepMemory:
-    params, opt_state, rest = _train_state(workload, optimizer)
+    params, opt_state, rest = train_state(workload, optimizer)
     loss_fn = workload.loss_for_policy(policy)
     mesh = workload.mesh
     state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
@@ -350,7 +326,7 @@ def _step_memory(workload: Workload, policy: Policy, optimizer, target) -> StepM
     c = targets.compile_for(step, params, opt_state, *rest, target=target, donate=(0, 1))
     mem = c.memory
     total, source = in_use_bytes(mem, target.platform)
-    p_bytes, o_bytes = _tree_bytes(params), _tree_bytes(opt_state)
+    p_bytes, o_bytes = tree_bytes(params), tree_bytes(opt_state)
     return StepMemory(total, source, p_bytes, p_bytes, o_bytes,
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),
@@ -564,7 +540,7 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         `rk.from_model.workload(model, batch, seq)`), or a function
         (batch, seq) -> Workload.
       budget: device memory per device: bytes as an int, or a size string
-        ("16GiB", "512MiB", "8e9"; `remat_kit.plan.parse_budget`, but not a
+        ("16GiB", "512MiB", "8e9"; `remat_kit.budget.parse_budget`, but not a
         fraction: there is no fixed no-remat figure to take it of).
       vary: "seq" (find the longest sequence at a fixed batch) or "batch"
         (the largest global batch at a fixed sequence length).
@@ -646,9 +622,9 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
             _policy(p).schedule.check(smallest.num_layers)
     optimizer = optimizer or default_optimizer()
 
-    params, opt_state, _ = _train_state(smallest, optimizer)
-    floor = _tree_bytes(params) + _tree_bytes(opt_state)
-    at_zero = floor + _tree_bytes(params)  # and the gradients: the step's memory at size 0
+    params, opt_state, _ = train_state(smallest, optimizer)
+    floor = tree_bytes(params) + tree_bytes(opt_state)
+    at_zero = floor + tree_bytes(params)  # and the gradients: the step's memory at size 0
     if budget_bytes < floor:
         where = f"per device of mesh {rk_mesh.spec_text(mesh)}" if mesh is not None else "per device"
         raise BudgetError(

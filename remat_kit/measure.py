@@ -31,9 +31,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -184,15 +186,17 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     by_name = dict(zip(names, parsed))
     groups = _group(parsed, names, emitted)
     programs = _lower_programs(groups, loss_for_policy, args, target)
+    compile_at = _compiler([p[4] for p in programs],
+                           targets.compile_options(target, not time_steps),
+                           workers=1 if time_steps else COMPILE_WORKERS)
     for i, (policy, group_names, loss, staged, lowered, seconds) in enumerate(programs):
         record = Record(str(policy), tuple(group_names), label, str(target),
                         found_versions["jax"], found_versions["compiler"])
         try:
             if isinstance(lowered, Exception):
                 raise lowered
-            start = time.perf_counter()
-            compiled = lowered.compile(targets.compile_options(target, not time_steps))
-            seconds += time.perf_counter() - start
+            compiled, compile_seconds = compile_at(i)
+            seconds += compile_seconds
             local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
                      else _stage(loss, local_args) if local_args is not None else staged)
             costs, notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
@@ -218,6 +222,29 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
         if progress is not None:
             progress(i + 1, len(programs), record)
     return _with_time_ratios(records)
+
+
+# Distinct programs compile concurrently: XLA releases the GIL while it compiles.
+COMPILE_WORKERS = min(4, os.cpu_count() or 1)
+
+
+def _compiler(lowered: Sequence, options: dict | None, workers: int) -> Callable[[int], tuple]:
+    """i -> (compiled, seconds) of lowered[i] (an exception raises it). With
+    workers > 1 every program starts compiling now, that many at a time; with
+    1, each compiles when asked for, so a timed step never runs beside a compile.
+    A program's seconds are its own compile's wall time."""
+    def compile_one(i):
+        start = time.perf_counter()
+        compiled = lowered[i].compile(options)
+        return compiled, time.perf_counter() - start
+
+    if workers <= 1 or len(lowered) <= 1:
+        return compile_one
+    pool = ThreadPoolExecutor(workers)
+    futures = [None if isinstance(x, Exception) else pool.submit(compile_one, i)
+               for i, x in enumerate(lowered)]
+    pool.shutdown(wait=False)  # its threads finish the queued compiles, then exit
+    return lambda i: futures[i].result()
 
 
 def _lower_programs(groups, loss_for_policy: Callable, args, target) -> list[tuple]:

@@ -73,6 +73,7 @@ import jax.numpy as jnp
 from remat_kit import targets, time_model
 from remat_kit.cost_model import (PLANNED_BASES, SAVE_TAGS, CostModel, Program, cost_model,
                                   forward_jaxpr, with_region_policies)
+from remat_kit.budget import parse_budget
 from remat_kit.errors import BudgetError
 from remat_kit.measure import measure
 from remat_kit.models.program import workload as config_workload
@@ -84,81 +85,6 @@ from remat_kit.residuals import _stage
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.time_model import OBJECTIVES
 from remat_kit.workload import Workload, _as_factory
-
-# ---------------------------------------------------------------------------
-# Budgets
-# ---------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(?P<num>[-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[a-z]*)\s*$",
-                   re.I)
-_HELP = "a size (6GiB, 512MiB, 6000000000 bytes) or a fraction 0 < f <= 1 of no-remat memory " \
-        "(0.25, 25%; temp memory on CPU, peak on TPU and GPU)"
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-    """A parsed memory budget: `bytes` (int) or `fraction` (0 < f <= 1) of no-remat memory."""
-
-    bytes: int | None = None
-    fraction: float | None = None
-
-    def resolve(self, none_bytes: int | None) -> int:
-        """Bytes, given no remat's memory `none_bytes` (`Record.memory_bytes` of `none`)."""
-        return self.bytes if self.bytes is not None else int(self.fraction * none_bytes)
-
-
-def parse_budget(budget: "str | int | float") -> Budget:
-    """Parses a memory budget.
-
-    Args:
-      budget: a size: an int or a string of a number and a unit ("6GiB",
-        "512MiB", "1.5GB", "6000000000"; KiB/MiB/GiB/TiB are powers of 1024,
-        KB/MB/GB/TB of 1000, no unit or B is bytes; a size with a unit is
-        rounded down to whole bytes); or a fraction of no
-        remat's memory (`Record.memory_bytes`: temp on CPU, peak on TPU and
-        GPU): a number 0 < f <= 1 ("0.25", 0.25, 1) or a
-        percentage ("25%"). Numbers above 1 without a unit are bytes.
-    Returns:
-      A `Budget`.
-    Raises:
-      BudgetError: not a size or fraction, zero or negative, an unknown
-        unit, or a byte count that is not whole (1.5).
-    """
-    if isinstance(budget, Budget):
-        return budget
-    if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
-        raise BudgetError(f"a budget is a size or a fraction ({_HELP}), not a "
-                          f"{type(budget).__name__}", budget=repr(budget))
-    text = str(budget).strip()
-    percent = text.endswith("%")
-    m = _SIZE.match(text[:-1] if percent else text)
-    if m is None or (percent and m.group("unit")):
-        raise BudgetError(f"a budget must be {_HELP}", budget=budget)
-    value, unit = float(m.group("num")), m.group("unit").lower()
-    if unit not in _UNITS:
-        raise BudgetError(f"unknown unit {m.group('unit')!r} in a budget; units: "
-                          "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)",
-                          budget=budget)
-    if not math.isfinite(value):
-        raise BudgetError(f"a budget must be finite ({_HELP})", budget=budget)
-    if value <= 0:
-        raise BudgetError(f"a budget must be positive ({_HELP})", budget=budget)
-    if percent:
-        if value > 100:
-            raise BudgetError("a percentage budget must be at most 100%", budget=budget)
-        return Budget(fraction=value / 100)
-    if not unit and value <= 1:
-        return Budget(fraction=value)
-    n = value * _UNITS[unit]
-    if unit and unit != "b":
-        return Budget(bytes=int(n))  # 3.2MiB is 3355443.2 bytes: whole bytes, rounded down
-    if n != int(n):
-        raise BudgetError(f"a fraction must be 0 < f <= 1 and a size in bytes a whole number "
-                          f"({_HELP})", budget=budget)
-    return Budget(bytes=int(n))
-
 
 # Recompute FLOPs below this fraction of the step's are within the cost model's
 # error (predicted vs compiled FLOPs differ by ~0.1% on gpt2_small and llama_1b),
@@ -742,6 +668,6 @@ def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool |
     return cfg.replace(remat=planned.spec)
 
 
-__all__ = ["Budget", "CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner", "config_planner",
-           "cost_model", "default_cache_path", "layers_summary", "parse_budget", "plan",
+__all__ = ["CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner", "config_planner",
+           "cost_model", "default_cache_path", "layers_summary", "plan",
            "read_cache", "resolve", "resolve_config"]

@@ -38,6 +38,7 @@ import re
 from collections.abc import Mapping
 
 from remat_kit import names
+from remat_kit.budget import parse_budget
 from remat_kit.errors import RematSpecError, UnknownTagError
 from remat_kit.policy import BASES, DECISIONS, MEMORY_KINDS, Policy
 from remat_kit.schedule import Schedule, parse_schedule
@@ -145,7 +146,7 @@ class AutoSpec:
     call). `str()` gives the spec back.
 
     Attributes:
-      budget: the budget as written: bytes ("6GiB", "512MiB", "6000000000")
+      budget: the budget as written: bytes ("6GiB", "512MiB", "6000000000B")
         or a fraction 0 < f <= 1 of the no-remat temp memory ("0.25").
     """
 
@@ -169,12 +170,15 @@ _AUTO_ALONE = ("an auto:budget= spec stands alone: the planner picks the whole p
 
 
 def _parse_auto(spec: str) -> AutoSpec:
-    from remat_kit.plan import parse_budget  # plan builds on measure, which imports this module
-
     m = _AUTO.match(spec)
     if m is None:
-        # Suggest the user's own value in the right form ('auto:Budget=0.5' -> 'auto:budget=0.5').
+        # Suggest the user's own value in the right form ('auto:Budget=0.5' -> 'auto:budget=0.5'),
+        # if it is a budget: never a suggestion that fails in turn ('auto:Budget=24').
         value = spec.rpartition("=")[2].strip()
+        try:
+            parse_budget(value)
+        except RematSpecError:
+            value = ""
         raise RematSpecError("an auto spec reads auto:budget=SIZE (6GiB, 512MiB, bytes) or "
                              "auto:budget=FRACTION (0 < f <= 1 of no-remat memory), alone",
                              spec=spec, token=spec.strip(), position=0,

@@ -256,7 +256,7 @@ def test_auto_budget_is_the_fit_budget(capsys):
     assert cli.main(["fit", "--config", "tiny", "--budget", "2MB", "--policies",
                      "auto:budget=1GiB"]) == 2
     err = capsys.readouterr().err
-    assert "write 'auto' or 'auto:budget=2000000', not 'auto:budget=1GiB'" in err
+    assert "write 'auto' or 'auto:budget=2000000B', not 'auto:budget=1GiB'" in err
 
 
 def per_device_param_bytes(split: int) -> int:

@@ -12,8 +12,8 @@ import pytest
 import remat_kit as rk
 from remat_kit import cli
 from remat_kit.models import Transformer, TransformerConfig, get_config
-from remat_kit.plan import (Budget, CostModel, Planner, config_planner, cost_model,
-                            parse_budget, resolve_config)
+from remat_kit.budget import Budget, parse_budget
+from remat_kit.plan import CostModel, Planner, config_planner, cost_model, resolve_config
 
 BATCH, SEQ = 2, 32
 plan_module = importlib.import_module("remat_kit.plan")  # rk.plan is the function
@@ -30,7 +30,7 @@ def planner():
 @pytest.mark.parametrize("text, expected", [
     ("6GiB", Budget(bytes=6 * 2**30)), ("512MiB", Budget(bytes=512 * 2**20)),
     ("1.5GB", Budget(bytes=1_500_000_000)), (6_000_000_000, Budget(bytes=6_000_000_000)),
-    ("6000000000", Budget(bytes=6_000_000_000)), (0.25, Budget(fraction=0.25)),
+    ("6000000000B", Budget(bytes=6_000_000_000)), (0.25, Budget(fraction=0.25)),
     ("0.25", Budget(fraction=0.25)), ("25%", Budget(fraction=0.25)), (1, Budget(fraction=1.0)),
     ("3.2MiB", Budget(bytes=3355443)),  # 3355443.2 bytes, rounded down
 ])
@@ -40,7 +40,9 @@ def test_parse_budget(text, expected):
 
 @pytest.mark.parametrize("text, message", [
     ("abc", "must be a size"), ("-1", "positive"), ("0", "positive"), (0, "positive"),
-    ("-2GiB", "positive"), ("6XB", "unknown unit 'XB'"), ("1.5", "fraction must be 0 < f <= 1"),
+    ("-2GiB", "positive"), ("6XB", "unknown unit 'XB'"), ("1.5", "add a unit: 1.5GiB or 1.5MiB; got '1.5'"),
+    ("24", "above 1 is not a budget .* add a unit: 24GiB, 24MiB, or 24B for bytes; got '24'"),
+    ("6000000000", "add a unit: 6000000000GiB"),
     ("1.5B", "whole number"), ("1e400", "finite"),
     ("150%", "at most 100%"), (None, "not a NoneType"), (True, "not a bool"), ("", "a size"),
 ])

@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import pytest
 
 from remat_kit import cli, report, targets
+from remat_kit.budget import parse_budget
 from remat_kit.explain import layer_residuals
 from remat_kit.record import PEAK, TEMP
 from remat_kit.models import get_config
 from remat_kit.plan import config_planner
 from remat_kit.spec import parse
 
-# The modules, not rk.measure and rk.plan (the functions the package exports under those names).
+# The module, not rk.measure (the function the package exports under that name).
 measure = importlib.import_module("remat_kit.measure")
-plan_module = importlib.import_module("remat_kit.plan")
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed "
                                   "(pip install 'remat-kit[tpu]'; `make test` installs it)")
@@ -225,7 +225,7 @@ def test_planner_budgets_the_peak_on_tpu(tmp_path):
     # The cache key names the figure: plant a "none" plan under this budget's key as it
     # would be for temp, and as keys were before; the planner plans again.
     entries = json.loads(cache.read_text())
-    (key,) = [k for k in entries if k.endswith(f"|{plan_module.parse_budget(budget)}")]
+    (key,) = [k for k in entries if k.endswith(f"|{parse_budget(budget)}")]
     assert f"|{PEAK}|" in key
     stale = entries[key] | {"spec": "none", "policy": "none", "memory_kind": TEMP}
     cache.write_text(json.dumps({key.replace(PEAK, TEMP): stale,

@@ -1,0 +1,66 @@
+"""Speed-ups that must not change a figure: JAX's persistent compilation cache
+(tests/conftest.py, `cli.use_compile_cache`) and concurrent compiles (`measure`)."""
+
+import dataclasses
+import importlib
+
+import jax
+import pytest
+from jax._src import compilation_cache, monitoring
+
+from remat_kit import cli
+from remat_kit.models import get_config
+
+measure = importlib.import_module("remat_kit.measure")  # rk.measure is the function
+POLICIES = ["none", "full", "minimal"]
+
+
+def _figures(records):
+    return [dataclasses.replace(r, compile_seconds=None) for r in records]
+
+
+def _measure():
+    return measure.measure_config(get_config("tiny", num_layers=1), 1, 16, POLICIES,
+                                  per_layer=False)
+
+
+@pytest.fixture
+def empty_cache(tmp_path):
+    """An empty persistent cache for the test; the suite's own afterwards."""
+    before = jax.config.jax_compilation_cache_dir
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    yield
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_cache_hits_and_concurrent_compiles_give_the_same_figures(empty_cache, monkeypatch):
+    events = []
+    listener = lambda event, **_: events.append(event)  # noqa: E731
+    monitoring.register_event_listener(listener)
+    try:
+        monkeypatch.setattr(measure, "COMPILE_WORKERS", 1)
+        fresh = _measure()  # compiled one at a time, written to the empty cache
+        assert "/jax/compilation_cache/cache_hits" not in events
+        monkeypatch.setattr(measure, "COMPILE_WORKERS", 3)
+        cached = _measure()  # read back, three at a time
+    finally:
+        monitoring.unregister_event_listener(listener)
+    assert events.count("/jax/compilation_cache/cache_hits") == len(POLICIES)
+    assert _figures(cached) == _figures(fresh)
+    assert all(r.error is None and r.temp_size_in_bytes and r.flops for r in cached)
+
+
+def test_commands_use_a_cache_folder(monkeypatch, tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("REMAT_KIT_COMPILE_CACHE", str(tmp_path))
+    try:
+        cli.use_compile_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    monkeypatch.setenv("REMAT_KIT_COMPILE_CACHE", "")  # empty: off
+    cli.use_compile_cache()
+    assert jax.config.jax_compilation_cache_dir == before
