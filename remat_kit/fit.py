@@ -193,7 +193,8 @@ def in_use_bytes(memory: dict, platform: str) -> tuple[int, str]:
 def _train_state(cfg: TransformerConfig, batch: int, seq: int,
                  optimizer: optax.GradientTransformation, mesh: Mesh | None):
     """The reference transformer's loss and one train step's arguments, as
-    `jax.ShapeDtypeStruct`s: (loss_for_policy, params, opt_state, tokens, key).
+    `jax.ShapeDtypeStruct`s, and key -> the concrete (params, inputs, targets,
+    key): (loss_for_policy, params, opt_state, tokens, key, sample_args).
 
     `measure.config_program` gives the loss, the parameters (sharded by their
     logical axes on `mesh`), the tokens [batch, seq] (split over the mesh's
@@ -201,8 +202,8 @@ def _train_state(cfg: TransformerConfig, batch: int, seq: int,
     parameters each of its leaves mirrors (`optax.tree_map_params`), its
     other leaves (AdamW's step count) replicated.
     """
-    loss_for_policy, (params, tokens, _, key), _ = config_program(
-        _sized(cfg, seq), batch, seq, mesh=mesh)
+    loss_for_policy, (params, tokens, _, key), sample_args = config_program(
+        _sized(cfg, seq).replace(remat="none"), batch, seq, mesh=mesh)
     opt_state = jax.eval_shape(optimizer.init, params)
     if mesh is not None:
         replicated = rk_mesh.replicated(mesh)
@@ -211,13 +212,70 @@ def _train_state(cfg: TransformerConfig, batch: int, seq: int,
             opt_state, params,
             transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                                 sharding=replicated))
-    return loss_for_policy, params, opt_state, tokens, key
+    return loss_for_policy, params, opt_state, tokens, key, sample_args
 
 
 def _check_mesh(mesh) -> None:
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (remat_kit.mesh.make(\"fsdp:2\") or "
                         f"remat_kit.targets.make_mesh), got {type(mesh).__name__} {mesh!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """One train step of a reference transformer, to compile or to run.
+
+    Attributes:
+      step: step(params, opt_state, inputs, targets, rng) -> (params,
+        opt_state, loss): value-and-grad of the language-model loss, then the
+        optimizer update; params and opt_state are meant to be donated
+        (`DONATED`).
+      args: (params, opt_state, inputs, targets, rng) as
+        `jax.ShapeDtypeStruct`s (sharded on the mesh, if any); int32 tokens
+        [batch, seq].
+      make_args: key -> concrete args of those shapes (parameters
+        initialized by the model, the optimizer state by the optimizer,
+        random token ids), on JAX's default device; for timed runs.
+    """
+
+    step: Callable
+    args: tuple
+    make_args: Callable
+
+    DONATED = (0, 1)  # params and opt_state: updated in place
+
+
+def train_step(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Policy", *,
+               optimizer: optax.GradientTransformation | None = None,
+               mesh: Mesh | None = None) -> TrainStep:
+    """The train step `step_memory` compiles, as a function with its arguments.
+
+    Args and errors as `step_memory` (without `target`), less the compiler's.
+    Returns:
+      A `TrainStep`.
+    """
+    _check_args(cfg, optimizer, batch=batch, seq=seq)
+    _check_mesh(mesh)
+    policy = _policy(policy)
+    optimizer = optimizer or default_optimizer()
+    loss_for_policy, params, opt_state, tokens, key, sample = _train_state(
+        cfg, batch, seq, optimizer, mesh)
+    loss_fn = loss_for_policy(policy)
+    state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+
+    def step(params, opt_state, inputs, targets, rng):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, rng)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        state = optax.apply_updates(params, updates), opt_state
+        if mesh is not None:  # where the donated inputs live, so their buffers are reused
+            state = jax.lax.with_sharding_constraint(state, state_shardings)
+        return *state, loss
+
+    def make_args(k):
+        params, inputs, targets, rng = sample(k)
+        return params, optimizer.init(params), inputs, targets, rng
+
+    return TrainStep(step, (params, opt_state, tokens, tokens, key), make_args)
 
 
 def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Policy", *,
@@ -264,29 +322,18 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
       Any compiler error, e.g. an out-of-memory error from an accelerator's
       compiler (see `is_out_of_memory`).
     """
-    _check_args(cfg, optimizer, batch=batch, seq=seq)
-    _check_mesh(mesh)
-    policy = _policy(policy)
-    optimizer = optimizer or default_optimizer()
-    loss_for_policy, params, opt_state, tokens, key = _train_state(cfg, batch, seq, optimizer,
-                                                                   mesh)
-    loss_fn = loss_for_policy(policy)
-    state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-
-    def step(params, opt_state, inputs, targets, rng):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, rng)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        state = optax.apply_updates(params, updates), opt_state
-        if mesh is not None:  # where the donated inputs live, so their buffers are reused
-            state = jax.lax.with_sharding_constraint(state, state_shardings)
-        return *state, loss
-
+    made = train_step(cfg, batch, seq, policy, optimizer=optimizer, mesh=mesh)
     target = targets.parse_target(target)
-    c = targets.compile_for(step, params, opt_state, tokens, tokens, key, target=target,
-                            donate=(0, 1))
+    c = targets.compile_for(made.step, *made.args, target=target, donate=TrainStep.DONATED)
+    return step_figures(c, made.args)
+
+
+def step_figures(c: "targets.Compiled", args: tuple) -> StepMemory:
+    """The `StepMemory` of a compiled train step: `c` from `targets.compile_for` of a
+    `TrainStep`'s step at its `args` (params, opt_state, ...)."""
     mem = c.memory
-    total, source = in_use_bytes(mem, target.platform)
-    p_bytes, o_bytes = _tree_bytes(params), _tree_bytes(opt_state)
+    total, source = in_use_bytes(mem, c.target.platform)
+    p_bytes, o_bytes = _tree_bytes(args[0]), _tree_bytes(args[1])
     return StepMemory(total, source, p_bytes, p_bytes, o_bytes,
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),
@@ -565,7 +612,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
             _policy(p).schedule.check(cfg.num_layers)  # bad specs fail before anything compiles
     optimizer = optimizer or default_optimizer()
 
-    _, params, opt_state, _, _ = _train_state(cfg, split, 1, optimizer, mesh)
+    _, params, opt_state, _, _, _ = _train_state(cfg, split, 1, optimizer, mesh)
     floor = _tree_bytes(params) + _tree_bytes(opt_state)
     at_zero = floor + _tree_bytes(params)  # and the gradients: the step's memory at size 0
     if budget_bytes < floor:

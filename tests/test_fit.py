@@ -346,3 +346,28 @@ def test_llama_1b_v5e_config_has_the_parameters_its_docs_state():
     assert sum(x.size for x in leaves) == expected
     assert round(expected / 1e9, 2) == 1.50
     assert {x.dtype for x in leaves} == {jnp.dtype("bfloat16")}
+
+
+def test_train_step_runs_the_step_that_step_memory_compiles():
+    # Remat changes what is stored, not the values: one step under full remat gives no
+    # remat's loss and parameters, in less memory.
+    from remat_kit import targets
+    from remat_kit.fit import TrainStep, step_figures, train_step
+    state = {}
+    for policy in ("none", "full"):
+        made = train_step(CFG, 2, 16, policy)
+        args = made.make_args(jax.random.key(0))
+        assert [(a.shape, a.dtype) for a in jax.tree.leaves(args)] == [
+            (s.shape, s.dtype) for s in jax.tree.leaves(made.args)]
+        c = targets.compile_for(made.step, *made.args, compile_only=False,
+                                donate=TrainStep.DONATED, count_flops=False)
+        params, _, loss = c.compiled(*jax.tree.leaves(args))
+        state[policy] = (float(loss), params, step_figures(c, made.args))
+    assert state["full"][0] == pytest.approx(state["none"][0], rel=1e-6)
+    none, full = state["none"][2], state["full"][2]
+    assert full.params_bytes == none.params_bytes == 4 * sum(
+        x.size for x in jax.tree.leaves(state["none"][1]))
+    assert full.temp_size_in_bytes < none.temp_size_in_bytes
+    assert math.log(CFG.vocab_size) * 0.9 < state["none"][0] < math.log(CFG.vocab_size) * 1.2
+    for a, b in zip(jax.tree.leaves(state["none"][1]), jax.tree.leaves(state["full"][1])):
+        assert jnp.allclose(a, b, atol=1e-6)
