@@ -32,6 +32,11 @@ under the table): the allocator, the memory the client is given, cuDNN and cuBLA
 workspaces, and the compiler's version and flags. The environment of the
 measurement is set here (`MEASURE_ENV`, values a user set are kept) and recorded.
 
+Policies run one after another across the configs (none for both, then full, ...);
+no policy starts after --time-limit seconds (default 380, so a whole run takes under 7
+minutes on an H200) and none runs longer than CHILD_SECONDS on a GPU. The children
+share one XLA autotuning cache, which changes compile times only.
+
 Writes gpu_truth.json and gpu_truth.md to $OUT (default ./gpu_truth_out) and prints
 the table. Without a GPU and without --smoke it says so in one line and exits 2.
 """
@@ -62,6 +67,10 @@ MARK = "GPU_TRUTH_ROW "  # a child's result line on its stdout
 # memory instead of JAX's default 75%, so a step that fits the device fits here.
 MEASURE_ENV = {"XLA_PYTHON_CLIENT_ALLOCATOR": "bfc", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                "XLA_CLIENT_MEM_FRACTION": "0.95"}
+# Autotuning results shared by the children (each policy's process would tune the same
+# GEMMs again): compile time only, the programs are the same.
+AUTOTUNE_CACHE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
+CHILD_SECONDS = 180.0  # one policy on the GPU: start, compile, warm-up and timed steps
 RECORDED_ENV = (*MEASURE_ENV, "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS",
                 "JAX_DEFAULT_PRNG_IMPL", "CUDA_VISIBLE_DEVICES")
 DIFFERENCES = (
@@ -372,6 +381,7 @@ def measure_all(args) -> int:
               "run the CPU smoke mode: PYTHONPATH=. python benchmarks/gpu_truth.py --smoke",
               file=sys.stderr)
         return 2
+    _set_measure_env()
     out_dir = os.environ.get("OUT") or args.out
     os.makedirs(out_dir, exist_ok=True)
     shipped = _read(args.predictions) or {}
@@ -394,7 +404,8 @@ def measure_all(args) -> int:
                 results[name].append({"policy": spec, "error": "skipped: --time-limit reached"})
                 continue
             plan = ((entries[name] or {}).get("policies", {}).get(spec) or {}).get("resolved")
-            row = _child(name, args.smoke, plan or spec, args.warmup, args.steps, left)
+            row = _child(name, args.smoke, plan or spec, args.warmup, args.steps,
+                         left if args.smoke else min(left, CHILD_SECONDS))
             results[name].append({**row, "policy": spec,
                                   "resolved": row.get("resolved", plan or spec)})
             print(f"{name} {spec}: peak {_gib(row.get('measured_peak_bytes'))}, "
@@ -428,11 +439,18 @@ def measure_all(args) -> int:
 
 
 def _set_measure_env() -> None:
-    """MEASURE_ENV, before JAX starts its backend; values the user set are kept."""
+    """MEASURE_ENV, before JAX starts its backend; values the user set are kept. The
+    children inherit it, and one autotuning cache (a fresh folder unless XLA_FLAGS
+    names one)."""
     for key, value in MEASURE_ENV.items():
         if not (key == "XLA_CLIENT_MEM_FRACTION" and "XLA_PYTHON_CLIENT_MEM_FRACTION"
                 in os.environ):  # JAX refuses both names at once
             os.environ.setdefault(key, value)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if AUTOTUNE_CACHE_FLAG not in flags:
+        import tempfile
+        cache = tempfile.mkdtemp(prefix="gpu_truth_autotune_")
+        os.environ["XLA_FLAGS"] = f"{flags} {AUTOTUNE_CACHE_FLAG}={cache}".strip()
 
 
 def main(argv=None) -> int:
@@ -444,7 +462,7 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--time-limit", type=float, default=390.0,
+    parser.add_argument("--time-limit", type=float, default=380.0,
                         help="seconds for all the runs; later policies are skipped")
     parser.add_argument("--out", default="gpu_truth_out", help="used where $OUT is not set")
     parser.add_argument("--predictions", default=PREDICTIONS)
@@ -455,10 +473,10 @@ def main(argv=None) -> int:
         args.configs = list(known)
     bad = [c for c in args.configs if c not in known]
     if bad or args.steps < 2 or args.warmup < 0:
-        parser.error(f"unknown config {bad[0]!r}; valid: {', '.join(known)}" if bad else
-                     "--steps must be at least 2 and --warmup at least 0")
-    if not args.predict:
-        _set_measure_env()
+        print("gpu_truth: " + (f"unknown config {bad[0]!r}; valid: {', '.join(known)}" if bad
+                               else "--steps must be at least 2 and --warmup at least 0"),
+              file=sys.stderr)
+        return 2
     if args.child:
         row = measure_one(known[args.child[0]], args.child[1], args.warmup, args.steps)
         print(MARK + json.dumps(row), flush=True)
