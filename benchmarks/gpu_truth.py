@@ -48,6 +48,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,7 +120,6 @@ RUNS = {
 SMOKE_RUNS = {
     # Full remat takes 0.63 of no remat's peak here: half would be below it.
     "tiny": Run("tiny", {**_BF16}, batch=2, seq=32, auto="auto:budget=0.8"),
-    "tiny_llama": Run("tiny_llama", {**_BF16}, batch=2, seq=32, auto="auto:budget=0.8"),
 }
 
 
@@ -303,7 +303,9 @@ def _write(path: str, data: dict) -> None:
 
 
 def _gib(n) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _off(predicted, measured) -> str:
@@ -381,7 +383,15 @@ def measure_all(args) -> int:
               "run the CPU smoke mode: PYTHONPATH=. python benchmarks/gpu_truth.py --smoke",
               file=sys.stderr)
         return 2
-    _set_measure_env()
+    cache = _set_measure_env()
+    try:
+        return _measure_all(args)
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+def _measure_all(args) -> int:
     out_dir = os.environ.get("OUT") or args.out
     os.makedirs(out_dir, exist_ok=True)
     shipped = _read(args.predictions) or {}
@@ -438,10 +448,10 @@ def measure_all(args) -> int:
     return 0
 
 
-def _set_measure_env() -> None:
+def _set_measure_env() -> str | None:
     """MEASURE_ENV, before JAX starts its backend; values the user set are kept. The
-    children inherit it, and one autotuning cache (a fresh folder unless XLA_FLAGS
-    names one)."""
+    children inherit it, and one autotuning cache: a fresh folder (returned, for the
+    caller to remove) unless XLA_FLAGS names one."""
     for key, value in MEASURE_ENV.items():
         if not (key == "XLA_CLIENT_MEM_FRACTION" and "XLA_PYTHON_CLIENT_MEM_FRACTION"
                 in os.environ):  # JAX refuses both names at once
@@ -451,6 +461,8 @@ def _set_measure_env() -> None:
         import tempfile
         cache = tempfile.mkdtemp(prefix="gpu_truth_autotune_")
         os.environ["XLA_FLAGS"] = f"{flags} {AUTOTUNE_CACHE_FLAG}={cache}".strip()
+        return cache
+    return None
 
 
 def main(argv=None) -> int:
