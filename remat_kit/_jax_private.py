@@ -5,21 +5,27 @@ the saved residuals; `jax._src.ad_checkpoint.saved_residuals` does. Nor does
 it run XLA's cost analysis on one computation of a compiled module (needed to
 count a while loop's body once per trip); `jax._src.lib` does. Nor does it say
 whether TPU chips or NVIDIA GPUs are attached (to set up the plugins for
-compile-only use on a machine without them); `jax._src.hardware_utils` does. If a JAX
-release moves either, only this module changes.
+compile-only use on a machine without them); `jax._src.hardware_utils` does. JAX
+0.12 exports the `checkpoint_name` primitive as `jax.ad_checkpoint.name_p`; 0.11
+(the GPU machines' JAX) has it only in `jax._src.ad_checkpoint`. If a JAX release
+moves any of these, only this module changes.
 """
 
 from __future__ import annotations
 
 import jax
 
-_MIN, _MAX = (0, 12), (0, 13)
+_MIN, _MAX = (0, 11), (0, 13)
 _version = tuple(int(p) for p in jax.__version__.split(".")[:2])
 if not _MIN <= _version < _MAX:
     raise ImportError(f"remat_kit needs jax >= {_MIN[0]}.{_MIN[1]} and < {_MAX[0]}.{_MAX[1]} "
                       f"(it reads jax._src.ad_checkpoint.saved_residuals); found {jax.__version__}")
 
 from jax._src.ad_checkpoint import saved_residuals  # noqa: E402
+if _version >= (0, 12):
+    from jax.ad_checkpoint import name_p  # noqa: E402
+else:
+    from jax._src.ad_checkpoint import name_p  # noqa: E402
 from jax._src import hardware_utils  # noqa: E402
 from jax._src.lib import _jax, hlo  # noqa: E402
 
@@ -49,4 +55,5 @@ def num_tpu_chips() -> int:
     return hardware_utils.num_available_tpu_chips_and_device_id()[0]
 
 
-__all__ = ["has_nvidia_gpu", "hlo_text_cost_analysis", "num_tpu_chips", "saved_residuals"]
+__all__ = ["has_nvidia_gpu", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
+           "saved_residuals"]

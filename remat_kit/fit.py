@@ -310,6 +310,53 @@ def step_memory(model, batch: int, seq: int, policy: "str | Policy", *,
 
 
 def _step_memory(workload: Workload, policy: Policy, optimizer, target) -> StepMemory:
+    made = _train_step(workload, policy, optimizer)
+    c = targets.compile_for(made.step, *made.args, target=target, donate=TrainStep.DONATED)
+    return step_figures(c, made.args)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """One train step of a workload, to compile or to run.
+
+    Attributes:
+      step: step(params, opt_state, *rest) -> (params, opt_state, loss):
+        value-and-grad of the workload's loss, then the optimizer update;
+        params and opt_state are meant to be donated (`DONATED`).
+      args: (params, opt_state, *rest) as `jax.ShapeDtypeStruct`s (sharded on
+        the mesh, if any); rest are the loss's other arguments (e.g. int32
+        tokens [batch, seq]).
+      make_args: key -> concrete args of those shapes (the workload's
+        `sample_args`, else random normal floats and zero ints; the
+        optimizer state by the optimizer), on JAX's default device.
+    """
+
+    step: Callable
+    args: tuple
+    make_args: Callable
+
+    DONATED = (0, 1)  # params and opt_state: updated in place
+
+
+def train_step(model, batch: int, seq: int, policy: "str | Policy", *,
+               optimizer: optax.GradientTransformation | None = None,
+               mesh: Mesh | None = None) -> TrainStep:
+    """The train step `step_memory` compiles, as a function with its arguments.
+
+    Args and errors as `step_memory` (without `target`), less the compiler's.
+    Returns:
+      A `TrainStep`.
+    """
+    _check_args(optimizer, batch=batch, seq=seq)
+    _check_mesh(mesh)
+    policy = _policy(policy)
+    optimizer = optimizer or default_optimizer()
+    return _train_step(_resizer(model, mesh)[0](batch, seq), policy, optimizer)
+
+
+def _train_step(workload: Workload, policy: Policy, optimizer) -> TrainStep:
+    from remat_kit.measure import _random_like  # measure's random data, for timed runs
+
     params, opt_state, rest = train_state(workload, optimizer)
     loss_fn = workload.loss_for_policy(policy)
     mesh = workload.mesh
@@ -323,10 +370,21 @@ def _step_memory(workload: Workload, policy: Policy, optimizer, target) -> StepM
             state = jax.lax.with_sharding_constraint(state, state_shardings)
         return *state, loss
 
-    c = targets.compile_for(step, params, opt_state, *rest, target=target, donate=(0, 1))
+    sample = workload.sample_args or (lambda k: _random_like(workload.args, k))
+
+    def make_args(k):
+        params, *rest = sample(k)
+        return params, optimizer.init(params), *rest
+
+    return TrainStep(step, (params, opt_state, *rest), make_args)
+
+
+def step_figures(c: "targets.Compiled", args: tuple) -> StepMemory:
+    """The `StepMemory` of a compiled train step: `c` from `targets.compile_for` of a
+    `TrainStep`'s step at its `args` (params, opt_state, ...)."""
     mem = c.memory
-    total, source = in_use_bytes(mem, target.platform)
-    p_bytes, o_bytes = tree_bytes(params), tree_bytes(opt_state)
+    total, source = in_use_bytes(mem, c.target.platform)
+    p_bytes, o_bytes = tree_bytes(args[0]), tree_bytes(args[1])
     return StepMemory(total, source, p_bytes, p_bytes, o_bytes,
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),

@@ -16,9 +16,10 @@ import warnings
 from collections.abc import Iterable, Sequence
 
 import jax
-from jax.ad_checkpoint import Offloadable, Recompute, Saveable, name_p
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from remat_kit import names
+from remat_kit._jax_private import name_p
 from remat_kit.errors import RematSpecError
 from remat_kit.schedule import Schedule
 

@@ -16,8 +16,9 @@ a report can give an accelerator's figures on a machine that has none:
 ``gpu``             the GPU devices of this machine (``jax.devices("gpu")``).
 ``gpu:<name>[:N]``  ahead of time with the CUDA PJRT plugin for N (default
                     1) NVIDIA GPUs on one host, described by an XLA
-                    ``GpuTargetConfigProto``: ``gpu:h100`` (H100 SXM 80 GB,
-                    shipped) or ``gpu:/path/to/spec.txtpb``; runs on a
+                    ``GpuTargetConfigProto``: ``gpu:h100`` (H100 SXM 80 GB),
+                    ``gpu:h200`` (H200 SXM 141 GB), both shipped, or
+                    ``gpu:/path/to/spec.txtpb``; runs on a
                     machine without a GPU (``pip install remat-kit[cuda]``,
                     about 5.6 GB). The GPU compiler gives no cost analysis,
                     so FLOPs come from the CPU compile of the same program.
@@ -61,10 +62,12 @@ _TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
 # NVIDIA H100 SXM 80 GB HBM3 (132 SMs, 50 MiB L2, compute capability 9.0),
 # in the format of XLA's xla/tools/hlo_opt/gpu_specs; it comes with the
 # project's design notes (DESIGN.md, "Measuring: what counts").
-GPU_TARGET_CONFIGS = {"h100": "h100_sxm.txtpb"}
+# h200_sxm.txtpb: an NVIDIA H200 SXM 141 GB HBM3e, the same chip with 4.8 TB/s
+# and 139.9 GiB (NVIDIA's H200 datasheet; the file's comment derives the size).
+GPU_TARGET_CONFIGS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
 KINDS = ("cpu", "tpu", "tpu:<topology>", "gpu", "gpu:<name>[:N]")
 EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1", "gpu",
-            "gpu:h100", "gpu:h100:8", "gpu:/path/to/spec.txtpb")
+            "gpu:h100", "gpu:h100:8", "gpu:h200", "gpu:/path/to/spec.txtpb")
 
 # XLA CPU: LLVM optimization only changes the speed of the generated code,
 # not buffer assignment or cost analysis (checked on every gpt2_small preset),
@@ -300,15 +303,46 @@ def _need_cuda_plugin() -> None:
                           "'remat-kit[cuda]' (jax[cuda12], about 5.6 GB)")
 
 
+def _gpu_config_text(name: str) -> str:
+    path = (name if name.endswith(".txtpb") else
+            os.path.join(os.path.dirname(__file__), "gpu_targets", GPU_TARGET_CONFIGS[name]))
+    with open(path) as f:
+        return f.read()
+
+
+# The GpuTargetConfigProto fields `gpu_description` reads (each occurs once).
+_GPU_FIELDS = re.compile(r"^\s*(device_description_str|core_count|clock_rate_ghz|"
+                         r'memory_bandwidth|l2_cache_size|device_memory_size):\s*("[^"]*"|\S+)\s*$',
+                         re.MULTILINE)
+
+
+def gpu_description(target: "str | Target") -> dict:
+    """The main figures of a GPU target's description, read from its text proto.
+
+    No CUDA plugin is needed. Args: target: a GPU target compiled ahead of
+    time, e.g. "gpu:h200". Returns: {"device_description_str": "NVIDIA H200",
+    "core_count": 132 (SMs), "clock_rate_ghz": 1.98, "memory_bandwidth"
+    (bytes/s), "l2_cache_size" (bytes), "device_memory_size" (bytes)}, the
+    fields the file has. Raises: TargetError: not a GPU target with a
+    description (`parse_target`).
+    """
+    target = parse_target(target)
+    if target.platform != "gpu" or not target.aot:
+        raise TargetError(f"target {str(target)!r} has no GPU description; give a GPU "
+                          f"compiled ahead of time, e.g. gpu:{next(iter(GPU_TARGET_CONFIGS))}")
+    found = {}
+    for key, value in _GPU_FIELDS.findall(_gpu_config_text(_split_count(target.topology)[0])):
+        found[key] = (value.strip('"') if value.startswith('"') else
+                      float(value) if "." in value else int(value))
+    return found
+
+
 @functools.cache
 def _gpu_devices(topology: str) -> tuple:
     _need_cuda_plugin()
     from jax.experimental import topologies
     name, count = _split_count(topology)
-    path = (name if name.endswith(".txtpb") else
-            os.path.join(os.path.dirname(__file__), "gpu_targets", GPU_TARGET_CONFIGS[name]))
-    with open(path) as f:
-        config = f.read()
+    config = _gpu_config_text(name)
     try:
         desc = topologies.get_topology_desc(
             topology_name=os.path.splitext(os.path.basename(name))[0], platform="cuda",
@@ -373,15 +407,20 @@ def is_out_of_memory(error: "BaseException | str") -> bool:
 def versions(target: "str | Target") -> dict[str, str]:
     """{"jax": "0.12.0.1", "compiler": "libtpu 0.0.52"}: the versions the figures depend on.
 
-    The compiler is libtpu for TPU targets, the CUDA plugin for GPU ones and
+    The compiler is libtpu for TPU targets, the CUDA plugin for GPU ones
+    (jax-cuda12-plugin or jax-cuda13-plugin, whichever is installed) and
     jaxlib (XLA CPU) otherwise.
     """
     target = parse_target(target)
-    package = {"tpu": "libtpu", "gpu": "jax-cuda12-plugin"}.get(target.platform, "jaxlib")
-    try:
-        compiler = f"{package} {importlib.metadata.version(package)}"
-    except importlib.metadata.PackageNotFoundError:
-        compiler = package
+    packages = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda13-plugin")}.get(
+        target.platform, ("jaxlib",))
+    compiler = packages[0]
+    for package in packages:  # the first installed one
+        try:
+            compiler = f"{package} {importlib.metadata.version(package)}"
+            break
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return {"jax": jax.__version__, "compiler": compiler}
 
 
@@ -490,7 +529,8 @@ def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence
 
 
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
-                compile_only: bool = True, donate: tuple[int, ...] = ()) -> Compiled:
+                compile_only: bool = True, donate: tuple[int, ...] = (),
+                count_flops: bool = True) -> Compiled:
     """Compiles `jax.jit(fn)` at `args` for `target`; nothing is allocated.
 
     Args:
@@ -502,6 +542,9 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
       compile_only: the program will not be run (faster CPU compiles).
       donate: indices of `args` whose buffers the program may reuse
         (`jax.jit`'s donate_argnums), e.g. the parameters of a train step.
+      count_flops: also count FLOPs (`costs`); False skips it, and with it
+        the XLA CPU compile that a compiler without cost analysis needs
+        (flops and transcendentals are then None).
     Returns:
       A `Compiled`.
     Raises:
@@ -525,12 +568,14 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     compiled = lower(flat, leaves, target, donated).compile(
         compile_options(target, compile_only))
     seconds = time.perf_counter() - start
-    found, notes = costs(compiled, target, flat, [_local(x) for x in leaves])
+    found, notes = (costs(compiled, target, flat, [_local(x) for x in leaves]) if count_flops
+                    else ({}, ()))
     return Compiled(compiled, target, memory_fields(compiled), found.get("flops"),
                     found.get("transcendentals"), seconds, notes)
 
 
 __all__ = ["Compiled", "EXAMPLES", "KINDS", "TPU_GENERATIONS", "Target", "TargetError",
-           "compile_for", "compile_options", "costs", "devices", "is_out_of_memory", "lower",
+           "compile_for", "compile_options", "costs", "devices", "gpu_description",
+           "is_out_of_memory", "lower",
            "make_mesh",
            "PEAKS", "parse_target", "peaks", "parse_targets", "place", "versions"]

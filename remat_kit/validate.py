@@ -10,10 +10,9 @@ import fnmatch
 import warnings
 
 import jax
-from jax.ad_checkpoint import name_p
 
 from remat_kit import names
-from remat_kit._jax_private import saved_residuals
+from remat_kit._jax_private import name_p, saved_residuals
 from remat_kit.errors import UnknownTagError
 from remat_kit.policy import Policy
 from remat_kit.spec import parse

@@ -357,8 +357,7 @@ def test_no_size_past_what_the_scores_allow_is_compiled(monkeypatch):
     """Fault 8: fit --budget 100TiB handed XLA seq 524288, whose [1, 4, s, s] scores crash
     XLA's CPU compiler (SIGFPE). Sizes stop at 2**31 score elements, and at what one
     layer's scores [batch, heads, seq, seq] leave of the budget."""
-    floor = fit_mod._tree_bytes(fit_mod._train_state(CFG, 1, 1, fit_mod.default_optimizer(),
-                                                     None)[1]) * 3 + 4  # params, AdamW
+    floor = fit_mod.tree_bytes(rk.models.workload(CFG, 1, 1).params) * 3 + 4  # params, AdamW
     calls = fake_step(monkeypatch, lambda s: floor + 32 * s * s, bound=True)  # 2 layers' scores
     (row,) = fit(CFG, "100TiB", policies=["full"]).rows
     assert max(4 * b * s * s for _, b, s in calls) <= 2**31
@@ -372,3 +371,28 @@ def test_no_size_past_what_the_scores_allow_is_compiled(monkeypatch):
     assert row.size == 1000 and not row.capped and max(s for _, _, s in calls) == 1000
     # A TPU compiles its own way: only the budget bounds the search there.
     assert fit_mod.size_bound(CFG, "seq", 1, 10**15, floor, platform="tpu")[0] > 10**6
+
+
+def test_train_step_runs_the_step_that_step_memory_compiles():
+    # Remat changes what is stored, not the values: one step under full remat gives no
+    # remat's loss and parameters, in less memory.
+    from remat_kit import targets
+    from remat_kit.fit import TrainStep, step_figures, train_step
+    state = {}
+    for policy in ("none", "full"):
+        made = train_step(CFG, 2, 16, policy)
+        args = made.make_args(jax.random.key(0))
+        assert [(a.shape, a.dtype) for a in jax.tree.leaves(args)] == [
+            (s.shape, s.dtype) for s in jax.tree.leaves(made.args)]
+        c = targets.compile_for(made.step, *made.args, compile_only=False,
+                                donate=TrainStep.DONATED, count_flops=False)
+        params, _, loss = c.compiled(*jax.tree.leaves(args))
+        state[policy] = (float(loss), params, step_figures(c, made.args))
+    assert state["full"][0] == pytest.approx(state["none"][0], rel=1e-6)
+    none, full = state["none"][2], state["full"][2]
+    assert full.params_bytes == none.params_bytes == 4 * sum(
+        x.size for x in jax.tree.leaves(state["none"][1]))
+    assert full.temp_size_in_bytes < none.temp_size_in_bytes
+    assert math.log(CFG.vocab_size) * 0.9 < state["none"][0] < math.log(CFG.vocab_size) * 1.2
+    for a, b in zip(jax.tree.leaves(state["none"][1]), jax.tree.leaves(state["full"][1])):
+        assert jnp.allclose(a, b, atol=1e-6)

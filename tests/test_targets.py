@@ -43,7 +43,7 @@ def run(capsys, *argv):
 @pytest.mark.parametrize("text, platform, topology", [
     ("cpu", "cpu", None), ("CPU", "cpu", None), ("tpu", "tpu", None), ("gpu", "gpu", None),
     ("tpu:v5e:2x2", "tpu", "v5e:2x2"), ("tpu:V5P:2x2x1", "tpu", "v5p:2x2x1"),
-    ("gpu:h100", "gpu", "h100"), ("gpu:H100:8", "gpu", "h100:8"),
+    ("gpu:h100", "gpu", "h100"), ("gpu:H100:8", "gpu", "h100:8"), ("gpu:H200", "gpu", "h200"),
 ])
 def test_parse_target(text, platform, topology):
     target = targets.parse_target(text)
@@ -65,7 +65,7 @@ def test_labels_name_the_compiler_and_the_topology():
                     "'v5p'?; valid: v2, v3, v4, v5e, v5p, v6e, tpu7x"),
     ("tpu:v5e:2", "bad TPU topology 'v5e:2' in target 'tpu:v5e:2'"),
     ("tpu:v5e", "bad TPU topology 'v5e'"),
-    ("gpu:h10", "unknown GPU 'h10' in target 'gpu:h10'; did you mean 'h100'?; valid: h100"),
+    ("gpu:h10", "unknown GPU 'h10' in target 'gpu:h10'; did you mean 'h100'?; valid: h100, h200"),
     ("gpu:h100:0", "bad GPU target 'gpu:h100:0'"),
     ("gpu:/no/such.txtpb", "GPU target config file '/no/such.txtpb' in target"),
 ])
@@ -309,17 +309,34 @@ def test_bad_targets_are_one_line_and_exit_2(capsys, argv, message):
     assert out == ""
 
 
+def test_gpu_descriptions_are_read_without_the_plugin():
+    assert targets.gpu_description("gpu:h200") == {
+        "device_description_str": "NVIDIA H200", "core_count": 132, "clock_rate_ghz": 1.98,
+        "memory_bandwidth": 4_800_000_000_000, "l2_cache_size": 50 * 2**20,
+        "device_memory_size": 143220 * 2**20}
+    h100 = targets.gpu_description("gpu:h100:8")
+    assert (h100["device_description_str"], h100["device_memory_size"]) == (
+        "NVIDIA H100 80GB HBM3", 84_942_979_072)
+    with pytest.raises(targets.TargetError, match="^target 'cpu' has no GPU description"):
+        targets.gpu_description("cpu")
+
+
 @pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="the CUDA plugin is not installed "
                     "(pip install 'remat-kit[cuda]', about 5.6 GB)")
-def test_gpu_h100_compiles_without_a_gpu():
+@pytest.mark.parametrize("gpu, kind", [("h100", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")])
+def test_gpu_targets_compile_without_a_gpu(gpu, kind):
     def loss(w, x):
         return jnp.sum(jnp.tanh(x @ w))
 
     w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
-    gpu = targets.compile_for(jax.value_and_grad(loss), w, x, target="gpu:h100")
-    assert gpu.memory["argument_size_in_bytes"] == 2 * (256 * 256 + 64 * 256)
-    assert gpu.flops is not None and any("XLA CPU compile" in n for n in gpu.notes)
+    assert targets.devices(f"gpu:{gpu}")[0].device_kind == kind
+    compiled = targets.compile_for(jax.value_and_grad(loss), w, x, target=f"gpu:{gpu}")
+    assert compiled.memory["argument_size_in_bytes"] == 2 * (256 * 256 + 64 * 256)
+    assert compiled.flops is not None and any("XLA CPU compile" in n for n in compiled.notes)
+    uncounted = targets.compile_for(jax.value_and_grad(loss), w, x, target=f"gpu:{gpu}",
+                                    count_flops=False)
+    assert (uncounted.flops, uncounted.notes) == (None, ())
 
 
 @needs_libtpu

@@ -1,0 +1,122 @@
+"""benchmarks/gpu_truth.py: its CPU smoke mode, its no-GPU refusal and its shipped predictions."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from remat_kit import targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_truth.py")
+_spec = importlib.util.spec_from_file_location("gpu_truth", SCRIPT)
+gpu_truth = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_truth)
+SHIPPED = gpu_truth._read(gpu_truth.PREDICTIONS)
+
+
+def run_script(*argv, out=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_CLIENT_MEM")}
+    if out is not None:
+        env["OUT"] = str(out)
+    return subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_truth")
+    done = run_script("--smoke", "--configs", "tiny", "--policies", "none,auto", "--steps", "2",
+                      "--warmup", "1", out=out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(out / "gpu_truth.json") as f:
+        report = json.load(f)
+    return report, (out / "gpu_truth.md").read_text(), done.stdout
+
+
+def test_smoke_rows_have_the_measured_and_predicted_figures(smoke):
+    report, _, _ = smoke
+    none, auto = report["rows"]
+    shipped = SHIPPED["configs"]["tiny"]["policies"]
+    assert (none["policy"], auto["policy"]) == ("none", "auto:budget=0.8")
+    # The auto row runs the plan made deviceless for the H200, not a new one.
+    assert auto["resolved"] == shipped["auto:budget=0.8"]["resolved"] != "none"
+    assert "planned_on" not in auto
+    for row in (none, auto):
+        assert row["config"] == "tiny" and row["platform"] == "cpu" and "error" not in row
+        assert row["step_time"]["steps"] == len(row["step_time"]["times_s"]) == 2
+        t = row["step_time"]
+        assert t["min_s"] <= t["q1_s"] <= t["median_s"] <= t["q3_s"] <= t["max_s"]
+        # random tokens over 256 ids: the loss starts near log(256)
+        assert abs(row["losses"][0] - math.log(256)) < 0.5
+        assert row["deviceless"]["total_bytes"] == shipped[row["policy"]]["total_bytes"]
+        compiled = row["device_compile"]
+        assert compiled["source"] == "argument + temp + output - alias"  # the CPU's figure
+        assert compiled["total_bytes"] == (compiled["argument_size_in_bytes"]
+                                           + compiled["temp_size_in_bytes"]
+                                           + compiled["output_size_in_bytes"]
+                                           - compiled["alias_size_in_bytes"])
+        assert row["measured_peak_bytes"] is None  # the CPU client keeps no memory_stats
+        assert row["mfu"] is None and row["hfu"] is None  # no peak FLOP/s for a CPU
+    assert none["ratio_to_none"] == 1.0 and none["flop_ratio_to_none"] == 1.0
+    assert auto["ratio_to_none"] == auto["step_time"]["median_s"] / none["step_time"]["median_s"]
+    assert auto["flop_ratio_to_none"] == (shipped["auto:budget=0.8"]["flops"]
+                                          / shipped["none"]["flops"]) > 1.0
+    assert none["predicted_ratio_to_none"] is None
+
+
+def test_smoke_records_the_measurement_environment(smoke):
+    report, _, _ = smoke
+    env = report["environment"]
+    assert (env["XLA_PYTHON_CLIENT_ALLOCATOR"], env["XLA_PYTHON_CLIENT_PREALLOCATE"],
+            env["XLA_CLIENT_MEM_FRACTION"]) == ("bfc", "false", "0.95")
+    assert report["versions"]["compiler"].startswith("jaxlib ")
+    assert report["predictions"]["target"] == "gpu:h200"
+    assert report["peak_flops"] is None and report["smoke"] is True
+    assert len(report["differences"]) == 4
+
+
+def test_smoke_prints_and_writes_the_table(smoke):
+    _, table, stdout = smoke
+    assert table.startswith("| config | policy | measured peak | device compile | deviceless H200 |")
+    assert "| tiny | auto:budget=0.8 → `" in table
+    assert "Where a prediction can differ from the measured peak:" in table
+    assert "remat_kit has no time model yet" in table
+    assert table in stdout
+
+
+@pytest.mark.skipif(gpu_truth.has_gpu(), reason="this machine has a GPU")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
+    done = run_script(out=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("gpu_truth: no GPU is present")
+    assert "PYTHONPATH=. python benchmarks/gpu_truth.py --smoke" in done.stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_shipped_predictions_are_for_the_runs_and_the_h200_description():
+    assert SHIPPED["target"] == "gpu:h200"
+    assert SHIPPED["description"] == targets.gpu_description("gpu:h200")
+    for name, run in {**gpu_truth.RUNS, **gpu_truth.SMOKE_RUNS}.items():
+        entry = SHIPPED["configs"][name]
+        assert gpu_truth._matches(entry, run), f"{name}: rerun --predict"
+        specs = {gpu_truth._spec(p, run) for p in gpu_truth.POLICIES}
+        assert set(entry["policies"]) == specs
+        for spec in specs:
+            p = entry["policies"][spec]
+            assert "error" not in p, (name, spec, p.get("error"))
+            assert p["source"] == "peak_memory_in_bytes" and p["flops"] > 0
+        by = entry["policies"]
+        assert by["full"]["total_bytes"] <= by[run.auto]["total_bytes"] < by["none"][
+            "total_bytes"]
+
+
+def test_bad_arguments_are_one_line_and_exit_2():
+    done = run_script("--smoke", "--configs", "tiny,gpt2_medium")
+    assert done.returncode == 2 and done.stderr == (
+        "gpu_truth: unknown config 'gpt2_medium'; valid: tiny\n")
