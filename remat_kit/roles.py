@@ -171,8 +171,11 @@ class _Graph:
         values; a scanned slice of a parameter is a parameter; carries are new values."""
         p, name = eqn.params, eqn.primitive.name
 
-        def fresh(jaxpr, shared: int, like: Sequence[_Val]):
-            return [src if i < shared else _Val(v, depth, v.aval, param=src.param, data=src.data)
+        def fresh(jaxpr, shared: int, like: Sequence[_Val], carry: int = 0):
+            # A carry is never a parameter; a loop counter from a constant is not data.
+            return [src if i < shared else
+                    _Val(v, depth, v.aval, param=src.param and i >= shared + carry,
+                         data=src.data)
                     for i, (v, src) in enumerate(zip(jaxpr.invars, like))]
 
         if name == "scan":
@@ -184,14 +187,11 @@ class _Graph:
                 nc, ncarry = p["num_consts"], p["num_carry"]
             if len(body.jaxpr.invars) != len(ins):
                 return
-            vals = fresh(body.jaxpr, nc, ins)
-            for i in range(nc, nc + ncarry):  # a carry is never a parameter
-                vals[i].param, vals[i].data = False, True
-            self._walk(body.jaxpr, vals, depth)
+            self._walk(body.jaxpr, fresh(body.jaxpr, nc, ins, ncarry), depth)
         elif name == "while":
             cn, bn = p["cond_nconsts"], p["body_nconsts"]
             body = p["body_jaxpr"].jaxpr
-            self._walk(body, fresh(body, bn, ins[cn:]), depth)
+            self._walk(body, fresh(body, bn, ins[cn:], len(ins) - cn - bn), depth)
         elif name == "cond":
             for branch in p["branches"]:
                 self._walk(branch.jaxpr, list(ins[1:]), depth)

@@ -185,6 +185,42 @@ def test_reference_model_roles_equal_its_tags(fam, changes, custom_jvp):
         assert prims_of(jaxpr.jaxpr) & {"remat2", "call_hi_primitive"}
 
 
+def plain_jax_lm(params, tokens):
+    """A language model in plain JAX: layers in a while_loop over stacked weights
+    (indexed by the loop counter), relu MLP, post-norm, attention mask by lax.select."""
+    def norm(x):
+        x = x - x.mean(-1, keepdims=True)
+        return x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+
+    def layer(carry):
+        i, x = carry
+        q, k, v = (x @ params[n][i] for n in ("wq", "wk", "wv"))
+        s = jnp.einsum("btd,bsd->bts", q, k)
+        s = jax.lax.select(jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), s.shape), s,
+                           jnp.full_like(s, -1e9))
+        x = norm(x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(s), v) @ params["wo"][i])
+        return i + 1, norm(x + jax.nn.relu(x @ params["w1"][i]) @ params["w2"][i])
+
+    x = params["embed"][tokens]
+    _, x = jax.lax.while_loop(lambda c: c[0] < 3, layer, (0, x))
+    return x @ params["embed"].T
+
+
+def test_plain_jax_while_loop_relu():
+    d = 16
+    params = {n: jax.ShapeDtypeStruct((3, d, d), jnp.float32)
+              for n in ("wq", "wk", "wv", "wo", "w1", "w2")}
+    params["embed"] = jax.ShapeDtypeStruct((32, d), jnp.float32)
+    jaxpr, roles = trace(plain_jax_lm, params)
+    assert {"while", "custom_jvp_call", "dynamic_slice"} <= prims_of(jaxpr.jaxpr)
+    # One loop body: each role once. Post-norm: the previous layer's norm feeds both.
+    assert collections.Counter(roles.of.values()) == collections.Counter(
+        ["query_proj", "key_proj", "value_proj", "attn_logits", "attn_probs", "context",
+         "out_proj", "mlpwi", "mlp_act", "mlpwo", "mlp_norm"])
+    assert roles.missing["attn_norm"] == "no norm (reduce over the features, rsqrt) feeds " \
+        "the projections"
+
+
 def test_no_transformer_no_roles():
     """A linear model and a two-layer net without a nonlinearity have no roles."""
     def f(w1, w2, x):
