@@ -24,7 +24,7 @@ EXTRA = ["save_only_these_names:query_proj", "save_any_names_but_these:query_pro
 
 def snapshot(config: str, batch: int, seq: int) -> dict:
     """{policy name: {"bytes": stored bytes per layer, "stored": sorted stored rows}}."""
-    from remat_kit.measure import layer_residuals
+    from remat_kit.explain import layer_residuals
     from remat_kit.models import get_config
     from remat_kit.spec import PRESET_TABLE
 

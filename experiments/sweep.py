@@ -30,7 +30,8 @@ from remat_kit import report
 from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
                            config_from_dict, preset_policies, split_policies)
 from remat_kit.errors import RematSpecError
-from remat_kit.measure import measure_config, platform_label
+from remat_kit.measure import measure_config
+from remat_kit.record import platform_label
 
 
 def _define_flags() -> None:

@@ -50,7 +50,8 @@ from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, chec
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.fit import in_use_bytes
-from remat_kit.measure import loop_scaled_costs, memory_fields, platform_label
+from remat_kit.costs import loop_scaled_costs, memory_fields
+from remat_kit.record import platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
 from remat_kit.plan import parse_budget, resolve_config
 

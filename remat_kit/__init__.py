@@ -5,28 +5,36 @@
     nn.remat(Block, policy=policy.to_jax())
     rk.plan(loss_fn, *args, budget="6GiB")  # the cheapest policy that fits, verified
 
+Every answer (`measure`, `explain`, `plan`, `fit`) takes a `Workload`, the
+value that says what to measure: `rk.models.workload(cfg, batch, seq)` for
+the reference transformers, `rk.from_model.workload(model, batch, seq)` for
+any linen or NNX language model, or one of the user's own.
+
 `rk.plan` is the planner function; its module is `remat_kit.plan` (import
 `Planner` and friends with `from remat_kit.plan import ...`).
 """
 
-from remat_kit import estimate, mesh, report, targets
+from remat_kit import estimate, from_model, mesh, models, report, targets
 from remat_kit import flax_linen as linen
 from remat_kit import flax_nnx as nnx
 from remat_kit.errors import (BudgetError, MeshError, RematSpecError, UnknownModuleError,
                               UnknownTagError)
 from remat_kit.fit import fit, step_memory
-from remat_kit.measure import (Record, checkpointed, explain, layer_residuals, measure,
-                               measure_config, residuals)
+from remat_kit.explain import explain, layer_residuals
+from remat_kit.measure import measure, measure_config
 from remat_kit.names import ALIASES, TAGS, register_tag, tag
 from remat_kit.plan import Plan, Planner, plan
+from remat_kit.record import Record
+from remat_kit.residuals import residuals
 from remat_kit.policy import Policy
 from remat_kit.spec import PRESETS, AutoSpec, from_custom, parse
 from remat_kit.validate import emitted_tags, validate
+from remat_kit.workload import Workload, checkpointed
 
 __all__ = [
     "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
-    "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError",
-    "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom",
-    "layer_residuals", "linen", "measure", "measure_config", "mesh", "nnx", "parse", "plan",
-    "register_tag", "report", "residuals", "step_memory", "tag", "targets", "validate",
+    "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError", "Workload",
+    "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom", "from_model",
+    "layer_residuals", "linen", "measure", "measure_config", "mesh", "models", "nnx", "parse",
+    "plan", "register_tag", "report", "residuals", "step_memory", "tag", "targets", "validate",
 ]

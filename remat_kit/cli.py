@@ -194,6 +194,74 @@ def load_config(spec: str) -> tuple[TransformerConfig, str, dict]:
     return cfg, os.path.basename(spec), defaults
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a command's workload comes from: --config (a reference transformer) or
+    --model (the user's model or Workload function, `remat_kit.user_model`).
+
+    Attributes:
+      label: the report's name, e.g. "gpt2_small" or "models.py:build".
+      cfg: the TransformerConfig for --config (dtype applied), None for --model.
+      defaults: {"batch", "seq"} from a config file's batch_size / seq_len.
+      make: (batch, seq, mesh) -> Workload; raises BadInput for a bad model.
+    """
+
+    label: str
+    cfg: TransformerConfig | None
+    defaults: dict
+    make: object
+
+    def workload(self, batch: int, seq: int, mesh=None):
+        """The workload at these sizes; BadInput for a model that cannot give one."""
+        from remat_kit.from_model import ModelError
+        try:
+            return self.make(batch, seq, mesh)
+        except ModelError as e:
+            raise BadInput(str(e)) from None
+
+    def dtype(self, workload=None) -> str:
+        """The activation dtype for titles: the config's, else the parameters'."""
+        if self.cfg is not None:
+            return self.cfg.dtype
+        import jax
+        leaves = jax.tree.leaves(workload.params) if workload is not None else []
+        return str(leaves[0].dtype) if leaves else "-"
+
+    @property
+    def num_layers(self) -> int | None:
+        return self.cfg.num_layers if self.cfg is not None else None
+
+
+def load_source(args) -> Source:
+    """The Source of --config or --model (with --block and --dtype checked).
+
+    Raises:
+      BadInput: both or neither given, --block without --model, --dtype with
+        --model (the model's dtypes are its own), or a bad config or model.
+    """
+    from remat_kit.models import workload as config_workload
+
+    if args.model is not None:
+        from remat_kit import user_model
+        from remat_kit.from_model import ModelError
+        if args.dtype:
+            raise BadInput(f"--dtype is for --config; a --model keeps its own dtypes (set "
+                           f"them where {args.model} builds the model)")
+        try:
+            label, make = user_model.load(args.model, args.block)
+        except ModelError as e:
+            raise BadInput(str(e)) from None
+        return Source(label, None, {}, make)
+    if args.block is not None:
+        raise BadInput("--block names the repeated block class of a --model; --config models "
+                       "know theirs")
+    cfg, label, defaults = load_config(args.config)
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
+    return Source(label, cfg, defaults,
+                  lambda batch, seq, mesh=None: config_workload(cfg, batch, seq, mesh=mesh))
+
+
 def check_seq(cfg: TransformerConfig, seq: int, name: str = "--seq") -> None:
     """BadInput if a GPT-2 model has no position embedding for `seq` positions."""
     if cfg.family == "gpt2" and seq > cfg.max_len:
@@ -311,13 +379,20 @@ def split_policies(text: str, flag: str = "--policies") -> list[str]:
     return [spec for _, spec in items]
 
 
-def check_schedules(cfg: TransformerConfig, specs: Sequence[str], flag: str) -> None:
+def check_schedules(cfg: "TransformerConfig | int | None", specs: Sequence[str],
+                    flag: str) -> None:
     """BadInput, before anything compiles, for a spec the model cannot take: the
     config's own checks (`TransformerConfig`), e.g. a layer schedule that does not
-    fit its layers (full@every:99 on 2 layers, nested:7) or needs a looped stack."""
+    fit its layers (full@every:99 on 2 layers, nested:7) or needs a looped stack;
+    for a model of the user's (cfg its block count), the schedule's own check."""
     for spec in specs:
         try:
-            cfg.replace(remat=spec)
+            if isinstance(cfg, TransformerConfig):
+                cfg.replace(remat=spec)
+            elif cfg is not None:
+                policy = parse(spec)
+                if not isinstance(policy, AutoSpec):
+                    policy.schedule.check(cfg)
         except ValueError as e:
             raise BadInput(f"{flag} {spec!r}: {e}") from None
 
@@ -385,12 +460,14 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
 # Subcommands
 # ---------------------------------------------------------------------------
 
-def _sizes(args, cfg: TransformerConfig, defaults: dict) -> tuple[int, int]:
-    """(batch, seq) from the flags, else the config file's, else the defaults;
-    BadInput if the model cannot take seq (`check_seq`)."""
-    batch = args.batch or defaults.get("batch", 8)
-    seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024))
-    check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
+def _sizes(args, src: Source) -> tuple[int, int]:
+    """(batch, seq) from the flags, else the config file's, else the defaults (8,
+    min(max_len, 1024)); BadInput if a config's model cannot take seq (`check_seq`)."""
+    cfg = src.cfg
+    batch = args.batch or src.defaults.get("batch", 8)
+    seq = args.seq or src.defaults.get("seq", min(cfg.max_len, 1024) if cfg else 1024)
+    if cfg is not None:
+        check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
     return batch, seq
 
 
@@ -417,13 +494,12 @@ def _plot_path(path: str, target, several: bool) -> str:
 
 def _compare(args) -> int:
     from remat_kit import report, targets
-    from remat_kit.measure import measure_config
+    from remat_kit.measure import measure
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
-    cfg, label, defaults = load_config(args.config)
-    if args.dtype:
-        cfg = cfg.replace(dtype=args.dtype)
-    batch, seq = _sizes(args, cfg, defaults)
+    src = load_source(args)
+    cfg, label = src.cfg, src.label
+    batch, seq = _sizes(args, src)
     specs = split_policies(args.policies) if args.policies is not None else preset_policies()
     check_schedules(cfg, specs, "--policies")
     if args.json is not None:
@@ -435,6 +511,9 @@ def _compare(args) -> int:
         raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
                        "of time (tpu:<topology>) cannot be timed")
     meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
+    works = [src.workload(batch, seq, mesh) for mesh in meshes]  # traced, not compiled
+    if cfg is None:
+        check_schedules(works[0].num_layers, specs, "--policies")
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
@@ -442,19 +521,20 @@ def _compare(args) -> int:
               file=sys.stderr, flush=True)
 
     sections, contexts = [], []
-    for target, mesh in zip(target_list, meshes):
+    dtype = src.dtype(works[0])
+    for target, mesh, work in zip(target_list, meshes, works):
         devices = 1 if mesh is None else mesh.size
         batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
         tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
-        if args.time:
+        if args.time and cfg is not None:
             check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
-        records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=args.time,
-                                 mesh=mesh, progress=progress, target=target)
+        records = measure(work, policies=specs, names=specs, time_steps=args.time,
+                          progress=progress, target=target, per_layer=True)
         target = targets.parse_target(target)
         found = targets.versions(target)
         mesh_text = rk_mesh.spec_text(mesh)
         per_device = f", per device of {devices} ({mesh_text})" if devices > 1 else ""
-        title = f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({target.label}{per_device})"
+        title = f"{label}: batch {batch}, seq {seq}, {dtype} ({target.label}{per_device})"
         sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,
                                                     tensor=tensor)))
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
@@ -465,10 +545,13 @@ def _compare(args) -> int:
     else:
         report.print_side_by_side(
             [(str(t), rows) for t, _, rows in sections],
-            f"{label}: batch {batch}, seq {seq}, {cfg.dtype}, per device")
+            f"{label}: batch {batch}, seq {seq}, {dtype}, per device")
+    for note in dict.fromkeys(n for _, _, rows in sections for d in rows for n in d["notes"]
+                              if cfg is None):
+        print(f"note: {note}", file=sys.stderr)
     if args.json is not None:
         # The first target's fields stay at the top level (schema 1); "targets" has them all.
-        context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
+        context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                    **contexts[0], "targets": contexts}
         report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
     if args.plot is not None:
@@ -482,12 +565,15 @@ def _explain(args) -> int:
     from rich.table import Table
 
     from remat_kit import report, targets
-    from remat_kit.measure import layer_residuals
+    from remat_kit.explain import layer_residuals
 
-    cfg, label, defaults = load_config(args.config)
-    batch, seq = _sizes(args, cfg, defaults)
-    if args.dtype:
-        cfg = cfg.replace(dtype=args.dtype)
+    from remat_kit.explain import explain
+
+    src = load_source(args)
+    cfg, label = src.cfg, src.label
+    batch, seq = _sizes(args, src)
+    if args.policy is None and cfg is None:
+        raise BadInput("explain --model needs --policy (a --model has no default policy)")
     policy = parse(args.policy if args.policy is not None else cfg.remat)
     if isinstance(policy, AutoSpec):
         raise BadInput(f"explain shows one policy; {policy} is planned per model: run "
@@ -497,7 +583,18 @@ def _explain(args) -> int:
                        f"under different policies (schedule {policy.schedule}): explain the "
                        f"policy without '@{policy.schedule}', or compare the whole model")
     where = ""
-    if args.mesh is not None:  # the layer one device runs; no devices needed
+    if args.mesh is not None and cfg is None:  # the block one device runs: its batch share
+        try:
+            sizes = rk_mesh.parse_spec(args.mesh)
+            rk_mesh.check_fits(sizes, None, batch)
+        except rk_mesh.MeshError as e:
+            raise BadInput(f"--mesh: {e}") from None
+        if rk_mesh.axis_size(sizes, "heads") > 1:
+            raise BadInput(f"--mesh {args.mesh}: a tensor axis splits a --model's own layers, "
+                           "which remat_kit cannot do; use data and fsdp axes")
+        batch //= rk_mesh.axis_size(sizes, "batch")
+        where = f", per device of mesh {args.mesh}"
+    elif args.mesh is not None:  # the layer one device runs; no devices needed
         try:
             sizes = rk_mesh.parse_spec(args.mesh)
             rk_mesh.check_fits(sizes, cfg, batch)
@@ -512,10 +609,15 @@ def _explain(args) -> int:
         if len(found) > 1:
             raise BadInput(f"explain takes one --target, got {args.target!r}")
         target = found[0]
-    layer = layer_residuals(cfg, batch, seq, policy, target=target)
+    if cfg is not None:
+        layer, what, dtype = layer_residuals(cfg, batch, seq, policy, target=target), \
+            "one decoder layer", cfg.dtype
+    else:
+        work = src.workload(batch, seq)
+        layer, what, dtype = explain(policy, work, target=target), "one block", src.dtype(work)
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    console.print(f"{label}, one decoder layer under {args.policy or str(policy)!r} "
-                  f"({policy}): batch {batch}, seq {seq}, {cfg.dtype}{where}")
+    console.print(f"{label}, {what} under {args.policy or str(policy)!r} "
+                  f"({policy}): batch {batch}, seq {seq}, {dtype}{where}")
     t = Table()
     for name, justify in (("value", "left"), ("kind", "left"), ("shape", "left"),
                           ("dtype", "left"), ("bytes", "right"), ("decision", "left")):
@@ -576,13 +678,12 @@ def _plan(args) -> int:
     from rich.table import Table
 
     from remat_kit import report
-    from remat_kit.measure import MEMORY_LABELS
-    from remat_kit.plan import config_planner, parse_budget, read_cache
+    from remat_kit.record import MEMORY_LABELS
+    from remat_kit.plan import Planner, parse_budget, read_cache
 
-    cfg, label, defaults = load_config(args.config)
-    if args.dtype:
-        cfg = cfg.replace(dtype=args.dtype)
-    batch, seq = _sizes(args, cfg, defaults)
+    src = load_source(args)
+    cfg, label = src.cfg, src.label
+    batch, seq = _sizes(args, src)
     budgets = split_budgets(args.budgets)
     presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
                if args.presets is not None else preset_policies())
@@ -602,13 +703,17 @@ def _plan(args) -> int:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
     mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
     devices = 1 if mesh is None else mesh.size
+    work = src.workload(batch, seq, mesh)
+    if cfg is None:
+        check_schedules(work.num_layers, presets, "--presets")
+    dtype = src.dtype(work)
 
     def progress(message):
         print(message, file=sys.stderr, flush=True)
 
-    planner = config_planner(cfg, batch, seq, mesh=mesh, progress=progress,
-                             cache=args.cache if args.cache is not None else True,
-                             target=target_list[0])
+    planner = Planner(work, progress=progress,
+                      cache=args.cache if args.cache is not None else True,
+                      target=target_list[0])
     # Presets first: the planner takes any compiled policy that beats its own plan.
     named: dict[int, tuple] = {}
     for spec, r in zip(presets, planner.measure_all(presets)):
@@ -626,7 +731,7 @@ def _plan(args) -> int:
     memory = MEMORY_LABELS[kind]
     ok = [r for r in records if r.error is None and r.memory_bytes is not None
           and r.memory_kind == kind]
-    title = (f"{label}: batch {batch}, seq {seq}, {cfg.dtype} ({planner.measure('full').platform}"
+    title = (f"{label}: batch {batch}, seq {seq}, {dtype} ({planner.measure('full').platform}"
              f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
              f"{report.fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
              f"least compiled: {report.fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
@@ -660,7 +765,7 @@ def _plan(args) -> int:
     console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
                   f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))
-    context = {"config": label, "batch": batch, "seq": seq, "dtype": cfg.dtype,
+    context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                "devices": devices, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "plan_seconds": plan_seconds}
@@ -684,9 +789,8 @@ def _fit(args) -> int:
     from remat_kit.fit import DEFAULT_MAX_SIZE, DEFAULT_MULTIPLE, FIT_POLICIES, _is_auto, fit
     from remat_kit.plan import parse_budget
 
-    cfg, label, defaults = load_config(args.config)
-    if args.dtype:
-        cfg = cfg.replace(dtype=args.dtype)
+    src = load_source(args)
+    cfg, label, defaults = src.cfg, src.label, src.defaults
     try:
         budget = parse_budget(args.budget).bytes
     except BudgetError as e:
@@ -707,8 +811,8 @@ def _fit(args) -> int:
     except rk_mesh.MeshError as e:
         raise BadInput(f"--mesh: {e}") from None
     batch = args.batch or (split if args.vary == "seq" else defaults.get("batch", 8))
-    seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024))
-    if args.vary == "batch":
+    seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024) if cfg else 1024)
+    if args.vary == "batch" and cfg is not None:
         check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
     multiple = args.multiple or DEFAULT_MULTIPLE[args.vary] * (split if args.vary == "batch"
                                                                else 1)
@@ -741,8 +845,15 @@ def _fit(args) -> int:
                                + (f", picked {row.picked}" if row.picked else ""))
         print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
 
+    model, dtype = cfg, cfg and cfg.dtype
+    if cfg is None:  # traced once at the smallest size: bad models fail before compiling
+        first = src.workload(*((batch, multiple) if args.vary == "seq" else (multiple, seq)),
+                             mesh)
+        check_schedules(first.num_layers, specs, "--policies")
+        model, dtype = (lambda b, s: src.workload(b, s, mesh)), src.dtype(first)
+        mesh = None  # the workloads carry it
     try:
-        result = fit(cfg, args.budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
+        result = fit(model, args.budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
                      multiple=multiple, target=target_list[0], mesh=mesh, progress=progress)
     except BudgetError as e:
         raise BadInput(f"--budget: {e}") from None
@@ -750,7 +861,7 @@ def _fit(args) -> int:
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
     title = (f"{label}: longest {args.vary} within {report.fmt_bytes(budget)} {where}, {fixed}, "
-             f"{cfg.dtype}, multiple {multiple} ({result.platform})")
+             f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(report.fit_table(result, title))
     if args.json is not None:
@@ -758,7 +869,7 @@ def _fit(args) -> int:
             json.dump(report.fit_to_dict(result) | {"config": label}, f, indent=2)
             f.write("\n")
     if args.plot is not None:
-        report.plot_fit(args.plot, result, f"{label}, {fixed}, {cfg.dtype}")
+        report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")
     return 0
 
 
@@ -767,9 +878,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{compare,explain,plan,fit}")
 
     def common(p):
-        p.add_argument("--config", required=True,
-                       help=f"a model name ({', '.join(CONFIGS)}) or a .py config file "
-                            "with get_config()")
+        source = p.add_mutually_exclusive_group(required=True)
+        source.add_argument("--config",
+                            help=f"a model name ({', '.join(CONFIGS)}) or a .py config file "
+                                 "with get_config()")
+        source.add_argument("--model", metavar="FILE.py:FUNCTION",
+                            help="your own model: FUNCTION() returns a linen or NNX model "
+                                 "(int32 tokens [batch, seq] -> logits), or FUNCTION(batch, "
+                                 "seq) returns a remat_kit.Workload; also package.module:FUNCTION")
+        p.add_argument("--block", default=None, metavar="NAME",
+                       help="with --model: the repeated block class to remat (default: the "
+                            "class instantiated most often with one structure)")
         p.add_argument("--batch", type=_positive_int, default=None,
                        help="global batch size (default: the config file's batch_size, or 8)")
         p.add_argument("--seq", type=_positive_int, default=None,

@@ -43,6 +43,7 @@ value-and-grad budget, and verifies the plan on the whole step (`fit`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -57,13 +58,16 @@ from jax.sharding import Mesh
 from remat_kit import mesh as rk_mesh
 from remat_kit import targets
 from remat_kit.errors import BudgetError, MeshError, RematSpecError
-from remat_kit.measure import PEAK, _check_positive, _local, config_program, memory_kind
 from remat_kit.models import TransformerConfig
-from remat_kit.plan import config_planner, parse_budget
+from remat_kit.models.program import check_positive, sized
+from remat_kit.models.program import workload as config_workload
+from remat_kit.plan import Planner, parse_budget
 from remat_kit.policy import Policy
+from remat_kit.record import PEAK, memory_kind
 from remat_kit.report import fmt_bytes
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.targets import is_out_of_memory
+from remat_kit.workload import Workload
 
 VARY = ("seq", "batch")
 FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
@@ -116,25 +120,38 @@ class StepMemory:
 
 def _tree_bytes(tree) -> int:
     """Bytes one device holds of a tree of (possibly sharded) ShapeDtypeStructs."""
-    return sum(math.prod(_local(x).shape) * jnp.dtype(x.dtype).itemsize
+    return sum(math.prod(rk_mesh.local_shape(x).shape) * jnp.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(tree))
 
 
-def _sized(cfg: TransformerConfig, seq: int) -> TransformerConfig:
-    # GPT-2 learns one position embedding per position: a longer context
-    # needs a longer table, as it would in the user's run.
-    return cfg.replace(max_len=seq) if cfg.family == "gpt2" and seq > cfg.max_len else cfg
+def _resizer(model, mesh: Mesh | None) -> tuple[Callable[[int, int], Workload], Workload]:
+    """(batch, seq) -> the workload at those sizes, and the workload as given.
+
+    model: a TransformerConfig (built on `mesh`), a `Workload` (resized by
+    `Workload.at`; its own mesh), or a function (batch, seq) -> Workload.
+    """
+    if isinstance(model, TransformerConfig):
+        def make(batch: int, seq: int) -> Workload:
+            return config_workload(sized(model, seq), batch, seq, mesh=mesh)
+        return make, None
+    if isinstance(model, Workload):
+        if mesh is not None:
+            raise TypeError("mesh= is for a TransformerConfig; a Workload brings its own "
+                            "mesh (Workload.mesh)")
+        return (lambda batch, seq: model.at(batch, seq)), model
+    if callable(model):
+        return model, None
+    raise TypeError(f"fit and step_memory take a TransformerConfig (get_config('tiny')), a "
+                    f"remat_kit Workload or a function (batch, seq) -> Workload, got "
+                    f"{type(model).__name__} {model!r:.80}")
 
 
-def _check_args(cfg, optimizer, **sizes) -> None:
+def _check_args(optimizer, **sizes) -> None:
     """TypeError / ValueError naming the argument, before anything compiles."""
-    if not isinstance(cfg, TransformerConfig):
-        raise TypeError(f"cfg must be a remat_kit.models.TransformerConfig (e.g. "
-                        f"get_config('tiny')), got {type(cfg).__name__} {cfg!r}")
     if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
     for name, value in sizes.items():
-        _check_positive(name, value)
+        check_positive(name, value)
 
 
 def _policy(spec) -> Policy:
@@ -190,20 +207,16 @@ def in_use_bytes(memory: dict, platform: str) -> tuple[int, str]:
             "argument + temp + output - alias")
 
 
-def _train_state(cfg: TransformerConfig, batch: int, seq: int,
-                 optimizer: optax.GradientTransformation, mesh: Mesh | None):
-    """The reference transformer's loss and one train step's arguments, as
-    `jax.ShapeDtypeStruct`s: (loss_for_policy, params, opt_state, tokens, key).
+def _train_state(workload: Workload, optimizer: optax.GradientTransformation):
+    """One train step's arguments as `jax.ShapeDtypeStruct`s: (params, opt_state, rest).
 
-    `measure.config_program` gives the loss, the parameters (sharded by their
-    logical axes on `mesh`), the tokens [batch, seq] (split over the mesh's
-    batch axes) and the PRNG key; the optimizer state is sharded like the
-    parameters each of its leaves mirrors (`optax.tree_map_params`), its
-    other leaves (AdamW's step count) replicated.
+    The optimizer state is sharded like the parameters each of its leaves
+    mirrors (`optax.tree_map_params`), its other leaves (AdamW's step count)
+    replicated on the workload's mesh.
     """
-    loss_for_policy, (params, tokens, _, key), _ = config_program(
-        _sized(cfg, seq), batch, seq, mesh=mesh)
+    params, rest = workload.args[0], workload.args[1:]
     opt_state = jax.eval_shape(optimizer.init, params)
+    mesh = workload.mesh
     if mesh is not None:
         replicated = rk_mesh.replicated(mesh)
         opt_state = optax.tree_map_params(
@@ -211,7 +224,7 @@ def _train_state(cfg: TransformerConfig, batch: int, seq: int,
             opt_state, params,
             transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                                 sharding=replicated))
-    return loss_for_policy, params, opt_state, tokens, key
+    return params, opt_state, rest
 
 
 def _check_mesh(mesh) -> None:
@@ -220,16 +233,17 @@ def _check_mesh(mesh) -> None:
                         f"remat_kit.targets.make_mesh), got {type(mesh).__name__} {mesh!r}")
 
 
-def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Policy", *,
+def step_memory(model, batch: int, seq: int, policy: "str | Policy", *,
                 optimizer: optax.GradientTransformation | None = None,
                 target: "str | targets.Target | None" = None,
                 mesh: Mesh | None = None) -> StepMemory:
-    """Compiles one train step of a reference transformer and returns its memory per device.
+    """Compiles one train step of a workload and returns its memory per device.
 
-    The step is `jax.value_and_grad` of the language-model loss on int32
-    tokens [batch, seq], then `optimizer.update` and `optax.apply_updates`;
-    it is jitted with the parameters and the optimizer state donated. For a
-    GPT-2 config and seq > max_len, the position table is made seq long.
+    The step is `jax.value_and_grad` of the workload's loss (e.g. the
+    language-model loss on int32 tokens [batch, seq]), then
+    `optimizer.update` and `optax.apply_updates`; it is jitted with the
+    parameters and the optimizer state donated. For a GPT-2 config and
+    seq > max_len, the position table is made seq long.
 
     On a mesh the program is SPMD-partitioned: parameters are sharded by
     their logical axes (`remat_kit.mesh.RULES`), each optimizer-state leaf
@@ -240,8 +254,10 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
     returned (the parameter bytes are those of one device's shards).
 
     Args:
-      cfg: the model config (its dtype, param_dtype, dropout); its remat is
-        replaced by `policy`.
+      model: a `TransformerConfig` (its dtype, param_dtype, dropout; its
+        remat is replaced by `policy`), a `Workload` (`remat_kit.workload`:
+        e.g. `rk.from_model.workload(model, batch, seq)`), or a function
+        (batch, seq) -> Workload.
       batch, seq: the global batch size (split over the mesh's data x fsdp
         axes) and the sequence length, positive ints.
       policy: a spec string or `Policy`.
@@ -255,7 +271,7 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
     Returns:
       A `StepMemory` (bytes per device, FLOPs per device, seconds).
     Raises:
-      TypeError, ValueError: cfg, batch, seq, optimizer or mesh of the wrong
+      TypeError, ValueError: model, batch, seq, optimizer or mesh of the wrong
         type, or sizes not positive.
       MeshError: the mesh does not split the batch or the heads
         (`remat_kit.mesh.check_fits`).
@@ -264,26 +280,29 @@ def step_memory(cfg: TransformerConfig, batch: int, seq: int, policy: "str | Pol
       Any compiler error, e.g. an out-of-memory error from an accelerator's
       compiler (see `is_out_of_memory`).
     """
-    _check_args(cfg, optimizer, batch=batch, seq=seq)
+    _check_args(optimizer, batch=batch, seq=seq)
     _check_mesh(mesh)
     policy = _policy(policy)
     optimizer = optimizer or default_optimizer()
-    loss_for_policy, params, opt_state, tokens, key = _train_state(cfg, batch, seq, optimizer,
-                                                                   mesh)
-    loss_fn = loss_for_policy(policy)
+    workload = _resizer(model, mesh)[0](batch, seq)
+    return _step_memory(workload, policy, optimizer, targets.parse_target(target))
+
+
+def _step_memory(workload: Workload, policy: Policy, optimizer, target) -> StepMemory:
+    params, opt_state, rest = _train_state(workload, optimizer)
+    loss_fn = workload.loss_for_policy(policy)
+    mesh = workload.mesh
     state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
 
-    def step(params, opt_state, inputs, targets, rng):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, rng)
+    def step(params, opt_state, *rest):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *rest)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         state = optax.apply_updates(params, updates), opt_state
         if mesh is not None:  # where the donated inputs live, so their buffers are reused
             state = jax.lax.with_sharding_constraint(state, state_shardings)
         return *state, loss
 
-    target = targets.parse_target(target)
-    c = targets.compile_for(step, params, opt_state, tokens, tokens, key, target=target,
-                            donate=(0, 1))
+    c = targets.compile_for(step, params, opt_state, *rest, target=target, donate=(0, 1))
     mem = c.memory
     total, source = in_use_bytes(mem, target.platform)
     p_bytes, o_bytes = _tree_bytes(params), _tree_bytes(opt_state)
@@ -466,7 +485,7 @@ def _extrapolated_flops(known: dict[int, StepMemory], size: int, degree: int) ->
     return float(np.polyval(coef, size))
 
 
-def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
+def fit(model, budget: "int | str", *, vary: str = "seq",
         policies: Sequence["str | Policy"] = FIT_POLICIES,
         batch: int | None = None, seq: int | None = None, multiple: int | None = None,
         max_size: int | None = None, optimizer: optax.GradientTransformation | None = None,
@@ -493,7 +512,10 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     the largest size the other rows found.
 
     Args:
-      cfg: the model config (dtype, dropout, family, sizes).
+      model: a `TransformerConfig` (dtype, dropout, family, sizes), a
+        `Workload` that can be resized (`Workload.at`; e.g.
+        `rk.from_model.workload(model, batch, seq)`), or a function
+        (batch, seq) -> Workload.
       budget: device memory per device: bytes as an int, or a size string
         ("16GiB", "512MiB", "8e9"; `remat_kit.plan.parse_budget`, but not a
         fraction: there is no fixed no-remat figure to take it of).
@@ -503,8 +525,8 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
         "none" is compiled as well when absent, for the FLOP overhead.
       batch: the fixed global batch when vary="seq" (default: the mesh's
         data x fsdp size, 1 without a mesh).
-      seq: the fixed sequence length when vary="batch" (default
-        min(cfg.max_len, 1024)).
+      seq: the fixed sequence length when vary="batch" (default: a config's
+        min(max_len, 1024), a workload's own seq).
       multiple: the search unit, a positive int (default 128 for seq; for
         batch the mesh's data x fsdp size, 1 without a mesh); every size
         searched is a multiple of it.
@@ -517,7 +539,7 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     Returns:
       A `FitResult`; its rows follow `policies`' order.
     Raises:
-      TypeError: cfg not a TransformerConfig, optimizer not an optax
+      TypeError: model not one of the above, optimizer not an optax
         transformation, mesh not a `jax.sharding.Mesh`.
       ValueError: vary not in VARY; batch, seq, multiple or max_size not a
         positive int; a layer schedule that does not fit the model.
@@ -534,14 +556,17 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     _check_mesh(mesh)
     if isinstance(policies, (str, Policy)):
         policies = [policies]
+    make, given = _resizer(model, mesh)
+    mesh = mesh if given is None else given.mesh
     split = rk_mesh.axis_size(mesh, "batch")
     multiple = (DEFAULT_MULTIPLE[vary] * (split if vary == "batch" else 1) if multiple is None
                 else multiple)
     batch = split if batch is None else batch
-    seq = (min(cfg.max_len, 1024) if isinstance(cfg, TransformerConfig) else 1) if seq is None \
-        else seq
+    if seq is None:
+        seq = (min(model.max_len, 1024) if isinstance(model, TransformerConfig)
+               else given.seq if given is not None and given.seq else 1024)
     max_size = DEFAULT_MAX_SIZE[vary] if max_size is None else max_size
-    _check_args(cfg, optimizer, batch=batch, seq=seq, multiple=multiple, max_size=max_size)
+    _check_args(optimizer, batch=batch, seq=seq, multiple=multiple, max_size=max_size)
     if max_size < multiple:
         raise ValueError(f"multiple {multiple} is above the largest {vary} searched, "
                          f"max_size {max_size}")
@@ -549,7 +574,8 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
         raise MeshError(f"multiple {multiple} does not split over the {split} data-parallel "
                         f"devices of mesh {rk_mesh.spec_text(mesh)} (data x fsdp = {split}): the "
                         f"batch is global; use a multiple of {split}")
-    rk_mesh.check_fits(mesh, cfg, batch if vary == "seq" else multiple)
+    if isinstance(model, TransformerConfig):
+        rk_mesh.check_fits(mesh, model, batch if vary == "seq" else multiple)
     budget_bytes = parse_budget(budget).bytes
     if budget_bytes is None:
         raise BudgetError(f"fit needs a budget in bytes, such as 16GiB; {budget!r} is a "
@@ -560,12 +586,18 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     if not specs:
         raise ValueError("policies is empty; give at least one spec, e.g. ['none', 'full']")
     auto = [_is_auto(p, budget_bytes) for p in specs]
+
+    def sizes(size: int) -> tuple[int, int]:
+        return (batch, size) if vary == "seq" else (size, seq)
+
+    at_size = functools.lru_cache(maxsize=None)(lambda size: make(*sizes(size)))
+    smallest = at_size(multiple)
     for p, is_auto in zip(specs, auto):
-        if not is_auto:
-            _policy(p).schedule.check(cfg.num_layers)  # bad specs fail before anything compiles
+        if not is_auto and smallest.num_layers:  # bad specs fail before anything compiles
+            _policy(p).schedule.check(smallest.num_layers)
     optimizer = optimizer or default_optimizer()
 
-    _, params, opt_state, _, _ = _train_state(cfg, split, 1, optimizer, mesh)
+    params, opt_state, _ = _train_state(smallest, optimizer)
     floor = _tree_bytes(params) + _tree_bytes(opt_state)
     at_zero = floor + _tree_bytes(params)  # and the gradients: the step's memory at size 0
     if budget_bytes < floor:
@@ -575,14 +607,8 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
             f"plus optimizer state alone, {fmt_bytes(floor)} ({floor} bytes {where}): no "
             f"{vary} fits", budget=budget, minimum_bytes=floor)
 
-    def sizes(size: int) -> tuple[int, int]:
-        return (batch, size) if vary == "seq" else (size, seq)
-
-    steps = _Steps(lambda p, size: step_memory(cfg, *sizes(size), p, optimizer=optimizer,
-                                               target=target, mesh=mesh))
-    # The auto row's planner runs on the step's devices: one of an AOT target without a mesh.
-    plan_mesh = (targets.make_mesh(target, {"data": 1}) if mesh is None and target.aot
-                 and any(auto) else mesh)
+    steps = _Steps(lambda p, size: _step_memory(at_size(size), _policy(p), optimizer,
+                                                target))
     devices = 1 if mesh is None else mesh.size
     start = time.perf_counter()
     rows: list[FitRow | None] = [None] * len(specs)
@@ -593,9 +619,9 @@ def fit(cfg: TransformerConfig, budget: "int | str", *, vary: str = "seq",
     for n, i in enumerate(order):
         start_units = max((r.size for r in rows if r is not None), default=0) // multiple
         if auto[i]:
-            chooser = _Auto(steps, budget_bytes, lambda size: config_planner(
-                _sized(cfg, sizes(size)[1]), *sizes(size), mesh=plan_mesh, cache=cache,
-                target=target))
+            # On the step's devices: without a mesh, one device of the target.
+            chooser = _Auto(steps, budget_bytes, lambda size: Planner(
+                at_size(size), cache=cache, target=target))
             at, extra, seen = chooser.at, lambda: chooser.planner_compiles, {}
         else:
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.

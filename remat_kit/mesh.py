@@ -248,8 +248,8 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 
 def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None:
-    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig` and a
-    global batch: batch by data x fsdp, query and key/value heads and mlp_dim
+    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig`
+    (None: no model checks) and a global batch: batch by data x fsdp, query and key/value heads and mlp_dim
     by tensor. The message names the numbers. Dimensions that rules split but
     that need not divide (vocab, embed) are replicated instead
     (`shardings`)."""
@@ -262,6 +262,8 @@ def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None
         raise MeshError(f"batch {batch} does not split over the {n} data-parallel devices of "
                         f"mesh {_product_text(_shape(mesh))} (data x fsdp = {n})")
     t = axis_size(mesh, "heads")
+    if cfg is None:  # a model that is not ours: only the batch is ours to split
+        return
     for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads),
                         ("mlp_dim", cfg.mlp_dim)):
         if value % t:
@@ -381,6 +383,19 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                initialization_timeout=timeout_s)
 
 
+def local_shape(leaf) -> jax.ShapeDtypeStruct:
+    """A leaf (array or ShapeDtypeStruct) at its per-device shape: the shard shape
+    of its sharding, or its own shape without one."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+
+def is_sharded(leaf) -> bool:
+    """Whether a leaf's sharding spans more than one device."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
-           "check_fits", "constrain", "initialize", "make", "parse_spec", "per_device_config",
+           "check_fits", "is_sharded", "local_shape", "constrain", "initialize", "make", "parse_spec", "per_device_config",
            "put", "replicated", "rules", "shardings", "spec_text", "use"]

@@ -76,8 +76,11 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat_kit import targets
 from remat_kit.errors import BudgetError
-from remat_kit.measure import (MEMORY_LABELS, Record, _as_factory, _stage, config_program,
-                               measure, memory_kind, per_device_program)
+from remat_kit.measure import measure
+from remat_kit.models.program import workload as config_workload
+from remat_kit.record import MEMORY_LABELS, Record, memory_kind
+from remat_kit.residuals import _stage
+from remat_kit.workload import Workload, _as_factory
 from remat_kit.policy import Policy
 from remat_kit.spec import AutoSpec, parse
 from remat_kit.validate import tag_of
@@ -482,11 +485,12 @@ class Planner:
     `Planner(loss_fn, *args).plan("6GiB")`; `.frontier([0.1, 0.2])`.
 
     Args:
-      loss_fn: a loss(*args) returning a scalar (wrapped whole in one remat
-        region per policy) or a factory policy -> loss (the model applies the
-        policy, e.g. per layer), as `measure` takes; differentiated with
-        respect to args[0].
-      args: arrays or `jax.ShapeDtypeStruct`s (with shardings for a mesh).
+      loss_fn: a `Workload` (`remat_kit.workload`), a loss(*args) returning a
+        scalar (wrapped whole in one remat region per policy) or a factory
+        policy -> loss (the model applies the policy, e.g. per layer), as
+        `measure` takes; differentiated with respect to args[0].
+      args: with a loss, arrays or `jax.ShapeDtypeStruct`s (with shardings
+        for a mesh).
       cache: path of the JSON plan cache; True for `default_cache_path()`;
         None or False for none.
       max_iterations: policies compiled per budget before falling back to
@@ -498,7 +502,7 @@ class Planner:
         `temp_size_in_bytes` on CPU, `peak_memory_in_bytes` on TPU and GPU
         (`remat_kit.measure.memory_kind`).
       per_device: for args sharded over a mesh, (factory, args) of the
-        program one device runs (`measure.per_device_program`), as `measure`
+        program one device runs (`Workload.per_device`), as `measure`
         takes it: the cost model's bytes and FLOPs are then per device, like
         the compiled figures. Needed where a shard is not a valid input
         (parameters split over fsdp or tensor).
@@ -510,6 +514,11 @@ class Planner:
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
+        if isinstance(loss_fn, Workload):
+            if args:
+                raise TypeError("Planner takes a Workload or a loss and its args, not both")
+            per_device = per_device or loss_fn.per_device
+            loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
         self.loss_fn, self.args = _as_factory(loss_fn), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
@@ -758,8 +767,8 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
     compiling (see the module docstring and `Planner`).
 
     Args:
-      loss_fn: a loss(*args) -> scalar, or a policy -> loss factory.
-      args: arrays or `jax.ShapeDtypeStruct`s.
+      loss_fn: a `Workload`, a loss(*args) -> scalar, or a policy -> loss factory.
+      args: with a loss, arrays or `jax.ShapeDtypeStruct`s.
       budget: bytes ("6GiB", "512MiB", 6_000_000_000) or a fraction 0 < f <= 1
         of no remat's memory (0.25); memory is `temp_size_in_bytes` on the XLA
         CPU backend, `peak_memory_in_bytes` on TPU and GPU (`Planner`).
@@ -779,15 +788,14 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
 
 def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=None,
                    cache: "str | bool | None" = True, target=None, **kwargs) -> Planner:
-    """A `Planner` for a reference transformer's loss (`measure.config_program`); for
-    a target compiled ahead of time with no mesh, data parallel over its chips, as
+    """A `Planner` for a reference transformer's loss (`remat_kit.models.workload`);
+    for a target compiled ahead of time with no mesh, data parallel over its chips, as
     `measure_config` measures it."""
     target = targets.parse_target(target)
     if mesh is None and target.aot:
         mesh = targets.make_mesh(target, {"data": len(targets.devices(target))})
-    loss_for_policy, args, _ = config_program(cfg, batch, seq, dtype=dtype, mesh=mesh)
-    return Planner(loss_for_policy, *args, cache=cache, target=target,
-                   per_device=per_device_program(cfg, batch, seq, mesh, dtype=dtype), **kwargs)
+    return Planner(config_workload(cfg, batch, seq, dtype=dtype, mesh=mesh), cache=cache,
+                   target=target, **kwargs)
 
 
 def resolve(policies: Sequence, loss_fn: Callable, *args,

@@ -83,7 +83,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from remat_kit import estimate
-from remat_kit.measure import MEMORY_LABELS, PEAK, TEMP, Record
+from remat_kit.record import MEMORY_LABELS, PEAK, TEMP, Record
 from remat_kit.models import TransformerConfig
 from remat_kit.spec import parse
 

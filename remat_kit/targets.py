@@ -426,7 +426,7 @@ def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence
     Returns:
       ({"flops": float, "transcendentals": float} or {}, notes).
     """
-    from remat_kit.measure import loop_scaled_costs
+    from remat_kit.costs import loop_scaled_costs
     found, notes = loop_scaled_costs(compiled)
     if parse_target(target).platform == "cpu" or (found and not notes):
         return found, notes
@@ -462,7 +462,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
       Exception: whatever tracing or the compiler raises (e.g.
         `jax.errors.JaxRuntimeError` for a program the compiler rejects).
     """
-    from remat_kit.measure import _local, memory_fields
+    from remat_kit.costs import memory_fields
+    from remat_kit.mesh import local_shape as _local
     target = parse_target(target)
     placed = place(args, target)
     leaves, tree = jax.tree.flatten(placed)

@@ -74,15 +74,16 @@ def fake_step(monkeypatch, bytes_at, error_at=None):
     """Replaces the compile with a memory model: total = bytes_at(batch * seq)."""
     calls = []
 
-    def step(cfg, batch, seq, policy, optimizer=None, target=None, mesh=None):
-        calls.append((policy, batch, seq))
+    def step(workload, policy, optimizer, target):
+        batch, seq = workload.batch, workload.seq
+        calls.append((str(policy), batch, seq))
         if error_at is not None and batch * seq >= error_at[0]:
             raise error_at[1]
         total = bytes_at(batch * seq)
         return StepMemory(total, "fake", 1, 1, 2, total - 4, total, 0, 0, 0, None,
                           float(batch * seq), 0.0)
 
-    monkeypatch.setattr(fit_mod, "step_memory", step)
+    monkeypatch.setattr(fit_mod, "_step_memory", step)
     return calls
 
 
@@ -205,7 +206,7 @@ def test_long_context_config_checks_its_budget_before_training(tmp_path):
 @pytest.mark.parametrize("call, error, message", [
     (lambda: step_memory(CFG, 0, 16, "full"), ValueError, "batch must be a positive int, got 0"),
     (lambda: step_memory(CFG, 2, 16.0, "full"), ValueError, "seq must be a positive int"),
-    (lambda: step_memory("tiny", 2, 16, "full"), TypeError, "cfg must be a remat_kit.models"),
+    (lambda: step_memory("tiny", 2, 16, "full"), TypeError, "take a TransformerConfig .* got str"),
     (lambda: step_memory(CFG, 2, 16, "full", optimizer="adam"), TypeError, "optax"),
     (lambda: step_memory(CFG, 2, 16, "auto:budget=0.5"), rk.RematSpecError,
      "step_memory compiles one policy, not auto:budget=0.5"),

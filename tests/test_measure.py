@@ -9,6 +9,8 @@ import pytest
 import importlib
 import remat_kit as rk
 from remat_kit import report
+from remat_kit.costs import loop_scaled_costs
+from remat_kit.explain import stack_stored_bytes
 
 # The module, not rk.measure (the function the package exports under that name).
 M = importlib.import_module("remat_kit.measure")
@@ -75,7 +77,7 @@ def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
     def loss_for_policy(policy):
         if policy == parse("full"):  # stands in for a policy the backend cannot compile
             return lambda *a: loss(*a) + jnp.ones(3) @ jnp.ones(4)
-        return M.checkpointed(loss)(policy)
+        return rk.checkpointed(loss)(policy)
 
     records = M.measure(loss_for_policy, *args, policies=["none", "full", "minimal"])
     bad = by_name(records, "full")
@@ -99,7 +101,7 @@ def test_remat_trades_memory_for_flops(records):
 
 def test_residuals_total_matches_jax_saved_residuals(tiny):
     loss, args = model_args(tiny.replace(remat="minimal"))
-    ours = M.residuals(loss, *args)
+    ours = rk.residuals(loss, *args)
     theirs = saved_residuals(loss, *args)
     assert sum(r.nbytes for r in ours) == sum(
         math.prod(a.shape) * a.dtype.itemsize for a, _ in theirs)
@@ -109,7 +111,7 @@ def test_residuals_total_matches_jax_saved_residuals(tiny):
 
 def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
     loss, args = model_args(tiny.replace(remat="offload:query_proj"))
-    found = [r for r in M.residuals(loss, *args) if r.name == "query_proj"]
+    found = [r for r in rk.residuals(loss, *args) if r.name == "query_proj"]
     assert len(found) == tiny.num_layers
     assert all(r.kind == "tag" and r.memory == "host" for r in found)
     assert found[0].shape == (B, S, tiny.num_heads, tiny.heads_dim)
@@ -118,10 +120,10 @@ def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
 def test_reshaped_residuals_keep_their_tag(tiny):
     # Without remat, attention saves q and the probabilities reshaped for the einsum.
     loss, args = model_args(tiny)
-    tags = {r.name: r for r in M.residuals(loss, *args) if r.kind == "tag"}
+    tags = {r.name: r for r in rk.residuals(loss, *args) if r.kind == "tag"}
     assert tags["query_proj"].nbytes == B * S * tiny.num_heads * tiny.heads_dim * F32
     assert tags["attn_probs"].nbytes == B * tiny.num_heads * S * S * F32
-    assert "reshape" not in {r.name for r in M.residuals(loss, *args)}
+    assert "reshape" not in {r.name for r in rk.residuals(loss, *args)}
 
 
 # -- scanned layers ----------------------------------------------------------
@@ -166,8 +168,8 @@ def test_loop_scaled_costs_count_every_trip(nested):
     # cotangent, which the unrolled program would drop for x alone.
     looped = jax.jit(jax.grad(f, argnums=(0, 1))).lower(w, x).compile()
     flat = jax.jit(jax.grad(unrolled, argnums=(0, 1))).lower(w, x).compile()
-    got, notes = M.loop_scaled_costs(looped)
-    want, _ = M.loop_scaled_costs(flat)
+    got, notes = loop_scaled_costs(looped)
+    want, _ = loop_scaled_costs(flat)
     raw = looped.cost_analysis()
     raw = raw[0] if isinstance(raw, list) else raw
     assert raw["flops"] < 0.5 * want["flops"]  # XLA alone counts each body once
@@ -230,7 +232,7 @@ def test_bad_sizes_raise_before_measuring(tiny):
 # -- one layer -----------------------------------------------------------------
 
 def test_layer_residuals_under_selective(tiny):
-    layer = M.layer_residuals(tiny, B, S, "selective")
+    layer = rk.layer_residuals(tiny, B, S, "selective")
     rows = {r.name: r for r in layer.rows if r.kind == "tag"}
     scores = B * tiny.num_heads * S * S * F32
     for t in ("attn_logits", "attn_probs"):
@@ -249,22 +251,23 @@ def test_layers_column_sums_each_layers_policy_for_schedules():
     nested group keeps its input only); with what lies outside the stack (embeddings,
     logits, loss: full's residuals less its 4 layers) it is the whole step's residuals."""
     cfg = get_config("tiny", num_layers=4)
-    one = {p: M._stack_stored_bytes(cfg, B, S, rk.parse(p))["layer_residual_bytes"]
+    work = rk.models.workload(cfg, B, S)
+    one = {p: stack_stored_bytes(work, rk.parse(p))["layer_residual_bytes"]
            for p in ("none", "full", "minimal")}
     assert one["full"] == B * S * cfg.d_model * F32  # a full-remat layer keeps its input
     expected = {"none": 4 * one["none"], "full": 4 * one["full"], "minimal": 4 * one["minimal"],
                 "full@every:2": 2 * one["full"] + 2 * one["none"],
                 "minimal@first:3": 3 * one["minimal"] + one["none"],
                 "minimal@nested:2": 2 * one["full"]}
-    loss_for_policy, args, _ = M.config_program(cfg, B, S)
+    loss_for_policy, args = work.loss_for_policy, work.args
 
     def whole_step(spec):  # traced, not compiled: Record.activation_residual_bytes
-        return sum(r.nbytes for r in M.residuals(loss_for_policy(rk.parse(spec)), *args)
+        return sum(r.nbytes for r in rk.residuals(loss_for_policy(rk.parse(spec)), *args)
                    if r.kind != "argument")
 
     outside = whole_step("full") - expected["full"]
     for spec, total in expected.items():
-        found = M._stack_stored_bytes(cfg, B, S, rk.parse(spec))
+        found = stack_stored_bytes(work, rk.parse(spec))
         assert found["layers_residual_bytes"] == total, spec
         assert whole_step(spec) == outside + total, spec
         if rk.parse(spec).schedule.kind != "uniform":

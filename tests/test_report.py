@@ -10,7 +10,7 @@ import csv
 import pytest
 
 from remat_kit import report, targets
-from remat_kit.measure import PEAK, TEMP, Record, memory_kind
+from remat_kit.record import PEAK, TEMP, Record, memory_kind
 
 # (policy, temp_size_in_bytes, peak_memory_in_bytes, flops): XLA:TPU v5e, AOT. temp says
 # full and minimal cost more than no remat; the peak says they cost less.

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 from remat_kit import cli, report, targets
-from remat_kit.measure import PEAK, TEMP
+from remat_kit.explain import layer_residuals
+from remat_kit.record import PEAK, TEMP
 from remat_kit.models import get_config
 from remat_kit.plan import config_planner
 from remat_kit.spec import parse
@@ -264,8 +265,8 @@ def test_a_failed_aot_compile_is_a_row_with_the_compilers_message():
 @needs_libtpu
 def test_explain_compiles_one_layer_for_the_target():
     cfg = get_config("tiny")
-    tpu = measure.layer_residuals(cfg, 2, S, "minimal", target="tpu:v5e:1x1").compiled
-    cpu = measure.layer_residuals(cfg, 2, S, "minimal", target="cpu").compiled
+    tpu = layer_residuals(cfg, 2, S, "minimal", target="tpu:v5e:1x1").compiled
+    cpu = layer_residuals(cfg, 2, S, "minimal", target="cpu").compiled
     assert tpu.target == targets.Target("tpu", "v5e:1x1") and tpu.seconds > 0
     assert set(tpu.memory) >= {"temp_size_in_bytes", "argument_size_in_bytes"}
     assert tpu.memory["argument_size_in_bytes"] > 0

@@ -1,0 +1,106 @@
+"""Figures of a compiled program: XLA's memory analysis, and FLOPs with loop bodies
+counted once per trip."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+from remat_kit._jax_private import hlo_text_cost_analysis
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+) \(", re.M)
+_WHILE = re.compile(r"= [^\n]*? while\([^\n]*?body=%([^\s,]+)[^\n]*")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COST_KEYS = ("flops", "transcendentals")
+
+
+def _hlo_computations(text: str) -> tuple[str, dict[str, str], str]:
+    """(preamble, {name: computation text without 'ENTRY '}, entry name) of HLO text."""
+    starts = list(_COMPUTATION.finditer(text))
+    comps, entry = {}, None
+    for m, nxt in zip(starts, starts[1:] + [None]):
+        body = text[m.start():nxt.start() if nxt else len(text)]
+        if m.group(1):
+            entry, body = m.group(2), body[len("ENTRY "):]
+        comps[m.group(2)] = body
+    # Keep the file/stack-frame tables metadata refers to; drop the module header line.
+    preamble = text[text.index("\n") + 1:starts[0].start()] if starts else ""
+    return preamble, comps, entry
+
+
+def loop_scaled_costs(compiled) -> tuple[dict[str, float], tuple[str, ...]]:
+    """FLOPs and transcendentals of a compiled program, while loops counted per trip.
+
+    XLA's `cost_analysis()` counts a while loop's body once, so a model whose
+    layers run under `scan` reports about one layer's FLOPs. This reads the
+    optimized HLO (`compiled.as_text()`), finds each while loop with a
+    `known_trip_count` in its backend_config, runs XLA's HloCostAnalysis on
+    the loop body alone (`_jax_private.hlo_text_cost_analysis`) and adds
+    (trip count - 1) x the body's cost; nested loops are scaled the same way,
+    inside every trip of the loop around them.
+
+    Returns:
+      ({"flops": FLOPs, "transcendentals": count}, notes). An empty dict if
+      the backend gives no cost analysis. notes say which loops could not be
+      scaled (no known trip count), which leaves their bodies counted once.
+    """
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    if not costs:
+        return {}, ("the backend gives no cost analysis",)
+    total = {k: float(costs.get(k, 0.0)) for k in _COST_KEYS}
+    text = compiled.as_text()
+    if not _WHILE.search(text):
+        return total, ()
+    preamble, comps, entry = _hlo_computations(text)
+    client = jax.devices()[0].client
+    notes: list[str] = []
+
+    def body_cost(name: str) -> dict[str, float]:
+        """XLA's cost of computation `name`, nested loop bodies counted once."""
+        module = "\n".join(("ENTRY " if n == name else "") + c
+                           for n, c in comps.items() if n != entry)
+        cost = hlo_text_cost_analysis(f"HloModule {name}\n{preamble}\n{module}", client)
+        return {k: float(cost.get(k, 0.0)) for k in _COST_KEYS}
+
+    def extra(name: str) -> dict[str, float]:
+        """What counting every loop inside computation `name` per trip adds to
+        XLA's count of `name`, which has each loop body once."""
+        add = dict.fromkeys(_COST_KEYS, 0.0)
+        for m in _WHILE.finditer(comps[name]):
+            trips = _TRIP_COUNT.search(m.group(0))
+            if not trips:
+                notes.append(f"while loop with body {m.group(1)} has no known trip count; "
+                             "its body is counted once")
+            n = int(trips.group(1)) if trips else 1
+            nested = extra(m.group(1))  # every trip runs the nested loops in full
+            body = body_cost(m.group(1)) if n > 1 else dict.fromkeys(_COST_KEYS, 0.0)
+            for k in _COST_KEYS:
+                add[k] += (n - 1) * (body[k] + nested[k]) + nested[k]
+        return add
+
+    for k, v in extra(entry).items():
+        total[k] += v
+    return total, tuple(notes)
+
+
+def memory_fields(compiled) -> dict[str, int | None]:
+    """XLA's memory figures of a compiled executable (`compiled.memory_analysis()`).
+
+    Returns:
+      {"temp_size_in_bytes", "peak_memory_in_bytes", "argument_size_in_bytes",
+      "output_size_in_bytes", "alias_size_in_bytes"}: bytes per device, None
+      for a figure the backend does not report; an empty dict if the backend
+      gives no memory analysis. On the XLA CPU backend peak_memory_in_bytes
+      leaves out temp buffers (it is about arguments + outputs - aliased
+      bytes, alike for every policy): compare policies by temp_size_in_bytes
+      there.
+    """
+    stats = compiled.memory_analysis()
+    keys = ("temp_size_in_bytes", "peak_memory_in_bytes", "argument_size_in_bytes",
+            "output_size_in_bytes", "alias_size_in_bytes")
+    return {k: getattr(stats, k, None) for k in keys} if stats is not None else {}
+
+
+__all__ = ["loop_scaled_costs", "memory_fields"]
