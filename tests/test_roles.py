@@ -11,9 +11,11 @@ and ffi_call (a fused attention kernel, one op).
 import collections
 import importlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.extend import core as jcore
 
 from remat_kit.models import Transformer, get_config, make_loss_fn
@@ -219,6 +221,28 @@ def test_plain_jax_while_loop_relu():
          "out_proj", "mlpwi", "mlp_act", "mlpwo", "mlp_norm"])
     assert roles.missing["attn_norm"] == "no norm (reduce over the features, rsqrt) feeds " \
         "the projections"
+
+
+def test_flax_attention_layers():
+    """flax's own MultiHeadDotProductAttention (linen) and MultiHeadAttention (NNX),
+    cross-attention with 8 queries over 5 keys: the key side is the 5-long one."""
+    x, ctx = jnp.ones((B, 8, 32)), jnp.ones((B, 5, 32))
+    lin = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32)
+    p = jax.eval_shape(lambda: lin.init(jax.random.key(0), x, ctx))["params"]
+    mod = nnx.eval_shape(lambda: nnx.MultiHeadAttention(4, 32, 32, decode=False,
+                                                         rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(mod, nnx.Param)
+    for fn, params in ((lambda p, a, b: lin.apply({"params": p}, a, b), p),
+                       (lambda s, a, b: nnx.merge(graphdef, s)(a, b), state)):
+        jaxpr = jax.make_jaxpr(fn)(params, x, ctx)
+        roles = infer_roles(jaxpr, [True] * len(jax.tree.leaves(params)) + [False, False])
+        shapes = {t: tuple(v.aval.shape) for v, t in roles.of.items()}
+        # NNX's layer calls jax.nn.dot_product_attention: its scores are [B, K, G, T, S].
+        for t in ("attn_logits", "attn_probs"):
+            assert sorted(d for d in shapes.pop(t) if d > 1) == sorted((B, 4, 8, 5)), t
+        assert shapes == {"query_proj": (B, 8, 4, 8), "key_proj": (B, 5, 4, 8),
+                          "value_proj": (B, 5, 4, 8), "context": (B, 8, 4, 8),
+                          "out_proj": (B, 8, 32)}
 
 
 def test_no_transformer_no_roles():

@@ -9,6 +9,7 @@ tokens int32 [batch, seq] -> (logits float32 [batch, seq, vocab], aux_loss).
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from nano_moe.config import NanoMoEConfig
@@ -27,3 +28,13 @@ def make(batch: int, seq: int, abstract: bool = False):
     params = jax.eval_shape(init, jax.random.key(0)) if abstract else jax.jit(init)(
         jax.random.key(0))
     return model, params, lambda p, tok: model.apply({"params": p}, tok)[0]
+
+
+class LogitsOnly(nn.Module):
+    """NanoMoE's logits alone: the front door takes logits, a dict or an object with
+    `logits`, not a (logits, aux_loss) tuple."""
+
+    inner: NanoMoE
+
+    def __call__(self, tokens):
+        return self.inner(tokens)[0]
