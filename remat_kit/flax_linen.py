@@ -14,24 +14,43 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import wrapping
 from remat_kit.policy import Policy
 from remat_kit.validate import check_names, emitted_tags
 
-# Modules whose outputs `auto_tag` names (their `__call__` results).
+# Standard flax layers: `auto_tag(AUTO_TAG_CLASSES)` names only their outputs.
 AUTO_TAG_CLASSES: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Einsum, nn.Conv, nn.LayerNorm, nn.RMSNorm,
     nn.MultiHeadDotProductAttention)
 
-# The module a remat region is re-entering, so the interceptor lets that one call through.
+# (class, path, method) of the call a remat region is re-entering, so the wrappers let that
+# one call through. Not the module object: an nn.jit method re-enters on a clone.
 _ENTERED: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_entered",
                                                           default=None)
+
+
+def _call_id(module: nn.Module, method: str) -> tuple:
+    return type(module), module.path, method
+
+
+@contextlib.contextmanager
+def _passing(module: nn.Module, method: str):
+    """Inside, if this call is the one a region re-enters: True, and nested calls
+    of the same module method are wrapped again; else False."""
+    if _ENTERED.get() != _call_id(module, method):
+        yield False
+        return
+    token = _ENTERED.set(None)
+    try:
+        yield True
+    finally:
+        _ENTERED.reset(token)
 # Path of the module being traced on its own (class-form validation), prefixed to auto tags.
 _PREFIX: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_prefix", default=())
 # The class tuples of the active auto_tag contexts: the names a model emits depend on them.
@@ -39,46 +58,92 @@ _TAGGING: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_taggi
 
 
 def path_name(module: nn.Module) -> str:
-    """'/'.join of the module's path from the model root, e.g. 'Block_3/attn/query'."""
-    return "/".join((*_PREFIX.get(), *module.path))
+    """The tag name of `module`'s outputs: '/'.join of its path from the model root,
+    e.g. 'Block_3/attn/query'. A module sharing its parent's scope (`nn.share_scope`,
+    so the same path) adds its own name: 'Block_3/attn/inner'."""
+    path = (*_PREFIX.get(), *module.path)
+    if module.name is not None and module.path and module.path[-1] != module.name:
+        path = (*path, module.name)
+    return "/".join(path)
 
 
 @contextlib.contextmanager
-def auto_tag(classes: "Sequence[type] | type" = AUTO_TAG_CLASSES):
-    """Names the outputs of standard layers by module path, for any linen model.
+def auto_tag(classes: "Sequence[type] | type | None" = None):
+    """Names the outputs of every submodule call by module path, for any linen model.
 
-    Inside the context every `__call__` of a module of `classes` (default
-    `AUTO_TAG_CLASSES`: Dense, DenseGeneral, Einsum, Conv, LayerNorm, RMSNorm,
-    MultiHeadDotProductAttention) returns its outputs wrapped in
-    `checkpoint_name(out, path)`, path as `path_name` gives it, e.g.
-    `Block_3/attn/query` (a DenseGeneral inside the attention of Block_3) or
-    `Block_3/attn` (the attention output). Specs then select by path glob:
+    Inside the context the `__call__` of every submodule (or, with `classes`,
+    only of modules of those classes, e.g. `AUTO_TAG_CLASSES`) returns its
+    outputs wrapped in `checkpoint_name(out, name)`, with `name` from
+    `path_name`: `Block_3/attn/query` (a Dense inside the attention of Block_3),
+    `Block_3/attn` (the attention output), `Block_3` (the block output). The
+    model root's own output is not tagged. Specs then select by path glob:
     `save:*/attn/query,*/attn/key;recompute:*`. Shapes and dtypes are unchanged.
 
+    Names:
+      * a call returning several arrays (tuple, dict, dataclass, flax struct)
+        names the first `name` and each other `name.` + its key path, e.g.
+        `Block_0/attn` and `Block_0/attn.1` for `(out, weights)`,
+        `Block_0/attn.cache` for a dict entry `cache`; None, ints and other
+        non-array leaves pass through;
+      * two modules on one scope (`nn.share_scope`): the one whose name is not
+        the scope's last path part appends its name (`Block_0/attn/inner`);
+      * a module whose `__call__` is `nn.jit`-ed is traced per path inside the
+        context, so identical layers keep their own names (`_key_jit_by_path`).
+
     Based on `flax.linen.intercept_methods`; enter it around `init`/`apply`
-    (or around `jax.jit` tracing of a function that calls them).
+    (or around `jax.jit` tracing of a function that calls them). The context
+    is part of every jit cache key, so traces made outside it (nn.jit bodies,
+    a model applied before) are not reused.
 
     Raises (on entering the context):
       TypeError: `classes` is a string or holds something that is not a
         `flax.linen.Module` subclass (an NNX class, a name, an instance).
       ValueError: `classes` is empty.
     """
-    classes = wrapping.module_classes(classes, nn.Module, "rk.linen.auto_tag")
+    if classes is not None:
+        classes = wrapping.module_classes(classes, nn.Module, "rk.linen.auto_tag")
 
     def interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
-        if context.method_name == "__call__" and isinstance(context.module, classes):
-            name = path_name(context.module)
-            out = jax.tree.map(lambda v: checkpoint_name(v, name) if wrapping.is_array(v)
-                               else v, out)
+        mod = context.module
+        if context.method_name == "__call__" and (classes is None or isinstance(mod, classes)):
+            name = path_name(mod)
+            if name:  # the root's output is the model's, not a submodule's
+                out = wrapping.tag_output(out, name)
         return out
 
-    token = _TAGGING.set((*_TAGGING.get(), classes))
+    state = "every module" if classes is None else classes
+    _key_jit_by_path()
+    token = _TAGGING.set((*_TAGGING.get(), state))
     try:
-        with nn.intercept_methods(interceptor):
+        with wrapping.keyed(("linen.auto_tag", state)), nn.intercept_methods(interceptor):
             yield
     finally:
         _TAGGING.reset(token)
+
+
+def _key_jit_by_path() -> None:
+    """Makes `nn.jit` trace per module path while an `auto_tag` context is active.
+
+    nn.jit caches a trace by a fingerprint of the module's fields, not its path,
+    so identical layers share one trace and the tags inside would carry the first
+    layer's path. flax 0.12 computes that fingerprint in the private
+    `flax.linen.transforms._HashableProxy.from_module`; it is wrapped (once) to
+    add `path_name` inside auto_tag. Where it does not exist, layers share names.
+    """
+    proxy = getattr(nn.transforms, "_HashableProxy", None)
+    if proxy is None or getattr(proxy.from_module, "_remat_kit", False):
+        return
+    original = proxy.from_module.__func__
+
+    def from_module(cls, module):
+        out = original(cls, module)
+        if _TAGGING.get():
+            out = cls(out.module_ref, hash((out.hash_key, path_name(module))))
+        return out
+
+    from_module._remat_kit = True
+    proxy.from_module = classmethod(from_module)
 
 
 def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs):
@@ -88,16 +153,21 @@ def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args,
     so `deterministic=True` stays a Python bool inside the region.
     """
     arrays, rebuild = wrapping.split_static(args, kwargs)
+    output = {}  # the output's non-array structure, filled while tracing
 
     def body(mdl, *xs):
         a, kw = rebuild(xs)
-        token = _ENTERED.set(mdl)
+        token = _ENTERED.set(_call_id(mdl, method))
         try:
-            return getattr(mdl, method)(*a, **kw)
+            # An nn.jit method re-enters its own jit here: a key of its own, not recursion.
+            with wrapping.keyed("region"):
+                outs, output["rebuild"] = wrapping.split_output(getattr(mdl, method)(*a, **kw))
+            return outs
         finally:
             _ENTERED.reset(token)
 
-    return nn.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(module, *arrays)
+    outs = nn.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(module, *arrays)
+    return output["rebuild"](outs)
 
 
 def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[int] = (),
@@ -148,8 +218,9 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
 
     def wrap(name):
         def method(self, *args, **kwargs):
-            if _ENTERED.get() is self:  # the region's own call of this method
-                return getattr(super(traced, self), name)(*args, **kwargs)
+            with _passing(self, name) as inside:  # the region's own call of this method
+                if inside:
+                    return getattr(super(traced, self), name)(*args, **kwargs)
             emitted = _emitted_alone(cls, self, name, args, kwargs)
             if validate:
                 check_names(policy, emitted,
@@ -167,9 +238,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
 def _emitted_alone(cls: type, module: nn.Module, method: str, args, kwargs) -> tuple[str, ...]:
     """The tags `module.method(*args, **kwargs)` emits, traced on an unbound copy of
     class `cls` (auto tags named by `module`'s path)."""
-    fields = {f: getattr(module, f) for f, spec in module.__dataclass_fields__.items()
-              if f not in ("parent", "name") and spec.init}
-    alone = cls(**fields, parent=None)
+    alone = cls(**_init_fields(module, "parent", "name"), parent=None)
     arrays, rebuild = wrapping.split_static(args, kwargs)
     rngs = {name: jax.random.key(0) for name in ("params", *module.scope.rngs)}
 
@@ -182,6 +251,13 @@ def _emitted_alone(cls: type, module: nn.Module, method: str, args, kwargs) -> t
         return tuple(emitted_tags(run, *arrays))
     finally:
         _PREFIX.reset(token)
+
+
+def _init_fields(module: nn.Module, *skip: str) -> dict:
+    """The constructor arguments of `module`: its init fields (not ClassVars, not
+    `init=False` fields) other than `skip`, with their values."""
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+            if f.init and f.name not in skip}
 
 
 def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
@@ -206,7 +282,9 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
       gradients as `model`'s. Policies with globs (`save:*/attn/*`) are
       resolved to JAX built-ins with the names the model emits (one extra
       trace per distinct argument signature). Array arguments of a matched
-      call are traced; other arguments (flags) stay static.
+      call are traced; other arguments (flags) stay static. Calls inside
+      `nn.jit` methods are matched too: the wrapper's state is part of the
+      jit cache key, so a body traced before wrapping is traced again.
     Raises:
       TypeError: `model` is not a linen Module instance, a mapping key is
         neither a class name nor a Module class, or `prevent_cse` /
@@ -228,21 +306,24 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
 
     def run(fn, method, args, kwargs):
         """fn(*args, **kwargs) with matching submodules rematerialized."""
+        part = ("linen.apply_remat", plan, prevent_cse, methods, validate)
         if not plan.needs_trace(validate):
-            resolved = plan.resolve(None, validate=False)
+            resolved, key = plan.resolve(None, validate=False), ()
         else:
             arrays, rebuild = wrapping.split_static(args, kwargs)
             key = _cache_key(arrays, rebuild)
             resolved = resolved_cache.get(key) if key is not None else None
             if resolved is None:
                 markers = {k: wrapping.Marker(plan.label(k)) for k in plan.keys}
-                with _intercepting(plan, markers, prevent_cse, methods, check=method is None):
+                with _intercepting(plan, markers, prevent_cse, methods, check=method is None,
+                                   part=(*part, "markers", key)):
                     emitted = wrapping.traced_names(
                         lambda *xs: fn(*rebuild(xs)[0], **rebuild(xs)[1]), arrays)
                 resolved = plan.resolve(emitted, validate)
                 if key is not None:
                     resolved_cache[key] = resolved
-        with _intercepting(plan, resolved, prevent_cse, methods, check=method is None):
+        with _intercepting(plan, resolved, prevent_cse, methods, check=method is None,
+                           part=(*part, key)):
             return fn(*args, **kwargs)
 
     def init_with_output(self, rngs, *args, method=None, **kwargs):
@@ -256,9 +337,7 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
     sub = type(base.__name__, (base,), {"init_with_output": init_with_output, "apply": apply,
                                         "__qualname__": base.__qualname__,
                                         "__module__": base.__module__})
-    fields = {f: getattr(model, f) for f, spec in model.__dataclass_fields__.items()
-              if spec.init and f != "parent"}
-    return sub(**fields)
+    return sub(**_init_fields(model, "parent"))
 
 
 def _cache_key(arrays, rebuild):
@@ -272,17 +351,39 @@ def _cache_key(arrays, rebuild):
         return None
 
 
+# {jit cache key: (plan keys matched, classes seen)} of `_intercepting` traces. Under
+# `nn.jit` a cached trace runs no interceptor, so a call at a key traced before takes
+# what that trace saw.
+_MATCHED: dict = {}
+
+
 @contextlib.contextmanager
-def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool):
+def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
+                  part=None):
     """An interceptor that runs matching submodule calls as remat regions; on exit,
-    if `check`, raises for plan keys that matched nothing."""
+    if `check`, raises for plan keys that matched nothing.
+
+    `part` (hashable, or holding None for arguments that are not; default the
+    plan and its policies) goes into the jit cache key, so nn.jit bodies are
+    traced with these regions, not reused from a trace without them.
+    """
+    if part is None:
+        part = ("linen.intercepting", plan, prevent_cse, tuple(methods),
+                tuple(policies[k] for k in plan.keys))
+    try:
+        hash(part)
+    except TypeError:
+        part = (None,)
     matched, seen = set(), {}
 
     def interceptor(next_fun, args, kwargs, context):
         mod = context.module
         seen.setdefault(type(mod).__name__)
-        if _ENTERED.get() is mod or context.method_name not in methods:
+        if context.method_name not in methods:
             return next_fun(*args, **kwargs)
+        with _passing(mod, context.method_name) as inside:
+            if inside:
+                return next_fun(*args, **kwargs)
         key = plan.match(mod)
         if key is None:
             return next_fun(*args, **kwargs)
@@ -291,27 +392,35 @@ def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool)
             return next_fun(*args, **kwargs)
         return _region(mod, context.method_name, policies[key], prevent_cse, args, kwargs)
 
-    with nn.intercept_methods(interceptor):
+    fresh = None in part  # unhashable arguments: a key of its own, never reused
+    with wrapping.keyed(object() if fresh else part), nn.intercept_methods(interceptor):
+        jit_key = wrapping.trace_key()
         yield
+    if not fresh:
+        before_matched, before_seen = _MATCHED.setdefault(jit_key, (set(), {}))
+        before_matched |= matched
+        before_seen.update(seen)
+        matched, seen = before_matched, before_seen
     if check:
         plan.check_matched(matched, seen)
 
 
-def tags(model: nn.Module, *args, variables=None, rngs=None, method=None,
+def tags(model: nn.Module, *args, variables=None, rngs=None, method=None, classes=None,
          **kwargs) -> dict[str, jax.core.ShapedArray]:
     """The tags `model` emits with `auto_tag` applied: {name: ShapedArray(shape, dtype)}.
 
     Traces `model.apply(variables, *args, **kwargs)` (or `model.init` when
     `variables` is None) with `jax.make_jaxpr`: no FLOPs, and args may be
     `jax.ShapeDtypeStruct`s. Lists auto tags (module paths, e.g.
-    `Block_0/attn/query`) and tags the model applies itself (`rk.tag`), in
-    call order, each once with its first shape.
+    `Block_0/attn/query`; names as `auto_tag` gives them) and tags the model
+    applies itself (`rk.tag`), in call order, each once with its first shape.
 
     Args:
       rngs: rng streams for `init`/`apply`; default a key for "params" and
         "dropout" (init) or for "dropout" (apply).
+      classes: as in `auto_tag`: None tags every submodule call.
     Raises:
-      TypeError: `model` is not a linen Module instance.
+      TypeError: `model` is not a linen Module instance, or bad `classes`.
     """
     if not isinstance(model, nn.Module) or isinstance(model, type):
         raise TypeError(f"rk.linen.tags takes a flax.linen.Module instance, got {model!r}")
@@ -325,7 +434,7 @@ def tags(model: nn.Module, *args, variables=None, rngs=None, method=None,
             return model.init_with_output(rngs, *a, method=method, **kw)
         return model.apply(v, *a, rngs=rngs, method=method, **kw)
 
-    with auto_tag():
+    with auto_tag(classes):
         return emitted_tags(run, *arrays)
 
 

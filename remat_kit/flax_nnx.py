@@ -19,13 +19,12 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import wrapping
 from remat_kit.policy import Policy, TagPolicy
 from remat_kit.validate import check_names, emitted_tags
 
-# Modules whose outputs `auto_tag` names (their `__call__` results).
+# Standard nnx layers: `auto_tag(model, AUTO_TAG_CLASSES)` names only their outputs.
 AUTO_TAG_CLASSES: tuple[type, ...] = (
     nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.LayerNorm, nnx.RMSNorm,
     nnx.MultiHeadAttention)
@@ -55,24 +54,36 @@ def path_name(path: Sequence) -> str:
 @functools.cache
 def _tagging_class(cls: type, name: str) -> type:
     def __call__(self, *args, **kwargs):
-        out = cls.__call__(self, *args, **kwargs)
-        return jax.tree.map(lambda v: checkpoint_name(v, name) if wrapping.is_array(v)
-                            else v, out)
+        return wrapping.tag_output(cls.__call__(self, *args, **kwargs), name)
 
     return _subclass(cls, {"__call__": __call__})
 
 
-def auto_tag(model: nnx.Module,
-             classes: "Sequence[type] | type" = AUTO_TAG_CLASSES) -> nnx.Module:
-    """A copy of `model` whose standard layers name their outputs by attribute path.
+def _defines_call(cls: type) -> bool:
+    """Whether instances are called: containers (nnx.List, nnx.Dict) are not."""
+    return any("__call__" in vars(c) for c in cls.__mro__ if c is not object)
 
-    Every node of `classes` (default `AUTO_TAG_CLASSES`: Linear, LinearGeneral,
-    Einsum, Conv, LayerNorm, RMSNorm, MultiHeadAttention) returns its
-    `__call__` outputs wrapped in `checkpoint_name(out, path)`, e.g.
-    `blocks/3/attn/query` (the query LinearGeneral of the attention in
-    `model.blocks[3]`) or `blocks/3/attn`. Specs then select by path glob:
+
+def auto_tag(model: nnx.Module,
+             classes: "Sequence[type] | type | None" = None) -> nnx.Module:
+    """A copy of `model` whose submodules name their outputs by attribute path.
+
+    Every submodule node that is called (or, with `classes`, only nodes of
+    those classes, e.g. `AUTO_TAG_CLASSES`) returns its `__call__` outputs
+    wrapped in `checkpoint_name(out, path)`, e.g. `blocks/3/attn/query` (the
+    query LinearGeneral of the attention in `model.blocks[3]`),
+    `blocks/3/attn` or `blocks/3` (the block's output). The model itself is
+    not tagged. Specs then select by path glob:
     `save:*/attn/query,*/attn/key;recompute:*`. Outputs, state and
-    `nnx.state` paths are unchanged.
+    `nnx.state` paths are unchanged. Each node's class becomes a subclass per
+    path, so `nnx.jit` (whose cache key holds the classes) traces the tagged
+    copy anew and keeps each layer's names.
+
+    A call returning several arrays (tuple, dict, dataclass, flax struct)
+    names the first `path` and each other `path.` + its key path, e.g.
+    `blocks/0/attn` and `blocks/0/attn.1` for `(out, weights)`; non-array
+    leaves pass through. A module reachable by two paths is named by the
+    first `nnx.iter_graph` gives.
 
     Raises:
       TypeError: `model` is not an nnx Module, or `classes` is a string or
@@ -81,11 +92,13 @@ def auto_tag(model: nnx.Module,
       ValueError: `classes` is empty.
     """
     _check_module(model, "rk.nnx.auto_tag")
-    classes = wrapping.module_classes(classes, nnx.Module, "rk.nnx.auto_tag")
+    if classes is not None:
+        classes = wrapping.module_classes(classes, nnx.Module, "rk.nnx.auto_tag")
     out = _copy(model)
     for path, node in nnx.iter_graph(out):
-        if isinstance(node, classes):
-            node.__class__ = _tagging_class(type(node), path_name(path) or type(node).__name__)
+        if (path and isinstance(node, classes or nnx.Module)
+                and _defines_call(type(node))):
+            node.__class__ = _tagging_class(type(node), path_name(path))
     return out
 
 
@@ -122,12 +135,16 @@ def _remat_class(cls: type, policy: Policy, prevent_cse: bool, validate: bool,
         def method(self, *args, **kwargs):
             arrays, rebuild = wrapping.split_static(args, kwargs)
 
+            output = {}  # the output's non-array structure, filled while tracing
+
             def body(mdl, *xs):
                 a, kw = rebuild(xs)
-                return orig(mdl, *a, **kw)
+                outs, output["rebuild"] = wrapping.split_output(orig(mdl, *a, **kw))
+                return outs
 
             jax_policy = _jax_policy(self, policy, body, arrays, validate)
-            return nnx.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(self, *arrays)
+            outs = nnx.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(self, *arrays)
+            return output["rebuild"](outs)
 
         return functools.wraps(orig)(method)
 
@@ -244,19 +261,19 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
     return out
 
 
-def tags(model: nnx.Module, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
-    """The tags `model(*args, **kwargs)` emits with `auto_tag` applied:
+def tags(model: nnx.Module, *args, classes=None, **kwargs) -> dict[str, jax.core.ShapedArray]:
+    """The tags `model(*args, **kwargs)` emits with `auto_tag(model, classes)` applied:
     {name: ShapedArray(shape, dtype)}, in call order, each once.
 
     Traces with `jax.make_jaxpr` (no FLOPs); args may be `jax.ShapeDtypeStruct`s.
-    Lists auto tags (attribute paths, e.g. `blocks/0/attn/query`) and tags the
-    model applies itself (`rk.tag`).
+    Lists auto tags (attribute paths, e.g. `blocks/0/attn/query`; names as
+    `auto_tag` gives them) and tags the model applies itself (`rk.tag`).
 
     Raises:
-      TypeError: `model` is not an nnx Module.
+      TypeError: `model` is not an nnx Module, or bad `classes`.
     """
     _check_module(model, "rk.nnx.tags")
-    graphdef, state = nnx.split(auto_tag(model))
+    graphdef, state = nnx.split(auto_tag(model, classes))
     arrays, rebuild = wrapping.split_static(args, kwargs)
 
     def run(s, *xs):

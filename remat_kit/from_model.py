@@ -42,12 +42,15 @@ class ModelError(ValueError):
 
 
 def logits_of(out, batch: int, seq: int):
-    """The logits array of a model output: the array itself, or its `logits`
-    entry (dict) or attribute (dataclass, flax struct).
+    """The logits array of a model output: the array itself, its `logits`
+    entry (dict) or attribute (dataclass, flax struct), or the first element of
+    a tuple (logits, aux, ...).
 
     Raises:
       ModelError: no logits, or not shaped [batch, seq, vocab].
     """
+    if isinstance(out, (tuple, list)) and out:  # (logits, aux_loss, ...), as many libraries
+        out = out[0]
     found = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
     shape = getattr(found, "shape", None)
     if shape is None or len(shape) != 3 or tuple(shape[:2]) != (batch, seq):

@@ -254,6 +254,11 @@ def _with_time_ratios(records: list[Record]) -> list[Record]:
         if r.step_time else r for r in records]
 
 
+# Tags that name the same values in models written another way (fused or not, gated or not).
+_ALTERNATIVES = ({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"},
+                 {"mlpwi", "mlpwi_0", "mlpwi_1"})
+
+
 def _policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str]) -> tuple:
     """Lines saying where a policy's names select nothing the loss emits.
 
@@ -271,7 +276,10 @@ def _policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str]
         out.append(f"none of the tags this policy keeps ({', '.join(sorted(wanted))}) is "
                    f"emitted by the model: it compiles as its base rule '{policy.base}'")
     for line in missing:
-        if line.split(":", 1)[0] in unmatched:
+        tag = line.split(":", 1)[0]
+        family = next((f for f in _ALTERNATIVES if tag in f), {tag})
+        # kv_proj missing beside key_proj/value_proj is the same values under other names.
+        if tag in unmatched and not family & set(emitted):
             out.append(line)
     globs = [p for p in unmatched if tag_names.is_glob(p) or "/" in p]
     if globs and len(unmatched) < len(wanted):

@@ -186,21 +186,31 @@ class Policy:
 
         Args:
           tags: tag names to resolve glob patterns against; default the
-            vocabulary plus registered tags. Pass a function's emitted tags
-            (see `remat_kit.validate`) to cover custom names.
+            vocabulary plus registered tags and the path tags the policy
+            names literally. Pass a function's emitted tags (see
+            `remat_kit.emitted_tags`) to cover custom names.
         Returns:
           A `jax.checkpoint_policies` built-in where one expresses the policy
           (`nothing_saveable`, `everything_saveable`, `dots_saveable`,
           `dots_with_no_batch_dims_saveable`, `save_only_these_names`,
           `save_and_offload_only_these_names`), else a hashable callable
-          `TagPolicy`. Under `jax_remat3` JAX consults a policy only for
-          `dot_general` and `checkpoint_name`, so a callable then recomputes
-          every other primitive; a warning names the policy in that case.
+          `TagPolicy`. A path glob (`save:*/attn/q_einsum`) without `tags`
+          matches names no vocabulary lists, so it is never resolved here:
+          the policy becomes a `TagPolicy`, which decides each name as the
+          traced function emits it (for base "nothing" the same residuals
+          as the built-in over the emitted names, in either remat mode).
+          Under `jax_remat3` JAX consults a policy only for `dot_general` and
+          `checkpoint_name`, so a callable then recomputes every other
+          primitive; a warning names the policy in that case (not for base
+          "nothing", which recomputes them anyway).
           `none` returns `everything_saveable` (the same residuals as no
           wrapper).
         """
         if not self.remat:
             return cp.everything_saveable
+        if tags is None and self.base == "nothing" and any(
+                names.is_path(p) and names.is_glob(p) for p in self.patterns()):
+            return TagPolicy(self)  # resolved per emitted name, never dropped
         decided = self.resolve(tags)
         saved = tuple(t for t, d in decided.items() if d == "save")
         offloaded = tuple(t for t, d in decided.items() if d == "offload")

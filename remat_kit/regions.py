@@ -117,14 +117,31 @@ class _Run:
 
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
+        roles = self.placed(jaxpr)
         for eqn in jaxpr.eqns:
             outs = self.run(eqn, [read(v) for v in eqn.invars])
             for v, x in zip(eqn.outvars, outs):
-                role = self.roles.get(v)
-                if role is not None and tag_of(eqn) is None:
-                    x = checkpoint_name(x, role)
+                if v in roles:
+                    x = checkpoint_name(x, roles[v])
                 env[v] = x
         return [read(v) for v in jaxpr.outvars]
+
+    def placed(self, jaxpr) -> dict:
+        """{var: role} of `jaxpr` with each role moved past the path tags
+        (`auto_tag`'s checkpoint_name) that name the same value, so the role is
+        the outermost name: residuals and explain rows are named by it."""
+        key = ("placed", id(jaxpr))
+        if key not in self.memo:
+            named = {eqn.invars[0]: eqn.outvars[0] for eqn in jaxpr.eqns
+                     if tag_of(eqn) is not None and not isinstance(eqn.invars[0], Literal)}
+            out = {}
+            for v, role in ((v, self.roles[v]) for e in jaxpr.eqns for v in e.outvars
+                            if v in self.roles and tag_of(e) is None):
+                while v in named:
+                    v = named[v]
+                out[v] = role
+            self.memo[key] = out
+        return self.memo[key]
 
     def run(self, eqn, invals) -> list:
         r = region(eqn)

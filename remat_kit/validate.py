@@ -59,12 +59,16 @@ def emitted_tags(fn, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
 
     Traces `fn` with `jax.make_jaxpr` (no FLOPs run) and walks every nested
     jaxpr (scan, cond, remat, jit bodies). Args may be arrays or
-    `jax.ShapeDtypeStruct`s. A tag emitted several times (one per layer) is
+    `jax.ShapeDtypeStruct`s; `fn` may return any Python value. A tag emitted several times (one per layer) is
     listed once, with the first shape seen. Returns {tag: ShapedArray}, in
     trace order.
     """
     found: dict = {}
-    _walk(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr, found)
+
+    def arrays_only(*a):  # outputs may hold plain dataclasses or strings: names suffice
+        return [x for x in jax.tree.leaves(fn(*a, **kwargs)) if isinstance(x, jax.Array)]
+
+    _walk(jax.make_jaxpr(arrays_only)(*args).jaxpr, found)
     return found
 
 

@@ -5,11 +5,15 @@ splitting call arguments into traced arrays and static values, and turning a
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
+import flax.linen as nn
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names
 from remat_kit.errors import RematSpecError, UnknownModuleError
@@ -20,6 +24,117 @@ from remat_kit.validate import check_names, tag_of
 
 def is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+# A value in every `jax.jit` cache key (JAX's user context), nn.jit and nnx.jit bodies
+# included: (what the active wrappers do, the module path being called). A model traced
+# before wrapping, or under other policies or at another path, is then traced anew instead
+# of reusing a jaxpr made without our tags and regions.
+_TRACE_KEY = jax.make_user_context(((), ""))
+
+
+@contextlib.contextmanager
+def keyed(part):
+    """Adds the hashable `part` (a wrapper's state) to the jit cache key inside the block."""
+    parts, path = _TRACE_KEY.value
+    with _TRACE_KEY(((*parts, part), path)):
+        yield
+
+
+@contextlib.contextmanager
+def at_path(name: str):
+    """Sets the module path of the jit cache key inside the block: a jitted submodule
+    names its tags by path, so two layers must not share one trace."""
+    parts, _ = _TRACE_KEY.value
+    with _TRACE_KEY((parts, name)):
+        yield
+
+
+def trace_key():
+    """The current jit cache key (`keyed`, `at_path`): hashable."""
+    return _TRACE_KEY.value
+
+
+def _plain_dataclass(x) -> bool:
+    """A dataclass instance JAX treats as a leaf (not registered as a pytree); linen
+    modules are dataclasses too, but never outputs to look into."""
+    return (dataclasses.is_dataclass(x) and not isinstance(x, (type, nn.Module))
+            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)))
+
+
+def map_leaves(fn, tree, is_value=is_array, path=()):
+    """`tree` with every leaf `is_value` accepts replaced by `fn(key_path, leaf)`.
+
+    Walks pytrees and also plain (unregistered) dataclasses, which JAX sees as
+    leaves, so a block returning `@dataclasses.dataclass` outputs has its arrays
+    found; every other leaf (None, ints, strings) is kept as it is.
+    """
+    if is_value(tree):
+        return fn(path, tree)
+    if _plain_dataclass(tree):
+        new = copy.copy(tree)
+        for f in dataclasses.fields(tree):
+            object.__setattr__(new, f.name, map_leaves(
+                fn, getattr(tree, f.name), is_value, (*path, jax.tree_util.GetAttrKey(f.name))))
+        return new
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is not tree and _plain_dataclass(x))
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return tree
+    return treedef.unflatten([map_leaves(fn, leaf, is_value, (*path, *kp))
+                              for kp, leaf in leaves])
+
+
+def _key_text(key) -> str:
+    for attr in ("idx", "key", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def tag_output(out, name: str):
+    """`out` with its arrays named for remat policies (`checkpoint_name`) after `name`.
+
+    One array: `name`. Several (a tuple, dict, dataclass or flax struct output):
+    the first keeps `name`, each other gets `name.` plus its key path joined by
+    dots, e.g. `Block_0/attn` and `Block_0/attn.1` for `(out, weights)`, or
+    `Block_0/attn.cache.k` for a dict `{"out": ..., "cache": {"k": ...}}`.
+    Non-array leaves pass through.
+    """
+    found = []
+    map_leaves(lambda kp, v: found.append(kp), out)
+    names = {kp: name if i == 0 else name + "." + ".".join(map(_key_text, kp))
+             for i, kp in enumerate(found)}
+    return map_leaves(lambda kp, v: checkpoint_name(v, names[kp]), out)
+
+
+class _Slot:
+    """Placeholder for an array in an output skeleton (`split_output`)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def split_output(out):
+    """(arrays, rebuild): the arrays of a method's output and a function that puts
+    new arrays back into its structure.
+
+    A remat region may only return arrays; flags, None, strings and plain
+    dataclasses around them stay Python values outside it.
+    """
+    arrays = []
+
+    def take(_, v):
+        arrays.append(v)
+        return _Slot(len(arrays) - 1)
+
+    skeleton = map_leaves(take, out)
+
+    def rebuild(new):
+        return map_leaves(lambda _, s: new[s.index], skeleton,
+                          is_value=lambda x: isinstance(x, _Slot))
+
+    return tuple(arrays), rebuild
 
 
 def split_static(args: tuple, kwargs: dict):

@@ -17,6 +17,7 @@ from remat_kit.validate import emitted_tags
 measure = importlib.import_module("remat_kit.residuals")  # its residuals(), as rk.residuals
 
 VOCAB, D, HEADS, LAYERS, BATCH, SEQ = 32, 16, 2, 2, 2, 8
+STANDARD = rk.linen.AUTO_TAG_CLASSES  # tags only flax's layers: the names below list them
 
 
 class Mlp(nn.Module):
@@ -82,8 +83,9 @@ def same_tree(model, params, tokens):
 
 
 def saved_tags(model, params, tokens, deterministic=True):
-    """Auto tags the layers save for the backward pass (outside them nothing is remat)."""
-    with rk.linen.auto_tag():
+    """Auto tags of standard layers the layers save for the backward pass (outside them
+    nothing is remat)."""
+    with rk.linen.auto_tag(STANDARD):
         found = measure.residuals(loss_fn(model, deterministic), params, tokens,
                                   jax.random.key(2))
     return {r.name for r in found if r.kind == "tag" and r.name.startswith("Block_")}
@@ -129,7 +131,7 @@ def test_glob_resolution_follows_auto_tag(setup):
 
 def test_auto_tag_names_by_module_path(setup):
     tokens, params, _ = setup
-    found = rk.linen.tags(Model(layers=1), tokens)
+    found = rk.linen.tags(Model(layers=1), tokens, classes=STANDARD)
     assert list(found) == [
         "Block_0/ln1", "Block_0/attn/query", "Block_0/attn/key", "Block_0/attn/value",
         "Block_0/attn/out", "Block_0/attn", "Block_0/ln2", "Block_0/mlp/wi", "Block_0/mlp/wo",
@@ -141,6 +143,12 @@ def test_auto_tag_names_by_module_path(setup):
     assert rk.emitted_tags(loss_fn(Model()), params, tokens, jax.random.key(2)) == {}
     assert list(rk.linen.tags(Model(), tokens, variables={"params": params})) == list(
         rk.linen.tags(Model(), tokens))
+    # By default every submodule call is tagged, the root's output not.
+    assert list(rk.linen.tags(Model(layers=1), tokens)) == [
+        "Embed_0", "Block_0/ln1", "Block_0/attn/query", "Block_0/attn/key",
+        "Block_0/attn/value", "Block_0/attn/out", "Block_0/attn", "Block_0/Dropout_0",
+        "Block_0/ln2", "Block_0/mlp/wi", "Block_0/mlp/wo", "Block_0/mlp", "Block_0",
+        "LayerNorm_0", "Dense_0"]
 
 
 def test_temp_bytes_fall(setup):
@@ -188,7 +196,7 @@ def test_class_form_glob_policy(setup):
     tokens, params, _ = setup
     wrapped = rk.linen.remat(Block, "save:*/mlp/wi;recompute:*", validate=True)
     model = Model(dropout_rate=0.1, block=wrapped)
-    with rk.linen.auto_tag():  # validate=True sees the auto tags only inside the context
+    with rk.linen.auto_tag(STANDARD):  # validate=True sees auto tags only inside it
         same_tree(model, params, tokens)
         assert saved_tags(model, params, tokens, deterministic=False) == per_layer("mlp/wi")
 

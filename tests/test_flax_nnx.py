@@ -17,6 +17,7 @@ import remat_kit as rk
 measure = importlib.import_module("remat_kit.residuals")  # its residuals(), as rk.residuals
 
 VOCAB, D, HEADS, LAYERS, BATCH, SEQ = 32, 16, 2, 2, 2, 8
+STANDARD = rk.nnx.AUTO_TAG_CLASSES  # tags only flax's layers: the names below list them
 
 
 class Mlp(nnx.Module):
@@ -91,7 +92,8 @@ def per_layer(*suffixes):
 @pytest.mark.remat_modes
 def test_apply_remat_keeps_state_and_grads(setup):
     model, tokens, state, ref = setup
-    wrapped = rk.nnx.apply_remat(rk.nnx.auto_tag(model), {"Block": "full", Mlp: "dots"})
+    wrapped = rk.nnx.apply_remat(rk.nnx.auto_tag(model, STANDARD),
+                                 {"Block": "full", Mlp: "dots"})
     assert paths(nnx.state(wrapped)) == paths(state)
     assert type(model.blocks[0]) is Block and type(model.blocks[0].mlp) is Mlp  # input untouched
     assert isinstance(wrapped.blocks[0], Block) and type(wrapped.blocks[0]) is not Block
@@ -110,17 +112,22 @@ def test_apply_remat_keeps_state_and_grads(setup):
 ])
 def test_saved_residuals_follow_spec(setup, spec, expected):
     model, tokens, state, _ = setup
-    wrapped = rk.nnx.apply_remat(rk.nnx.auto_tag(model), {"Block": spec})
+    wrapped = rk.nnx.apply_remat(rk.nnx.auto_tag(model, STANDARD), {"Block": spec})
     assert saved_tags(wrapped, state, tokens) == expected
 
 
 def test_auto_tag_names_by_attribute_path(setup):
     model, tokens, _, _ = setup
-    found = rk.nnx.tags(model, tokens)
+    found = rk.nnx.tags(model, tokens, classes=STANDARD)
     assert list(found) == [
         f"blocks/{i}/{s}" for i in range(LAYERS)
         for s in ("ln1", "attn/query", "attn/key", "attn/value", "attn/out", "attn", "ln2",
                   "mlp/up", "mlp/down")] + ["ln", "head"]
+    # By default every called submodule is tagged, the model itself not.
+    assert list(rk.nnx.tags(model, tokens)) == ["embed"] + [
+        f"blocks/{i}{s}" for i in range(LAYERS)
+        for s in ("/ln1", "/attn/query", "/attn/key", "/attn/value", "/attn/out", "/attn",
+                  "/ln2", "/mlp/up", "/mlp/down", "/mlp", "")] + ["ln", "head"]
     assert found["blocks/0/attn/query"].shape == (BATCH, SEQ, HEADS, D // HEADS)
     assert found["head"].shape == (BATCH, SEQ, VOCAB) and found["head"].dtype == jnp.float32
     assert rk.emitted_tags(pure_loss(model), nnx.state(model), tokens) == {}
@@ -142,16 +149,16 @@ def test_class_instance_and_function_forms(setup):
     model, tokens, state, ref = setup
     spec = "save:*/mlp/up;recompute:*"
     wrapped_cls = rk.nnx.remat(Block, spec, validate=True)
-    built = rk.nnx.auto_tag(Model(nnx.Rngs(0), block=wrapped_cls))
+    built = rk.nnx.auto_tag(Model(nnx.Rngs(0), block=wrapped_cls), STANDARD)
     assert paths(nnx.state(built)) == paths(state)
     chex.assert_trees_all_close(jax.jit(jax.value_and_grad(pure_loss(built)))(state, tokens),
                                 ref, rtol=1e-5, atol=1e-7)
     assert saved_tags(built, state, tokens) == per_layer("mlp/up")
 
-    one = rk.nnx.remat(rk.nnx.auto_tag(model).blocks[1], spec)  # instance form: one layer
+    one = rk.nnx.remat(rk.nnx.auto_tag(model, STANDARD).blocks[1], spec)  # one layer
     assert type(one).__mro__[1] is Block and paths(nnx.state(one)) == paths(state["blocks"][1])
 
-    graphdef, _ = nnx.split(rk.nnx.auto_tag(model))
+    graphdef, _ = nnx.split(rk.nnx.auto_tag(model, STANDARD))
     body = rk.nnx.remat(lambda m, t: xent(m(t)), spec)  # function form, glob via TagPolicy
 
     def loss(s, t):
@@ -181,8 +188,8 @@ def test_errors(setup):
     assert rk.nnx.remat(Block, "none") is Block  # "none" means no wrapper
     with pytest.raises(TypeError, match="validate=True needs a module"):
         rk.nnx.remat(lambda m, x: m(x), "full", validate=True)
-    wrapped = rk.nnx.apply_remat(rk.nnx.auto_tag(model), {"Block": "save:*/attn/qeury"},
-                                 validate=True)
+    wrapped = rk.nnx.apply_remat(rk.nnx.auto_tag(model, STANDARD),
+                                 {"Block": "save:*/attn/qeury"}, validate=True)
     with pytest.raises(rk.UnknownTagError, match="never emits") as info:
         jax.eval_shape(pure_loss(wrapped), nnx.state(wrapped), tokens)
     assert info.value.closest == "blocks/0/attn/query"
@@ -195,7 +202,7 @@ def test_errors(setup):
     ((nnx.Linear, "LayerNorm"), TypeError, "classes[1] is 'LayerNorm', not a flax.nnx"),
     ((nnx.Linear, linen.Dense), TypeError,
      "classes[1] is <class 'flax.linen.linear.Dense'>, not a flax.nnx"),
-    (None, TypeError, "got None"),
+    (3, TypeError, "got 3"),  # None is the default: every called submodule
 ])
 def test_auto_tag_checks_classes(setup, classes, exc, message):
     model = setup[0]

@@ -1,0 +1,162 @@
+"""Any Flax language model as a Workload (remat_kit.from_model): models that are not ours.
+
+The zoo (tests/zoo) holds models written as libraries write them and one from PyPI
+(nano-moe-jax). On each: gradients under full and minimal equal no remat; each
+MaxText/Megatron preset saves exactly its definition's roles, of those the backward
+pass reads; and the CLI's compare, explain, plan and fit take it as --model.
+"""
+
+import importlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import remat_kit as rk
+from remat_kit import cli
+from remat_kit.roles import ROLES
+from tests.test_remat import _design_saved
+
+B, T = 2, 8
+ZOO = ("gemma_linen", "gpt_linen", "llama_nnx", "fused_nnx", "nano_moe")
+# Presets that save by name (no offload, which the CPU cannot show).
+PRESETS = ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "selective",
+           "praxis:save_context")
+
+
+@pytest.fixture(scope="module", params=ZOO)
+def zoo(request):
+    """(name, model, concrete params, forward, workload, roles the backward pass reads)
+    of one zoo model."""
+    module = importlib.import_module(f"tests.zoo.{request.param}")
+    model, params, forward = module.make(B, T)
+    work = rk.from_model.workload(model, B, T)
+    read = _saved_roles(work, "save:" + ",".join(ROLES))  # every role kept
+    return request.param, model, params, forward, work, read
+
+
+def test_finds_the_block_and_its_roles(zoo):
+    name, _, _, _, work, _ = zoo
+    assert work.num_layers == 2
+    tags = set(rk.emitted_tags(work.loss_for_policy(rk.parse("full")), *work.args))
+    roles = tags & set(ROLES)
+    assert {"attn_norm", "attn_logits", "attn_probs", "context", "out_proj", "mlp_norm",
+            "mlpwo"} <= roles, name
+
+
+def test_fused_attention_has_context_only():
+    """One fused attention op (a kernel): its scores never exist, and the notes say so."""
+    fused = importlib.import_module("tests.zoo.fused_nnx")
+    model, _, _ = fused.make(B, T, attention=fused.one_op_attention, abstract=True)
+    work = rk.from_model.workload(model, B, T)
+    tags = set(rk.emitted_tags(work.loss_for_policy(rk.parse("full")), *work.args))
+    assert "context" in tags and not tags & {"attn_logits", "attn_probs"}
+    assert any(n.startswith("attn_logits:") for n in work.notes), work.notes
+
+
+def test_grads_equal_no_remat(zoo):
+    name, _, params, forward, work, _ = zoo
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 32, jnp.int32)
+    rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), work.args[2])
+
+    def reference(p):  # the zoo's own forward and the next-token loss, no remat_kit
+        logits = forward(p, tokens)[:, :-1].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    want = jax.jit(jax.grad(reference))(params)
+    got = jax.jit(jax.grad(work.loss_for_policy(rk.parse("minimal"))))(params, tokens, rest)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _saved_roles(work, spec):
+    found = rk.residuals(work.loss_for_policy(rk.parse(spec)), *work.args)
+    return {r.name for r in found if r.kind == "tag"} & set(ROLES)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_saves_its_roles(zoo, preset):
+    """What a preset saves on a model not ours is its definition, of the roles the
+    backward pass reads (those saved when every role is kept)."""
+    _, _, _, _, work, read = zoo
+    assert read, "no role is read by the backward pass"
+    assert _saved_roles(work, preset) == _design_saved(preset.split(":")[-1], None) & read
+
+
+def test_path_globs_reach_to_jax():
+    """A path glob saves what it names; one that names nothing is said so."""
+    module = importlib.import_module("tests.zoo.llama_nnx")
+    model, _, _ = module.make(B, T, abstract=True)
+    work = rk.from_model.workload(model, B, T)
+    paths = {t for t in rk.emitted_tags(work.loss_for_policy(rk.parse("full")), *work.args)
+             if "/" in t}
+    wq = sorted(t for t in paths if t.endswith("attention/wq"))
+    assert len(wq) == 2, paths
+    assert _saved_names(work, "save:*/attention/wq") == set(wq)
+    (rec,) = rk.measure(work, policies=["save:*/attention/nothing_here"])
+    assert any("emitted" in n for n in rec.notes), rec.notes
+
+
+def _saved_names(work, spec):
+    return {r.name for r in rk.residuals(work.loss_for_policy(rk.parse(spec)), *work.args)
+            if r.kind == "tag"}
+
+
+def test_no_repeated_block_and_bad_block_are_one_line():
+    import flax.linen as nn
+
+    class One(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            return nn.Dense(8)(nn.Embed(8, 4)(tokens))
+
+    with pytest.raises(rk.UnknownModuleError, match="no repeated block"):
+        rk.from_model.workload(One(), B, T)
+    module = importlib.import_module("tests.zoo.gpt_linen")
+    model, _, _ = module.make(B, T, abstract=True)
+    with pytest.raises(rk.UnknownModuleError, match="got 'Blok'.*did you mean 'Block'"):
+        rk.from_model.workload(model, B, T, block="Blok")
+
+    class NoLogits(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            return nn.Embed(8, 4)(tokens).sum()
+
+    with pytest.raises(rk.from_model.ModelError, match="expected logits"):
+        rk.from_model.workload(NoLogits(), B, T)
+
+
+MODEL = "tests/zoo/gpt_linen.py:model"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--model", "tests/zoo/none.py:model"], "not found"),
+    (["compare", "--model", "tests/zoo/gpt_linen.py:nothing"], "has no 'nothing'"),
+    (["compare", "--model", "tests/zoo/gpt_linen.py:GPTConfig"], "must return a flax"),
+    (["compare", "--model", MODEL, "--block", "Nope"], "matches no module"),
+    (["compare", "--model", "gpt_linen"], "takes FILE.py:FUNCTION"),
+    (["compare", "--model", MODEL, "--dtype", "bfloat16"], "--dtype is for --config"),
+    (["compare", "--config", "tiny", "--block", "Block"], "--block names the repeated"),
+])
+def test_bad_model_flags_are_one_line(capsys, argv, message):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_cli_compare_explain_plan_fit_on_a_model(capsys, tmp_path):
+    common = ["--model", MODEL, "--batch", "2", "--seq", "16"]
+    assert cli.main(["compare", *common, "--policies", "none,full,minimal",
+                     "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "gpt_linen.py:model: batch 2, seq 16" in out and "minimal" in out
+    assert cli.main(["explain", *common, "--policy", "minimal"]) == 0
+    out = capsys.readouterr().out
+    assert "qkv_proj" in out and "saved" in out
+    assert cli.main(["plan", *common, "--budgets", "0.9", "--presets", "full,dots",
+                     "--cache", ""]) == 0
+    assert "planned 1 budget" in capsys.readouterr().out
+    assert cli.main(["fit", "--model", MODEL, "--batch", "2", "--budget", "64MiB",
+                     "--policies", "full", "--multiple", "16"]) == 0
+    assert "longest seq within 64.00 MiB" in capsys.readouterr().out
