@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from remat_kit.models import Transformer, get_config, make_loss_fn
-from remat_kit.roles import ROLES, infer_roles
+from remat_kit import dataflow as df
+from remat_kit.roles import ROLES, _proj, infer_roles
 from tests.zoo import fused_nnx
 
 B, T = 2, 8
@@ -95,9 +97,9 @@ def test_zoo_roles_per_block(zoo, name):
     assert PRIMS[name] <= prims_of(jaxpr.jaxpr)
 
 
-@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx"])
+@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx", "gemma_linen"])
 def test_projections_are_param_matmuls(zoo, name):
-    """Each projection role sits on a dot_general (or its bias add) with a parameter operand."""
+    """Each projection role sits on a dot_general (or its bias add)."""
     jaxpr, roles = zoo[name]
     producers = {}
 
@@ -110,9 +112,26 @@ def test_projections_are_param_matmuls(zoo, name):
     walk(jaxpr.jaxpr)
     for var, tag in roles.of.items():
         if tag.endswith("_proj") or tag.startswith("mlpw"):
-            assert producers[var].primitive.name in ("dot_general", "add"), (tag, producers[var])
+            prim = producers[var].primitive.name
+            assert prim == "dot_general" or (prim == "add" and name == "gpt_linen"), tag
         if tag in ("attn_probs", "mlp_act", "attn_norm", "mlp_norm"):
             assert producers[var].primitive.name != "dot_general", tag
+
+
+def test_projection_role_goes_where_a_name_follows_its_layout_ops():
+    """jnp.einsum may end in a transpose of its dot: where that is a layer's output
+    and carries a (path) name, the role is on it, so the value has both names."""
+    def f(w, x):
+        kv = jnp.einsum("BSD,CKDH->CBSKH", x, w)
+        return kv, checkpoint_name(jnp.einsum("BSD,CKDH->CBSKH", x, w), "blk/kv_einsum")
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2, 32, 8)), jnp.ones((B, T, 32)))
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert prims == ["dot_general", "transpose", "dot_general", "transpose", "name"]
+    graph = df.Graph(jaxpr, [True, False])
+    dots = [n for n in graph.nodes if n.prim == "dot_general"]
+    assert _proj(dots[0]).producer.prim == "dot_general"  # no name: the dot itself
+    assert _proj(dots[1]).var is jaxpr.eqns[3].outvars[0]  # the named transpose
 
 
 def test_fused_attention_one_op():

@@ -9,7 +9,6 @@ tokens int32 [batch, seq] -> (logits float32 [batch, seq, vocab], aux_loss).
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from nano_moe.config import NanoMoEConfig
@@ -29,12 +28,3 @@ def make(batch: int, seq: int, abstract: bool = False):
         jax.random.key(0))
     return model, params, lambda p, tok: model.apply({"params": p}, tok)[0]
 
-
-class LogitsOnly(nn.Module):
-    """NanoMoE's logits alone: the front door takes logits, a dict or an object with
-    `logits`, not a (logits, aux_loss) tuple."""
-
-    inner: NanoMoE
-
-    def __call__(self, tokens):
-        return self.inner(tokens)[0]
