@@ -34,6 +34,8 @@ from remat_kit.policy import Policy
 from remat_kit.validate import tag_of
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
+# One-input ops that keep a value's bytes: a role may be named after them.
+_RELABEL = ("reshape", "transpose", "squeeze", "expand_dims", "copy")
 
 
 def region(eqn):
@@ -128,15 +130,24 @@ class _Run:
 
     def placed(self, jaxpr) -> dict:
         """{var: role} of `jaxpr` with each role moved past the path tags
-        (`auto_tag`'s checkpoint_name) that name the same value, so the role is
-        the outermost name: residuals and explain rows are named by it."""
+        (`auto_tag`'s checkpoint_name) and layout ops (same bytes) that carry
+        the same value, out of jit-ed calls too, so the role is the outermost
+        name: residuals and explain rows are named by it."""
         key = ("placed", id(jaxpr))
         if key not in self.memo:
             named = {eqn.invars[0]: eqn.outvars[0] for eqn in jaxpr.eqns
-                     if tag_of(eqn) is not None and not isinstance(eqn.invars[0], Literal)}
+                     if (tag_of(eqn) is not None or eqn.primitive.name in _RELABEL)
+                     and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], Literal)}
+            found = {v: self.roles[v] for e in jaxpr.eqns for v in e.outvars
+                     if v in self.roles and tag_of(e) is None}
+            for eqn in jaxpr.eqns:  # a call whose output is a role's value (a module's
+                inner = _call_body(eqn)  # matmul under nn.jit) passes the role out
+                if inner is not None:
+                    ends = self.placed(inner)
+                    found.update((o, ends[i]) for i, o in zip(inner.outvars, eqn.outvars)
+                                 if i in ends and o not in found)
             out = {}
-            for v, role in ((v, self.roles[v]) for e in jaxpr.eqns for v in e.outvars
-                            if v in self.roles and tag_of(e) is None):
+            for v, role in found.items():
                 while v in named:
                     v = named[v]
                 out[v] = role
@@ -222,6 +233,17 @@ def _first_block(jaxpr, key: str, flags: dict):
             continue
         if found is not None:
             return found
+    return None
+
+
+def _call_body(eqn):
+    """The jaxpr of a jit-ed call or remat region the interpreter runs inline."""
+    r = region(eqn)
+    if r is not None:
+        return r[0]
+    if eqn.primitive.name in _CALLS:
+        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        return getattr(closed, "jaxpr", closed)
     return None
 
 

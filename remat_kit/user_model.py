@@ -38,6 +38,8 @@ def _module(path: str, spec: str):
         folder = os.path.dirname(os.path.abspath(path))
         if folder not in sys.path:
             sys.path.insert(0, folder)  # the file may import its neighbours
+        # Registered first: dataclasses and pickling look the module up by name.
+        sys.modules[name] = module
         load = lambda: module_spec.loader.exec_module(module)  # noqa: E731
     else:
         if os.getcwd() not in sys.path:
