@@ -1,7 +1,7 @@
 """Any Flax language model as a Workload (remat_kit.from_model): models that are not ours.
 
 The zoo (tests/zoo) holds models written as libraries write them and one from PyPI
-(nano-moe-jax). On each: gradients under full and minimal equal no remat; each
+(nano-moe-jax). On each: gradients under full, minimal and selective equal no remat; each
 MaxText/Megatron preset saves exactly its definition's roles, of those the backward
 pass reads; and the CLI's compare, explain, plan and fit take it as --model.
 """
@@ -17,13 +17,15 @@ import pytest
 import remat_kit as rk
 from remat_kit import cli
 from remat_kit.roles import ROLES
+from remat_kit.spec import PRESET_TABLE
 from tests.test_remat import _design_saved
 
 B, T = 2, 8
 ZOO = ("gemma_linen", "gpt_linen", "llama_nnx", "fused_nnx", "nano_moe")
-# Presets that save by name (no offload, which the CPU cannot show).
-PRESETS = ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "selective",
-           "praxis:save_context")
+# Presets that save by name (no offload, which the CPU cannot show): every MaxText one.
+PRESETS = tuple(f"maxtext:{name}" for cb, name, *_ in PRESET_TABLE
+                if cb == "maxtext" and "offload" not in name) + ("selective",
+                                                                   "praxis:save_context")
 
 
 @pytest.fixture(scope="module", params=ZOO)
@@ -66,8 +68,9 @@ def test_grads_equal_no_remat(zoo):
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     want = jax.jit(jax.grad(reference))(params)
-    got = jax.jit(jax.grad(work.loss_for_policy(rk.parse("minimal"))))(params, tokens, rest)
-    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    for spec in ("full", "minimal", "selective"):
+        got = jax.jit(jax.grad(work.loss_for_policy(rk.parse(spec))))(params, tokens, rest)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6, custom_message=spec)
 
 
 def _saved_roles(work, spec):

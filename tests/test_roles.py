@@ -11,13 +11,17 @@ and ffi_call (a fused attention kernel, one op).
 import collections
 import importlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from remat_kit.models import Transformer, get_config, make_loss_fn
-from remat_kit.roles import ROLES, infer_roles
+from remat_kit import dataflow as df
+from remat_kit.roles import ROLES, _proj, infer_roles
 from tests.zoo import fused_nnx
 
 B, T = 2, 8
@@ -93,9 +97,9 @@ def test_zoo_roles_per_block(zoo, name):
     assert PRIMS[name] <= prims_of(jaxpr.jaxpr)
 
 
-@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx"])
+@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx", "gemma_linen"])
 def test_projections_are_param_matmuls(zoo, name):
-    """Each projection role sits on a dot_general (or its bias add) with a parameter operand."""
+    """Each projection role sits on a dot_general (or its bias add)."""
     jaxpr, roles = zoo[name]
     producers = {}
 
@@ -108,9 +112,26 @@ def test_projections_are_param_matmuls(zoo, name):
     walk(jaxpr.jaxpr)
     for var, tag in roles.of.items():
         if tag.endswith("_proj") or tag.startswith("mlpw"):
-            assert producers[var].primitive.name in ("dot_general", "add"), (tag, producers[var])
+            prim = producers[var].primitive.name
+            assert prim == "dot_general" or (prim == "add" and name == "gpt_linen"), tag
         if tag in ("attn_probs", "mlp_act", "attn_norm", "mlp_norm"):
             assert producers[var].primitive.name != "dot_general", tag
+
+
+def test_projection_role_goes_where_a_name_follows_its_layout_ops():
+    """jnp.einsum may end in a transpose of its dot: where that is a layer's output
+    and carries a (path) name, the role is on it, so the value has both names."""
+    def f(w, x):
+        kv = jnp.einsum("BSD,CKDH->CBSKH", x, w)
+        return kv, checkpoint_name(jnp.einsum("BSD,CKDH->CBSKH", x, w), "blk/kv_einsum")
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2, 32, 8)), jnp.ones((B, T, 32)))
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert prims == ["dot_general", "transpose", "dot_general", "transpose", "name"]
+    graph = df.Graph(jaxpr, [True, False])
+    dots = [n for n in graph.nodes if n.prim == "dot_general"]
+    assert _proj(dots[0]).producer.prim == "dot_general"  # no name: the dot itself
+    assert _proj(dots[1]).var is jaxpr.eqns[3].outvars[0]  # the named transpose
 
 
 def test_fused_attention_one_op():
@@ -183,6 +204,64 @@ def test_reference_model_roles_equal_its_tags(fam, changes, custom_jvp):
     assert want <= prims_of(jaxpr.jaxpr)
     if changes.get("remat"):  # jax.checkpoint's primitive (a hi-primitive under jax_remat3)
         assert prims_of(jaxpr.jaxpr) & {"remat2", "call_hi_primitive"}
+
+
+def plain_jax_lm(params, tokens):
+    """A language model in plain JAX: layers in a while_loop over stacked weights
+    (indexed by the loop counter), relu MLP, post-norm, attention mask by lax.select."""
+    def norm(x):
+        x = x - x.mean(-1, keepdims=True)
+        return x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+
+    def layer(carry):
+        i, x = carry
+        q, k, v = (x @ params[n][i] for n in ("wq", "wk", "wv"))
+        s = jnp.einsum("btd,bsd->bts", q, k)
+        s = jax.lax.select(jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), s.shape), s,
+                           jnp.full_like(s, -1e9))
+        x = norm(x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(s), v) @ params["wo"][i])
+        return i + 1, norm(x + jax.nn.relu(x @ params["w1"][i]) @ params["w2"][i])
+
+    x = params["embed"][tokens]
+    _, x = jax.lax.while_loop(lambda c: c[0] < 3, layer, (0, x))
+    return x @ params["embed"].T
+
+
+def test_plain_jax_while_loop_relu():
+    d = 16
+    params = {n: jax.ShapeDtypeStruct((3, d, d), jnp.float32)
+              for n in ("wq", "wk", "wv", "wo", "w1", "w2")}
+    params["embed"] = jax.ShapeDtypeStruct((32, d), jnp.float32)
+    jaxpr, roles = trace(plain_jax_lm, params)
+    assert {"while", "custom_jvp_call", "dynamic_slice"} <= prims_of(jaxpr.jaxpr)
+    # One loop body: each role once. Post-norm: the previous layer's norm feeds both.
+    assert collections.Counter(roles.of.values()) == collections.Counter(
+        ["query_proj", "key_proj", "value_proj", "attn_logits", "attn_probs", "context",
+         "out_proj", "mlpwi", "mlp_act", "mlpwo", "mlp_norm"])
+    assert roles.missing["attn_norm"] == "no norm (reduce over the features, rsqrt) feeds " \
+        "the projections"
+
+
+def test_flax_attention_layers():
+    """flax's own MultiHeadDotProductAttention (linen) and MultiHeadAttention (NNX),
+    cross-attention with 8 queries over 5 keys: the key side is the 5-long one."""
+    x, ctx = jnp.ones((B, 8, 32)), jnp.ones((B, 5, 32))
+    lin = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32)
+    p = jax.eval_shape(lambda: lin.init(jax.random.key(0), x, ctx))["params"]
+    mod = nnx.eval_shape(lambda: nnx.MultiHeadAttention(4, 32, 32, decode=False,
+                                                         rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(mod, nnx.Param)
+    for fn, params in ((lambda p, a, b: lin.apply({"params": p}, a, b), p),
+                       (lambda s, a, b: nnx.merge(graphdef, s)(a, b), state)):
+        jaxpr = jax.make_jaxpr(fn)(params, x, ctx)
+        roles = infer_roles(jaxpr, [True] * len(jax.tree.leaves(params)) + [False, False])
+        shapes = {t: tuple(v.aval.shape) for v, t in roles.of.items()}
+        # NNX's layer calls jax.nn.dot_product_attention: its scores are [B, K, G, T, S].
+        for t in ("attn_logits", "attn_probs"):
+            assert sorted(d for d in shapes.pop(t) if d > 1) == sorted((B, 4, 8, 5)), t
+        assert shapes == {"query_proj": (B, 8, 4, 8), "key_proj": (B, 5, 4, 8),
+                          "value_proj": (B, 5, 4, 8), "context": (B, 8, 4, 8),
+                          "out_proj": (B, 8, 32)}
 
 
 def test_no_transformer_no_roles():

@@ -27,3 +27,4 @@ def make(batch: int, seq: int, abstract: bool = False):
     params = jax.eval_shape(init, jax.random.key(0)) if abstract else jax.jit(init)(
         jax.random.key(0))
     return model, params, lambda p, tok: model.apply({"params": p}, tok)[0]
+
