@@ -183,8 +183,11 @@ class Checkpoints:
                 # Handlers named up front, so a fresh process can read item metadata.
                 item_handlers={"state": ocp.StandardCheckpointHandler(),
                                "meta": ocp.JsonCheckpointHandler()},
+                # cleanup_tmp_directories: a write a crash or a full disk cut short
+                # leaves STEP.orbax-checkpoint-tmp; never a checkpoint, it only holds space.
                 options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                     enable_async_checkpointing=True))
+                                                     enable_async_checkpointing=True,
+                                                     cleanup_tmp_directories=True))
         except OSError as e:
             raise BadInput(f"cannot use checkpoint folder {str(self.directory)!r}: {e}") from e
 

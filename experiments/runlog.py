@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pathlib
+import sys
 from collections.abc import Callable, Iterator
 
 import ml_collections
@@ -197,3 +198,18 @@ def library_log(workdir: pathlib.Path) -> Iterator[pathlib.Path]:
         logger.propagate = propagate
         with contextlib.suppress(OSError):  # its last flush, on a full disk
             handler.close()
+
+
+def divert_stderr(workdir: pathlib.Path) -> None:
+    """Points file descriptor 2 at workdir/orbax.log, if orbax has logged
+    there, for what is printed while the process exits; else does nothing."""
+    path = workdir.absolute() / LIBRARY_LOG
+    if not path.is_file():
+        return
+    sys.stderr.flush()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return
+    os.dup2(fd, 2)
+    os.close(fd)

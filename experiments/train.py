@@ -11,6 +11,14 @@ the end; a second start with the same workdir resumes from the latest one,
 under the remat policy it is given (see experiments/checkpoint.py, runlog.py).
 A non-finite loss stops the run (exit 1); SIGINT or SIGTERM writes a
 checkpoint, then exits with 128 + the signal number.
+On disk faults: a damaged checkpoint (a file missing, cut short or changed
+since its SHA-256 was taken) is moved to checkpoints/damaged/ with one warning
+line, and the run resumes from the newest intact one; when none is intact it
+refuses once (exit 2), and the next start trains from step 0. A full disk is
+one line naming the path and its free space (exit 2); orbax's log lines go to
+workdir/orbax.log. A second run on a workdir in use refuses at once (exit 2),
+naming the PID holding workdir/.lock. Damaged metrics.jsonl lines go to
+metrics.jsonl.damaged, with one warning line.
 Bad input (unknown policy or tag, malformed spec, missing, empty or binary
 data, a config file that does not load, a config value of the wrong type or
 out of range, an unusable workdir, sizes that do not fit in memory) exits with
@@ -284,9 +292,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         data; sizes that do not fit in memory (found before compiling where the
         attention scores alone are too big, else when XLA runs out); a
         checkpoint of another model or another seed; a checkpoint write that
-        fails (full disk), which leaves the previous checkpoint intact.
+        fails (full disk), which leaves the previous checkpoint intact; a
+        workdir another run holds (`guards.workdir_lock`); no intact
+        checkpoint left (`checkpoint.Checkpoints.restore_latest`).
       NonFiniteLoss: the train loss became NaN or infinite; that state is not
-        saved, the last good checkpoint stays the latest.
+        saved, the last good checkpoint stays the latest (named as suspect if
+        the run resumed from it and has written none since).
       Interrupted: SIGINT or SIGTERM arrived; a checkpoint of the last
         finished step was written first.
     """
@@ -597,10 +608,14 @@ def main(argv: list[str]) -> None:
     del argv  # parse_flags has rejected extra arguments
     try:
         train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except BadInput as e:
-        fail(str(e))
-    except guards.RunStopped as e:
-        fail(str(e), e.exit_code, label="stopped")
+    except (BadInput, guards.RunStopped) as e:
+        code, label = (2, "error") if isinstance(e, BadInput) else (e.exit_code, "stopped")
+        try:
+            fail(str(e), code, label)
+        finally:
+            # After a failed write, orbax's threads print tracebacks as the
+            # interpreter shuts down: they go to the log, after our one line.
+            runlog.divert_stderr(pathlib.Path(_WORKDIR.value))
 
 
 if __name__ == "__main__":
