@@ -25,6 +25,11 @@ def fail(message: str, code: int = 2, label: str = "error") -> NoReturn:
     sys.exit(code)
 
 
+def warn_line(message: str) -> None:
+    """Prints `warning: message` as one line on stderr."""
+    print("warning: " + " ".join(message.splitlines()), file=sys.stderr, flush=True)
+
+
 def _config_argument(argv: list[str]) -> str | None:
     """The value of the last --config (or -config) in argv, as absl reads it;
     None if absent."""

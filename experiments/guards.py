@@ -1,12 +1,21 @@
-"""Ways a training run stops early on purpose: a non-finite loss, or a stop
-signal (Ctrl-C, or SIGTERM as schedulers send on pre-emption)."""
+"""Ways a training run stops early on purpose: a non-finite loss, a stop
+signal (Ctrl-C, or SIGTERM as schedulers send on pre-emption), or another
+run already writing the same workdir."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
+import pathlib
 import signal
+import socket
 import threading
 from collections.abc import Iterator
+
+from remat_kit.cli import BadInput
+
+LOCK = ".lock"
 
 
 class RunStopped(Exception):
@@ -64,3 +73,40 @@ def stop_signals() -> Iterator[StopSignals]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: pathlib.Path, process: int = 0) -> Iterator[pathlib.Path]:
+    """Holds an exclusive `fcntl.flock` on workdir/.lock (.lock.N for process
+    N > 0 of a multi-process run, whose processes share the workdir) for the
+    duration of the block; the file holds "PID on HOST" of the holder.
+
+    The kernel drops the lock when its holder exits, however it dies, so a
+    lock file left by a dead run is simply taken over. (On NFS, flock is only
+    as good as the server's lock support.)
+
+    Raises:
+      BadInput: another process holds the lock; names its PID and host.
+    """
+    path = workdir / (LOCK if process == 0 else f"{LOCK}.{process}")
+    fh = path.open("a+")  # not "w": that would erase the holder's PID before we know
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise BadInput(f"workdir {str(workdir)!r} is in use by another run (PID {holder}, which "
+                       f"holds {path}): wait for it to end or stop it, or use another "
+                       "workdir") from None
+    try:
+        try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{os.getpid()} on {socket.gethostname()}\n")
+            fh.flush()
+        except OSError:
+            pass  # a full disk: the lock holds all the same, without the PID
+        yield path
+    finally:
+        fh.close()  # releases the lock

@@ -5,21 +5,31 @@ A run may stop anywhere (pre-emption, SIGKILL) and resume from its last
 checkpoint, so both logs are written to survive that: metrics.jsonl is
 append-only, flushed per line, and cut back to the restored step on resume;
 the config history keeps one line per start, with the step it started from.
+A damaged line in either (a crash mid-write, a garbled disk block) is set
+aside, never a reason to drop the intact lines after it or to crash. Orbax's
+log lines (through absl logging) go to orbax.log, not the terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import logging
 import os
 import pathlib
+import sys
+from collections.abc import Callable, Iterator
 
 import ml_collections
+
+from experiments.common import warn_line
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
 TENSORBOARD = "tensorboard"
+LIBRARY_LOG = "orbax.log"
 
 
 def _replace_text(path: pathlib.Path, text: str) -> None:
@@ -29,18 +39,51 @@ def _replace_text(path: pathlib.Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    """The complete JSON lines of `path` ([] if absent). A last line cut short by a
-    crash mid-write is dropped."""
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# What makes a line of each log intact: {field: test}.
+_METRICS_FIELDS = {"step": _is_count}
+_HISTORY_FIELDS = {"from_step": _is_count, "remat": lambda v: isinstance(v, str),
+                   "policy": lambda v: isinstance(v, str), "config": lambda v: isinstance(v, dict)}
+
+
+def _parse(raw: bytes, fields: dict) -> dict | None:
+    """The JSON object of one line, or None if it is not UTF-8, not JSON, not
+    an object, or lacks one of `fields` (or has it of the wrong kind)."""
+    try:
+        line = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(line, dict) or not all(k in line and ok(line[k]) for k, ok in fields.items()):
+        return None
+    return line
+
+
+def _read_jsonl(path: pathlib.Path, fields: dict, warn: Callable[[str], None]) -> list[dict]:
+    """The intact lines of `path` ([] if absent). Damaged ones (cut short by a
+    crash mid-write, garbled, not an object, lacking a field) are appended to
+    PATH.damaged with their bytes unchanged, removed from `path`, and counted
+    in one `warn` line; blank lines are dropped."""
     if not path.exists():
         return []
-    lines = []
-    for text in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(text))
-        except json.JSONDecodeError:
-            break
-    return lines
+    intact, damaged = [], []
+    for raw in path.read_bytes().split(b"\n"):
+        if raw.strip():
+            line = _parse(raw, fields)
+            if line is None:
+                damaged.append(raw)
+            else:
+                intact.append(line)
+    if damaged:
+        aside = path.with_name(path.name + ".damaged")
+        with aside.open("ab") as fh:
+            fh.write(b"".join(raw + b"\n" for raw in damaged))
+        _replace_text(path, "".join(json.dumps(line) + "\n" for line in intact))
+        warn(f"{path}: {len(damaged)} damaged line(s) moved to {aside}; kept the "
+             f"{len(intact)} intact one(s)")
+    return intact
 
 
 class MetricsLog:
@@ -48,20 +91,23 @@ class MetricsLog:
 
     Opening cuts metrics.jsonl to the lines of steps <= `resume_step` (the step
     the run restarts from; 0 for a fresh run), so a resumed run neither repeats
-    nor skips a step. TensorBoard events of later steps are purged the same way
+    nor skips a step. Damaged lines are moved to metrics.jsonl.damaged, with
+    one `warn` line (`_read_jsonl`); the intact ones after them are kept.
+    TensorBoard events of later steps are purged the same way
     (tensorboardX's `purge_step`). Use as a context manager. With `enabled`
     False (every process but the first of a multi-process run) it writes
     nothing.
     """
 
     def __init__(self, workdir: pathlib.Path, resume_step: int, tensorboard: bool = False,
-                 enabled: bool = True):
+                 enabled: bool = True, warn: Callable[[str], None] = warn_line):
         self._writer = None
         if not enabled:
             self._file = open(os.devnull, "a")
             return
         path = workdir / METRICS
-        kept = [line for line in _read_jsonl(path) if line["step"] <= resume_step]
+        kept = [line for line in _read_jsonl(path, _METRICS_FIELDS, warn)
+                if line["step"] <= resume_step]
         _replace_text(path, "".join(json.dumps(line) + "\n" for line in kept))
         self._file = path.open("a")
         if tensorboard:
@@ -89,7 +135,8 @@ class MetricsLog:
 
 
 def record_start(workdir: pathlib.Path, config: ml_collections.ConfigDict, policy: str,
-                 from_step: int) -> tuple[list[dict], list[str]]:
+                 from_step: int, warn: Callable[[str], None] = warn_line
+                 ) -> tuple[list[dict], list[str]]:
     """Saves the config of this start: workdir/config.json (this start's config)
     and one more line in workdir/config_history.jsonl ({"from_step", "started"
     (UTC, ISO 8601), "remat", "policy" (canonical spec), "config"}).
@@ -103,7 +150,7 @@ def record_start(workdir: pathlib.Path, config: ml_collections.ConfigDict, polic
         previous start's ([] on the first start).
     """
     values = json.loads(config.to_json_best_effort())
-    history = _read_jsonl(workdir / HISTORY)
+    history = _read_jsonl(workdir / HISTORY, _HISTORY_FIELDS, warn)
     entry = {"from_step": from_step,
              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
              "remat": config.remat, "policy": policy, "config": values}
@@ -120,3 +167,49 @@ def record_start(workdir: pathlib.Path, config: ml_collections.ConfigDict, polic
         if not policies or policies[-1]["policy"] != start["policy"]:
             policies.append({k: start[k] for k in ("from_step", "remat", "policy")})
     return policies, changed
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that drops records it cannot write (a full disk) instead of
+    printing logging's traceback on the terminal."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        del record
+
+
+@contextlib.contextmanager
+def library_log(workdir: pathlib.Path) -> Iterator[pathlib.Path]:
+    """For the duration of the block, the records of the `absl` logger (orbax
+    logs through absl: dozens of lines per failed write) go to
+    workdir/orbax.log, created at the first record, instead of the terminal.
+    Yields the log's path."""
+    path = workdir.absolute() / LIBRARY_LOG
+    logger = logging.getLogger("absl")
+    handler = _QuietFileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(threadName)s %(filename)s:%(lineno)d] %(message)s"))
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield path
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        with contextlib.suppress(OSError):  # its last flush, on a full disk
+            handler.close()
+
+
+def divert_stderr(workdir: pathlib.Path) -> None:
+    """Points file descriptor 2 at workdir/orbax.log, if orbax has logged
+    there, for what is printed while the process exits; else does nothing."""
+    path = workdir.absolute() / LIBRARY_LOG
+    if not path.is_file():
+        return
+    sys.stderr.flush()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return
+    os.dup2(fd, 2)
+    os.close(fd)

@@ -11,6 +11,14 @@ the end; a second start with the same workdir resumes from the latest one,
 under the remat policy it is given (see experiments/checkpoint.py, runlog.py).
 A non-finite loss stops the run (exit 1); SIGINT or SIGTERM writes a
 checkpoint, then exits with 128 + the signal number.
+On disk faults: a damaged checkpoint (a file missing, cut short or changed
+since its SHA-256 was taken) is moved to checkpoints/damaged/ with one warning
+line, and the run resumes from the newest intact one; when none is intact it
+refuses once (exit 2), and the next start trains from step 0. A full disk is
+one line naming the path and its free space (exit 2); orbax's log lines go to
+workdir/orbax.log. A second run on a workdir in use refuses at once (exit 2),
+naming the PID holding workdir/.lock. Damaged metrics.jsonl lines go to
+metrics.jsonl.damaged, with one warning line.
 Bad input (unknown policy or tag, malformed spec, missing, empty or binary
 data, a config file that does not load, a config value of the wrong type or
 out of range, an unusable workdir, sizes that do not fit in memory) exits with
@@ -20,6 +28,7 @@ found then.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -44,7 +53,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from experiments import checkpoint, data, guards, runlog
-from experiments.common import fail, parse_flags
+from experiments.common import fail, parse_flags, warn_line
 from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
 from remat_kit import mesh as rk_mesh
@@ -174,14 +183,19 @@ def _start_devices(config: ml_collections.ConfigDict, cfg) -> None:
             pass  # JAX already started; rk_mesh.make checks the devices it has
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str):
-    """Validates the config and the workdir (created here) and loads the data,
-    all before anything compiles; every user error becomes BadInput."""
+def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.ExitStack):
+    """Validates the config and the workdir (created here), takes the
+    workdir's lock and sends orbax's logs to its orbax.log (both held by
+    `stack`), and loads the data, all before anything compiles; every user
+    error becomes BadInput."""
     _check_fields(config)
     check_folder(workdir, "--workdir", create=True)
     try:
         cfg = from_config_dict(config)
         _start_devices(config, cfg)
+        # One writer per workdir: a second run refuses here, before it touches a file.
+        stack.enter_context(guards.workdir_lock(pathlib.Path(workdir), jax.process_index()))
+        stack.enter_context(runlog.library_log(pathlib.Path(workdir)))
         if cfg.vocab_size < data.VOCAB_SIZE:
             raise ValueError(f"config.vocab_size must be at least {data.VOCAB_SIZE} (one token "
                              f"per byte value), got {cfg.vocab_size}")
@@ -283,21 +297,41 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         data; sizes that do not fit in memory (found before compiling where the
         attention scores alone are too big, else when XLA runs out); a
         checkpoint of another model or another seed; a checkpoint write that
-        fails (full disk), which leaves the previous checkpoint intact.
+        fails (full disk), which leaves the previous checkpoint intact; a
+        workdir another run holds (`guards.workdir_lock`); no intact
+        checkpoint left (`checkpoint.Checkpoints.restore_latest`).
       NonFiniteLoss: the train loss became NaN or infinite; that state is not
-        saved, the last good checkpoint stays the latest.
+        saved, the last good checkpoint stays the latest (named as suspect if
+        the run resumed from it and has written none since).
       Interrupted: SIGINT or SIGTERM arrived; a checkpoint of the last
         finished step was written first.
     """
     start = time.perf_counter()
-    cfg, corpus, batches, evals = _setup(config, workdir)
-    try:
-        return _train(config, pathlib.Path(workdir), cfg, corpus, batches, evals, start)
-    except Exception as e:  # noqa: BLE001 - XLA's out-of-memory, at compile or at run
-        error = out_of_memory(e, _sizes(config))
-        if error is None:
+    with contextlib.ExitStack() as stack:
+        cfg, corpus, batches, evals = _setup(config, workdir, stack)
+        try:
+            return _train(config, pathlib.Path(workdir), cfg, corpus, batches, evals, start)
+        except (BadInput, guards.RunStopped):
             raise
-        raise error from e
+        except Exception as e:  # noqa: BLE001 - a full disk; XLA's out-of-memory
+            error = _disk_full(e, pathlib.Path(workdir)) or out_of_memory(e, _sizes(config))
+            if error is None:
+                raise
+            raise error from e
+
+
+def _disk_full(error: BaseException, workdir: pathlib.Path) -> BadInput | None:
+    """A one-line BadInput for a write that failed with ENOSPC (metrics,
+    summary, config history), naming the file, the free space and the newest
+    checkpoint; None for any other error. (A failed checkpoint write is
+    reported by `checkpoint.Checkpoints`.)"""
+    if not checkpoint.is_disk_full(error):
+        return None
+    path = pathlib.Path(getattr(error, "filename", None) or workdir)
+    steps = checkpoint.steps_on_disk(workdir.absolute() / "checkpoints")
+    kept = f"checkpoint {steps[-1]} is intact" if steps else "no checkpoint was written"
+    return BadInput(f"writing {path} failed: {checkpoint.disk_full_message(path)}; {kept}; "
+                    "free some space and run the same command to resume")
 
 
 def _checkpointed(state: train_state.TrainState, rng: jax.Array) -> dict:
@@ -306,17 +340,19 @@ def _checkpointed(state: train_state.TrainState, rng: jax.Array) -> dict:
             "rng": jax.random.key_data(rng)}
 
 
-def _resume(ckpt: checkpoint.Checkpoints, config, state, rng):
-    """(state, rng, step) from the latest checkpoint, or unchanged with step 0
-    when there is none. BadInput for another model's or another seed's, or one
-    past config.num_steps."""
+def _resume(ckpt: checkpoint.Checkpoints, config, state, rng, warn):
+    """(state, rng, step) from the newest intact checkpoint (damaged ones are
+    moved aside, one `warn` line each: `Checkpoints.restore_latest`), or
+    unchanged with step 0 when there is none. BadInput for another model's or
+    another seed's, one past config.num_steps, or when none is intact."""
     step = ckpt.latest_step()
-    if step is None:
-        return state, rng, 0
-    if step > config.num_steps:
+    if step is not None and step > config.num_steps:
         raise BadInput(f"config.num_steps={config.num_steps}, but {str(ckpt.directory)!r} holds "
                        f"a checkpoint of step {step}: give a larger num_steps or a new workdir")
-    saved, meta = ckpt.restore(_checkpointed(state, rng), step)
+    restored = ckpt.restore_latest(_checkpointed(state, rng), warn)
+    if restored is None:
+        return state, rng, 0
+    step, saved, meta = restored
     if meta["seed"] != config.seed:
         raise BadInput(f"config.seed={config.seed}, but the checkpoint in {str(ckpt.directory)!r} "
                        f"was trained with seed {meta['seed']}, which fixes its data order and "
@@ -324,6 +360,25 @@ def _resume(ckpt: checkpoint.Checkpoints, config, state, rng):
     state = state.replace(step=saved["step"], params=saved["params"],
                           opt_state=saved["opt_state"])
     return state, jax.random.wrap_key_data(saved["rng"], impl=jax.random.key_impl(rng)), step
+
+
+def _non_finite(loss: float, step: int, start_step: int, ckpt: checkpoint.Checkpoints) -> str:
+    """The message of a non-finite loss at `step`. Before this run wrote a
+    checkpoint of its own, the one it resumed from is the suspect (a damaged
+    file that still loads gives wrong numbers), not the learning rate."""
+    last = ckpt.latest_step()
+    head = f"train loss is {loss} at step {step}: stopped without saving that state; "
+    if start_step and last == start_step:
+        earlier = [s for s in checkpoint.steps_on_disk(ckpt.directory) if s < start_step]
+        before = f"checkpoint {earlier[-1]}" if earlier else "step 0"
+        return (head + f"checkpoint {start_step} in {ckpt.directory}, which this run resumed "
+                f"from, is suspect: move it into {ckpt.directory / checkpoint.DAMAGED} and run "
+                f"the same command to resume from {before}")
+    if last is not None:
+        return (head + f"the last good checkpoint is step {last} in {ckpt.directory}. Lower "
+                "config.learning_rate or change the data, then resume with the same workdir")
+    return (head + "no checkpoint was written before it. Lower config.learning_rate or "
+            "change the data, then start again")
 
 
 def _hang(ckpt: checkpoint.Checkpoints, stop: guards.StopSignals, console: Console,
@@ -385,14 +440,15 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                         **on((), key_sh))()
     sample = put(np.zeros((config.batch_size, config.seq_len), np.int32))
     num_params = sum(p.size for p in jax.tree.leaves(state.params))
-    state, train_rng, start_step = _resume(ckpt, config, state, train_rng)
+    warn = warn_line if lead else (lambda message: None)
+    state, train_rng, start_step = _resume(ckpt, config, state, train_rng, warn)
     done = workdir / "summary.json"
     if start_step == config.num_steps and done.exists():
         # A finished run started again: keep its summary and metrics as they are.
         console.print(f"{workdir} already holds a finished run of {start_step} steps; nothing "
                       f"to train (raise --config.num_steps to train on, or use a new workdir)")
         return json.loads(done.read_text())
-    policies, changed = (runlog.record_start(workdir, config, str(cfg.policy), start_step)
+    policies, changed = (runlog.record_start(workdir, config, str(cfg.policy), start_step, warn)
                          if lead else ([], []))
     if start_step:
         console.print(f"resuming at step {start_step} from {ckpt.directory}"
@@ -437,7 +493,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                         TextColumn("loss {task.fields[loss]:.3f}"),
                         TextColumn("{task.fields[tok_s]:,.0f} tok/s"), TimeRemainingColumn(),
                         console=console)
-    with (progress, runlog.MetricsLog(workdir, start_step, config.tensorboard, lead) as metrics,
+    with (progress, runlog.MetricsLog(workdir, start_step, config.tensorboard, lead, warn) as metrics,
           guards.stop_signals() as stop):
         task = progress.add_task("train", total=config.num_steps, completed=start_step,
                                  loss=float("nan"), tok_s=0.0)
@@ -450,15 +506,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
             seconds = time.perf_counter() - t0
             if not math.isfinite(loss):
                 ckpt.wait()
-                last = ckpt.latest_step()
-                kept = (f"the last good checkpoint is step {last} in {ckpt.directory}. Lower "
-                        "config.learning_rate or change the data, then resume with the same "
-                        "workdir" if last is not None else
-                        "no checkpoint was written before it. Lower config.learning_rate or "
-                        "change the data, then start again")
-                raise guards.NonFiniteLoss(
-                    f"train loss is {loss} at step {step}: stopped without saving that "
-                    f"state; {kept}")
+                raise guards.NonFiniteLoss(_non_finite(loss, step, start_step, ckpt))
             step_seconds.append(seconds)
             window_loss.append(loss)
             window_time.append(seconds)
@@ -583,10 +631,14 @@ def main(argv: list[str]) -> None:
     del argv  # parse_flags has rejected extra arguments
     try:
         train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except BadInput as e:
-        fail(str(e))
-    except guards.RunStopped as e:
-        fail(str(e), e.exit_code, label="stopped")
+    except (BadInput, guards.RunStopped) as e:
+        code, label = (2, "error") if isinstance(e, BadInput) else (e.exit_code, "stopped")
+        try:
+            fail(str(e), code, label)
+        finally:
+            # After a failed write, orbax's threads print tracebacks as the
+            # interpreter shuts down: they go to the log, after our one line.
+            runlog.divert_stderr(pathlib.Path(_WORKDIR.value))
 
 
 if __name__ == "__main__":
