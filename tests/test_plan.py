@@ -374,5 +374,5 @@ def test_damaged_and_oversized_caches(tmp_path, monkeypatch):
     assert plan_module.read_cache(str(path)) is None
     path.write_text(json.dumps({"k": "v" * 1000}))
     assert plan_module.read_cache(str(path)) == {"k": "v" * 1000}
-    monkeypatch.setattr(plan_module, "CACHE_LIMIT", 100)
+    monkeypatch.setattr(importlib.import_module("remat_kit.plan_cache"), "CACHE_LIMIT", 100)
     assert plan_module.read_cache(str(path)) is None  # over the limit: not read past it
