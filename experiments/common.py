@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from absl import flags, logging
 
-from remat_kit.cli import BadInput, load_config_file
+from remat_kit.inputs import BadInput, load_config_file
 
 
 def fail(message: str, code: int = 2, label: str = "error") -> NoReturn:

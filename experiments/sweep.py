@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from experiments.common import fail, parse_flags
 from remat_kit import report
-from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
+from remat_kit.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            config_from_dict, preset_policies, split_policies)
 from remat_kit.errors import RematSpecError
 from remat_kit.measure import measure_config

@@ -54,7 +54,7 @@ from rich.table import Table
 
 from experiments import checkpoint, data, guards, runlog
 from experiments.common import fail, parse_flags, warn_line
-from remat_kit.cli import (BadInput, check_folder, check_int, check_memory, check_seq,
+from remat_kit.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
 from remat_kit import mesh as rk_mesh
 from remat_kit.budget import parse_budget

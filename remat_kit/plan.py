@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import re
 from collections.abc import Callable, Sequence
 
@@ -77,7 +76,7 @@ from remat_kit.budget import parse_budget
 from remat_kit.errors import BudgetError
 from remat_kit.measure import measure
 from remat_kit.models.program import workload as config_workload
-from remat_kit.plan_cache import CACHE_LIMIT, Plan, _write_cache, default_cache_path, layers_summary, \
+from remat_kit.plan_cache import Plan, _write_cache, default_cache_path, layers_summary, \
     read_cache
 from remat_kit.policy import Policy
 from remat_kit.record import MEMORY_LABELS, Record, memory_kind

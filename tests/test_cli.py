@@ -9,7 +9,7 @@ import textwrap
 import jax
 import pytest
 
-from remat_kit import cli
+from remat_kit import cli, inputs
 from remat_kit.report import SCHEMA_VERSION
 
 
@@ -107,7 +107,7 @@ def test_a_config_file_gives_the_model_train_builds(name):
     from remat_kit.models import from_config_dict
 
     config = importlib.import_module(f"experiments.configs.{name}").get_config()
-    cfg, label, sizes = cli.load_config(f"experiments/configs/{name}.py")
+    cfg, label, sizes = inputs.load_config(f"experiments/configs/{name}.py")
     assert cfg == from_config_dict(config) and label == f"{name}.py"
     assert cfg.vocab_size == 256 and cfg.max_len == config.seq_len  # byte-level data
     assert sizes == {"batch": config.batch_size, "seq": config.seq_len}
@@ -158,10 +158,10 @@ def test_split_policies_keeps_tag_lists_together():
 
 def test_out_of_memory_names_the_sizes():
     error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3845799065476 bytes.\nmore")
-    message = str(cli.out_of_memory(error, "batch_size=8, seq_len=100000"))
+    message = str(inputs.out_of_memory(error, "batch_size=8, seq_len=100000"))
     assert message == ("out of memory with batch_size=8, seq_len=100000: "
                        "Out of memory allocating 3845799065476 bytes.")
-    assert cli.out_of_memory(ValueError("other"), "batch_size=8") is None
+    assert inputs.out_of_memory(ValueError("other"), "batch_size=8") is None
 
 
 def test_default_policies_cover_every_preset():
