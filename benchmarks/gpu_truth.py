@@ -6,7 +6,7 @@
 
 For each config (`RUNS`: GPT-2 medium shapes and Llama 3.2 1B shapes, bfloat16
 activations, float32 parameters, AdamW, layers scanned) and each policy in
-`POLICIES`, one fresh process compiles the train step of `remat_kit.fit.train_step`
+`POLICIES`, one fresh process compiles the train step of `remat_kit.step.train_step`
 on the device (`targets.compile_for`, parameters and optimizer state donated), runs
 `--warmup` steps and then `--steps` timed ones, and reports:
 
@@ -170,7 +170,7 @@ def measure_one(run: Run, spec: str, warmup: int, steps: int) -> dict:
     """Compile, run and time one policy on JAX's default device; a JSON-ready row."""
     import jax
     from remat_kit import targets
-    from remat_kit.fit import TrainStep, step_figures, train_step
+    from remat_kit.step import TrainStep, step_figures, train_step
     device = jax.devices()[0]
     row = {"policy": spec, "device": device.device_kind, "platform": device.platform,
            "versions": targets.versions(device.platform)}
@@ -239,7 +239,7 @@ def _time_model_seconds(made) -> tuple[float | None, str]:
 
 def predict_one(run: Run, spec: str) -> dict:
     """The deviceless H200 figures of one policy (an auto spec planned first)."""
-    from remat_kit.fit import step_memory, train_step
+    from remat_kit.step import step_memory, train_step
     from remat_kit.plan import config_planner
     cfg, out = run.config(), {"policy": spec}
     start = time.perf_counter()

@@ -6,7 +6,7 @@
 For each policy, `remat_kit.measure.measure_config` compiles the model's
 value-and-grad step, then runs one warm-up and --steps timed steps on random
 tokens. The model, batch_size and seq_len come from the config file (see
-`remat_kit.cli.config_from_dict`). Writes into --workdir:
+`remat_kit.inputs.config_from_dict`). Writes into --workdir:
 
     records.json   the `remat_kit.report` JSON schema, one object per policy
     records.csv    one line per policy (`remat_kit.report.CSV_FIELDS`)

@@ -60,7 +60,7 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.budget import parse_budget
 from remat_kit import floor
 from remat_kit.errors import BudgetError, MeshError, RematSpecError
-from remat_kit.fit import in_use_bytes
+from remat_kit.step import in_use_bytes
 from remat_kit.costs import loop_scaled_costs, memory_fields
 from remat_kit.record import platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
@@ -110,7 +110,7 @@ def make_train_step(model: Transformer, deterministic: bool) -> Callable:
 def _compiled_stats(compiled) -> dict:
     """The summary's figures of a compiled train step: temp_size_in_bytes and
     peak_memory_in_bytes (`memory_fields`), step_bytes (the device memory the
-    whole step holds at its peak, `remat_kit.fit.in_use_bytes`, per device)
+    whole step holds at its peak, `remat_kit.step.in_use_bytes`, per device)
     and flops, loops counted per trip (`loop_scaled_costs`); None where the
     backend reports none."""
     memory = memory_fields(compiled)

@@ -19,7 +19,8 @@ from remat_kit import flax_linen as linen
 from remat_kit import flax_nnx as nnx
 from remat_kit.errors import (BudgetError, MeshError, RematSpecError, UnknownModuleError,
                               UnknownTagError)
-from remat_kit.fit import fit, step_memory
+from remat_kit.fit import fit
+from remat_kit.step import step_memory
 from remat_kit.explain import explain, layer_residuals
 from remat_kit.measure import measure, measure_config
 from remat_kit.names import ALIASES, TAGS, register_tag, tag

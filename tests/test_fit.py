@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 import remat_kit as rk
-from remat_kit import cli
+from remat_kit import cli, inputs
 from remat_kit.errors import BudgetError
-from remat_kit.fit import StepMemory, fit, step_memory
+from remat_kit.fit import fit
+from remat_kit.step import StepMemory, step_memory
 from remat_kit.models import Transformer, get_config
 
 fit_mod = importlib.import_module("remat_kit.fit")  # rk.fit is the function
@@ -87,7 +88,7 @@ def fake_step(monkeypatch, bytes_at, error_at=None, bound=False):
         return StepMemory(total, "fake", 1, 1, 2, total - 4, total, 0, 0, 0, None,
                           float(batch * seq), 0.0)
 
-    monkeypatch.setattr(fit_mod, "_step_memory", step)
+    monkeypatch.setattr(fit_mod, "compile_step", step)
     return calls
 
 
@@ -336,7 +337,7 @@ def test_cli_fit_mesh_errors(capsys, argv, message):
 def test_llama_1b_v5e_config_has_the_parameters_its_docs_state():
     """experiments/configs/llama_1b_v5e.py is llama_1b in bfloat16, scanned: 1.50e9
     parameters (Llama 3.2 1B's shapes, output layer untied), counted from the shapes."""
-    cfg, _, defaults = cli.load_config("experiments/configs/llama_1b_v5e.py")
+    cfg, _, defaults = inputs.load_config("experiments/configs/llama_1b_v5e.py")
     assert (cfg.family, cfg.vocab_size, cfg.num_layers, cfg.scan_layers) == ("llama", 128256, 16,
                                                                              True)
     assert (cfg.dtype, cfg.param_dtype, defaults) == ("bfloat16", "bfloat16",
@@ -377,7 +378,7 @@ def test_train_step_runs_the_step_that_step_memory_compiles():
     # Remat changes what is stored, not the values: one step under full remat gives no
     # remat's loss and parameters, in less memory.
     from remat_kit import targets
-    from remat_kit.fit import TrainStep, step_figures, train_step
+    from remat_kit.step import TrainStep, step_figures, train_step
     state = {}
     for policy in ("none", "full"):
         made = train_step(CFG, 2, 16, policy)
