@@ -1,0 +1,73 @@
+"""`compare` and `plan` on a model that is not ours, beside our own, in one run.
+
+    python benchmarks/any_model.py [--batch 8] [--seq 1024] [--budgets 0.2,0.3,0.4,0.6]
+
+The model is `tests/zoo/gpt_linen.py`'s GPT (fused qkv `c_attn`, `nn.share_scope`, a raw
+`h @ param`) at GPT-2 small's shapes (12 layers, d 768, 12 heads, vocab 50257), taken
+through `--model`; our own is `--config gpt2_small`. Prints, with the load average:
+
+* the wall seconds of `compare` on each, every preset, and their ratio (target: the
+  model within 1.5x of the config);
+* per budget, the planned policy's FLOP overhead on the model beside the best preset or
+  base rule that fits from the same run (target: never worse).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "benchmarks/any_model.py:gpt2_small_shaped"
+
+
+def gpt2_small_shaped():
+    """The zoo's GPT at GPT-2 small's shapes, for `--model`."""
+    sys.path.insert(0, str(ROOT))
+    from tests.zoo.gpt_linen import GPT, GPTConfig
+    return GPT(GPTConfig(vocab=50257, layers=12, embed=768, heads=12, max_len=1024))
+
+
+def run(*argv: str) -> tuple[dict, float]:
+    """`remat-kit *argv --json` in a fresh process: (its JSON, wall seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "remat_kit.cli", *argv, "--json", str(out)],
+                              capture_output=True, text=True, cwd=ROOT)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            sys.exit(f"{' '.join(argv)} failed:\n{done.stderr[-2000:]}")
+        return json.loads(out.read_text()), seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", default="8")
+    parser.add_argument("--seq", default="1024")
+    parser.add_argument("--budgets", default="0.2,0.3,0.4,0.6")
+    args = parser.parse_args()
+    sizes = ["--batch", args.batch, "--seq", args.seq]
+    print(f"load average before: {os.getloadavg()}")
+    _, config_s = run("compare", "--config", "gpt2_small", *sizes)
+    _, model_s = run("compare", "--model", MODEL, *sizes)
+    print(f"compare, every preset: --config gpt2_small {config_s:.1f} s, --model {model_s:.1f} s, "
+          f"ratio {model_s / config_s:.2f} (target <= 1.5)")
+    plan, _ = run("plan", "--model", MODEL, *sizes, "--budgets", args.budgets, "--cache", "")
+    print("budget  plan FLOPs+  best preset that fits (FLOPs+)")
+    none = next(r for r in plan["presets"] if r["policy"] == "none")["flops"]
+    for row in plan["budgets"]:
+        p, best = row["plan"], row["best_preset"]
+        planned = "-" if p is None else f"{p['measured_flops'] / none - 1:+.2%}"
+        preset = ("-" if best is None
+                  else f"{', '.join(best['names'])} ({best['flops'] / none - 1:+.2%})")
+        print(f"{row['budget']:>6}  {planned:>11}  {preset}")
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
