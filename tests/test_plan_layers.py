@@ -170,7 +170,7 @@ def test_per_layer_plan_and_config(planner, layered, tmp_path, monkeypatch):
         cfg = get_config("tiny", layer_remat=plan.layer_specs)
         [r] = rk.measure_config(cfg, BATCH, SEQ, policies=["none"], per_layer=False)
         assert r.temp_size_in_bytes == plan.measured_bytes
-    auto = get_config("tiny", remat=f"auto:budget={record.temp_size_in_bytes}")
+    auto = get_config("tiny", remat=f"auto:budget={record.temp_size_in_bytes}B")
     resolved = resolve_config(auto, BATCH, SEQ, cache=path, groups="layers")  # cached
     assert resolved.layer_remat == plan.layer_specs
     assert resolved.remat == ("none" if plan.layer_specs else plan.spec)
