@@ -32,7 +32,7 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat_kit import time_model
-from remat_kit.residuals import _COPIES, _stage
+from remat_kit.residuals import _COPIES, _stage, call_body
 from remat_kit.workload import _as_factory
 from remat_kit.policy import BASES, Policy
 from remat_kit.validate import tag_of
@@ -177,17 +177,6 @@ class _Node:
     scale: int         # trips of the scans around it
 
 
-def _call_body(eqn):
-    """The jaxpr of a call-like equation whose inputs and outputs match its own."""
-    for key in _CALL_KEYS:
-        body = eqn.params.get(key)
-        body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
-        if (hasattr(body, "eqns") and len(body.invars) == len(eqn.invars)
-                and len(body.outvars) == len(eqn.outvars)):
-            return body
-    return None
-
-
 class Program:
     """A loss's forward program, flattened for the cost model (see the module docstring).
 
@@ -225,7 +214,7 @@ class Program:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             ins = [self._key(ctx, v) for v in eqn.invars]
-            body = _call_body(eqn)
+            body = call_body(eqn, _CALL_KEYS)
             if name == "scan":
                 inner = eqn.params["jaxpr"].jaxpr
                 self._walk(inner, self._context(), region, scale * eqn.params["length"], True)
@@ -374,7 +363,7 @@ def with_region_policies(closed: ClosedJaxpr, policies: dict[int, Policy]) -> Ca
             else:
                 for key in _CALL_KEYS:
                     sub = params.get(key)
-                    if _call_body(eqn) is None or sub is None:
+                    if call_body(eqn, _CALL_KEYS) is None or sub is None:
                         continue
                     if name in _REMAT:
                         i, counter[0] = counter[0], counter[0] + 1

@@ -51,10 +51,11 @@ class Residual:
     memory: str
 
 
-def _body(eqn):
-    """The jaxpr of a call-like equation (jit, remat, custom_jvp/vjp, scan) whose
-    inputs and outputs match the equation's one to one, else None."""
-    for key in ("jaxpr", "call_jaxpr"):
+def call_body(eqn, keys=("jaxpr", "call_jaxpr")):
+    """The jaxpr of a call-like equation (jit, remat, custom_jvp/vjp, scan), held in
+    one of the params `keys`, whose inputs and outputs match the equation's one to one,
+    else None."""
+    for key in keys:
         body = eqn.params.get(key)
         body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
         if (hasattr(body, "eqns") and len(body.invars) == len(eqn.invars)
@@ -99,7 +100,7 @@ class _Sources:
             if eqn.primitive in _COPIES:
                 var = eqn.invars[i]
                 continue
-            body = _body(eqn)
+            body = call_body(eqn)
             if body is None:
                 return ("primitive", eqn.primitive.name)
             found = self.source(body.outvars[i], body)
