@@ -225,7 +225,7 @@ def _explain(args) -> int:
                           ("dtype", "left"), ("bytes", "right"), ("decision", "left")):
         t.add_column(name, justify=justify)
     for r in layer.rows:
-        t.add_row(r.name, r.kind, str(list(r.shape)), r.dtype, report.fmt_bytes(r.nbytes),
+        t.add_row(r.name + (f" ({', '.join(r.aliases)})" if r.aliases else ""), r.kind, str(list(r.shape)), r.dtype, report.fmt_bytes(r.nbytes),
                   r.decision)
     console.print(t)
     n = layer.num_layers

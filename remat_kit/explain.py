@@ -21,7 +21,7 @@ from remat_kit.policy import Policy
 from remat_kit.residuals import Residual, _aval_bytes, residuals
 from remat_kit.schedule import layer_policies
 from remat_kit.spec import parse
-from remat_kit.validate import emitted_tags
+from remat_kit.validate import emitted_tags, tag_aliases
 from remat_kit.workload import Workload, checkpointed
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,8 @@ class LayerRow:
     memory), "recomputed" (the policy recomputes this tag in the backward
     pass) or "not needed" (the policy would keep it, but the backward pass
     never reads it, e.g. the layer's own output). nbytes: bytes per layer.
+    aliases: the value's other tags: on a model not ours, a role tag's path
+    tag (e.g. qkv_proj's "h_0/attn/c_attn"), listed once, under its role.
     """
 
     name: str
@@ -40,6 +42,7 @@ class LayerRow:
     dtype: str
     nbytes: int
     decision: str
+    aliases: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +129,23 @@ def _breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Resid
     """Rows for `f`'s residuals, then for the tags it emits but does not store; with a
     `target`, `f`'s value-and-grad compiled for it."""
     found = residuals(f, *args)
+    aliases = tag_aliases(f, *args)
     listed = [r for r in found if r.kind != "argument" or keep_argument(r)]
     rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
-                     "offloaded" if r.memory == "host" else "saved") for r in listed]
-    stored = {r.name for r in rows if r.kind == "tag"}
+                     "offloaded" if r.memory == "host" else "saved",
+                     aliases.get(r.name, ()) if r.kind == "tag" else ()) for r in listed]
+    # A value with two tags (role and path) is one row, under the tag listed first.
+    shown = {t for r in rows if r.kind == "tag" for t in (r.name, *r.aliases)}
     order = {t: i for i, t in enumerate(TAGS)}
     for t, aval in sorted(emitted_tags(f, *args).items(),
                           key=lambda kv: order.get(kv[0], len(order))):
-        if t not in stored:
-            decision = "recomputed" if policy.decide(t) == "recompute" else "not needed"
+        if t not in shown:
+            names = (t, *aliases.get(t, ()))
+            shown.update(names)
+            decision = ("recomputed" if all(policy.decide(n) == "recompute" for n in names)
+                        else "not needed")
             rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
-                                 _aval_bytes(aval), decision))
+                                 _aval_bytes(aval), decision, names[1:]))
     unlisted = sum(r.nbytes for r in found if r not in listed)
     compiled = (None if target is None
                 else targets.compile_for(jax.value_and_grad(f), *args, target=target))

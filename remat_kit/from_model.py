@@ -282,6 +282,7 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                               + [False] * (len(traced.jaxpr.invars) - len(leaves)))
     emitted = tuple(dict.fromkeys((*emitted_tags(jax.extend.core.jaxpr_as_fun(traced),
                                                  *jax.tree.leaves(args)),
+                                   *regions.block_tags(traced.jaxpr, _KEY),
                                    *found.of.values())))
     traced_regions = regions.Regions(traced, jax.tree.structure(args), _KEY, n, found.of,
                                      emitted, num_params=len(leaves))

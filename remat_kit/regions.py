@@ -154,12 +154,24 @@ class _Run:
             self.memo[key] = out
         return self.memo[key]
 
+    def block_body(self, inner, consts) -> Callable:
+        """A marked block's body, naming its residual-stream input
+        `decoder_layer_input` (as our DecoderLayer does) before the rest runs."""
+        stream = _stream_input(inner)
+
+        def body(*xs):
+            if stream is not None:
+                xs = list(xs)
+                xs[stream] = checkpoint_name(xs[stream], "decoder_layer_input")
+            return self.eval(inner, consts, xs)
+        return body
+
     def run(self, eqn, invals) -> list:
         r = region(eqn)
         if r is not None and (isinstance(r[2], wrapping.Marker) and r[2].key == self.key):
             inner, consts, _, prevent_cse = r
             policy = self.layer_policy()
-            body = lambda *xs: self.eval(inner, consts, xs)  # noqa: E731
+            body = self.block_body(inner, consts)
             if not policy.remat:
                 return body(*invals)
             jax_policy = wrapping.to_jax(policy, self.emitted)
@@ -247,6 +259,26 @@ def _call_body(eqn):
     return None
 
 
+def _stream_input(block) -> int | None:
+    """The index of the block's residual-stream input: the first float input shaped
+    like one of its computed outputs ([batch, seq, embed] in, the same out), or None.
+    Outputs that are inputs passed through (an NNX block returns its parameters) are
+    not computed."""
+    ins = set(block.invars)
+    outs = {(v.aval.shape, v.aval.dtype) for v in block.outvars
+            if not isinstance(v, Literal) and v not in ins}
+    return next((i for i, v in enumerate(block.invars)
+                 if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.ndim >= 2
+                 and (v.aval.shape, v.aval.dtype) in outs), None)
+
+
+def block_tags(jaxpr, key: str) -> tuple[str, ...]:
+    """The tags the interpreter adds at the blocks' boundary: ("decoder_layer_input",)
+    where the first marked block has a residual-stream input, else ()."""
+    found = _first_block(jaxpr, key, {})
+    return ("decoder_layer_input",) if found and _stream_input(found[0]) is not None else ()
+
+
 def _bind(eqn, invals) -> list:
     got = eqn.primitive.get_bind_params(eqn.params)
     # jax 0.12 returns the params; older releases (subfuns, params).
@@ -304,7 +336,7 @@ class Regions:
             ps, xs = iter(params), iter(inputs)
             flat = [next(ps) if p else next(xs) for p in is_param]
             run = _Run(self.key, self.roles, (policy,), self.emitted, memo)
-            body = lambda *a: run.eval(inner, consts, a)  # noqa: E731
+            body = run.block_body(inner, consts)
             if policy.remat:
                 body = jax.checkpoint(body, policy=wrapping.to_jax(policy, self.emitted))
             outs = body(*flat)
@@ -330,4 +362,4 @@ class Regions:
         return loss
 
 
-__all__ = ["Regions", "count_marked", "is_marked", "region"]
+__all__ = ["Regions", "block_tags", "count_marked", "is_marked", "region"]

@@ -42,15 +42,24 @@ def tag_of(eqn) -> str | None:
     return None
 
 
-def _walk(jaxpr, found: dict):
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in it (scan, cond, remat, jit
+    bodies, jax_remat3 hi-primitives), in trace order."""
     for eqn in jaxpr.eqns:
-        if (tag := tag_of(eqn)) is not None:
-            found.setdefault(tag, eqn.outvars[0].aval)
+        yield eqn
         prim = eqn.params.get("_prim")  # jax_remat3 hi-primitives hold their jaxprs
         params = getattr(prim, "params", {}) if prim is not None else eqn.params
         for value in params.values():
             for sub in _sub_jaxprs(value):
-                _walk(sub, found)
+                yield from _eqns(sub)
+
+
+def _traced(fn, args, kwargs):
+    """fn's jaxpr, traced with `jax.make_jaxpr` (no FLOPs run); its outputs may hold
+    plain dataclasses or strings, which are dropped."""
+    def arrays_only(*a):
+        return [x for x in jax.tree.leaves(fn(*a, **kwargs)) if isinstance(x, jax.Array)]
+    return jax.make_jaxpr(arrays_only)(*args).jaxpr
 
 
 def emitted_tags(fn, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
@@ -63,12 +72,37 @@ def emitted_tags(fn, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
     trace order.
     """
     found: dict = {}
-
-    def arrays_only(*a):  # outputs may hold plain dataclasses or strings: names suffice
-        return [x for x in jax.tree.leaves(fn(*a, **kwargs)) if isinstance(x, jax.Array)]
-
-    _walk(jax.make_jaxpr(arrays_only)(*args).jaxpr, found)
+    for eqn in _eqns(_traced(fn, args, kwargs)):
+        if (tag := tag_of(eqn)) is not None:
+            found.setdefault(tag, eqn.outvars[0].aval)
     return found
+
+
+def tag_aliases(fn, *args, **kwargs) -> dict[str, tuple[str, ...]]:
+    """Tags that name one value twice: {tag: the other tags of that value}.
+
+    A value tagged by path (`auto_tag`, e.g. "h_0/attn/c_attn") and by its
+    role (`remat_kit.roles`, e.g. "qkv_proj") is one `checkpoint_name` applied
+    to the other's output. Traced as `emitted_tags` traces; a tag naming a
+    value of its own is absent. Returns {tag: (other tags, in trace order)}.
+    """
+    group_of, groups = {}, []  # a tag's output var -> the tags of its value
+    for eqn in _eqns(_traced(fn, args, kwargs)):
+        if (tag := tag_of(eqn)) is None:
+            continue
+        group = group_of.get(eqn.invars[0]) if eqn.invars else None
+        if group is None:
+            group = []
+            groups.append(group)
+        if tag not in group:
+            group.append(tag)
+        group_of[eqn.outvars[0]] = group
+    aliases: dict[str, list[str]] = {}
+    for group in groups:
+        for tag in group:
+            others = aliases.setdefault(tag, [])
+            others += [t for t in group if t != tag and t not in others]
+    return {t: tuple(o) for t, o in aliases.items() if o}
 
 
 def check_names(policy: Policy, emitted, where: str = "the function") -> None:
@@ -125,4 +159,4 @@ def validate(policy: "str | Policy", fn, *args) -> Policy:
     return policy
 
 
-__all__ = ["check_names", "emitted_tags", "tag_of", "validate"]
+__all__ = ["check_names", "emitted_tags", "tag_aliases", "tag_of", "validate"]

@@ -102,6 +102,36 @@ def test_path_globs_reach_to_jax():
     assert any("emitted" in n for n in rec.notes), rec.notes
 
 
+def test_explain_lists_a_value_once_under_its_role(zoo):
+    """A value tagged by path and by role is one row, its path an alias; the totals
+    count each value once."""
+    name, _, _, _, work, _ = zoo
+    layer = rk.explain("minimal", work)
+    rows = {r.name for r in layer.rows if r.kind == "tag"}
+    assert not rows & {a for r in layer.rows for a in r.aliases}
+    assert {"attn_norm", "out_proj", "mlp_norm"} <= rows  # roles name the rows
+    if name == "gpt_linen":  # fused qkv `c_attn`, `c_proj` under the attention module
+        by_name = {r.name: r for r in layer.rows}
+        assert by_name["qkv_proj"].aliases == ("h_0/attn/c_attn",)
+        assert by_name["qkv_proj"].decision == "saved"
+        assert "h_0/attn/c_attn" not in by_name
+    assert layer.recomputed_bytes == sum(r.nbytes for r in layer.rows
+                                         if r.decision == "recomputed")
+
+
+def test_block_input_is_decoder_layer_input(zoo):
+    """The blocks' residual-stream input is named as our DecoderLayer names it, so
+    Levanter's `offload` keeps it in host memory there too."""
+    _, _, _, _, work, _ = zoo
+    assert "decoder_layer_input" in rk.emitted_tags(work.loss_for_policy(rk.parse("full")),
+                                                    *work.args)
+    found = rk.residuals(work.loss_for_policy(rk.parse("levanter:offload")), *work.args)
+    host = [r for r in found if r.memory == "host"]
+    assert {r.name for r in host} == {"decoder_layer_input"}
+    assert len(host) == work.num_layers
+    assert all(r.shape[:2] == (B, T) for r in host)
+
+
 def _saved_names(work, spec):
     return {r.name for r in rk.residuals(work.loss_for_policy(rk.parse(spec)), *work.args)
             if r.kind == "tag"}
