@@ -182,6 +182,7 @@ _TYPES = {
     "layer_residual_bytes": int, "layers_residual_bytes": int, "notes": list,
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
     "memory_kind": str, "memory_bytes": int, "memory_ratio_to_none": float,
+    "predicted_seconds": float, "predicted_ratio_to_none": float,
 }
 _NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes")
 
