@@ -1,16 +1,28 @@
-"""Predicted time: each equation costs max(FLOPs / peak FLOP/s, bytes accessed / bandwidth).
+"""Predicted time: a roofline per op, max(FLOPs / peak FLOP/s, bytes / bandwidth).
 
-The figures of one equation come from XLA's cost analysis of that equation
-lowered alone (`HloCostAnalysis` of the unoptimized HLO: "flops" and "bytes
-accessed", its operands read and its outputs written, before any fusion). The
-peaks are the target's (`remat_kit.targets.peaks`, from vendor pages); on the
-CPU target they are measured once on this machine (`calibrate_cpu`: a matmul and
-a copy, a fraction of a second) and cached in a small JSON file.
+Williams et al. 2009, "Roofline: an insightful visual performance model". What
+counts as one op decides the answer, and XLA fuses: an element-wise chain runs
+as one kernel that reads its inputs and writes its outputs once, its
+intermediates never leaving registers or cache. So:
 
-This is a roofline per equation (Williams et al. 2009, "Roofline: an insightful
-visual performance model"). Fusion is left out, so element-wise chains are
-charged one read and one write per equation: memory-bound recompute is
-predicted high rather than low.
+* A compiled program (`compiled_seconds`, what records, `compare` and the
+  planner's verified plans report) is priced op by op from its optimized HLO
+  (`compiled_ops`): each fusion XLA emits is one op, its FLOPs those of every
+  instruction fused into it, its bytes only those at its boundary (operands
+  read, outputs written), loop bodies once per trip. The figures agree with
+  XLA's own `cost_analysis()` totals of the module ("flops", "bytes accessed").
+* A recomputed segment of the forward program, which the planner's cost model
+  prices before anything is compiled (`segment_seconds`), is priced as one
+  fusion: the FLOPs of its equations (XLA's cost analysis of each lowered
+  alone, `eqn_costs`), the bytes of the values it reads from outside and of
+  the value it recomputes.
+
+The peaks are the target's (`remat_kit.targets.peaks`, from vendor pages); on
+the CPU target they are measured once on this machine (`calibrate_cpu`: a
+matmul and an element-wise pass, a fraction of a second) and cached in a small
+JSON file. `program_seconds`, a roofline per jaxpr equation with no fusion,
+stays for programs that are not compiled; it charges every element-wise
+equation a read and a write, so it predicts memory-bound programs high.
 """
 
 from __future__ import annotations
@@ -330,6 +342,35 @@ def compiled_seconds(compiled, line: Roofline) -> float:
                for op in compiled_ops(compiled))
 
 
+def segment_seconds(nodes, out_aval, line: Roofline, cache: dict) -> float:
+    """Predicted seconds of recomputing a segment of forward equations, priced as
+    one fusion: max(FLOPs of them all / peak, bytes at the segment's boundary /
+    bandwidth), each node's figures times its scale.
+
+    Args:
+      nodes: the segment's equations, objects with `eqn` (a jaxpr equation),
+        `ins` and `outs` (keys of its input and output values, None for a
+        literal) and `scale` (trips of the loops around it), as
+        `cost_model.Program` holds them.
+      out_aval: the recomputed value's type (written once).
+      line: the target's peaks. cache: as `eqn_costs`.
+    Returns:
+      Seconds; 0 for an empty segment.
+    """
+    if not nodes:
+        return 0.0
+    inside = {k for n in nodes for k in n.outs if k is not None}
+    flops, read = 0.0, {}
+    for n in nodes:
+        flops += n.scale * eqn_costs(n.eqn, cache)[0]
+        for k, v in zip(n.ins, n.eqn.invars):
+            if k is not None and k not in inside and hasattr(v.aval, "shape"):
+                read[k] = n.scale * math.prod(v.aval.shape) * v.aval.dtype.itemsize
+    scale = max(n.scale for n in nodes)
+    written = scale * math.prod(out_aval.shape) * out_aval.dtype.itemsize
+    return line.seconds(flops, sum(read.values()) + written, out_aval.dtype)
+
+
 def _bodies(eqn):
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         body = eqn.params.get(key)
@@ -355,4 +396,5 @@ def program_seconds(jaxpr, line: Roofline, cache: dict, scale: int = 1) -> float
 
 
 __all__ = ["OBJECTIVES", "OpCost", "Roofline", "calibrate_cpu", "compiled_ops",
-           "compiled_seconds", "eqn_costs", "program_seconds", "roofline"]
+           "compiled_seconds", "eqn_costs", "program_seconds", "roofline",
+           "segment_seconds"]
