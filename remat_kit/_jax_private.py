@@ -3,7 +3,8 @@
 JAX's public API has `print_saved_residuals` but no function that *returns*
 the saved residuals; `jax._src.ad_checkpoint.saved_residuals` does. Nor does
 it run XLA's cost analysis on one computation of a compiled module (needed to
-count a while loop's body once per trip); `jax._src.lib` does. Nor does it say
+count a while loop's body once per trip), nor parse the optimized HLO module it
+prints; `jax._src.lib` does. Nor does it say
 whether TPU chips or NVIDIA GPUs are attached (to set up the plugins for
 compile-only use on a machine without them); `jax._src.hardware_utils` does. JAX
 0.12 exports the `checkpoint_name` primitive as `jax.ad_checkpoint.name_p`; 0.11
@@ -45,6 +46,16 @@ def hlo_text_cost_analysis(text: str, client) -> dict[str, float]:
     return _jax.hlo_module_cost_analysis(client, hlo.hlo_module_from_text(text))
 
 
+def hlo_module(compiled):
+    """The optimized HLO module of a JAX `Compiled` (`jaxlib._hlo.HloModule`): its
+    runtime executable's, or parsed from `compiled.as_text()` where there is none
+    (a target compiled ahead of time)."""
+    try:
+        return compiled.runtime_executable().hlo_modules()[0]
+    except Exception:  # noqa: BLE001 - no runtime half: read the text XLA printed
+        return hlo.hlo_module_from_text(compiled.as_text())
+
+
 def has_nvidia_gpu() -> bool:
     """True if this machine shows an NVIDIA GPU device file."""
     return hardware_utils.has_visible_nvidia_gpu()
@@ -55,5 +66,5 @@ def num_tpu_chips() -> int:
     return hardware_utils.num_available_tpu_chips_and_device_id()[0]
 
 
-__all__ = ["has_nvidia_gpu", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
+__all__ = ["has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
            "saved_residuals"]

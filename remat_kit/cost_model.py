@@ -15,9 +15,10 @@ In the forward pass each tag has a *segment*: the equations between it and its
 nearest tagged ancestors (its *parents*), the region's or level's inputs, and
 the values the base rule saves (`dots` saves every `dot_general` output, so a
 segment stops there and the dot is never recomputed). A tag's recompute cost is
-its segment's FLOPs and predicted seconds, each equation's figures from XLA's
-cost analysis of that equation alone (`remat_kit.time_model`); its bytes are its
-values' bytes, none where the base rule saves them anyway.
+its segment's FLOPs (each equation's from XLA's cost analysis of that equation
+alone) and predicted seconds (the segment priced as one fusion,
+`time_model.segment_seconds`); its bytes are its values' bytes, none where the
+base rule saves them anyway.
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ class Program:
             nbytes[it] = nbytes.get(it, 0) + (0 if kept else node.scale * math.prod(
                 aval.shape) * aval.dtype.itemsize)
             reads = parents.setdefault(it, set())
-            seen, stack = set(), list(node.ins)
+            seen, stack, segment = set(), list(node.ins), []
             while stack:  # the segment: back to the nearest tags, inputs or base-saved values
                 e = self.producers.get(stack.pop())
                 if e is None or id(e) in seen or e.eqn.primitive.name == "scan":
@@ -320,12 +321,12 @@ class Program:
                     continue
                 if self._saved_by_base(e, base):
                     continue
-                f, b = time_model.eqn_costs(e.eqn, cache)
-                flops[it] = flops.get(it, 0.0) + e.scale * f
-                if roofline is not None:
-                    seconds[it] = seconds.get(it, 0.0) + e.scale * roofline.seconds(
-                        f, b, getattr(e.eqn.outvars[0].aval, "dtype", None))
+                flops[it] = flops.get(it, 0.0) + e.scale * time_model.eqn_costs(e.eqn, cache)[0]
+                segment.append(e)
                 stack += e.ins
+            if roofline is not None:  # XLA fuses a recompute: priced as one op
+                seconds[it] = seconds.get(it, 0.0) + time_model.segment_seconds(
+                    segment, aval, roofline, cache)
         tags = tuple(order)
         wanted = set(needed)
         return CostModel(tags, nbytes, {t: flops.get(t, 0.0) for t in tags},

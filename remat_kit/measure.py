@@ -43,7 +43,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
 from remat_kit import names as tag_names
-from remat_kit import targets
+from remat_kit import targets, time_model
 from remat_kit.explain import stack_stored_bytes
 from remat_kit.models import TransformerConfig
 from remat_kit.models.program import workload as config_workload
@@ -71,16 +71,49 @@ def _random_like(structs, key):
     return jax.tree.unflatten(tree, out)
 
 
-def _time(compiled, leaves, steps: int) -> StepTime:
-    jax.block_until_ready(compiled(*leaves))  # warm-up: first-run allocation and caches
-    times = []
-    for _ in range(steps):
+def _time_rounds(compiled: dict, leaves, steps: int) -> tuple[dict, dict]:
+    """Step seconds of each compiled program, in `steps` rounds of one step each.
+
+    After one warm-up step each (first-run allocation and caches), every round
+    runs each program once in turn, so load that comes and goes on a shared
+    machine falls on all of them alike, and a ratio between two programs can be
+    taken within each round.
+
+    Args:
+      compiled: key -> an executable called on `leaves`.
+    Returns:
+      ({key: [seconds per round]}, {key: "TypeName: message"} of the programs
+      that failed to run, which are then left out of the rounds).
+    """
+    times, errors = {k: [] for k in compiled}, {}
+
+    def run(key, timed):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(*leaves))
-        times.append(time.perf_counter() - start)
-    q1, _, q3 = (statistics.quantiles(times, n=4, method="inclusive") if steps > 1
+        try:
+            jax.block_until_ready(compiled[key](*leaves))
+        except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
+            errors[key] = f"{type(e).__name__}: {e}"
+            return
+        if timed:
+            times[key].append(time.perf_counter() - start)
+
+    for key in compiled:
+        run(key, False)
+    for _ in range(steps):
+        for key in compiled:
+            if key not in errors:
+                run(key, True)
+    return {k: v for k, v in times.items() if k not in errors}, errors
+
+
+def _step_time(times: list[float], none: list[float] | None) -> StepTime:
+    """A `StepTime` of per-round seconds; its ratio to none is the median of the
+    per-round ratios to `none`'s step of the same round."""
+    q1, _, q3 = (statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1
                  else (times[0],) * 3)
-    return StepTime(statistics.median(times), min(times), max(times), q1, q3, steps)
+    ratio = statistics.median(t / n for t, n in zip(times, none)) if none else None
+    return StepTime(statistics.median(times), min(times), max(times), q1, q3, len(times),
+                    ratio)
 
 
 def _group(policies: Sequence[Policy], names: Sequence[str],
@@ -125,7 +158,9 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
         measured once, as one record listing all their names.
       names: what to call each policy in the report; default its spec string.
       time_steps: if > 0, also run one warm-up step and `time_steps` timed
-        steps of value-and-grad per policy on `sample_args` data.
+        steps of value-and-grad per policy on `sample_args` data, after every
+        policy is compiled, in rounds of one step per policy (`_time_rounds`),
+        so a shared machine's load falls on every policy alike.
       sample_args: key -> concrete args for timed mode; default random data
         shaped like `args` (normal floats, zero ints).
       progress: called as progress(i, n, record) after the i-th of the n
@@ -189,6 +224,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     compile_at = _compiler([p[4] for p in programs],
                            targets.compile_options(target, not time_steps),
                            workers=1 if time_steps else COMPILE_WORKERS)
+    timed: dict[int, object] = {}  # index in records -> compiled, timed after every compile
     for i, (policy, group_names, loss, staged, lowered, seconds) in enumerate(programs):
         record = Record(str(policy), tuple(group_names), label, str(target),
                         found_versions["jax"], found_versions["compiler"])
@@ -209,19 +245,35 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 notes += tuple(f"{name}: {line}" for line in _policy_notes(
                     by_name.get(name, policy), emitted, workload.notes))
             layers = stack_stored_bytes(workload, policy) if per_layer else {}
+            predicted, why = _predicted_seconds(compiled, target)
             record = dataclasses.replace(
                 record, **found, **memory_fields(compiled), flops=costs.get("flops"),
                 transcendentals=costs.get("transcendentals"), compile_seconds=seconds,
-                notes=notes, **layers)
+                predicted_seconds=predicted, notes=notes + why, **layers)
             if data is not None:
-                record = dataclasses.replace(record, step_time=_time(compiled, data, time_steps))
+                timed[len(records)] = compiled
         except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
             detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
             record = dataclasses.replace(record, error=f"{type(e).__name__}: {detail}")
         records.append(record)
         if progress is not None:
             progress(i + 1, len(programs), record)
-    return _with_time_ratios(records)
+    if timed:
+        times, errors = _time_rounds(timed, data, time_steps)
+        none = next((times.get(i) for i, r in enumerate(records) if r.policy == "none"), None)
+        records = [dataclasses.replace(r, error=errors[i]) if i in errors
+                   else dataclasses.replace(r, step_time=_step_time(times[i], none))
+                   if i in times else r for i, r in enumerate(records)]
+    return records
+
+
+def _predicted_seconds(compiled, target) -> tuple[float | None, tuple[str, ...]]:
+    """(the time model's step seconds of `compiled` on `target`, notes): None and a
+    note where its HLO cannot be read (`time_model.compiled_seconds`)."""
+    try:
+        return time_model.compiled_seconds(compiled, time_model.roofline(target)), ()
+    except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurement
+        return None, (f"no predicted step time: {type(e).__name__}: {e}",)
 
 
 # Distinct programs compile concurrently: XLA releases the GIL while it compiles.
@@ -270,15 +322,6 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target) -> list[tup
         out.append((policy, list(group_names), loss, staged, lowered,
                     time.perf_counter() - start))
     return out
-
-
-def _with_time_ratios(records: list[Record]) -> list[Record]:
-    base = next((r.step_time for r in records if r.policy == "none" and r.step_time), None)
-    if base is None:
-        return records
-    return [dataclasses.replace(r, step_time=dataclasses.replace(
-        r.step_time, ratio_to_none=r.step_time.median_s / base.median_s))
-        if r.step_time else r for r in records]
 
 
 # Tags that name the same values in models written another way (fused or not, gated or not).

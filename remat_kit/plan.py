@@ -328,20 +328,25 @@ class Planner:
             else self.measure_all([policy])[0]
 
     def seconds(self, policy) -> float:
-        """Predicted step seconds of `policy` (a Policy, spec or per-layer tuple): the
-        roofline of every equation of its value-and-grad program, per device
+        """Predicted step seconds of `policy` (a Policy, spec or per-layer tuple), per
+        device: its compiled record's (`Record.predicted_seconds`, a roofline per
+        compiled op; compiles it if not yet), else where that has none the
+        roofline of every equation of its value-and-grad program
         (`time_model.program_seconds`)."""
         key = layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
         if key not in self._seconds:
-            if isinstance(policy, tuple):
-                loss, per_device = self._layer_program(policy)
-                fn, args = per_device or ((lambda _: loss), self.args)
-            else:
-                fn, args = self.per_device or (self.loss_fn, self.args)
-            program = _stage(fn(parse(policy) if not isinstance(policy, tuple) else None),
-                             args).program
-            self._seconds[key] = time_model.program_seconds(program.jaxpr, self.roofline,
-                                                            self._eqn_cache)
+            layered = isinstance(policy, tuple)
+            found = self._record(policy if layered else parse(policy)).predicted_seconds
+            if found is None:
+                if layered:
+                    loss, per_device = self._layer_program(policy)
+                    fn, args = per_device or ((lambda _: loss), self.args)
+                else:
+                    fn, args = self.per_device or (self.loss_fn, self.args)
+                program = _stage(fn(None if layered else parse(policy)), args).program
+                found = time_model.program_seconds(program.jaxpr, self.roofline,
+                                                   self._eqn_cache)
+            self._seconds[key] = found
         return self._seconds[key]
 
     def _policy_of(self, record: Record):

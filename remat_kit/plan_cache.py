@@ -58,9 +58,9 @@ class Plan:
       groups: layer groups the tags were decided in (1: one decision per tag).
       objective: what the plan minimized, "flops" or "time" (`OBJECTIVES`).
       predicted_seconds, none_seconds: predicted step time of the plan and of no
-        remat (`time_model.program_seconds`: the roofline of every equation of
-        the value-and-grad program on the target's peaks), seconds; None where
-        not predicted.
+        remat (`time_model.compiled_seconds`: a roofline per op of the compiled
+        value-and-grad program, a fusion one op, on the target's peaks),
+        seconds; None where not predicted.
     """
 
     budget: str

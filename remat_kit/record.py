@@ -16,8 +16,9 @@ class StepTime:
       median_s, min_s, max_s, q1_s, q3_s: over `steps` timed steps, after one
         warm-up step; seconds.
       steps: number of timed steps.
-      ratio_to_none: median / median of the `none` policy timed in the same
-        run, or None if `none` was not timed.
+      ratio_to_none: the median over the timing rounds of this policy's step
+        over the `none` policy's step in the same round (every policy runs one
+        step per round, `measure._time_rounds`), or None if `none` was not timed.
     """
 
     median_s: float
@@ -57,6 +58,9 @@ class Record:
       flops, transcendentals: from `compiled.cost_analysis()`, loops counted
         per trip (`loop_scaled_costs`); None where the backend gives none.
       compile_seconds: tracing, lowering and compiling, seconds.
+      predicted_seconds: predicted seconds of one step on the target
+        (`time_model.compiled_seconds`: a roofline per op of the compiled
+        program, a fusion one op); None where it could not be predicted.
       step_time: timed mode only (`StepTime`), else None.
       layer_residual_bytes: residual bytes of one decoder layer measured
         alone (`layer_residuals`), excluding parameters; `measure_config`
@@ -89,6 +93,7 @@ class Record:
     flops: float | None = None
     transcendentals: float | None = None
     compile_seconds: float | None = None
+    predicted_seconds: float | None = None
     step_time: StepTime | None = None
     layer_residual_bytes: int | None = None
     layers_residual_bytes: int | None = None

@@ -42,6 +42,7 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
           "flops": float | null,          # loops counted per trip
           "transcendentals": float | null,
           "compile_seconds": float | null,
+          "predicted_seconds": float | null, # time model's step seconds
           "step_time": null | {"median_s": float, "min_s": float, "max_s": float,
                                "q1_s": float, "q3_s": float, "steps": int,
                                "ratio_to_none": float | null},
@@ -52,6 +53,7 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
           "memory_ratio_to_none": float | null, # memory_bytes / none's
           "temp_ratio_to_none": float | null,   # temp / none's temp
           "flops_ratio_to_none": float | null,
+          "predicted_ratio_to_none": float | null, # predicted_seconds / none's
           "pareto": bool,                 # no other row has less or equal
                                           # memory_bytes and FLOPs, one strictly
           "formula_bytes": int | null,    # Korthikanti per layer x layers (tensor
@@ -153,7 +155,8 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
          batch: int | None = None, seq: int | None = None, tensor: int = 1) -> list[dict]:
     """Records as dicts (`Record.to_dict`) plus memory_ratio_to_none (memory_bytes
     over none's, both of one memory_kind), temp_ratio_to_none,
-    flops_ratio_to_none, pareto, formula_bytes and formula_sp_bytes; sorted
+    flops_ratio_to_none, predicted_ratio_to_none (predicted step seconds over
+    none's, `time_model.compiled_seconds`), pareto, formula_bytes and formula_sp_bytes; sorted
     by memory_bytes (failed rows last). cfg,
     batch (per device), seq: for the two per-layer figures. tensor: the
     tensor-parallel size; above 1, formula_bytes is Korthikanti's "tensor
@@ -167,6 +170,8 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
                                      if none and none.memory_kind == r.memory_kind else None)
         d["temp_ratio_to_none"] = _ratio(r.temp_size_in_bytes, none and none.temp_size_in_bytes)
         d["flops_ratio_to_none"] = _ratio(r.flops, none and none.flops)
+        d["predicted_ratio_to_none"] = _ratio(r.predicted_seconds,
+                                              none and none.predicted_seconds)
         d["pareto"] = pareto
         d["formula_bytes"] = (formula_bytes(cfg, batch, seq, r.policy, tensor)
                               if cfg is not None and r.error is None else None)
@@ -198,6 +203,13 @@ def _fmt_flops(f) -> str:
 
 def _fmt_ratio(x) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def fmt_seconds(x) -> str:
+    """0.0314 -> '31.4 ms'; None -> '-'."""
+    if x is None:
+        return "-"
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
 
 
 def compiled_by(report_rows: Sequence[dict]) -> str:
@@ -232,18 +244,24 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
     parallelism. With tensor parallelism (formula_sp_bytes set) it adds
     Korthikanti's tensor + sequence parallel row."""
     timed = any(d["step_time"] for d in report_rows)
+    predicted = any(d.get("predicted_seconds") is not None for d in report_rows)
     sharded = any(d.get("formula_sp_bytes") is not None for d in report_rows)
     kind = memory_kind_of(report_rows)
     other = TEMP if kind == PEAK else PEAK if sharded else None
     label = MEMORY_LABELS[kind]
     t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
-              f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}",
+              f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}"
+              + ("; pred.: the time model's step time (a roofline per compiled op, "
+                 "remat_kit.time_model)" if predicted else ""),
               caption_justify="left")
     for name, justify in (("", "left"), ("policy", "left"), (label, "right"),
                           (f"{label} x none", "right"), ("residuals", "right"),
                           ("layer x L", "right"), ("Korthikanti x L", "right"),
                           ("FLOPs", "right"), ("FLOPs x none", "right")):
         t.add_column(name, justify=justify)
+    if predicted:
+        t.add_column("pred. step", justify="right")
+        t.add_column("pred. x none", justify="right")
     if sharded:
         t.add_column("Korthikanti SP x L", justify="right")
     if other:
@@ -265,6 +283,9 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
                  fmt_bytes(d["layers_residual_bytes"]),
                  fmt_bytes(d["formula_bytes"]), _fmt_flops(d["flops"]),
                  _fmt_ratio(d["flops_ratio_to_none"])]
+        if predicted:
+            cells += [fmt_seconds(d.get("predicted_seconds")),
+                      _fmt_ratio(d.get("predicted_ratio_to_none"))]
         if sharded:
             cells.append(fmt_bytes(d["formula_sp_bytes"]))
         if other:
@@ -292,8 +313,8 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
     """A rich Table with one line per policy and, per target, its memory (the
     figure that target is compared by, `memory_kind_of`: temp on CPU, peak on
     TPU and GPU, named in the column header), the ratio to `none` on that
-    target, the temp memory where peak is the figure, the FLOP ratio and the
-    compile seconds.
+    target, the temp memory where peak is the figure, the FLOP ratio, the
+    predicted step-time ratio and the compile seconds.
 
     Args:
       sections: (target name, `rows(...)` of that target's records) pairs;
@@ -308,7 +329,8 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
     for (name, _), peak in zip(sections, peaks):
         label = MEMORY_LABELS[PEAK if peak else TEMP]
         for column in (f"{label}\n{escape(name)}", f"{label} x none",
-                       *(("temp",) if peak else ()), "FLOPs x none", "compile s"):
+                       *(("temp",) if peak else ()), "FLOPs x none", "pred. x none",
+                       "compile s"):
             t.add_column(column, justify="right")
     by_target = [{d["policy"]: d for d in rows} for _, rows in sections]
     policies = list(dict.fromkeys(d["policy"] for _, rows in sections for d in rows))
@@ -320,11 +342,12 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
             d = found.get(policy)
             if d is None or d["error"]:
                 error = d["error"].splitlines()[0][:60] if d else "not measured"
-                cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (3 + peak)
+                cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (4 + peak)
                 continue
             cells += [fmt_bytes(d["memory_bytes"]), _fmt_ratio(d["memory_ratio_to_none"]),
                       *((fmt_bytes(d["temp_size_in_bytes"]),) if peak else ()),
                       _fmt_ratio(d["flops_ratio_to_none"]),
+                      _fmt_ratio(d.get("predicted_ratio_to_none")),
                       "-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}"]
         t.add_row(*cells)
     return t
@@ -357,7 +380,7 @@ CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none", "me
               "memory_bytes", "memory_ratio_to_none",
               "activation_residual_bytes", "offloaded_bytes", "layer_residual_bytes",
               "formula_bytes", "formula_sp_bytes", "flops", "flops_ratio_to_none",
-              "transcendentals",
+              "transcendentals", "predicted_seconds", "predicted_ratio_to_none",
               "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
               "step_median_s", "step_min_s", "step_max_s", "step_ratio_to_none",
               "compile_seconds", "pareto", "error", "target", "platform", "jax_version",
@@ -513,7 +536,7 @@ def plot_fit(path, result, title: str = "") -> None:
 
 
 __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_table",
-           "fit_to_dict", "fmt_bytes", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
+           "fit_to_dict", "fmt_bytes", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
            "plot_fit",
            "print_side_by_side", "print_table", "rows", "save_figure", "side_by_side", "table",
            "write_csv",

@@ -1,31 +1,48 @@
-"""Predicted time: each equation costs max(FLOPs / peak FLOP/s, bytes accessed / bandwidth).
+"""Predicted time: a roofline per op, max(FLOPs / peak FLOP/s, bytes / bandwidth).
 
-The figures of one equation come from XLA's cost analysis of that equation
-lowered alone (`HloCostAnalysis` of the unoptimized HLO: "flops" and "bytes
-accessed", its operands read and its outputs written, before any fusion). The
-peaks are the target's (`remat_kit.targets.peaks`, from vendor pages); on the
-CPU target they are measured once on this machine (`calibrate_cpu`: a matmul and
-a copy, a fraction of a second) and cached in a small JSON file.
+Williams et al. 2009, "Roofline: an insightful visual performance model". What
+counts as one op decides the answer, and XLA fuses: an element-wise chain runs
+as one kernel that reads its inputs and writes its outputs once, its
+intermediates never leaving registers or cache. So:
 
-This is a roofline per equation (Williams et al. 2009, "Roofline: an insightful
-visual performance model"). Fusion is left out, so element-wise chains are
-charged one read and one write per equation: memory-bound recompute is
-predicted high rather than low.
+* A compiled program (`compiled_seconds`, what records, `compare` and the
+  planner's verified plans report) is priced op by op from its optimized HLO
+  (`compiled_ops`): each fusion XLA emits is one op, its FLOPs those of every
+  instruction fused into it, its bytes only those at its boundary (operands
+  read, outputs written), loop bodies once per trip. The figures add up to
+  XLA's own `cost_analysis()` totals of the module ("flops", "bytes
+  accessed"), which it cannot split per op.
+* A recomputed segment of the forward program, which the planner's cost model
+  prices before anything is compiled (`segment_seconds`), is priced as one
+  fusion: the FLOPs of its equations (XLA's cost analysis of each lowered
+  alone, `eqn_costs`), the bytes of the values it reads from outside and of
+  the value it recomputes.
+
+The peaks are the target's (`remat_kit.targets.peaks`, from vendor pages); on
+the CPU target they are measured once on this machine (`calibrate_cpu`: a
+matmul and an element-wise pass, a fraction of a second) and cached in a small
+JSON file. `program_seconds`, a roofline per jaxpr equation with no fusion,
+stays for programs that are not compiled; it charges every element-wise
+equation a read and a write, so it predicts memory-bound programs high.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import time
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from remat_kit import targets
+from remat_kit._jax_private import hlo_module
 
 OBJECTIVES = ("flops", "time")
 
@@ -85,44 +102,57 @@ def _cache_path() -> str:
     return os.path.join(base, "remat_kit", "cpu_roofline.json")
 
 
+# Bump when the calibration changes: a cached figure from another version is measured again.
+_CALIBRATION = 3
+_RUNS = 15
+
+
 def calibrate_cpu(path: str | None = None) -> Roofline:
     """This machine's CPU peaks, measured once and cached at `path` (default
     $XDG_CACHE_HOME/remat_kit/cpu_roofline.json).
 
-    A 1024x1024 f32 matmul (2 * 1024**3 FLOPs) and a copy of 64 MiB (read and
-    written: 128 MiB accessed), each the best of 5 runs after a warm-up, with
-    XLA CPU. bf16 math on XLA CPU runs no faster than f32: both peaks are the
-    matmul's.
+    A 256x256 f32 matmul (2 * 256**3 FLOPs) and an element-wise pass over 4 MiB
+    (read and written: 8 MiB accessed), each the best of 15 runs after a
+    warm-up, with XLA CPU. The sizes are those of a small model's matmuls and
+    activations, what the CPU target is used for: a 64 MiB pass measures page
+    faults on fresh output buffers more than bandwidth (about 2 GB/s against
+    12-16 GB/s at 1-16 MiB on the machine this was written on), and a large
+    matmul runs nearer peak than a small model's do. bf16 math on XLA CPU runs
+    no faster than f32: both peaks are the matmul's. The best of many runs
+    keeps most of other processes' load out; a figure measured under load is
+    low, and the cache keeps it: delete the file to measure again.
     """
     path = path or _cache_path()
     try:
         with open(path) as f:
             d = json.load(f)
-        return Roofline(d["f32_flops"], d["f32_flops"], d["bandwidth"], None, d["source"])
-    except (OSError, ValueError, KeyError, TypeError):
+        if d.get("version") == _CALIBRATION:
+            return Roofline(d["f32_flops"], d["f32_flops"], d["bandwidth"], None, d["source"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     cpu = jax.devices("cpu")[0]
 
     def best(f, *xs):
         jax.block_until_ready(f(*xs))
         times = []
-        for _ in range(5):
+        for _ in range(_RUNS):
             start = time.perf_counter()
             jax.block_until_ready(f(*xs))
             times.append(time.perf_counter() - start)
         return min(times)
 
-    n = 1024
+    n = 256
     a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
     flops = 2 * n**3 / best(jax.jit(lambda x: x @ x), a)
-    x = jax.device_put(jnp.ones((16 * 2**20,), jnp.float32), cpu)  # 64 MiB
+    x = jax.device_put(jnp.ones((2**20,), jnp.float32), cpu)  # 4 MiB
     bandwidth = 2 * x.nbytes / best(jax.jit(lambda v: v * 1.0001), x)
     source = (f"measured on this machine ({os.cpu_count()} CPUs): a {n}x{n} f32 matmul and a "
-              "64 MiB copy, best of 5")
+              f"{x.nbytes >> 20} MiB element-wise pass, best of {_RUNS}")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"f32_flops": flops, "bandwidth": bandwidth, "source": source}, f)
+            json.dump({"version": _CALIBRATION, "f32_flops": flops, "bandwidth": bandwidth,
+                       "source": source}, f)
     except OSError:
         pass  # uncached: measured again next time
     return Roofline(flops, flops, bandwidth, None, source)
@@ -137,6 +167,218 @@ def roofline(target: "str | targets.Target | None" = None) -> Roofline:
         return calibrate_cpu()
     return Roofline(found["bf16_flops"], found["f32_flops"], found["bandwidth"],
                     found.get("host_bandwidth"), found["source"])
+
+
+# ---------------------------------------------------------------------------
+# The compiled program: one roofline per op XLA runs (a fusion is one op)
+# ---------------------------------------------------------------------------
+
+# Ops that move no data: they name, view or group buffers.
+_FREE = frozenset({"kParameter", "kConstant", "kGetTupleElement", "kTuple", "kBitcast",
+                   "kAfterAll", "kPartitionId", "kReplicaId", "kAddDependency",
+                   "kOptimizationBarrier", "kDomain"})
+# HloCostAnalysis counts these per element as transcendentals, not FLOPs.
+_TRANSCENDENTAL = frozenset({"kExp", "kExp2", "kExpm1", "kLog", "kLog1p", "kLog2", "kTanh",
+                             "kLogistic", "kSqrt", "kRsqrt", "kCbrt", "kSin", "kCos", "kTan",
+                             "kErf", "kPower", "kAtan2", "kAcos", "kAsin", "kAtanh", "kAsinh",
+                             "kAcosh", "kCosh", "kSinh"})
+# Per-element arithmetic: one FLOP per output element (HloCostAnalysis's count).
+_ELEMENTWISE = frozenset({"kAdd", "kSubtract", "kMultiply", "kDivide", "kMaximum", "kMinimum",
+                          "kNegate", "kAbs", "kCompare", "kSelect", "kClamp", "kSign",
+                          "kRemainder", "kFloor", "kCeil", "kRoundNearestEven",
+                          "kRoundNearestAfz", "kAnd", "kOr", "kXor", "kNot", "kIsFinite",
+                          "kConvert", "kReducePrecision", "kShiftLeft",
+                          "kShiftRightArithmetic", "kShiftRightLogical", "kPopulationCount",
+                          "kClz", "kReal", "kImag", "kMulhi"})
+# Ops that read only part of their first operand: the bytes read are their output's.
+_PARTIAL_READ = frozenset({"kSlice", "kDynamicSlice", "kGather"})
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ENTRY = re.compile(r"^ENTRY %([\w.\-]+) ", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One op a compiled program runs (a fusion counts as one), for the roofline.
+
+    Attributes:
+      name, opcode: the HLO instruction's name and opcode ("kFusion", "kDot", ...).
+      flops: FLOPs of the op (of every instruction fused into it): 2 per
+        multiply-add of a dot, 1 per element of element-wise math and reductions.
+      transcendentals: elements of exp, tanh, log, ... (not in flops).
+      nbytes: bytes read and written at the op's boundary: its operands and its
+        outputs, not the values inside a fusion (those stay in registers or
+        cache). Operands only sliced read the slice; an in-place
+        dynamic-update-slice writes the update only.
+      dtype: the output's element type, which picks the peak (bf16 or f32).
+      trips: how many times the op runs (the trip counts of the loops around it).
+    """
+
+    name: str
+    opcode: str
+    flops: float
+    transcendentals: float
+    nbytes: float
+    dtype: object
+    trips: int = 1
+
+
+def _size(shape) -> tuple[int, int]:
+    """(elements, bytes) of an HLO shape; tuples summed, tokens nothing."""
+    if shape.is_tuple():
+        parts = [_size(s) for s in shape.tuple_shapes()]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if not shape.is_array():
+        return 0, 0
+    n = math.prod(shape.dimensions())
+    return n, n * np.dtype(shape.numpy_dtype()).itemsize
+
+
+def _math(instr, comps) -> tuple[float, float]:
+    """(FLOPs, transcendentals) of one instruction, fused computations walked into."""
+    op = instr.opcode.name
+    out = _size(instr.shape)[0]
+    if op == "kDot":
+        lhs = instr.operands()[0].shape.dimensions()
+        found = _CONTRACTING.search(instr.to_string())
+        dims = [int(d) for d in (found.group(1) if found else "").split(",") if d]
+        return 2.0 * out * math.prod(lhs[d] for d in dims), 0.0
+    if op == "kFusion":
+        flops = trans = 0.0
+        for name in _CALLED.findall(instr.to_string()):
+            for inner in comps[name].instructions():
+                f, t = _math(inner, comps)
+                flops, trans = flops + f, trans + t
+        return flops, trans
+    if op in ("kReduce", "kReduceWindow"):
+        return float(_size(instr.operands()[0].shape)[0] - out), 0.0
+    if op in _TRANSCENDENTAL:
+        return 0.0, float(out)
+    if op in _ELEMENTWISE:
+        return float(out), 0.0
+    return 0.0, 0.0
+
+
+def _boundary_bytes(instr, comps) -> float:
+    """Bytes an op reads and writes at its boundary (see `OpCost.nbytes`)."""
+    op = instr.opcode.name
+    operands = [_size(o.shape)[1] for o in instr.operands()]
+    written = _size(instr.shape)[1]
+    if op in _PARTIAL_READ:
+        return written * 2.0 + sum(operands[1:])
+    if op == "kDynamicUpdateSlice":  # in place: the update is read and written
+        return 2.0 * operands[1] + sum(operands[2:])
+    if op != "kFusion":
+        return float(sum(operands) + written)
+    [name] = _CALLED.findall(instr.to_string())[:1] or [None]
+    body = comps.get(name)
+    if body is None:
+        return float(sum(operands) + written)
+    params = {}
+    for inner in body.instructions():
+        if inner.opcode.name == "kParameter":
+            params[inner.name] = int(inner.to_string().split("parameter(")[1].split(")")[0])
+    read = list(map(float, operands))
+    for inner in body.instructions():
+        if inner.opcode.name in _PARTIAL_READ and inner.operands():
+            src = inner.operands()[0]
+            if src.name in params and len(src.users()) == 1:
+                read[params[src.name]] = float(_size(inner.shape)[1])
+        if inner.opcode.name == "kDynamicUpdateSlice" and inner.operands():
+            src = inner.operands()[0]
+            if src.name in params and len(src.users()) == 1:  # updated in place
+                read[params[src.name]] = 0.0
+                written -= _size(src.shape)[1] - _size(inner.operands()[1].shape)[1]
+    return sum(read) + written
+
+
+def compiled_ops(compiled) -> list[OpCost]:
+    """The ops a compiled program runs, each with its FLOPs and boundary bytes.
+
+    Walks the optimized HLO (`compiled.runtime_executable().hlo_modules()`, or
+    the text of `compiled.as_text()` where there is no runtime executable, as
+    for a target compiled ahead of time) from its entry computation: a fusion
+    is one op (what XLA emits as one kernel), while loop bodies are walked
+    with their `known_trip_count` (once where none is known), calls walked
+    into, and every branch of a conditional counted (an upper bound: one runs).
+    On the programs checked (a matmul and a softmax exactly; the tiny and
+    tiny_llama value-and-grad under every preset within 0.02% of FLOPs and 0.6%
+    of bytes) the figures add up to XLA's own `cost_analysis()` of the module.
+
+    Args:
+      compiled: a JAX `Compiled` (`jax.jit(f).lower(...).compile()`).
+    Returns:
+      `OpCost`s in the order the module lists them, free ops (parameters,
+      tuples, bitcasts) left out.
+    """
+    module = hlo_module(compiled)
+    comps = {c.name: c for c in module.computations()}
+    entry = _ENTRY.search(module.to_string()).group(1)
+    ops: list[OpCost] = []
+
+    def walk(comp, trips):
+        for instr in comp.instructions():
+            op = instr.opcode.name
+            if op in _FREE:
+                continue
+            if op in ("kWhile", "kCall", "kConditional", "kAsyncStart"):
+                text = instr.to_string()
+                n = trips * (int(m.group(1)) if op == "kWhile" and (m := _TRIPS.search(text))
+                             else 1)
+                names = _CALLED.findall(text)
+                if (b := _BRANCHES.search(text)):
+                    names += [s.strip().lstrip("%") for s in b.group(1).split(",")]
+                for name in names:
+                    if name in comps:
+                        walk(comps[name], n)
+                continue
+            flops, trans = _math(instr, comps)
+            shape = instr.shape
+            dtype = None if shape.is_tuple() or not shape.is_array() else \
+                np.dtype(shape.numpy_dtype())
+            ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
+                              dtype, trips))
+
+    walk(comps[entry], 1)
+    return ops
+
+
+def compiled_seconds(compiled, line: Roofline) -> float:
+    """Predicted seconds of one run of a compiled program: the roofline of each
+    op it runs (`compiled_ops`), summed, loop bodies once per trip."""
+    return sum(op.trips * line.seconds(op.flops, op.nbytes, op.dtype)
+               for op in compiled_ops(compiled))
+
+
+def segment_seconds(nodes, out_aval, line: Roofline, cache: dict) -> float:
+    """Predicted seconds of recomputing a segment of forward equations, priced as
+    one fusion: max(FLOPs of them all / peak, bytes at the segment's boundary /
+    bandwidth), each node's figures times its scale.
+
+    Args:
+      nodes: the segment's equations, objects with `eqn` (a jaxpr equation),
+        `ins` and `outs` (keys of its input and output values, None for a
+        literal) and `scale` (trips of the loops around it), as
+        `cost_model.Program` holds them.
+      out_aval: the recomputed value's type (written once).
+      line: the target's peaks. cache: as `eqn_costs`.
+    Returns:
+      Seconds; 0 for an empty segment.
+    """
+    if not nodes:
+        return 0.0
+    inside = {k for n in nodes for k in n.outs if k is not None}
+    flops, read = 0.0, {}
+    for n in nodes:
+        flops += n.scale * eqn_costs(n.eqn, cache)[0]
+        for k, v in zip(n.ins, n.eqn.invars):
+            if k is not None and k not in inside and hasattr(v.aval, "shape"):
+                read[k] = n.scale * math.prod(v.aval.shape) * v.aval.dtype.itemsize
+    scale = max(n.scale for n in nodes)
+    written = scale * math.prod(out_aval.shape) * out_aval.dtype.itemsize
+    return line.seconds(flops, sum(read.values()) + written, out_aval.dtype)
 
 
 def _bodies(eqn):
@@ -163,5 +405,6 @@ def program_seconds(jaxpr, line: Roofline, cache: dict, scale: int = 1) -> float
     return total
 
 
-__all__ = ["OBJECTIVES", "Roofline", "calibrate_cpu", "eqn_costs", "program_seconds",
-           "roofline"]
+__all__ = ["OBJECTIVES", "OpCost", "Roofline", "calibrate_cpu", "compiled_ops",
+           "compiled_seconds", "eqn_costs", "program_seconds", "roofline",
+           "segment_seconds"]

@@ -182,6 +182,7 @@ _TYPES = {
     "layer_residual_bytes": int, "layers_residual_bytes": int, "notes": list,
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
     "memory_kind": str, "memory_bytes": int, "memory_ratio_to_none": float,
+    "predicted_seconds": float, "predicted_ratio_to_none": float,
 }
 _NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes")
 
@@ -213,6 +214,12 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
             assert isinstance(r[key], typ), key
         assert r["error"] is None and r["step_time"] is None
         assert all(isinstance(v, int) for v in r["residual_bytes_by_tag"].values())
+    # Predicted step time beside FLOPs: full remat's recompute costs time, as it costs FLOPs.
+    assert "pred. step" in out and "pred. x none" in out
+    full, none = doc["records"]
+    assert none["predicted_ratio_to_none"] == 1.0
+    assert full["predicted_ratio_to_none"] == full["predicted_seconds"] / none["predicted_seconds"]
+    assert 1.0 < full["predicted_ratio_to_none"] < 1.5 and full["flops_ratio_to_none"] > 1.0
     full, none = doc["records"]
     assert full["temp_size_in_bytes"] < none["temp_size_in_bytes"]
     assert full["formula_bytes"] == 16 * 2 * 64 * 4 * 2  # sbh x 4 bytes (f32) x 2 layers

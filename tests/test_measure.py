@@ -198,8 +198,11 @@ def test_generic_measure_with_checkpointed_loss_and_timing():
         st = r.step_time
         assert st.steps == 3 and 0 < st.min_s <= st.q1_s <= st.median_s <= st.q3_s <= st.max_s
     assert none.step_time.ratio_to_none == 1.0
-    assert full.step_time.ratio_to_none == pytest.approx(
-        full.step_time.median_s / none.step_time.median_s)
+    # The median of per-round ratios: within the extremes of the two policies' steps.
+    assert (full.step_time.min_s / none.step_time.max_s <= full.step_time.ratio_to_none
+            <= full.step_time.max_s / none.step_time.min_s)
+    # Predicted step time: a positive roofline per compiled op; recompute costs more.
+    assert 0 < none.predicted_seconds < full.predicted_seconds
 
 
 def test_progress_counts_compiled_programs():

@@ -1,12 +1,16 @@
-"""The time model: a roofline per equation on XLA's own figures, and the target peaks."""
+"""The time model: a roofline per compiled op (a fusion one op) and per jaxpr
+equation on XLA's own figures, a recompute segment priced as one fusion, and
+the target peaks."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from remat_kit import targets, time_model
+from remat_kit.cost_model import Program
 from remat_kit.plan import Planner
-from remat_kit.time_model import Roofline, eqn_costs, program_seconds
+from remat_kit.time_model import (Roofline, compiled_ops, compiled_seconds, eqn_costs,
+                                  program_seconds)
 
 LINE = Roofline(bf16_flops=2e12, f32_flops=1e12, bandwidth=1e11)
 
@@ -39,6 +43,78 @@ def test_softmax_roofline():
     assert total == pytest.approx(sum(eqn_costs(e, {})[1] for e in jaxpr.eqns) / LINE.bandwidth)
 
 
+def test_compiled_matmul_is_one_op_priced_by_hand():
+    """a @ b compiled: one op (XLA CPU's dot fusion) of 2mkn FLOPs that reads both
+    operands and writes the result; bf16 halves the bytes and takes bf16's peak."""
+    m, k, n = 64, 128, 32
+    for dtype, size, peak in ((jnp.float32, 4, LINE.f32_flops), (jnp.bfloat16, 2, LINE.bf16_flops)):
+        compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((m, k), dtype),
+                                                     jnp.ones((k, n), dtype)).compile()
+        [op] = compiled_ops(compiled)
+        assert (op.flops, op.transcendentals, op.trips) == (2 * m * k * n, 0, 1)
+        assert op.nbytes == size * (m * k + k * n + m * n)
+        hand = max(2 * m * k * n / peak, size * (m * k + k * n + m * n) / LINE.bandwidth)
+        assert compiled_seconds(compiled, LINE) == pytest.approx(hand, rel=1e-12)
+
+
+def test_compiled_softmax_counts_bytes_at_fusion_boundaries():
+    """Softmax over [8, 128] f32 as XLA CPU compiles it: six fusions, each reading
+    and writing only its boundary values, by hand (FLOPs, transcendentals, bytes):
+    the max in two steps (a 32-wide window to [8, 4], then to [8]), exp(x - max),
+    the sum in two steps, 1 / sum, and x times it. The values inside a fusion
+    (x - max) are never charged, so the total is below the per-equation count,
+    and the figures add up to XLA's own cost analysis of the module."""
+    n, k = 8, 128
+    x, row, part = 4 * n * k, 4 * n, 4 * n * 4  # bytes of [8,128], [8], [8,4]
+    compiled = jax.jit(jax.nn.softmax).lower(jnp.ones((n, k), jnp.float32)).compile()
+    ops = compiled_ops(compiled)
+    window = (n * k - n * 4, 0, x + 4 + part)   # reduce-window: adds, reads x and its init
+    assert sorted((op.flops, op.transcendentals, op.nbytes) for op in ops) == sorted([
+        window, (n * 4 - n, 0, part + 4 + row),  # reduce [8,4] -> [8] (max)
+        (n * k, n * k, x + row + x),             # subtract, exp: reads x and the max
+        window,                                  # the sum's window
+        (n * 4 - n + n, 0, part + row),          # reduce to [8] and 1 / sum, fused
+        (n * k, 0, x + row + x)])                # x * (1 / sum)
+    xla = compiled.cost_analysis()
+    assert sum(op.flops for op in ops) == xla["flops"]
+    assert sum(op.nbytes for op in ops) == xla["bytes accessed"]
+    jaxpr = jax.make_jaxpr(jax.nn.softmax)(jnp.ones((n, k), jnp.float32)).jaxpr
+    assert sum(op.nbytes for op in ops) < sum(eqn_costs(e, {})[1] for e in jaxpr.eqns)
+    assert compiled_seconds(compiled, LINE) == pytest.approx(
+        sum(max(op.flops / LINE.f32_flops, op.nbytes / LINE.bandwidth) for op in ops))
+
+
+def test_compiled_loop_body_counts_per_trip():
+    """A scan of 3 trips of a [16,16] matmul and tanh: the body's ops run 3 times,
+    with the loop counter's add and the condition's compare (a FLOP each)."""
+    def f(x, w):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=3)[0]
+
+    compiled = jax.jit(f).lower(jnp.ones((16, 16)), jnp.ones((16, 16))).compile()
+    ops = compiled_ops(compiled)
+    assert sum(op.trips * op.flops for op in ops) == 3 * (2 * 16**3 + 2)
+    assert sum(op.trips * op.transcendentals for op in ops) == 3 * 16 * 16
+
+
+def test_recompute_segment_is_priced_as_one_fusion():
+    """Recomputing b = tanh(exp(a)) from the saved tag a reads a and writes b once:
+    2 x 4 x [32, 64] bytes, not the 4 of two separate ops; FLOPs are the dot's
+    none here (a is saved), so the segment is memory-bound."""
+    def loss(w, x):
+        a = jax.ad_checkpoint.checkpoint_name(x @ w, "a")
+        b = jax.ad_checkpoint.checkpoint_name(jnp.tanh(jnp.exp(a)), "b")
+        return jnp.sum(b @ w.T)
+
+    w, x = jnp.ones((64, 64)), jnp.ones((32, 64))
+    model = Program(jax.make_jaxpr(loss)(w, x).jaxpr).model(needed=["a", "b"], roofline=LINE)
+    assert model.parents["b"] == {"a"}
+    assert model.seconds["b"] == pytest.approx(2 * 4 * 32 * 64 / LINE.bandwidth, rel=1e-12)
+    # a's segment is the matmul: compute-bound at this line's peaks.
+    assert model.seconds["a"] == pytest.approx(max(2 * 32 * 64 * 64 / LINE.f32_flops,
+                                                   4 * (32 * 64 + 64 * 64 + 32 * 64)
+                                                   / LINE.bandwidth), rel=1e-12)
+
+
 def test_target_peaks():
     assert targets.peaks("cpu") is None
     v5e = time_model.roofline("tpu:v5e:1x1")
@@ -49,11 +125,12 @@ def test_target_peaks():
 
 
 def test_cpu_calibration_is_cached(tmp_path, monkeypatch):
-    path = str(tmp_path / "roofline.json")
-    first = time_model.calibrate_cpu(path)
+    path = tmp_path / "roofline.json"
+    path.write_text('{"f32_flops": 1.0, "bandwidth": 1.0, "source": "an older calibration"}')
+    first = time_model.calibrate_cpu(str(path))  # an unversioned figure is measured again
     assert first.f32_flops > 1e8 and first.bandwidth > 1e8
     monkeypatch.setattr(jax, "jit", None)  # a second measurement would fail
-    assert time_model.calibrate_cpu(path) == first
+    assert time_model.calibrate_cpu(str(path)) == first
 
 
 def test_time_objective_on_cpu():
@@ -75,3 +152,11 @@ def test_time_objective_on_cpu():
                                                        for r in fitting))
     with pytest.raises(ValueError, match="objective must be one of flops, time"):
         Planner(loss, w, x, cache=None, objective="speed")
+
+
+def test_objective_defaults_to_time_on_accelerator_targets():
+    w, x = jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), jnp.float32)
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+    assert Planner(loss, w, x, cache=None, target="cpu").objective == "flops"
+    assert Planner(loss, w, x, cache=None, target="tpu:v5e:1x1").objective == "time"
+    assert Planner(loss, w, x, cache=None, target="cpu", objective="time").objective == "time"
