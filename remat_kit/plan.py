@@ -89,6 +89,8 @@ from remat_kit.workload import Workload, _as_factory
 # error (predicted vs compiled FLOPs differ by ~0.1% on gpt2_small and llama_1b),
 # so the MILP's second solve trades them for fewer saved bytes.
 FLOP_RESOLUTION = 1e-4
+# Predicted step times closer than this fraction of no remat's are ranked by FLOPs.
+TIME_RESOLUTION = 5e-3
 # Stacks up to this many layers get one group per layer by default (`groups="layers"`).
 MAX_DEFAULT_GROUPS = 64
 
@@ -355,9 +357,13 @@ class Planner:
 
     def score(self, record: Record) -> tuple:
         """What the objective ranks a compiled record by (measured FLOPs, or
-        predicted seconds), then its memory."""
+        predicted seconds), then its memory. Predicted seconds within
+        `TIME_RESOLUTION` of no remat's are a tie, broken by FLOPs: the time
+        model is not that accurate, and fewer FLOPs never cost time."""
         if self.objective == "time":
-            return (self.seconds(self._policy_of(record)), record.memory_bytes)
+            step = TIME_RESOLUTION * self.seconds(Policy(remat=False))
+            return (round(self.seconds(self._policy_of(record)) / step), record.flops,
+                    record.memory_bytes)
         return (record.flops, record.memory_bytes)
 
     @property
