@@ -220,21 +220,27 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     names = names if names is not None else [str(p) for p in policies]
     by_name = dict(zip(names, parsed))
     groups = _group(parsed, names, emitted)
-    programs = _lower_programs(groups, loss_for_policy, args, target)
-    compile_at = _compiler([p[4] for p in programs],
-                           targets.compile_options(target, not time_steps),
-                           workers=1 if time_steps else COMPILE_WORKERS)
+    with _Compiles(targets.compile_options(target, not time_steps),
+                   workers=1 if time_steps else COMPILE_WORKERS) as compiles:
+        programs = _lower_programs(groups, loss_for_policy, args, target, compiles.start)
     timed: dict[int, object] = {}  # index in records -> compiled, timed after every compile
-    for i, (policy, group_names, loss, staged, lowered, seconds) in enumerate(programs):
+    for i, (policy, group_names, loss, staged, compiling, seconds) in enumerate(programs):
         record = Record(str(policy), tuple(group_names), label, str(target),
                         found_versions["jax"], found_versions["compiler"])
         try:
-            if isinstance(lowered, Exception):
-                raise lowered
-            compiled, compile_seconds = compile_at(i)
+            if isinstance(compiling, Exception):
+                raise compiling
+            # Traced while the compile runs; a compile error is reported before a tracing one.
+            try:
+                local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
+                         else _stage(loss, local_args) if local_args is not None else staged)
+                layers = stack_stored_bytes(workload, policy) if per_layer else {}
+            except Exception as e:  # noqa: BLE001 - raised once the compile is known
+                local = e
+            compiled, compile_seconds = compiling()
+            if isinstance(local, Exception):
+                raise local
             seconds += compile_seconds
-            local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
-                     else _stage(loss, local_args) if local_args is not None else staged)
             costs, notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
                                          local.leaves)
             found = split(local.residuals)
@@ -244,7 +250,6 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             for name in group_names:  # merged policies may each select nothing
                 notes += tuple(f"{name}: {line}" for line in _policy_notes(
                     by_name.get(name, policy), emitted, workload.notes))
-            layers = stack_stored_bytes(workload, policy) if per_layer else {}
             predicted, why = _predicted_seconds(compiled, target)
             record = dataclasses.replace(
                 record, **found, **memory_fields(compiled), flops=costs.get("flops"),
@@ -280,34 +285,52 @@ def _predicted_seconds(compiled, target) -> tuple[float | None, tuple[str, ...]]
 COMPILE_WORKERS = min(4, os.cpu_count() or 1)
 
 
-def _compiler(lowered: Sequence, options: dict | None, workers: int) -> Callable[[int], tuple]:
-    """i -> (compiled, seconds) of lowered[i] (an exception raises it). With
-    workers > 1 every program starts compiling now, that many at a time; with
-    1, each compiles when asked for, so a timed step never runs beside a compile.
-    A program's seconds are its own compile's wall time."""
-    def compile_one(i):
+class _Compiles:
+    """Starts each lowered program's compile as soon as it is lowered.
+
+    `start(lowered)` returns a zero-argument callable giving (compiled,
+    seconds), raising what the compile raised. With workers > 1 the compile
+    runs now on a pool, that many at a time, so the next policy's tracing
+    and lowering (Python, holding the GIL) overlap it; with 1, it runs when
+    asked for, so a timed step never runs beside a compile. seconds is the
+    compile's own wall time. Leaving the `with` block lets the pool's threads
+    exit once their queued compiles are done.
+    """
+
+    def __init__(self, options: dict | None, workers: int):
+        self._options = options
+        self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
+
+    def _compile(self, lowered) -> tuple:
         start = time.perf_counter()
-        compiled = lowered[i].compile(options)
+        compiled = lowered.compile(self._options)
         return compiled, time.perf_counter() - start
 
-    if workers <= 1 or len(lowered) <= 1:
-        return compile_one
-    pool = ThreadPoolExecutor(workers)
-    futures = [None if isinstance(x, Exception) else pool.submit(compile_one, i)
-               for i, x in enumerate(lowered)]
-    pool.shutdown(wait=False)  # its threads finish the queued compiles, then exit
-    return lambda i: futures[i].result()
+    def start(self, lowered) -> Callable[[], tuple]:
+        if self._pool is None:
+            return lambda: self._compile(lowered)
+        return self._pool.submit(self._compile, lowered).result
+
+    def __enter__(self) -> "_Compiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
-def _lower_programs(groups, loss_for_policy: Callable, args, target) -> list[tuple]:
-    """(policy, names, loss, staged, lowered, seconds) per distinct program, in
-    first-seen order; `lowered` is the exception where tracing or lowering
-    failed. Groups whose decisions differ only on values the backward pass
-    never reads lower to the same program: they become one entry with all
-    their names, so `measure` compiles, and counts, each program once."""
+def _lower_programs(groups, loss_for_policy: Callable, args, target,
+                    start: Callable[[object], Callable[[], tuple]]) -> list[tuple]:
+    """(policy, names, loss, staged, compiling, seconds) per distinct program,
+    in first-seen order: `compiling` is `start(lowered)` (called once per
+    distinct program, as soon as it is lowered), or the exception where
+    tracing or lowering failed. Groups whose decisions differ only on values
+    the backward pass never reads lower to the same program: they become one
+    entry with all their names, so `measure` compiles, and counts, each
+    program once."""
     out, seen = [], {}  # lowered program text -> its index in out
     for policy, group_names in groups:
-        start = time.perf_counter()
+        begin = time.perf_counter()
         try:
             loss = loss_for_policy(policy)
             staged = _stage(loss, args)
@@ -319,8 +342,8 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target) -> list[tup
         if same != len(out):
             out[same][1].extend(group_names)
             continue
-        out.append((policy, list(group_names), loss, staged, lowered,
-                    time.perf_counter() - start))
+        seconds = time.perf_counter() - begin
+        out.append((policy, list(group_names), loss, staged, start(lowered), seconds))
     return out
 
 

@@ -64,3 +64,25 @@ def test_commands_use_a_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("REMAT_KIT_COMPILE_CACHE", "")  # empty: off
     cli.use_compile_cache()
     assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_each_program_starts_compiling_before_the_next_is_traced():
+    from remat_kit import targets
+    from remat_kit.models import workload
+    from remat_kit.spec import parse
+    work = workload(get_config("tiny", num_layers=1), 1, 16)
+    events = []
+
+    def loss_for_policy(policy):
+        events.append(("trace", str(policy)))
+        return work.loss_for_policy(policy)
+
+    def start(lowered):
+        events.append(("compile", events[-1][1]))
+        return lambda: None
+
+    groups = [(parse(p), [p]) for p in POLICIES]
+    programs = measure._lower_programs(groups, loss_for_policy, work.args,
+                                       targets.parse_target("cpu"), start)
+    assert [names for _, names, *_ in programs] == [[p] for p in POLICIES]
+    assert events == [(kind, str(parse(p))) for p in POLICIES for kind in ("trace", "compile")]
