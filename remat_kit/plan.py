@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -147,24 +147,40 @@ class Planner:
         `remat_kit.time_model`); default "time" on TPU and GPU targets, "flops"
         on CPU.
       predict_time: also predict each plan's step time (`Plan.predicted_seconds`);
-        always on for objective "time".
+        always on for objective "time" and where offload is planned.
+      offload: plan offload to host memory as a third decision per tag (see
+        the module docstring): None (default) where the target lists a host
+        bandwidth (`targets.PEAKS`: TPU v5e / v5p, H100, H200), True to ask for
+        it (on the CPU too, where host memory is device memory: the plan is
+        then checked against the compiled memory less the offloaded bytes, and
+        says so), False for none; or a host bandwidth in bytes/s to plan
+        offload with in place of the target's (a what-if for a faster link).
+      decide: tag names the plan may save or offload; the others are always
+        recomputed. Default every tag (the optimality benchmark narrows it).
 
     Raises:
       ValueError: max_iterations not a positive int, groups not a positive int
-        or "layers", an objective other than "flops" or "time".
+        or "layers", or above the number of layers (the message gives the
+        range), an objective other than "flops" or "time".
+      TargetError: offload=True on a target that lists no host bandwidth.
     """
 
     def __init__(self, loss_fn: Callable, *args, cache: "str | bool | None" = True,
                  max_iterations: int = 3, progress: Callable[[str], None] | None = None,
                  target=None, per_device: tuple[Callable, tuple] | None = None,
-                 groups: "int | str" = 1, objective: str | None = None,
-                 predict_time: bool = True):
+                 groups: "int | str" = "layers", objective: str | None = None,
+                 predict_time: bool = True, offload: "bool | float | None" = None,
+                 decide: "Collection[str] | None" = None):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
-        if groups != "layers" and (isinstance(groups, bool) or not isinstance(groups, int)
-                                   or groups < 1):
-            raise ValueError(f"groups must be a positive int or 'layers', got {groups!r}")
+        if groups != "layers" and (isinstance(groups, bool) or not isinstance(groups, int)):
+            raise ValueError(f"groups must be a whole number of layer groups or 'layers', "
+                             f"got {groups!r}")
+        if not (offload in (None, True, False) or isinstance(offload, (int, float))
+                and offload > 0):
+            raise ValueError(f"offload must be None, True, False or a host bandwidth in "
+                             f"bytes/s > 0, got {offload!r}")
         if isinstance(loss_fn, Workload):
             if args:
                 raise TypeError("Planner takes a Workload or a loss and its args, not both")
@@ -180,7 +196,10 @@ class Planner:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
                              f"{objective!r}")
         self.groups = groups
-        self.predict_time = predict_time or self.objective == "time"
+        self.host_bandwidth = self._host_bandwidth(offload)
+        self.decide = None if decide is None else frozenset(decide)
+        self.predict_time = (predict_time or self.objective == "time"
+                             or self.host_bandwidth is not None)
         self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
@@ -192,6 +211,26 @@ class Planner:
         self._roofline = None
         self._fingerprint: str | None = None
         self._staged = None
+        if groups != "layers":
+            self.group_count()  # a group count outside 1..layers fails here, not at plan
+
+    def _host_bandwidth(self, offload: bool | None) -> float | None:
+        """Bytes/s each way of offload's transfers, or None where offload is not planned."""
+        if offload is False:
+            return None
+        if offload is not True and offload is not None:
+            return float(offload)
+        if self.target.platform == "cpu":
+            # Host memory is device memory: a transfer is a copy at the memory's bandwidth.
+            return self.roofline.bandwidth if offload else None
+        found = (targets.peaks(self.target) or {}).get("host_bandwidth")
+        if found is None and offload:
+            listed = ", ".join(k for k, v in targets.PEAKS.items() if "host_bandwidth" in v)
+            raise targets.TargetError(
+                f"offload needs the target's host memory bandwidth: {self.target} lists none; "
+                f"targets with host memory: {listed} (and cpu, where host memory is device "
+                "memory)")
+        return found
 
     # -- measurements, each made once -------------------------------------
 
@@ -286,9 +325,13 @@ class Planner:
             staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
                       if self.per_device is not None else self.staged)
             needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-            self._models[(base, groups)] = self.program.model(
+            model = self.program.model(
                 free=free, needed=needed, base=base, groups=groups,
-                roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache)
+                roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache,
+                host_bandwidth=self.host_bandwidth)
+            if self.decide is not None:
+                model = model.narrowed(lambda t: (t if groups == 1 else t[0]) in self.decide)
+            self._models[(base, groups)] = model
         return self._models[(base, groups)]
 
     @property
@@ -307,21 +350,44 @@ class Planner:
             return (1, None) if why else (min(layers, MAX_DEFAULT_GROUPS), None)
         if self.groups == 1:
             return 1, None
-        if why:
+        if why and self.groups > 1:
             return 1, f"groups={self.groups} not possible ({why}): one decision per tag"
-        if self.groups > layers:
-            raise ValueError(f"groups={self.groups} is more than the {layers} layers; use "
-                             f"1..{layers}")
+        if not 1 <= self.groups <= layers:
+            raise ValueError(f"groups={self.groups}: give a whole number of layer groups from 1 "
+                             f"to {max(layers, 1)} (the program's layers), or 'layers'")
         return self.groups, None
 
-    def _policy(self, saved, base: str, groups: int):
-        """The policy saving `saved` items: one Policy, or one per layer where they differ."""
+    def _policy(self, saved, base: str, groups: int, offloaded=frozenset()):
+        """The policy saving `saved` items and offloading `offloaded`: one Policy, or
+        one per layer where they differ."""
         if groups == 1:
-            return Policy(save=frozenset(saved), base=base)
+            return Policy(save=frozenset(saved), offload=frozenset(offloaded), base=base)
         group = self.program.groups(groups)
-        layers = tuple(Policy(save=frozenset(t for t, g in saved if g == group[r]), base=base)
+        layers = tuple(Policy(save=frozenset(t for t, g in saved if g == group[r]),
+                              offload=frozenset(t for t, g in offloaded if g == group[r]),
+                              base=base)
                        for r in self.program.layers)
         return layers[0] if len(set(layers)) == 1 else layers
+
+    def transfer_seconds(self, policy) -> float:
+        """Predicted seconds of `policy`'s host transfers not hidden behind its
+        layers' compute (`CostModel.excess`); 0 where it offloads nothing or
+        offload is not planned."""
+        layered = isinstance(policy, tuple)
+        policies = policy if layered else (policy,)
+        if self.host_bandwidth is None or not any(p.remat and p.offload for p in policies):
+            return 0.0
+        groups = len(policies) if layered else 1
+
+        def deciding(item):  # (the policy that decides item, its tag name)
+            return (policies[item[1]], item[0]) if layered else (policy, item)
+
+        total = 0.0
+        for base in {p.base for p in policies}:
+            model = self.model_for(base if base in PLANNED_BASES else "nothing", groups)
+            total += model.excess([t for t in model.transfer if deciding(t)[0].base == base
+                                   and deciding(t)[0].decide(deciding(t)[1]) == "offload"])
+        return total
 
     def _record(self, policy) -> Record:
         return self._measure_layers(policy) if isinstance(policy, tuple) \
@@ -330,7 +396,8 @@ class Planner:
     def seconds(self, policy) -> float:
         """Predicted step seconds of `policy` (a Policy, spec or per-layer tuple): the
         roofline of every equation of its value-and-grad program, per device
-        (`time_model.program_seconds`)."""
+        (`time_model.program_seconds`), plus its host transfers not hidden behind
+        compute (`transfer_seconds`)."""
         key = layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
         if key not in self._seconds:
             if isinstance(policy, tuple):
@@ -340,8 +407,9 @@ class Planner:
                 fn, args = self.per_device or (self.loss_fn, self.args)
             program = _stage(fn(parse(policy) if not isinstance(policy, tuple) else None),
                              args).program
-            self._seconds[key] = time_model.program_seconds(program.jaxpr, self.roofline,
-                                                            self._eqn_cache)
+            self._seconds[key] = time_model.program_seconds(
+                program.jaxpr, self.roofline, self._eqn_cache) + self.transfer_seconds(
+                policy if isinstance(policy, tuple) else parse(policy))
         return self._seconds[key]
 
     def _policy_of(self, record: Record):
@@ -351,9 +419,12 @@ class Planner:
     def score(self, record: Record) -> tuple:
         """What the objective ranks a compiled record by (measured FLOPs, or
         predicted seconds), then its memory."""
+        policy = self._policy_of(record)
         if self.objective == "time":
-            return (self.seconds(self._policy_of(record)), record.memory_bytes)
-        return (record.flops, record.memory_bytes)
+            return (self.seconds(policy), self.device_bytes(record))
+        excess = self.transfer_seconds(policy) * self.roofline.bf16_flops if \
+            self.host_bandwidth is not None else 0.0
+        return (record.flops + excess, self.device_bytes(record))
 
     @property
     def staged(self):
@@ -434,7 +505,8 @@ class Planner:
         groups, group_note = self.group_count()
         # The figure budgeted is in the key: a temp plan never answers a peak budget.
         key = (f"{self.fingerprint()}|{memory_kind(self.target.platform)}|{parsed}"
-               f"|groups={groups}|{self.objective}")
+               f"|groups={groups}|{self.objective}|offload={self.host_bandwidth}"
+               + (f"|decide={','.join(sorted(self.decide))}" if self.decide is not None else ""))
         if self.cache and key in (hit := read_cache(self.cache) or {}):
             try:
                 return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
@@ -473,9 +545,10 @@ class Planner:
             if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
                 continue
             model = self.model_for(base, groups)
-            saved, _ = model.solve(limit - floor.memory_bytes, unit, self.objective)
-            starts.append((self._predict(base, floor, model, saved)[2 if time_objective else 1],
-                           base))
+            saved, offloaded, _ = model.solve(limit - floor.memory_bytes, unit, self.objective)
+            predicted = self._predict(base, floor, model, saved, offloaded)
+            starts.append((predicted[2] if time_objective else predicted[1]
+                           + model.excess(offloaded) * model.flop_rate, base))
         tried, status, best = set(), "", None
         if starts:
             base = min(starts)[1]
@@ -483,11 +556,11 @@ class Planner:
             notes.append(f"base {base}")
             room, hi = limit - floor.memory_bytes, None
             for _ in range(self.max_iterations):
-                saved, status = model.solve(room, unit, self.objective)
-                if saved in tried:
+                saved, offloaded, status = model.solve(room, unit, self.objective)
+                if (saved, offloaded) in tried:
                     break  # the room moved, the answer did not
-                tried.add(saved)
-                policy = self._policy(saved, base, groups)
+                tried.add((saved, offloaded))
+                policy = self._policy(saved, base, groups, offloaded)
                 record = self._record(policy)
                 tag_bytes = model.cost(saved)[0]
                 name = record.policy
@@ -495,24 +568,24 @@ class Planner:
                     notes.append(f"{name}: no figures ({record.error}), skipped")
                     hi, room = tag_bytes, max(0, tag_bytes - 1)
                     continue
-                notes.append(f"{name}: {record.memory_bytes:,} bytes, "
-                             + ("fits" if record.memory_bytes <= limit else "over"))
-                if record.memory_bytes <= limit:
+                used = self.device_bytes(record)
+                notes.append(f"{name}: {used:,} bytes, " + ("fits" if used <= limit else "over"))
+                if used <= limit:
                     found = (self.score(record), policy, record,
-                             self._predict(base, floor, model, saved))
+                             self._predict(base, floor, model, saved, offloaded))
                     best = found if best is None or found[0] < best[0] else best
                     # Fits with bytes to spare: the model over-predicted; offer the slack,
                     # but stay below a room that was already too much.
-                    grown = room + limit - record.memory_bytes
+                    grown = room + limit - used
                     room = grown if hi is None else min(grown, (room + hi) / 2)
                 else:
                     # Over budget: shrink the room by the overshoot, and below this plan's bytes.
                     hi = tag_bytes
-                    room = max(0, min(room - (record.memory_bytes - limit), tag_bytes - 1))
+                    room = max(0, min(room - (used - limit), tag_bytes - 1))
         # Any other policy compiled for this loss (the base rules alone, the presets
         # remat-kit plan compares) that fits and scores better wins: it is verified
         # just the same.
-        other = min((r for r in self._compiled() if r.memory_bytes <= limit),
+        other = min((r for r in self._compiled() if self.device_bytes(r) <= limit),
                     key=self.score)  # `least` fits
         if best is None or self.score(other) < best[0]:
             policy, record = self._policy_of(other), other
@@ -522,22 +595,56 @@ class Planner:
         else:
             _, policy, record, predicted = best
             predicted = predicted[:2]
+        notes += self._verify_offload(policy, record)
         return self._finish(key, budget, limit, policy, record, *predicted,
                             "; ".join([status, *notes, "chose " + (
                                 layers_summary(policy) if isinstance(policy, tuple)
                                 else str(policy))]), len(tried),
                             groups)
 
-    def _predict(self, base, floor, model, saved) -> tuple[int, float, float | None]:
-        """(bytes, FLOPs, seconds or None) the cost model predicts for saving `saved`
-        above base rule `base` alone (`floor`, its compiled record)."""
-        nbytes, flops = model.cost(saved)
+    def _predict(self, base, floor, model, saved,
+                 offloaded=frozenset()) -> tuple[int, float, float | None]:
+        """(device bytes, FLOPs, seconds or None) the cost model predicts for saving
+        `saved` and offloading `offloaded` above base rule `base` alone (`floor`,
+        its compiled record)."""
+        nbytes, flops = model.cost(saved, offloaded)
         empty = model.cost(frozenset())[1]
         seconds = None
         if self.objective == "time":
             seconds = self.seconds(Policy(base=base)) - model.time(frozenset()) + \
-                model.time(saved)
+                model.time(saved, offloaded)
         return floor.memory_bytes + nbytes, floor.flops - empty + flops, seconds
+
+    def device_bytes(self, record: Record) -> int:
+        """The device memory `record` is budgeted by: its `memory_bytes`, less its
+        offloaded residuals on the CPU target when offload is planned there (host
+        memory is device memory on the CPU, so its compile counts them)."""
+        if self.target.platform == "cpu" and self.host_bandwidth is not None:
+            return record.memory_bytes - record.offloaded_bytes
+        return record.memory_bytes
+
+    def _verify_offload(self, policy, record: Record) -> list[str]:
+        """Notes on what offloading did to the compiled device memory: `policy`
+        against the same policy with its offloaded tags saved (one more compile)."""
+        if not record.offloaded_bytes:
+            return []
+        layered = isinstance(policy, tuple)
+        twin = tuple(dataclasses.replace(p, save=p.save | p.offload, offload=frozenset())
+                     for p in (policy if layered else (policy,)))
+        saving = self._record(twin if layered else twin[0])
+        host = record.host_temp_size_in_bytes
+        notes = [f"offloads {record.offloaded_bytes:,} bytes (host temp "
+                 f"{'n/a' if host is None else f'{host:,}'} bytes)"]
+        if saving.error or saving.memory_bytes is None:
+            return notes + [f"saving them instead did not compile ({saving.error})"]
+        fall = saving.memory_bytes - record.memory_bytes
+        notes.append(f"device memory {fall:,} bytes below saving them "
+                     f"({fall / record.offloaded_bytes:.0%} of the offloaded bytes)")
+        if self.target.platform == "cpu":
+            notes.append("on the CPU host memory is device memory: its compile counts the "
+                         "offloaded bytes, so it cannot show offload's effect; they are "
+                         "budgeted as host memory, as a TPU or GPU would hold them")
+        return notes
 
     def _compiled(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures."""
@@ -562,7 +669,8 @@ class Planner:
             layer_specs=tuple(map(str, policy)) if layered else (), groups=groups,
             objective=self.objective,
             predicted_seconds=self.seconds(policy) if self.predict_time else None,
-            none_seconds=self.seconds(Policy(remat=False)) if self.predict_time else None)
+            none_seconds=self.seconds(Policy(remat=False)) if self.predict_time else None,
+            offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes)
         if self.cache:
             _write_cache(self.cache, key, result)
         return result

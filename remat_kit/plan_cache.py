@@ -61,6 +61,9 @@ class Plan:
         remat (`time_model.program_seconds`: the roofline of every equation of
         the value-and-grad program on the target's peaks), seconds; None where
         not predicted.
+      offloaded_bytes: residual bytes the plan moves to host memory (its record's
+        `offloaded_bytes`); host_bytes: the compiler's host temp memory
+        (`host_temp_size_in_bytes`), None where it gives none.
     """
 
     budget: str
@@ -85,6 +88,8 @@ class Plan:
     objective: str = "flops"
     predicted_seconds: float | None = None
     none_seconds: float | None = None
+    offloaded_bytes: int = 0
+    host_bytes: int | None = None
 
     @property
     def memory_fraction(self) -> float | None:

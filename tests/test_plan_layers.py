@@ -107,7 +107,7 @@ def test_grouped_milp_matches_brute_force(planner):
                         frozenset(full.needed & set(items)), base=base)
         total = sum(sub.nbytes.values())
         for room in (0, 0.1 * total, 0.3 * total, 0.5 * total, 0.8 * total):
-            saved, status = sub.solve(room)
+            saved, _, status = sub.solve(room)
             assert "Optimal" in status
             assert sub.cost(saved)[::-1] == pytest.approx(_brute_force(sub, room), rel=1e-9)
 
@@ -205,6 +205,6 @@ def test_solver_optimum_equals_brute_force(which, request):
         for frac in (0.05, 0.2, 0.4, 0.6, 0.9):
             room = frac * total
             best = min((f, b) for b, f in costs if b <= room)
-            saved, status = model.solve(room)
+            saved, _, status = model.solve(room)
             assert "Optimal" in status
             assert model.cost(saved)[::-1] == pytest.approx(best, rel=1e-9), (base, frac)
