@@ -30,7 +30,12 @@ memory?" in three steps:
 
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `FLOP_RESOLUTION` of the cheapest, so nothing
-   useless is saved. Recomputing
+   useless is saved. Where the target has host memory (`offload`), a third
+   binary o_t offloads t: it takes no device bytes, and its transfer (bytes
+   over the target's host bandwidth, each way) hides behind its layers'
+   predicted forward compute; only the excess is charged (as seconds, or for
+   objective "flops" as the FLOPs the device could have run meanwhile), see
+   `CostModel.solve`. Recomputing
    `mlpwo`'s input means recomputing `mlp_act`, which reads `mlpwi`: the
    parent constraints carry such chains.
 3. Verification: the chosen policy (`save:` the tags with s_t = 1; one per
@@ -41,7 +46,10 @@ memory?" in three steps:
    solved again; under budget, the unused bytes are offered back (XLA's
    buffer reuse often makes saved tags cost less than their size). Up to
    `max_iterations` policies are compiled; the one with the fewest measured
-   FLOPs (or least predicted time) that fits is returned, and `full` always fits. Every other policy
+   FLOPs (or least predicted time) that fits is returned, and `full` always fits.
+   A plan that offloads is compiled once more with those tags saved instead:
+   its notes give how far device memory fell and the compiler's host temp
+   memory (`Plan.offload_notes`, `Plan.host_bytes`). Every other policy
    the `Planner` has compiled for this loss (e.g. the presets `remat-kit plan`
    compares) is a candidate too. A budget that holds no remat returns `none`.
 
@@ -91,6 +99,9 @@ from remat_kit.workload import Workload, _as_factory
 FLOP_RESOLUTION = 1e-4
 # Stacks up to this many layers get one group per layer by default (`groups="layers"`).
 MAX_DEFAULT_GROUPS = 64
+CPU_OFFLOAD_NOTE = ("on the CPU host memory is device memory: its compile counts offloaded "
+                    "residuals in temp, so it cannot show offload's effect; they are budgeted "
+                    "as host memory, as a TPU or GPU would hold them")
 
 
 def _check_differentiable(args) -> None:
@@ -108,6 +119,31 @@ def _check_differentiable(args) -> None:
                          f"by, holds no floating-point array ({found}), so there is no "
                          "backward pass to plan; pass the float parameters first: "
                          "rk.plan(loss_fn, params, *batch, budget=...)")
+
+
+def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
+    """Bytes/s each way of offload's transfers on `target`, or None where offload is
+    not planned (`Planner`'s offload argument: None, True, False or bytes/s).
+
+    Raises:
+      TargetError: offload=True on a target that lists no host bandwidth.
+    """
+    target = targets.parse_target(target)
+    if offload is False:
+        return None
+    if offload is not True and offload is not None:
+        return float(offload)
+    if target.platform == "cpu":
+        # Host memory is device memory: a transfer is a copy at the memory's bandwidth.
+        return time_model.roofline(target).bandwidth if offload else None
+    found = (targets.peaks(target) or {}).get("host_bandwidth")
+    if found is None and offload:
+        listed = ", ".join(k for k, v in targets.PEAKS.items() if "host_bandwidth" in v)
+        raise targets.TargetError(
+            f"offload needs the target's host memory bandwidth: {target} lists none; "
+            f"targets with host memory: {listed} (and cpu, where host memory is device "
+            "memory)")
+    return found
 
 
 class Planner:
@@ -196,10 +232,7 @@ class Planner:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
                              f"{objective!r}")
         self.groups = groups
-        self.host_bandwidth = self._host_bandwidth(offload)
         self.decide = None if decide is None else frozenset(decide)
-        self.predict_time = (predict_time or self.objective == "time"
-                             or self.host_bandwidth is not None)
         self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
@@ -211,26 +244,11 @@ class Planner:
         self._roofline = None
         self._fingerprint: str | None = None
         self._staged = None
+        self.host_bandwidth = offload_bandwidth(self.target, offload)
+        self.predict_time = (predict_time or self.objective == "time"
+                             or self.host_bandwidth is not None)
         if groups != "layers":
             self.group_count()  # a group count outside 1..layers fails here, not at plan
-
-    def _host_bandwidth(self, offload: bool | None) -> float | None:
-        """Bytes/s each way of offload's transfers, or None where offload is not planned."""
-        if offload is False:
-            return None
-        if offload is not True and offload is not None:
-            return float(offload)
-        if self.target.platform == "cpu":
-            # Host memory is device memory: a transfer is a copy at the memory's bandwidth.
-            return self.roofline.bandwidth if offload else None
-        found = (targets.peaks(self.target) or {}).get("host_bandwidth")
-        if found is None and offload:
-            listed = ", ".join(k for k, v in targets.PEAKS.items() if "host_bandwidth" in v)
-            raise targets.TargetError(
-                f"offload needs the target's host memory bandwidth: {self.target} lists none; "
-                f"targets with host memory: {listed} (and cpu, where host memory is device "
-                "memory)")
-        return found
 
     # -- measurements, each made once -------------------------------------
 
@@ -420,11 +438,12 @@ class Planner:
         """What the objective ranks a compiled record by (measured FLOPs, or
         predicted seconds), then its memory."""
         policy = self._policy_of(record)
+        stored = self.device_bytes(record) + record.offloaded_bytes  # saving beats offloading
         if self.objective == "time":
-            return (self.seconds(policy), self.device_bytes(record))
+            return (self.seconds(policy), stored)
         excess = self.transfer_seconds(policy) * self.roofline.bf16_flops if \
             self.host_bandwidth is not None else 0.0
-        return (record.flops + excess, self.device_bytes(record))
+        return (record.flops + excess, stored)
 
     @property
     def staged(self):
@@ -595,12 +614,12 @@ class Planner:
         else:
             _, policy, record, predicted = best
             predicted = predicted[:2]
-        notes += self._verify_offload(policy, record)
+        offload_notes = self._verify_offload(policy, record)
         return self._finish(key, budget, limit, policy, record, *predicted,
                             "; ".join([status, *notes, "chose " + (
                                 layers_summary(policy) if isinstance(policy, tuple)
-                                else str(policy))]), len(tried),
-                            groups)
+                                else str(policy)), *offload_notes]), len(tried),
+                            groups, offload_notes)
 
     def _predict(self, base, floor, model, saved,
                  offloaded=frozenset()) -> tuple[int, float, float | None]:
@@ -641,9 +660,7 @@ class Planner:
         notes.append(f"device memory {fall:,} bytes below saving them "
                      f"({fall / record.offloaded_bytes:.0%} of the offloaded bytes)")
         if self.target.platform == "cpu":
-            notes.append("on the CPU host memory is device memory: its compile counts the "
-                         "offloaded bytes, so it cannot show offload's effect; they are "
-                         "budgeted as host memory, as a TPU or GPU would hold them")
+            notes.append(CPU_OFFLOAD_NOTE)
         return notes
 
     def _compiled(self) -> list[Record]:
@@ -652,7 +669,7 @@ class Planner:
                 if r.error is None and r.flops is not None and r.memory_bytes is not None]
 
     def _finish(self, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
-                status, iterations, groups) -> Plan:
+                status, iterations, groups, offload_notes=()) -> Plan:
         least, none = self.minimum()
         if none is None:
             status += "; no remat runs out of the target's memory: its FLOPs are the cost model's"
@@ -661,7 +678,7 @@ class Planner:
             budget=str(budget), budget_bytes=limit, policy=policy,
             spec=layers_summary(policy) if layered else str(policy),
             predicted_bytes=predicted_bytes,
-            predicted_flops=predicted_flops, measured_bytes=record.memory_bytes,
+            predicted_flops=predicted_flops, measured_bytes=self.device_bytes(record),
             measured_flops=record.flops, none_bytes=none, none_flops=self.none_flops(),
             minimum_bytes=least, status=status, iterations=iterations,
             platform=record.platform, memory_kind=self.memory_kind,
@@ -670,7 +687,8 @@ class Planner:
             objective=self.objective,
             predicted_seconds=self.seconds(policy) if self.predict_time else None,
             none_seconds=self.seconds(Policy(remat=False)) if self.predict_time else None,
-            offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes)
+            offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
+            offload_notes=tuple(offload_notes))
         if self.cache:
             _write_cache(self.cache, key, result)
         return result
@@ -775,6 +793,7 @@ def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool |
     return cfg.replace(remat=planned.spec)
 
 
-__all__ = ["CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner", "config_planner",
+__all__ = ["CPU_OFFLOAD_NOTE", "CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner",
+           "config_planner", "offload_bandwidth",
            "cost_model", "default_cache_path", "layers_summary", "plan",
            "read_cache", "resolve", "resolve_config"]

@@ -34,8 +34,9 @@ class Plan:
         grad) under the policy.
       measured_bytes, measured_flops: the compiled step's memory
         (`Record.memory_bytes`: `temp_size_in_bytes` on CPU,
-        `peak_memory_in_bytes` on TPU and GPU) and FLOPs (loops counted per
-        trip), from `measure`.
+        `peak_memory_in_bytes` on TPU and GPU; on the CPU with offload planned,
+        less the offloaded bytes, which its compile counts) and FLOPs (loops
+        counted per trip), from `measure`.
       none_bytes, none_flops: the same for no remat (`none`). Where no
         remat's compile runs out of the target's memory (`none_out_of_memory`),
         none_bytes is None and none_flops is the cost model's: `full`'s
@@ -63,7 +64,8 @@ class Plan:
         not predicted.
       offloaded_bytes: residual bytes the plan moves to host memory (its record's
         `offloaded_bytes`); host_bytes: the compiler's host temp memory
-        (`host_temp_size_in_bytes`), None where it gives none.
+        (`host_temp_size_in_bytes`), None where it gives none; offload_notes:
+        what verification found offloading did to the device memory.
     """
 
     budget: str
@@ -90,6 +92,7 @@ class Plan:
     none_seconds: float | None = None
     offloaded_bytes: int = 0
     host_bytes: int | None = None
+    offload_notes: tuple[str, ...] = ()
 
     @property
     def memory_fraction(self) -> float | None:
@@ -111,7 +114,8 @@ class Plan:
     def to_dict(self) -> dict:
         """JSON-ready: every field (policy as its spec), plus memory_fraction,
         flops_overhead and time_overhead."""
-        d = dataclasses.asdict(self) | {"policy": self.spec, "layer_specs": list(self.layer_specs)}
+        d = dataclasses.asdict(self) | {"policy": self.spec, "layer_specs": list(self.layer_specs),
+                                        "offload_notes": list(self.offload_notes)}
         return d | {"memory_fraction": self.memory_fraction,
                     "flops_overhead": self.flops_overhead, "time_overhead": self.time_overhead}
 
@@ -122,7 +126,8 @@ class Plan:
         layers = tuple(d.get("layer_specs") or ())
         policy = tuple(parse(s) for s in layers) if layers else parse(d["spec"])
         return cls(**{k: v for k, v in d.items() if k in fields}
-                   | {"policy": policy, "layer_specs": layers})
+                   | {"policy": policy, "layer_specs": layers,
+                      "offload_notes": tuple(d.get("offload_notes") or ())})
 
 
 def layers_summary(policies: Sequence[Policy]) -> str:
