@@ -154,7 +154,8 @@ class CostModel:
 
         (w: 1 for "time", `flop_rate` for "flops"), then again for the fewest
         stored bytes (saved, and a little more for offloaded: saving is preferred
-        where both fit) among solutions within the tolerance.
+        where both fit; a little more in earlier layer groups) among solutions
+        within the tolerance.
 
         Args:
           room: device bytes the saved items may take.
@@ -205,8 +206,13 @@ class CostModel:
         cost_row = np.concatenate([np.zeros(n), f / f_scale, np.zeros(n),
                                    np.full(len(groups), 2 * per_second * t_scale / f_scale)])
         memory = np.concatenate([b / b_scale, np.zeros(width - n)])
-        stored = memory + np.concatenate([np.zeros(2 * n), 1.001 * b / b_scale,
-                                          np.zeros(len(groups))])
+        # Ties go to later layers: their residuals are read back first, so XLA often
+        # reuses their buffers before the peak (the last layer's can cost nothing).
+        layer = [t[1] if isinstance(t, tuple) else 0 for t in self.tags]
+        last = max(max(layer), 1)
+        late = np.array([1 + 1e-4 * (last - g) / last for g in layer])
+        stored = np.concatenate([late * b / b_scale, np.zeros(n), 1.001 * late * b / b_scale,
+                                 np.zeros(len(groups))])
         cons = [LinearConstraint(np.array(rows), lower, upper)] if rows else []
         cons.append(LinearConstraint(memory[None], -np.inf, max(room, 0) / b_scale + 1e-9))
         high = np.ones(width)

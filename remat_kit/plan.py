@@ -407,7 +407,8 @@ class Planner:
                                    and deciding(t)[0].decide(deciding(t)[1]) == "offload"])
         return total
 
-    def _record(self, policy) -> Record:
+    def record_of(self, policy) -> Record:
+        """The compiled record (memoized) of a Policy or of a per-layer tuple of them."""
         return self._measure_layers(policy) if isinstance(policy, tuple) \
             else self.measure_all([policy])[0]
 
@@ -573,14 +574,23 @@ class Planner:
             base = min(starts)[1]
             floor, model = floors[base], self.model_for(base, groups)
             notes.append(f"base {base}")
-            room, hi = limit - floor.memory_bytes, None
+            room, hi, fit = limit - floor.memory_bytes, None, False
             for _ in range(self.max_iterations):
                 saved, offloaded, status = model.solve(room, unit, self.objective)
                 if (saved, offloaded) in tried:
-                    break  # the room moved, the answer did not
+                    # The room moved, the answer did not. Where the last compile fit,
+                    # the budget may hold more than the model says (XLA reuses buffers:
+                    # the last layer's residuals often cost nothing): offer the next
+                    # smallest item, below any room already found too much.
+                    bump = min((model.nbytes[t] for t in model.tags if model.nbytes[t]
+                                and t not in saved and t not in model.fixed), default=None)
+                    if not fit or bump is None or (hi is not None and room + bump >= hi):
+                        break
+                    room, fit = room + bump, False
+                    continue
                 tried.add((saved, offloaded))
                 policy = self._policy(saved, base, groups, offloaded)
-                record = self._record(policy)
+                record = self.record_of(policy)
                 tag_bytes = model.cost(saved)[0]
                 name = record.policy
                 if record.error or record.memory_bytes is None or record.flops is None:
@@ -588,8 +598,9 @@ class Planner:
                     hi, room = tag_bytes, max(0, tag_bytes - 1)
                     continue
                 used = self.device_bytes(record)
-                notes.append(f"{name}: {used:,} bytes, " + ("fits" if used <= limit else "over"))
-                if used <= limit:
+                fit = used <= limit
+                notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
+                if fit:
                     found = (self.score(record), policy, record,
                              self._predict(base, floor, model, saved, offloaded))
                     best = found if best is None or found[0] < best[0] else best
@@ -650,7 +661,7 @@ class Planner:
         layered = isinstance(policy, tuple)
         twin = tuple(dataclasses.replace(p, save=p.save | p.offload, offload=frozenset())
                      for p in (policy if layered else (policy,)))
-        saving = self._record(twin if layered else twin[0])
+        saving = self.record_of(twin if layered else twin[0])
         host = record.host_temp_size_in_bytes
         notes = [f"offloads {record.offloaded_bytes:,} bytes (host temp "
                  f"{'n/a' if host is None else f'{host:,}'} bytes)"]
