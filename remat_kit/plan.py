@@ -172,10 +172,10 @@ class Planner:
         takes it: the cost model's bytes and FLOPs are then per device, like
         the compiled figures. Needed where a shard is not a valid input
         (parameters split over fsdp or tensor).
-      groups: layer groups each tag is decided in: 1 (one decision per tag for
-        every layer), an int G from 1 to the number of layers (G runs of
-        consecutive layers, as even as possible), or "layers" (one group per
-        layer, up to `MAX_DEFAULT_GROUPS` groups). The layers are the remat
+      groups: layer groups each tag is decided in: "layers" (the default: one
+        group per layer, up to `MAX_DEFAULT_GROUPS` groups), 1 (one decision
+        per tag for every layer), or an int G from 1 to the number of layers
+        (G runs of consecutive layers, as even as possible). The layers are the remat
         regions that hold tags (`cost_model.Program`); where they cannot take
         their own policies (a scanned stack, one remat region) plans are
         uniform and say why in their status.
@@ -729,8 +729,8 @@ class Planner:
 
 
 def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
-         max_iterations: int = 3, target=None, groups: "int | str" = 1,
-         objective: str | None = None) -> Plan:
+         max_iterations: int = 3, target=None, groups: "int | str" = "layers",
+         objective: str | None = None, offload: "bool | float | None" = None) -> Plan:
     """The cheapest policy (fewest FLOPs) whose compiled memory fits `budget`.
 
     `rk.plan(loss_fn, *args, budget="6GiB")`: a mixed-integer program over the
@@ -747,17 +747,21 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       max_iterations: compiles per budget before falling back to `full`.
       target: whose compiler to plan for (`remat_kit.targets`, e.g.
         "tpu:v5e:1x1"); default JAX's default backend.
-      groups, objective: see `Planner`.
+      groups, objective, offload: see `Planner` (default: each layer its own
+        group, for stacks up to `MAX_DEFAULT_GROUPS` layers; offload where the
+        target has host memory).
     Returns:
       A `Plan` with measured_bytes <= budget_bytes.
     Raises:
       BudgetError: a malformed budget, or one below full remat's memory.
-      TargetError: a bad target, or libtpu / the CUDA plugin missing.
+      TargetError: a bad target, or libtpu / the CUDA plugin missing, or
+        offload=True on a target without host memory.
       ValueError: no args, or args[0] holds no floating-point array: there
-        is nothing to differentiate.
+        is nothing to differentiate; a group count outside 1..layers.
     """
     return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
-                   target=target, groups=groups, objective=objective).plan(budget)
+                   target=target, groups=groups, objective=objective,
+                   offload=offload).plan(budget)
 
 
 def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=None,

@@ -187,6 +187,20 @@ def test_cli_plan_bad_groups_objective(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("groups", [0, -1, 3])
+def test_api_bad_group_count(groups):
+    """A group count outside 1..layers fails when the Planner is made, naming the
+    value and the range; the default is one group per layer."""
+    ws = [(jax.ShapeDtypeStruct((64, 64), jnp.float32),) * 2] * 2
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    with pytest.raises(ValueError, match=f"groups={groups}: give a whole number of layer "
+                                         "groups from 1 to 2"):
+        Planner(_two_layer_factory, ws, x, cache=None, groups=groups)
+    with pytest.raises(ValueError, match="groups=3: give a whole number"):
+        rk.plan(_two_layer_factory, ws, x, budget=0.5, cache=None, groups=3)
+    assert Planner(_two_layer_factory, ws, x, cache=None).group_count() == (2, None)
+
+
 @pytest.fixture(scope="module")
 def llama_planner():
     return config_planner(get_config("tiny_llama"), BATCH, SEQ, cache=None)
