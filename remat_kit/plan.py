@@ -77,6 +77,7 @@ from collections.abc import Callable, Collection, Sequence
 import jax
 import jax.numpy as jnp
 
+from remat_kit import offload as host_offload
 from remat_kit import targets, time_model
 from remat_kit.cost_model import (PLANNED_BASES, SAVE_TAGS, CostModel, Program, cost_model,
                                   forward_jaxpr, with_region_policies)
@@ -90,6 +91,7 @@ from remat_kit.policy import Policy
 from remat_kit.record import MEMORY_LABELS, Record, memory_kind
 from remat_kit.residuals import _stage
 from remat_kit.spec import AutoSpec, parse
+from remat_kit.offload import CPU_OFFLOAD_NOTE, offload_bandwidth
 from remat_kit.time_model import OBJECTIVES
 from remat_kit.workload import Workload, _as_factory
 
@@ -99,9 +101,7 @@ from remat_kit.workload import Workload, _as_factory
 FLOP_RESOLUTION = 1e-4
 # Stacks up to this many layers get one group per layer by default (`groups="layers"`).
 MAX_DEFAULT_GROUPS = 64
-CPU_OFFLOAD_NOTE = ("on the CPU host memory is device memory: its compile counts offloaded "
-                    "residuals in temp, so it cannot show offload's effect; they are budgeted "
-                    "as host memory, as a TPU or GPU would hold them")
+
 
 
 def _check_differentiable(args) -> None:
@@ -119,31 +119,6 @@ def _check_differentiable(args) -> None:
                          f"by, holds no floating-point array ({found}), so there is no "
                          "backward pass to plan; pass the float parameters first: "
                          "rk.plan(loss_fn, params, *batch, budget=...)")
-
-
-def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
-    """Bytes/s each way of offload's transfers on `target`, or None where offload is
-    not planned (`Planner`'s offload argument: None, True, False or bytes/s).
-
-    Raises:
-      TargetError: offload=True on a target that lists no host bandwidth.
-    """
-    target = targets.parse_target(target)
-    if offload is False:
-        return None
-    if offload is not True and offload is not None:
-        return float(offload)
-    if target.platform == "cpu":
-        # Host memory is device memory: a transfer is a copy at the memory's bandwidth.
-        return time_model.roofline(target).bandwidth if offload else None
-    found = (targets.peaks(target) or {}).get("host_bandwidth")
-    if found is None and offload:
-        listed = ", ".join(k for k, v in targets.PEAKS.items() if "host_bandwidth" in v)
-        raise targets.TargetError(
-            f"offload needs the target's host memory bandwidth: {target} lists none; "
-            f"targets with host memory: {listed} (and cpu, where host memory is device "
-            "memory)")
-    return found
 
 
 class Planner:
@@ -389,23 +364,8 @@ class Planner:
 
     def transfer_seconds(self, policy) -> float:
         """Predicted seconds of `policy`'s host transfers not hidden behind its
-        layers' compute (`CostModel.excess`); 0 where it offloads nothing or
-        offload is not planned."""
-        layered = isinstance(policy, tuple)
-        policies = policy if layered else (policy,)
-        if self.host_bandwidth is None or not any(p.remat and p.offload for p in policies):
-            return 0.0
-        groups = len(policies) if layered else 1
-
-        def deciding(item):  # (the policy that decides item, its tag name)
-            return (policies[item[1]], item[0]) if layered else (policy, item)
-
-        total = 0.0
-        for base in {p.base for p in policies}:
-            model = self.model_for(base if base in PLANNED_BASES else "nothing", groups)
-            total += model.excess([t for t in model.transfer if deciding(t)[0].base == base
-                                   and deciding(t)[0].decide(deciding(t)[1]) == "offload"])
-        return total
+        layers' compute (`remat_kit.offload.transfer_seconds`)."""
+        return host_offload.transfer_seconds(self, policy)
 
     def record_of(self, policy) -> Record:
         """The compiled record (memoized) of a Policy or of a per-layer tuple of them."""
@@ -625,7 +585,7 @@ class Planner:
         else:
             _, policy, record, predicted = best
             predicted = predicted[:2]
-        offload_notes = self._verify_offload(policy, record)
+        offload_notes = host_offload.verify(self, policy, record)
         return self._finish(key, budget, limit, policy, record, *predicted,
                             "; ".join([status, *notes, "chose " + (
                                 layers_summary(policy) if isinstance(policy, tuple)
@@ -652,27 +612,6 @@ class Planner:
         if self.target.platform == "cpu" and self.host_bandwidth is not None:
             return record.memory_bytes - record.offloaded_bytes
         return record.memory_bytes
-
-    def _verify_offload(self, policy, record: Record) -> list[str]:
-        """Notes on what offloading did to the compiled device memory: `policy`
-        against the same policy with its offloaded tags saved (one more compile)."""
-        if not record.offloaded_bytes:
-            return []
-        layered = isinstance(policy, tuple)
-        twin = tuple(dataclasses.replace(p, save=p.save | p.offload, offload=frozenset())
-                     for p in (policy if layered else (policy,)))
-        saving = self.record_of(twin if layered else twin[0])
-        host = record.host_temp_size_in_bytes
-        notes = [f"offloads {record.offloaded_bytes:,} bytes (host temp "
-                 f"{'n/a' if host is None else f'{host:,}'} bytes)"]
-        if saving.error or saving.memory_bytes is None:
-            return notes + [f"saving them instead did not compile ({saving.error})"]
-        fall = saving.memory_bytes - record.memory_bytes
-        notes.append(f"device memory {fall:,} bytes below saving them "
-                     f"({fall / record.offloaded_bytes:.0%} of the offloaded bytes)")
-        if self.target.platform == "cpu":
-            notes.append(CPU_OFFLOAD_NOTE)
-        return notes
 
     def _compiled(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures."""
