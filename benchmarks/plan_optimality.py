@@ -100,8 +100,8 @@ def main(argv=None) -> int:
 
     failed = 0
     start = time.perf_counter()
-    print(f"| model | space | policies | budget (x none) | plan | FLOPs + | best fitting "
-          f"compiled | FLOPs + | plan - best | ok |")
+    print("| model | space | policies | budget (x none) | plan | FLOPs + | best fitting "
+          "compiled | FLOPs + | plan - best | ok |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.configs.split(","):
         cfg = get_config(name)
