@@ -260,7 +260,7 @@ def _plan(args) -> int:
 
     from remat_kit import report
     from remat_kit.budget import parse_budget
-    from remat_kit.plan import Planner, read_cache
+    from remat_kit.plan import CPU_OFFLOAD_NOTE, Planner, offload_bandwidth, read_cache
     from remat_kit.plan_cache import CACHE_LIMIT
     from remat_kit.record import MEMORY_LABELS
     from remat_kit.time_model import OBJECTIVES
@@ -290,6 +290,8 @@ def _plan(args) -> int:
     target_list = _targets(args.target)
     if len(target_list) > 1:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
+    if args.offload:
+        offload_bandwidth(target_list[0], True)  # no host memory: one line, before any work
     mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
     devices = 1 if mesh is None else mesh.size
     if args.objective is not None and args.objective not in OBJECTIVES:
@@ -306,7 +308,8 @@ def _plan(args) -> int:
 
     planner = Planner(work, progress=progress,
                       cache=args.cache if args.cache is not None else True,
-                      target=target_list[0], groups=groups, objective=args.objective)
+                      target=target_list[0], groups=groups, objective=args.objective,
+                      offload=args.offload)
     # Presets first: the planner takes any compiled policy that beats its own plan.
     named: dict[int, tuple] = {}
     for spec, r in zip(presets, planner.measure_all(presets)):
@@ -364,6 +367,18 @@ def _plan(args) -> int:
                         "time_overhead": best_time})})
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(t)
+    on_cpu = planner.target.platform == "cpu"
+    if planner.host_bandwidth is not None:
+        console.print(f"offload planned: host transfers at {planner.host_bandwidth / 1e9:.1f} GB/s "
+                      f"each way ({'this CPU' if on_cpu else planner.roofline.source}),"
+                      " hidden behind each layer's predicted compute, the excess charged",
+                      markup=False)
+        if on_cpu:
+            console.print(CPU_OFFLOAD_NOTE, markup=False)
+    for b, p in plans.items():
+        for note in p.offload_notes:
+            if note != CPU_OFFLOAD_NOTE:
+                console.print(f"budget {b}: {note}", markup=False)
     console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
                   f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))
@@ -558,6 +573,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--objective", default=None, metavar="flops|time",
                       help="minimize FLOPs or predicted step time (default: time on TPU and "
                            "GPU targets, flops on CPU)")
+    offload = plan.add_mutually_exclusive_group()
+    offload.add_argument("--offload", dest="offload", action="store_const", const=True,
+                         default=None, help="plan offload to host memory (default where the "
+                         "target lists a host bandwidth: tpu:v5e, tpu:v5p, gpu:h100, gpu:h200; "
+                         "on cpu only when asked)")
+    offload.add_argument("--no-offload", dest="offload", action="store_const", const=False,
+                         help="plan save and recompute only")
     plan.set_defaults(run=_plan)
 
     fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "

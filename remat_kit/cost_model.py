@@ -55,7 +55,8 @@ _BASE_SAVES = {"nothing": None, "dots": _cp.dots_saveable,
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """What saving or recomputing each decision item costs, summed over its occurrences.
+    """What saving, offloading or recomputing each decision item costs, summed over
+    its occurrences.
 
     An item is a tag (uniform decisions) or a (tag, group) pair (per layer group).
 
@@ -68,6 +69,14 @@ class CostModel:
       seconds: predicted seconds of recomputing each item (`time_model`); empty
         when no time model was given.
       base: the base rule the segments assume (`PLANNED_BASES`).
+      transfer: seconds of moving each offloadable item to host memory, one way
+        (its bytes over the host bandwidth); empty where offload is not planned.
+      hide: item -> group whose forward compute hides its transfers.
+      compute: group -> seconds of its layers' forward compute (`time_model`):
+        each way, transfers hide up to this much; only the excess is charged.
+      flop_rate: FLOP/s that converts a transfer's excess seconds to FLOPs for
+        objective "flops" (the target's peak: what the device could have run).
+      fixed: items always recomputed (never saved or offloaded), `narrowed`.
     """
 
     tags: tuple
@@ -77,92 +86,154 @@ class CostModel:
     needed: frozenset
     seconds: dict = dataclasses.field(default_factory=dict)
     base: str = "nothing"
+    transfer: dict = dataclasses.field(default_factory=dict)
+    hide: dict = dataclasses.field(default_factory=dict)
+    compute: dict = dataclasses.field(default_factory=dict)
+    flop_rate: float = 0.0
+    fixed: frozenset = frozenset()
 
-    def recomputed(self, saved) -> frozenset:
-        """The items recomputed when `saved` are saved: needed ones not saved,
-        and the unsaved parents of every recomputed item, transitively."""
-        out, stack = set(), [t for t in self.needed if t not in saved]
+    def narrowed(self, keep: Callable) -> "CostModel":
+        """This model with the items `keep(item)` rejects always recomputed."""
+        return dataclasses.replace(self, fixed=frozenset(t for t in self.tags if not keep(t)))
+
+    def recomputed(self, saved, offloaded=frozenset()) -> frozenset:
+        """The items recomputed when `saved` are saved (and `offloaded` offloaded):
+        needed ones not kept, and the unkept parents of every recomputed item,
+        transitively."""
+        kept = set(saved) | set(offloaded)
+        out, stack = set(), [t for t in self.needed if t not in kept]
         while stack:
             t = stack.pop()
             if t not in out:
                 out.add(t)
-                stack += [p for p in self.parents[t] if p not in saved]
+                stack += [p for p in self.parents[t] if p not in kept]
         return frozenset(out)
 
-    def cost(self, saved) -> tuple[int, float]:
-        """(saved bytes, recompute FLOPs) of saving `saved`."""
+    def cost(self, saved, offloaded=frozenset()) -> tuple[int, float]:
+        """(device bytes, recompute FLOPs) of saving `saved` and offloading
+        `offloaded`; offloaded items take no device bytes."""
         return (sum(self.nbytes[t] for t in saved),
-                sum(self.flops[t] for t in self.recomputed(saved)))
+                sum(self.flops[t] for t in self.recomputed(saved, offloaded)))
 
-    def time(self, saved) -> float:
-        """Predicted recompute seconds of saving `saved` (0 without a time model)."""
-        return sum(self.seconds.get(t, 0.0) for t in self.recomputed(saved))
+    def excess(self, offloaded) -> float:
+        """Transfer seconds not hidden behind compute: per group, both ways,
+        max(0, sum of its offloaded items' transfer - its forward compute)."""
+        load: dict = {}
+        for t in offloaded:
+            load[self.hide[t]] = load.get(self.hide[t], 0.0) + self.transfer[t]
+        return sum(2 * max(0.0, x - self.compute.get(g, 0.0)) for g, x in load.items())
+
+    def time(self, saved, offloaded=frozenset()) -> float:
+        """Predicted seconds of recompute and unhidden transfers (0 recompute
+        without a time model)."""
+        return (sum(self.seconds.get(t, 0.0) for t in self.recomputed(saved, offloaded))
+                + self.excess(offloaded))
+
+    def objective(self, saved, offloaded=frozenset(), objective: str = "flops") -> float:
+        """What `solve` minimizes: recompute FLOPs plus unhidden transfer seconds at
+        `flop_rate` ("flops"), or `time` ("time")."""
+        if objective == "time":
+            return self.time(saved, offloaded)
+        return self.cost(saved, offloaded)[1] + self.excess(offloaded) * self.flop_rate
 
     def solve(self, room: float, flop_tolerance: float = 0.0,
-              objective: str = "flops") -> tuple[frozenset, str]:
-        """The cheapest items to save within `room` bytes.
+              objective: str = "flops") -> tuple[frozenset, frozenset, str]:
+        """The cheapest items to save within `room` bytes, and to offload.
 
-        Binary s_t (save t) and r_t (recompute t), after Checkmate (Jain et al.
-        2020) with one recompute stage:
+        Binary s_t (save t), o_t (offload t; only items in `transfer`) and r_t
+        (recompute t), continuous e_g >= 0 (group g's unhidden transfer), after
+        Checkmate (Jain et al. 2020) with one recompute stage and offload as in
+        Beaumont et al. 2021 ("Efficient combination of rematerialization and
+        offloading"), the transfers overlapping compute:
 
-            minimize    sum_t cost_t r_t
-            subject to  s_t + r_t >= 1              t needed by the backward pass
-                        s_p + r_p >= r_t            p a parent of t
+            minimize    sum_t cost_t r_t + 2 w sum_g e_g
+            subject to  s_t + o_t + r_t >= 1         t needed by the backward pass
+                        s_p + o_p + r_p >= r_t       p a parent of t
+                        s_t + o_t <= 1
+                        e_g >= sum_{t in g} transfer_t o_t - compute_g
                         sum_t bytes_t s_t <= room
 
-        then again for the fewest bytes among solutions within the tolerance.
+        (w: 1 for "time", `flop_rate` for "flops"), then again for the fewest
+        stored bytes (saved, and a little more for offloaded: saving is preferred
+        where both fit; a little more in earlier layer groups) among solutions
+        within the tolerance.
 
         Args:
-          room: bytes the saved items may take.
+          room: device bytes the saved items may take.
           flop_tolerance: cost the second solve may give up for fewer bytes, in
             the objective's unit (FLOPs, or seconds for "time").
           objective: "flops" (cost_t = flops) or "time" (cost_t = seconds).
         Returns:
-          (saved items, HiGHS status message).
+          (saved items, offloaded items, HiGHS status message).
         """
         n = len(self.tags)
         if n == 0:
-            return frozenset(), "no tags to decide"
+            return frozenset(), frozenset(), "no tags to decide"
+        groups = sorted(set(self.hide[t] for t in self.transfer), key=str)
+        gi = {g: 3 * n + i for i, g in enumerate(groups)}
+        width = 3 * n + len(groups)
         index = {t: i for i, t in enumerate(self.tags)}
-        rows, lower = [], []
+        rows, lower, upper = [], [], []
 
-        def row(s=(), r=(), minus_r=()):
-            a = np.zeros(2 * n)
-            for t in s:
-                a[index[t]] += 1
-            for t in r:
-                a[n + index[t]] += 1
-            for t in minus_r:
-                a[n + index[t]] -= 1
-            return a
+        def row(*terms, low=0.0, high=np.inf):
+            a = np.zeros(width)
+            for col, coef in terms:
+                a[col] += coef
+            rows.append(a)
+            lower.append(low)
+            upper.append(high)
+
+        def s(t): return index[t]
+        def r(t): return n + index[t]
+        def o(t): return 2 * n + index[t]
 
         for t in self.needed:
-            rows.append(row(s=[t], r=[t]))
-            lower.append(1)
+            row((s(t), 1), (o(t), 1), (r(t), 1), low=1)
         for t in self.tags:
             for p in self.parents[t]:
-                rows.append(row(s=[p], r=[p], minus_r=[t]))
-                lower.append(0)
+                row((s(p), 1), (o(p), 1), (r(p), 1), (r(t), -1))
+            if t in self.transfer:
+                row((s(t), 1), (o(t), 1), low=-np.inf, high=1)
+        t_scale = max([*self.transfer.values(), *self.compute.values(), 1e-30])
+        for g in groups:
+            row((gi[g], 1), *((o(t), -self.transfer[t] / t_scale) for t in self.transfer
+                              if self.hide[t] == g), low=-self.compute.get(g, 0.0) / t_scale)
         weights = self.seconds if objective == "time" else self.flops
         # Scaled to ~1 so HiGHS's tolerances mean the same at any model size.
         b = np.array([self.nbytes[t] for t in self.tags], float)
         f = np.array([weights.get(t, 0.0) for t in self.tags], float)
         b_scale, f_scale = max(b.max(), 1.0), max(f.max(), 1e-30)
-        memory = np.concatenate([b / b_scale, np.zeros(n)])
-        cons = [LinearConstraint(np.array(rows), lower, np.inf)] if rows else []
+        per_second = 1.0 if objective == "time" else self.flop_rate
+        cost_row = np.concatenate([np.zeros(n), f / f_scale, np.zeros(n),
+                                   np.full(len(groups), 2 * per_second * t_scale / f_scale)])
+        memory = np.concatenate([b / b_scale, np.zeros(width - n)])
+        # Ties go to later layers: their residuals are read back first, so XLA often
+        # reuses their buffers before the peak (the last layer's can cost nothing).
+        layer = [t[1] if isinstance(t, tuple) else 0 for t in self.tags]
+        last = max(max(layer), 1)
+        late = np.array([1 + 1e-4 * (last - g) / last for g in layer])
+        stored = np.concatenate([late * b / b_scale, np.zeros(n), 1.001 * late * b / b_scale,
+                                 np.zeros(len(groups))])
+        cons = [LinearConstraint(np.array(rows), lower, upper)] if rows else []
         cons.append(LinearConstraint(memory[None], -np.inf, max(room, 0) / b_scale + 1e-9))
-        opts = dict(integrality=np.ones(2 * n), bounds=Bounds(0, 1),
-                    options={"mip_rel_gap": 0.0})
-        cost_row = np.concatenate([np.zeros(n), f / f_scale])
+        high = np.ones(width)
+        high[:n] = [float(t not in self.fixed) for t in self.tags]
+        high[2 * n:3 * n] = [float(t in self.transfer and t not in self.fixed)
+                             for t in self.tags]
+        high[3 * n:] = np.inf
+        opts = dict(integrality=np.r_[np.ones(3 * n), np.zeros(len(groups))],
+                    bounds=Bounds(0, high), options={"mip_rel_gap": 0.0})
         first = milp(cost_row, constraints=cons, **opts)
         if first.x is None:
-            return frozenset(), f"HiGHS: {first.message}"
+            return frozenset(), frozenset(), f"HiGHS: {first.message}"
         cons.append(LinearConstraint(cost_row[None], -np.inf,
                                      first.fun + 1e-7 + flop_tolerance / f_scale))
-        second = milp(memory, constraints=cons, **opts)
+        second = milp(stored, constraints=cons, **opts)
         x = second.x if second.x is not None else first.x
-        saved = frozenset(t for t in self.tags if x[index[t]] > 0.5)
-        return saved, f"HiGHS: {second.message if second.x is not None else first.message}"
+        saved = frozenset(t for t in self.tags if x[s(t)] > 0.5)
+        offloaded = frozenset(t for t in self.tags if x[o(t)] > 0.5)
+        return saved, offloaded, \
+            f"HiGHS: {second.message if second.x is not None else first.message}"
 
 
 # ---------------------------------------------------------------------------
@@ -269,8 +340,8 @@ class Program:
 
     def model(self, *, free: Sequence[str] = (), needed: Sequence[str] = (),
               base: str = "nothing", groups: int = 1,
-              roofline: "time_model.Roofline | None" = None, cache: dict | None = None
-              ) -> CostModel:
+              roofline: "time_model.Roofline | None" = None, cache: dict | None = None,
+              host_bandwidth: float | None = None) -> CostModel:
         """The `CostModel` of this program under base rule `base`.
 
         Args:
@@ -282,9 +353,15 @@ class Program:
             needs `per_layer` to be None.
           roofline: for predicted seconds (`CostModel.seconds`).
           cache: equation figures already measured (`time_model.eqn_costs`).
+          host_bandwidth: bytes/s each way between device and host memory, to
+            plan offload (`CostModel.transfer`); needs `roofline`. None: no offload.
         Raises:
-          ValueError: groups > 1 where `per_layer` says no, or outside 1..layers.
+          ValueError: groups > 1 where `per_layer` says no, or outside 1..layers;
+            host_bandwidth without roofline.
         """
+        if host_bandwidth is not None and roofline is None:
+            raise ValueError("planning offload needs a roofline: transfers hide behind "
+                             "the layers' predicted compute time")
         if groups > 1 and (self.per_layer or groups > len(self.layers)):
             raise ValueError(f"cannot decide tags in {groups} layer groups: "
                              f"{self.per_layer or f'the program has {len(self.layers)} layers'}")
@@ -329,10 +406,31 @@ class Program:
                     segment, aval, roofline, cache)
         tags = tuple(order)
         wanted = set(needed)
+        offload = {}
+        if host_bandwidth is not None:
+            offload = dict(transfer={t: nbytes[t] / host_bandwidth for t in tags if nbytes[t]},
+                           hide={t: 0 if groups == 1 else t[1] for t in tags},
+                           compute=self._compute(group, roofline, cache),
+                           flop_rate=roofline.bf16_flops)
         return CostModel(tags, nbytes, {t: flops.get(t, 0.0) for t in tags},
                          {t: frozenset(parents[t] - {t}) for t in tags},
                          frozenset(t for t in tags if (t if groups == 1 else t[0]) in wanted),
-                         {t: seconds.get(t, 0.0) for t in tags} if roofline else {}, base)
+                         {t: seconds.get(t, 0.0) for t in tags} if roofline else {}, base,
+                         **offload)
+
+    def _compute(self, group: dict, roofline, cache: dict) -> dict:
+        """Group -> predicted forward seconds of the remat regions holding tags in it
+        (all of them in group 0 where `group` is empty: uniform decisions)."""
+        tagged = {n.region for n in self.nodes if n.region is not None
+                  and tag_of(n.eqn) is not None}
+        out: dict = {}
+        for node in self.nodes:
+            if node.region in tagged and node.eqn.outvars:
+                f, b = time_model.eqn_costs(node.eqn, cache)
+                g = group.get(node.region, 0)
+                out[g] = out.get(g, 0.0) + node.scale * roofline.seconds(
+                    f, b, getattr(node.eqn.outvars[0].aval, "dtype", None))
+        return out
 
 
 def forward_jaxpr(loss: Callable, args) -> ClosedJaxpr:

@@ -13,6 +13,9 @@ _COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+) \(", re.M)
 _WHILE = re.compile(r"= [^\n]*? while\([^\n]*?body=%([^\s,]+)[^\n]*")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COST_KEYS = ("flops", "transcendentals")
+# XLA's memory analysis of host memory (TPU and GPU compiles; the CPU reports 0).
+HOST_FIELDS = ("host_temp_size_in_bytes", "host_argument_size_in_bytes",
+               "host_output_size_in_bytes")
 
 
 def _hlo_computations(text: str) -> tuple[str, dict[str, str], str]:
@@ -90,17 +93,19 @@ def memory_fields(compiled) -> dict[str, int | None]:
 
     Returns:
       {"temp_size_in_bytes", "peak_memory_in_bytes", "argument_size_in_bytes",
-      "output_size_in_bytes", "alias_size_in_bytes"}: bytes per device, None
-      for a figure the backend does not report; an empty dict if the backend
-      gives no memory analysis. On the XLA CPU backend peak_memory_in_bytes
+      "output_size_in_bytes", "alias_size_in_bytes", and the host-memory
+      figures "host_temp_size_in_bytes", "host_argument_size_in_bytes",
+      "host_output_size_in_bytes" (offloaded residuals live in host temp)}:
+      bytes per device, None for a figure the backend does not report; an
+      empty dict if the backend gives no memory analysis. On the XLA CPU backend peak_memory_in_bytes
       leaves out temp buffers (it is about arguments + outputs - aliased
       bytes, alike for every policy): compare policies by temp_size_in_bytes
       there.
     """
     stats = compiled.memory_analysis()
     keys = ("temp_size_in_bytes", "peak_memory_in_bytes", "argument_size_in_bytes",
-            "output_size_in_bytes", "alias_size_in_bytes")
+            "output_size_in_bytes", "alias_size_in_bytes", *HOST_FIELDS)
     return {k: getattr(stats, k, None) for k in keys} if stats is not None else {}
 
 
-__all__ = ["loop_scaled_costs", "memory_fields"]
+__all__ = ["HOST_FIELDS", "loop_scaled_costs", "memory_fields"]

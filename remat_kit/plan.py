@@ -30,7 +30,12 @@ memory?" in three steps:
 
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `FLOP_RESOLUTION` of the cheapest, so nothing
-   useless is saved. Recomputing
+   useless is saved. Where the target has host memory (`offload`), a third
+   binary o_t offloads t: it takes no device bytes, and its transfer (bytes
+   over the target's host bandwidth, each way) hides behind its layers'
+   predicted forward compute; only the excess is charged (as seconds, or for
+   objective "flops" as the FLOPs the device could have run meanwhile), see
+   `CostModel.solve`. Recomputing
    `mlpwo`'s input means recomputing `mlp_act`, which reads `mlpwi`: the
    parent constraints carry such chains.
 3. Verification: the chosen policy (`save:` the tags with s_t = 1; one per
@@ -41,7 +46,10 @@ memory?" in three steps:
    solved again; under budget, the unused bytes are offered back (XLA's
    buffer reuse often makes saved tags cost less than their size). Up to
    `max_iterations` policies are compiled; the one with the fewest measured
-   FLOPs (or least predicted time) that fits is returned, and `full` always fits. Every other policy
+   FLOPs (or least predicted time) that fits is returned, and `full` always fits.
+   A plan that offloads is compiled once more with those tags saved instead:
+   its notes give how far device memory fell and the compiler's host temp
+   memory (`Plan.offload_notes`, `Plan.host_bytes`). Every other policy
    the `Planner` has compiled for this loss (e.g. the presets `remat-kit plan`
    compares) is a candidate too. A budget that holds no remat returns `none`.
 
@@ -64,11 +72,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from remat_kit import offload as host_offload
 from remat_kit import targets, time_model
 from remat_kit.cost_model import (PLANNED_BASES, SAVE_TAGS, CostModel, Program, cost_model,
                                   forward_jaxpr, with_region_policies)
@@ -82,6 +91,7 @@ from remat_kit.policy import Policy
 from remat_kit.record import MEMORY_LABELS, Record, memory_kind
 from remat_kit.residuals import _stage
 from remat_kit.spec import AutoSpec, parse
+from remat_kit.offload import CPU_OFFLOAD_NOTE, offload_bandwidth
 from remat_kit.time_model import OBJECTIVES
 from remat_kit.workload import Workload, _as_factory
 
@@ -93,6 +103,7 @@ FLOP_RESOLUTION = 1e-4
 TIME_RESOLUTION = 5e-3
 # Stacks up to this many layers get one group per layer by default (`groups="layers"`).
 MAX_DEFAULT_GROUPS = 64
+
 
 
 def _check_differentiable(args) -> None:
@@ -138,10 +149,10 @@ class Planner:
         takes it: the cost model's bytes and FLOPs are then per device, like
         the compiled figures. Needed where a shard is not a valid input
         (parameters split over fsdp or tensor).
-      groups: layer groups each tag is decided in: 1 (one decision per tag for
-        every layer), an int G from 1 to the number of layers (G runs of
-        consecutive layers, as even as possible), or "layers" (one group per
-        layer, up to `MAX_DEFAULT_GROUPS` groups). The layers are the remat
+      groups: layer groups each tag is decided in: "layers" (the default: one
+        group per layer, up to `MAX_DEFAULT_GROUPS` groups), 1 (one decision
+        per tag for every layer), or an int G from 1 to the number of layers
+        (G runs of consecutive layers, as even as possible). The layers are the remat
         regions that hold tags (`cost_model.Program`); where they cannot take
         their own policies (a scanned stack, one remat region) plans are
         uniform and say why in their status.
@@ -149,24 +160,40 @@ class Planner:
         `remat_kit.time_model`); default "time" on TPU and GPU targets, "flops"
         on CPU.
       predict_time: also predict each plan's step time (`Plan.predicted_seconds`);
-        always on for objective "time".
+        always on for objective "time" and where offload is planned.
+      offload: plan offload to host memory as a third decision per tag (see
+        the module docstring): None (default) where the target lists a host
+        bandwidth (`targets.PEAKS`: TPU v5e / v5p, H100, H200), True to ask for
+        it (on the CPU too, where host memory is device memory: the plan is
+        then checked against the compiled memory less the offloaded bytes, and
+        says so), False for none; or a host bandwidth in bytes/s to plan
+        offload with in place of the target's (a what-if for a faster link).
+      decide: tag names the plan may save or offload; the others are always
+        recomputed. Default every tag (the optimality benchmark narrows it).
 
     Raises:
       ValueError: max_iterations not a positive int, groups not a positive int
-        or "layers", an objective other than "flops" or "time".
+        or "layers", or above the number of layers (the message gives the
+        range), an objective other than "flops" or "time".
+      TargetError: offload=True on a target that lists no host bandwidth.
     """
 
     def __init__(self, loss_fn: Callable, *args, cache: "str | bool | None" = True,
                  max_iterations: int = 3, progress: Callable[[str], None] | None = None,
                  target=None, per_device: tuple[Callable, tuple] | None = None,
-                 groups: "int | str" = 1, objective: str | None = None,
-                 predict_time: bool = True):
+                 groups: "int | str" = "layers", objective: str | None = None,
+                 predict_time: bool = True, offload: "bool | float | None" = None,
+                 decide: "Collection[str] | None" = None):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
-        if groups != "layers" and (isinstance(groups, bool) or not isinstance(groups, int)
-                                   or groups < 1):
-            raise ValueError(f"groups must be a positive int or 'layers', got {groups!r}")
+        if groups != "layers" and (isinstance(groups, bool) or not isinstance(groups, int)):
+            raise ValueError(f"groups must be a whole number of layer groups or 'layers', "
+                             f"got {groups!r}")
+        if not (offload in (None, True, False) or isinstance(offload, (int, float))
+                and offload > 0):
+            raise ValueError(f"offload must be None, True, False or a host bandwidth in "
+                             f"bytes/s > 0, got {offload!r}")
         if isinstance(loss_fn, Workload):
             if args:
                 raise TypeError("Planner takes a Workload or a loss and its args, not both")
@@ -182,7 +209,7 @@ class Planner:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
                              f"{objective!r}")
         self.groups = groups
-        self.predict_time = predict_time or self.objective == "time"
+        self.decide = None if decide is None else frozenset(decide)
         self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
@@ -194,6 +221,11 @@ class Planner:
         self._roofline = None
         self._fingerprint: str | None = None
         self._staged = None
+        self.host_bandwidth = offload_bandwidth(self.target, offload)
+        self.predict_time = (predict_time or self.objective == "time"
+                             or self.host_bandwidth is not None)
+        if groups != "layers":
+            self.group_count()  # a group count outside 1..layers fails here, not at plan
 
     # -- measurements, each made once -------------------------------------
 
@@ -288,9 +320,13 @@ class Planner:
             staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
                       if self.per_device is not None else self.staged)
             needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-            self._models[(base, groups)] = self.program.model(
+            model = self.program.model(
                 free=free, needed=needed, base=base, groups=groups,
-                roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache)
+                roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache,
+                host_bandwidth=self.host_bandwidth)
+            if self.decide is not None:
+                model = model.narrowed(lambda t: (t if groups == 1 else t[0]) in self.decide)
+            self._models[(base, groups)] = model
         return self._models[(base, groups)]
 
     @property
@@ -309,21 +345,34 @@ class Planner:
             return (1, None) if why else (min(layers, MAX_DEFAULT_GROUPS), None)
         if self.groups == 1:
             return 1, None
-        if why:
+        if why and self.groups > 1:
             return 1, f"groups={self.groups} not possible ({why}): one decision per tag"
-        if self.groups > layers:
-            raise ValueError(f"groups={self.groups} is more than the {layers} layers; use "
-                             f"1..{layers}")
+        if not 1 <= self.groups <= layers:
+            raise ValueError(f"groups={self.groups}: give a whole number of layer groups from 1 "
+                             f"to {max(layers, 1)} (the program's layers), or 'layers'")
         return self.groups, None
 
-    def _policy(self, saved, base: str, groups: int):
-        """The policy saving `saved` items: one Policy, or one per layer where they differ."""
+    def _policy(self, saved, base: str, groups: int, offloaded=frozenset()):
+        """The policy saving `saved` items and offloading `offloaded`: one Policy, or
+        one per layer where they differ."""
         if groups == 1:
-            return Policy(save=frozenset(saved), base=base)
+            return Policy(save=frozenset(saved), offload=frozenset(offloaded), base=base)
         group = self.program.groups(groups)
-        layers = tuple(Policy(save=frozenset(t for t, g in saved if g == group[r]), base=base)
+        layers = tuple(Policy(save=frozenset(t for t, g in saved if g == group[r]),
+                              offload=frozenset(t for t, g in offloaded if g == group[r]),
+                              base=base)
                        for r in self.program.layers)
         return layers[0] if len(set(layers)) == 1 else layers
+
+    def transfer_seconds(self, policy) -> float:
+        """Predicted seconds of `policy`'s host transfers not hidden behind its
+        layers' compute (`remat_kit.offload.transfer_seconds`)."""
+        return host_offload.transfer_seconds(self, policy)
+
+    def record_of(self, policy) -> Record:
+        """The compiled record (memoized) of a Policy or of a per-layer tuple of them."""
+        return self._measure_layers(policy) if isinstance(policy, tuple) \
+            else self.measure_all([policy])[0]
 
     def _record(self, policy) -> Record:
         return self._measure_layers(policy) if isinstance(policy, tuple) \
@@ -334,21 +383,23 @@ class Planner:
         device: its compiled record's (`Record.predicted_seconds`, a roofline per
         compiled op; compiles it if not yet), else where that has none the
         roofline of every equation of its value-and-grad program
-        (`time_model.program_seconds`)."""
+        (`time_model.program_seconds`); plus its host transfers not hidden behind
+        compute (`transfer_seconds`)."""
         key = layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
         if key not in self._seconds:
             layered = isinstance(policy, tuple)
-            found = self._record(policy if layered else parse(policy)).predicted_seconds
+            policy = policy if layered else parse(policy)
+            found = self._record(policy).predicted_seconds
             if found is None:
                 if layered:
                     loss, per_device = self._layer_program(policy)
                     fn, args = per_device or ((lambda _: loss), self.args)
                 else:
                     fn, args = self.per_device or (self.loss_fn, self.args)
-                program = _stage(fn(None if layered else parse(policy)), args).program
+                program = _stage(fn(None if layered else policy), args).program
                 found = time_model.program_seconds(program.jaxpr, self.roofline,
                                                    self._eqn_cache)
-            self._seconds[key] = found
+            self._seconds[key] = found + self.transfer_seconds(policy)
         return self._seconds[key]
 
     def _policy_of(self, record: Record):
@@ -360,11 +411,14 @@ class Planner:
         predicted seconds), then its memory. Predicted seconds within
         `TIME_RESOLUTION` of no remat's are a tie, broken by FLOPs: the time
         model is not that accurate, and fewer FLOPs never cost time."""
+        policy = self._policy_of(record)
+        stored = self.device_bytes(record) + record.offloaded_bytes  # saving beats offloading
         if self.objective == "time":
             step = TIME_RESOLUTION * self.seconds(Policy(remat=False))
-            return (round(self.seconds(self._policy_of(record)) / step), record.flops,
-                    record.memory_bytes)
-        return (record.flops, record.memory_bytes)
+            return (round(self.seconds(policy) / step), record.flops, stored)
+        excess = self.transfer_seconds(policy) * self.roofline.bf16_flops if \
+            self.host_bandwidth is not None else 0.0
+        return (record.flops + excess, stored)
 
     @property
     def staged(self):
@@ -445,7 +499,8 @@ class Planner:
         groups, group_note = self.group_count()
         # The figure budgeted is in the key: a temp plan never answers a peak budget.
         key = (f"{self.fingerprint()}|{memory_kind(self.target.platform)}|{parsed}"
-               f"|groups={groups}|{self.objective}")
+               f"|groups={groups}|{self.objective}|offload={self.host_bandwidth}"
+               + (f"|decide={','.join(sorted(self.decide))}" if self.decide is not None else ""))
         if self.cache and key in (hit := read_cache(self.cache) or {}):
             try:
                 return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
@@ -484,46 +539,57 @@ class Planner:
             if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
                 continue
             model = self.model_for(base, groups)
-            saved, _ = model.solve(limit - floor.memory_bytes, unit, self.objective)
-            starts.append((self._predict(base, floor, model, saved)[2 if time_objective else 1],
-                           base))
+            saved, offloaded, _ = model.solve(limit - floor.memory_bytes, unit, self.objective)
+            predicted = self._predict(base, floor, model, saved, offloaded)
+            starts.append((predicted[2] if time_objective else predicted[1]
+                           + model.excess(offloaded) * model.flop_rate, base))
         tried, status, best = set(), "", None
         if starts:
             base = min(starts)[1]
             floor, model = floors[base], self.model_for(base, groups)
             notes.append(f"base {base}")
-            room, hi = limit - floor.memory_bytes, None
+            room, hi, fit = limit - floor.memory_bytes, None, False
             for _ in range(self.max_iterations):
-                saved, status = model.solve(room, unit, self.objective)
-                if saved in tried:
-                    break  # the room moved, the answer did not
-                tried.add(saved)
-                policy = self._policy(saved, base, groups)
-                record = self._record(policy)
+                saved, offloaded, status = model.solve(room, unit, self.objective)
+                if (saved, offloaded) in tried:
+                    # The room moved, the answer did not. Where the last compile fit,
+                    # the budget may hold more than the model says (XLA reuses buffers:
+                    # the last layer's residuals often cost nothing): offer the next
+                    # smallest item, below any room already found too much.
+                    bump = min((model.nbytes[t] for t in model.tags if model.nbytes[t]
+                                and t not in saved and t not in model.fixed), default=None)
+                    if not fit or bump is None or (hi is not None and room + bump >= hi):
+                        break
+                    room, fit = room + bump, False
+                    continue
+                tried.add((saved, offloaded))
+                policy = self._policy(saved, base, groups, offloaded)
+                record = self.record_of(policy)
                 tag_bytes = model.cost(saved)[0]
                 name = record.policy
                 if record.error or record.memory_bytes is None or record.flops is None:
                     notes.append(f"{name}: no figures ({record.error}), skipped")
                     hi, room = tag_bytes, max(0, tag_bytes - 1)
                     continue
-                notes.append(f"{name}: {record.memory_bytes:,} bytes, "
-                             + ("fits" if record.memory_bytes <= limit else "over"))
-                if record.memory_bytes <= limit:
+                used = self.device_bytes(record)
+                fit = used <= limit
+                notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
+                if fit:
                     found = (self.score(record), policy, record,
-                             self._predict(base, floor, model, saved))
+                             self._predict(base, floor, model, saved, offloaded))
                     best = found if best is None or found[0] < best[0] else best
                     # Fits with bytes to spare: the model over-predicted; offer the slack,
                     # but stay below a room that was already too much.
-                    grown = room + limit - record.memory_bytes
+                    grown = room + limit - used
                     room = grown if hi is None else min(grown, (room + hi) / 2)
                 else:
                     # Over budget: shrink the room by the overshoot, and below this plan's bytes.
                     hi = tag_bytes
-                    room = max(0, min(room - (record.memory_bytes - limit), tag_bytes - 1))
+                    room = max(0, min(room - (used - limit), tag_bytes - 1))
         # Any other policy compiled for this loss (the base rules alone, the presets
         # remat-kit plan compares) that fits and scores better wins: it is verified
         # just the same.
-        other = min((r for r in self._compiled() if r.memory_bytes <= limit),
+        other = min((r for r in self._compiled() if self.device_bytes(r) <= limit),
                     key=self.score)  # `least` fits
         if best is None or self.score(other) < best[0]:
             policy, record = self._policy_of(other), other
@@ -533,22 +599,33 @@ class Planner:
         else:
             _, policy, record, predicted = best
             predicted = predicted[:2]
+        offload_notes = host_offload.verify(self, policy, record)
         return self._finish(key, budget, limit, policy, record, *predicted,
                             "; ".join([status, *notes, "chose " + (
                                 layers_summary(policy) if isinstance(policy, tuple)
-                                else str(policy))]), len(tried),
-                            groups)
+                                else str(policy)), *offload_notes]), len(tried),
+                            groups, offload_notes)
 
-    def _predict(self, base, floor, model, saved) -> tuple[int, float, float | None]:
-        """(bytes, FLOPs, seconds or None) the cost model predicts for saving `saved`
-        above base rule `base` alone (`floor`, its compiled record)."""
-        nbytes, flops = model.cost(saved)
+    def _predict(self, base, floor, model, saved,
+                 offloaded=frozenset()) -> tuple[int, float, float | None]:
+        """(device bytes, FLOPs, seconds or None) the cost model predicts for saving
+        `saved` and offloading `offloaded` above base rule `base` alone (`floor`,
+        its compiled record)."""
+        nbytes, flops = model.cost(saved, offloaded)
         empty = model.cost(frozenset())[1]
         seconds = None
         if self.objective == "time":
             seconds = self.seconds(Policy(base=base)) - model.time(frozenset()) + \
-                model.time(saved)
+                model.time(saved, offloaded)
         return floor.memory_bytes + nbytes, floor.flops - empty + flops, seconds
+
+    def device_bytes(self, record: Record) -> int:
+        """The device memory `record` is budgeted by: its `memory_bytes`, less its
+        offloaded residuals on the CPU target when offload is planned there (host
+        memory is device memory on the CPU, so its compile counts them)."""
+        if self.target.platform == "cpu" and self.host_bandwidth is not None:
+            return record.memory_bytes - record.offloaded_bytes
+        return record.memory_bytes
 
     def _compiled(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures."""
@@ -556,7 +633,7 @@ class Planner:
                 if r.error is None and r.flops is not None and r.memory_bytes is not None]
 
     def _finish(self, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
-                status, iterations, groups) -> Plan:
+                status, iterations, groups, offload_notes=()) -> Plan:
         least, none = self.minimum()
         if none is None:
             status += "; no remat runs out of the target's memory: its FLOPs are the cost model's"
@@ -565,7 +642,7 @@ class Planner:
             budget=str(budget), budget_bytes=limit, policy=policy,
             spec=layers_summary(policy) if layered else str(policy),
             predicted_bytes=predicted_bytes,
-            predicted_flops=predicted_flops, measured_bytes=record.memory_bytes,
+            predicted_flops=predicted_flops, measured_bytes=self.device_bytes(record),
             measured_flops=record.flops, none_bytes=none, none_flops=self.none_flops(),
             minimum_bytes=least, status=status, iterations=iterations,
             platform=record.platform, memory_kind=self.memory_kind,
@@ -573,7 +650,9 @@ class Planner:
             layer_specs=tuple(map(str, policy)) if layered else (), groups=groups,
             objective=self.objective,
             predicted_seconds=self.seconds(policy) if self.predict_time else None,
-            none_seconds=self.seconds(Policy(remat=False)) if self.predict_time else None)
+            none_seconds=self.seconds(Policy(remat=False)) if self.predict_time else None,
+            offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
+            offload_notes=tuple(offload_notes))
         if self.cache:
             _write_cache(self.cache, key, result)
         return result
@@ -603,8 +682,8 @@ class Planner:
 
 
 def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
-         max_iterations: int = 3, target=None, groups: "int | str" = 1,
-         objective: str | None = None) -> Plan:
+         max_iterations: int = 3, target=None, groups: "int | str" = "layers",
+         objective: str | None = None, offload: "bool | float | None" = None) -> Plan:
     """The cheapest policy (fewest FLOPs) whose compiled memory fits `budget`.
 
     `rk.plan(loss_fn, *args, budget="6GiB")`: a mixed-integer program over the
@@ -621,17 +700,21 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       max_iterations: compiles per budget before falling back to `full`.
       target: whose compiler to plan for (`remat_kit.targets`, e.g.
         "tpu:v5e:1x1"); default JAX's default backend.
-      groups, objective: see `Planner`.
+      groups, objective, offload: see `Planner` (default: each layer its own
+        group, for stacks up to `MAX_DEFAULT_GROUPS` layers; offload where the
+        target has host memory).
     Returns:
       A `Plan` with measured_bytes <= budget_bytes.
     Raises:
       BudgetError: a malformed budget, or one below full remat's memory.
-      TargetError: a bad target, or libtpu / the CUDA plugin missing.
+      TargetError: a bad target, or libtpu / the CUDA plugin missing, or
+        offload=True on a target without host memory.
       ValueError: no args, or args[0] holds no floating-point array: there
-        is nothing to differentiate.
+        is nothing to differentiate; a group count outside 1..layers.
     """
     return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
-                   target=target, groups=groups, objective=objective).plan(budget)
+                   target=target, groups=groups, objective=objective,
+                   offload=offload).plan(budget)
 
 
 def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=None,
@@ -678,6 +761,7 @@ def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool |
     return cfg.replace(remat=planned.spec)
 
 
-__all__ = ["CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner", "config_planner",
+__all__ = ["CPU_OFFLOAD_NOTE", "CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner",
+           "config_planner", "offload_bandwidth",
            "cost_model", "default_cache_path", "layers_summary", "plan",
            "read_cache", "resolve", "resolve_config"]

@@ -34,8 +34,9 @@ class Plan:
         grad) under the policy.
       measured_bytes, measured_flops: the compiled step's memory
         (`Record.memory_bytes`: `temp_size_in_bytes` on CPU,
-        `peak_memory_in_bytes` on TPU and GPU) and FLOPs (loops counted per
-        trip), from `measure`.
+        `peak_memory_in_bytes` on TPU and GPU; on the CPU with offload planned,
+        less the offloaded bytes, which its compile counts) and FLOPs (loops
+        counted per trip), from `measure`.
       none_bytes, none_flops: the same for no remat (`none`). Where no
         remat's compile runs out of the target's memory (`none_out_of_memory`),
         none_bytes is None and none_flops is the cost model's: `full`'s
@@ -59,8 +60,13 @@ class Plan:
       objective: what the plan minimized, "flops" or "time" (`OBJECTIVES`).
       predicted_seconds, none_seconds: predicted step time of the plan and of no
         remat (`time_model.compiled_seconds`: a roofline per op of the compiled
-        value-and-grad program, a fusion one op, on the target's peaks),
-        seconds; None where not predicted.
+        value-and-grad program, a fusion one op, on the target's peaks, plus
+        host transfers not hidden behind compute), seconds; None where not
+        predicted.
+      offloaded_bytes: residual bytes the plan moves to host memory (its record's
+        `offloaded_bytes`); host_bytes: the compiler's host temp memory
+        (`host_temp_size_in_bytes`), None where it gives none; offload_notes:
+        what verification found offloading did to the device memory.
     """
 
     budget: str
@@ -85,6 +91,9 @@ class Plan:
     objective: str = "flops"
     predicted_seconds: float | None = None
     none_seconds: float | None = None
+    offloaded_bytes: int = 0
+    host_bytes: int | None = None
+    offload_notes: tuple[str, ...] = ()
 
     @property
     def memory_fraction(self) -> float | None:
@@ -106,7 +115,8 @@ class Plan:
     def to_dict(self) -> dict:
         """JSON-ready: every field (policy as its spec), plus memory_fraction,
         flops_overhead and time_overhead."""
-        d = dataclasses.asdict(self) | {"policy": self.spec, "layer_specs": list(self.layer_specs)}
+        d = dataclasses.asdict(self) | {"policy": self.spec, "layer_specs": list(self.layer_specs),
+                                        "offload_notes": list(self.offload_notes)}
         return d | {"memory_fraction": self.memory_fraction,
                     "flops_overhead": self.flops_overhead, "time_overhead": self.time_overhead}
 
@@ -117,7 +127,8 @@ class Plan:
         layers = tuple(d.get("layer_specs") or ())
         policy = tuple(parse(s) for s in layers) if layers else parse(d["spec"])
         return cls(**{k: v for k, v in d.items() if k in fields}
-                   | {"policy": policy, "layer_specs": layers})
+                   | {"policy": policy, "layer_specs": layers,
+                      "offload_notes": tuple(d.get("offload_notes") or ())})
 
 
 def layers_summary(policies: Sequence[Policy]) -> str:

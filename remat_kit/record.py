@@ -55,6 +55,9 @@ class Record:
         `compiled.memory_analysis()` (`memory_fields`); None where the
         backend gives none. Which of the first two a policy is ranked and
         budgeted by is `memory_kind` (`memory_bytes` is its value).
+      host_temp_size_in_bytes, host_argument_size_in_bytes,
+        host_output_size_in_bytes: the same analysis of host memory, where
+        offloaded residuals live (None where the backend gives none).
       flops, transcendentals: from `compiled.cost_analysis()`, loops counted
         per trip (`loop_scaled_costs`); None where the backend gives none.
       compile_seconds: tracing, lowering and compiling, seconds.
@@ -90,6 +93,9 @@ class Record:
     argument_size_in_bytes: int | None = None
     output_size_in_bytes: int | None = None
     alias_size_in_bytes: int | None = None
+    host_temp_size_in_bytes: int | None = None
+    host_argument_size_in_bytes: int | None = None
+    host_output_size_in_bytes: int | None = None
     flops: float | None = None
     transcendentals: float | None = None
     compile_seconds: float | None = None

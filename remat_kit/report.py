@@ -39,6 +39,9 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
           "argument_size_in_bytes": int | null,
           "output_size_in_bytes": int | null,
           "alias_size_in_bytes": int | null,
+          "host_temp_size_in_bytes": int | null,     # host memory: where
+          "host_argument_size_in_bytes": int | null, # offloaded residuals
+          "host_output_size_in_bytes": int | null,   # live (0 on CPU)
           "flops": float | null,          # loops counted per trip
           "transcendentals": float | null,
           "compile_seconds": float | null,

@@ -231,15 +231,22 @@ def parse_targets(text: str) -> list[Target]:
 # ---------------------------------------------------------------------------
 
 _PCIE5_X16 = 64e9  # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b coding, ~63 GB/s each way
+# TPU host <-> HBM (PCIe DMA): Google publishes no per-chip figure; "How to Scale Your
+# Model" (Austin et al. 2025, jax-ml.github.io/scaling-book/tpus, "PCIe" in its bandwidth
+# table, 16-32 GB/s by generation; its worked example takes 1.5e10 bytes/s) gives the
+# order of magnitude; we take the low end, 1.5e10 bytes/s each way, for v5e and v5p.
+_TPU_HOST_DMA = 1.5e10
 # Dense (no sparsity) peaks. bf16_flops: 16-bit matmul; f32_flops: what an f32
 # matmul runs at under JAX's default precision (TPU: one bf16 pass; NVIDIA: TF32).
 PEAKS = {
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2.
     "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
-                "source": "cloud.google.com/tpu/docs/v5e"},
+                "host_bandwidth": _TPU_HOST_DMA,
+                "source": "cloud.google.com/tpu/docs/v5e; host DMA: jax-ml.github.io/scaling-book"},
     # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
     "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
-                "source": "cloud.google.com/tpu/docs/v5p"},
+                "host_bandwidth": _TPU_HOST_DMA,
+                "source": "cloud.google.com/tpu/docs/v5p; host DMA: jax-ml.github.io/scaling-book"},
     # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM): BF16 1,979 TFLOP/s
     # with sparsity (989 dense), TF32 989 with sparsity (494.5 dense), 3.35 TB/s HBM3;
     # host link PCIe Gen5 x16.

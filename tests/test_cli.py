@@ -178,6 +178,8 @@ _TYPES = {
     "residual_bytes_by_primitive": dict, "residual_bytes_by_argument": dict,
     "activation_residual_bytes": int, "offloaded_bytes": int, "temp_size_in_bytes": int,
     "argument_size_in_bytes": int, "output_size_in_bytes": int, "alias_size_in_bytes": int,
+    "host_temp_size_in_bytes": int, "host_argument_size_in_bytes": int,
+    "host_output_size_in_bytes": int,
     "flops": float, "transcendentals": float, "compile_seconds": float,
     "layer_residual_bytes": int, "layers_residual_bytes": int, "notes": list,
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,

@@ -107,7 +107,7 @@ def test_grouped_milp_matches_brute_force(planner):
                         frozenset(full.needed & set(items)), base=base)
         total = sum(sub.nbytes.values())
         for room in (0, 0.1 * total, 0.3 * total, 0.5 * total, 0.8 * total):
-            saved, status = sub.solve(room)
+            saved, _, status = sub.solve(room)
             assert "Optimal" in status
             assert sub.cost(saved)[::-1] == pytest.approx(_brute_force(sub, room), rel=1e-9)
 
@@ -187,6 +187,20 @@ def test_cli_plan_bad_groups_objective(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("groups", [0, -1, 3])
+def test_api_bad_group_count(groups):
+    """A group count outside 1..layers fails when the Planner is made, naming the
+    value and the range; the default is one group per layer."""
+    ws = [(jax.ShapeDtypeStruct((64, 64), jnp.float32),) * 2] * 2
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    with pytest.raises(ValueError, match=f"groups={groups}: give a whole number of layer "
+                                         "groups from 1 to 2"):
+        Planner(_two_layer_factory, ws, x, cache=None, groups=groups)
+    with pytest.raises(ValueError, match="groups=3: give a whole number"):
+        rk.plan(_two_layer_factory, ws, x, budget=0.5, cache=None, groups=3)
+    assert Planner(_two_layer_factory, ws, x, cache=None).group_count() == (2, None)
+
+
 @pytest.fixture(scope="module")
 def llama_planner():
     return config_planner(get_config("tiny_llama"), BATCH, SEQ, cache=None)
@@ -205,6 +219,47 @@ def test_solver_optimum_equals_brute_force(which, request):
         for frac in (0.05, 0.2, 0.4, 0.6, 0.9):
             room = frac * total
             best = min((f, b) for b, f in costs if b <= room)
-            saved, status = model.solve(room)
+            saved, _, status = model.solve(room)
             assert "Optimal" in status
             assert model.cost(saved)[::-1] == pytest.approx(best, rel=1e-9), (base, frac)
+
+
+def _two_layer_factory(policy):
+    """Two residual MLP layers, each its own remat region under `policy` (or none)."""
+    def layer(h, w):
+        z = rk.tag(h @ w[0], "mlpwi")
+        a = rk.tag(jnp.tanh(z), "mlp_act")
+        return h + a @ w[1]
+    step = jax.checkpoint(layer, policy=policy.to_jax()) if policy.remat else layer
+
+    def loss(ws, x):
+        for w in ws:
+            x = step(x, w)
+        return jnp.sum(x ** 2)
+    return loss
+
+
+def test_plan_is_the_best_compiled_policy_of_its_space():
+    """benchmarks/plan_optimality.py's check on a 2-layer model: at 3 budgets the
+    verified per-layer plan is within 0.5% of the FLOPs of the best fitting policy
+    among all 48 (2 tags per layer x 2 layers x 3 base rules), each compiled."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plan_optimality.py")
+    spec = importlib.util.spec_from_file_location("plan_optimality", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ws = [(jax.ShapeDtypeStruct((64, 256), jnp.float32),
+           jax.ShapeDtypeStruct((256, 64), jnp.float32))] * 2
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+
+    def make(**kw):
+        return Planner(_two_layer_factory, ws, x, cache=None, groups=2, offload=False,
+                       objective="flops", **kw)
+    tags = ("mlpwi", "mlp_act")
+    policies = bench.space(tags, 2)
+    assert len(policies) == 48
+    limits = bench.budgets(make(), n=3)
+    rows = bench.check(make, policies, limits, tags)
+    assert all(r["ok"] for r in rows), rows
+    assert any(r["plan_flops"] > 0 for r in rows)  # a budget that needs remat

@@ -207,7 +207,8 @@ def test_planner_budgets_the_peak_on_tpu(tmp_path):
     """A budget no remat's temp fits but its peak does not: the planner must remat, within
     the peak; a plan cached for another figure is never returned."""
     cache = tmp_path / "plans.json"
-    planner = config_planner(get_config("tiny"), B, S, target="tpu:v5e:1x1", cache=str(cache))
+    planner = config_planner(get_config("tiny"), B, S, target="tpu:v5e:1x1", cache=str(cache),
+                             groups=1, offload=False)
     none, full = planner.measure("none"), planner.measure("full")
     assert planner.memory_kind == PEAK
     budget = (none.peak_memory_in_bytes + full.peak_memory_in_bytes) // 2
