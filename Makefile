@@ -30,7 +30,7 @@ demo: venv
 # Each prints its 15 slowest tests, so drift is seen. Compiled programs are cached
 # in .cache/jax (tests/conftest.py): a second `make test` compiles only what changed.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=15
+PYTEST := $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
 test: venv
 	$(PYTEST)
