@@ -23,10 +23,15 @@ $(STAMP): requirements.txt pyproject.toml scripts/find_python.sh
 demo: venv
 	$(PY) -m experiments.train --config=experiments/configs/demo.py --workdir=runs/demo
 
+# The tests run in TEST_WORKERS processes (pytest-xdist), one test module per
+# process at a time, so a module's shared compiled fixtures are built once.
 # The second run repeats the tests marked remat_modes under JAX's newer remat
 # (jax_remat3); exit code 5 means none are marked yet, which is not a failure.
 # Each prints its 15 slowest tests, so drift is seen. Compiled programs are cached
 # in .cache/jax (tests/conftest.py): a second `make test` compiles only what changed.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
+
 test: venv
-	$(PY) -m pytest tests --durations=15
-	JAX_REMAT3=1 $(PY) -m pytest tests -m remat_modes --durations=15; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PYTEST)
+	JAX_REMAT3=1 $(PYTEST) -m remat_modes; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
