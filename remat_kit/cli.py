@@ -162,6 +162,14 @@ def _compare(args) -> int:
     return 0
 
 
+def _parses(spec: str) -> bool:
+    try:
+        parse(spec)
+    except RematSpecError:
+        return False
+    return True
+
+
 def _explain(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -176,6 +184,10 @@ def _explain(args) -> int:
     batch, seq = _sizes(args, src)
     if args.policy is None and cfg is None:
         raise BadInput("explain --model needs --policy (a --model has no default policy)")
+    if args.policy is not None and "," in args.policy and all(
+            _parses(p) for p in args.policy.split(",")):
+        raise BadInput(f"explain shows one policy, got {args.policy!r}; compare takes several "
+                       f"(remat-kit compare --policies {args.policy})")
     policy = parse(args.policy if args.policy is not None else cfg.remat)
     if isinstance(policy, AutoSpec):
         raise BadInput(f"explain shows one policy; {policy} is planned per model: run "
@@ -234,7 +246,7 @@ def _explain(args) -> int:
         totals.add_column(name, justify="right" if name else "left")
     totals.add_row("per layer", report.fmt_bytes(layer.saved_bytes),
                    report.fmt_bytes(layer.offloaded_bytes), report.fmt_bytes(layer.recomputed_bytes))
-    totals.add_row(f"model ({n} layers)", report.fmt_bytes(n * layer.saved_bytes),
+    totals.add_row(f"model ({n} layer{'' if n == 1 else 's'})", report.fmt_bytes(n * layer.saved_bytes),
                    report.fmt_bytes(n * layer.offloaded_bytes),
                    report.fmt_bytes(n * layer.recomputed_bytes))
     console.print(totals)

@@ -14,9 +14,9 @@ def _closest(word: str, choices: Sequence[str]) -> str | None:
 
 
 def _choices_text(choices: Sequence[str], limit: int = 24) -> str:
-    # Long lists (80-odd preset names) are cut: the README's policy reference has them all.
+    # Long lists (80-odd preset names) are cut: docs/policies.md has them all.
     shown = ", ".join(choices[:limit])
-    more = f", ... and {len(choices) - limit} more (README: Policy reference)"
+    more = f", ... and {len(choices) - limit} more (docs/policies.md lists them)"
     return shown + (more if len(choices) > limit else "")
 
 

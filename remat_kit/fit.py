@@ -449,9 +449,10 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     for n, i in enumerate(order):
         start_units = max((r.size for r in rows if r is not None), default=0) // multiple
         if auto[i]:
-            # On the step's devices: without a mesh, one device of the target.
+            # On the step's devices: without a mesh, one device of the target. One
+            # decision for every layer: the train step (`_Steps`) compiles a spec string.
             chooser = _Auto(steps, budget_bytes, lambda size: Planner(
-                at_size(size), cache=cache, target=target))
+                at_size(size), cache=cache, target=target, groups=1))
             at, extra, seen = chooser.at, lambda: chooser.planner_compiles, {}
         else:
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.

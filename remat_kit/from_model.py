@@ -5,9 +5,10 @@ a dict or object with a `logits` entry. `workload(model, batch, seq)`
 
 1. builds the next-token loss: mean cross-entropy of logits[:, :-1] against
    tokens[:, 1:] (`optax.softmax_cross_entropy_with_integer_labels`);
-2. finds the repeated block: the module class instantiated at least twice
-   with one parameter structure whose instances together hold the most
-   parameters (ties: the outermost); `block=` names it instead;
+2. finds the repeated block: of the module classes holding submodules of their
+   own (not a Dense or a norm), the one instantiated at least twice with one
+   parameter structure whose instances together hold the most parameters
+   (ties: the outermost); `block=` names it instead;
 3. traces the loss once with each block call wrapped in a marked remat region
    and every submodule output tagged by its path (`rk.linen.auto_tag`,
    `rk.nnx.auto_tag`), infers each value's role (`remat_kit.roles`), and
@@ -76,8 +77,8 @@ def pick_block(instances: dict[tuple, list], block) -> tuple[type, int]:
     """The block class and its count, from {(class, structure, size): [instance ids]}.
 
     Raises:
-      UnknownModuleError: `block` names no class of the model, or no class is
-        instantiated twice with one structure.
+      UnknownModuleError: `block` names no class of the model, or no class that
+        holds submodules (layers of its own) is instantiated twice with one structure.
     """
     classes = {cls.__name__: cls for cls, _, _ in instances}
     if block is not None:
@@ -89,9 +90,14 @@ def pick_block(instances: dict[tuple, list], block) -> tuple[type, int]:
                                      message="the block class matches no module of the model")
         count, cls = max(hits, key=lambda h: h[0])
         return cls, count
+    paths = {tuple(p) for ids in instances.values() for p in ids}
+
+    def composite(path) -> bool:  # holds modules of its own: a block, not a Dense or a norm
+        return any(len(q) > len(path) and q[:len(path)] == path for q in paths)
+
     best = None
     for (cls, _, size), ids in instances.items():
-        if len(ids) < 2:
+        if len(ids) < 2 or not composite(tuple(ids[0])):
             continue
         rank = (len(ids) * size, -len(ids))  # most parameters covered, then the outermost
         if best is None or rank > best[0]:
@@ -99,9 +105,10 @@ def pick_block(instances: dict[tuple, list], block) -> tuple[type, int]:
     if best is None:
         raise UnknownModuleError(
             None, sorted(classes),
-            message="no module class is instantiated twice with one parameter structure, so "
-                    "there is no repeated block; name the block with --block NAME (block=) "
-                    "or give a function (batch, seq) -> rk.Workload")
+            message="no module class holding submodules is instantiated twice with one "
+                    "parameter structure, so there is no repeated block (a one-layer model?); "
+                    "name the block with --block NAME (block=) or give a function "
+                    "(batch, seq) -> rk.Workload")
     return best[1], best[2]
 
 

@@ -106,7 +106,9 @@ def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
             raise ModelError(f"--model {spec!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 - the model failed to trace: user code
             raise ModelError(f"--model {spec!r}: tracing the model on int32 tokens [{batch}, "
-                             f"{seq}] failed: {type(e).__name__}: {e}") from None
+                             f"{seq}] failed: {type(e).__name__}: {e}; if the model takes "
+                             f"other shapes (e.g. fewer positions), give them with --batch "
+                             f"and --seq") from None
 
     return label, make
 

@@ -10,6 +10,7 @@ import fnmatch
 import warnings
 
 import jax
+from jax.extend.core import Literal
 
 from remat_kit import names
 from remat_kit._jax_private import name_p, saved_residuals
@@ -17,6 +18,8 @@ from remat_kit.errors import UnknownTagError
 from remat_kit.policy import Policy
 from remat_kit.spec import parse
 
+# Ops that keep a value's bytes: a tag on their output names their input's value.
+_LAYOUT = ("reshape", "transpose", "squeeze", "expand_dims", "copy")
 # Under jax_remat3, checkpoint_name stages as a hi-primitive of these types.
 _NAME_PRIMS = ("CheckpointName", "CheckpointNameFwd")
 
@@ -83,12 +86,16 @@ def tag_aliases(fn, *args, **kwargs) -> dict[str, tuple[str, ...]]:
 
     A value tagged by path (`auto_tag`, e.g. "h_0/attn/c_attn") and by its
     role (`remat_kit.roles`, e.g. "qkv_proj") is one `checkpoint_name` applied
-    to the other's output. Traced as `emitted_tags` traces; a tag naming a
+    to the other's output, or to a reshape or transpose of it (the same bytes:
+    a role such as query_proj is often named on the heads' layout). Traced as `emitted_tags` traces; a tag naming a
     value of its own is absent. Returns {tag: (other tags, in trace order)}.
     """
     group_of, groups = {}, []  # a tag's output var -> the tags of its value
     for eqn in _eqns(_traced(fn, args, kwargs)):
         if (tag := tag_of(eqn)) is None:
+            if (eqn.primitive.name in _LAYOUT and eqn.invars
+                    and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in group_of):
+                group_of[eqn.outvars[0]] = group_of[eqn.invars[0]]  # same bytes, reshaped
             continue
         group = group_of.get(eqn.invars[0]) if eqn.invars else None
         if group is None:

@@ -152,14 +152,30 @@ def test_no_repeated_block_and_bad_block_are_one_line():
     with pytest.raises(rk.UnknownModuleError, match="got 'Blok'.*did you mean 'Block'"):
         rk.from_model.workload(model, B, T, block="Blok")
 
+    class Layer(nn.Module):  # holds layers of its own: a block
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(4, name="wo")(nn.Dense(4, name="wi")(x))
+
     class NoLogits(nn.Module):
         @nn.compact
         def __call__(self, tokens):
             x = nn.Embed(8, 4)(tokens)
-            return nn.Dense(4)(nn.Dense(4)(x)).sum()  # two blocks, no logits
+            return Layer()(Layer()(x)).sum()  # two blocks, no logits
 
     with pytest.raises(rk.from_model.ModelError, match="expected logits"):
         rk.from_model.workload(NoLogits(), B, T)
+
+    class OneLayer(nn.Module):  # one block whose four Dense share a shape: not blocks
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(8, 4)(tokens)
+            x = Layer()(x + nn.Dense(4)(nn.Dense(4)(x)))
+            return nn.Dense(8)(x)
+
+    with pytest.raises(rk.UnknownModuleError, match="no repeated block"):
+        rk.from_model.workload(OneLayer(), B, T)
+    assert rk.from_model.workload(OneLayer(), B, T, block="Layer").num_layers == 1
 
 
 MODEL = "tests/zoo/gpt_linen.py:model"
@@ -173,6 +189,7 @@ MODEL = "tests/zoo/gpt_linen.py:model"
     (["compare", "--model", "gpt_linen"], "takes FILE.py:FUNCTION"),
     (["compare", "--model", MODEL, "--dtype", "bfloat16"], "--dtype is for --config"),
     (["compare", "--config", "tiny", "--block", "Block"], "--block names the repeated"),
+    (["explain", "--config", "tiny", "--policy", "selective,full"], "compare takes several"),
 ])
 def test_bad_model_flags_are_one_line(capsys, argv, message):
     assert cli.main(argv) == 2
