@@ -49,7 +49,7 @@ PARTS = {
               "-m remat_modes"],
 }
 TIMINGS = {"compile_seconds", "plan_seconds", "seconds", "wall_seconds", "step_time",
-           "time_ratio"}
+           "time_ratio", "notes", "status"}
 
 
 def _load() -> float:
@@ -76,6 +76,16 @@ def _figures(doc):
     if isinstance(doc, list):
         return [_figures(v) for v in doc]
     return doc
+
+
+def _same(new, base) -> bool:
+    """Whether `new` reports what `base` reports: fields added since base (a new
+    column) are not a change, any other difference is."""
+    if isinstance(new, dict) and isinstance(base, dict):
+        return all(k in new and _same(new[k], v) for k, v in base.items())
+    if isinstance(new, list) and isinstance(base, list):
+        return len(new) == len(base) and all(map(_same, new, base))
+    return new == base
 
 
 def _env(tree: str, cache: str | None) -> dict:
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
                       f"rc {r['rc']}  load {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
                 if r["rc"] != 0:
                     print(r["tail"], flush=True)
-            same = {n: runs[n].get("figures") == runs["base"].get("figures")
+            same = {n: _same(runs[n].get("figures"), runs["base"].get("figures"))
                     for n in ("cold", "warm")} if "figures" in runs["base"] else None
             results[part] = {n: {k: v for k, v in r.items() if k not in ("figures", "tail")}
                              for n, r in runs.items()} | {"figures_unchanged": same}
