@@ -12,6 +12,7 @@ from remat_kit import cli
 from remat_kit.cost_model import PLANNED_BASES, CostModel, with_region_policies
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.plan import Planner, config_planner, cost_model, resolve_config
+from tests.test_plan import _brute_force
 
 BATCH, SEQ = 2, 32
 
@@ -82,16 +83,6 @@ def test_groups_split_layers(planner):
                              groups=2)
     groups, note = scanned.group_count()
     assert groups == 1 and "one scan body" in note
-
-
-def _brute_force(model: CostModel, room: float):
-    best = None
-    for k in range(len(model.tags) + 1):
-        for saved in itertools.combinations(model.tags, k):
-            nbytes, flops = model.cost(frozenset(saved))
-            if nbytes <= room and (best is None or (flops, nbytes) < best):
-                best = (flops, nbytes)
-    return best
 
 
 def test_grouped_milp_matches_brute_force(planner):

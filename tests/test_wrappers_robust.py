@@ -58,6 +58,15 @@ class RMSNorm(nn.Module):
         return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * (1 + scale)
 
 
+def _gqa(attn, x):
+    """Grouped-query attention over `attn`'s einsums, linen or NNX: (output, probabilities)."""
+    q = attn.q_einsum("bsd,dnh->bsnh", x)
+    k, v = attn.kv_einsum("bsd,cdkh->cbskh", x)
+    k, v = (jnp.repeat(t, HEADS // KV, axis=2) for t in (k, v))
+    probs = jax.nn.softmax(jnp.einsum("bqnh,bknh->bnqk", q, k) / DH ** 0.5)
+    return attn.attn_vec_einsum("bqnh,nhd->bqd", jnp.einsum("bnqk,bknh->bqnh", probs, v)), probs
+
+
 class Attention(nn.Module):
     """Returns (output, probabilities): a tuple output."""
 
@@ -69,11 +78,7 @@ class Attention(nn.Module):
         self.attn_vec_einsum = Einsum((HEADS, DH, D))
 
     def __call__(self, x):
-        q = self.q_einsum("bsd,dnh->bsnh", x)
-        k, v = self.kv_einsum("bsd,cdkh->cbskh", x)
-        k, v = (jnp.repeat(t, HEADS // KV, axis=2) for t in (k, v))
-        probs = jax.nn.softmax(jnp.einsum("bqnh,bknh->bnqk", q, k) / DH ** 0.5)
-        return self.attn_vec_einsum("bqnh,nhd->bqd", jnp.einsum("bnqk,bknh->bqnh", probs, v)), probs
+        return _gqa(self, x)
 
 
 class GatedMlp(nn.Module):
@@ -279,11 +284,7 @@ class NAttention(nnx.Module):
         self.attn_vec_einsum = NEinsum((HEADS, DH, D), rngs)
 
     def __call__(self, x):
-        q = self.q_einsum("bsd,dnh->bsnh", x)
-        k, v = self.kv_einsum("bsd,cdkh->cbskh", x)
-        k, v = (jnp.repeat(t, HEADS // KV, axis=2) for t in (k, v))
-        probs = jax.nn.softmax(jnp.einsum("bqnh,bknh->bnqk", q, k) / DH ** 0.5)
-        return self.attn_vec_einsum("bqnh,nhd->bqd", jnp.einsum("bnqk,bknh->bqnh", probs, v)), probs
+        return _gqa(self, x)
 
 
 class NMlp(nnx.Module):
