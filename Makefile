@@ -28,7 +28,8 @@ demo: venv
 # The second run repeats the tests marked remat_modes under JAX's newer remat
 # (jax_remat3); exit code 5 means none are marked yet, which is not a failure.
 # Each prints its 15 slowest tests, so drift is seen. Compiled programs are cached
-# in .cache/jax (tests/conftest.py): a second `make test` compiles only what changed.
+# in ~/.cache/remat_kit/jax-tests (tests/conftest.py), outside the checkout: a second
+# `make test`, also in a fresh clone, compiles only what changed.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 

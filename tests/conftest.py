@@ -9,23 +9,26 @@ HLO buffer assignment, so memory figures are those of a default compile.
 The host platform has 8 devices, for the sharded tests (tests/test_mesh.py).
 Unsharded programs run on the first, as with one device.
 
-Compiled programs are kept in JAX's persistent compilation cache, in
-.cache/jax at the repository root (JAX_COMPILATION_CACHE_DIR overrides it),
-every compile however short: a second run, in CI as on a laptop, loads what
-did not change instead of compiling it. A cached executable gives the same
+Compiled programs are kept in JAX's persistent compilation cache, every
+compile however short, in the user's cache folder
+($XDG_CACHE_HOME or ~/.cache, then remat_kit/jax-tests; JAX_COMPILATION_CACHE_DIR
+overrides it), outside the checkout: a second run, in a fresh clone as in the
+same one (CI clones afresh each time), loads what did not change instead of
+compiling it. JAX evicts the least recently used entries past 2 GiB. A cached executable gives the same
 memory_analysis and cost_analysis figures as a fresh compile (checked on
 every preset, CPU and TPU targets); delete the folder to run cold.
 """
 
 import os
-import pathlib
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
      "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_DEFAULT_PRNG_IMPL", "rbg")
+_CACHE_HOME = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"))
+                      os.path.join(_CACHE_HOME, "remat_kit", "jax-tests"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
