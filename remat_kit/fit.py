@@ -49,6 +49,7 @@ from remat_kit.errors import BudgetError, MeshError
 from remat_kit.floor import train_state, tree_bytes
 from remat_kit.models import TransformerConfig
 from remat_kit.plan import Planner
+from remat_kit.plan_cache import layers_summary
 from remat_kit.policy import Policy
 from remat_kit.report import fmt_bytes
 from remat_kit.spec import AutoSpec, parse
@@ -157,7 +158,12 @@ class FitRow:
         failed for a reason other than memory; the other fields are then
         what was found before it.
       picked: for an auto row, the policy it picked at `size` (canonical
-        spec string); None for a fixed policy.
+        spec string; for a per-layer plan, its runs of layers, "0-6
+        save:mlpwi / 7-11 full", `plan_cache.layers_summary`); None for a
+        fixed policy.
+      picked_layers: for an auto row that picked a per-layer plan, each
+        layer's spec (`Plan.layer_specs`: compile it as
+        `TransformerConfig(remat="none", layer_remat=...)`); else empty.
     """
 
     policy: str
@@ -172,6 +178,7 @@ class FitRow:
     probes: tuple[tuple[int, int | None], ...] = ()
     error: str | None = None
     picked: str | None = None
+    picked_layers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,19 +212,29 @@ class FitResult:
 
 
 class _Steps:
-    """Compiled step figures by (canonical policy spec, size), so no policy is
-    compiled twice at a size, whichever name (or planner) asked for it."""
+    """Compiled step figures by (policy key, size), so no policy is compiled
+    twice at a size, whichever name (or planner) asked for it.
 
-    def __init__(self, measure: Callable[[str, int], StepMemory]):
+    measure(policy, size, loss) compiles the train step of `policy` (a Policy)
+    at `size`, or with `loss` (a loss(*args) of the workload's arguments) of
+    that loss under no further remat: a per-layer plan's program.
+    """
+
+    def __init__(self, measure: Callable[[Policy, int, Callable | None], StepMemory]):
         self._measure, self._cache, self.total = measure, {}, 0
 
-    def get(self, policy: str, size: int) -> StepMemory | None:
-        """The step at `size`, or None if its compile ran out of memory."""
-        key = (str(parse(policy)), size)
+    def get(self, policy, size: int, loss: Callable | None = None) -> StepMemory | None:
+        """The step at `size`, or None if its compile ran out of memory.
+
+        policy: a spec or `Policy`; or, with `loss`, the per-layer tuple of
+        Policies that loss runs (its key: their runs of layers, `layers_summary`).
+        """
+        key = (_key(policy), size)
         if key not in self._cache:
             self.total += 1
             try:
-                self._cache[key] = self._measure(policy, size)
+                self._cache[key] = self._measure(
+                    Policy() if loss is not None else one_policy(policy), size, loss)
             except Exception as e:  # noqa: BLE001 - only memory errors mean "does not fit"
                 if not is_out_of_memory(e):
                     raise
@@ -225,12 +242,18 @@ class _Steps:
         return self._cache[key]
 
     def known(self, policy: str) -> dict[int, StepMemory]:
-        policy = str(parse(policy))
+        policy = _key(policy)
         return {s: m for (p, s), m in self._cache.items() if p == policy and m is not None}
 
     def at(self, size: int) -> dict[str, StepMemory]:
-        """Every policy compiled at `size` that did not run out of memory."""
+        """Every policy compiled at `size` that did not run out of memory, by key."""
         return {p: m for (p, s), m in self._cache.items() if s == size and m is not None}
+
+
+def _key(policy) -> str:
+    """A step's policy as one string: its canonical spec, or for one Policy per
+    layer their runs of layers ('0-6 save:mlpwi / 7-11 full')."""
+    return layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
 
 
 def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None) -> int | None:
@@ -319,7 +342,8 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     the batch) must fit it.
 
     The auto row ("auto", or "auto:budget=" the same budget) is the
-    planner's choice at each size (`remat_kit.plan`): the whole-step budget
+    planner's choice at each size (`remat_kit.plan`, each tag decided per
+    layer, so a plan may differ from layer to layer): the whole-step budget
     is translated into the planner's value-and-grad budget (its temp memory
     on CPU) by taking off what the step holds besides (full remat's step
     memory minus the planner's figure for full remat at that size,
@@ -437,8 +461,13 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     exact = exact and bound < max_size
     max_units = min(max_size, bound) // multiple
 
-    steps = _Steps(lambda p, size: compile_step(at_size(size), one_policy(p), optimizer,
-                                                target))
+    def measure_step(policy: Policy, size: int, loss: Callable | None) -> StepMemory:
+        work = at_size(size)
+        if loss is not None:
+            work = dataclasses.replace(work, loss_for_policy=lambda _: loss)
+        return compile_step(work, policy, optimizer, target)
+
+    steps = _Steps(measure_step)
     devices = 1 if mesh is None else mesh.size
     start = time.perf_counter()
     rows: list[FitRow | None] = [None] * len(specs)
@@ -449,10 +478,10 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     for n, i in enumerate(order):
         start_units = max((r.size for r in rows if r is not None), default=0) // multiple
         if auto[i]:
-            # On the step's devices: without a mesh, one device of the target. One
-            # decision for every layer: the train step (`_Steps`) compiles a spec string.
+            # On the step's devices: without a mesh, one device of the target; each
+            # tag decided per layer (the planner's default groups).
             chooser = _Auto(steps, budget_bytes, lambda size: Planner(
-                at_size(size), cache=cache, target=target, groups=1))
+                at_size(size), cache=cache, target=target))
             at, extra, seen = chooser.at, lambda: chooser.planner_compiles, {}
         else:
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
@@ -460,6 +489,9 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
                                lambda: 0, steps.known(specs[i]))
         rows[i] = _fit_one(specs[i], at, extra, steps, budget_bytes, multiple, max_units, vary,
                            sizes, devices, start_units, seen, at_zero, exact)
+        if auto[i] and rows[i].picked in chooser.layer_specs:
+            rows[i] = dataclasses.replace(rows[i], picked_layers=chooser.layer_specs[
+                rows[i].picked])
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
     return FitResult(tuple(rows), vary, batch if vary == "seq" else seq, multiple, budget_bytes,
@@ -476,6 +508,7 @@ class _Auto:
     def __init__(self, steps: _Steps, budget: int, planner_at: Callable[[int], object]):
         self.steps, self.budget, self.planner_at = steps, budget, planner_at
         self.planner_compiles = 0
+        self.layer_specs: dict[str, tuple[str, ...]] = {}  # step key -> a per-layer plan's specs
         self._chosen: dict[int, tuple[str | None, StepMemory | None]] = {}
 
     def at(self, size: int) -> tuple[str | None, StepMemory | None]:
@@ -495,7 +528,11 @@ class _Auto:
                 limit = self.budget - (full.total_bytes - planner.minimum()[0])
                 for _ in range(self.TRIES):
                     plan = planner.plan(limit)
-                    step = self.steps.get(plan.spec, size)
+                    if plan.layer_specs:
+                        self.layer_specs[_key(plan.policy)] = plan.layer_specs
+                        step = self.steps.get(plan.policy, size, planner.loss_of(plan.policy))
+                    else:
+                        step = self.steps.get(plan.spec, size)
                     if step is not None and step.total_bytes <= self.budget:
                         break
                     # Over: take the overshoot off the planner's budget (an out-of-memory
@@ -510,7 +547,7 @@ class _Auto:
         if not fitting:
             return None, None
         spec = min(fitting)[2]
-        return spec, self.steps.get(spec, size)
+        return spec, self.steps.at(size)[spec]
 
 
 def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],

@@ -287,6 +287,14 @@ class Planner:
             self._forwards[which] = forward_jaxpr(fn(Policy()), args)
         return self._forwards[which]
 
+    def loss_of(self, policy) -> Callable:
+        """loss(*args) under `policy`: a `Policy`, or a tuple of one per layer
+        (the model's program with each layer's remat region under its own, as
+        a per-layer plan is verified), e.g. to compile a plan inside a train
+        step (`remat_kit.fit`)."""
+        return self._layer_program(policy)[0] if isinstance(policy, tuple) else \
+            self.loss_fn(policy)
+
     def _layer_program(self, policies: tuple):
         regions = dict(zip(self.program.layers, policies))
         loss = with_region_policies(self._forward("global"), regions)

@@ -237,8 +237,10 @@ def test_auto_row_picks_the_cheapest_fitting_policy_at_the_largest_size(seq_fit)
     assert auto.policy == "auto" and auto.error is None and auto.picked is not None
     # It could have picked any fixed row's policy at that row's size: at least the largest.
     assert auto.size == max(r.size for r in fixed) >= fixed[2].size  # full's
-    # The picked policy fits there, compiled apart from fit's cache...
-    picked = step_memory(CFG, 1, auto.size, auto.picked)
+    # The picked policy fits there, compiled apart from fit's cache (a per-layer plan
+    # as the config's layer_remat)...
+    picked = (step_memory(CFG.replace(layer_remat=auto.picked_layers), 1, auto.size, "none")
+              if auto.picked_layers else step_memory(CFG, 1, auto.size, auto.picked))
     assert picked.total_bytes == auto.memory.total_bytes <= BUDGET
     # ...and nothing auto tried fits one multiple further.
     over = [b for s, b in auto.probes if s == auto.size + 128]
