@@ -475,7 +475,9 @@ def _fit(args) -> int:
 
     def progress(i, n, row):
         status = row.error or (f"{args.vary} {row.size}, {row.compiles} compiles"
-                               + (f", picked {row.picked}" if row.picked else ""))
+                               + (f", picked {row.picked}" if row.picked else "")
+                               + (f"; the model stops below {row.limit.splitlines()[0]}"
+                                  if row.limit else ""))
         print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
 
     model, dtype = cfg, cfg and cfg.dtype

@@ -164,6 +164,11 @@ class FitRow:
       picked_layers: for an auto row that picked a per-layer plan, each
         layer's spec (`Plan.layer_specs`: compile it as
         `TransformerConfig(remat="none", layer_remat=...)`); else empty.
+      limit: where the workload itself stopped the search: the first size
+        at which it could not be built (traced) although a smaller one was
+        (e.g. a learned position table shorter than the sequence), "seq 48:
+        BadInput: ..."; `size` is then the largest fitting size below it,
+        `capped` if the budget would allow more. Compile errors are `error`.
     """
 
     policy: str
@@ -179,6 +184,7 @@ class FitRow:
     error: str | None = None
     picked: str | None = None
     picked_layers: tuple[str, ...] = ()
+    limit: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +228,7 @@ class _Steps:
 
     def __init__(self, measure: Callable[[Policy, int, Callable | None], StepMemory]):
         self._measure, self._cache, self.total = measure, {}, 0
+        self._failed: dict[tuple, Exception] = {}  # raised again, not compiled again
 
     def get(self, policy, size: int, loss: Callable | None = None) -> StepMemory | None:
         """The step at `size`, or None if its compile ran out of memory.
@@ -230,6 +237,8 @@ class _Steps:
         Policies that loss runs (its key: their runs of layers, `layers_summary`).
         """
         key = (_key(policy), size)
+        if key in self._failed:
+            raise self._failed[key]
         if key not in self._cache:
             self.total += 1
             try:
@@ -237,6 +246,7 @@ class _Steps:
                     Policy() if loss is not None else one_policy(policy), size, loss)
             except Exception as e:  # noqa: BLE001 - only memory errors mean "does not fit"
                 if not is_out_of_memory(e):
+                    self._failed[key] = e
                     raise
                 self._cache[key] = None
         return self._cache[key]
@@ -248,6 +258,10 @@ class _Steps:
     def at(self, size: int) -> dict[str, StepMemory]:
         """Every policy compiled at `size` that did not run out of memory, by key."""
         return {p: m for (p, s), m in self._cache.items() if s == size and m is not None}
+
+
+class _SizeRefused(Exception):
+    """The workload cannot be built at a size (its own limit, not memory), "seq 48: ..."."""
 
 
 def _key(policy) -> str:
@@ -462,7 +476,10 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     max_units = min(max_size, bound) // multiple
 
     def measure_step(policy: Policy, size: int, loss: Callable | None) -> StepMemory:
-        work = at_size(size)
+        try:
+            work = at_size(size)
+        except Exception as e:  # noqa: BLE001 - e.g. a position table shorter than size
+            raise _SizeRefused(f"{vary} {size}: {type(e).__name__}: {e}") from e
         if loss is not None:
             work = dataclasses.replace(work, loss_for_policy=lambda _: loss)
         return compile_step(work, policy, optimizer, target)
@@ -471,6 +488,7 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     devices = 1 if mesh is None else mesh.size
     start = time.perf_counter()
     rows: list[FitRow | None] = [None] * len(specs)
+    limit = None  # the workload's own limit, once a row finds it (`FitRow.limit`)
     # Fixed policies first (the auto row picks among what they compiled), each
     # starting at the largest size found so far: policies land near each other.
     order = [i for i in range(len(specs)) if not auto[i]] + [i for i in range(len(specs))
@@ -487,8 +505,10 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
             at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
                                lambda: 0, steps.known(specs[i]))
-        rows[i] = _fit_one(specs[i], at, extra, steps, budget_bytes, multiple, max_units, vary,
-                           sizes, devices, start_units, seen, at_zero, exact)
+        rows[i], max_units = _fit_one(specs[i], at, extra, steps, budget_bytes, multiple,
+                                      max_units, vary, sizes, devices, start_units, seen,
+                                      at_zero, exact, limit)
+        limit = rows[i].limit or limit
         if auto[i] and rows[i].picked in chooser.layer_specs:
             rows[i] = dataclasses.replace(rows[i], picked_layers=chooser.layer_specs[
                 rows[i].picked])
@@ -554,21 +574,28 @@ def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]
              extra_compiles: Callable[[], int], steps: _Steps, budget: int, multiple: int,
              max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
              start: int, seen: dict[int, StepMemory], at_zero: int,
-             exact: bool = False) -> FitRow:
+             exact: bool = False, limit: str | None = None) -> tuple[FitRow, int]:
     """One row: search the largest size where `at(size)` gives a fitting step.
+
+    Returns (the row, max_units for the next rows: below the model's own
+    limit where this search found one, `FitRow.limit`).
 
     at(size) -> (picked spec or None for a fixed policy, step or None if out of memory).
     seen: steps of this row compiled before, by size, for the search's prediction.
     at_zero: the step's bytes at size 0 (parameters, gradients, optimizer state), a
     point for the prediction that needs no compile.
     exact: max_units is the most the budget allows (`size_bound`): fitting there is not capped.
+    limit: the workload's own limit found by an earlier row (max_units is below it).
     """
     before, extra_before = steps.total, extra_compiles()
     probes = []
     known = {0: at_zero} | {s // multiple: m.total_bytes for s, m in seen.items()
                             if s % multiple == 0}
 
+    trying = [0]  # the unit being compiled, where an error comes from
+
     def fits(k: int) -> bool:
+        trying[0] = k
         _, m = at(k * multiple)
         probes.append((k * multiple, None if m is None else m.total_bytes))
         if m is not None:
@@ -578,15 +605,23 @@ def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]
     def compiles() -> int:
         return steps.total - before + extra_compiles() - extra_before
 
-    try:
-        units, capped = _search(fits, known.get, budget, max_units, start)
-        capped = capped and not exact
-    except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
-        return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
-                      error=f"{type(e).__name__}: {e}")
+    while True:
+        try:
+            units, capped = _search(fits, known.get, budget, max_units, start)
+            break
+        except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
+            k = trying[0]
+            if not isinstance(e, _SizeRefused) or not any(0 < u < k for u in known):
+                error = str(e) if isinstance(e, _SizeRefused) else f"{type(e).__name__}: {e}"
+                return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
+                              error=error), max_units
+            # A smaller size was built: the workload stops at a limit of its own (e.g. a
+            # learned position table), so search below it.
+            limit, max_units, start = str(e), k - 1, min(start, k - 1)
+    capped = capped and (limit is not None or not exact)
     size = units * multiple
     if size == 0:
-        return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes))
+        return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes)), max_units
     picked, memory = at(size)
     try:
         none = steps.get("none", size)
@@ -601,9 +636,10 @@ def _fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]
         how = "extrapolated" if none_flops is not None else None
     b, s = sizes(size)
     return FitRow(
-        spec, size, memory,
+        spec, size, memory, limit=limit,
         flops_per_token=None if memory.flops is None else memory.flops * devices / (b * s),
         flop_overhead=(None if memory.flops is None or not none_flops
                        else memory.flops / none_flops),
         none_fits=None if none is None else none.total_bytes <= budget, none_flops=how,
-        capped=capped, compiles=compiles(), probes=tuple(probes), error=error, picked=picked)
+        capped=capped, compiles=compiles(), probes=tuple(probes), error=error,
+        picked=picked), max_units

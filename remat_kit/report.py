@@ -492,7 +492,8 @@ def fit_table(result, title: str = "") -> Table:
                       str(r.compiles))
             continue
         m = r.memory
-        size = str(r.size) + (" (cap)" if r.capped else "") if r.size else "no size fits"
+        cap = " (model's limit)" if r.limit else " (cap)"
+        size = str(r.size) + (cap if r.capped else "") if r.size else "no size fits"
         overhead = _fmt_ratio(r.flop_overhead)
         if r.none_fits is False:
             overhead += " (none over budget)"

@@ -7,6 +7,7 @@ pass reads; and the CLI's compare, explain, plan and fit take it as --model.
 """
 
 import importlib
+import json
 
 import chex
 import jax
@@ -210,5 +211,13 @@ def test_cli_compare_explain_plan_fit_on_a_model(capsys, tmp_path):
                      "--cache", ""]) == 0
     assert "planned 1 budget" in capsys.readouterr().out
     assert cli.main(["fit", "--model", MODEL, "--batch", "2", "--budget", "64MiB",
-                     "--policies", "full", "--multiple", "16"]) == 0
-    assert "longest seq within 64.00 MiB" in capsys.readouterr().out
+                     "--policies", "full", "--multiple", "16",
+                     "--json", str(tmp_path / "f.json")]) == 0
+    out = capsys.readouterr().out
+    assert "longest seq within 64.00 MiB" in out
+    # The model learns 32 positions: the search stops at its limit, not at an error row.
+    assert "32 (model's limit)" in out
+    [row] = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert row["size"] == 32 and row["capped"] and row["error"] is None
+    assert "Incompatible shapes for broadcasting" in row["limit"]
+    assert all(size <= 32 for size, _ in row["probes"])
