@@ -43,7 +43,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
 from remat_kit import names as tag_names
-from remat_kit import targets, time_model
+from remat_kit import figure_cache, targets, time_model
 from remat_kit.explain import stack_stored_bytes
 from remat_kit.models import TransformerConfig
 from remat_kit.models.program import workload as config_workload
@@ -221,7 +221,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     by_name = dict(zip(names, parsed))
     groups = _group(parsed, names, emitted)
     with _Compiles(targets.compile_options(target, not time_steps),
-                   workers=1 if time_steps else COMPILE_WORKERS) as compiles:
+                   workers=1 if time_steps else COMPILE_WORKERS, target=target) as compiles:
         programs = _lower_programs(groups, loss_for_policy, args, target, compiles.start)
     timed: dict[int, object] = {}  # index in records -> compiled, timed after every compile
     for i, (policy, group_names, loss, staged, compiling, seconds) in enumerate(programs):
@@ -237,12 +237,16 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 layers = stack_stored_bytes(workload, policy) if per_layer else {}
             except Exception as e:  # noqa: BLE001 - raised once the compile is known
                 local = e
-            compiled, compile_seconds = compiling()
+            compiled, compile_seconds, program_key = compiling()
             if isinstance(local, Exception):
                 raise local
             seconds += compile_seconds
-            costs, notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
-                                         local.leaves)
+            if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
+                figures = compiled
+            else:
+                figures = _figures(compiled, target, local)
+                figure_cache.store(program_key, figures)
+            notes = tuple(figures["cost_notes"])
             found = split(local.residuals)
             if found["offloaded_bytes"] and target.platform == "cpu":
                 notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
@@ -250,11 +254,11 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             for name in group_names:  # merged policies may each select nothing
                 notes += tuple(f"{name}: {line}" for line in _policy_notes(
                     by_name.get(name, policy), emitted, workload.notes))
-            predicted, why = _predicted_seconds(compiled, target)
             record = dataclasses.replace(
-                record, **found, **memory_fields(compiled), flops=costs.get("flops"),
-                transcendentals=costs.get("transcendentals"), compile_seconds=seconds,
-                predicted_seconds=predicted, notes=notes + why, **layers)
+                record, **found, **figures["memory"], flops=figures["flops"],
+                transcendentals=figures["transcendentals"], compile_seconds=seconds,
+                predicted_seconds=figures["predicted_seconds"],
+                notes=notes + tuple(figures["time_notes"]), **layers)
             if data is not None:
                 timed[len(records)] = compiled
         except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
@@ -270,6 +274,19 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                    else dataclasses.replace(r, step_time=_step_time(times[i], none))
                    if i in times else r for i, r in enumerate(records)]
     return records
+
+
+def _figures(compiled, target, local) -> dict:
+    """What a record reads from a compile, JSON-ready (`figure_cache` keeps it):
+    {"memory": `memory_fields`, "flops", "transcendentals" (`targets.costs`, at
+    the per-device program `local`), "predicted_seconds", "cost_notes",
+    "time_notes"}."""
+    costs, cost_notes = targets.costs(compiled, target, jaxpr_as_fun(local.program),
+                                      local.leaves)
+    predicted, time_notes = _predicted_seconds(compiled, target)
+    return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
+            "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
+            "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
 
 
 def _predicted_seconds(compiled, target) -> tuple[float | None, tuple[str, ...]]:
@@ -288,28 +305,34 @@ COMPILE_WORKERS = min(4, os.cpu_count() or 1)
 class _Compiles:
     """Starts each lowered program's compile as soon as it is lowered.
 
-    `start(lowered)` returns a zero-argument callable giving (compiled,
-    seconds), raising what the compile raised. With workers > 1 the compile
-    runs now on a pool, that many at a time, so the next policy's tracing
-    and lowering (Python, holding the GIL) overlap it; with 1, it runs when
-    asked for, so a timed step never runs beside a compile. seconds is the
-    compile's own wall time. Leaving the `with` block lets the pool's threads
-    exit once their queued compiles are done.
+    `start(lowered, text)` returns a zero-argument callable giving (compiled,
+    seconds, key), raising what the compile raised; for a program whose
+    figures were kept (`figure_cache`, targets compiled ahead of time),
+    compiled is those figures (a dict) and nothing compiles. With workers > 1
+    the compile runs now on a pool, that many at a time, so the next policy's
+    tracing and lowering (Python, holding the GIL) overlap it; with 1, it
+    runs when asked for, so a timed step never runs beside a compile. seconds
+    is the compile's own wall time. Leaving the `with` block lets the pool's
+    threads exit once their queued compiles are done.
     """
 
-    def __init__(self, options: dict | None, workers: int):
-        self._options = options
+    def __init__(self, options: dict | None, workers: int, target):
+        self._options, self._target = options, target
         self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
-    def _compile(self, lowered) -> tuple:
+    def _compile(self, lowered, program_key) -> tuple:
         start = time.perf_counter()
         compiled = lowered.compile(self._options)
-        return compiled, time.perf_counter() - start
+        return compiled, time.perf_counter() - start, program_key
 
-    def start(self, lowered) -> Callable[[], tuple]:
+    def start(self, lowered, text: str) -> Callable[[], tuple]:
+        program_key = figure_cache.key(text, self._target, self._options, "measure")
+        kept = figure_cache.load(program_key)
+        if kept is not None:
+            return lambda: (kept, 0.0, program_key)
         if self._pool is None:
-            return lambda: self._compile(lowered)
-        return self._pool.submit(self._compile, lowered).result
+            return lambda: self._compile(lowered, program_key)
+        return self._pool.submit(self._compile, lowered, program_key).result
 
     def __enter__(self) -> "_Compiles":
         return self
@@ -320,9 +343,9 @@ class _Compiles:
 
 
 def _lower_programs(groups, loss_for_policy: Callable, args, target,
-                    start: Callable[[object], Callable[[], tuple]]) -> list[tuple]:
+                    start: Callable[[object, str], Callable[[], tuple]]) -> list[tuple]:
     """(policy, names, loss, staged, compiling, seconds) per distinct program,
-    in first-seen order: `compiling` is `start(lowered)` (called once per
+    in first-seen order: `compiling` is `start(lowered, its text)` (called once per
     distinct program, as soon as it is lowered), or the exception where
     tracing or lowering failed. Groups whose decisions differ only on values
     the backward pass never reads lower to the same program: they become one
@@ -338,12 +361,13 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target,
         except Exception as e:  # noqa: BLE001 - reported in the policy's record
             out.append((policy, list(group_names), None, None, e, 0.0))
             continue
-        same = seen.setdefault(lowered.as_text(), len(out))
+        text = lowered.as_text()
+        same = seen.setdefault(text, len(out))
         if same != len(out):
             out[same][1].extend(group_names)
             continue
         seconds = time.perf_counter() - begin
-        out.append((policy, list(group_names), loss, staged, start(lowered), seconds))
+        out.append((policy, list(group_names), loss, staged, start(lowered, text), seconds))
     return out
 
 

@@ -489,7 +489,9 @@ class Compiled:
     """A program compiled for one target, with what the report needs.
 
     Attributes:
-      compiled: JAX's `Compiled` executable (not runnable for an AOT target).
+      compiled: JAX's `Compiled` executable (not runnable for an AOT target);
+        None for an AOT target whose figures were kept from an earlier
+        compile of the same program (`figure_cache`).
       target: the `Target`.
       memory: `measure.memory_fields(compiled)`: bytes per device.
       flops, transcendentals: per device, while loops counted per trip
@@ -559,6 +561,7 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
       Exception: whatever tracing or the compiler raises (e.g.
         `jax.errors.JaxRuntimeError` for a program the compiler rejects).
     """
+    from remat_kit import figure_cache
     from remat_kit.costs import memory_fields
     from remat_kit.mesh import local_shape as _local
     target = parse_target(target)
@@ -572,12 +575,22 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     first = [sum(counts[:i]) for i in range(len(counts))]
     donated = tuple(j for i in donate for j in range(first[i], first[i] + counts[i]))
     start = time.perf_counter()
-    compiled = lower(flat, leaves, target, donated).compile(
-        compile_options(target, compile_only))
+    lowered, options = lower(flat, leaves, target, donated), compile_options(target, compile_only)
+    program_key = figure_cache.key(lowered.as_text(), target, options,
+                                   f"compile_for count_flops={count_flops}")
+    kept = figure_cache.load(program_key)
+    if kept is not None:  # a target without its devices: kept figures, nothing compiled
+        return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
+                        time.perf_counter() - start, tuple(kept["notes"]))
+    compiled = lowered.compile(options)
     seconds = time.perf_counter() - start
     found, notes = (costs(compiled, target, flat, [_local(x) for x in leaves]) if count_flops
                     else ({}, ()))
-    return Compiled(compiled, target, memory_fields(compiled), found.get("flops"),
+    memory = memory_fields(compiled)
+    figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
+                                     "transcendentals": found.get("transcendentals"),
+                                     "notes": list(notes)})
+    return Compiled(compiled, target, memory, found.get("flops"),
                     found.get("transcendentals"), seconds, notes)
 
 

@@ -1,5 +1,6 @@
 """Speed-ups that must not change a figure: JAX's persistent compilation cache
-(tests/conftest.py, `cli.use_compile_cache`) and concurrent compiles (`measure`)."""
+(tests/conftest.py, `cli.use_compile_cache`), the figures kept for targets
+compiled ahead of time (`figure_cache`) and concurrent compiles (`measure`)."""
 
 import dataclasses
 import importlib
@@ -19,9 +20,9 @@ def _figures(records):
     return [dataclasses.replace(r, compile_seconds=None) for r in records]
 
 
-def _measure():
+def _measure(target=None):
     return measure.measure_config(get_config("tiny", num_layers=1), 1, 16, POLICIES,
-                                  per_layer=False)
+                                  per_layer=False, target=target)
 
 
 @pytest.fixture
@@ -52,6 +53,24 @@ def test_cache_hits_and_concurrent_compiles_give_the_same_figures(empty_cache, m
     assert all(r.error is None and r.temp_size_in_bytes and r.flops for r in cached)
 
 
+def test_tpu_figures_are_kept_and_read_back_without_compiling(empty_cache, monkeypatch,
+                                                              tmp_path):
+    # JAX cannot load back an executable compiled for devices this machine lacks.
+    compiles = []
+    compile_one = measure._Compiles._compile
+    monkeypatch.setattr(measure._Compiles, "_compile",
+                        lambda self, *a: compiles.append(1) or compile_one(self, *a))
+    fresh = _measure("tpu:v5e:1x1")
+    assert len(compiles) == len(POLICIES)
+    assert len(list((tmp_path.parent / f"{tmp_path.name}-figures").glob("*.json"))) == len(
+        POLICIES)
+    kept = _measure("tpu:v5e:1x1")
+    assert len(compiles) == len(POLICIES)  # nothing compiled the second time
+    assert _figures(kept) == _figures(fresh)
+    assert all(r.error is None and r.peak_memory_in_bytes and r.flops and r.predicted_seconds
+               for r in kept)
+
+
 def test_commands_use_a_cache_folder(monkeypatch, tmp_path):
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
@@ -77,7 +96,7 @@ def test_each_program_starts_compiling_before_the_next_is_traced():
         events.append(("trace", str(policy)))
         return work.loss_for_policy(policy)
 
-    def start(lowered):
+    def start(lowered, text):
         events.append(("compile", events[-1][1]))
         return lambda: None
 

@@ -1,0 +1,77 @@
+"""What a compile for a target without its devices gave, kept for a repeated run.
+
+JAX's persistent compilation cache cannot load back an executable compiled
+ahead of time for devices this machine lacks (a TPU or GPU target: "PjRtCompiler
+must be constructed with a Client to call DeserializeLoadedExecutable"), so
+a repeated `remat-kit compare --target tpu:v5e:1x1` would compile every
+program again, 1-3 minutes each for gpt2_small on 2 cores. What the reports
+read from such a compile is kept instead: XLA's memory figures, the FLOPs,
+the time model's step time, and their notes, one JSON file per program.
+
+The key is a SHA-256 of the lowered program's text (StableHLO, with its
+shardings), the target, the compiler and JAX versions, the compile options,
+the target's roofline figures and `FORMAT`: any change to the program or to
+what reads it misses. A hit skips the compile; residuals still come from the
+traced program. The folder sits beside JAX's cache (`cli.use_compile_cache`:
+$REMAT_KIT_COMPILE_CACHE, then "-figures"); with no JAX cache folder set
+nothing is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import jax
+
+from remat_kit import targets, time_model
+
+FORMAT = 1  # bump when what is stored, or how it is computed, changes
+
+
+def folder() -> str | None:
+    """Where figures are kept: JAX's compilation cache folder + "-figures"; None if unset."""
+    base = jax.config.jax_compilation_cache_dir
+    return f"{base.rstrip(os.sep)}-figures" if base else None
+
+
+def key(lowered_text: str, target: "targets.Target", options: dict | None,
+        kind: str) -> str | None:
+    """The program's key, or None where figures are not kept: a target this
+    machine has (JAX's own cache loads those) or no cache folder. kind names
+    what is stored (a `measure` record's figures, a `targets.compile_for`'s)."""
+    if not target.aot or folder() is None:
+        return None
+    parts = (FORMAT, kind, str(target), sorted(targets.versions(target).items()),
+             sorted((options or {}).items()), repr(time_model.roofline(target)), lowered_text)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def load(program_key: str | None) -> dict | None:
+    """The figures stored under `program_key`; None on a miss or an unreadable file."""
+    if program_key is None:
+        return None
+    try:
+        with open(os.path.join(folder(), f"{program_key}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def store(program_key: str | None, figures: dict) -> None:
+    """Writes `figures` (JSON-ready) under `program_key`, atomically; a folder that
+    cannot be written loses the entry, never the measurement."""
+    if program_key is None:
+        return
+    path = os.path.join(folder(), f"{program_key}.json")
+    try:
+        os.makedirs(folder(), exist_ok=True)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(figures, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except OSError:
+        pass
+
+
+__all__ = ["FORMAT", "folder", "key", "load", "store"]
