@@ -18,7 +18,10 @@ from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.spec import parse
 
-pytestmark = pytest.mark.remat_modes  # `make test` reruns these under jax_remat3
+# Tests marked remat_modes rerun under jax_remat3 in `make test`: those whose program or
+# tracing holds a remat region or a tag (staged as hi-primitives under jax_remat3). Plain
+# scans, pure functions and checks before any trace are not marked.
+remat_mode = pytest.mark.remat_modes
 
 B, S = 2, 16
 F32 = 4
@@ -50,6 +53,7 @@ def model_args(cfg, batch=B, seq=S):
 
 # -- bytes by tag -------------------------------------------------------------
 
+@remat_mode
 def test_minimal_saves_exactly_its_tags_per_layer(records, tiny):
     r = by_name(records, "maxtext:minimal")
     L, h, d = tiny.num_layers, tiny.num_heads, tiny.heads_dim
@@ -65,12 +69,14 @@ def test_minimal_saves_exactly_its_tags_per_layer(records, tiny):
     assert r.error is None and r.platform == "XLA CPU compile"
 
 
+@remat_mode
 def test_equal_policies_compile_once_and_keep_every_name(records):
     r = by_name(records, "maxtext:minimal")
     assert r.names == ("maxtext:minimal", MINIMAL_ON_GPT2)
     assert len(records) == 2
 
 
+@remat_mode
 def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
     loss, args = model_args(tiny)
 
@@ -90,6 +96,7 @@ def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
     assert rows[-1]["names"] == ["full"] and not rows[-1]["pareto"]  # failed rows last, never Pareto
 
 
+@remat_mode
 def test_remat_trades_memory_for_flops(records):
     none, minimal = by_name(records, "none"), by_name(records, "maxtext:minimal")
     assert minimal.temp_size_in_bytes < none.temp_size_in_bytes
@@ -99,6 +106,7 @@ def test_remat_trades_memory_for_flops(records):
     assert minimal.layer_residual_bytes < none.layer_residual_bytes
 
 
+@remat_mode
 def test_residuals_total_matches_jax_saved_residuals(tiny):
     loss, args = model_args(tiny.replace(remat="minimal"))
     ours = rk.residuals(loss, *args)
@@ -109,6 +117,7 @@ def test_residuals_total_matches_jax_saved_residuals(tiny):
     assert sorted(r.name for r in ours if r.kind == "tag") == named
 
 
+@remat_mode
 def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
     loss, args = model_args(tiny.replace(remat="offload:query_proj"))
     found = [r for r in rk.residuals(loss, *args) if r.name == "query_proj"]
@@ -117,6 +126,7 @@ def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
     assert found[0].shape == (B, S, tiny.num_heads, tiny.heads_dim)
 
 
+@remat_mode
 def test_reshaped_residuals_keep_their_tag(tiny):
     # Without remat, attention saves q and the probabilities reshaped for the einsum.
     loss, args = model_args(tiny)
@@ -128,6 +138,7 @@ def test_reshaped_residuals_keep_their_tag(tiny):
 
 # -- scanned layers ----------------------------------------------------------
 
+@remat_mode
 def test_scanned_and_unrolled_agree_on_flops_and_tag_bytes(records, tiny):
     unrolled = by_name(records, "maxtext:minimal")
     (scanned,) = M.measure_config(tiny.replace(scan_layers=True), B, S, ["maxtext:minimal"],
@@ -185,6 +196,7 @@ def _mlp_loss(w, x):
     return jnp.sum(jnp.tanh(h @ w))
 
 
+@remat_mode
 def test_generic_measure_with_checkpointed_loss_and_timing():
     w, x = jnp.ones((16, 16)), jnp.ones((4, 16))
     recs = M.measure(_mlp_loss, w, x, policies=["none", "full"], time_steps=3)  # a plain loss
@@ -205,6 +217,7 @@ def test_generic_measure_with_checkpointed_loss_and_timing():
     assert 0 < none.predicted_seconds < full.predicted_seconds
 
 
+@remat_mode
 def test_progress_counts_compiled_programs():
     def loss(w, x):
         h = rk.tag(jnp.tanh(x @ w), "mlpwi")
@@ -234,6 +247,7 @@ def test_bad_sizes_raise_before_measuring(tiny):
 
 # -- one layer -----------------------------------------------------------------
 
+@remat_mode
 def test_layer_residuals_under_selective(tiny):
     layer = rk.layer_residuals(tiny, B, S, "selective")
     rows = {r.name: r for r in layer.rows if r.kind == "tag"}
@@ -249,6 +263,7 @@ def test_layer_residuals_under_selective(tiny):
     assert layer.num_layers == tiny.num_layers and layer.parameter_bytes > 0
 
 
+@remat_mode
 def test_layers_column_sums_each_layers_policy_for_schedules():
     """layer x L of a schedule is the sum over its layers, each under its own policy (a
     nested group keeps its input only); with what lies outside the stack (embeddings,
@@ -284,6 +299,7 @@ def test_layers_column_sums_each_layers_policy_for_schedules():
 
 # -- report rows ----------------------------------------------------------------
 
+@remat_mode
 def test_report_rows_ratios_pareto_and_formula(records, tiny):
     rows = report.rows(records, tiny, B, S)
     none = next(d for d in rows if d["policy"] == "none")
