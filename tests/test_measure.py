@@ -270,26 +270,24 @@ def test_layers_column_sums_each_layers_policy_for_schedules():
     logits, loss: full's residuals less its 4 layers) it is the whole step's residuals."""
     cfg = get_config("tiny", num_layers=4)
     work = rk.models.workload(cfg, B, S)
-    one = {p: stack_stored_bytes(work, rk.parse(p))["layer_residual_bytes"]
-           for p in ("none", "full", "minimal")}
+    specs = ("none", "full", "minimal", "full@every:2", "minimal@first:3", "minimal@nested:2")
+    found = {spec: stack_stored_bytes(work, rk.parse(spec)) for spec in specs}
+    one = {p: found[p]["layer_residual_bytes"] for p in ("none", "full", "minimal")}
     assert one["full"] == B * S * cfg.d_model * F32  # a full-remat layer keeps its input
     expected = {"none": 4 * one["none"], "full": 4 * one["full"], "minimal": 4 * one["minimal"],
                 "full@every:2": 2 * one["full"] + 2 * one["none"],
                 "minimal@first:3": 3 * one["minimal"] + one["none"],
                 "minimal@nested:2": 2 * one["full"]}
-    loss_for_policy, args = work.loss_for_policy, work.args
-
-    def whole_step(spec):  # traced, not compiled: Record.activation_residual_bytes
-        return sum(r.nbytes for r in rk.residuals(loss_for_policy(rk.parse(spec)), *args)
-                   if r.kind != "argument")
-
-    outside = whole_step("full") - expected["full"]
+    # Each whole step traced once, not compiled: Record.activation_residual_bytes.
+    whole_step = {spec: sum(r.nbytes for r in rk.residuals(work.loss_for_policy(rk.parse(spec)),
+                                                           *work.args) if r.kind != "argument")
+                  for spec in specs}
+    outside = whole_step["full"] - expected["full"]
     for spec, total in expected.items():
-        found = stack_stored_bytes(work, rk.parse(spec))
-        assert found["layers_residual_bytes"] == total, spec
-        assert whole_step(spec) == outside + total, spec
+        assert found[spec]["layers_residual_bytes"] == total, spec
+        assert whole_step[spec] == outside + total, spec
         if rk.parse(spec).schedule.kind != "uniform":
-            assert found["layer_residual_bytes"] is None  # no one layer stands for the stack
+            assert found[spec]["layer_residual_bytes"] is None  # no one layer stands for the stack
     # measure_config fills the record, and the report's layer x L column reads it.
     (rec,) = M.measure_config(cfg, B, S, ["full@every:2"])
     assert rec.layers_residual_bytes == expected["full@every:2"]
