@@ -18,9 +18,9 @@ from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.spec import parse
 
-# Tests marked remat_modes rerun under jax_remat3 in `make test`: those whose program or
-# tracing holds a remat region or a tag (staged as hi-primitives under jax_remat3). Plain
-# scans, pure functions and checks before any trace are not marked.
+# Tests marked remat_modes rerun under jax_remat3 in `make test`: those whose program
+# holds a remat region or a tag (both staged as hi-primitives under jax_remat3). Plain
+# scans, pure functions and checks made before any trace run once.
 remat_mode = pytest.mark.remat_modes
 
 B, S = 2, 16
@@ -332,6 +332,7 @@ def _matmul_flops(cfg, batch, seq):
     return 3 * (cfg.num_layers * (proj + attn + mlp) + logits)
 
 
+@remat_mode  # no remat region, but the model's tags
 @pytest.mark.parametrize("family", ["tiny", "tiny_llama"])
 def test_flops_match_a_hand_count_of_the_matmuls(family):
     cfg = get_config(family, d_model=256, mlp_dim=1024, num_heads=8,
