@@ -18,7 +18,10 @@ from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.spec import parse
 
-pytestmark = pytest.mark.remat_modes  # `make test` reruns these under jax_remat3
+# Tests marked remat_modes rerun under jax_remat3 in `make test`: those whose program
+# holds a remat region or a tag (both staged as hi-primitives under jax_remat3). Plain
+# scans, pure functions and checks made before any trace run once.
+remat_mode = pytest.mark.remat_modes
 
 B, S = 2, 16
 F32 = 4
@@ -50,6 +53,7 @@ def model_args(cfg, batch=B, seq=S):
 
 # -- bytes by tag -------------------------------------------------------------
 
+@remat_mode
 def test_minimal_saves_exactly_its_tags_per_layer(records, tiny):
     r = by_name(records, "maxtext:minimal")
     L, h, d = tiny.num_layers, tiny.num_heads, tiny.heads_dim
@@ -65,12 +69,14 @@ def test_minimal_saves_exactly_its_tags_per_layer(records, tiny):
     assert r.error is None and r.platform == "XLA CPU compile"
 
 
+@remat_mode
 def test_equal_policies_compile_once_and_keep_every_name(records):
     r = by_name(records, "maxtext:minimal")
     assert r.names == ("maxtext:minimal", MINIMAL_ON_GPT2)
     assert len(records) == 2
 
 
+@remat_mode
 def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
     loss, args = model_args(tiny)
 
@@ -90,6 +96,7 @@ def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
     assert rows[-1]["names"] == ["full"] and not rows[-1]["pareto"]  # failed rows last, never Pareto
 
 
+@remat_mode
 def test_remat_trades_memory_for_flops(records):
     none, minimal = by_name(records, "none"), by_name(records, "maxtext:minimal")
     assert minimal.temp_size_in_bytes < none.temp_size_in_bytes
@@ -99,6 +106,7 @@ def test_remat_trades_memory_for_flops(records):
     assert minimal.layer_residual_bytes < none.layer_residual_bytes
 
 
+@remat_mode
 def test_residuals_total_matches_jax_saved_residuals(tiny):
     loss, args = model_args(tiny.replace(remat="minimal"))
     ours = rk.residuals(loss, *args)
@@ -109,6 +117,7 @@ def test_residuals_total_matches_jax_saved_residuals(tiny):
     assert sorted(r.name for r in ours if r.kind == "tag") == named
 
 
+@remat_mode
 def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
     loss, args = model_args(tiny.replace(remat="offload:query_proj"))
     found = [r for r in rk.residuals(loss, *args) if r.name == "query_proj"]
@@ -117,6 +126,7 @@ def test_offloaded_residual_keeps_its_tag_and_lives_on_host(tiny):
     assert found[0].shape == (B, S, tiny.num_heads, tiny.heads_dim)
 
 
+@remat_mode
 def test_reshaped_residuals_keep_their_tag(tiny):
     # Without remat, attention saves q and the probabilities reshaped for the einsum.
     loss, args = model_args(tiny)
@@ -128,6 +138,7 @@ def test_reshaped_residuals_keep_their_tag(tiny):
 
 # -- scanned layers ----------------------------------------------------------
 
+@remat_mode
 def test_scanned_and_unrolled_agree_on_flops_and_tag_bytes(records, tiny):
     unrolled = by_name(records, "maxtext:minimal")
     (scanned,) = M.measure_config(tiny.replace(scan_layers=True), B, S, ["maxtext:minimal"],
@@ -185,6 +196,7 @@ def _mlp_loss(w, x):
     return jnp.sum(jnp.tanh(h @ w))
 
 
+@remat_mode
 def test_generic_measure_with_checkpointed_loss_and_timing():
     w, x = jnp.ones((16, 16)), jnp.ones((4, 16))
     recs = M.measure(_mlp_loss, w, x, policies=["none", "full"], time_steps=3)  # a plain loss
@@ -205,6 +217,7 @@ def test_generic_measure_with_checkpointed_loss_and_timing():
     assert 0 < none.predicted_seconds < full.predicted_seconds
 
 
+@remat_mode
 def test_progress_counts_compiled_programs():
     def loss(w, x):
         h = rk.tag(jnp.tanh(x @ w), "mlpwi")
@@ -234,6 +247,7 @@ def test_bad_sizes_raise_before_measuring(tiny):
 
 # -- one layer -----------------------------------------------------------------
 
+@remat_mode
 def test_layer_residuals_under_selective(tiny):
     layer = rk.layer_residuals(tiny, B, S, "selective")
     rows = {r.name: r for r in layer.rows if r.kind == "tag"}
@@ -249,32 +263,31 @@ def test_layer_residuals_under_selective(tiny):
     assert layer.num_layers == tiny.num_layers and layer.parameter_bytes > 0
 
 
+@remat_mode
 def test_layers_column_sums_each_layers_policy_for_schedules():
     """layer x L of a schedule is the sum over its layers, each under its own policy (a
     nested group keeps its input only); with what lies outside the stack (embeddings,
     logits, loss: full's residuals less its 4 layers) it is the whole step's residuals."""
     cfg = get_config("tiny", num_layers=4)
     work = rk.models.workload(cfg, B, S)
-    one = {p: stack_stored_bytes(work, rk.parse(p))["layer_residual_bytes"]
-           for p in ("none", "full", "minimal")}
+    specs = ("none", "full", "minimal", "full@every:2", "minimal@first:3", "minimal@nested:2")
+    found = {spec: stack_stored_bytes(work, rk.parse(spec)) for spec in specs}
+    one = {p: found[p]["layer_residual_bytes"] for p in ("none", "full", "minimal")}
     assert one["full"] == B * S * cfg.d_model * F32  # a full-remat layer keeps its input
     expected = {"none": 4 * one["none"], "full": 4 * one["full"], "minimal": 4 * one["minimal"],
                 "full@every:2": 2 * one["full"] + 2 * one["none"],
                 "minimal@first:3": 3 * one["minimal"] + one["none"],
                 "minimal@nested:2": 2 * one["full"]}
-    loss_for_policy, args = work.loss_for_policy, work.args
-
-    def whole_step(spec):  # traced, not compiled: Record.activation_residual_bytes
-        return sum(r.nbytes for r in rk.residuals(loss_for_policy(rk.parse(spec)), *args)
-                   if r.kind != "argument")
-
-    outside = whole_step("full") - expected["full"]
+    # Each whole step traced once, not compiled: Record.activation_residual_bytes.
+    whole_step = {spec: sum(r.nbytes for r in rk.residuals(work.loss_for_policy(rk.parse(spec)),
+                                                           *work.args) if r.kind != "argument")
+                  for spec in specs}
+    outside = whole_step["full"] - expected["full"]
     for spec, total in expected.items():
-        found = stack_stored_bytes(work, rk.parse(spec))
-        assert found["layers_residual_bytes"] == total, spec
-        assert whole_step(spec) == outside + total, spec
+        assert found[spec]["layers_residual_bytes"] == total, spec
+        assert whole_step[spec] == outside + total, spec
         if rk.parse(spec).schedule.kind != "uniform":
-            assert found["layer_residual_bytes"] is None  # no one layer stands for the stack
+            assert found[spec]["layer_residual_bytes"] is None  # no one layer stands for the stack
     # measure_config fills the record, and the report's layer x L column reads it.
     (rec,) = M.measure_config(cfg, B, S, ["full@every:2"])
     assert rec.layers_residual_bytes == expected["full@every:2"]
@@ -284,6 +297,7 @@ def test_layers_column_sums_each_layers_policy_for_schedules():
 
 # -- report rows ----------------------------------------------------------------
 
+@remat_mode
 def test_report_rows_ratios_pareto_and_formula(records, tiny):
     rows = report.rows(records, tiny, B, S)
     none = next(d for d in rows if d["policy"] == "none")
@@ -318,6 +332,7 @@ def _matmul_flops(cfg, batch, seq):
     return 3 * (cfg.num_layers * (proj + attn + mlp) + logits)
 
 
+@remat_mode  # no remat region, but the model's tags
 @pytest.mark.parametrize("family", ["tiny", "tiny_llama"])
 def test_flops_match_a_hand_count_of_the_matmuls(family):
     cfg = get_config(family, d_model=256, mlp_dim=1024, num_heads=8,

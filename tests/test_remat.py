@@ -1,6 +1,8 @@
 """Policies applied to the reference model: gradients, saved tags, presets, validation.
 
-Runs twice in `make test`: with jax_remat3 off, and with JAX_REMAT3=1 (marker remat_modes).
+Tests marked remat_modes run twice in `make test`: with jax_remat3 off, and with
+JAX_REMAT3=1. The preset decisions over a list of tags and the built-in policy objects
+do not trace anything under remat, so they run once.
 """
 
 import warnings
@@ -16,7 +18,7 @@ from remat_kit.models import Transformer, get_config, make_loss_fn, stack_layers
 from remat_kit.models.transformer import DecoderLayer, remat_layer
 from remat_kit.spec import PRESET_TABLE
 
-pytestmark = pytest.mark.remat_modes
+remat_mode = pytest.mark.remat_modes
 REMAT3 = jax.config.jax_remat3
 
 SPECS = ["full", "everything", "dots", "dots_no_batch", "selective", "minimal",
@@ -38,18 +40,34 @@ def setups():
     return out
 
 
+@pytest.fixture(scope="module")
+def spec_grads(setups):
+    """{family: {spec: grads}}, every spec's grads of a family in one jitted program: one
+    compile per family, not one per spec. Each remat region's recompute stays behind
+    its optimization barrier (prevent_cse), so XLA cannot share it with another spec's
+    forward pass. The reference grads are a program of their own (`setups`)."""
+    out = {}
+    for fam in FAMILIES:
+        cfg, tokens, params, _ = setups[fam]
+        losses = [make_loss_fn(Transformer(cfg.replace(remat=spec)), deterministic=False)
+                  for spec in SPECS]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # remat3's callable warning is tested below
+            grads = jax.jit(lambda p, t, k: [jax.grad(loss)(p, t, t, k) for loss in losses])(
+                params, tokens, jax.random.key(2))
+        out[fam] = dict(zip(SPECS, grads))
+    return out
+
+
+@remat_mode
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("spec", SPECS)
-def test_grads_equal_no_remat_with_dropout(setups, fam, spec):
+def test_grads_equal_no_remat_with_dropout(setups, spec_grads, fam, spec):
     """Same rng, dropout on: equal grads show recompute replays the same masks."""
-    cfg, tokens, params, ref = setups[fam]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # remat3's callable warning is tested below
-        loss = make_loss_fn(Transformer(cfg.replace(remat=spec)), deterministic=False)
-        grads = jax.jit(jax.grad(loss))(params, tokens, tokens, jax.random.key(2))
-    chex.assert_trees_all_close(grads, ref, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(spec_grads[fam][spec], setups[fam][3], rtol=1e-5, atol=1e-7)
 
 
+@remat_mode
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("spec", ["selective", "minimal"])
 def test_scanned_grads_equal_looped(setups, fam, spec):
@@ -104,6 +122,7 @@ def expected_named(fam, spec):
     }[spec]
 
 
+@remat_mode
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("spec", [s for s in SPECS if s != "everything"])
 def test_saved_tag_set(fam, spec):
@@ -120,6 +139,7 @@ def test_saved_tag_set(fam, spec):
         assert prims == []
 
 
+@remat_mode
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_everything_saves_as_much_as_no_remat(fam):
     _, _, everything = layer_residuals(fam, "everything")
@@ -128,6 +148,7 @@ def test_everything_saves_as_much_as_no_remat(fam):
     assert everything == none > 0 and full == 0
 
 
+@remat_mode
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_residual_bytes_are_shape_times_itemsize(fam):
     cfg = get_config(fam)
@@ -205,6 +226,7 @@ def test_every_preset_decisions(emitted, fam, codebase, name):
     assert recomputed == set(tags) - saved - offloaded
 
 
+@remat_mode
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("name", ["minimal_with_context", "save_dot_except_mlp",
                                   "save_qkv_proj", "save_encoded_and_out_proj",
@@ -216,6 +238,7 @@ def test_recomputed_tags_are_never_saved(fam, name):
     assert named  # each of these keeps something
 
 
+@remat_mode
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_save_anything_except_query_proj(fam):
     named, _, _ = layer_residuals(fam, "save_anything_except_these_names:query_proj")
@@ -244,6 +267,7 @@ def test_to_jax_returns_builtin_objects(spec, builtin):
     assert rk.parse(spec).to_jax() is builtin
 
 
+@remat_mode
 @pytest.mark.parametrize("spec", ["minimal", "selective", "save:mlp*", "maxtext:minimal_offloaded"])
 def test_to_jax_named_policies_are_builtin_factories(spec):
     with warnings.catch_warnings():
@@ -253,6 +277,7 @@ def test_to_jax_named_policies_are_builtin_factories(spec):
         "save_only_these_names", "save_and_offload_only_these_names")
 
 
+@remat_mode
 def test_callable_policy_warns_under_remat3_only():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -272,6 +297,7 @@ def _layer_fn(fam):
     return (lambda p, h: layer.apply(p, h, True)), params, x
 
 
+@remat_mode
 def test_validate_unknown_pattern_lists_present_tags():
     fn, params, x = _layer_fn("tiny")
     with pytest.raises(rk.UnknownTagError) as info:
@@ -282,6 +308,7 @@ def test_validate_unknown_pattern_lists_present_tags():
         rk.validate("save:mlpwi_0", fn, params, x)  # GPT-2 has no gated MLP
 
 
+@remat_mode
 def test_validate_accepts_presets_naming_variants():
     fn, params, x = _layer_fn("tiny_llama")
     with warnings.catch_warnings():
@@ -289,6 +316,7 @@ def test_validate_accepts_presets_naming_variants():
         assert rk.validate("minimal", fn, params, x) == rk.parse("minimal")
 
 
+@remat_mode
 def test_validate_warns_on_targets_that_are_never_residuals():
     fn, params, x = _layer_fn("tiny")
     with pytest.warns(UserWarning, match="'decoder_layer_output' is never a residual"):
@@ -298,6 +326,7 @@ def test_validate_warns_on_targets_that_are_never_residuals():
         rk.validate("save:query_proj", fn, params, x)
 
 
+@remat_mode
 def test_emitted_tags_shapes():
     fn, params, x = _layer_fn("tiny_llama")
     tags = rk.emitted_tags(fn, params, x)
@@ -308,6 +337,7 @@ def test_emitted_tags_shapes():
 
 # -- explain --------------------------------------------------------------------
 
+@remat_mode
 def test_explain_rows_per_residual():
     fn, params, x = _layer_fn("tiny")
     cfg = get_config("tiny")
