@@ -195,6 +195,8 @@ _PARTIAL_READ = frozenset({"kSlice", "kDynamicSlice", "kGather"})
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=([^_\s]+)_([^-\s]+)->(\S+?)[,}\s]")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ENTRY = re.compile(r"^ENTRY %([\w.\-]+) ", re.M)
 
@@ -236,6 +238,49 @@ def _size(shape) -> tuple[int, int]:
     return n, n * np.dtype(shape.numpy_dtype()).itemsize
 
 
+def _convolution_flops(instr) -> float:
+    """2 x the multiply-adds of an HLO convolution that touch its input, as XLA's
+    cost analysis counts them: XLA:TPU writes dots as convolutions whose
+    windows (a batch dimension as a size-8 window, heads as a padded or
+    dilated window) would be counted many times over by kernel size alone.
+
+    MACs = batch x output features x kernel input features x, per spatial
+    dimension, the (output position, window tap) pairs that land on an input
+    element: not on padding, nor between the elements of a dilated input
+    (`lhs_dilate`, how transposed dots come out).
+    """
+    text = instr.to_string()
+    labels, window = _DIM_LABELS.search(text), _WINDOW.search(text)
+    lhs, rhs = (o.shape.dimensions() for o in instr.operands()[:2])
+    out = instr.shape.dimensions()
+    if labels is None:
+        return 2.0 * math.prod(out) * math.prod(rhs) / max(rhs[-1], 1)
+    lhs_l, rhs_l, out_l = labels.groups()
+    fields = dict(f.split("=", 1) for f in (window.group(1).split() if window else ()))
+    spatial = [c for c in out_l if c.isdigit()]
+
+    def per_dim(name: str, default):
+        if name not in fields:
+            return [default] * len(spatial)
+        return [tuple(int(v) for v in p.split("_")) if "_" in p else int(p)
+                for p in fields[name].split("x")]
+
+    size, stride, pads = per_dim("size", 1), per_dim("stride", 1), per_dim("pad", (0, 0))
+    lhs_dilate, rhs_dilate = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    pairs = 1
+    for d, c in enumerate(spatial):
+        n, k, lo = lhs[lhs_l.index(c)], size[d], pads[d][0]
+        start = np.arange(out[out_l.index(c)]) * stride[d] - lo  # each window's first index
+        if lhs_dilate[d] == 1 and rhs_dilate[d] == 1:
+            pairs *= int(np.clip(np.minimum(start + k, n) - np.maximum(start, 0), 0, None).sum())
+        else:  # only taps on the dilated input's elements
+            x = start[:, None] + np.arange(k)[None, :] * rhs_dilate[d]
+            pairs *= int(((x >= 0) & (x <= (n - 1) * lhs_dilate[d])
+                          & (x % lhs_dilate[d] == 0)).sum())
+    macs = out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs
+    return 2.0 * macs
+
+
 def _math(instr, comps) -> tuple[float, float]:
     """(FLOPs, transcendentals) of one instruction, fused computations walked into."""
     op = instr.opcode.name
@@ -245,6 +290,8 @@ def _math(instr, comps) -> tuple[float, float]:
         found = _CONTRACTING.search(instr.to_string())
         dims = [int(d) for d in (found.group(1) if found else "").split(",") if d]
         return 2.0 * out * math.prod(lhs[d] for d in dims), 0.0
+    if op == "kConvolution":  # XLA:TPU emits dots as convolutions
+        return _convolution_flops(instr), 0.0
     if op == "kFusion":
         flops = trans = 0.0
         for name in _CALLED.findall(instr.to_string()):

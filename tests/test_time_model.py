@@ -2,6 +2,8 @@
 equation on XLA's own figures, a recompute segment priced as one fusion, and
 the target peaks."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -94,6 +96,29 @@ def test_compiled_loop_body_counts_per_trip():
     ops = compiled_ops(compiled)
     assert sum(op.trips * op.flops for op in ops) == 3 * (2 * 16**3 + 2)
     assert sum(op.trips * op.transcendentals for op in ops) == 3 * 16 * 16
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_tpu_convolutions_count_the_dots_flops():
+    """XLA:TPU writes dots as convolutions, batched ones with padded windows: their
+    FLOPs are the dot's, not kernel size x output (which counts padding taps)."""
+    tpu = targets.parse_target("tpu:v5e:1x1")
+    b, h, s, d = 4, 4, 256, 64
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((h * d, 512), jnp.bfloat16)
+
+    def f(q, w):  # a batched dot (scores) and a plain one (a projection), with their grads
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, q)
+        return jnp.sum(scores.astype(jnp.float32)) + jnp.sum(q.reshape(b, s, h * d) @ w)
+
+    structs = targets.place((q, w), tpu)
+    compiled = targets.lower(jax.value_and_grad(f, argnums=(0, 1)), list(structs), tpu).compile()
+    assert "lhs_dilate" in time_model.hlo_module(compiled).to_string()  # a dilated one too
+    # forward: scores 2bhs^2d, projection 2bs(hd)512; backward: twice each.
+    dots = 3 * (2 * b * h * s * s * d + 2 * b * s * h * d * 512)
+    total = sum(o.trips * o.flops for o in compiled_ops(compiled))
+    assert dots <= total <= 1.005 * dots  # the rest: a few elementwise ops
+    assert total == pytest.approx(compiled.cost_analysis()["flops"], rel=1e-6)
 
 
 def test_recompute_segment_is_priced_as_one_fusion():
