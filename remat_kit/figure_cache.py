@@ -10,8 +10,9 @@ the time model's step time, and their notes, one JSON file per program.
 
 The key is a SHA-256 of the lowered program's text (StableHLO, with its
 shardings), the target, the compiler and JAX versions, the compile options,
-the target's roofline figures and `FORMAT`: any change to the program or to
-what reads it misses. A hit skips the compile; residuals still come from the
+the target's roofline figures, `FORMAT` and the source of the modules that
+compute the figures (`costs`, `targets`, `time_model`): any change to the
+program or to what reads it misses. A hit skips the compile; residuals still come from the
 traced program. The folder sits beside JAX's cache (`cli.use_compile_cache`:
 $REMAT_KIT_COMPILE_CACHE, then "-figures"); with no JAX cache folder set
 nothing is kept.
@@ -19,15 +20,24 @@ nothing is kept.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 
 import jax
 
-from remat_kit import targets, time_model
+from remat_kit import costs, targets, time_model
 
 FORMAT = 1  # bump when what is stored, or how it is computed, changes
+
+
+@functools.cache
+def _code() -> str:
+    """A digest of the code that turns a compile into figures."""
+    return hashlib.sha256("".join(inspect.getsource(m) for m in (costs, targets, time_model))
+                          .encode()).hexdigest()
 
 
 def folder() -> str | None:
@@ -43,7 +53,7 @@ def key(lowered_text: str, target: "targets.Target", options: dict | None,
     what is stored (a `measure` record's figures, a `targets.compile_for`'s)."""
     if not target.aot or folder() is None:
         return None
-    parts = (FORMAT, kind, str(target), sorted(targets.versions(target).items()),
+    parts = (FORMAT, _code(), kind, str(target), sorted(targets.versions(target).items()),
              sorted((options or {}).items()), repr(time_model.roofline(target)), lowered_text)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
