@@ -589,9 +589,10 @@ def _parser() -> argparse.ArgumentParser:
                            "GPU targets, flops on CPU)")
     offload = plan.add_mutually_exclusive_group()
     offload.add_argument("--offload", dest="offload", action="store_const", const=True,
-                         default=None, help="plan offload to host memory (default where the "
-                         "target lists a host bandwidth: tpu:v5e, tpu:v5p, gpu:h100, gpu:h200; "
-                         "on cpu only when asked)")
+                         default=None, help="also plan offload to host memory, at the target's "
+                         "host bandwidth (tpu:v5e, tpu:v5p, gpu:h100, gpu:h200; cpu: its memory "
+                         "bandwidth). Off by default: XLA's TPU and GPU compiles kept device "
+                         "memory for offloaded residuals (docs/plan.md)")
     offload.add_argument("--no-offload", dest="offload", action="store_const", const=False,
                          help="plan save and recompute only")
     plan.set_defaults(run=_plan)

@@ -32,22 +32,25 @@ def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
     """Bytes/s each way of offload's transfers on `target`, or None where offload is
     not planned (`Planner`'s offload argument: None, True, False or bytes/s).
 
-    None plans offload where the target lists a host bandwidth (TPU v5e / v5p,
-    H100, H200), not on the CPU; True asks for it, on the CPU too (a transfer is
-    then a copy at this machine's measured memory bandwidth).
+    None and False: offload is not planned. Measured on gpt2_small (docs/plan.md),
+    XLA's TPU and GPU compiles keep much of an offloaded residual on the device
+    as well, so the plans that offloaded went over their budgets (all 8 tried on
+    tpu:v5e:1x1, 2 of 3 on gpu:h100) and cost a compile each. True asks for it:
+    at the target's listed host bandwidth (TPU v5e / v5p, H100, H200), or on
+    the CPU at this machine's measured memory bandwidth (a transfer is a copy).
 
     Raises:
       TargetError: offload=True on a target that lists no host bandwidth.
     """
     target = targets.parse_target(target)
-    if offload is False:
+    if offload is False or offload is None:
         return None
     if offload is not True and offload is not None:
         return float(offload)
     if target.platform == "cpu":
-        return time_model.roofline(target).bandwidth if offload else None
+        return time_model.roofline(target).bandwidth
     found = (targets.peaks(target) or {}).get("host_bandwidth")
-    if found is None and offload:
+    if found is None:
         listed = ", ".join(k for k, v in targets.PEAKS.items() if "host_bandwidth" in v)
         raise targets.TargetError(
             f"offload needs the target's host memory bandwidth: {target} lists none; "

@@ -162,12 +162,14 @@ class Planner:
       predict_time: also predict each plan's step time (`Plan.predicted_seconds`);
         always on for objective "time" and where offload is planned.
       offload: plan offload to host memory as a third decision per tag (see
-        the module docstring): None (default) where the target lists a host
-        bandwidth (`targets.PEAKS`: TPU v5e / v5p, H100, H200), True to ask for
-        it (on the CPU too, where host memory is device memory: the plan is
-        then checked against the compiled memory less the offloaded bytes, and
-        says so), False for none; or a host bandwidth in bytes/s to plan
-        offload with in place of the target's (a what-if for a faster link).
+        the module docstring): None (default) or False for none (XLA's TPU and
+        GPU compiles keep much of an offloaded residual on the device,
+        `offload.offload_bandwidth`), True to ask for it at the target's host
+        bandwidth (`targets.PEAKS`: TPU v5e / v5p, H100, H200; on the CPU too,
+        where host memory is device memory: the plan is then checked against
+        the compiled memory less the offloaded bytes, and says so); or a host
+        bandwidth in bytes/s to plan offload with in place of the target's (a
+        what-if for a faster link).
       decide: tag names the plan may save or offload; the others are always
         recomputed. Default every tag (the optimality benchmark narrows it).
 
