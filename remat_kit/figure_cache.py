@@ -12,10 +12,10 @@ The key is a SHA-256 of the lowered program's text (StableHLO, with its
 shardings), the target, the compiler and JAX versions, the compile options,
 the target's roofline figures, `FORMAT` and the source of the modules that
 compute the figures (`costs`, `targets`, `time_model`): any change to the
-program or to what reads it misses. A hit skips the compile; residuals still come from the
-traced program. The folder sits beside JAX's cache (`cli.use_compile_cache`:
-$REMAT_KIT_COMPILE_CACHE, then "-figures"); with no JAX cache folder set
-nothing is kept.
+program or to what reads it misses. A hit skips the compile; residuals
+still come from the traced program. The folder sits beside JAX's cache
+(`cli.use_compile_cache`: $REMAT_KIT_COMPILE_CACHE, then "-figures"); with
+no JAX cache folder set nothing is kept.
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ def key(lowered_text: str, target: "targets.Target", options: dict | None,
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
+def lookup(lowered_text: str, target: "targets.Target", options: dict | None,
+           kind: str) -> tuple[str | None, dict | None]:
+    """(the program's `key`, the figures kept under it or None): what a compile
+    site asks before compiling; it `store`s under the key after a miss."""
+    program_key = key(lowered_text, target, options, kind)
+    return program_key, load(program_key)
+
+
 def load(program_key: str | None) -> dict | None:
     """The figures stored under `program_key`; None on a miss or an unreadable file."""
     if program_key is None:
@@ -84,4 +92,4 @@ def store(program_key: str | None, figures: dict) -> None:
         pass
 
 
-__all__ = ["FORMAT", "folder", "key", "load", "store"]
+__all__ = ["FORMAT", "folder", "key", "load", "lookup", "store"]

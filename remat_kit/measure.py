@@ -326,8 +326,7 @@ class _Compiles:
         return compiled, time.perf_counter() - start, program_key
 
     def start(self, lowered, text: str) -> Callable[[], tuple]:
-        program_key = figure_cache.key(text, self._target, self._options, "measure")
-        kept = figure_cache.load(program_key)
+        program_key, kept = figure_cache.lookup(text, self._target, self._options, "measure")
         if kept is not None:
             return lambda: (kept, 0.0, program_key)
         if self._pool is None:

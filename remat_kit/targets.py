@@ -576,9 +576,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     donated = tuple(j for i in donate for j in range(first[i], first[i] + counts[i]))
     start = time.perf_counter()
     lowered, options = lower(flat, leaves, target, donated), compile_options(target, compile_only)
-    program_key = figure_cache.key(lowered.as_text(), target, options,
-                                   f"compile_for count_flops={count_flops}")
-    kept = figure_cache.load(program_key)
+    program_key, kept = figure_cache.lookup(lowered.as_text(), target, options,
+                                            f"compile_for count_flops={count_flops}")
     if kept is not None:  # a target without its devices: kept figures, nothing compiled
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
                         time.perf_counter() - start, tuple(kept["notes"]))
