@@ -1,4 +1,4 @@
-"""What a compile for a target without its devices gave, kept for a repeated run.
+"""What a compile that will not run gave, kept for a repeated run.
 
 JAX's persistent compilation cache cannot load back an executable compiled
 ahead of time for devices this machine lacks (a TPU or GPU target: "PjRtCompiler
@@ -7,10 +7,13 @@ a repeated `remat-kit compare --target tpu:v5e:1x1` would compile every
 program again, 1-3 minutes each for gpt2_small on 2 cores. What the reports
 read from such a compile is kept instead: XLA's memory figures, the FLOPs,
 the time model's step time, and their notes, one JSON file per program.
+A CPU program that is only measured is kept the same way: reading the
+figures back skips loading the executable from JAX's cache and reading its
+HLO again (0.4-0.6 s of the ~3 s a cached gpt2_small program took).
 
 The key is a SHA-256 of the lowered program's text (StableHLO, with its
 shardings), the target, the compiler and JAX versions, the compile options,
-the target's roofline figures, `FORMAT` and the source of the modules that
+the target's roofline figures, $XLA_FLAGS and $LIBTPU_INIT_ARGS, `FORMAT` and the source of the modules that
 compute the figures (`costs`, `targets`, `time_model`): any change to the
 program or to what reads it misses. A hit skips the compile; residuals
 still come from the traced program. The folder sits beside JAX's cache
@@ -47,22 +50,24 @@ def folder() -> str | None:
 
 
 def key(lowered_text: str, target: "targets.Target", options: dict | None,
-        kind: str) -> str | None:
-    """The program's key, or None where figures are not kept: a target this
-    machine has (JAX's own cache loads those) or no cache folder. kind names
-    what is stored (a `measure` record's figures, a `targets.compile_for`'s)."""
-    if not target.aot or folder() is None:
+        kind: str, runs: bool = False) -> str | None:
+    """The program's key, or None where figures are not kept: an executable
+    that will run (`runs`, on devices this machine has) or no cache folder.
+    kind names what is stored (a `measure` record's figures, a
+    `targets.compile_for`'s)."""
+    if (runs and not target.aot) or folder() is None:
         return None
     parts = (FORMAT, _code(), kind, str(target), sorted(targets.versions(target).items()),
-             sorted((options or {}).items()), repr(time_model.roofline(target)), lowered_text)
+             sorted((options or {}).items()), repr(time_model.roofline(target)),
+             [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")], lowered_text)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 def lookup(lowered_text: str, target: "targets.Target", options: dict | None,
-           kind: str) -> tuple[str | None, dict | None]:
+           kind: str, runs: bool = False) -> tuple[str | None, dict | None]:
     """(the program's `key`, the figures kept under it or None): what a compile
     site asks before compiling; it `store`s under the key after a miss."""
-    program_key = key(lowered_text, target, options, kind)
+    program_key = key(lowered_text, target, options, kind, runs)
     return program_key, load(program_key)
 
 

@@ -221,7 +221,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     by_name = dict(zip(names, parsed))
     groups = _group(parsed, names, emitted)
     with _Compiles(targets.compile_options(target, not time_steps),
-                   workers=1 if time_steps else COMPILE_WORKERS, target=target) as compiles:
+                   workers=1 if time_steps else COMPILE_WORKERS, target=target,
+                   runs=time_steps > 0) as compiles:
         programs = _lower_programs(groups, loss_for_policy, args, target, compiles.start)
     timed: dict[int, object] = {}  # index in records -> compiled, timed after every compile
     for i, (policy, group_names, loss, staged, compiling, seconds) in enumerate(programs):
@@ -307,7 +308,7 @@ class _Compiles:
 
     `start(lowered, text)` returns a zero-argument callable giving (compiled,
     seconds, key), raising what the compile raised; for a program whose
-    figures were kept (`figure_cache`, targets compiled ahead of time),
+    figures were kept (`figure_cache`: a program that will not run),
     compiled is those figures (a dict) and nothing compiles. With workers > 1
     the compile runs now on a pool, that many at a time, so the next policy's
     tracing and lowering (Python, holding the GIL) overlap it; with 1, it
@@ -316,8 +317,8 @@ class _Compiles:
     threads exit once their queued compiles are done.
     """
 
-    def __init__(self, options: dict | None, workers: int, target):
-        self._options, self._target = options, target
+    def __init__(self, options: dict | None, workers: int, target, runs: bool):
+        self._options, self._target, self._runs = options, target, runs
         self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
     def _compile(self, lowered, program_key) -> tuple:
@@ -326,7 +327,8 @@ class _Compiles:
         return compiled, time.perf_counter() - start, program_key
 
     def start(self, lowered, text: str) -> Callable[[], tuple]:
-        program_key, kept = figure_cache.lookup(text, self._target, self._options, "measure")
+        program_key, kept = figure_cache.lookup(text, self._target, self._options, "measure",
+                                                self._runs)
         if kept is not None:
             return lambda: (kept, 0.0, program_key)
         if self._pool is None:

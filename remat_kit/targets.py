@@ -490,8 +490,9 @@ class Compiled:
 
     Attributes:
       compiled: JAX's `Compiled` executable (not runnable for an AOT target);
-        None for an AOT target whose figures were kept from an earlier
-        compile of the same program (`figure_cache`).
+        None where the program will not run (compile_only, or an AOT
+        target) and its figures were kept from an earlier compile of the
+        same program (`figure_cache`).
       target: the `Target`.
       memory: `measure.memory_fields(compiled)`: bytes per device.
       flops, transcendentals: per device, while loops counted per trip
@@ -577,8 +578,9 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     start = time.perf_counter()
     lowered, options = lower(flat, leaves, target, donated), compile_options(target, compile_only)
     program_key, kept = figure_cache.lookup(lowered.as_text(), target, options,
-                                            f"compile_for count_flops={count_flops}")
-    if kept is not None:  # a target without its devices: kept figures, nothing compiled
+                                            f"compile_for count_flops={count_flops}",
+                                            runs=not compile_only)
+    if kept is not None:  # a program that will not run: kept figures, nothing compiled
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
                         time.perf_counter() - start, tuple(kept["notes"]))
     compiled = lowered.compile(options)

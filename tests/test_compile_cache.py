@@ -1,6 +1,6 @@
 """Speed-ups that must not change a figure: JAX's persistent compilation cache
-(tests/conftest.py, `cli.use_compile_cache`), the figures kept for targets
-compiled ahead of time (`figure_cache`) and concurrent compiles (`measure`)."""
+(tests/conftest.py, `cli.use_compile_cache`), the figures kept for programs
+that will not run (`figure_cache`) and concurrent compiles (`measure`)."""
 
 import dataclasses
 import importlib
@@ -9,7 +9,7 @@ import jax
 import pytest
 from jax._src import compilation_cache, monitoring
 
-from remat_kit import cli
+from remat_kit import cli, figure_cache, targets
 from remat_kit.models import get_config
 
 measure = importlib.import_module("remat_kit.measure")  # rk.measure is the function
@@ -37,6 +37,7 @@ def empty_cache(tmp_path):
 
 
 def test_cache_hits_and_concurrent_compiles_give_the_same_figures(empty_cache, monkeypatch):
+    monkeypatch.setattr(figure_cache, "folder", lambda: None)  # JAX's cache alone
     events = []
     listener = lambda event, **_: events.append(event)  # noqa: E731
     monitoring.register_event_listener(listener)
@@ -53,22 +54,32 @@ def test_cache_hits_and_concurrent_compiles_give_the_same_figures(empty_cache, m
     assert all(r.error is None and r.temp_size_in_bytes and r.flops for r in cached)
 
 
-def test_tpu_figures_are_kept_and_read_back_without_compiling(empty_cache, monkeypatch,
-                                                              tmp_path):
-    # JAX cannot load back an executable compiled for devices this machine lacks.
+@pytest.mark.parametrize("target,memory", [("tpu:v5e:1x1", "peak_memory_in_bytes"),
+                                           ("cpu", "temp_size_in_bytes")])
+def test_figures_are_kept_and_read_back_without_compiling(empty_cache, monkeypatch, tmp_path,
+                                                          target, memory):
+    # JAX cannot load back an executable compiled for devices this machine lacks;
+    # a CPU program that only is measured needs no executable either.
     compiles = []
     compile_one = measure._Compiles._compile
     monkeypatch.setattr(measure._Compiles, "_compile",
                         lambda self, *a: compiles.append(1) or compile_one(self, *a))
-    fresh = _measure("tpu:v5e:1x1")
+    fresh = _measure(target)
     assert len(compiles) == len(POLICIES)
     assert len(list((tmp_path.parent / f"{tmp_path.name}-figures").glob("*.json"))) == len(
         POLICIES)
-    kept = _measure("tpu:v5e:1x1")
+    kept = _measure(target)
     assert len(compiles) == len(POLICIES)  # nothing compiled the second time
     assert _figures(kept) == _figures(fresh)
-    assert all(r.error is None and r.peak_memory_in_bytes and r.flops and r.predicted_seconds
+    assert all(r.error is None and getattr(r, memory) and r.flops and r.predicted_seconds
                for r in kept)
+
+
+def test_a_program_that_runs_keeps_no_figures(empty_cache):
+    cpu, tpu = targets.parse_target("cpu"), targets.parse_target("tpu:v5e:1x1")
+    assert figure_cache.key("text", cpu, None, "measure", runs=True) is None
+    assert figure_cache.key("text", cpu, None, "measure") is not None
+    assert figure_cache.key("text", tpu, None, "measure", runs=True) is not None
 
 
 def test_commands_use_a_cache_folder(monkeypatch, tmp_path):
