@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat_kit import time_model
 from remat_kit.residuals import _COPIES, _stage, call_body
@@ -166,6 +165,8 @@ class CostModel:
         Returns:
           (saved items, offloaded items, HiGHS status message).
         """
+        # Imported here: scipy.optimize is half a second of every command's start-up.
+        from scipy.optimize import Bounds, LinearConstraint, milp
         n = len(self.tags)
         if n == 0:
             return frozenset(), frozenset(), "no tags to decide"
