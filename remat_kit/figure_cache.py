@@ -18,7 +18,8 @@ compute the figures (`costs`, `targets`, `time_model`): any change to the
 program or to what reads it misses. A hit skips the compile; residuals
 still come from the traced program. The folder sits beside JAX's cache
 (`cli.use_compile_cache`: $REMAT_KIT_COMPILE_CACHE, then "-figures"); with
-no JAX cache folder set nothing is kept.
+no JAX cache folder set nothing is kept. Past `MAX_ENTRIES` files the least
+recently used half is removed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import jax
 from remat_kit import costs, targets, time_model
 
 FORMAT = 1  # bump when what is stored, or how it is computed, changes
+# Entries are ~1 KB; past this many, the least recently used half is removed.
+MAX_ENTRIES = 20_000
 
 
 @functools.cache
@@ -75,9 +78,12 @@ def load(program_key: str | None) -> dict | None:
     """The figures stored under `program_key`; None on a miss or an unreadable file."""
     if program_key is None:
         return None
+    path = os.path.join(folder(), f"{program_key}.json")
     try:
-        with open(os.path.join(folder(), f"{program_key}.json")) as f:
-            return json.load(f)
+        with open(path) as f:
+            figures = json.load(f)
+        os.utime(path)  # recently used: kept when the folder is pruned
+        return figures
     except (OSError, ValueError):
         return None
 
@@ -93,8 +99,23 @@ def store(program_key: str | None, figures: dict) -> None:
         with open(f"{path}.{os.getpid()}.tmp", "w") as f:
             json.dump(figures, f)
         os.replace(f"{path}.{os.getpid()}.tmp", path)
+        _prune(folder())
     except OSError:
         pass
 
 
-__all__ = ["FORMAT", "folder", "key", "load", "lookup", "store"]
+def _prune(where: str) -> None:
+    """Past `MAX_ENTRIES` files, removes the least recently used half."""
+    with os.scandir(where) as it:
+        entries = [e for e in it if e.name.endswith(".json")]
+    if len(entries) <= MAX_ENTRIES:
+        return
+    entries.sort(key=lambda e: e.stat().st_mtime)
+    for e in entries[:len(entries) - MAX_ENTRIES // 2]:
+        try:
+            os.remove(e.path)
+        except OSError:  # another process removed it first
+            pass
+
+
+__all__ = ["FORMAT", "MAX_ENTRIES", "folder", "key", "load", "lookup", "store"]

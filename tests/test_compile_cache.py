@@ -4,6 +4,7 @@ that will not run (`figure_cache`) and concurrent compiles (`measure`)."""
 
 import dataclasses
 import importlib
+import os
 
 import jax
 import pytest
@@ -116,3 +117,16 @@ def test_each_program_starts_compiling_before_the_next_is_traced():
                                        targets.parse_target("cpu"), start)
     assert [names for _, names, *_ in programs] == [[p] for p in POLICIES]
     assert events == [(kind, str(parse(p))) for p in POLICIES for kind in ("trace", "compile")]
+
+
+def test_the_figures_folder_keeps_the_most_recently_used(empty_cache, monkeypatch, tmp_path):
+    monkeypatch.setattr(figure_cache, "MAX_ENTRIES", 4)
+    for i in range(4):
+        figure_cache.store(f"k{i}", {"i": i})
+    os.utime(figure_cache.folder() + "/k0.json", (0, 0))  # the oldest three, k0 first
+    os.utime(figure_cache.folder() + "/k1.json", (1, 1))
+    os.utime(figure_cache.folder() + "/k2.json", (2, 2))
+    assert figure_cache.load("k0") == {"i": 0}  # read: now the most recent
+    figure_cache.store("k4", {"i": 4})  # five entries: down to two
+    assert sorted(os.listdir(figure_cache.folder())) == ["k0.json", "k4.json"]
+    assert figure_cache.load("k1") is None
