@@ -79,14 +79,17 @@ def _figures(doc):
     return doc
 
 
-def _same(new, base) -> bool:
-    """Whether `new` reports what `base` reports: fields added since base (a new
-    column) are not a change, any other difference is."""
+def _changes(new, base, path: str = "") -> list[str]:
+    """Where `new` does not report what `base` reports, as "path: base -> new":
+    fields added since base (a new column) are not a change, any other
+    difference is."""
     if isinstance(new, dict) and isinstance(base, dict):
-        return all(k in new and _same(new[k], v) for k, v in base.items())
-    if isinstance(new, list) and isinstance(base, list):
-        return len(new) == len(base) and all(map(_same, new, base))
-    return new == base
+        return [c for k, v in base.items()
+                for c in (_changes(new[k], v, f"{path}.{k}") if k in new
+                          else [f"{path}.{k}: missing"])]
+    if isinstance(new, list) and isinstance(base, list) and len(new) == len(base):
+        return [c for i, (n, b) in enumerate(zip(new, base)) for c in _changes(n, b, f"{path}[{i}]")]
+    return [] if new == base else [f"{path}: {base!r:.60} -> {new!r:.60}"]
 
 
 def _env(tree: str, cache: str | None) -> dict:
@@ -136,10 +139,17 @@ def main(argv=None) -> int:
                       f"rc {r['rc']}  load {r['load'][0]:.1f} -> {r['load'][1]:.1f}", flush=True)
                 if r["rc"] != 0:
                     print(r["tail"], flush=True)
-            same = {n: _same(runs[n].get("figures"), runs["base"].get("figures"))
-                    for n in ("cold", "warm")} if "figures" in runs["base"] else None
+            changes = {n: _changes(runs[n].get("figures"), runs["base"].get("figures"))
+                       for n in ("cold", "warm")} if "figures" in runs["base"] else {}
+            for n, found in changes.items():
+                for line in found[:8]:
+                    print(f"{part:12s} {n:5s} changed {line}", flush=True)
+                if len(found) > 8:
+                    print(f"{part:12s} {n:5s} ... and {len(found) - 8} more", flush=True)
+            same = {n: not found for n, found in changes.items()} or None
             results[part] = {n: {k: v for k, v in r.items() if k not in ("figures", "tail")}
-                             for n, r in runs.items()} | {"figures_unchanged": same}
+                             for n, r in runs.items()} | {"figures_unchanged": same,
+                                                          "changes": changes}
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT,
                        stdout=subprocess.DEVNULL)
