@@ -276,8 +276,9 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
-    args = _on_mesh(args, mesh)
-    traced = _trace(marked, args, mesh)
+    sharded = rk_mesh.spanning(mesh)  # a one-device mesh: its program is the per-device one
+    args = _on_mesh(args, sharded)
+    traced = _trace(marked, args, sharded)
     n = regions.count_marked(traced.jaxpr, _KEY)
     if n == 0:
         raise UnknownModuleError(
@@ -300,7 +301,7 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
     label = name or type(model).__name__
     notes = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
     local = None
-    if mesh is not None:  # what one device runs: its share of the batch, whole parameters
+    if sharded is not None:  # what one device runs: its share of the batch, whole parameters
         one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls)
         local = (one.loss_for_policy, one.args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,

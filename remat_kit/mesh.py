@@ -201,6 +201,13 @@ def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str,
     return tuple(out)
 
 
+def spanning(mesh: "Mesh | None") -> "Mesh | None":
+    """`mesh` if it spans more than one device, else None: a program on one
+    device has nothing to shard, and is itself the program each device runs
+    (a one-chip target's data:1 mesh traces and measures as no mesh, same figures)."""
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
 def axis_size(mesh: "Mesh | Mapping[str, int] | None", logical: str) -> int:
     """How many ways `mesh` (a Mesh or {axis: size}) splits a logical axis
     ("batch" -> data x fsdp, "heads" -> tensor)."""
@@ -398,4 +405,4 @@ def is_sharded(leaf) -> bool:
 
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
            "check_fits", "is_sharded", "local_shape", "constrain", "initialize", "make", "parse_spec", "per_device_config",
-           "put", "replicated", "rules", "shardings", "spec_text", "use"]
+           "put", "replicated", "rules", "shardings", "spanning", "spec_text", "use"]

@@ -121,10 +121,11 @@ def workload(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None 
     if cfg.family == "gpt2" and seq > cfg.max_len:
         raise ValueError(f"seq {seq} exceeds the model's max_len {cfg.max_len} "
                          "(GPT-2 learns one position embedding per position)")
-    loss_for_policy, args, sample_args = _program(cfg, batch, seq, mesh)
+    sharded = rk_mesh.spanning(mesh)  # a one-device mesh: its program is the per-device one
+    loss_for_policy, args, sample_args = _program(cfg, batch, seq, sharded)
     local_cfg = rk_mesh.per_device_config(cfg, mesh)
     local_batch = batch // rk_mesh.axis_size(mesh, "batch")
-    per_device = (None if mesh is None
+    per_device = (None if sharded is None
                   else _program(local_cfg, local_batch, seq, None)[:2])
     label = name or getattr(cfg, "name", None) or "transformer"
     return Workload(
