@@ -1,6 +1,7 @@
 """remat_kit.targets: TPU (libtpu) and GPU compiles ahead of time, --target, error paths."""
 
 import csv
+import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
@@ -350,3 +351,20 @@ def test_plan_verifies_on_the_target(capsys):
     assert "XLA TPU compile (v5e:1x1, AOT)" in out
     assert "compiled none" in err and "compiled full" in err
     assert "memory: compiled peak_memory_in_bytes" in out  # budgets are of the peak
+
+
+@needs_libtpu
+def test_a_one_chip_mesh_measures_as_no_mesh_staging_each_policy_once(monkeypatch):
+    # A one-chip target's data:1 mesh: the program is the per-device program.
+    staged = []
+    stage = measure._stage
+    monkeypatch.setattr(measure, "_stage", lambda *a: staged.append(1) or stage(*a))
+    cfg, tpu = get_config("tiny", num_layers=1), targets.parse_target("tpu:v5e:1x1")
+    alone = measure.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False)
+    assert len(staged) == 2
+    on_mesh = measure.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False,
+                                     mesh=targets.make_mesh(tpu, {"data": 1}))
+    assert len(staged) == 4  # once per policy, not again for a per-device program
+    strip = lambda rs: [dataclasses.replace(r, compile_seconds=None) for r in rs]  # noqa: E731
+    assert strip(on_mesh) == strip(alone)
+    assert all(r.error is None and r.peak_memory_in_bytes for r in on_mesh)
