@@ -1,4 +1,5 @@
-"""The `remat-kit` command.
+"""remat-kit: what each remat policy costs on your model before you launch (compare,
+explain), the cheapest policy for a memory budget (plan), the longest sequence that fits (fit).
 
     remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
         [--policies a,b,c] [--mesh data:2,fsdp:2,tensor:2] [--target cpu,tpu:v5e:1x1] \\
@@ -644,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for bad input)."""
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_joined_values(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # --help, or a usage error already printed
         return e.code
     if args.command is None:
@@ -663,6 +664,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         except outputs.OutputError as e:  # at the end, after the work: a disk fills up
             print(f"remat-kit: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 1
+
+
+def _joined_values(argv: list[str]) -> list[str]:
+    """`--budget -1GiB` as `--budget=-1GiB`: argparse takes a value that starts with
+    '-' and is not a plain number for an option, and would say only "expected one
+    argument"; joined, the budget's own check names the bad value."""
+    out = []
+    for arg in argv:
+        if (out and out[-1] in ("--budget", "--budgets") and arg[:1] == "-"
+                and arg[1:2].isdigit()):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):

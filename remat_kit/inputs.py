@@ -157,8 +157,10 @@ def load_config(spec: str) -> tuple[TransformerConfig, str, dict]:
     if not (spec.endswith(".py") or os.sep in spec):
         try:
             return get_config(spec), spec, {}
-        except KeyError as e:
-            raise BadInput(e.args[0]) from None
+        except KeyError as e:  # the names and the closest, and what else --config takes
+            names, _, hint = e.args[0].partition("; did you mean")
+            raise BadInput(f"{names}, or a .py config file with get_config()"
+                           + (f"; did you mean{hint}" if hint else "")) from None
     config = load_config_file(spec)
     cfg, defaults = config_from_dict(config, where=f"config file {spec!r}")
     return cfg, os.path.basename(spec), defaults

@@ -33,7 +33,13 @@ def run(capsys, *argv):
      "in fit, auto's budget is the fit budget"),
     (["explain", "--config", "tiny", "--policy", "full", "--target", "tpu:v5e:0x1"],
      "bad TPU topology 'v5e:0x1'"),
-    (["compare", "--config", "gpt3"], "unknown model config 'gpt3'"),
+    (["compare", "--config", "gpt3"], "unknown model config 'gpt3'; valid: tiny, tiny_llama, "
+     "gpt2_small, llama_1b, or a .py config file with get_config()"),
+    (["compare", "--config", "gpt2_smal"], "config file with get_config(); did you mean "
+     "'gpt2_small'?"),
+    # argparse alone would take a value starting with '-' for an option.
+    (["fit", "--config", "tiny", "--budget", "-1GiB"], "a budget must be positive"),
+    (["plan", "--config", "tiny", "--budgets", "-0.5"], "got '-0.5'"),
     (["compare", "--config", "tiny", "--batch", "0"], "--batch: must be a positive int"),
     (["compare", "--config", "tiny", "--batch", "abc"], "--batch: must be a positive int"),
     (["compare", "--config", "tiny", "--seq", "-3"], "--seq: must be a positive int"),

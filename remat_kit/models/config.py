@@ -203,7 +203,7 @@ def get_config(name: str, **overrides) -> TransformerConfig:
     """
     if not isinstance(name, str) or name not in CONFIGS:
         hint = _closest(name, tuple(CONFIGS)) if isinstance(name, str) else None
-        raise KeyError(f"unknown model config {name!r}; valid: {list(CONFIGS)}"
+        raise KeyError(f"unknown model config {name!r}; valid: {', '.join(CONFIGS)}"
                        + (f"; did you mean {hint!r}?" if hint else ""))
     return CONFIGS[name].replace(**overrides) if overrides else CONFIGS[name]
 
