@@ -350,7 +350,9 @@ def _plan(args) -> int:
               caption_justify="left")
     for name in ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
                  "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +"):
-        t.add_column(name, justify="left" if "polic" in name or "preset" in name else "right")
+        words = "polic" in name or "preset" in name  # a long spec folds, it is not cut
+        t.add_column(name, justify="left" if words else "right",
+                     overflow="fold" if words else "ellipsis")
     out = []
     none_seconds = planner.seconds(parse("none"))
     for b in budgets:
