@@ -30,9 +30,10 @@ demo: venv
 # Each prints its 15 slowest tests, so drift is seen. Compiled programs are cached
 # in ~/.cache/remat_kit/jax-tests (tests/conftest.py), outside the checkout: a second
 # `make test`, also in a fresh clone, compiles only what changed.
-# Bytecode is written even where the environment says not to: each of the five
-# processes of a run collects every test module, and pytest rewrites the asserts of
-# a module it has no bytecode for (collection 8.6 -> 4.0 CPU s per process).
+# Bytecode is written even where the environment says not to: each of the four
+# worker processes of a run (two a pass) collects every test module, and pytest
+# rewrites the asserts of a module it has no bytecode for (collection 8.6 -> 4.0
+# CPU s per process).
 TEST_WORKERS ?= 2
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
