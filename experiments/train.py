@@ -176,11 +176,8 @@ def _start_devices(config: ml_collections.ConfigDict, cfg) -> None:
                            config.get("process_id", 0) if explicit else None,
                            check_int("config.distributed_timeout",
                                      config.get("distributed_timeout", 300)))
-    elif sizes is not None:
-        try:  # on CPU, as many host devices as the mesh needs (ignored on accelerators)
-            jax.config.update("jax_num_cpu_devices", math.prod(sizes.values()))
-        except RuntimeError:
-            pass  # JAX already started; rk_mesh.make checks the devices it has
+    elif sizes is not None:  # on CPU, as many host devices as the mesh needs
+        rk_mesh.host_devices(math.prod(sizes.values()))
 
 
 def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.ExitStack):

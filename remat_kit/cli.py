@@ -661,10 +661,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (BadInput, RematSpecError, ValueError) as e:
             # RematSpecError is a ValueError; other ValueErrors here come from
             # validating sizes and dtypes before anything is measured.
-            print(f"remat-kit: error: {' '.join(str(e).split())}", file=sys.stderr)
+            print(f"remat-kit {args.command}: error: {' '.join(str(e).split())}",
+                  file=sys.stderr)  # as argparse names the command in its own errors
             return 2
         except outputs.OutputError as e:  # at the end, after the work: a disk fills up
-            print(f"remat-kit: error: {' '.join(str(e).split())}", file=sys.stderr)
+            print(f"remat-kit {args.command}: error: {' '.join(str(e).split())}",
+                  file=sys.stderr)
             return 1
 
 

@@ -415,10 +415,7 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
             return targets.make_mesh(target, sizes)
         import jax
         n = math.prod(sizes.values())
-        try:
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:
-            pass  # JAX already started; use the devices it has
+        rk_mesh.host_devices(n)
         devices = jax.devices()
         if len(devices) < n:
             raise rk_mesh.MeshError(

@@ -201,6 +201,22 @@ def rules(mesh: "Mesh | Mapping[str, int]") -> tuple[tuple[str, str | tuple[str,
     return tuple(out)
 
 
+def host_devices(n: int) -> None:
+    """At least `n` CPU devices, if JAX has not started yet: sets the
+    `jax_num_cpu_devices` option to n unless it, or XLA_FLAGS'
+    --xla_force_host_platform_device_count, asks for as many already (a
+    smaller count would take devices from a process that set more). Once
+    JAX has started, nothing changes: `make` checks the devices there are."""
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)",
+                     os.environ.get("XLA_FLAGS", ""))
+    if max(int(flag.group(1)) if flag else 1, jax.config.jax_num_cpu_devices) >= n:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass  # JAX already started
+
+
 def spanning(mesh: "Mesh | None") -> "Mesh | None":
     """`mesh` if it spans more than one device, else None: a program on one
     device has nothing to shard, and is itself the program each device runs
@@ -404,5 +420,5 @@ def is_sharded(leaf) -> bool:
     return sharding is not None and len(sharding.device_set) > 1
 
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
-           "check_fits", "is_sharded", "local_shape", "constrain", "initialize", "make", "parse_spec", "per_device_config",
+           "check_fits", "host_devices", "is_sharded", "local_shape", "constrain", "initialize", "make", "parse_spec", "per_device_config",
            "put", "replicated", "rules", "shardings", "spanning", "spec_text", "use"]

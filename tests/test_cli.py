@@ -308,7 +308,7 @@ def test_an_output_that_cannot_take_a_file_fails_before_compiling(capsys, tmp_pa
     code, out, err = run(capsys, argv[0], *flags, *argv[1:])
     flag, path = argv[-2:]
     assert code == 2 and out == "", err  # no table, no progress: nothing compiled
-    assert err == (f"remat-kit: error: {flag}: '{path}' is a character device, not a regular "
+    assert err == (f"remat-kit {argv[0]}: error: {flag}: '{path}' is a character device, not a regular "
                    "file; give a file path\n")
 
 
@@ -329,7 +329,7 @@ def test_a_failed_write_is_one_line_and_keeps_the_old_file(tmp_path):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert lines[-1] == (f"remat-kit: error: cannot write '{out}': File too large; nothing "
+    assert lines[-1] == (f"remat-kit compare: error: cannot write '{out}': File too large; nothing "
                          "was written, the old file is left as it was")
     assert out.read_text() == "old\n" and os.listdir(tmp_path) == ["out.json"]  # no temp left
 
@@ -343,7 +343,7 @@ def test_special_files_are_refused_as_plan_caches(capsys, tmp_path):
         code, out, err = run(capsys, "plan", "--config", "tiny", "--batch", "2", "--seq", "64",
                              "--budgets", "0.5", "--cache", path)
         assert code == 2 and out == "" and err.count("\n") == 1, err
-        assert err == (f"remat-kit: error: --cache: '{path}' is {kind}"
+        assert err == (f"remat-kit plan: error: --cache: '{path}' is {kind}"
                        + (" (named pipe)" if "FIFO" in kind else "")
                        + ", not a regular file; give a plan cache file, or '' for none\n")
 

@@ -276,3 +276,17 @@ def test_mesh_helpers_reject_wrong_types(call, exc, message):
     with pytest.raises(exc) as e:
         call()
     assert message in str(e.value)
+
+
+def test_host_devices_never_lowers_the_count_a_process_asked_for(monkeypatch):
+    # A command's --mesh data:2 must not take the 8 host devices XLA_FLAGS gave the process.
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: calls.append((name, value)))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    rk.mesh.host_devices(2)
+    rk.mesh.host_devices(8)
+    assert calls == []
+    rk.mesh.host_devices(16)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    rk.mesh.host_devices(4)
+    assert calls == [("jax_num_cpu_devices", 16), ("jax_num_cpu_devices", 4)]
