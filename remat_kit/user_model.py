@@ -21,6 +21,7 @@ from collections.abc import Callable
 from remat_kit.errors import RematSpecError
 from remat_kit.from_model import ModelError
 from remat_kit.from_model import workload as model_workload
+from remat_kit.mesh import spanning
 from remat_kit.workload import Workload
 
 FORMS = "FILE.py:FUNCTION or package.module:FUNCTION"
@@ -37,7 +38,10 @@ def _module(path: str, spec: str):
         module = importlib.util.module_from_spec(module_spec)
         folder = os.path.dirname(os.path.abspath(path))
         if folder not in sys.path:
-            sys.path.insert(0, folder)  # the file may import its neighbours
+            # The file may import its neighbours; appended, as pytest's append import
+            # mode does, so a file named like a package it imports (nano_moe.py doing
+            # `from nano_moe.model import ...`) does not shadow that package.
+            sys.path.append(folder)
         # Registered first: dataclasses and pickling look the module up by name.
         sys.modules[name] = module
         load = lambda: module_spec.loader.exec_module(module)  # noqa: E731
@@ -130,7 +134,8 @@ def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
     name = getattr(fn, "__name__", "FUNCTION")
 
     def make(batch: int, seq: int, mesh=None) -> Workload:
-        if mesh is not None:
+        # A one-chip target's data:1 mesh shards nothing: the Workload is run as it is.
+        if spanning(mesh) is not None:
             raise ModelError(f"--model {spec!r}: --mesh is for a model; {name}(batch, seq) "
                              "builds its Workload, so build the mesh into its arguments")
         try:

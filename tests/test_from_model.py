@@ -226,3 +226,39 @@ def test_cli_compare_explain_plan_fit_on_a_model(capsys, tmp_path):
     assert row["size"] == 32 and row["capped"] and row["error"] is None
     assert "Incompatible shapes for broadcasting" in row["limit"]
     assert all(size <= 32 for size, _ in row["probes"])
+
+
+def test_a_file_named_like_the_package_it_imports_loads(tmp_path):
+    # nano_moe.py doing `from nano_moe.model import NanoMoE` (the PyPI package): the file's
+    # folder must not shadow the package it wraps.
+    (tmp_path / "nano_moe.py").write_text(
+        "from nano_moe.config import NanoMoEConfig\n"
+        "from nano_moe.model import NanoMoE\n\n"
+        "def model():\n"
+        "    return NanoMoE(NanoMoEConfig(vocab_size=64, n_layers=2, n_heads=4, d_model=32,\n"
+        "                   d_ff=64, n_experts=2, top_k=1, block_size=32, dropout_rate=0.0))\n")
+    from remat_kit import user_model
+    label, make = user_model.load(f"{tmp_path}/nano_moe.py:model")
+    work = make(2, 16)
+    assert work.num_layers == 2 and label == "nano_moe.py:model"
+
+
+def test_a_workload_function_takes_a_one_chip_target(capsys, tmp_path):
+    # The one-chip target's implicit data:1 mesh shards nothing; a real mesh is refused.
+    (tmp_path / "wl.py").write_text(
+        "import jax, jax.numpy as jnp\nimport remat_kit as rk\n\n"
+        "def workload(batch, seq):\n"
+        "    def loss_for(policy):\n"
+        "        f = lambda w, x: rk.tag(jnp.tanh(x @ w), 'mlpwi').sum()\n"
+        "        return jax.checkpoint(f, policy=policy.to_jax()) if policy.remat else f\n"
+        "    return rk.Workload(loss_for, (jax.ShapeDtypeStruct((8, 8), jnp.float32),\n"
+        "                                  jax.ShapeDtypeStruct((batch * seq, 8), jnp.float32)))\n")
+    spec = f"{tmp_path}/wl.py:workload"
+    out = tmp_path / "c.json"
+    assert cli.main(["compare", "--model", spec, "--batch", "2", "--seq", "4", "--policies",
+                     "none,full", "--target", "tpu:v5e:1x1", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["error"] for r in records] == [None, None]
+    assert cli.main(["compare", "--model", spec, "--batch", "2", "--seq", "4",
+                     "--mesh", "data:2"]) == 2
+    assert "--mesh is for a model" in capsys.readouterr().err
