@@ -45,7 +45,7 @@ def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
     target = targets.parse_target(target)
     if offload is False or offload is None:
         return None
-    if offload is not True and offload is not None:
+    if offload is not True:  # a bandwidth in bytes/s
         return float(offload)
     if target.platform == "cpu":
         return time_model.roofline(target).bandwidth
