@@ -37,6 +37,8 @@ demo: venv
 TEST_WORKERS ?= 2
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
+# lint-imports keeps the parts' order (pyproject.toml's contracts) and names a broken import.
 test: venv
+	$(VENV)/bin/lint-imports --no-cache
 	$(PYTEST)
 	JAX_REMAT3=1 $(PYTEST) -m remat_modes; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

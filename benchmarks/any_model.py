@@ -42,7 +42,7 @@ def run(*argv: str) -> tuple[dict, float, float]:
         out = Path(tmp) / "out.json"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "remat_kit.cli", *argv, "--json", str(out)],
+        done = subprocess.run([sys.executable, "-m", "remat_kit.cli.commands", *argv, "--json", str(out)],
                               capture_output=True, text=True, cwd=ROOT, env=env)
         seconds = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)

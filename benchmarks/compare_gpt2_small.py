@@ -24,7 +24,7 @@ def compare(*flags: str) -> tuple[list[dict], float]:
     process: (its JSON records, wall seconds). Exits with its stderr if it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "compare.json"
-        cmd = [sys.executable, "-m", "remat_kit.cli", "compare", "--config", "gpt2_small",
+        cmd = [sys.executable, "-m", "remat_kit.cli.commands", "compare", "--config", "gpt2_small",
                "--batch", "8", "--seq", "1024", *flags, "--json", str(out)]
         start = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)

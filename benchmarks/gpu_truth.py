@@ -6,8 +6,8 @@
 
 For each config (`RUNS`: GPT-2 medium shapes and Llama 3.2 1B shapes, bfloat16
 activations, float32 parameters, AdamW, layers scanned) and each policy in
-`POLICIES`, one fresh process compiles the train step of `remat_kit.step.train_step`
-on the device (`targets.compile_for`, parameters and optimizer state donated), runs
+`POLICIES`, one fresh process compiles the train step of `remat_kit.decide.step.train_step`
+on the device (`lowering.compile_for`, parameters and optimizer state donated), runs
 `--warmup` steps and then `--steps` timed ones, and reports:
 
 * the measured peak: `device.memory_stats()["peak_bytes_in_use"]`; one process
@@ -169,21 +169,23 @@ def _timed(compiled, args, warmup: int, steps: int) -> tuple[list[float], list[f
 def measure_one(run: Run, spec: str, warmup: int, steps: int) -> dict:
     """Compile, run and time one policy on JAX's default device; a JSON-ready row."""
     import jax
-    from remat_kit import targets
-    from remat_kit.step import TrainStep, step_figures, train_step
+    from remat_kit.measure import targets
+    from remat_kit.measure import lowering
+    from remat_kit.decide.step import TrainStep, step_figures
+    from remat_kit.models.shortcuts import train_step
     device = jax.devices()[0]
     row = {"policy": spec, "device": device.device_kind, "platform": device.platform,
            "versions": targets.versions(device.platform)}
     cfg = run.config()
     try:
         if _auto_budget(spec) is not None:  # no plan shipped: plan on this device
-            from remat_kit.plan import config_planner
+            from remat_kit.models.shortcuts import config_planner
             spec = config_planner(cfg, run.batch, run.seq, cache=False).plan(
                 _auto_budget(spec)).spec
             row["planned_on"] = device.platform
         row["resolved"] = spec
         made = train_step(cfg, run.batch, run.seq, spec)
-        c = targets.compile_for(made.step, *made.args, compile_only=False,
+        c = lowering.compile_for(made.step, *made.args, compile_only=False,
                                 donate=TrainStep.DONATED, count_flops=False)
         figures = step_figures(c, made.args)
         row["device_compile"] = {"total_bytes": figures.total_bytes, "source": figures.source,
@@ -228,19 +230,20 @@ def _child(name: str, smoke: bool, spec: str, warmup: int, steps: int, timeout: 
 
 def _time_model_seconds(made) -> tuple[float | None, str]:
     """The step's seconds on the H200 by remat_kit's time model, where there is one."""
-    if importlib.util.find_spec("remat_kit.time_model") is None:
+    if importlib.util.find_spec("remat_kit.measure.time_model") is None:
         return None, "remat_kit has no time model yet (the planner minimizes FLOPs)"
     import jax
-    from remat_kit import time_model
+    from remat_kit.measure import time_model
     jaxpr = jax.make_jaxpr(made.step)(*made.args).jaxpr
     return (time_model.program_seconds(jaxpr, time_model.roofline(PREDICT_TARGET), {}),
-            "remat_kit.time_model roofline of the step's jaxpr")
+            "remat_kit.measure.time_model roofline of the step's jaxpr")
 
 
 def predict_one(run: Run, spec: str) -> dict:
     """The deviceless H200 figures of one policy (an auto spec planned first)."""
-    from remat_kit.step import step_memory, train_step
-    from remat_kit.plan import config_planner
+    from remat_kit.models.shortcuts import train_step
+    from remat_kit.models.shortcuts import step_memory
+    from remat_kit.models.shortcuts import config_planner
     cfg, out = run.config(), {"policy": spec}
     start = time.perf_counter()
     try:
@@ -265,7 +268,7 @@ def predict_one(run: Run, spec: str) -> dict:
 
 def predict(names: list[str], policies: list[str], path: str) -> None:
     """Adds the deviceless figures of `names` x `policies` to the JSON file at `path`."""
-    from remat_kit import targets
+    from remat_kit.measure import targets
     found = _read(path) or {}
     found.update({"target": PREDICT_TARGET, "versions": targets.versions(PREDICT_TARGET),
                   "description": targets.gpu_description(PREDICT_TARGET),

@@ -35,7 +35,7 @@ import json
 import os
 import sys
 
-from remat_kit import cli
+from remat_kit.cli import commands as cli
 
 SHAPES = {"gpt2_small": (8, 1024), "llama_1b": (4, 2048)}
 BUDGETS = "0.15,0.2,0.25,0.3,0.4,0.6"

@@ -26,8 +26,8 @@ import itertools
 import sys
 import time
 
-from remat_kit.cost_model import PLANNED_BASES
-from remat_kit.policy import Policy
+from remat_kit.decide.cost_model import PLANNED_BASES
+from remat_kit.policy.policy import Policy
 
 BATCH, SEQ = 2, 32
 TOLERANCE = 0.005  # of the best fitting policy's FLOPs
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="tiny,tiny_llama")
     args = parser.parse_args(argv)
     from remat_kit.models import get_config
-    from remat_kit.plan import config_planner
+    from remat_kit.models.shortcuts import config_planner
 
     failed = 0
     start = time.perf_counter()

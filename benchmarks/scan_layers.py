@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import remat_kit as rk
-from remat_kit.costs import loop_scaled_costs
+from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.models import Transformer, get_config, make_loss_fn
 
 

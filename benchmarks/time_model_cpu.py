@@ -7,7 +7,7 @@ In one run:
 
 1. `remat-kit compare --config C --time N --json` over every preset: each
    preset's predicted step-time ratio to `none` (`Record.predicted_seconds`, a
-   roofline per compiled op, `remat_kit.time_model`) against its measured one
+   roofline per compiled op, `remat_kit.measure.time_model`) against its measured one
    (the median over N rounds, every policy one step per round, of its step
    over `none`'s step of the same round). Check: within 10% for every preset.
 2. At each budget, the planner's plan for objective `flops` and for objective
@@ -28,11 +28,11 @@ import json
 import os
 import sys
 
-from remat_kit import cli
-from remat_kit.measure import measure
+from remat_kit.cli import commands as cli
+from remat_kit.measure.measure import measure
 from remat_kit.models import CONFIGS
 from remat_kit.models.program import workload
-from remat_kit.plan import config_planner
+from remat_kit.models.shortcuts import config_planner
 
 TOLERANCE = 0.10  # predicted ratio to none within 10% of the measured one
 

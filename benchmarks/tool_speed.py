@@ -36,7 +36,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = [sys.executable, "-m", "remat_kit.cli"]
+CLI = [sys.executable, "-m", "remat_kit.cli.commands"]
 # As `make test` runs it, in both trees.
 _PYTEST = (f"PYTHONDONTWRITEBYTECODE= {sys.executable} -m pytest tests -q -p no:cacheprovider "
            "-n 2 --dist loadscope")

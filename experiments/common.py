@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from absl import flags, logging
 
-from remat_kit.inputs import BadInput, load_config_file
+from remat_kit.cli.inputs import BadInput, load_config_file
 
 
 def fail(message: str, code: int = 2, label: str = "error") -> NoReturn:
@@ -49,7 +49,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (for `app.run(..., flags_parser=parse_flags)`), with
     every bad flag, config file or config value as one stderr line and exit 2.
 
-    The --config file is loaded once first (`remat_kit.inputs.load_config_file`):
+    The --config file is loaded once first (`remat_kit.cli.inputs.load_config_file`):
     ml_collections would report its failures as a traceback, or not at all
     until the first field access.
     """

@@ -13,7 +13,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
-from remat_kit.inputs import BadInput
+from remat_kit.cli.inputs import BadInput
 
 LOCK = ".lock"
 

@@ -3,13 +3,13 @@
     python -m experiments.sweep --config=experiments/configs/tiny.py \\
         --policies=none,full,selective,minimal --workdir=runs/sweep [--steps=5]
 
-For each policy, `remat_kit.measure.measure_config` compiles the model's
+For each policy, `remat_kit.models.shortcuts.measure_config` compiles the model's
 value-and-grad step, then runs one warm-up and --steps timed steps on random
 tokens. The model, batch_size and seq_len come from the config file (see
-`remat_kit.inputs.config_from_dict`). Writes into --workdir:
+`remat_kit.cli.inputs.config_from_dict`). Writes into --workdir:
 
-    records.json   the `remat_kit.report` JSON schema, one object per policy
-    records.csv    one line per policy (`remat_kit.report.CSV_FIELDS`)
+    records.json   the `remat_kit.cli.report` JSON schema, one object per policy
+    records.csv    one line per policy (`remat_kit.cli.report.CSV_FIELDS`)
     pareto.png     memory (temp on CPU, peak on TPU/GPU) against FLOP overhead, Pareto front marked
 
 and prints the table. Without --policies, every preset is swept.
@@ -26,12 +26,12 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.common import fail, parse_flags
-from remat_kit import report
-from remat_kit.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
+from remat_kit.cli import report
+from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            config_from_dict, preset_policies, split_policies)
 from remat_kit.errors import RematSpecError
-from remat_kit.measure import measure_config
-from remat_kit.record import platform_label
+from remat_kit.models.shortcuts import measure_config
+from remat_kit.measure.record import platform_label
 
 
 def _define_flags() -> None:
@@ -51,7 +51,7 @@ def sweep(config, workdir: str, policies: str | None = None, steps: int = 5) -> 
     """Measures and times every policy in `policies` (default: every preset) on `config`.
 
     Returns:
-      The report rows (`remat_kit.report.rows`), also written to `workdir`.
+      The report rows (`remat_kit.cli.report.rows`), also written to `workdir`.
     Raises:
       BadInput: steps < 1; the config names no known model or has a bad
         field; an empty or bad policy list; a workdir that cannot be written;

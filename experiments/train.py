@@ -54,18 +54,19 @@ from rich.table import Table
 
 from experiments import checkpoint, data, guards, runlog
 from experiments.common import fail, parse_flags, warn_line
-from remat_kit.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
+from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
 from remat_kit import mesh as rk_mesh
-from remat_kit.budget import parse_budget
-from remat_kit import floor
+from remat_kit.policy.budget import parse_budget
+from remat_kit.decide import floor
 from remat_kit.errors import BudgetError, MeshError, RematSpecError
-from remat_kit.step import in_use_bytes
-from remat_kit.costs import loop_scaled_costs, memory_fields
-from remat_kit.record import platform_label
+from remat_kit.decide.step import in_use_bytes
+from remat_kit.measure.costs import loop_scaled_costs, memory_fields
+from remat_kit.measure.record import platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
-from remat_kit.plan import resolve_config
-from remat_kit.spec import AutoSpec, parse
+from remat_kit.models import workload as config_workload
+from remat_kit.models.shortcuts import resolve_config
+from remat_kit.policy.spec import AutoSpec, parse
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -110,7 +111,7 @@ def make_train_step(model: Transformer, deterministic: bool) -> Callable:
 def _compiled_stats(compiled) -> dict:
     """The summary's figures of a compiled train step: temp_size_in_bytes and
     peak_memory_in_bytes (`memory_fields`), step_bytes (the device memory the
-    whole step holds at its peak, `remat_kit.step.in_use_bytes`, per device)
+    whole step holds at its peak, `remat_kit.decide.step.in_use_bytes`, per device)
     and flops, loops counted per trip (`loop_scaled_costs`); None where the
     backend reports none."""
     memory = memory_fields(compiled)
@@ -581,13 +582,16 @@ def _budget_bytes(config: ml_collections.ConfigDict) -> int | None:
 
 def _check_floor(config: ml_collections.ConfigDict, cfg) -> None:
     """BadInput, in one line naming the floor, for a memory_budget or an
-    auto:budget= below what no policy frees (`remat_kit.floor`); eval_shape
+    auto:budget= below what no policy frees (`remat_kit.decide.floor`); eval_shape
     only, before the data loads and anything compiles."""
     budget, mesh, policy = _budget_bytes(config), _mesh(config), parse(cfg.remat)
     auto = isinstance(policy, AutoSpec) and parse_budget(policy.budget).bytes
+    # The parameters alone matter here: the workload at the smallest size.
+    work = lambda: config_workload(cfg.replace(remat="none"), rk_mesh.axis_size(mesh, "batch"), 1,
+                                   mesh=mesh)  # noqa: E731
     checks = [("config.memory_budget", budget, lambda: floor.step_floor(
-                   cfg, make_optimizer(config)[0], mesh), "the parameters plus optimizer state"),
-              ("config.remat", auto, lambda: floor.planner_floor(cfg, jax.default_backend(), mesh),
+                   work(), make_optimizer(config)[0]), "the parameters plus optimizer state"),
+              ("config.remat", auto, lambda: floor.planner_floor(work(), jax.default_backend()),
                "the parameters plus gradients")]
     for field, limit, floor_of, what in checks:
         if limit:

@@ -10,32 +10,36 @@ value that says what to measure: `rk.models.workload(cfg, batch, seq)` for
 the reference transformers, `rk.from_model.workload(model, batch, seq)` for
 any linen or NNX language model, or one of the user's own.
 
-`rk.plan` is the planner function; its module is `remat_kit.plan` (import
-`Planner` and friends with `from remat_kit.plan import ...`).
+`rk.plan` is the planner function; its module is `remat_kit.decide.plan` (import
+`Planner` and friends with `from remat_kit.decide.plan import ...`).
 """
 
-from remat_kit import estimate, from_model, mesh, models, report, targets
-from remat_kit import flax_linen as linen
-from remat_kit import flax_nnx as nnx
+from remat_kit import mesh, models
+from remat_kit.measure import estimate
+from remat_kit.flax import from_model
+from remat_kit.trace import roles
+from remat_kit.cli import report
+from remat_kit.measure import targets
+from remat_kit.flax import linen
+from remat_kit.flax import nnx
 from remat_kit.errors import (BudgetError, MeshError, RematSpecError, UnknownModuleError,
                               UnknownTagError)
-from remat_kit.fit import fit
-from remat_kit.step import step_memory
-from remat_kit.explain import explain, layer_residuals
-from remat_kit.measure import measure, measure_config
-from remat_kit.names import ALIASES, TAGS, register_tag, tag
-from remat_kit.plan import Plan, Planner, plan
-from remat_kit.record import Record
-from remat_kit.residuals import residuals
-from remat_kit.policy import Policy
-from remat_kit.spec import PRESETS, AutoSpec, from_custom, parse
-from remat_kit.validate import emitted_tags, validate
-from remat_kit.workload import Workload, checkpointed
+from remat_kit.decide.resolve import measure
+from remat_kit.measure.explain import explain
+from remat_kit.models.shortcuts import fit, layer_residuals, measure_config, step_memory
+from remat_kit.policy.names import ALIASES, TAGS, register_tag, tag
+from remat_kit.decide.plan import Plan, Planner, plan
+from remat_kit.measure.record import Record
+from remat_kit.measure.residuals import residuals
+from remat_kit.policy.policy import Policy
+from remat_kit.policy.spec import PRESETS, AutoSpec, from_custom, parse
+from remat_kit.trace.validate import emitted_tags, validate
+from remat_kit.trace.workload import Workload, checkpointed
 
 __all__ = [
     "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
     "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError", "Workload",
     "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom", "from_model",
     "layer_residuals", "linen", "measure", "measure_config", "mesh", "models", "nnx", "parse",
-    "plan", "register_tag", "report", "residuals", "step_memory", "tag", "targets", "validate",
+    "plan", "register_tag", "report", "residuals", "roles", "step_memory", "tag", "targets", "validate",
 ]

@@ -117,3 +117,11 @@ class BudgetError(RematSpecError):
         self.minimum_fraction = minimum_fraction
         super().__init__(message, token=None if budget is None else str(budget),
                          choices=choices)
+
+
+def check_positive(name: str, value) -> None:
+    """ValueError naming `name` unless `value` is a positive int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+

@@ -1,5 +1,5 @@
 """Budgets say what they mean: a bare number needs a unit, and a budget below
-what no policy frees (remat_kit.floor) is refused before anything compiles."""
+what no policy frees (remat_kit.decide.floor) is refused before anything compiles."""
 
 import importlib.util
 import math
@@ -9,8 +9,9 @@ import optax
 import pytest
 
 import remat_kit as rk
-from remat_kit import cli, floor
-from remat_kit.budget import Budget, parse_budget
+from remat_kit.cli import commands as cli
+from remat_kit.decide import floor
+from remat_kit.policy.budget import Budget, parse_budget
 from remat_kit.models import get_config
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -57,9 +58,9 @@ def test_step_floor_is_parameters_plus_adamw_state():
     n = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(
         rk.models.workload(CFG, 1, 1).params))
     # AdamW keeps two moments per parameter (float32 like tiny's parameters) and a count.
-    assert floor.step_floor(CFG, optax.adamw(1e-4)) == 3 * n + 4
-    assert floor.planner_floor(CFG, "tpu") == floor.planner_floor(CFG, "gpu") == 2 * n
-    assert floor.planner_floor(CFG, "cpu") is None  # the CPU figure, temp, holds neither
+    assert floor.step_floor(rk.models.workload(CFG, 1, 1), optax.adamw(1e-4)) == 3 * n + 4
+    assert floor.planner_floor(rk.models.workload(CFG, 1, 1), "tpu") == floor.planner_floor(rk.models.workload(CFG, 1, 1), "gpu") == 2 * n
+    assert floor.planner_floor(rk.models.workload(CFG, 1, 1), "cpu") is None  # the CPU figure, temp, holds neither
 
 
 def test_floor_check_names_the_floor():
@@ -79,7 +80,7 @@ def test_floor_check_names_the_floor():
 def test_tpu_planner_budget_below_the_floor_fails_before_compiling(argv, capsys, no_compiles):
     assert cli.main([*argv, "--config", "tiny", "--target", "tpu:v5e:1x1"]) == 2
     err = capsys.readouterr().err
-    least = floor.planner_floor(CFG, "tpu")
+    least = floor.planner_floor(rk.models.workload(CFG, 1, 1), "tpu")
     assert "below the parameters plus gradients" in err and f"({least} bytes per device)" in err
     assert err.count("\n") == 1
 
@@ -104,7 +105,7 @@ def test_train_memory_budget_below_the_floor_fails_before_the_data(tmp_path, no_
     from experiments import train
     from remat_kit.models import from_config_dict
     config = _train_config(tmp_path, "1GiB")
-    least = floor.step_floor(from_config_dict(config), train.make_optimizer(config)[0])
+    least = floor.step_floor(rk.models.workload(from_config_dict(config), 1, 1), train.make_optimizer(config)[0])
     with pytest.raises(cli.BadInput, match=rf"^config.memory_budget: budget 96 B \(96 bytes\) "
                        rf"is below the parameters plus optimizer state, .* \({least} bytes "
                        rf"per device\)"):

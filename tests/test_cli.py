@@ -9,8 +9,9 @@ import textwrap
 import jax
 import pytest
 
-from remat_kit import cli, inputs
-from remat_kit.report import SCHEMA_VERSION
+from remat_kit.cli import commands as cli
+from remat_kit.cli import inputs
+from remat_kit.cli.report import SCHEMA_VERSION
 
 
 def run(capsys, *argv):
@@ -171,7 +172,7 @@ def test_out_of_memory_names_the_sizes():
 
 
 def test_default_policies_cover_every_preset():
-    from remat_kit.spec import PRESET_TABLE, parse
+    from remat_kit.policy.spec import PRESET_TABLE, parse
     specs = cli.preset_policies()
     assert len(specs) == len(PRESET_TABLE)
     assert "minimal" in specs and "maxtext:full" in specs and "megatron:selective" in specs
@@ -321,7 +322,7 @@ def test_a_failed_write_is_one_line_and_keeps_the_old_file(tmp_path):
         import resource, signal, sys
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
-        from remat_kit import cli
+        from remat_kit.cli import commands as cli
         sys.exit(cli.main(["compare", "--config", "tiny", "--batch", "2", "--seq", "16",
                            "--policies", "full", "--json", {str(out)!r}]))
     """)
@@ -354,7 +355,7 @@ def test_special_files_are_refused_as_plan_caches(capsys, tmp_path):
 ])
 def test_split_policies_keeps_every_spec_parse_accepts(spec):
     """Fault 9: a comma inside a spec's tag list split it, before a ';' or '|'."""
-    from remat_kit.spec import parse
+    from remat_kit.policy.spec import parse
 
     parse(spec)
     assert cli.split_policies(spec) == [spec]

@@ -10,10 +10,13 @@ import jax
 import pytest
 from jax._src import compilation_cache, monitoring
 
-from remat_kit import cli, figure_cache, targets
+from remat_kit.cli import commands as cli
+from remat_kit.measure import figure_cache
+from remat_kit.measure import targets
 from remat_kit.models import get_config
 
-measure = importlib.import_module("remat_kit.measure")  # rk.measure is the function
+measure = importlib.import_module("remat_kit.measure.measure")  # rk.measure is the function
+from remat_kit.models import shortcuts  # noqa: E402
 POLICIES = ["none", "full", "minimal"]
 
 
@@ -22,7 +25,7 @@ def _figures(records):
 
 
 def _measure(target=None):
-    return measure.measure_config(get_config("tiny", num_layers=1), 1, 16, POLICIES,
+    return shortcuts.measure_config(get_config("tiny", num_layers=1), 1, 16, POLICIES,
                                   per_layer=False, target=target)
 
 
@@ -98,9 +101,9 @@ def test_commands_use_a_cache_folder(monkeypatch, tmp_path):
 
 
 def test_each_program_starts_compiling_before_the_next_is_traced():
-    from remat_kit import targets
+    from remat_kit.measure import targets
     from remat_kit.models import workload
-    from remat_kit.spec import parse
+    from remat_kit.policy.spec import parse
     work = workload(get_config("tiny", num_layers=1), 1, 16)
     events = []
 

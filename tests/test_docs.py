@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from remat_kit import cli
+from remat_kit.cli import commands as cli
 
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))

@@ -1,4 +1,4 @@
-"""Tests for remat_kit.estimate against Korthikanti et al. 2022 (arXiv 2205.05198).
+"""Tests for remat_kit.measure.estimate against Korthikanti et al. 2022 (arXiv 2205.05198).
 
 Expected values are written out independently of the module: closed forms
 from Table 2 and coefficients from Section 4.1, evaluated on GPT-3-175B-like
@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from remat_kit import estimate as est
+from remat_kit.measure import estimate as est
 
 S, B, H, A, T = 2048, 1, 12288, 96, 8
 SBH = S * B * H            # 25_165_824

@@ -1,4 +1,4 @@
-"""remat_kit.fit: the largest sequence / batch per policy within a budget, and `remat-kit fit`."""
+"""remat_kit.decide.fit: the largest sequence / batch per policy within a budget, and `remat-kit fit`."""
 
 import importlib
 import importlib.util
@@ -11,13 +11,16 @@ import jax.numpy as jnp
 import pytest
 
 import remat_kit as rk
-from remat_kit import cli, inputs
+from remat_kit.cli import commands as cli
+from remat_kit.cli import inputs
 from remat_kit.errors import BudgetError
-from remat_kit.fit import fit
-from remat_kit.step import StepMemory, step_memory
+from remat_kit.models.shortcuts import fit
+from remat_kit.decide.step import StepMemory
+from remat_kit.models.shortcuts import step_memory
+from remat_kit.models import bounds
 from remat_kit.models import Transformer, get_config
 
-fit_mod = importlib.import_module("remat_kit.fit")  # rk.fit is the function
+fit_mod = importlib.import_module("remat_kit.decide.fit")  # rk.fit is the function
 # Two layers: with one, full remat recomputes the whole layer at once and
 # peaks as high as no remat.
 CFG = get_config("tiny")
@@ -77,7 +80,7 @@ def fake_step(monkeypatch, bytes_at, error_at=None, bound=False):
     models grow slower than the scores."""
     calls = []
     if not bound:
-        monkeypatch.setattr(fit_mod, "size_bound", lambda *args: (1 << 62, False))
+        monkeypatch.setattr(bounds, "size_bound", lambda *args, **kwargs: (1 << 62, False))
 
     def step(workload, policy, optimizer, target):
         batch, seq = workload.batch, workload.seq
@@ -368,26 +371,27 @@ def test_no_size_past_what_the_scores_allow_is_compiled(monkeypatch):
     # Within the budget: a step that is one layer's scores reaches the budget's bound,
     # which is its exact answer (1100 cannot fit), not a cap; nothing past it compiles.
     budget = floor + 16 * 1000**2
-    assert fit_mod.size_bound(CFG, "seq", 1, budget, floor) == (1000, True)
+    assert bounds.size_bound(CFG, "seq", 1, budget, floor) == (1000, True)
     calls = fake_step(monkeypatch, lambda s: floor + 16 * s * s, bound=True)
     (row,) = fit(CFG, budget, policies=["full"], multiple=100).rows
     assert row.size == 1000 and not row.capped and max(s for _, _, s in calls) == 1000
     # A TPU compiles its own way: only the budget bounds the search there.
-    assert fit_mod.size_bound(CFG, "seq", 1, 10**15, floor, platform="tpu")[0] > 10**6
+    assert bounds.size_bound(CFG, "seq", 1, 10**15, floor, platform="tpu")[0] > 10**6
 
 
 def test_train_step_runs_the_step_that_step_memory_compiles():
     # Remat changes what is stored, not the values: one step under full remat gives no
     # remat's loss and parameters, in less memory.
-    from remat_kit import targets
-    from remat_kit.step import TrainStep, step_figures, train_step
+    from remat_kit.measure import lowering
+    from remat_kit.decide.step import TrainStep, step_figures
+    from remat_kit.models.shortcuts import train_step
     state = {}
     for policy in ("none", "full"):
         made = train_step(CFG, 2, 16, policy)
         args = made.make_args(jax.random.key(0))
         assert [(a.shape, a.dtype) for a in jax.tree.leaves(args)] == [
             (s.shape, s.dtype) for s in jax.tree.leaves(made.args)]
-        c = targets.compile_for(made.step, *made.args, compile_only=False,
+        c = lowering.compile_for(made.step, *made.args, compile_only=False,
                                 donate=TrainStep.DONATED, count_flops=False)
         params, _, loss = c.compiled(*jax.tree.leaves(args))
         state[policy] = (float(loss), params, step_figures(c, made.args))

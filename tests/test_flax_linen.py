@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import pytest
 
 import remat_kit as rk
-from remat_kit.validate import emitted_tags
+from remat_kit.trace.validate import emitted_tags
 
-measure = importlib.import_module("remat_kit.residuals")  # its residuals(), as rk.residuals
+measure = importlib.import_module("remat_kit.measure.residuals")  # its residuals(), as rk.residuals
 
 VOCAB, D, HEADS, LAYERS, BATCH, SEQ = 32, 16, 2, 2, 2, 8
 STANDARD = rk.linen.AUTO_TAG_CLASSES  # tags only flax's layers: the names below list them

@@ -14,7 +14,7 @@ from flax import linen, nnx
 
 import remat_kit as rk
 
-measure = importlib.import_module("remat_kit.residuals")  # its residuals(), as rk.residuals
+measure = importlib.import_module("remat_kit.measure.residuals")  # its residuals(), as rk.residuals
 
 VOCAB, D, HEADS, LAYERS, BATCH, SEQ = 32, 16, 2, 2, 2, 8
 STANDARD = rk.nnx.AUTO_TAG_CLASSES  # tags only flax's layers: the names below list them

@@ -1,4 +1,4 @@
-"""Any Flax language model as a Workload (remat_kit.from_model): models that are not ours.
+"""Any Flax language model as a Workload (remat_kit.flax.from_model): models that are not ours.
 
 The zoo (tests/zoo) holds models written as libraries write them and one from PyPI
 (nano-moe-jax). On each: gradients under full, minimal and selective equal no remat; each
@@ -16,9 +16,9 @@ import optax
 import pytest
 
 import remat_kit as rk
-from remat_kit import cli
-from remat_kit.roles import ROLES
-from remat_kit.spec import PRESET_TABLE
+from remat_kit.cli import commands as cli
+from remat_kit.trace.roles import ROLES
+from remat_kit.policy.spec import PRESET_TABLE
 from tests.test_remat import _design_saved
 
 B, T = 2, 8
@@ -237,7 +237,7 @@ def test_a_file_named_like_the_package_it_imports_loads(tmp_path):
         "def model():\n"
         "    return NanoMoE(NanoMoEConfig(vocab_size=64, n_layers=2, n_heads=4, d_model=32,\n"
         "                   d_ff=64, n_experts=2, top_k=1, block_size=32, dropout_rate=0.0))\n")
-    from remat_kit import user_model
+    from remat_kit.flax import user_model
     label, make = user_model.load(f"{tmp_path}/nano_moe.py:model")
     work = make(2, 16)
     assert work.num_layers == 2 and label == "nano_moe.py:model"

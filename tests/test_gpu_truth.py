@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from remat_kit import targets
+from remat_kit.measure import targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_truth.py")

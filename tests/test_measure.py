@@ -1,4 +1,4 @@
-"""remat_kit.measure and remat_kit.report: residual bytes by tag, loop-aware FLOPs, records."""
+"""remat_kit.measure.measure and remat_kit.cli.report: residual bytes by tag, loop-aware FLOPs, records."""
 
 import math
 
@@ -8,15 +8,15 @@ import pytest
 
 import importlib
 import remat_kit as rk
-from remat_kit import report
-from remat_kit.costs import loop_scaled_costs
-from remat_kit.explain import stack_stored_bytes
+from remat_kit.cli import report
+from remat_kit.measure.costs import loop_scaled_costs
+from remat_kit.measure.explain import stack_stored_bytes
 
 # The module, not rk.measure (the function the package exports under that name).
-M = importlib.import_module("remat_kit.measure")
+M = importlib.import_module("remat_kit.measure.measure")
 from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn
-from remat_kit.spec import parse
+from remat_kit.policy.spec import parse
 
 # Tests marked remat_modes rerun under jax_remat3 in `make test`: those whose program
 # holds a remat region or a tag (both staged as hi-primitives under jax_remat3). Plain
@@ -36,7 +36,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def records(tiny):
     """Two compiles: none and minimal (given under two names)."""
-    return M.measure_config(tiny, B, S, ["none", "maxtext:minimal", MINIMAL_ON_GPT2])
+    return rk.measure_config(tiny, B, S, ["none", "maxtext:minimal", MINIMAL_ON_GPT2])
 
 
 def by_name(records, name):
@@ -141,7 +141,7 @@ def test_reshaped_residuals_keep_their_tag(tiny):
 @remat_mode
 def test_scanned_and_unrolled_agree_on_flops_and_tag_bytes(records, tiny):
     unrolled = by_name(records, "maxtext:minimal")
-    (scanned,) = M.measure_config(tiny.replace(scan_layers=True), B, S, ["maxtext:minimal"],
+    (scanned,) = rk.measure_config(tiny.replace(scan_layers=True), B, S, ["maxtext:minimal"],
                                   per_layer=False)
     assert scanned.flops == pytest.approx(unrolled.flops, rel=0.01)
     assert scanned.transcendentals == pytest.approx(unrolled.transcendentals, rel=0.01)
@@ -240,9 +240,9 @@ def test_progress_counts_compiled_programs():
 def test_bad_sizes_raise_before_measuring(tiny):
     for batch, seq in ((0, 16), (2, -1), (2.0, 16), (True, 16)):
         with pytest.raises(ValueError, match="positive int"):
-            M.measure_config(tiny, batch, seq, ["none"])
+            rk.measure_config(tiny, batch, seq, ["none"])
     with pytest.raises(ValueError, match="max_len"):
-        M.measure_config(tiny, 1, tiny.max_len + 1, ["none"])
+        rk.measure_config(tiny, 1, tiny.max_len + 1, ["none"])
 
 
 # -- one layer -----------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_layers_column_sums_each_layers_policy_for_schedules():
         if rk.parse(spec).schedule.kind != "uniform":
             assert found[spec]["layer_residual_bytes"] is None  # no one layer stands for the stack
     # measure_config fills the record, and the report's layer x L column reads it.
-    (rec,) = M.measure_config(cfg, B, S, ["full@every:2"])
+    (rec,) = rk.measure_config(cfg, B, S, ["full@every:2"])
     assert rec.layers_residual_bytes == expected["full@every:2"]
     (row,) = report.rows([rec], cfg, B, S)
     assert row["layers_residual_bytes"] == expected["full@every:2"]
@@ -337,6 +337,6 @@ def _matmul_flops(cfg, batch, seq):
 def test_flops_match_a_hand_count_of_the_matmuls(family):
     cfg = get_config(family, d_model=256, mlp_dim=1024, num_heads=8,
                      num_kv_heads=4 if family == "tiny_llama" else None, vocab_size=2048)
-    (none,) = M.measure_config(cfg, 2, 128, ["none"])
+    (none,) = rk.measure_config(cfg, 2, 128, ["none"])
     # Elementwise ops (softmax, norms, activations) add the last 1-2%.
     assert 1.0 <= none.flops / _matmul_flops(cfg, 2, 128) < 1.02

@@ -247,7 +247,7 @@ def test_bad_distributed_arguments(args, message):
 
 
 def test_explain_shows_the_layer_one_device_runs(capsys):
-    from remat_kit import cli
+    from remat_kit.cli import commands as cli
     assert cli.main(["explain", "--config", "tiny", "--batch", "8", "--seq", "16", "--policy",
                      "minimal", "--mesh", "data:2,fsdp:2,tensor:2"]) == 0
     lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()

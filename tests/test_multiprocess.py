@@ -87,7 +87,7 @@ def test_two_processes_train_like_one(tmp_path):
 def test_train_rejects_bad_sharding_fields_before_starting(field, value, message, tmp_path):
     from experiments import train
     from experiments.configs import tiny
-    from remat_kit.cli import BadInput
+    from remat_kit.cli.commands import BadInput
 
     config = tiny.get_config()
     config[field] = value

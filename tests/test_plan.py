@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import pytest
 
 import remat_kit as rk
-from remat_kit import cli
+from remat_kit.cli import commands as cli
 from remat_kit.models import Transformer, TransformerConfig, get_config
-from remat_kit.budget import Budget, parse_budget
-from remat_kit.plan import CostModel, Planner, config_planner, cost_model, resolve_config
+from remat_kit.policy.budget import Budget, parse_budget
+from remat_kit.decide.plan import CostModel, Planner, cost_model
+from remat_kit.models.shortcuts import config_planner, resolve_config
 
 BATCH, SEQ = 2, 32
-plan_module = importlib.import_module("remat_kit.plan")  # rk.plan is the function
+plan_module = importlib.import_module("remat_kit.decide.plan")  # rk.plan is the function
 
 
 @pytest.fixture(scope="module")
@@ -378,5 +379,5 @@ def test_damaged_and_oversized_caches(tmp_path, monkeypatch):
     assert plan_module.read_cache(str(path)) is None
     path.write_text(json.dumps({"k": "v" * 1000}))
     assert plan_module.read_cache(str(path)) == {"k": "v" * 1000}
-    monkeypatch.setattr(importlib.import_module("remat_kit.plan_cache"), "CACHE_LIMIT", 100)
+    monkeypatch.setattr(importlib.import_module("remat_kit.decide.plan_cache"), "CACHE_LIMIT", 100)
     assert plan_module.read_cache(str(path)) is None  # over the limit: not read past it

@@ -9,8 +9,9 @@ import csv
 
 import pytest
 
-from remat_kit import report, targets
-from remat_kit.record import PEAK, TEMP, Record, memory_kind
+from remat_kit.cli import report
+from remat_kit.measure import targets
+from remat_kit.measure.record import PEAK, TEMP, Record, memory_kind
 
 # (policy, temp_size_in_bytes, peak_memory_in_bytes, flops): XLA:TPU v5e, AOT. temp says
 # full and minimal cost more than no remat; the peak says they cost less.

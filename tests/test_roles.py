@@ -1,4 +1,4 @@
-"""Role inference (remat_kit.roles) on our reference models and on models written as libraries do.
+"""Role inference (remat_kit.trace.roles) on our reference models and on models written as libraries do.
 
 Each zoo model must get exactly its roles, per block, on values of the right
 shape; values without a role (the embedding, the LM head, an MoE router) none.
@@ -20,8 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from remat_kit.models import Transformer, get_config, make_loss_fn
-from remat_kit import dataflow as df
-from remat_kit.roles import ROLES, _proj, infer_roles
+from remat_kit.trace import dataflow as df
+from remat_kit.trace.roles import ROLES, _proj, infer_roles
 from tests.zoo import fused_nnx
 
 B, T = 2, 8

@@ -7,7 +7,8 @@ import pytest
 import remat_kit as rk
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.models.layout import stack_layers, unstack_layers
-from remat_kit.schedule import Schedule, layer_policies
+from remat_kit.policy.schedule import Schedule
+from remat_kit.policy.spec import layer_policies
 
 LAYERS, BATCH, SEQ = 16, 2, 8
 CFG = get_config("tiny", num_layers=LAYERS)

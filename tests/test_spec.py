@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import remat_kit as rk
-from remat_kit import names
-from remat_kit.policy import Policy
-from remat_kit.spec import PRESET_TABLE
+from remat_kit.policy import names
+from remat_kit.policy.policy import Policy
+from remat_kit.policy import spec
+from remat_kit.policy.spec import PRESET_TABLE
 
 ISSUE_SPECS = ["none", "full", "everything", "dots", "dots_no_batch", "selective", "minimal",
                "save:query_proj,key_proj,value_proj", "save:mlp*",
@@ -165,7 +166,7 @@ def test_register_tag_extends_specs():
 
 # -- bad input, generated ---------------------------------------------------
 
-_WORDS = (list(rk.spec.BARE_NAMES) + list(names.TAGS) + list(names.ALIASES)
+_WORDS = (list(spec.BARE_NAMES) + list(names.TAGS) + list(names.ALIASES)
           + ["save", "offload", "recompute", "maxtext", "praxis", "levanter", "megatron",
              "device", "pinned_host", "*", "mlp*", "bogus", ""])
 _PUNCT = [":", ";", ",", "|", "[", "]", "->", " "]
@@ -210,7 +211,7 @@ def test_generated_valid_specs_round_trip(save, offload, recompute, base, union)
 def test_docs_policy_reference_is_current():
     from pathlib import Path
     page = (Path(__file__).parents[1] / "docs" / "policies.md").read_text()
-    assert rk.spec.reference_table() in page
+    assert spec.reference_table() in page
 
 
 # -- bad input found by trying to break it ------------------------------------------

@@ -1,4 +1,4 @@
-"""remat_kit.targets: TPU (libtpu) and GPU compiles ahead of time, --target, error paths."""
+"""remat_kit.measure.targets: TPU (libtpu) and GPU compiles ahead of time, --target, error paths."""
 
 import csv
 import dataclasses
@@ -14,16 +14,20 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from remat_kit import cli, report, targets
-from remat_kit.budget import parse_budget
-from remat_kit.explain import layer_residuals
-from remat_kit.record import PEAK, TEMP
+from remat_kit.cli import commands as cli
+from remat_kit.cli import report
+from remat_kit.measure import targets
+from remat_kit.measure import lowering
+from remat_kit.policy.budget import parse_budget
+from remat_kit.models.shortcuts import layer_residuals
+from remat_kit.measure.record import PEAK, TEMP
 from remat_kit.models import get_config
-from remat_kit.plan import config_planner
-from remat_kit.spec import parse
+from remat_kit.models.shortcuts import config_planner
+from remat_kit.policy.spec import parse
 
 # The module, not rk.measure (the function the package exports under that name).
-measure = importlib.import_module("remat_kit.measure")
+measure = importlib.import_module("remat_kit.measure.measure")
+from remat_kit.models import shortcuts  # noqa: E402
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed "
                                   "(pip install 'remat-kit[tpu]'; `make test` installs it)")
@@ -115,8 +119,9 @@ def test_no_libtpu_warnings_at_jax_start_or_aot_compile():
     neither JAX's start (which tries the TPU backend) nor the topology prints a word."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TPU_", "ALLOW_MULTIPLE_LIBTPU", "JAX_PLATFORMS"))}
-    code = ("import remat_kit, jax; print(jax.devices()[0].platform); "
-            "print(len(remat_kit.targets.devices('tpu:v5e:2x2')))")
+    code = ("import remat_kit, jax; from remat_kit.measure import targets; "
+            "print(jax.devices()[0].platform); "
+            "print(len(targets.devices('tpu:v5e:2x2')))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -242,7 +247,7 @@ def test_slice_gives_per_device_figures(side_by_side):
     chip's, and so (within 2%) are the FLOPs."""
     _, by, _ = side_by_side
     one = by["tpu:v5e:1x1"][str(parse("minimal"))]
-    records = measure.measure_config(get_config("tiny"), B, S, ["minimal"],
+    records = shortcuts.measure_config(get_config("tiny"), B, S, ["minimal"],
                                      target="tpu:v5e:2x2", per_layer=False)
     (four,) = records
     assert four.error is None and four.target == "tpu:v5e:2x2"
@@ -285,8 +290,8 @@ def test_scanned_layers_take_flops_from_the_cpu_compile():
 
     w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
     x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
-    tpu = targets.compile_for(jax.value_and_grad(loss), w, x, target="tpu:v5e:1x1")
-    cpu = targets.compile_for(jax.value_and_grad(loss), w, x, target="cpu")
+    tpu = lowering.compile_for(jax.value_and_grad(loss), w, x, target="tpu:v5e:1x1")
+    cpu = lowering.compile_for(jax.value_and_grad(loss), w, x, target="cpu")
     assert tpu.flops == cpu.flops
     assert cpu.flops >= 4 * 3 * 2 * 8 * 64 * 64  # 4 trips of a matmul and its two grads
     assert any("FLOPs from the XLA CPU compile" in n for n in tpu.notes)
@@ -333,10 +338,10 @@ def test_gpu_targets_compile_without_a_gpu(gpu, kind):
     w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
     assert targets.devices(f"gpu:{gpu}")[0].device_kind == kind
-    compiled = targets.compile_for(jax.value_and_grad(loss), w, x, target=f"gpu:{gpu}")
+    compiled = lowering.compile_for(jax.value_and_grad(loss), w, x, target=f"gpu:{gpu}")
     assert compiled.memory["argument_size_in_bytes"] == 2 * (256 * 256 + 64 * 256)
     assert compiled.flops is not None and any("XLA CPU compile" in n for n in compiled.notes)
-    uncounted = targets.compile_for(jax.value_and_grad(loss), w, x, target=f"gpu:{gpu}",
+    uncounted = lowering.compile_for(jax.value_and_grad(loss), w, x, target=f"gpu:{gpu}",
                                     count_flops=False)
     assert (uncounted.flops, uncounted.notes) == (None, ())
 
@@ -360,9 +365,9 @@ def test_a_one_chip_mesh_measures_as_no_mesh_staging_each_policy_once(monkeypatc
     stage = measure._stage
     monkeypatch.setattr(measure, "_stage", lambda *a: staged.append(1) or stage(*a))
     cfg, tpu = get_config("tiny", num_layers=1), targets.parse_target("tpu:v5e:1x1")
-    alone = measure.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False)
+    alone = shortcuts.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False)
     assert len(staged) == 2
-    on_mesh = measure.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False,
+    on_mesh = shortcuts.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False,
                                      mesh=targets.make_mesh(tpu, {"data": 1}))
     assert len(staged) == 4  # once per policy, not again for a per-device program
     strip = lambda rs: [dataclasses.replace(r, compile_seconds=None) for r in rs]  # noqa: E731

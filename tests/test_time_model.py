@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from remat_kit import targets, time_model
-from remat_kit.cost_model import Program
-from remat_kit.plan import Planner
-from remat_kit.time_model import (Roofline, compiled_ops, compiled_seconds, eqn_costs,
+from remat_kit.measure import targets
+from remat_kit.measure import lowering
+from remat_kit.measure import time_model
+from remat_kit.decide.cost_model import Program
+from remat_kit.decide.plan import Planner
+from remat_kit.measure.time_model import (Roofline, compiled_ops, compiled_seconds, eqn_costs,
                                   program_seconds)
 
 LINE = Roofline(bf16_flops=2e12, f32_flops=1e12, bandwidth=1e11)
@@ -111,8 +113,8 @@ def test_tpu_convolutions_count_the_dots_flops():
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, q)
         return jnp.sum(scores.astype(jnp.float32)) + jnp.sum(q.reshape(b, s, h * d) @ w)
 
-    structs = targets.place((q, w), tpu)
-    compiled = targets.lower(jax.value_and_grad(f, argnums=(0, 1)), list(structs), tpu).compile()
+    structs = lowering.place((q, w), tpu)
+    compiled = lowering.lower(jax.value_and_grad(f, argnums=(0, 1)), list(structs), tpu).compile()
     assert "lhs_dilate" in time_model.hlo_module(compiled).to_string()  # a dilated one too
     # forward: scores 2bhs^2d, projection 2bs(hd)512; backward: twice each.
     dots = 3 * (2 * b * h * s * s * d + 2 * b * s * h * d * 512)

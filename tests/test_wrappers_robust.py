@@ -22,7 +22,7 @@ from flax import nnx
 
 import remat_kit as rk
 
-measure = importlib.import_module("remat_kit.residuals")  # the module, not rk.measure()
+measure = importlib.import_module("remat_kit.measure.residuals")  # the module, not rk.measure()
 
 VOCAB, D, HEADS, KV, DH, MLP, LAYERS, BATCH, SEQ = 16, 8, 2, 1, 4, 16, 2, 2, 4
 SPEC = "save:*/attn/q_einsum,*/mlp/inner;recompute:*"

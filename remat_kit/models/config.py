@@ -7,9 +7,9 @@ import dataclasses
 import jax.numpy as jnp
 
 from remat_kit.errors import RematSpecError, _closest
-from remat_kit.policy import Policy
-from remat_kit.schedule import layer_policies
-from remat_kit.spec import AutoSpec, parse
+from remat_kit.policy.policy import Policy
+from remat_kit.policy.spec import layer_policies
+from remat_kit.policy.spec import AutoSpec, parse
 
 FAMILIES = ("gpt2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -39,7 +39,7 @@ class TransformerConfig:
         Each layer runs under `nn.remat(..., policy=policy.to_jax())` unless
         it is "none". A layer schedule suffix (`full@every:2`,
         `selective@first:4`, `nested`, `full@nested:4`; see
-        `remat_kit.schedule`) picks the layers, or nests them in groups.
+        `remat_kit.policy.schedule`) picks the layers, or nests them in groups.
       layer_remat: one spec or Policy per layer (no schedules), for any
         per-layer pattern; empty = use `remat`. Needs remat="none" and
         scan_layers=False.
@@ -116,7 +116,7 @@ class TransformerConfig:
         try:
             policy = parse(self.remat)
             if isinstance(policy, AutoSpec):
-                # Planned for known shapes before the model is built (remat_kit.plan).
+                # Planned for known shapes before the model is built (remat_kit.decide.plan).
                 if self.layer_remat:
                     raise ValueError("TransformerConfig.layer_remat needs remat='none', got "
                                      f"{str(policy)!r}")
@@ -148,7 +148,7 @@ class TransformerConfig:
     @property
     def policy(self) -> Policy:
         """The parsed remat policy. Raises RematSpecError for an auto:budget= spec
-        not yet planned for this model's shapes (`remat_kit.plan.resolve_config`)."""
+        not yet planned for this model's shapes (`remat_kit.models.shortcuts.resolve_config`)."""
         policy = parse(self.remat)
         if isinstance(policy, AutoSpec):
             policy.to_jax()  # raises, naming how to resolve it

@@ -23,7 +23,7 @@ from flax import linen, nnx
 
 from remat_kit.models.config import TransformerConfig
 from remat_kit.models.transformer import attention, decoder_layer, lm_loss, mlp
-from remat_kit.policy import Policy
+from remat_kit.policy.policy import Policy
 
 
 def _norm(cfg: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:

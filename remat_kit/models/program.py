@@ -14,16 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import mesh as rk_mesh
+from remat_kit.errors import check_positive
+from remat_kit.models import bounds
 from remat_kit.models.config import TransformerConfig
 from remat_kit.models.transformer import DecoderLayer, Transformer, make_loss_fn, remat_layer
-from remat_kit.policy import Policy
-from remat_kit.workload import Workload
-
-
-def check_positive(name: str, value) -> None:
-    """ValueError naming `name` unless `value` is a positive int (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+from remat_kit.policy.policy import Policy
+from remat_kit.trace.workload import Workload
 
 
 def sized(cfg: TransformerConfig, seq: int) -> TransformerConfig:
@@ -133,7 +129,8 @@ def workload(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None 
         resize=lambda b, s: workload(sized(cfg, s), b, s, mesh=mesh, name=label),
         sample_args=sample_args, per_device=per_device, mesh=mesh,
         num_layers=cfg.num_layers,
-        block=lambda policy: layer_program(local_cfg, local_batch, seq, policy))
+        block=lambda policy: layer_program(local_cfg, local_batch, seq, policy),
+        size_bound=lambda *bound: bounds.size_bound(cfg, *bound, mesh=mesh))
 
 
-__all__ = ["check_positive", "layer_program", "sized", "workload"]
+__all__ = ["layer_program", "sized", "workload"]

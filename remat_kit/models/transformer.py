@@ -4,7 +4,7 @@ Two families share one layer structure (`TransformerConfig.family`):
 GPT-2 (LayerNorm, GELU, learned positions, multi-head attention) and Llama
 (RMSNorm, RoPE, SwiGLU, grouped-query attention). Each decoder layer runs
 under `nn.remat` with the config's policy, unless the policy is "none"; the
-policy's layer schedule (`remat_kit.schedule`) picks the layers or nests
+policy's layer schedule (`remat_kit.policy.schedule`) picks the layers or nests
 them in rematerialized groups.
 
 Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
@@ -29,8 +29,8 @@ import optax
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.models.config import TransformerConfig
-from remat_kit.names import tag
-from remat_kit.policy import Policy
+from remat_kit.policy.names import tag
+from remat_kit.policy.policy import Policy
 
 
 def _axes(init, *names: str | None):

@@ -1,0 +1,12 @@
+"""cli: the `remat-kit` command. Inputs checked before anything compiles (`inputs`),
+the commands compare / explain / plan / fit (`commands`), tables, JSON, CSV and plots
+(`report`).
+
+May import: every part of remat_kit. Nothing imports it but the entry point.
+
+Public names: `main` (the `remat-kit` entry point).
+"""
+
+from remat_kit.cli.commands import main
+
+__all__ = ["main"]

@@ -1,0 +1,524 @@
+"""Reports of `measure` records: a rich table, JSON, CSV and a Pareto plot.
+
+Every output is built from the same rows (`rows`): each `Record` plus the
+figures derived across records, ratios to the `none` policy, Pareto
+optimality, and the Korthikanti et al. 2022 estimate for policies that have
+one.
+
+JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
+
+    {
+      "schema_version": 1,
+      "context": {"config": str, "batch": int, "seq": int, "dtype": str,
+                  "devices": int, "mesh": str | null,
+                  "platform": str,                  # of the first target
+                  "target": str, "jax_version": str, "compiler_version": str,
+                  "targets": [{"target": str, "platform": str, "devices": int,
+                               "jax_version": str, "compiler_version": str}]},
+      "formula_note": str,                             # FORMULA_NOTE
+      "records": [                    # one object per policy and target;
+        {                             # each target's sorted by memory_bytes
+          "policy": str,                  # canonical spec
+          "names": [str],                 # every name that maps to it
+          "platform": str,                # e.g. "XLA CPU compile",
+                                          # "XLA TPU compile (v5e:2x2, AOT)"
+          "target": str,                  # e.g. "cpu", "tpu:v5e:2x2"
+          "jax_version": str,             # e.g. "0.12.0.1"
+          "compiler_version": str,        # e.g. "jaxlib 0.12.0.1", "libtpu 0.0.52"
+          "residual_bytes_by_tag": {str: int},
+          "residual_bytes_by_primitive": {str: int},
+          "residual_bytes_by_argument": {str: int},
+          "activation_residual_bytes": int,   # tags + primitives
+          "offloaded_bytes": int,
+          "temp_size_in_bytes": int | null,
+          "peak_memory_in_bytes": int | null, # on CPU: no temp buffers
+          "memory_kind": str,             # which of the two rows are compared
+                                          # by: "temp_size_in_bytes" on CPU,
+                                          # "peak_memory_in_bytes" on TPU/GPU
+          "memory_bytes": int | null,     # that figure's value
+          "argument_size_in_bytes": int | null,
+          "output_size_in_bytes": int | null,
+          "alias_size_in_bytes": int | null,
+          "host_temp_size_in_bytes": int | null,     # host memory: where
+          "host_argument_size_in_bytes": int | null, # offloaded residuals
+          "host_output_size_in_bytes": int | null,   # live (0 on CPU)
+          "flops": float | null,          # loops counted per trip
+          "transcendentals": float | null,
+          "compile_seconds": float | null,
+          "predicted_seconds": float | null, # time model's step seconds
+          "step_time": null | {"median_s": float, "min_s": float, "max_s": float,
+                               "q1_s": float, "q3_s": float, "steps": int,
+                               "ratio_to_none": float | null},
+          "layer_residual_bytes": int | null, # one layer measured alone
+          "layers_residual_bytes": int | null, # each layer alone, summed
+          "notes": [str],
+          "error": str | null,
+          "memory_ratio_to_none": float | null, # memory_bytes / none's
+          "temp_ratio_to_none": float | null,   # temp / none's temp
+          "flops_ratio_to_none": float | null,
+          "predicted_ratio_to_none": float | null, # predicted_seconds / none's
+          "pareto": bool,                 # no other row has less or equal
+                                          # memory_bytes and FLOPs, one strictly
+          "formula_bytes": int | null,    # Korthikanti per layer x layers (tensor
+                                      # parallel row when devices split heads)
+      "formula_sp_bytes": int | null  # tensor + sequence parallel row, or null
+        }
+      ]
+    }
+
+Ratios and the Pareto front are computed among the records of one target.
+All byte figures are per device. Memory is compared (sorting, ratios, Pareto
+front, plot) by `Record.memory_bytes`, the figure `measure.memory_kind` names
+for the target: `temp_size_in_bytes` on the XLA CPU backend, whose
+`peak_memory_in_bytes` leaves temp buffers out (it is about arguments +
+outputs - aliased bytes, alike for every policy); the compiler's
+`peak_memory_in_bytes` on TPU and GPU targets, whose temp figure leaves out
+buffers the peak counts. Tables name the figure in their headers ("peak",
+"peak x none") and keep the other one in a column beside it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from remat_kit.measure import estimate
+from remat_kit.measure.record import MEMORY_LABELS, PEAK, TEMP, Record
+from remat_kit.models import TransformerConfig
+from remat_kit.files import atomic_write
+from remat_kit.units import fmt_bytes, fmt_flops, fmt_seconds
+from remat_kit.policy.spec import parse
+
+SCHEMA_VERSION = 1
+
+FORMULA_NOTE = (
+    "Korthikanti x L: Korthikanti et al. 2022 Table 2 per-layer activation bytes (no "
+    "parallelism for none/everything, selective, full recompute 2sbh; the 'tensor parallel' "
+    "row on a mesh with a tensor axis, and the 'tensor + sequence parallel' row in 'Korthikanti "
+    "SP x L') times the layers, at "
+    "this run's bytes per element, dropout masks only with dropout on. 'layer x L': each "
+    "decoder layer measured alone under its policy, summed over the layers. Gaps come from "
+    "what the formula models: "
+    "Megatron's GeLU 4h-wide multi-head layer with 16-bit tensors. Here, without remat, the "
+    "softmax keeps its exp output in f32, jnp.where's causal mask keeps a bool [b,h,s,s] mask "
+    "and an f32 [b,h,s,s] zero tangent, LayerNorm keeps f32 intermediates and GELU keeps its "
+    "input and derivative; Llama configs (SwiGLU, grouped-query attention, RMSNorm) change "
+    "the constants. Embeddings, logits and the loss are in 'residuals' only.")
+
+# Canonical policy -> Korthikanti Table 2 row ("none", "selective", "full").
+_FORMULA_METHOD = {"none": "none", "everything": "none", "full": "full",
+                   str(parse("selective")): "selective"}
+
+
+def formula_bytes(cfg: TransformerConfig, batch: int, seq: int, policy: str, t: int = 1,
+                  sequence_parallel: bool = False) -> int | None:
+    """Korthikanti et al. 2022 activation bytes for `policy`, all layers, one device.
+
+    `estimate.model_total` with s=seq, b=batch (per device), h=d_model,
+    a=num_heads, L=num_layers, t=tensor-parallel size, bytes_per_elem = the
+    activation dtype's size, dropout masks only if cfg.dropout_rate > 0: the
+    Table 2 rows "no parallelism" (t=1), "tensor parallel" (t>1) or "tensor +
+    sequence parallel" (`sequence_parallel`). Policies other than none /
+    everything, selective and full, and a t that does not divide d_model and
+    num_heads, have no formula: None.
+    """
+    method = _FORMULA_METHOD.get(str(parse(policy)))
+    if method is None or cfg.d_model % t or cfg.num_heads % t:
+        return None
+    return estimate.model_total(method, seq, batch, cfg.d_model, cfg.num_heads, cfg.num_layers,
+                                t, sequence_parallel,
+                                bytes_per_elem=cfg.activation_dtype.itemsize,
+                                dropout=cfg.dropout_rate > 0)
+
+
+def pareto_flags(records: Sequence[Record]) -> list[bool]:
+    """Per record: True if no other measured record has memory (`Record.memory_bytes`)
+    and FLOPs both <=, one strictly <. Records with an error or missing figures
+    are never optimal."""
+    def point(r):
+        ok = r.error is None and r.memory_bytes is not None and r.flops is not None
+        return (r.memory_bytes, r.flops) if ok else None
+
+    points = [point(r) for r in records]
+    return [p is not None and not any(
+        q is not None and q[0] <= p[0] and q[1] <= p[1] and q != p for q in points)
+        for p in points]
+
+
+def _ratio(a, b) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
+         batch: int | None = None, seq: int | None = None, tensor: int = 1) -> list[dict]:
+    """Records as dicts (`Record.to_dict`) plus memory_ratio_to_none (memory_bytes
+    over none's, both of one memory_kind), temp_ratio_to_none,
+    flops_ratio_to_none, predicted_ratio_to_none (predicted step seconds over
+    none's, `time_model.compiled_seconds`), pareto, formula_bytes and formula_sp_bytes; sorted
+    by memory_bytes (failed rows last). cfg,
+    batch (per device), seq: for the two per-layer figures. tensor: the
+    tensor-parallel size; above 1, formula_bytes is Korthikanti's "tensor
+    parallel" row and formula_sp_bytes the "tensor + sequence parallel" row
+    (else None)."""
+    none = next((r for r in records if r.policy == "none" and r.error is None), None)
+    out = []
+    for r, pareto in zip(records, pareto_flags(records)):
+        d = r.to_dict()
+        d["memory_ratio_to_none"] = (_ratio(r.memory_bytes, none.memory_bytes)
+                                     if none and none.memory_kind == r.memory_kind else None)
+        d["temp_ratio_to_none"] = _ratio(r.temp_size_in_bytes, none and none.temp_size_in_bytes)
+        d["flops_ratio_to_none"] = _ratio(r.flops, none and none.flops)
+        d["predicted_ratio_to_none"] = _ratio(r.predicted_seconds,
+                                              none and none.predicted_seconds)
+        d["pareto"] = pareto
+        d["formula_bytes"] = (formula_bytes(cfg, batch, seq, r.policy, tensor)
+                              if cfg is not None and r.error is None else None)
+        d["formula_sp_bytes"] = (formula_bytes(cfg, batch, seq, r.policy, tensor, True)
+                                 if cfg is not None and r.error is None and tensor > 1
+                                 else None)
+        out.append(d)
+    return sorted(out, key=lambda d: (d["memory_bytes"] is None, d["memory_bytes"] or 0))
+
+
+def _fmt_ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+
+
+def compiled_by(report_rows: Sequence[dict]) -> str:
+    """'XLA TPU compile (v5e:1x1, AOT); jax 0.12.0.1, libtpu 0.0.52': whose figures
+    `report_rows` are (of their first row; '' for no rows)."""
+    if not report_rows:
+        return ""
+    d = report_rows[0]
+    return f"{d['platform']}; jax {d['jax_version']}, {d['compiler_version']}"
+
+
+def memory_kind_of(report_rows: Sequence[dict]) -> str:
+    """The `memory_kind` `report_rows` (of one target) are compared by: that of
+    their `none` row, else of their first row that compiled; TEMP for none."""
+    measured = [d for d in report_rows if d["memory_bytes"] is not None]
+    found = next((d for d in measured if d["policy"] == "none"), measured[0] if measured else None)
+    return found["memory_kind"] if found else TEMP
+
+
+_MEMORY_NOTES = {
+    TEMP: "temp: temp_size_in_bytes (XLA CPU's peak figure leaves temp buffers out)",
+    PEAK: "peak: the compiler's peak_memory_in_bytes (its temp figure leaves out buffers "
+          "the peak counts)"}
+
+
+def table(report_rows: Sequence[dict], title: str = "") -> Table:
+    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *;
+    the caption names the target, the jax and compiler versions and the memory
+    figure. Rows are ranked by `memory_kind_of(report_rows)`, which names the
+    first two columns ("peak", "peak x none" on TPU and GPU; "temp", "temp x
+    none" on CPU); the other figure gets a column too, on CPU only with tensor
+    parallelism. With tensor parallelism (formula_sp_bytes set) it adds
+    Korthikanti's tensor + sequence parallel row."""
+    timed = any(d["step_time"] for d in report_rows)
+    predicted = any(d.get("predicted_seconds") is not None for d in report_rows)
+    sharded = any(d.get("formula_sp_bytes") is not None for d in report_rows)
+    kind = memory_kind_of(report_rows)
+    other = TEMP if kind == PEAK else PEAK if sharded else None
+    label = MEMORY_LABELS[kind]
+    t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
+              f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}"
+              + ("; pred.: the time model's step time (a roofline per compiled op, "
+                 "remat_kit.measure.time_model)" if predicted else ""),
+              caption_justify="left")
+    for name, justify in (("", "left"), ("policy", "left"), (label, "right"),
+                          (f"{label} x none", "right"), ("residuals", "right"),
+                          ("layer x L", "right"), ("Korthikanti x L", "right"),
+                          ("FLOPs", "right"), ("FLOPs x none", "right")):
+        t.add_column(name, justify=justify)
+    if predicted:
+        t.add_column("pred. step", justify="right")
+        t.add_column("pred. x none", justify="right")
+    if sharded:
+        t.add_column("Korthikanti SP x L", justify="right")
+    if other:
+        t.add_column(MEMORY_LABELS[other], justify="right")
+    if timed:
+        t.add_column("step s (min-max)", justify="right")
+        t.add_column("step x none", justify="right")
+    t.add_column("compile s", justify="right")
+    for d in report_rows:
+        names = escape(", ".join(d["names"]))  # specs hold [src->dst], not markup
+        if d["error"]:
+            error = escape(d["error"].splitlines()[0])
+            cells = ["", f"{names}\n[red]error: {error}[/red]"] + ["-"] * (len(t.columns) - 2)
+            t.add_row(*cells)
+            continue
+        cells = ["*" if d["pareto"] else "", names, fmt_bytes(d["memory_bytes"]),
+                 _fmt_ratio(d["memory_ratio_to_none"]),
+                 fmt_bytes(d["activation_residual_bytes"]),
+                 fmt_bytes(d["layers_residual_bytes"]),
+                 fmt_bytes(d["formula_bytes"]), fmt_flops(d["flops"]),
+                 _fmt_ratio(d["flops_ratio_to_none"])]
+        if predicted:
+            cells += [fmt_seconds(d.get("predicted_seconds")),
+                      _fmt_ratio(d.get("predicted_ratio_to_none"))]
+        if sharded:
+            cells.append(fmt_bytes(d["formula_sp_bytes"]))
+        if other:
+            cells.append(fmt_bytes(d[other]))
+        if timed:
+            st = d["step_time"]
+            cells += [f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-",
+                      _fmt_ratio(st and st["ratio_to_none"])]
+        cells.append("-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}")
+        t.add_row(*cells)
+    return t
+
+
+def print_table(report_rows: Sequence[dict], title: str = "", console: Console | None = None,
+                note: bool = True) -> None:
+    """Prints `table(...)` and, if `note`, FORMULA_NOTE. A console that is not a
+    terminal gets 180 columns, so piped tables do not wrap."""
+    console = _console(console)
+    console.print(table(report_rows, title))
+    if note and any(d["formula_bytes"] is not None for d in report_rows):
+        console.print(FORMULA_NOTE, style="dim", markup=False)
+
+
+def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "") -> Table:
+    """A rich Table with one line per policy and, per target, its memory (the
+    figure that target is compared by, `memory_kind_of`: temp on CPU, peak on
+    TPU and GPU, named in the column header), the ratio to `none` on that
+    target, the temp memory where peak is the figure, the FLOP ratio, the
+    predicted step-time ratio and the compile seconds.
+
+    Args:
+      sections: (target name, `rows(...)` of that target's records) pairs;
+        lines follow the first target's order (by its memory figure).
+    """
+    kinds = [memory_kind_of(rows) for _, rows in sections]
+    peaks = [k == PEAK for k in kinds]
+    t = Table(title=title, caption="; ".join(
+        [*(f"{name}: {escape(compiled_by(rows))}" for name, rows in sections),
+         *(_MEMORY_NOTES[k] for k in dict.fromkeys(kinds))]), caption_justify="left")
+    t.add_column("policy", justify="left")
+    for (name, _), peak in zip(sections, peaks):
+        label = MEMORY_LABELS[PEAK if peak else TEMP]
+        for column in (f"{label}\n{escape(name)}", f"{label} x none",
+                       *(("temp",) if peak else ()), "FLOPs x none", "pred. x none",
+                       "compile s"):
+            t.add_column(column, justify="right")
+    by_target = [{d["policy"]: d for d in rows} for _, rows in sections]
+    policies = list(dict.fromkeys(d["policy"] for _, rows in sections for d in rows))
+    for policy in policies:
+        names = dict.fromkeys(n for found in by_target if policy in found
+                              for n in found[policy]["names"])
+        cells = [escape(", ".join(names))]
+        for found, peak in zip(by_target, peaks):
+            d = found.get(policy)
+            if d is None or d["error"]:
+                error = d["error"].splitlines()[0][:60] if d else "not measured"
+                cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (4 + peak)
+                continue
+            cells += [fmt_bytes(d["memory_bytes"]), _fmt_ratio(d["memory_ratio_to_none"]),
+                      *((fmt_bytes(d["temp_size_in_bytes"]),) if peak else ()),
+                      _fmt_ratio(d["flops_ratio_to_none"]),
+                      _fmt_ratio(d.get("predicted_ratio_to_none")),
+                      "-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}"]
+        t.add_row(*cells)
+    return t
+
+
+def print_side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "",
+                       console: Console | None = None) -> None:
+    """Prints `side_by_side(...)`; a console that is not a terminal gets 180 columns."""
+    _console(console).print(side_by_side(sections, title))
+
+
+def _console(console: Console | None) -> Console:
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=180)
+    return console
+
+
+def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
+    """Writes the schema in this module's docstring to `path`."""
+    doc = {"schema_version": SCHEMA_VERSION, "context": context, "formula_note": FORMULA_NOTE,
+           "records": list(report_rows)}
+    with atomic_write(path) as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
+CSV_FIELDS = ("policy", "names", "temp_size_in_bytes", "temp_ratio_to_none", "memory_kind",
+              "memory_bytes", "memory_ratio_to_none",
+              "activation_residual_bytes", "offloaded_bytes", "layer_residual_bytes",
+              "formula_bytes", "formula_sp_bytes", "flops", "flops_ratio_to_none",
+              "transcendentals", "predicted_seconds", "predicted_ratio_to_none",
+              "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+              "step_median_s", "step_min_s", "step_max_s", "step_ratio_to_none",
+              "compile_seconds", "pareto", "error", "target", "platform", "jax_version",
+              "compiler_version")
+
+
+def write_csv(path, report_rows: Sequence[dict]) -> None:
+    """One line per policy with the scalar fields in CSV_FIELDS (names joined by ' ')."""
+    with atomic_write(path) as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for d in report_rows:
+            st = d["step_time"] or {}
+            w.writerow(d | {"names": " ".join(d["names"]), "step_median_s": st.get("median_s"),
+                            "step_min_s": st.get("min_s"), "step_max_s": st.get("max_s"),
+                            "step_ratio_to_none": st.get("ratio_to_none")})
+
+
+def save_figure(fig, path) -> None:
+    """Writes a matplotlib figure to `path` in the format its suffix names (PNG by
+    default) with `outputs.atomic_write`, and closes it.
+
+    Raises:
+      OutputError: the file cannot be written; nothing is left half-written.
+    """
+    import matplotlib.pyplot as plt
+
+    suffix = os.path.splitext(str(path))[1].lstrip(".").lower()
+    try:
+        with atomic_write(path, "wb") as f:
+            fig.savefig(f, format=suffix or "png")
+    finally:
+        plt.close(fig)
+
+
+def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
+    """PNG of memory (`memory_bytes`, GiB or MiB: temp on CPU, peak on TPU and GPU,
+    named on the axis) against FLOP overhead (% over `none`, or over the fewest
+    FLOPs if `none` is absent): one labelled point per policy, the Pareto front
+    as a step line. Rows with an error are left out. The title's last line
+    names the target and the jax and compiler versions."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
+
+    pts = [d for d in report_rows if d["error"] is None and d["flops"] is not None
+           and d["memory_bytes"] is not None]
+    base = next((d["flops"] for d in pts if d["policy"] == "none"),
+                min((d["flops"] for d in pts), default=1.0))
+    top = max((d["memory_bytes"] for d in pts), default=0)
+    unit, size = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    xy = [((d["flops"] / base - 1) * 100, d["memory_bytes"] / size) for d in pts]
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    ax.scatter([x for x, _ in xy], [y for _, y in xy],
+               c=["tab:red" if d["pareto"] else "tab:blue" for d in pts], zorder=3)
+    # One label per position (policies that compile alike coincide); labels
+    # alternate above and below their point so neighbours overlap less.
+    labels: dict[tuple, list[str]] = {}
+    for d, (x, y) in zip(pts, xy):
+        labels.setdefault((round(x, 2), round(y, 3)), []).append(d["names"][0])
+    for i, ((x, y), text) in enumerate(sorted(labels.items())):
+        ax.annotate(" / ".join(text), (x, y), fontsize=7, rotation=20,
+                    xytext=(4, 4 if i % 2 == 0 else -10), textcoords="offset points")
+    front = sorted(p for p, d in zip(xy, pts) if d["pareto"])
+    if front:
+        ax.step([x for x, _ in front], [y for _, y in front], where="post", color="tab:red",
+                alpha=0.6, label="Pareto front")
+        ax.legend()
+    platform = pts[0]["platform"] if pts else ""
+    ax.set_xlabel("FLOP overhead vs no remat (%)")
+    ax.set_ylabel(f"{MEMORY_LABELS[memory_kind_of(pts)]} memory, {unit} ({platform})")
+    ax.set_title(f"{title}\n{compiled_by(report_rows)}" if title else compiled_by(report_rows),
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    if xy and max(y for _, y in xy) / max(min(y for _, y in xy), 1e-12) > 5:
+        ax.set_yscale("log")  # a wide memory range would squash the low rows
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+
+def fit_table(result, title: str = "") -> Table:
+    """A rich Table of a `remat_kit.decide.fit.FitResult`: one line per policy with the
+    largest size, the step memory there (per device) and its parts, and the FLOP
+    overhead; a "picked" column with the auto row's policy where there is one."""
+    vary = result.vary
+    where = (f"per device of mesh {result.mesh} ({result.devices} devices); sizes and "
+             f"FLOPs/token global" if result.mesh else "per device")
+    t = Table(title=title, caption=(
+        f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = "
+        f"{result.rows[0].memory.source if result.rows and result.rows[0].memory else 'n/a'}; "
+        f"x none = step FLOPs / no remat's at the same {vary}"), caption_justify="left")
+    auto = any(r.picked for r in result.rows)
+    for name in ("policy", *(("picked",) if auto else ()), f"max {vary}", "step memory",
+                 "params", "grads", "opt state", "activations+other", "FLOPs/token", "x none",
+                 "compiles"):
+        t.add_column(name, justify="left" if name in ("policy", "picked") else "right")
+    for r in result.rows:
+        picked = (escape(r.picked or "-"),) if auto else ()
+        if r.error and r.memory is None:
+            t.add_row(escape(r.policy), *picked,
+                      f"[red]error: {escape(r.error.splitlines()[0])}[/red]", *["-"] * 7,
+                      str(r.compiles))
+            continue
+        m = r.memory
+        cap = " (model's limit)" if r.limit else " (cap)"
+        size = str(r.size) + (cap if r.capped else "") if r.size else "no size fits"
+        overhead = _fmt_ratio(r.flop_overhead)
+        if r.none_fits is False:
+            overhead += " (none over budget)"
+        if r.none_flops == "extrapolated":
+            overhead += " extrap."
+        cells = [fmt_bytes(x) for x in (m.total_bytes, m.params_bytes, m.grads_bytes,
+                                        m.opt_state_bytes, m.other_bytes)] if m else ["-"] * 5
+        t.add_row(escape(r.policy), *picked, size, *cells,
+                  "-" if r.flops_per_token is None else f"{r.flops_per_token:.4g}", overhead,
+                  str(r.compiles))
+    return t
+
+
+def fit_to_dict(result) -> dict:
+    """A JSON-ready dict of a `remat_kit.decide.fit.FitResult` (every field; bytes, FLOPs, seconds)."""
+    import dataclasses
+    return {"schema_version": SCHEMA_VERSION, **dataclasses.asdict(result)}
+
+
+def plot_fit(path, result, title: str = "") -> None:
+    """PNG: the largest size per policy as bars, the FLOP overhead (x no remat at
+    that size) as points on a second axis. Rows without a size are left out."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.rows if r.size]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 5), dpi=120)
+    x = range(len(rows))
+    ax.bar(x, [r.size for r in rows], color="tab:blue", alpha=0.8)
+    # An auto row names what it picked (cut short: a planned spec lists many tags).
+    labels = [r.policy + (f"\n{r.picked[:28]}{'...' * (len(r.picked) > 28)}" if r.picked else "")
+              for r in rows]
+    ax.set_xticks(list(x), labels, rotation=20, ha="right", fontsize=8)
+    mesh = f" of mesh {result.mesh}" if result.mesh else ""
+    ax.set_ylabel(f"max {result.vary} within {fmt_bytes(result.budget_bytes)} per device{mesh}")
+    twin = ax.twinx()
+    twin.plot(x, [r.flop_overhead for r in rows], "o", color="tab:red")
+    twin.set_ylabel("FLOP overhead (x no remat at that size)", color="tab:red")
+    ax.set_title(f"{title}\n{result.platform}" if title else result.platform)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_table",
+           "fit_to_dict", "fmt_bytes", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
+           "plot_fit",
+           "print_side_by_side", "print_table", "rows", "save_figure", "side_by_side", "table",
+           "write_csv",
+           "write_json"]

@@ -1,0 +1,110 @@
+"""Offload in the planner: where transfers go, what they cost, and what they did.
+
+The planner's third decision per tag moves its values to host memory in the
+forward pass and back in the backward pass (`Policy.offload`, JAX's
+`Offloadable` to "pinned_host"). Here: the host bandwidth a target plans with
+(`offload_bandwidth`, figures and sources in `targets.PEAKS`), the transfer
+seconds a policy's offloads leave unhidden behind its layers' compute
+(`transfer_seconds`, from `cost_model.CostModel.excess`), and the verification
+of a plan that offloads: compiled against the same policy with those tags saved
+on the device (`verify`), with the compiler's host memory figure.
+
+Measured with libtpu 0.0.52 (tests/test_plan_offload.py): XLA:TPU lowers device
+memory for offloaded residuals of a scanned layer stack (the stacked residuals
+live in host memory), by about half the offloaded bytes on the tiny GPT-2; for
+unrolled layers it lowered it little or even raised it (device copies stay
+live), so a plan that offloads is kept only where its own compile fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from remat_kit.measure import targets
+from remat_kit.measure import time_model
+from remat_kit.decide.cost_model import PLANNED_BASES
+
+CPU_OFFLOAD_NOTE = ("on the CPU host memory is device memory: its compile counts offloaded "
+                    "residuals in temp, so it cannot show offload's effect; they are budgeted "
+                    "as host memory, as a TPU or GPU would hold them")
+
+
+def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
+    """Bytes/s each way of offload's transfers on `target`, or None where offload is
+    not planned (`Planner`'s offload argument: None, True, False or bytes/s).
+
+    None and False: offload is not planned. Measured on gpt2_small (docs/plan.md),
+    XLA's TPU and GPU compiles keep much of an offloaded residual on the device
+    as well, so the plans that offloaded went over their budgets (all 8 tried on
+    tpu:v5e:1x1, 2 of 3 on gpu:h100) and cost a compile each. True asks for it:
+    at the target's listed host bandwidth (TPU v5e / v5p, H100, H200), or on
+    the CPU at this machine's measured memory bandwidth (a transfer is a copy).
+
+    Raises:
+      TargetError: offload=True on a target that lists no host bandwidth.
+    """
+    target = targets.parse_target(target)
+    if offload is False or offload is None:
+        return None
+    if offload is not True:  # a bandwidth in bytes/s
+        return float(offload)
+    if target.platform == "cpu":
+        return time_model.roofline(target).bandwidth
+    found = (targets.peaks(target) or {}).get("host_bandwidth")
+    if found is None:
+        listed = ", ".join(k for k, v in targets.PEAKS.items() if "host_bandwidth" in v)
+        raise targets.TargetError(
+            f"offload needs the target's host memory bandwidth: {target} lists none; "
+            f"targets with host memory: {listed} (and cpu, where host memory is device "
+            "memory)")
+    return found
+
+
+def transfer_seconds(planner, policy) -> float:
+    """Predicted seconds of `policy`'s host transfers not hidden behind its layers'
+    forward compute (`CostModel.excess` of the tags it offloads), under `planner`'s
+    cost model; 0 where it offloads nothing or the planner plans no offload.
+
+    policy: a `Policy`, or a tuple of one per layer (`Planner` plans).
+    """
+    layered = isinstance(policy, tuple)
+    policies = policy if layered else (policy,)
+    if planner.host_bandwidth is None or not any(p.remat and p.offload for p in policies):
+        return 0.0
+
+    def deciding(item):  # (the policy that decides item, its tag name)
+        return (policies[item[1]], item[0]) if layered else (policy, item)
+
+    total = 0.0
+    for base in {p.base for p in policies}:
+        model = planner.model_for(base if base in PLANNED_BASES else "nothing",
+                                  len(policies) if layered else 1)
+        total += model.excess([t for t in model.transfer if deciding(t)[0].base == base
+                               and deciding(t)[0].decide(deciding(t)[1]) == "offload"])
+    return total
+
+
+def verify(planner, policy, record) -> list[str]:
+    """Notes on what offloading did to the compiled device memory: `record` (of
+    `policy`) against the same policy with its offloaded tags saved instead, compiled
+    by `planner` (one more compile); [] for a record that offloads nothing."""
+    if not record.offloaded_bytes:
+        return []
+    layered = isinstance(policy, tuple)
+    twin = tuple(dataclasses.replace(p, save=p.save | p.offload, offload=frozenset())
+                 for p in (policy if layered else (policy,)))
+    saving = planner.record_of(twin if layered else twin[0])
+    host = record.host_temp_size_in_bytes
+    notes = [f"offloads {record.offloaded_bytes:,} bytes (host temp "
+             f"{'n/a' if host is None else f'{host:,}'} bytes)"]
+    if saving.error or saving.memory_bytes is None:
+        return notes + [f"saving them instead did not compile ({saving.error})"]
+    fall = saving.memory_bytes - record.memory_bytes
+    notes.append(f"device memory {fall:,} bytes below saving them "
+                 f"({fall / record.offloaded_bytes:.0%} of the offloaded bytes)")
+    if planner.target.platform == "cpu":
+        notes.append(CPU_OFFLOAD_NOTE)
+    return notes
+
+
+__all__ = ["CPU_OFFLOAD_NOTE", "offload_bandwidth", "transfer_seconds", "verify"]

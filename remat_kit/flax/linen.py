@@ -1,0 +1,442 @@
+"""Drop-in remat for flax.linen models: class form, instance form, auto-tagging.
+
+    import remat_kit as rk
+    Block = rk.linen.remat(Block, "selective")                 # class form
+    model = rk.linen.apply_remat(model, {"Block": "full"})     # instance form, source untouched
+    with rk.linen.auto_tag():                                  # name Dense/LayerNorm/... outputs
+        loss = ...model.apply(...)                             # by module path
+
+Parameters keep their structure and names under every form: a checkpoint of
+the unwrapped model applies unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+
+from remat_kit.trace import wrapping
+from remat_kit.policy.policy import Policy
+from remat_kit.trace.validate import check_names, emitted_tags
+
+# Standard flax layers: `auto_tag(AUTO_TAG_CLASSES)` names only their outputs.
+AUTO_TAG_CLASSES: tuple[type, ...] = (
+    nn.Dense, nn.DenseGeneral, nn.Einsum, nn.Conv, nn.LayerNorm, nn.RMSNorm,
+    nn.MultiHeadDotProductAttention)
+
+# (class, path, method) of the call a remat region is re-entering, so the wrappers let that
+# one call through. Not the module object: an nn.jit method re-enters on a clone.
+_ENTERED: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_entered",
+                                                          default=None)
+
+
+def _call_id(module: nn.Module, method: str) -> tuple:
+    return type(module), module.path, method
+
+
+@contextlib.contextmanager
+def _passing(module: nn.Module, method: str, owner):
+    """True inside if this call is the one a region made by `owner` (an
+    apply_remat plan, a class form) re-enters, so `owner` lets it through; a
+    wrapper whose region this is not (a second apply_remat) nests its own."""
+    entry = _ENTERED.get()
+    yield entry is not None and entry[0] == _call_id(module, method) and \
+        any(o is owner for o in entry[1])
+# Path of the module being traced on its own (class-form validation), prefixed to auto tags.
+_PREFIX: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_prefix", default=())
+# The class tuples of the active auto_tag contexts: the names a model emits depend on them.
+_TAGGING: contextvars.ContextVar = contextvars.ContextVar("remat_kit_linen_tagging", default=())
+
+
+def path_name(module: nn.Module) -> str:
+    """The tag name of `module`'s outputs: '/'.join of its path from the model root,
+    e.g. 'Block_3/attn/query'. A module sharing its parent's scope (`nn.share_scope`,
+    so the same path) adds its own name: 'Block_3/attn/inner'."""
+    path = (*_PREFIX.get(), *module.path)
+    if module.name is not None and module.path and module.path[-1] != module.name:
+        path = (*path, module.name)
+    return "/".join(path)
+
+
+@contextlib.contextmanager
+def auto_tag(classes: "Sequence[type] | type | None" = None):
+    """Names the outputs of every submodule call by module path, for any linen model.
+
+    Inside the context the `__call__` of every submodule (or, with `classes`,
+    only of modules of those classes, e.g. `AUTO_TAG_CLASSES`) returns its
+    outputs wrapped in `checkpoint_name(out, name)`, with `name` from
+    `path_name`: `Block_3/attn/query` (a Dense inside the attention of Block_3),
+    `Block_3/attn` (the attention output), `Block_3` (the block output). The
+    model root's own output is not tagged. Specs then select by path glob:
+    `save:*/attn/query,*/attn/key;recompute:*`. Shapes and dtypes are unchanged.
+
+    Names:
+      * a call returning several arrays (tuple, dict, dataclass, flax struct)
+        names the first `name` and each other `name.` + its key path, e.g.
+        `Block_0/attn` and `Block_0/attn.1` for `(out, weights)`,
+        `Block_0/attn.cache` for a dict entry `cache`; None, ints and other
+        non-array leaves pass through;
+      * two modules on one scope (`nn.share_scope`): the one whose name is not
+        the scope's last path part appends its name (`Block_0/attn/inner`);
+      * a module whose `__call__` is `nn.jit`-ed is traced per path inside the
+        context, so identical layers keep their own names (`_key_jit_by_path`).
+
+    Based on `flax.linen.intercept_methods`; enter it around `init`/`apply`
+    (or around `jax.jit` tracing of a function that calls them). The context
+    is part of every jit cache key, so traces made outside it (nn.jit bodies,
+    a model applied before) are not reused.
+
+    Raises (on entering the context):
+      TypeError: `classes` is a string or holds something that is not a
+        `flax.linen.Module` subclass (an NNX class, a name, an instance).
+      ValueError: `classes` is empty.
+    """
+    if classes is not None:
+        classes = wrapping.module_classes(classes, nn.Module, "rk.linen.auto_tag")
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        mod = context.module
+        if context.method_name == "__call__" and (classes is None or isinstance(mod, classes)):
+            name = path_name(mod)
+            if name:  # the root's output is the model's, not a submodule's
+                out = wrapping.tag_output(out, name)
+        return out
+
+    state = "every module" if classes is None else classes
+    _key_jit_by_path()
+    token = _TAGGING.set((*_TAGGING.get(), state))
+    try:
+        with wrapping.keyed(("linen.auto_tag", state)), nn.intercept_methods(interceptor):
+            yield
+    finally:
+        _TAGGING.reset(token)
+
+
+def _key_jit_by_path() -> None:
+    """Makes `nn.jit` trace per module path while an `auto_tag` context is active.
+
+    nn.jit caches a trace by a fingerprint of the module's fields, not its path,
+    so identical layers share one trace and the tags inside would carry the first
+    layer's path. flax 0.12 computes that fingerprint in the private
+    `flax.linen.transforms._HashableProxy.from_module`; it is wrapped (once) to
+    add `path_name` inside auto_tag. Where it does not exist, layers share names.
+    """
+    proxy = getattr(nn.transforms, "_HashableProxy", None)
+    if proxy is None or getattr(proxy.from_module, "_remat_kit", False):
+        return
+    original = proxy.from_module.__func__
+
+    def from_module(cls, module):
+        out = original(cls, module)
+        if _TAGGING.get():
+            out = cls(out.module_ref, hash((out.hash_key, path_name(module))))
+        return out
+
+    from_module._remat_kit = True
+    proxy.from_module = classmethod(from_module)
+
+
+def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs,
+            owner):
+    """Runs `module.method(*args, **kwargs)` as one lifted `nn.remat` region made by
+    `owner`, inside the regions other owners made for this call, if any.
+
+    Array arguments are traced; everything else (flags, None) is closed over,
+    so `deterministic=True` stays a Python bool inside the region.
+    """
+    arrays, rebuild = wrapping.split_static(args, kwargs)
+    output = {}  # the output's non-array structure, filled while tracing
+    entry, call = _ENTERED.get(), _call_id(module, method)
+    owners = (*entry[1], owner) if entry is not None and entry[0] == call else (owner,)
+
+    def body(mdl, *xs):
+        a, kw = rebuild(xs)
+        token = _ENTERED.set((_call_id(mdl, method), owners))
+        try:
+            # An nn.jit method re-enters its own jit here: a key of its own, not recursion.
+            with wrapping.keyed("region"):
+                outs, output["rebuild"] = wrapping.split_output(getattr(mdl, method)(*a, **kw))
+            return outs
+        finally:
+            _ENTERED.reset(token)
+
+    outs = nn.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(module, *arrays)
+    return output["rebuild"](outs)
+
+
+def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[int] = (),
+          prevent_cse: bool = True, validate: bool = False,
+          methods: Sequence[str] | None = None) -> type:
+    """`nn.remat(cls)` under a remat_kit policy: a class with `cls`'s constructor.
+
+    Args:
+      cls: a `flax.linen.Module` subclass, e.g. a transformer block.
+      policy: a spec string (`rk.parse`) or a `Policy`. "none" returns `cls`.
+      static_argnums: positions of non-array arguments of the wrapped methods
+        (e.g. a `deterministic` flag), flax's convention: `self` is 0, so in
+        `__call__(self, x, deterministic)` the flag is 2. Keyword arguments
+        must be arrays (jax.checkpoint traces them); pass flags positionally.
+        Not needed with `validate` or a glob policy (below).
+      prevent_cse: as in `jax.checkpoint`; False inside `nn.scan`.
+      validate: at each call (once per compile under `jax.jit`), trace the
+        unwrapped module alone (no FLOPs) and check the policy's tags against
+        what it emits; auto tags count only inside `auto_tag()`.
+      methods: a method name or names to wrap; default `("__call__",)`.
+    Returns:
+      The wrapped class. Parameters keep the names and structure of `cls`.
+      Without `validate` and globs it is flax's `nn.remat(cls, policy=...)`
+      with a JAX built-in policy. With either, each call first traces the
+      module alone for the names it emits, so globs (`save:*/attn/*`) become
+      a built-in over those names, and then runs as one lifted remat region,
+      as `apply_remat` does: array arguments are traced, all others static.
+    Raises:
+      TypeError: `cls` is not a linen Module class; `static_argnums` not
+        ints; `prevent_cse` or `validate` not a bool.
+      ValueError: a `static_argnums` position below 1 (`self` is 0), no
+        methods, or a method `cls` does not define.
+      RematSpecError: the policy does not parse.
+      UnknownTagError: `validate` and the policy names a tag the module never
+        emits (raised when the module is called).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"rk.linen.remat takes a flax.linen.Module subclass, got {cls!r}; "
+                        "for a model instance use rk.linen.apply_remat(model, {...})")
+    methods = wrapping.options("rk.linen.remat", prevent_cse, validate, methods, cls, nn.Module)
+    static_argnums = wrapping.static_positions(static_argnums, "rk.linen.remat", minimum=1)
+    policy = wrapping.module_policy(policy)
+    if not policy.remat:
+        return cls
+    if not (validate or wrapping.needs_names(policy)):
+        return nn.remat(cls, policy=policy.to_jax(), static_argnums=static_argnums,
+                        prevent_cse=prevent_cse, methods=list(methods))
+
+    def wrap(name):
+        def method(self, *args, **kwargs):
+            with _passing(self, name, traced) as inside:  # the region's own call of this method
+                if inside:
+                    return getattr(super(traced, self), name)(*args, **kwargs)
+            emitted = _emitted_alone(cls, self, name, args, kwargs)
+            if validate:
+                check_names(policy, emitted,
+                            where=f"{cls.__name__} at {'/'.join(self.path) or 'root'}")
+            jax_policy = wrapping.to_jax(policy, emitted)
+            return _region(self, name, jax_policy, prevent_cse, args, kwargs, traced)
+        return method
+
+    traced = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__,
+                                         "__module__": cls.__module__,
+                                         **{name: wrap(name) for name in methods}})
+    return traced
+
+
+def _emitted_alone(cls: type, module: nn.Module, method: str, args, kwargs) -> tuple[str, ...]:
+    """The tags `module.method(*args, **kwargs)` emits, traced on an unbound copy of
+    class `cls` (auto tags named by `module`'s path)."""
+    alone = cls(**_init_fields(module, "parent", "name"), parent=None)
+    arrays, rebuild = wrapping.split_static(args, kwargs)
+    rngs = {name: jax.random.key(0) for name in ("params", *module.scope.rngs)}
+
+    def run(*xs):
+        a, kw = rebuild(xs)
+        return alone.init_with_output(rngs, *a, method=method, **kw)
+
+    token = _PREFIX.set(module.path)
+    try:
+        return tuple(emitted_tags(run, *arrays))
+    finally:
+        _PREFIX.reset(token)
+
+
+def _init_fields(module: nn.Module, *skip: str) -> dict:
+    """The constructor arguments of `module`: its init fields (not ClassVars, not
+    `init=False` fields) other than `skip`, with their values."""
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+            if f.init and f.name not in skip}
+
+
+def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
+                validate: bool = False, methods: Sequence[str] = ("__call__",)) -> nn.Module:
+    """Runs every submodule whose class matches under that class's policy, without
+    editing the model's source.
+
+    Args:
+      model: a linen Module instance (unbound), e.g. `Transformer(cfg)`.
+      mapping: {class name or linen Module class: spec string or Policy},
+        e.g. {"Block": "selective", "MlpBlock": "full"}. A name matches the
+        class or a base class; a module matched by several keys takes the
+        key of its most derived class. Nested matches nest remat regions.
+      prevent_cse: as in `jax.checkpoint`.
+      validate: check each policy against the tags its submodules emit
+        (traces the model once more, no FLOPs).
+      methods: the submodule methods to rematerialize.
+    Returns:
+      A model of a subclass of `type(model)` with the same fields, whose
+      `init`, `init_with_output` and `apply` take the same arguments (rngs,
+      `mutable=`, `method=`) and give the same variables, outputs and
+      gradients as `model`'s. Policies with globs (`save:*/attn/*`) are
+      resolved to JAX built-ins with the names the model emits (one extra
+      trace per distinct argument signature). Array arguments of a matched
+      call are traced; other arguments (flags) stay static. Calls inside
+      `nn.jit` methods are matched too: the wrapper's state is part of the
+      jit cache key, so a body traced before wrapping is traced again.
+    Raises:
+      TypeError: `model` is not a linen Module instance, a mapping key is
+        neither a class name nor a Module class, or `prevent_cse` /
+        `validate` is not a bool.
+      ValueError: `methods` is empty.
+      RematSpecError: a policy spec does not parse.
+      UnknownModuleError: on a call of `__call__`, a key matched no submodule;
+        lists the classes the model calls and the closest name.
+      UnknownTagError: `validate` and a policy names a tag its submodules
+        never emit.
+    """
+    if not isinstance(model, nn.Module) or isinstance(model, type):
+        raise TypeError(f"rk.linen.apply_remat takes a flax.linen.Module instance, got "
+                        f"{model!r}; for a class use rk.linen.remat(cls, policy)")
+    plan = wrapping.Plan.of(mapping, nn.Module, "rk.linen.apply_remat")
+    methods = wrapping.options("rk.linen.apply_remat", prevent_cse, validate, methods)
+    base = type(model)
+    resolved_cache: dict = {}
+
+    def run(fn, method, args, kwargs):
+        """fn(*args, **kwargs) with matching submodules rematerialized."""
+        part = ("linen.apply_remat", plan, prevent_cse, methods, validate)
+        if not plan.needs_trace(validate):
+            resolved, key = plan.resolve(None, validate=False), ()
+        else:
+            arrays, rebuild = wrapping.split_static(args, kwargs)
+            key = _cache_key(arrays, rebuild)
+            resolved = resolved_cache.get(key) if key is not None else None
+            if resolved is None:
+                markers = {k: wrapping.Marker(plan.label(k)) for k in plan.keys}
+                with _intercepting(plan, markers, prevent_cse, methods, check=method is None,
+                                   part=(*part, "markers", key)):
+                    emitted = wrapping.traced_names(
+                        lambda *xs: fn(*rebuild(xs)[0], **rebuild(xs)[1]), arrays)
+                resolved = plan.resolve(emitted, validate)
+                if key is not None:
+                    resolved_cache[key] = resolved
+        with _intercepting(plan, resolved, prevent_cse, methods, check=method is None,
+                           part=(*part, key)):
+            return fn(*args, **kwargs)
+
+    def init_with_output(self, rngs, *args, method=None, **kwargs):
+        return run(lambda *a, **kw: base.init_with_output(self, *a, method=method, **kw),
+                   method, (rngs, *args), kwargs)
+
+    def apply(self, variables, *args, method=None, **kwargs):
+        return run(lambda *a, **kw: base.apply(self, *a, method=method, **kw),
+                   method, (variables, *args), kwargs)
+
+    sub = type(base.__name__, (base,), {"init_with_output": init_with_output, "apply": apply,
+                                        "__qualname__": base.__qualname__,
+                                        "__module__": base.__module__})
+    return sub(**_init_fields(model, "parent"))
+
+
+def _cache_key(arrays, rebuild):
+    """Argument shapes, static arguments and active auto_tag contexts, or None if unhashable."""
+    try:
+        key = (tuple((a.shape, str(a.dtype)) for a in arrays),
+               repr(rebuild([None] * len(arrays))), _TAGGING.get())
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+# {jit cache key: (plan keys matched, classes seen)} of `_intercepting` traces. Under
+# `nn.jit` a cached trace runs no interceptor, so a call at a key traced before takes
+# what that trace saw.
+_MATCHED: dict = {}
+
+
+@contextlib.contextmanager
+def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
+                  part=None):
+    """An interceptor that runs matching submodule calls as remat regions; on exit,
+    if `check`, raises for plan keys that matched nothing.
+
+    `part` (hashable, or holding None for arguments that are not; default the
+    plan and its policies) goes into the jit cache key, so nn.jit bodies are
+    traced with these regions, not reused from a trace without them.
+    """
+    if part is None:
+        part = ("linen.intercepting", plan, prevent_cse, tuple(methods),
+                tuple(policies[k] for k in plan.keys))
+    try:
+        hash(part)
+    except TypeError:
+        part = (None,)
+    matched, seen = set(), {}
+
+    def interceptor(next_fun, args, kwargs, context):
+        mod = context.module
+        seen.setdefault(type(mod).__name__)
+        if context.method_name not in methods:
+            return next_fun(*args, **kwargs)
+        with _passing(mod, context.method_name, plan) as inside:
+            if inside:
+                return next_fun(*args, **kwargs)
+        key = plan.match(mod)
+        if key is None:
+            return next_fun(*args, **kwargs)
+        matched.add(key)
+        if not plan.policy(key).remat:
+            return next_fun(*args, **kwargs)
+        return _region(mod, context.method_name, policies[key], prevent_cse, args, kwargs,
+                       plan)
+
+    fresh = None in part  # unhashable arguments: a key of its own, never reused
+    with wrapping.keyed(object() if fresh else part), nn.intercept_methods(interceptor):
+        jit_key = wrapping.trace_key()
+        yield
+    if not fresh:
+        before_matched, before_seen = _MATCHED.setdefault(jit_key, (set(), {}))
+        before_matched |= matched
+        before_seen.update(seen)
+        matched, seen = before_matched, before_seen
+    if check:
+        plan.check_matched(matched, seen)
+
+
+def tags(model: nn.Module, *args, variables=None, rngs=None, method=None, classes=None,
+         **kwargs) -> dict[str, jax.core.ShapedArray]:
+    """The tags `model` emits with `auto_tag` applied: {name: ShapedArray(shape, dtype)}.
+
+    Traces `model.apply(variables, *args, **kwargs)` (or `model.init` when
+    `variables` is None) with `jax.make_jaxpr`: no FLOPs, and args may be
+    `jax.ShapeDtypeStruct`s. Lists auto tags (module paths, e.g.
+    `Block_0/attn/query`; names as `auto_tag` gives them) and tags the model
+    applies itself (`rk.tag`), in call order, each once with its first shape.
+
+    Args:
+      rngs: rng streams for `init`/`apply`; default a key for "params" and
+        "dropout" (init) or for "dropout" (apply).
+      classes: as in `auto_tag`: None tags every submodule call.
+    Raises:
+      TypeError: `model` is not a linen Module instance, or bad `classes`.
+    """
+    if not isinstance(model, nn.Module) or isinstance(model, type):
+        raise TypeError(f"rk.linen.tags takes a flax.linen.Module instance, got {model!r}")
+    arrays, rebuild = wrapping.split_static((variables, *args), kwargs)
+    streams = ("dropout",) if variables is not None else ("params", "dropout")
+    rngs = rngs if rngs is not None else {s: jax.random.key(0) for s in streams}
+
+    def run(*xs):
+        (v, *a), kw = rebuild(xs)
+        if v is None:
+            return model.init_with_output(rngs, *a, method=method, **kw)
+        return model.apply(v, *a, rngs=rngs, method=method, **kw)
+
+    with auto_tag(classes):
+        return emitted_tags(run, *arrays)
+
+
+__all__ = ["AUTO_TAG_CLASSES", "apply_remat", "auto_tag", "path_name", "remat", "tags"]

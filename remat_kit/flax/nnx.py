@@ -1,0 +1,286 @@
+"""Drop-in remat for flax.nnx models: class form, instance form, auto-tagging.
+
+    import remat_kit as rk
+    Block = rk.nnx.remat(Block, "selective")                   # class form
+    model = rk.nnx.apply_remat(model, {"Block": "full"})       # instance form
+    model = rk.nnx.auto_tag(model)                             # name Linear/LayerNorm/... outputs
+
+NNX modules are mutable graphs of Python objects. The instance forms return a
+new graph (`nnx.split` then `nnx.merge`: the same arrays, new Variables) whose
+matching nodes are switched to a subclass of their class that wraps the
+method; the input model is left as it was. `nnx.state` paths do not change.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+
+import jax
+from flax import nnx
+
+from remat_kit.trace import wrapping
+from remat_kit.policy.policy import Policy, TagPolicy
+from remat_kit.trace.validate import check_names, emitted_tags
+
+# Standard nnx layers: `auto_tag(model, AUTO_TAG_CLASSES)` names only their outputs.
+AUTO_TAG_CLASSES: tuple[type, ...] = (
+    nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.LayerNorm, nnx.RMSNorm,
+    nnx.MultiHeadAttention)
+
+
+def _subclass(cls: type, namespace: dict) -> type:
+    """A subclass of `cls` that prints and pickles by the same name."""
+    return type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__,
+                                       "__module__": cls.__module__, **namespace})
+
+
+def _copy(model: nnx.Module) -> nnx.Module:
+    return nnx.merge(*nnx.split(model))
+
+
+def _check_module(model, where: str) -> None:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"{where} takes a flax.nnx.Module instance, got {model!r}")
+
+
+def path_name(path: Sequence) -> str:
+    """'/'.join of an `nnx.iter_graph` path, e.g. ('blocks', 3, 'attn', 'query') ->
+    'blocks/3/attn/query'."""
+    return "/".join(str(p) for p in path)
+
+
+@functools.cache
+def _tagging_class(cls: type, name: str) -> type:
+    def __call__(self, *args, **kwargs):
+        return wrapping.tag_output(cls.__call__(self, *args, **kwargs), name)
+
+    return _subclass(cls, {"__call__": __call__})
+
+
+def _defines_call(cls: type) -> bool:
+    """Whether instances are called: containers (nnx.List, nnx.Dict) are not."""
+    return any("__call__" in vars(c) for c in cls.__mro__ if c is not object)
+
+
+def auto_tag(model: nnx.Module,
+             classes: "Sequence[type] | type | None" = None) -> nnx.Module:
+    """A copy of `model` whose submodules name their outputs by attribute path.
+
+    Every submodule node that is called (or, with `classes`, only nodes of
+    those classes, e.g. `AUTO_TAG_CLASSES`) returns its `__call__` outputs
+    wrapped in `checkpoint_name(out, path)`, e.g. `blocks/3/attn/query` (the
+    query LinearGeneral of the attention in `model.blocks[3]`),
+    `blocks/3/attn` or `blocks/3` (the block's output). The model itself is
+    not tagged. Specs then select by path glob:
+    `save:*/attn/query,*/attn/key;recompute:*`. Outputs, state and
+    `nnx.state` paths are unchanged. Each node's class becomes a subclass per
+    path, so `nnx.jit` (whose cache key holds the classes) traces the tagged
+    copy anew and keeps each layer's names.
+
+    A call returning several arrays (tuple, dict, dataclass, flax struct)
+    names the first `path` and each other `path.` + its key path, e.g.
+    `blocks/0/attn` and `blocks/0/attn.1` for `(out, weights)`; non-array
+    leaves pass through. A module reachable by two paths is named by the
+    first `nnx.iter_graph` gives.
+
+    Raises:
+      TypeError: `model` is not an nnx Module, or `classes` is a string or
+        holds something that is not a `flax.nnx.Module` subclass (a linen
+        class, a name, an instance).
+      ValueError: `classes` is empty.
+    """
+    _check_module(model, "rk.nnx.auto_tag")
+    if classes is not None:
+        classes = wrapping.module_classes(classes, nnx.Module, "rk.nnx.auto_tag")
+    out = _copy(model)
+    for path, node in nnx.iter_graph(out):
+        if (path and isinstance(node, classes or nnx.Module)
+                and _defines_call(type(node))):
+            node.__class__ = _tagging_class(type(node), path_name(path))
+    return out
+
+
+# Per module instance: {argument signature: JAX policy}, for policies resolved by tracing.
+_RESOLVED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _jax_policy(module, policy: Policy, body: Callable, arrays, validate: bool):
+    """JAX's policy for one call of a remat region `body(module, *arrays)`.
+
+    Globs and `validate` need the names the region emits: the region is traced
+    once per argument signature (no FLOPs) on a copy of `module`.
+    """
+    if not (validate or wrapping.needs_names(policy)):
+        return policy.to_jax()
+    sig = tuple((a.shape, str(a.dtype)) for a in arrays)
+    cache = _RESOLVED.setdefault(module, {})
+    if sig not in cache:
+        graphdef, state = nnx.split(module)
+        emitted = emitted_tags(lambda s, *xs: body(nnx.merge(graphdef, s), *xs), state,
+                               *arrays)
+        if validate:
+            check_names(policy, emitted, where=type(module).__name__)
+        cache[sig] = wrapping.to_jax(policy, emitted)
+    return cache[sig]
+
+
+@functools.cache
+def _remat_class(cls: type, policy: Policy, prevent_cse: bool, validate: bool,
+                 methods: tuple[str, ...]) -> type:
+    def wrap(name):
+        orig = getattr(cls, name)
+
+        def method(self, *args, **kwargs):
+            arrays, rebuild = wrapping.split_static(args, kwargs)
+
+            output = {}  # the output's non-array structure, filled while tracing
+
+            def body(mdl, *xs):
+                a, kw = rebuild(xs)
+                outs, output["rebuild"] = wrapping.split_output(orig(mdl, *a, **kw))
+                return outs
+
+            jax_policy = _jax_policy(self, policy, body, arrays, validate)
+            outs = nnx.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(self, *arrays)
+            return output["rebuild"](outs)
+
+        return functools.wraps(orig)(method)
+
+    return _subclass(cls, {name: wrap(name) for name in methods})
+
+
+def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequence[int] = (),
+          prevent_cse: bool = True, validate: bool = False,
+          methods: Sequence[str] = ("__call__",)):
+    """`nnx.remat` under a remat_kit policy, for a Module class, instance or function.
+
+    Args:
+      module_or_fn: an nnx Module class (returns a subclass with the same
+        constructor), a Module instance (returns a copy whose `methods` run
+        rematerialized) or a function (returns `nnx.remat(fn, ...)`).
+      policy: a spec string (`rk.parse`) or a `Policy`; "none" returns the
+        input unchanged.
+      static_argnums: function form only, as in `nnx.remat` (0 is the first
+        argument). The module forms keep every non-array argument (flags such
+        as `deterministic`, None) static themselves and trace the arrays.
+      prevent_cse: as in `jax.checkpoint`.
+      validate: module forms: on the first call per argument signature,
+        trace the method (no FLOPs) and check the policy's tags against what
+        it emits.
+      methods: module forms: the methods to rematerialize.
+    Returns:
+      The wrapped class, module or function. Module forms resolve policies
+      with globs (`save:*/attn/*`) to JAX built-ins over the names the method
+      emits; the function form resolves them through `TagPolicy` (the same
+      saved names as the built-in under either remat mode for base "nothing").
+    Raises:
+      TypeError: not a Module class, instance or callable; `static_argnums`
+        with a module or not ints; `validate` with a function (use
+        `rk.validate`); `prevent_cse` or `validate` not a bool.
+      ValueError: no methods, or a method the module's class does not define.
+      RematSpecError: the policy does not parse.
+      UnknownTagError: `validate` and the policy names a tag never emitted.
+    """
+    policy = wrapping.module_policy(policy)
+    is_class = isinstance(module_or_fn, type) and issubclass(module_or_fn, nnx.Module)
+    if is_class or isinstance(module_or_fn, nnx.Module):
+        if static_argnums != ():
+            raise TypeError("rk.nnx.remat: static_argnums is for functions; module forms keep "
+                            "non-array arguments static themselves")
+        cls = module_or_fn if is_class else type(module_or_fn)
+        methods = wrapping.options("rk.nnx.remat", prevent_cse, validate, methods, cls,
+                                   nnx.Module)
+        if not policy.remat:
+            return module_or_fn
+        if is_class:
+            return _remat_class(module_or_fn, policy, prevent_cse, validate, methods)
+        out = _copy(module_or_fn)
+        out.__class__ = _remat_class(type(out), policy, prevent_cse, validate, methods)
+        return out
+    if isinstance(module_or_fn, type) or not callable(module_or_fn):
+        raise TypeError(f"rk.nnx.remat takes an nnx Module class, instance or function, got "
+                        f"{module_or_fn!r}")
+    wrapping.options("rk.nnx.remat", prevent_cse, validate, methods)
+    if validate:
+        raise TypeError("rk.nnx.remat: validate=True needs a module; for a function call "
+                        "rk.validate(policy, fn, *args)")
+    static_argnums = wrapping.static_positions(static_argnums, "rk.nnx.remat")
+    if not policy.remat:
+        return module_or_fn
+    lazy = wrapping.needs_names(policy) and policy.base == "nothing"
+    return nnx.remat(module_or_fn, policy=TagPolicy(policy) if lazy else policy.to_jax(),
+                     static_argnums=static_argnums, prevent_cse=prevent_cse)
+
+
+def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
+                validate: bool = False, methods: Sequence[str] = ("__call__",)) -> nnx.Module:
+    """A copy of `model` in which every submodule whose class matches runs under that
+    class's policy; the model's source is not edited.
+
+    Args:
+      model: an nnx Module instance.
+      mapping: {class name or nnx Module class: spec string or Policy}, e.g.
+        {"Block": "selective", "MLP": "full"}. A name matches the class or a
+        base class; a module matched by several keys takes the key of its
+        most derived class. Nested matches nest remat regions.
+      prevent_cse, validate, methods: as in `remat`; each matched module's
+        class must define the methods (ValueError otherwise).
+    Returns:
+      The copy (same arrays, new Variables; `nnx.state` paths unchanged).
+    Raises:
+      TypeError: `model` is not an nnx Module, or a key is neither a class
+        name nor an nnx Module class.
+      RematSpecError: a policy spec does not parse.
+      UnknownModuleError: a key matches no node of the model; lists the
+        classes present and the closest name.
+      UnknownTagError: `validate` and a policy names a tag never emitted (at
+        the first call).
+    """
+    _check_module(model, "rk.nnx.apply_remat")
+    plan = wrapping.Plan.of(mapping, nnx.Module, "rk.nnx.apply_remat")
+    wrapping.options("rk.nnx.apply_remat", prevent_cse, validate, methods)
+    out = _copy(model)
+    matched, seen = set(), {}
+    for _, node in nnx.iter_graph(out):
+        if not isinstance(node, nnx.Module):
+            continue
+        seen.setdefault(type(node).__name__)
+        key = plan.match(node)
+        if key is None:
+            continue
+        matched.add(key)
+        policy = plan.policy(key)
+        if policy.remat:
+            node.__class__ = _remat_class(type(node), policy, prevent_cse, validate,
+                                          wrapping.options("rk.nnx.apply_remat", prevent_cse,
+                                                           validate, methods, type(node),
+                                                           nnx.Module))
+    plan.check_matched(matched, seen)
+    return out
+
+
+def tags(model: nnx.Module, *args, classes=None, **kwargs) -> dict[str, jax.core.ShapedArray]:
+    """The tags `model(*args, **kwargs)` emits with `auto_tag(model, classes)` applied:
+    {name: ShapedArray(shape, dtype)}, in call order, each once.
+
+    Traces with `jax.make_jaxpr` (no FLOPs); args may be `jax.ShapeDtypeStruct`s.
+    Lists auto tags (attribute paths, e.g. `blocks/0/attn/query`; names as
+    `auto_tag` gives them) and tags the model applies itself (`rk.tag`).
+
+    Raises:
+      TypeError: `model` is not an nnx Module, or bad `classes`.
+    """
+    _check_module(model, "rk.nnx.tags")
+    graphdef, state = nnx.split(auto_tag(model, classes))
+    arrays, rebuild = wrapping.split_static(args, kwargs)
+
+    def run(s, *xs):
+        a, kw = rebuild(xs)
+        return nnx.merge(graphdef, s)(*a, **kw)
+
+    return emitted_tags(run, state, *arrays)
+
+
+__all__ = ["AUTO_TAG_CLASSES", "apply_remat", "auto_tag", "path_name", "remat", "tags"]

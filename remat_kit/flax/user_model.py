@@ -1,0 +1,158 @@
+"""The user's model for `--model FILE.py:FUNCTION` or `--model package.module:FUNCTION`.
+
+FUNCTION either takes no arguments and returns a linen or NNX language model
+(tokens [batch, seq] -> logits; `remat_kit.flax.from_model`), or takes
+(batch, seq) and returns a `remat_kit.Workload`. Every failure (the file or
+module does not import, FUNCTION is missing or returns the wrong type, the
+model's output has no logits, no repeated block, a --block that matches
+nothing) is a `ModelError` naming the value and what was expected, raised
+before anything compiles.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable
+
+from remat_kit.errors import RematSpecError
+from remat_kit.flax.from_model import ModelError
+from remat_kit.flax.from_model import workload as model_workload
+from remat_kit.mesh import spanning
+from remat_kit.trace.workload import Workload
+
+FORMS = "FILE.py:FUNCTION or package.module:FUNCTION"
+
+
+def _module(path: str, spec: str):
+    if path.endswith(".py") or os.sep in path:
+        if not os.path.isfile(path):
+            raise ModelError(f"--model {spec!r}: file {path!r} not found")
+        name = "_remat_kit_model_" + os.path.splitext(os.path.basename(path))[0]
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None:
+            raise ModelError(f"--model {spec!r}: {path!r} is not a Python (.py) file")
+        module = importlib.util.module_from_spec(module_spec)
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in sys.path:
+            # The file may import its neighbours; appended, as pytest's append import
+            # mode does, so a file named like a package it imports (nano_moe.py doing
+            # `from nano_moe.model import ...`) does not shadow that package.
+            sys.path.append(folder)
+        # Registered first: dataclasses and pickling look the module up by name.
+        sys.modules[name] = module
+        load = lambda: module_spec.loader.exec_module(module)  # noqa: E731
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        module = None
+        load = lambda: importlib.import_module(path)  # noqa: E731
+    try:
+        loaded = load()
+    except SyntaxError as e:
+        raise ModelError(f"--model {spec!r}: syntax error ({e.msg}) in {e.filename} line "
+                         f"{e.lineno}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of user code
+        raise ModelError(f"--model {spec!r}: {path} does not import: {type(e).__name__}: "
+                         f"{e}") from None
+    return module if module is not None else loaded
+
+
+def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
+    """(label, make) for a --model spec: make(batch, seq, mesh) -> Workload.
+
+    Raises:
+      ModelError: a malformed spec, a module that does not import, FUNCTION
+        missing or not callable, taking other arguments, or returning
+        neither a Flax module nor (for (batch, seq)) a Workload. Model
+        problems show at the first make() (`remat_kit.flax.from_model.workload`).
+    """
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name.isidentifier():
+        raise ModelError(f"--model takes {FORMS}, got {spec!r}")
+    module = _module(path, spec)
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = sorted(n for n, v in vars(module).items()
+                       if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise ModelError(f"--model {spec!r}: {path} has no {name!r}; its functions: "
+                         f"{', '.join(found) or 'none'}")
+    if not callable(fn):
+        raise ModelError(f"--model {spec!r}: {name} is a {type(fn).__name__}, not a function")
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                         p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    label = f"{os.path.basename(path)}:{name}"
+    if len(params) == 2:
+        return label, _function_maker(fn, spec, label)
+    if params:
+        raise ModelError(f"--model {spec!r}: {name} takes {len(params)} arguments; it must "
+                         "take none (and return a linen or NNX model) or (batch, seq) (and "
+                         "return a remat_kit.Workload)")
+    try:
+        model = fn()
+    except (Exception, SystemExit) as e:  # noqa: BLE001
+        raise ModelError(f"--model {spec!r}: {name}() raised {type(e).__name__}: {e}") \
+            from None
+    _check_module(model, spec, name)
+
+    def make(batch: int, seq: int, mesh=None) -> Workload:
+        try:
+            return model_workload(model, batch, seq, block=block, name=label, mesh=mesh)
+        except (ModelError, RematSpecError) as e:
+            raise ModelError(f"--model {spec!r}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the model failed to trace: user code
+            raise ModelError(f"--model {spec!r}: tracing the model on int32 tokens [{batch}, "
+                             f"{seq}] failed: {type(e).__name__}: {e}; if the model takes "
+                             f"other shapes (e.g. fewer positions), give them with --batch "
+                             f"and --seq") from None
+
+    return label, make
+
+
+def _check_module(model, spec: str, name: str) -> None:
+    import flax.linen as nn
+    from flax import nnx
+
+    if isinstance(model, type) and issubclass(model, (nn.Module, nnx.Module)):
+        raise ModelError(f"--model {spec!r}: {name}() returned the class {model.__name__}; "
+                         "return an instance")
+    if not isinstance(model, (nn.Module, nnx.Module)):
+        got = "None (a missing return?)" if model is None else type(model).__name__
+        raise ModelError(f"--model {spec!r}: {name}() must return a flax.linen or flax.nnx "
+                         f"Module (tokens [batch, seq] -> logits), it returned {got}")
+
+
+def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
+    name = getattr(fn, "__name__", "FUNCTION")
+
+    def make(batch: int, seq: int, mesh=None) -> Workload:
+        # A one-chip target's data:1 mesh shards nothing: the Workload is run as it is.
+        if spanning(mesh) is not None:
+            raise ModelError(f"--model {spec!r}: --mesh is for a model; {name}(batch, seq) "
+                             "builds its Workload, so build the mesh into its arguments")
+        try:
+            got = fn(batch, seq)
+        except (Exception, SystemExit) as e:  # noqa: BLE001
+            raise ModelError(f"--model {spec!r}: {name}({batch}, {seq}) raised "
+                             f"{type(e).__name__}: {e}") from None
+        if not isinstance(got, Workload):
+            raise ModelError(f"--model {spec!r}: {name}(batch, seq) must return a "
+                             f"remat_kit.Workload, it returned {type(got).__name__}")
+        return got if got.name != "loss" else _named(got, label)
+    return make
+
+
+def _named(workload: Workload, label: str) -> Workload:
+    import dataclasses
+    return dataclasses.replace(workload, name=label)
+
+
+__all__ = ["FORMS", "load"]

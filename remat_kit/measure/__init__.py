@@ -1,0 +1,13 @@
+"""measure: programs and figures. A `Workload` under resolved policies lowered and
+compiled per target (`targets`: the target as a value; `lowering`: one compile site),
+residuals by tag, memory and FLOPs (`costs`), predicted time (`time_model`), the kept
+figures (`figure_cache`), one `Record` per program (`record`), what one block saves
+(`explain`), and the analytic estimate (`estimate`).
+
+May import: `remat_kit.flax`, `remat_kit.trace`, `remat_kit.policy` and the bottom
+modules. Never the planner (`decide`) nor the reference models (`models`): a config
+becomes a `Workload` before it reaches this part.
+
+Public names: `measure.measure`, `explain.explain`, `residuals.residuals`,
+`record.Record`, `targets.Target` / `parse_target`, `lowering.compile_for`.
+"""

@@ -1,0 +1,195 @@
+"""What one block saves, offloads and recomputes under a policy, value by value.
+
+`explain` lists one row per residual of one block of a workload (or of any
+function), then each emitted tag the policy does not store, with the
+policy's decision. `stack_stored_bytes` sums the blocks of a stack measured
+one at a time: the figure Korthikanti et al. (2022, Table 2) tabulate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from remat_kit.measure import targets
+from remat_kit.measure import lowering
+from remat_kit.policy.names import TAGS
+from remat_kit.policy.policy import Policy
+from remat_kit.measure.residuals import Residual, _aval_bytes, residuals
+from remat_kit.policy.spec import layer_policies
+from remat_kit.policy.spec import parse
+from remat_kit.trace.validate import emitted_tags, tag_aliases
+from remat_kit.trace.workload import Workload, checkpointed
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One value of a decoder layer and what the policy does with it.
+
+    decision: "saved" (kept in device memory), "offloaded" (kept in host
+    memory), "recomputed" (the policy recomputes this tag in the backward
+    pass) or "not needed" (the policy would keep it, but the backward pass
+    never reads it, e.g. the layer's own output). nbytes: bytes per layer.
+    aliases: the value's other tags: on a model not ours, a role tag's path
+    tag (e.g. qkv_proj's "h_0/attn/c_attn"), listed once, under its role.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    decision: str
+    aliases: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBreakdown:
+    """Residuals of one decoder layer under one policy.
+
+    Attributes:
+      policy: canonical spec string.
+      rows: saved and offloaded residuals (tags, primitives, the layer input),
+        then emitted tags that are not stored, in vocabulary order.
+      parameter_bytes: inputs the backward pass reads that are not rows (kept
+        by reference, not extra memory): the layer's parameters for
+        `layer_residuals`, every argument for `explain`.
+      num_layers: layers in the model.
+      compiled: with a `target`, the layer's value-and-grad compiled for it
+        (`lowering.Compiled`: temp bytes, FLOPs, compile seconds), else None.
+    """
+
+    policy: str
+    rows: tuple[LayerRow, ...]
+    parameter_bytes: int
+    num_layers: int
+    compiled: "lowering.Compiled | None" = None
+
+    def _sum(self, decision: str) -> int:
+        return sum(r.nbytes for r in self.rows if r.decision == decision)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes one layer keeps in device memory for its backward pass."""
+        return self._sum("saved")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes one layer keeps in host memory."""
+        return self._sum("offloaded")
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes of tagged values one layer recomputes instead of storing."""
+        return self._sum("recomputed")
+
+    @property
+    def stored_bytes(self) -> int:
+        """saved + offloaded bytes of one layer."""
+        return self.saved_bytes + self.offloaded_bytes
+
+
+def _is_param(r: Residual) -> bool:
+    return r.kind == "argument" and r.name.startswith("params")
+
+
+def _block_stored_bytes(workload: Workload, policy: Policy) -> int:
+    fn, args = workload.block(policy)
+    return sum(r.nbytes for r in residuals(fn, *args) if not _is_param(r))
+
+
+def stack_stored_bytes(workload: Workload, policy: Policy) -> dict[str, int | None]:
+    """{"layer_residual_bytes", "layers_residual_bytes"} of `Record` for the
+    blocks of `workload` under `policy`, one block measured at a time.
+
+    For a uniform policy, layer_residual_bytes is one block's stored bytes
+    and layers_residual_bytes L x that; for every:k / first:n the blocks under
+    the policy plus those without remat; for nested:g (g > 1) the L/g group
+    inputs (a full-remat block's bytes each). Both None where the workload
+    has no `block`.
+    """
+    if workload.block is None or not workload.num_layers:
+        return {"layer_residual_bytes": None, "layers_residual_bytes": None}
+    schedule, L = policy.schedule, workload.num_layers
+    if schedule.kind == "nested" and schedule.group_size(L) > 1:
+        # A group is rematerialized whole: the forward pass keeps its input only.
+        per_layer = (Policy(),) * (L // schedule.group_size(L))
+    else:
+        per_layer = layer_policies(policy, L)
+    measured = {p: _block_stored_bytes(workload, p) for p in set(per_layer)}
+    return {"layer_residual_bytes": (measured[per_layer[0]] if schedule.kind == "uniform"
+                                     else None),
+            "layers_residual_bytes": sum(measured[p] for p in per_layer)}
+
+
+def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],
+               num_layers: int, target) -> LayerBreakdown:
+    """Rows for `f`'s residuals, then for the tags it emits but does not store; with a
+    `target`, `f`'s value-and-grad compiled for it."""
+    found = residuals(f, *args)
+    aliases = tag_aliases(f, *args)
+    listed = [r for r in found if r.kind != "argument" or keep_argument(r)]
+    rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
+                     "offloaded" if r.memory == "host" else "saved",
+                     aliases.get(r.name, ()) if r.kind == "tag" else ()) for r in listed]
+    # A value with two tags (role and path) is one row, under the tag listed first.
+    shown = {t for r in rows if r.kind == "tag" for t in (r.name, *r.aliases)}
+    order = {t: i for i, t in enumerate(TAGS)}
+    for t, aval in sorted(emitted_tags(f, *args).items(),
+                          key=lambda kv: order.get(kv[0], len(order))):
+        if t not in shown:
+            names = (t, *aliases.get(t, ()))
+            shown.update(names)
+            decision = ("recomputed" if all(policy.decide(n) == "recompute" for n in names)
+                        else "not needed")
+            rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
+                                 _aval_bytes(aval), decision, names[1:]))
+    unlisted = sum(r.nbytes for r in found if r not in listed)
+    compiled = (None if target is None
+                else lowering.compile_for(jax.value_and_grad(f), *args, target=target))
+    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers, compiled)
+
+
+def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
+            target: "str | targets.Target | None" = None) -> LayerBreakdown:
+    """What `fn` saves, offloads and recomputes under `policy`: one row per residual.
+
+    For a `Workload`, its first block alone under the policy, as the
+    workload wraps it (`Workload.block`); its input is a row, its parameters
+    are `parameter_bytes`. A function is wrapped in one remat region
+    (`checkpointed`). Either is traced under `jax.vjp`; nothing is computed
+    or allocated.
+
+    Args:
+      policy: a spec string or Policy.
+      fn: a `Workload` with blocks, or a function of arrays returning a
+        scalar, without remat of its own (e.g. one layer and a sum).
+      args: for a function, arrays or `jax.ShapeDtypeStruct`s.
+      target: if given (e.g. "tpu:v5e:1x1", `remat_kit.measure.targets`), also
+        compile `fn`'s value-and-grad (w.r.t. the first argument) for it:
+        `LayerBreakdown.compiled`.
+    Returns:
+      A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape,
+      dtype, bytes, decision) for every stored residual, then a row for each
+      emitted tag the policy recomputes ("recomputed") or keeps but the
+      backward pass never reads ("not needed"). Arguments are not rows: they
+      are kept by reference, and their bytes are `parameter_bytes`.
+    Raises:
+      RematSpecError: the policy does not parse.
+      TargetError: a bad target, or libtpu / the CUDA plugin missing.
+      TypeError: `fn` does not return a scalar.
+      ValueError: a workload without blocks.
+    """
+    policy = parse(policy)
+    if isinstance(fn, Workload):
+        if fn.block is None:
+            raise ValueError(f"workload {fn.name!r} has no blocks to explain one of; explain "
+                             "its loss as a function instead")
+        block, block_args = fn.block(layer_policies(policy, fn.num_layers)[0])
+        return breakdown(policy, block, block_args, lambda r: not _is_param(r),
+                          fn.num_layers, target)
+    return breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
+
+
+__all__ = ["LayerBreakdown", "LayerRow", "breakdown", "explain", "stack_stored_bytes"]

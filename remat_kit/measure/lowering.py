@@ -1,0 +1,188 @@
+"""Lowering and compiling a program for a target, with its memory and FLOPs.
+
+`compile_for(fn, *args, target=...)` is the one compile site of a program
+whose figures the reports use: it places the arguments on the target's
+devices (`remat_kit.measure.targets`), lowers for the target's platform (an
+ahead-of-time compile for a TPU or GPU this machine lacks), and reads memory
+(`costs.memory_fields`) and FLOPs (`costs.loop_scaled_costs`, while loops
+counted per trip), keeping the figures of a program that will not run
+(`figure_cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from remat_kit.measure import figure_cache
+from remat_kit.measure.costs import loop_scaled_costs, memory_fields
+from remat_kit.measure.targets import Target, TargetError, devices, parse_target
+from remat_kit.mesh import local_shape as _local
+
+# XLA CPU: LLVM optimization only changes the speed of the generated code,
+# not buffer assignment or cost analysis (checked on every gpt2_small preset),
+# and skipping it makes CPU compiles several times faster.
+_CPU_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def place(args, target: "str | Target"):
+    """`args` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs on `target`'s devices.
+
+    Leaves that carry a sharding keep it (it must be over the target's
+    devices); the others are replicated on the target's first device. For
+    JAX's default backend with no sharding given, `args` come back as they are.
+
+    Raises:
+      TargetError: a leaf is sharded over devices that are not the target's.
+    """
+    target = parse_target(target)
+    if not target.aot and target.platform == jax.default_backend():
+        return args
+    found = devices(target)
+    ids = {(d.platform, d.id) for d in found}
+    single = NamedSharding(Mesh(found[:1], ("data",)), PartitionSpec())
+
+    def one(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=single)
+        if not {(d.platform, d.id) for d in sharding.device_set} <= ids:
+            raise TargetError(f"an argument is sharded over {sorted(sharding.device_set)[:2]}"
+                              f"..., not over the devices of target {target}; build the mesh "
+                              f"with remat_kit.measure.targets.make_mesh")
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree.map(one, args)
+
+
+def lower(fn: Callable, leaves: Sequence, target: "str | Target",
+          donate_argnums: tuple[int, ...] = ()):
+    """`jax.jit(fn, donate_argnums=...)` lowered for `target` at `leaves` (already
+    `place`d): a `Lowered`."""
+    target = parse_target(target)
+    jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    if target.aot:
+        platform = "cuda" if target.platform == "gpu" else target.platform
+        return jitted.trace(*leaves).lower(lowering_platforms=(platform,))
+    return jitted.lower(*leaves)
+
+
+def compile_options(target: "str | Target", compile_only: bool) -> dict | None:
+    """XLA options for compiling on `target`; compile_only: the program will not run,
+    so skip code-generation work that changes neither memory nor FLOPs."""
+    return dict(_CPU_COMPILE_ONLY_OPTIONS) if (
+        compile_only and parse_target(target).platform == "cpu") else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A program compiled for one target, with what the report needs.
+
+    Attributes:
+      compiled: JAX's `Compiled` executable (not runnable for an AOT target);
+        None where the program will not run (compile_only, or an AOT
+        target) and its figures were kept from an earlier compile of the
+        same program (`figure_cache`).
+      target: the `Target`.
+      memory: `measure.memory_fields(compiled)`: bytes per device.
+      flops, transcendentals: per device, while loops counted per trip
+        (`measure.loop_scaled_costs`); None if no compiler reports them.
+      seconds: lowering and compiling, seconds.
+      notes: where a figure came from, if not the target's compiler.
+    """
+
+    compiled: object
+    target: Target
+    memory: dict
+    flops: float | None
+    transcendentals: float | None
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+
+def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence):
+    """FLOPs and transcendentals of `compiled`, loops counted per trip, with notes.
+
+    If the target's compiler leaves a while loop without a known trip count
+    (the TPU compiler does) or gives no cost analysis (the deviceless GPU
+    compiler does not), the figures come from
+    the XLA CPU compile of the same program at the per-device shapes
+    `local_leaves`, and a note says so.
+
+    Returns:
+      ({"flops": float, "transcendentals": float} or {}, notes).
+    """
+    found, notes = loop_scaled_costs(compiled)
+    if parse_target(target).platform == "cpu" or (found and not notes):
+        return found, notes
+    cpu = jax.devices("cpu")[0]
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(cpu))
+               for x in local_leaves]
+    on_cpu = jax.jit(fn).lower(*structs).compile(_CPU_COMPILE_ONLY_OPTIONS)
+    found, cpu_notes = loop_scaled_costs(on_cpu)
+    why = ("has while loops without a known trip count" if found
+           else "gives no cost analysis")
+    return found, cpu_notes + (f"FLOPs from the XLA CPU compile of the same program (the "
+                               f"{target} compile {why})",)
+
+
+def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
+                compile_only: bool = True, donate: tuple[int, ...] = (),
+                count_flops: bool = True) -> Compiled:
+    """Compiles `jax.jit(fn)` at `args` for `target`; nothing is allocated.
+
+    Args:
+      fn: any jittable function of `args`.
+      args: arrays or ShapeDtypeStructs; leaves with a `NamedSharding` over
+        a `make_mesh(target, ...)` mesh give a sharded program, whose
+        figures are per device.
+      target: a target string or `Target`; default JAX's default backend.
+      compile_only: the program will not be run (faster CPU compiles).
+      donate: indices of `args` whose buffers the program may reuse
+        (`jax.jit`'s donate_argnums), e.g. the parameters of a train step.
+      count_flops: also count FLOPs (`costs`); False skips it, and with it
+        the XLA CPU compile that a compiler without cost analysis needs
+        (flops and transcendentals are then None).
+    Returns:
+      A `Compiled`.
+    Raises:
+      TargetError: a bad target, or libtpu missing.
+      Exception: whatever tracing or the compiler raises (e.g.
+        `jax.errors.JaxRuntimeError` for a program the compiler rejects).
+    """
+    target = parse_target(target)
+    placed = place(args, target)
+    leaves, tree = jax.tree.flatten(placed)
+
+    def flat(*xs):
+        return fn(*jax.tree.unflatten(tree, xs))
+
+    counts = [len(jax.tree.leaves(a)) for a in placed]
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    donated = tuple(j for i in donate for j in range(first[i], first[i] + counts[i]))
+    start = time.perf_counter()
+    lowered, options = lower(flat, leaves, target, donated), compile_options(target, compile_only)
+    program_key, kept = figure_cache.lookup(lowered.as_text(), target, options,
+                                            f"compile_for count_flops={count_flops}",
+                                            runs=not compile_only)
+    if kept is not None:  # a program that will not run: kept figures, nothing compiled
+        return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
+                        time.perf_counter() - start, tuple(kept["notes"]))
+    compiled = lowered.compile(options)
+    seconds = time.perf_counter() - start
+    found, notes = (costs(compiled, target, flat, [_local(x) for x in leaves]) if count_flops
+                    else ({}, ()))
+    memory = memory_fields(compiled)
+    figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
+                                     "transcendentals": found.get("transcendentals"),
+                                     "notes": list(notes)})
+    return Compiled(compiled, target, memory, found.get("flops"),
+                    found.get("transcendentals"), seconds, notes)
+
+
+__all__ = ["Compiled", "compile_for", "compile_options", "costs", "lower", "place"]

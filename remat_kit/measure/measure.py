@@ -1,0 +1,411 @@
+"""What each remat policy costs, measured compile-only: residuals by tag, memory, FLOPs, time.
+
+`measure(workload, policies=...)` takes a `Workload` (what to measure: a loss
+under a policy and its abstract arguments, from any provider) and, for every
+policy, traces the loss's forward and backward pass once with
+`jax.make_jaxpr(jax.vjp(...))`. That one trace gives both
+
+* the *residuals*, the values the forward pass saves for the backward pass,
+  each attributed to the `checkpoint_name` tag, untagged primitive or
+  function argument that produced it (`remat_kit.measure.residuals`), and
+* the program that is lowered and compiled, `jax.jit(...).lower(...).compile()`
+  on `jax.ShapeDtypeStruct`s, with the outputs of `jax.value_and_grad(loss)`
+  with respect to the first argument. No arrays are allocated.
+
+The compiled executable gives XLA's memory figures and FLOPs corrected for
+loop trip counts (`remat_kit.measure.costs`). These numbers come from the compiler of
+the *target* (`remat_kit.measure.targets`): JAX's default backend, or e.g. a TPU v5e
+slice compiled ahead of time with libtpu on a machine without a TPU. Records
+say which ("XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"): accelerator
+compilers fuse differently, so CPU temp bytes are not a GPU/TPU figure.
+Policies are compared on CPU by `temp_size_in_bytes`, on accelerator targets
+by the compiler's `peak_memory_in_bytes` (`remat_kit.measure.record.memory_kind`).
+
+The workload decides where a policy applies (per block, with the block
+inputs kept). A plain loss function is accepted too and is wrapped whole in
+one remat region per policy (`remat_kit.trace.workload.checkpointed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
+
+from remat_kit import mesh as rk_mesh
+from remat_kit.policy import names as tag_names
+from remat_kit.measure import figure_cache
+from remat_kit.measure import targets
+from remat_kit.measure import lowering
+from remat_kit.measure import time_model
+from remat_kit.measure.explain import stack_stored_bytes
+from remat_kit.policy.policy import Policy
+from remat_kit.measure.record import Record, StepTime
+from remat_kit.measure.costs import memory_fields
+from remat_kit.measure.residuals import _stage, split
+from remat_kit.errors import RematSpecError
+from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.trace.validate import emitted_tags
+from remat_kit.trace.workload import Workload, from_loss
+
+
+def _random_like(structs, key):
+    """Arrays shaped like `structs`: normal floats, zero ints/bools, fresh PRNG keys."""
+    leaves, tree = jax.tree.flatten(structs)
+    out = []
+    for leaf, k in zip(leaves, jax.random.split(key, max(len(leaves), 1))):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            x = jax.random.split(k, math.prod(leaf.shape)).reshape(leaf.shape)
+        elif jnp.issubdtype(leaf.dtype, jnp.floating):
+            x = jax.random.normal(k, leaf.shape, leaf.dtype)
+        else:
+            x = jnp.zeros(leaf.shape, leaf.dtype)
+        out.append(x)
+    return jax.tree.unflatten(tree, out)
+
+
+def _time_rounds(compiled: dict, leaves, steps: int) -> tuple[dict, dict]:
+    """Step seconds of each compiled program, in `steps` rounds of one step each.
+
+    After one warm-up step each (first-run allocation and caches), every round
+    runs each program once in turn, so load that comes and goes on a shared
+    machine falls on all of them alike, and a ratio between two programs can be
+    taken within each round.
+
+    Args:
+      compiled: key -> an executable called on `leaves`.
+    Returns:
+      ({key: [seconds per round]}, {key: "TypeName: message"} of the programs
+      that failed to run, which are then left out of the rounds).
+    """
+    times, errors = {k: [] for k in compiled}, {}
+
+    def run(key, timed):
+        start = time.perf_counter()
+        try:
+            jax.block_until_ready(compiled[key](*leaves))
+        except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
+            errors[key] = f"{type(e).__name__}: {e}"
+            return
+        if timed:
+            times[key].append(time.perf_counter() - start)
+
+    for key in compiled:
+        run(key, False)
+    for _ in range(steps):
+        for key in compiled:
+            if key not in errors:
+                run(key, True)
+    return {k: v for k, v in times.items() if k not in errors}, errors
+
+
+def _step_time(times: list[float], none: list[float] | None) -> StepTime:
+    """A `StepTime` of per-round seconds; its ratio to none is the median of the
+    per-round ratios to `none`'s step of the same round."""
+    q1, _, q3 = (statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1
+                 else (times[0],) * 3)
+    ratio = statistics.median(t / n for t, n in zip(times, none)) if none else None
+    return StepTime(statistics.median(times), min(times), max(times), q1, q3, len(times),
+                    ratio)
+
+
+def _group(policies: Sequence[Policy], names: Sequence[str],
+           emitted: Sequence[str]) -> list[tuple[Policy, list[str]]]:
+    """Policies that decide every emitted tag alike (and share base, memory
+    kinds and layer schedule) compile to the same program; measure each such
+    group once."""
+    if len(names) != len(policies):
+        raise ValueError(f"{len(names)} names for {len(policies)} policies")
+    groups: dict[tuple, tuple[Policy, list[str]]] = {}
+    for p, name in zip(policies, names):
+        kinds = (p.offload_src, p.offload_dst) if p.offload else None
+        key = (p.remat, p.base, kinds, p.schedule, tuple(p.decide(t) for t in emitted))
+        groups.setdefault(key, (p, []))[1].append(name)
+    return list(groups.values())
+
+
+def measure(workload: "Workload | Callable", *args, policies: Sequence, names=None,
+            time_steps: int = 0, sample_args: Callable | None = None,
+            progress: Callable[[int, int, Record], None] | None = None,
+            per_device: tuple | None = None,
+            target: "str | targets.Target | None" = None,
+            per_layer: bool = False) -> list[Record]:
+    """Measures a workload under each policy, compile-only (optionally also timed).
+
+    Args:
+      workload: a `Workload` (`rk.models.workload(cfg, ...)`,
+        `rk.from_model.workload(model, ...)`, or the user's own); or a loss
+        factory, policy -> loss(*args) returning a scalar (the model decides
+        where the policy applies, e.g. per layer); or a plain loss(*args),
+        which is then wrapped whole in one remat region per policy
+        (`checkpointed`). It is a factory when calling it with a Policy
+        returns a callable. The loss is differentiated with respect to
+        `args[0]` (the parameters).
+      args: with a loss, its arguments: arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to measure a
+        sharded program; figures are then per device, and residuals are
+        traced at the per-device shard shapes).
+      policies: spec strings or `Policy`s, resolved: an "auto:budget=..."
+        spec is planned first by `rk.measure` (`remat_kit.decide.resolve`).
+        Policies that decide every tag
+        the loss emits alike, or that lower to the same program (their
+        decisions differ only on values the backward pass never reads), are
+        measured once, as one record listing all their names.
+      names: what to call each policy in the report; default its spec string.
+      time_steps: if > 0, also run one warm-up step and `time_steps` timed
+        steps of value-and-grad per policy on `sample_args` data, after every
+        policy is compiled, in rounds of one step per policy (`_time_rounds`),
+        so a shared machine's load falls on every policy alike.
+      sample_args: key -> concrete args for timed mode; default random data
+        shaped like `args` (normal floats, zero ints).
+      progress: called as progress(i, n, record) after the i-th of the n
+        distinct programs is compiled and measured (policies that lower to
+        one program count once; one that fails to lower counts as one).
+      per_device: (factory, args) of the program one device runs, whose
+        residuals are reported instead of tracing `args` at their shard
+        shapes; needed where a shard is not a valid input (parameters split
+        over fsdp or tensor). A workload brings its own.
+      target: whose compiler to measure with (`remat_kit.measure.targets`): e.g.
+        "cpu", "tpu:v5e:1x1" (ahead of time, no TPU needed); default JAX's
+        default backend. Sharded `args` must be sharded over the target's
+        devices (`targets.make_mesh`); unsharded ones go to its first device.
+      per_layer: also measure one block at a time (`Record.layer_residual_bytes`,
+        `layers_residual_bytes`, for the Korthikanti comparison), where the
+        workload has blocks.
+    Returns:
+      One `Record` per distinct policy, in first-seen order. A policy that
+      fails to trace, compile or run gives a record with `error` set (for
+      an AOT target, the compiler's message); the other records still come
+      out.
+    Raises:
+      RematSpecError: a policy spec does not parse, or is an auto:budget= spec.
+      TargetError: a bad target, libtpu missing, args sharded over other
+        devices, or `time_steps` > 0 for a target compiled ahead of time.
+      ValueError: `names` and `policies` differ in length.
+      TypeError: a workload and args both given.
+    """
+    if isinstance(workload, Workload):
+        if args:
+            raise TypeError("measure takes a Workload or a loss and its args, not both")
+    else:
+        workload = from_loss(workload, *args)
+    args, loss_for_policy = workload.args, workload.loss_for_policy
+    per_device = per_device if per_device is not None else workload.per_device
+    sample_args = sample_args or workload.sample_args
+    parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    target = targets.parse_target(target)
+    if time_steps > 0 and target.aot:
+        raise targets.TargetError(f"cannot time steps on target {target}: it is compiled "
+                                  "ahead of time, for devices this machine does not have")
+    args = lowering.place(args, target)
+    for p in parsed:
+        if isinstance(p, AutoSpec):  # planning is decide's, above this part
+            raise RematSpecError(f"{p} is planned, not measured: give it to rk.measure, which "
+                                 "plans it first (remat_kit.decide.resolve)", token=str(p))
+    emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
+    leaves = jax.tree.leaves(args)
+    local_args = (jax.tree.map(rk_mesh.local_shape, args) if any(rk_mesh.is_sharded(x) for x in leaves) else None)
+    data = None
+    if time_steps > 0:
+        data = (sample_args or (lambda k: _random_like(args, k)))(jax.random.key(0))
+        data = [jax.device_put(x, s.sharding) if getattr(s, "sharding", None) else x
+                for x, s in zip(jax.tree.leaves(data), leaves)]
+    label, found_versions = target.label, targets.versions(target)
+    records = []
+    names = names if names is not None else [str(p) for p in policies]
+    by_name = dict(zip(names, parsed))
+    groups = _group(parsed, names, emitted)
+    with _Compiles(lowering.compile_options(target, not time_steps),
+                   workers=1 if time_steps else COMPILE_WORKERS, target=target,
+                   runs=time_steps > 0) as compiles:
+        programs = _lower_programs(groups, loss_for_policy, args, target, compiles.start)
+    timed: dict[int, object] = {}  # index in records -> compiled, timed after every compile
+    for i, (policy, group_names, loss, staged, compiling, seconds) in enumerate(programs):
+        record = Record(str(policy), tuple(group_names), label, str(target),
+                        found_versions["jax"], found_versions["compiler"])
+        try:
+            if isinstance(compiling, Exception):
+                raise compiling
+            # Traced while the compile runs; a compile error is reported before a tracing one.
+            try:
+                local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
+                         else _stage(loss, local_args) if local_args is not None else staged)
+                layers = stack_stored_bytes(workload, policy) if per_layer else {}
+            except Exception as e:  # noqa: BLE001 - raised once the compile is known
+                local = e
+            compiled, compile_seconds, program_key = compiling()
+            if isinstance(local, Exception):
+                raise local
+            seconds += compile_seconds
+            if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
+                figures = compiled
+            else:
+                figures = _figures(compiled, target, local)
+                figure_cache.store(program_key, figures)
+            notes = tuple(figures["cost_notes"])
+            found = split(local.residuals)
+            if found["offloaded_bytes"] and target.platform == "cpu":
+                notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
+                          "includes the offloaded residuals",)
+            for name in group_names:  # merged policies may each select nothing
+                notes += tuple(f"{name}: {line}" for line in _policy_notes(
+                    by_name.get(name, policy), emitted, workload.notes))
+            record = dataclasses.replace(
+                record, **found, **figures["memory"], flops=figures["flops"],
+                transcendentals=figures["transcendentals"], compile_seconds=seconds,
+                predicted_seconds=figures["predicted_seconds"],
+                notes=notes + tuple(figures["time_notes"]), **layers)
+            if data is not None:
+                timed[len(records)] = compiled
+        except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
+            detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
+            record = dataclasses.replace(record, error=f"{type(e).__name__}: {detail}")
+        records.append(record)
+        if progress is not None:
+            progress(i + 1, len(programs), record)
+    if timed:
+        times, errors = _time_rounds(timed, data, time_steps)
+        none = next((times.get(i) for i, r in enumerate(records) if r.policy == "none"), None)
+        records = [dataclasses.replace(r, error=errors[i]) if i in errors
+                   else dataclasses.replace(r, step_time=_step_time(times[i], none))
+                   if i in times else r for i, r in enumerate(records)]
+    return records
+
+
+def _figures(compiled, target, local) -> dict:
+    """What a record reads from a compile, JSON-ready (`figure_cache` keeps it):
+    {"memory": `memory_fields`, "flops", "transcendentals" (`lowering.costs`, at
+    the per-device program `local`), "predicted_seconds", "cost_notes",
+    "time_notes"}."""
+    costs, cost_notes = lowering.costs(compiled, target, jaxpr_as_fun(local.program),
+                                      local.leaves)
+    predicted, time_notes = _predicted_seconds(compiled, target)
+    return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
+            "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
+            "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
+
+
+def _predicted_seconds(compiled, target) -> tuple[float | None, tuple[str, ...]]:
+    """(the time model's step seconds of `compiled` on `target`, notes): None and a
+    note where its HLO cannot be read (`time_model.compiled_seconds`)."""
+    try:
+        return time_model.compiled_seconds(compiled, time_model.roofline(target)), ()
+    except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurement
+        return None, (f"no predicted step time: {type(e).__name__}: {e}",)
+
+
+# Distinct programs compile concurrently: XLA releases the GIL while it compiles.
+COMPILE_WORKERS = min(4, os.cpu_count() or 1)
+
+
+class _Compiles:
+    """Starts each lowered program's compile as soon as it is lowered.
+
+    `start(lowered, text)` returns a zero-argument callable giving (compiled,
+    seconds, key), raising what the compile raised; for a program whose
+    figures were kept (`figure_cache`: a program that will not run),
+    compiled is those figures (a dict) and nothing compiles. With workers > 1
+    the compile runs now on a pool, that many at a time, so the next policy's
+    tracing and lowering (Python, holding the GIL) overlap it; with 1, it
+    runs when asked for, so a timed step never runs beside a compile. seconds
+    is the compile's own wall time. Leaving the `with` block lets the pool's
+    threads exit once their queued compiles are done.
+    """
+
+    def __init__(self, options: dict | None, workers: int, target, runs: bool):
+        self._options, self._target, self._runs = options, target, runs
+        self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
+
+    def _compile(self, lowered, program_key) -> tuple:
+        start = time.perf_counter()
+        compiled = lowered.compile(self._options)
+        return compiled, time.perf_counter() - start, program_key
+
+    def start(self, lowered, text: str) -> Callable[[], tuple]:
+        program_key, kept = figure_cache.lookup(text, self._target, self._options, "measure",
+                                                self._runs)
+        if kept is not None:
+            return lambda: (kept, 0.0, program_key)
+        if self._pool is None:
+            return lambda: self._compile(lowered, program_key)
+        return self._pool.submit(self._compile, lowered, program_key).result
+
+    def __enter__(self) -> "_Compiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def _lower_programs(groups, loss_for_policy: Callable, args, target,
+                    start: Callable[[object, str], Callable[[], tuple]]) -> list[tuple]:
+    """(policy, names, loss, staged, compiling, seconds) per distinct program,
+    in first-seen order: `compiling` is `start(lowered, its text)` (called once per
+    distinct program, as soon as it is lowered), or the exception where
+    tracing or lowering failed. Groups whose decisions differ only on values
+    the backward pass never reads lower to the same program: they become one
+    entry with all their names, so `measure` compiles, and counts, each
+    program once."""
+    out, seen = [], {}  # lowered program text -> its index in out
+    for policy, group_names in groups:
+        begin = time.perf_counter()
+        try:
+            loss = loss_for_policy(policy)
+            staged = _stage(loss, args)
+            lowered = lowering.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
+        except Exception as e:  # noqa: BLE001 - reported in the policy's record
+            out.append((policy, list(group_names), None, None, e, 0.0))
+            continue
+        text = lowered.as_text()
+        same = seen.setdefault(text, len(out))
+        if same != len(out):
+            out[same][1].extend(group_names)
+            continue
+        seconds = time.perf_counter() - begin
+        out.append((policy, list(group_names), loss, staged, start(lowered, text), seconds))
+    return out
+
+
+# Tags that name the same values in models written another way (fused or not, gated or not).
+_ALTERNATIVES = ({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"},
+                 {"mlpwi", "mlpwi_0", "mlpwi_1"})
+
+
+def _policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str]) -> tuple:
+    """Lines saying where a policy's names select nothing the loss emits.
+
+    A name-based preset on a model that lacks a role (fused attention has no
+    attn_logits) or a path glob that matches no path is named, never
+    silently compiled as its base rule. `missing` are the workload's notes on
+    roles it lacks ("attn_logits: fused attention ...").
+    """
+    if not policy.remat:
+        return ()
+    wanted = [p for p in (*policy.save, *policy.offload)]
+    out = []
+    unmatched = [p for p in wanted if not any(fnmatch.fnmatchcase(t, p) for t in emitted)]
+    if wanted and len(unmatched) == len(wanted):
+        out.append(f"none of the tags this policy keeps ({', '.join(sorted(wanted))}) is "
+                   f"emitted by the model: it compiles as its base rule '{policy.base}'")
+    for line in missing:
+        tag = line.split(":", 1)[0]
+        family = next((f for f in _ALTERNATIVES if tag in f), {tag})
+        # kv_proj missing beside key_proj/value_proj is the same values under other names.
+        if tag in unmatched and not family & set(emitted):
+            out.append(line)
+    globs = [p for p in unmatched if tag_names.is_glob(p) or "/" in p]
+    if globs and len(unmatched) < len(wanted):
+        out.append(f"pattern(s) {', '.join(sorted(globs))} match no tag the model emits")
+    return tuple(out)
+
+
+__all__ = ["measure"]

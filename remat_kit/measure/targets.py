@@ -1,0 +1,428 @@
+"""Targets: whose compiler the figures come from, and for which devices.
+
+The XLA CPU compiler fuses and schedules very differently from an
+accelerator's: on GPT-2-small shapes, no remat needs 20 GiB of temp on CPU
+against 3.85 GiB on a TPU v5e, and the policies rank differently. A
+*target* names the compiler and the devices a program is compiled for, so
+a report can give an accelerator's figures on a machine that has none:
+
+==================  ========================================================
+``cpu``             XLA's CPU compiler on this machine.
+``tpu``             the TPU devices of this machine (``jax.devices("tpu")``).
+``tpu:<topology>``  ahead of time with libtpu for a TPU slice, e.g.
+                    ``tpu:v5e:2x2``, ``tpu:v5p:2x2x1``, ``tpu:v4:2x2x1``;
+                    runs on a machine without a TPU (``pip install
+                    remat-kit[tpu]``). Figures are per device of the slice.
+``gpu``             the GPU devices of this machine (``jax.devices("gpu")``).
+``gpu:<name>[:N]``  ahead of time with the CUDA PJRT plugin for N (default
+                    1) NVIDIA GPUs on one host, described by an XLA
+                    ``GpuTargetConfigProto``: ``gpu:h100`` (H100 SXM 80 GB),
+                    ``gpu:h200`` (H200 SXM 141 GB), both shipped, or
+                    ``gpu:/path/to/spec.txtpb``; runs on a
+                    machine without a GPU (``pip install remat-kit[cuda]``,
+                    about 5.6 GB). The GPU compiler gives no cost analysis,
+                    so FLOPs come from the CPU compile of the same program.
+==================  ========================================================
+
+Ahead-of-time compiles follow JAX's AOT API: the topology's devices come
+from `jax.experimental.topologies.get_topology_desc`, arguments are
+`jax.ShapeDtypeStruct`s with a `NamedSharding` over them, and the program is
+compiled with ``jax.jit(f).trace(*structs).lower(lowering_platforms=(p,))
+.compile()``. No device memory is touched.
+
+Other modules (measure, the planner) call `compile_for`, which takes a
+function and its argument structs and returns the compiled executable with
+its memory figures, FLOPs and compile seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
+from remat_kit.errors import _closest
+from remat_kit.mesh import spec_text
+
+# TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
+TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
+_TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
+# GPU name -> GpuTargetConfigProto text file in remat_kit/measure/gpu_targets/. Only
+# GPUs with a sourced description are listed: h100_sxm.txtpb describes an
+# NVIDIA H100 SXM 80 GB HBM3 (132 SMs, 50 MiB L2, compute capability 9.0),
+# in the format of XLA's xla/tools/hlo_opt/gpu_specs; it comes with the
+# project's design notes (DESIGN.md, "Measuring: what counts").
+# h200_sxm.txtpb: an NVIDIA H200 SXM 141 GB HBM3e, the same chip with 4.8 TB/s
+# and 139.9 GiB (NVIDIA's H200 datasheet; the file's comment derives the size).
+GPU_TARGET_CONFIGS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
+KINDS = ("cpu", "tpu", "tpu:<topology>", "gpu", "gpu:<name>[:N]")
+EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1", "gpu",
+            "gpu:h100", "gpu:h100:8", "gpu:h200", "gpu:/path/to/spec.txtpb")
+
+class TargetError(ValueError):
+    """A target string names no compiler or device set this machine can compile for.
+
+    The message names the bad value and the valid choices (and the closest
+    one), or says what to install.
+    """
+
+
+def _plugin_environment() -> None:
+    """Environment the accelerator plugins read when they load, on a machine
+    without that accelerator.
+
+    With libtpu installed, JAX tries the TPU backend at start-up and libtpu,
+    finding no Cloud TPU metadata, prints a page of warnings about the
+    accelerator type and worker hostnames, and holds a lockfile that makes a
+    second JAX process fail to load it. With the CUDA plugin installed and no
+    GPU, its start-up version check fails and the plugin is not registered,
+    so no GPU topology can be made. A compile-only client needs none of
+    this, so say so before the plugins load. Values the user set are kept; on
+    a machine with the accelerator nothing is set.
+    """
+    if importlib.util.find_spec("libtpu") is not None and num_tpu_chips() == 0:
+        for key, value in (("TPU_SKIP_MDS_QUERY", "1"),
+                           ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
+                           ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                           ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+            os.environ.setdefault(key, value)
+    if _cuda_plugin_installed() and not has_nvidia_gpu():
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+_plugin_environment()  # must run before JAX starts its backends
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A compiler and the devices it compiles for. Build with `parse_target`.
+
+    Attributes:
+      platform: "cpu", "tpu" or "gpu".
+      topology: for an ahead-of-time target, the topology: a TPU topology
+        name (e.g. "v5e:2x2"), or a GPU name or target config path with an
+        optional device count ("h100", "h100:8"); None for this machine's
+        devices.
+    """
+
+    platform: str
+    topology: str | None = None
+
+    def __str__(self) -> str:
+        return self.platform if self.topology is None else f"{self.platform}:{self.topology}"
+
+    @property
+    def aot(self) -> bool:
+        """True if compiled ahead of time for devices this machine need not have."""
+        return self.topology is not None
+
+    @property
+    def label(self) -> str:
+        """Whose figures these are, e.g. "XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"."""
+        where = f" ({self.topology}, AOT)" if self.aot else ""
+        return f"XLA {self.platform.upper()} compile{where}"
+
+
+def parse_target(text: "str | Target | None") -> Target:
+    """'tpu:v5e:2x2' -> Target("tpu", "v5e:2x2"); None -> JAX's default backend.
+
+    Raises:
+      TargetError: an unknown kind or TPU generation, or a topology shape
+        that is not NxM or NxMxK; the message lists the valid ones.
+    """
+    if isinstance(text, Target):
+        return text
+    if text is None:
+        return Target(jax.default_backend())
+    if not isinstance(text, str):
+        raise TargetError(f"a target is a string such as 'cpu' or 'tpu:v5e:2x2', got "
+                          f"{type(text).__name__} {text!r}")
+    word = text.strip()
+    kind, _, topology = word.partition(":")
+    kind = kind.lower()
+    if kind != "gpu":
+        topology = topology.lower()
+    if kind == "cpu" and not topology:
+        return Target("cpu")
+    if kind == "gpu":
+        return Target("gpu", _gpu_topology(text.strip()[4:], text) if topology else None)
+    if kind != "tpu":
+        closest = _closest(kind, ("cpu", "tpu", "gpu"))
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        raise TargetError(f"unknown target {text!r}{hint}; valid: {', '.join(KINDS)} "
+                          f"(e.g. {', '.join(EXAMPLES)})")
+    if not topology:
+        return Target("tpu")
+    generation, _, shape = topology.partition(":")
+    if generation not in TPU_GENERATIONS:
+        closest = _closest(generation, TPU_GENERATIONS)
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        raise TargetError(f"unknown TPU generation {generation!r} in target {text!r}{hint}; "
+                          f"valid: {', '.join(TPU_GENERATIONS)}")
+    if not _TPU_SHAPE.fullmatch(shape) or any(int(n) < 1 for n in shape.split("x")):
+        raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: give "
+                          f"<generation>:<chips per axis>, e.g. v5e:2x2, v5p:2x2x1")
+    return Target("tpu", topology)
+
+
+def _split_count(topology: str) -> tuple[str, int]:
+    """'h100:8' -> ('h100', 8); 'h100' -> ('h100', 1)."""
+    head, sep, tail = topology.rpartition(":")
+    return (head, int(tail)) if sep and tail.isdigit() else (topology, 1)
+
+
+def _gpu_topology(topology: str, text: str) -> str:
+    """'h100' / 'H100:8' / '/path/x.txtpb:8' checked (a known name or an existing file,
+    and a positive device count) and normalized: 'h100', 'h100:8', ..."""
+    name, count = _split_count(topology)
+    if count <= 0 or ":" in name:
+        raise TargetError(f"bad GPU target {text!r}: give gpu:<name> or gpu:<name>:N with N "
+                          "a positive number of GPUs, e.g. gpu:h100:8")
+    if name.endswith(".txtpb"):
+        if not os.path.isfile(name):
+            raise TargetError(f"GPU target config file {name!r} in target {text!r} not found")
+    elif name.lower() not in GPU_TARGET_CONFIGS:
+        closest = _closest(name, tuple(GPU_TARGET_CONFIGS))
+        hint = f"; did you mean {closest!r}?" if closest else ""
+        raise TargetError(f"unknown GPU {name!r} in target {text!r}{hint}; valid: "
+                          f"{', '.join(GPU_TARGET_CONFIGS)}, or a GpuTargetConfigProto "
+                          f"file: gpu:/path/to/spec.txtpb")
+    else:
+        name = name.lower()
+    return name if count == 1 else f"{name}:{count}"
+
+
+def parse_targets(text: str) -> list[Target]:
+    """'cpu,tpu:v5e:1x1' -> [Target("cpu"), Target("tpu", "v5e:1x1")], without repeats.
+
+    Raises:
+      TargetError: empty text or item, or a bad target (`parse_target`).
+    """
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or not all(items):
+        raise TargetError(f"--target needs comma-separated targets, e.g. cpu,tpu:v5e:1x1; "
+                          f"got {text!r}")
+    return list(dict.fromkeys(parse_target(t) for t in items))
+
+
+# ---------------------------------------------------------------------------
+# Peak figures, for the planner's time model (remat_kit.measure.time_model)
+# ---------------------------------------------------------------------------
+
+_PCIE5_X16 = 64e9  # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b coding, ~63 GB/s each way
+# TPU host <-> HBM (PCIe DMA): Google publishes no per-chip figure; "How to Scale Your
+# Model" (Austin et al. 2025, jax-ml.github.io/scaling-book/tpus, "PCIe" in its bandwidth
+# table, 16-32 GB/s by generation; its worked example takes 1.5e10 bytes/s) gives the
+# order of magnitude; we take the low end, 1.5e10 bytes/s each way, for v5e and v5p.
+_TPU_HOST_DMA = 1.5e10
+# Dense (no sparsity) peaks. bf16_flops: 16-bit matmul; f32_flops: what an f32
+# matmul runs at under JAX's default precision (TPU: one bf16 pass; NVIDIA: TF32).
+PEAKS = {
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2.
+    "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
+                "host_bandwidth": _TPU_HOST_DMA,
+                "source": "cloud.google.com/tpu/docs/v5e; host DMA: jax-ml.github.io/scaling-book"},
+    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
+    "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
+                "host_bandwidth": _TPU_HOST_DMA,
+                "source": "cloud.google.com/tpu/docs/v5p; host DMA: jax-ml.github.io/scaling-book"},
+    # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM): BF16 1,979 TFLOP/s
+    # with sparsity (989 dense), TF32 989 with sparsity (494.5 dense), 3.35 TB/s HBM3;
+    # host link PCIe Gen5 x16.
+    "gpu:h100": {"bf16_flops": 989e12, "f32_flops": 494.5e12, "bandwidth": 3.35e12,
+                 "host_bandwidth": _PCIE5_X16, "source": "nvidia.com/en-us/data-center/h100"},
+    # https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM): the H100's compute,
+    # 4.8 TB/s HBM3e; host link PCIe Gen5 x16.
+    "gpu:h200": {"bf16_flops": 989e12, "f32_flops": 494.5e12, "bandwidth": 4.8e12,
+                 "host_bandwidth": _PCIE5_X16, "source": "nvidia.com/en-us/data-center/h200"},
+}
+
+
+def peaks(target: "str | Target") -> dict | None:
+    """`PEAKS` of `target`'s chip: {"bf16_flops", "f32_flops" (FLOP/s), "bandwidth",
+    "host_bandwidth" (bytes/s), "source"}; None for the CPU and for chips not listed
+    (the time model then measures this CPU, `time_model.calibrate_cpu`). A target of
+    this machine's devices is matched by its device kind ("NVIDIA H200", "TPU v5 lite")."""
+    target = parse_target(target)
+    if target.platform == "cpu":
+        return None
+    if target.aot:
+        name = target.topology.split(":")[0].lower()
+    else:
+        try:
+            kind = jax.devices(target.platform)[0].device_kind.lower()
+        except RuntimeError:
+            return None
+        names = (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e")),
+                 ("v5p", ("v5p",)))
+        name = next((n for n, words in names if any(w in kind for w in words)), "")
+    return PEAKS.get(f"{target.platform}:{name}")
+
+
+# ---------------------------------------------------------------------------
+# Devices and versions
+# ---------------------------------------------------------------------------
+
+def _need_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        raise TargetError("TPU targets need libtpu: pip install 'remat-kit[tpu]' "
+                          "(or pip install libtpu)")
+
+
+@functools.cache
+def _topology_devices(topology: str) -> tuple:
+    _need_libtpu()
+    from jax.experimental import topologies
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - libtpu's own message is the useful one
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TargetError(f"libtpu rejects TPU topology {topology!r}: {detail}; valid: "
+                          f"<generation>:<shape> with generation one of "
+                          f"{', '.join(TPU_GENERATIONS)}, e.g. v5e:2x2, v5p:2x2x1") from None
+    return tuple(desc.devices)
+
+
+def _need_cuda_plugin() -> None:
+    if not _cuda_plugin_installed():
+        raise TargetError("GPU targets compiled ahead of time need the CUDA plugin: pip install "
+                          "'remat-kit[cuda]' (jax[cuda12], about 5.6 GB)")
+
+
+def _gpu_config_text(name: str) -> str:
+    path = (name if name.endswith(".txtpb") else
+            os.path.join(os.path.dirname(__file__), "gpu_targets", GPU_TARGET_CONFIGS[name]))
+    with open(path) as f:
+        return f.read()
+
+
+# The GpuTargetConfigProto fields `gpu_description` reads (each occurs once).
+_GPU_FIELDS = re.compile(r"^\s*(device_description_str|core_count|clock_rate_ghz|"
+                         r'memory_bandwidth|l2_cache_size|device_memory_size):\s*("[^"]*"|\S+)\s*$',
+                         re.MULTILINE)
+
+
+def gpu_description(target: "str | Target") -> dict:
+    """The main figures of a GPU target's description, read from its text proto.
+
+    No CUDA plugin is needed. Args: target: a GPU target compiled ahead of
+    time, e.g. "gpu:h200". Returns: {"device_description_str": "NVIDIA H200",
+    "core_count": 132 (SMs), "clock_rate_ghz": 1.98, "memory_bandwidth"
+    (bytes/s), "l2_cache_size" (bytes), "device_memory_size" (bytes)}, the
+    fields the file has. Raises: TargetError: not a GPU target with a
+    description (`parse_target`).
+    """
+    target = parse_target(target)
+    if target.platform != "gpu" or not target.aot:
+        raise TargetError(f"target {str(target)!r} has no GPU description; give a GPU "
+                          f"compiled ahead of time, e.g. gpu:{next(iter(GPU_TARGET_CONFIGS))}")
+    found = {}
+    for key, value in _GPU_FIELDS.findall(_gpu_config_text(_split_count(target.topology)[0])):
+        found[key] = (value.strip('"') if value.startswith('"') else
+                      float(value) if "." in value else int(value))
+    return found
+
+
+@functools.cache
+def _gpu_devices(topology: str) -> tuple:
+    _need_cuda_plugin()
+    from jax.experimental import topologies
+    name, count = _split_count(topology)
+    config = _gpu_config_text(name)
+    try:
+        desc = topologies.get_topology_desc(
+            topology_name=os.path.splitext(os.path.basename(name))[0], platform="cuda",
+            target_config=config, topology=f"1x1x{count}")
+    except Exception as e:  # noqa: BLE001 - the plugin's own message is the useful one
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TargetError(f"the CUDA plugin rejects GPU target {topology!r}: {detail}") from None
+    return tuple(desc.devices)
+
+
+def devices(target: "str | Target") -> list:
+    """The devices `target` compiles for: a TPU topology's compile-only devices,
+    or this machine's devices of the target's platform.
+
+    Raises:
+      TargetError: libtpu missing or rejecting the topology, or this machine
+        has no device of the platform.
+    """
+    target = parse_target(target)
+    if target.aot:
+        return list((_topology_devices if target.platform == "tpu" else _gpu_devices)(
+            target.topology))
+    if target.platform == "tpu":
+        _need_libtpu()
+    try:
+        return jax.devices(target.platform)
+    except RuntimeError:
+        hint = {"tpu": "; to compile for a TPU without one, name a topology, e.g. tpu:v5e:1x1",
+                "gpu": "; jax[cuda12] and an NVIDIA GPU are needed"}.get(target.platform, "")
+        raise TargetError(f"target {str(target)!r}: this machine has no {target.platform} "
+                          f"device{hint}") from None
+
+
+def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
+    """A `Mesh` of the first prod(shape) devices of `target`, axes named by `shape`.
+
+    Args:
+      shape: axis name -> size, e.g. {"data": 4}.
+    Raises:
+      TargetError: the mesh needs more devices than the target has (the
+        message names both numbers), or `devices` fails.
+    """
+    found = devices(target)
+    n = 1
+    for size in shape.values():
+        n *= size
+    if n > len(found):
+        raise TargetError(f"mesh {spec_text(shape)} needs {n} devices; target {target} has "
+                          f"{len(found)}")
+    return Mesh(np.array(found[:n], dtype=object).reshape(tuple(shape.values())),
+                tuple(shape))
+
+
+def is_out_of_memory(error: "BaseException | str") -> bool:
+    """Whether a compile failed for lack of device memory: XLA's RESOURCE_EXHAUSTED
+    (e.g. XLA:TPU's CompileTimeHbmOom). `error`: the exception or its text
+    (`Record.error`)."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
+
+
+def versions(target: "str | Target") -> dict[str, str]:
+    """{"jax": "0.12.0.1", "compiler": "libtpu 0.0.52"}: the versions the figures depend on.
+
+    The compiler is libtpu for TPU targets, the CUDA plugin for GPU ones
+    (jax-cuda12-plugin or jax-cuda13-plugin, whichever is installed) and
+    jaxlib (XLA CPU) otherwise.
+    """
+    target = parse_target(target)
+    packages = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda13-plugin")}.get(
+        target.platform, ("jaxlib",))
+    compiler = packages[0]
+    for package in packages:  # the first installed one
+        try:
+            compiler = f"{package} {importlib.metadata.version(package)}"
+            break
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"jax": jax.__version__, "compiler": compiler}
+
+
+__all__ = ["EXAMPLES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
+           "devices", "gpu_description", "is_out_of_memory", "make_mesh", "parse_target",
+           "parse_targets", "peaks", "versions"]

@@ -1,0 +1,457 @@
+"""Predicted time: a roofline per op, max(FLOPs / peak FLOP/s, bytes / bandwidth).
+
+Williams et al. 2009, "Roofline: an insightful visual performance model". What
+counts as one op decides the answer, and XLA fuses: an element-wise chain runs
+as one kernel that reads its inputs and writes its outputs once, its
+intermediates never leaving registers or cache. So:
+
+* A compiled program (`compiled_seconds`, what records, `compare` and the
+  planner's verified plans report) is priced op by op from its optimized HLO
+  (`compiled_ops`): each fusion XLA emits is one op, its FLOPs those of every
+  instruction fused into it, its bytes only those at its boundary (operands
+  read, outputs written), loop bodies once per trip. The figures add up to
+  XLA's own `cost_analysis()` totals of the module ("flops", "bytes
+  accessed"), which it cannot split per op.
+* A recomputed segment of the forward program, which the planner's cost model
+  prices before anything is compiled (`segment_seconds`), is priced as one
+  fusion: the FLOPs of its equations (XLA's cost analysis of each lowered
+  alone, `eqn_costs`), the bytes of the values it reads from outside and of
+  the value it recomputes.
+
+The peaks are the target's (`remat_kit.measure.targets.peaks`, from vendor pages); on
+the CPU target they are measured once on this machine (`calibrate_cpu`: a
+matmul and an element-wise pass, a fraction of a second) and cached in a small
+JSON file. `program_seconds`, a roofline per jaxpr equation with no fusion,
+stays for programs that are not compiled; it charges every element-wise
+equation a read and a write, so it predicts memory-bound programs high.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+from remat_kit.measure import targets
+from remat_kit._jax_private import hlo_module
+
+OBJECTIVES = ("flops", "time")
+
+
+def _eqn_key(eqn) -> tuple:
+    return (eqn.primitive.name, tuple(str(v.aval) for v in eqn.invars),
+            tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
+
+
+def eqn_costs(eqn, cache: dict) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) of one jaxpr equation, XLA's HloCostAnalysis of it
+    lowered alone (no compile). An equation XLA cannot lower alone costs (0, 0).
+
+    cache: figures already measured, keyed by primitive, input types and params.
+    """
+    key = _eqn_key(eqn)
+    if key not in cache:
+        invars = list(dict.fromkeys(v for v in eqn.invars if not isinstance(v, Literal)))
+        structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+        try:
+            with warnings.catch_warnings():  # a hand-built Jaxpr has no DebugInfo; harmless
+                warnings.simplefilter("ignore", DeprecationWarning)
+                closed = ClosedJaxpr(Jaxpr([], invars, list(eqn.outvars), [eqn]), [])
+                costs = jax.jit(jaxpr_as_fun(closed)).lower(*structs).cost_analysis()
+            costs = (costs[0] if isinstance(costs, (list, tuple)) else costs) or {}
+            cache[key] = (float(costs.get("flops", 0.0)), float(costs.get("bytes accessed", 0.0)))
+        except Exception:  # noqa: BLE001 - an equation XLA cannot lower alone costs nothing here
+            cache[key] = (0.0, 0.0)
+    return cache[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A target's peaks, for `seconds`.
+
+    Attributes:
+      bf16_flops, f32_flops: peak FLOP/s of 16-bit and 32-bit math.
+      bandwidth: device memory bandwidth, bytes/s.
+      host_bandwidth: device <-> host bytes/s per direction (None: no host memory).
+      source: where the figures come from (a vendor page, or "measured on this machine").
+    """
+
+    bf16_flops: float
+    f32_flops: float
+    bandwidth: float
+    host_bandwidth: float | None = None
+    source: str = ""
+
+    def seconds(self, flops: float, nbytes: float, dtype=None) -> float:
+        """max(flops / peak of `dtype`, nbytes / bandwidth); 16-bit dtypes take bf16's peak."""
+        peak = self.bf16_flops if getattr(dtype, "itemsize", 4) <= 2 else self.f32_flops
+        return max(flops / peak, nbytes / self.bandwidth)
+
+
+def _cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "remat_kit", "cpu_roofline.json")
+
+
+# Bump when the calibration changes: a cached figure from another version is measured again.
+_CALIBRATION = 3
+_RUNS = 15
+
+
+def calibrate_cpu(path: str | None = None) -> Roofline:
+    """This machine's CPU peaks, measured once and cached at `path` (default
+    $XDG_CACHE_HOME/remat_kit/cpu_roofline.json).
+
+    A 256x256 f32 matmul (2 * 256**3 FLOPs) and an element-wise pass over 4 MiB
+    (read and written: 8 MiB accessed), each the best of 15 runs after a
+    warm-up, with XLA CPU. The sizes are those of a small model's matmuls and
+    activations, what the CPU target is used for: a 64 MiB pass measures page
+    faults on fresh output buffers more than bandwidth (about 2 GB/s against
+    12-16 GB/s at 1-16 MiB on the machine this was written on), and a large
+    matmul runs nearer peak than a small model's do. bf16 math on XLA CPU runs
+    no faster than f32: both peaks are the matmul's. The best of many runs
+    keeps most of other processes' load out; a figure measured under load is
+    low, and the cache keeps it: delete the file to measure again.
+    """
+    path = path or _cache_path()
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("version") == _CALIBRATION:
+            return Roofline(d["f32_flops"], d["f32_flops"], d["bandwidth"], None, d["source"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    cpu = jax.devices("cpu")[0]
+
+    def best(f, *xs):
+        jax.block_until_ready(f(*xs))
+        times = []
+        for _ in range(_RUNS):
+            start = time.perf_counter()
+            jax.block_until_ready(f(*xs))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    n = 256
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    flops = 2 * n**3 / best(jax.jit(lambda x: x @ x), a)
+    x = jax.device_put(jnp.ones((2**20,), jnp.float32), cpu)  # 4 MiB
+    bandwidth = 2 * x.nbytes / best(jax.jit(lambda v: v * 1.0001), x)
+    source = (f"measured on this machine ({os.cpu_count()} CPUs): a {n}x{n} f32 matmul and a "
+              f"{x.nbytes >> 20} MiB element-wise pass, best of {_RUNS}")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"version": _CALIBRATION, "f32_flops": flops, "bandwidth": bandwidth,
+                       "source": source}, f)
+    except OSError:
+        pass  # uncached: measured again next time
+    return Roofline(flops, flops, bandwidth, None, source)
+
+
+def roofline(target: "str | targets.Target | None" = None) -> Roofline:
+    """The `Roofline` of `target`: its listed peaks (`targets.peaks`), or for the
+    CPU (and a GPU or TPU with no listed figures) a measurement of this CPU."""
+    target = targets.parse_target(target)
+    found = targets.peaks(target)
+    if found is None:
+        return calibrate_cpu()
+    return Roofline(found["bf16_flops"], found["f32_flops"], found["bandwidth"],
+                    found.get("host_bandwidth"), found["source"])
+
+
+# ---------------------------------------------------------------------------
+# The compiled program: one roofline per op XLA runs (a fusion is one op)
+# ---------------------------------------------------------------------------
+
+# Ops that move no data: they name, view or group buffers.
+_FREE = frozenset({"kParameter", "kConstant", "kGetTupleElement", "kTuple", "kBitcast",
+                   "kAfterAll", "kPartitionId", "kReplicaId", "kAddDependency",
+                   "kOptimizationBarrier", "kDomain"})
+# HloCostAnalysis counts these per element as transcendentals, not FLOPs.
+_TRANSCENDENTAL = frozenset({"kExp", "kExp2", "kExpm1", "kLog", "kLog1p", "kLog2", "kTanh",
+                             "kLogistic", "kSqrt", "kRsqrt", "kCbrt", "kSin", "kCos", "kTan",
+                             "kErf", "kPower", "kAtan2", "kAcos", "kAsin", "kAtanh", "kAsinh",
+                             "kAcosh", "kCosh", "kSinh"})
+# Per-element arithmetic: one FLOP per output element (HloCostAnalysis's count).
+_ELEMENTWISE = frozenset({"kAdd", "kSubtract", "kMultiply", "kDivide", "kMaximum", "kMinimum",
+                          "kNegate", "kAbs", "kCompare", "kSelect", "kClamp", "kSign",
+                          "kRemainder", "kFloor", "kCeil", "kRoundNearestEven",
+                          "kRoundNearestAfz", "kAnd", "kOr", "kXor", "kNot", "kIsFinite",
+                          "kConvert", "kReducePrecision", "kShiftLeft",
+                          "kShiftRightArithmetic", "kShiftRightLogical", "kPopulationCount",
+                          "kClz", "kReal", "kImag", "kMulhi"})
+# Ops that read only part of their first operand: the bytes read are their output's.
+_PARTIAL_READ = frozenset({"kSlice", "kDynamicSlice", "kGather"})
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=([^_\s]+)_([^-\s]+)->(\S+?)[,}\s]")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ENTRY = re.compile(r"^ENTRY %([\w.\-]+) ", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One op a compiled program runs (a fusion counts as one), for the roofline.
+
+    Attributes:
+      name, opcode: the HLO instruction's name and opcode ("kFusion", "kDot", ...).
+      flops: FLOPs of the op (of every instruction fused into it): 2 per
+        multiply-add of a dot, 1 per element of element-wise math and reductions.
+      transcendentals: elements of exp, tanh, log, ... (not in flops).
+      nbytes: bytes read and written at the op's boundary: its operands and its
+        outputs, not the values inside a fusion (those stay in registers or
+        cache). Operands only sliced read the slice; an in-place
+        dynamic-update-slice writes the update only.
+      dtype: the output's element type, which picks the peak (bf16 or f32).
+      trips: how many times the op runs (the trip counts of the loops around it).
+    """
+
+    name: str
+    opcode: str
+    flops: float
+    transcendentals: float
+    nbytes: float
+    dtype: object
+    trips: int = 1
+
+
+def _size(shape) -> tuple[int, int]:
+    """(elements, bytes) of an HLO shape; tuples summed, tokens nothing."""
+    if shape.is_tuple():
+        parts = [_size(s) for s in shape.tuple_shapes()]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if not shape.is_array():
+        return 0, 0
+    n = math.prod(shape.dimensions())
+    return n, n * np.dtype(shape.numpy_dtype()).itemsize
+
+
+def _convolution_flops(instr) -> float:
+    """2 x the multiply-adds of an HLO convolution that touch its input, as XLA's
+    cost analysis counts them: XLA:TPU writes dots as convolutions whose
+    windows (a batch dimension as a size-8 window, heads as a padded or
+    dilated window) would be counted many times over by kernel size alone.
+
+    MACs = batch x output features x kernel input features x, per spatial
+    dimension, the (output position, window tap) pairs that land on an input
+    element: not on padding, nor between the elements of a dilated input
+    (`lhs_dilate`, how transposed dots come out).
+    """
+    text = instr.to_string()
+    labels, window = _DIM_LABELS.search(text), _WINDOW.search(text)
+    lhs, rhs = (o.shape.dimensions() for o in instr.operands()[:2])
+    out = instr.shape.dimensions()
+    if labels is None:
+        return 2.0 * math.prod(out) * math.prod(rhs) / max(rhs[-1], 1)
+    lhs_l, rhs_l, out_l = labels.groups()
+    fields = dict(f.split("=", 1) for f in (window.group(1).split() if window else ()))
+    spatial = [c for c in out_l if c.isdigit()]
+
+    def per_dim(name: str, default):
+        if name not in fields:
+            return [default] * len(spatial)
+        return [tuple(int(v) for v in p.split("_")) if "_" in p else int(p)
+                for p in fields[name].split("x")]
+
+    size, stride, pads = per_dim("size", 1), per_dim("stride", 1), per_dim("pad", (0, 0))
+    lhs_dilate, rhs_dilate = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    pairs = 1
+    for d, c in enumerate(spatial):
+        n, k, lo = lhs[lhs_l.index(c)], size[d], pads[d][0]
+        start = np.arange(out[out_l.index(c)]) * stride[d] - lo  # each window's first index
+        if lhs_dilate[d] == 1 and rhs_dilate[d] == 1:
+            pairs *= int(np.clip(np.minimum(start + k, n) - np.maximum(start, 0), 0, None).sum())
+        else:  # only taps on the dilated input's elements
+            x = start[:, None] + np.arange(k)[None, :] * rhs_dilate[d]
+            pairs *= int(((x >= 0) & (x <= (n - 1) * lhs_dilate[d])
+                          & (x % lhs_dilate[d] == 0)).sum())
+    macs = out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs
+    return 2.0 * macs
+
+
+def _math(instr, comps) -> tuple[float, float]:
+    """(FLOPs, transcendentals) of one instruction, fused computations walked into."""
+    op = instr.opcode.name
+    out = _size(instr.shape)[0]
+    if op == "kDot":
+        lhs = instr.operands()[0].shape.dimensions()
+        found = _CONTRACTING.search(instr.to_string())
+        dims = [int(d) for d in (found.group(1) if found else "").split(",") if d]
+        return 2.0 * out * math.prod(lhs[d] for d in dims), 0.0
+    if op == "kConvolution":  # XLA:TPU emits dots as convolutions
+        return _convolution_flops(instr), 0.0
+    if op == "kFusion":
+        flops = trans = 0.0
+        for name in _CALLED.findall(instr.to_string()):
+            for inner in comps[name].instructions():
+                f, t = _math(inner, comps)
+                flops, trans = flops + f, trans + t
+        return flops, trans
+    if op in ("kReduce", "kReduceWindow"):
+        return float(_size(instr.operands()[0].shape)[0] - out), 0.0
+    if op in _TRANSCENDENTAL:
+        return 0.0, float(out)
+    if op in _ELEMENTWISE:
+        return float(out), 0.0
+    return 0.0, 0.0
+
+
+def _boundary_bytes(instr, comps) -> float:
+    """Bytes an op reads and writes at its boundary (see `OpCost.nbytes`)."""
+    op = instr.opcode.name
+    operands = [_size(o.shape)[1] for o in instr.operands()]
+    written = _size(instr.shape)[1]
+    if op in _PARTIAL_READ:
+        return written * 2.0 + sum(operands[1:])
+    if op == "kDynamicUpdateSlice":  # in place: the update is read and written
+        return 2.0 * operands[1] + sum(operands[2:])
+    if op != "kFusion":
+        return float(sum(operands) + written)
+    [name] = _CALLED.findall(instr.to_string())[:1] or [None]
+    body = comps.get(name)
+    if body is None:
+        return float(sum(operands) + written)
+    params = {}
+    for inner in body.instructions():
+        if inner.opcode.name == "kParameter":
+            params[inner.name] = int(inner.to_string().split("parameter(")[1].split(")")[0])
+    read = list(map(float, operands))
+    for inner in body.instructions():
+        if inner.opcode.name in _PARTIAL_READ and inner.operands():
+            src = inner.operands()[0]
+            if src.name in params and len(src.users()) == 1:
+                read[params[src.name]] = float(_size(inner.shape)[1])
+        if inner.opcode.name == "kDynamicUpdateSlice" and inner.operands():
+            src = inner.operands()[0]
+            if src.name in params and len(src.users()) == 1:  # updated in place
+                read[params[src.name]] = 0.0
+                written -= _size(src.shape)[1] - _size(inner.operands()[1].shape)[1]
+    return sum(read) + written
+
+
+def compiled_ops(compiled) -> list[OpCost]:
+    """The ops a compiled program runs, each with its FLOPs and boundary bytes.
+
+    Walks the optimized HLO (`compiled.runtime_executable().hlo_modules()`, or
+    the text of `compiled.as_text()` where there is no runtime executable, as
+    for a target compiled ahead of time) from its entry computation: a fusion
+    is one op (what XLA emits as one kernel), while loop bodies are walked
+    with their `known_trip_count` (once where none is known), calls walked
+    into, and every branch of a conditional counted (an upper bound: one runs).
+    On the programs checked (a matmul and a softmax exactly; the tiny and
+    tiny_llama value-and-grad under every preset within 0.02% of FLOPs and 0.6%
+    of bytes) the figures add up to XLA's own `cost_analysis()` of the module.
+
+    Args:
+      compiled: a JAX `Compiled` (`jax.jit(f).lower(...).compile()`).
+    Returns:
+      `OpCost`s in the order the module lists them, free ops (parameters,
+      tuples, bitcasts) left out.
+    """
+    module = hlo_module(compiled)
+    comps = {c.name: c for c in module.computations()}
+    entry = _ENTRY.search(module.to_string()).group(1)
+    ops: list[OpCost] = []
+
+    def walk(comp, trips):
+        for instr in comp.instructions():
+            op = instr.opcode.name
+            if op in _FREE:
+                continue
+            if op in ("kWhile", "kCall", "kConditional", "kAsyncStart"):
+                text = instr.to_string()
+                n = trips * (int(m.group(1)) if op == "kWhile" and (m := _TRIPS.search(text))
+                             else 1)
+                names = _CALLED.findall(text)
+                if (b := _BRANCHES.search(text)):
+                    names += [s.strip().lstrip("%") for s in b.group(1).split(",")]
+                for name in names:
+                    if name in comps:
+                        walk(comps[name], n)
+                continue
+            flops, trans = _math(instr, comps)
+            shape = instr.shape
+            dtype = None if shape.is_tuple() or not shape.is_array() else \
+                np.dtype(shape.numpy_dtype())
+            ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
+                              dtype, trips))
+
+    walk(comps[entry], 1)
+    return ops
+
+
+def compiled_seconds(compiled, line: Roofline) -> float:
+    """Predicted seconds of one run of a compiled program: the roofline of each
+    op it runs (`compiled_ops`), summed, loop bodies once per trip."""
+    return sum(op.trips * line.seconds(op.flops, op.nbytes, op.dtype)
+               for op in compiled_ops(compiled))
+
+
+def segment_seconds(nodes, out_aval, line: Roofline, cache: dict) -> float:
+    """Predicted seconds of recomputing a segment of forward equations, priced as
+    one fusion: max(FLOPs of them all / peak, bytes at the segment's boundary /
+    bandwidth), each node's figures times its scale.
+
+    Args:
+      nodes: the segment's equations, objects with `eqn` (a jaxpr equation),
+        `ins` and `outs` (keys of its input and output values, None for a
+        literal) and `scale` (trips of the loops around it), as
+        `cost_model.Program` holds them.
+      out_aval: the recomputed value's type (written once).
+      line: the target's peaks. cache: as `eqn_costs`.
+    Returns:
+      Seconds; 0 for an empty segment.
+    """
+    if not nodes:
+        return 0.0
+    inside = {k for n in nodes for k in n.outs if k is not None}
+    flops, read = 0.0, {}
+    for n in nodes:
+        flops += n.scale * eqn_costs(n.eqn, cache)[0]
+        for k, v in zip(n.ins, n.eqn.invars):
+            if k is not None and k not in inside and hasattr(v.aval, "shape"):
+                read[k] = n.scale * math.prod(v.aval.shape) * v.aval.dtype.itemsize
+    scale = max(n.scale for n in nodes)
+    written = scale * math.prod(out_aval.shape) * out_aval.dtype.itemsize
+    return line.seconds(flops, sum(read.values()) + written, out_aval.dtype)
+
+
+def _bodies(eqn):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        body = eqn.params.get(key)
+        body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+        if hasattr(body, "eqns"):
+            yield body
+
+
+def program_seconds(jaxpr, line: Roofline, cache: dict, scale: int = 1) -> float:
+    """Predicted seconds of a whole program: the roofline of each equation, call
+    bodies (jit, remat, custom calls) walked into, scan bodies once per trip."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        bodies = list(_bodies(eqn))
+        if bodies:
+            trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            total += sum(program_seconds(b, line, cache, scale * trips) for b in bodies[:1])
+            continue
+        f, b = eqn_costs(eqn, cache)
+        dtype = getattr(eqn.outvars[0].aval, "dtype", None) if eqn.outvars else None
+        total += scale * line.seconds(f, b, dtype)
+    return total
+
+
+__all__ = ["OBJECTIVES", "OpCost", "Roofline", "calibrate_cpu", "compiled_ops",
+           "compiled_seconds", "eqn_costs", "program_seconds", "roofline",
+           "segment_seconds"]

@@ -1,0 +1,14 @@
+"""policy: the language. Tag names and aliases, the `Policy` value, spec strings and presets,
+layer schedules, memory budgets.
+
+May import: `remat_kit.errors`, `remat_kit._jax_private` (nothing else of ours).
+
+Public names: `Policy`, `TagPolicy` (`policy`); `parse`, `PRESETS`, `AutoSpec`,
+`from_custom`, `layer_policies` (`spec`); `TAGS`, `ALIASES`, `tag`, `register_tag`
+(`names`); `Schedule` (`schedule`); `parse_budget`, `Budget` (`budget`).
+"""
+
+from remat_kit.policy.policy import Policy, TagPolicy
+from remat_kit.policy.spec import PRESETS, AutoSpec, from_custom, layer_policies, parse
+
+__all__ = ["AutoSpec", "PRESETS", "Policy", "TagPolicy", "from_custom", "layer_policies", "parse"]

@@ -1,0 +1,12 @@
+"""trace: what a traced program holds. The `Workload` (a loss under a policy, its
+argument shapes, how it resizes), the tags a function emits (`validate`), dataflow
+roles inferred on any transformer's jaxpr (`dataflow`, `roles`), remat regions
+re-run under any policy (`regions`), and the pieces every way of applying a policy
+shares (`wrapping`: markers, static arguments, output tags).
+
+May import: `remat_kit.policy` and the bottom modules (errors, mesh, files, units,
+_jax_private). Knows no Flax module API and no reference model.
+
+Public names: `Workload`, `from_loss`, `checkpointed` (`workload`); `emitted_tags`,
+`validate` (`validate`); `infer_roles`, `ROLES` (`roles`).
+"""

@@ -1,0 +1,365 @@
+"""A traced loss, run again under any policy: its block regions re-policied, its values tagged.
+
+A model that is not ours is traced once (`jax.make_jaxpr`) with each of its
+repeated blocks wrapped in a remat region whose policy is a `Marker`
+(`remat_kit.trace.wrapping`). `Regions.loss(policies)` evaluates that jaxpr again,
+equation by equation, with
+
+* each marked region run as `jax.checkpoint(block, policy=...)` under its
+  layer's policy (in the order the forward pass meets them), or inline for
+  `none`;
+* `checkpoint_name(value, role)` applied to each value whose role in the
+  dataflow `remat_kit.trace.roles` inferred (`query_proj`, `attn_probs`, ...), so
+  name-based presets (MaxText's `minimal`, Megatron's `selective`) select the
+  same values on the user's model as on ours;
+* jit-ed calls (`nn.jit`, `nnx.jit`, `jax.jit`) inlined and scans rebuilt
+  where they hold a region or a tagged value, so tags inside them are seen.
+
+Every other equation is bound as traced. The model is traced once for all
+policies, so flax's trace caches (which ignore interceptors) play no part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import ClosedJaxpr, Literal
+
+from remat_kit.trace import wrapping
+from remat_kit.policy.policy import Policy
+from remat_kit.trace.validate import tag_of
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call")
+# One-input ops that keep a value's bytes: a role may be named after them.
+_RELABEL = ("reshape", "transpose", "squeeze", "expand_dims", "copy")
+
+
+def region(eqn):
+    """(jaxpr, consts, policy, prevent_cse) of a remat equation under either remat
+    mode (jax_remat3 stages remat as a hi-primitive), or None for other equations."""
+    prim = eqn.params.get("_prim")
+    params = getattr(prim, "params", None) if prim is not None else eqn.params
+    if eqn.primitive.name not in ("remat2", "checkpoint") and (
+            prim is None or type(prim).__name__ != "RematTraced"):
+        return None
+    jaxpr = params["jaxpr"]
+    consts = jaxpr.consts if isinstance(jaxpr, ClosedJaxpr) else ()
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    return jaxpr, consts, params.get("policy"), params.get("prevent_cse", True)
+
+
+def is_marked(eqn, key: str) -> bool:
+    """Whether `eqn` is a remat region whose policy is `Marker(key)`."""
+    r = region(eqn)
+    return r is not None and isinstance(r[2], wrapping.Marker) and r[2].key == key
+
+
+def _subs(eqn):
+    """The sub-jaxprs (Jaxpr objects) an equation holds, under either remat mode."""
+    prim = eqn.params.get("_prim")
+    params = getattr(prim, "params", {}) if prim is not None else eqn.params
+    for value in params.values():
+        yield from wrapping._jaxprs(value)
+
+
+def count_marked(jaxpr, key: str) -> int:
+    """Marked regions the forward pass enters, a scan's body counted once per trip."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if is_marked(eqn, key):
+            n += 1
+            continue
+        trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        n += trips * sum(count_marked(sub, key) for sub in _subs(eqn))
+    return n
+
+
+def _needs(jaxpr, key: str, roles: Mapping, memo: dict) -> bool:
+    """Whether evaluating `jaxpr` must go through the interpreter: it holds a
+    marked region or a value with a role, at any depth."""
+    if id(jaxpr) in memo:
+        return memo[id(jaxpr)]
+    found = False
+    for eqn in jaxpr.eqns:
+        if is_marked(eqn, key) or any(v in roles for v in eqn.outvars):
+            found = True
+        elif any(_needs(sub, key, roles, memo) for sub in _subs(eqn)):
+            found = True
+        if found:
+            break
+    memo[id(jaxpr)] = found
+    return found
+
+
+@dataclasses.dataclass
+class _Run:
+    """One evaluation: which policy each marked region gets, in order."""
+
+    key: str
+    roles: Mapping
+    policies: Sequence[Policy]
+    emitted: tuple[str, ...]
+    memo: dict
+    next_layer: int = 0
+
+    def layer_policy(self) -> Policy:
+        i = min(self.next_layer, len(self.policies) - 1)  # a scan body is entered once
+        self.next_layer += 1
+        return self.policies[i]
+
+    def eval(self, jaxpr, consts, args) -> list:
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        roles = self.placed(jaxpr)
+        for eqn in jaxpr.eqns:
+            outs = self.run(eqn, [read(v) for v in eqn.invars])
+            for v, x in zip(eqn.outvars, outs):
+                if v in roles:
+                    x = checkpoint_name(x, roles[v])
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def placed(self, jaxpr) -> dict:
+        """{var: role} of `jaxpr` with each role moved past the path tags
+        (`auto_tag`'s checkpoint_name) and layout ops (same bytes) that carry
+        the same value, out of jit-ed calls too, so the role is the outermost
+        name: residuals and explain rows are named by it."""
+        key = ("placed", id(jaxpr))
+        if key not in self.memo:
+            named = {eqn.invars[0]: eqn.outvars[0] for eqn in jaxpr.eqns
+                     if (tag_of(eqn) is not None or eqn.primitive.name in _RELABEL)
+                     and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], Literal)}
+            found = {v: self.roles[v] for e in jaxpr.eqns for v in e.outvars
+                     if v in self.roles and tag_of(e) is None}
+            for eqn in jaxpr.eqns:  # a call whose output is a role's value (a module's
+                inner = _call_body(eqn)  # matmul under nn.jit) passes the role out
+                if inner is not None:
+                    ends = self.placed(inner)
+                    found.update((o, ends[i]) for i, o in zip(inner.outvars, eqn.outvars)
+                                 if i in ends and o not in found)
+            out = {}
+            for v, role in found.items():
+                while v in named:
+                    v = named[v]
+                out[v] = role
+            self.memo[key] = out
+        return self.memo[key]
+
+    def block_body(self, inner, consts) -> Callable:
+        """A marked block's body, naming its residual-stream input
+        `decoder_layer_input` (as our DecoderLayer does) before the rest runs."""
+        stream = _stream_input(inner)
+
+        def body(*xs):
+            if stream is not None:
+                xs = list(xs)
+                xs[stream] = checkpoint_name(xs[stream], "decoder_layer_input")
+            return self.eval(inner, consts, xs)
+        return body
+
+    def run(self, eqn, invals) -> list:
+        r = region(eqn)
+        if r is not None and (isinstance(r[2], wrapping.Marker) and r[2].key == self.key):
+            inner, consts, _, prevent_cse = r
+            policy = self.layer_policy()
+            body = self.block_body(inner, consts)
+            if not policy.remat:
+                return body(*invals)
+            jax_policy = wrapping.to_jax(policy, self.emitted)
+            return jax.checkpoint(body, policy=jax_policy, prevent_cse=prevent_cse)(*invals)
+        if not any(_needs(sub, self.key, self.roles, self.memo) for sub in _subs(eqn)):
+            return _bind(eqn, invals)
+        if r is not None:  # the model's own remat region, with tags inside
+            inner, consts, policy, prevent_cse = r
+            body = lambda *xs: self.eval(inner, consts, xs)  # noqa: E731
+            return jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*invals)
+        if eqn.primitive.name in _CALLS:
+            closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            consts = closed.consts if isinstance(closed, ClosedJaxpr) else ()
+            return self.eval(getattr(closed, "jaxpr", closed), consts, invals)
+        if eqn.primitive.name == "scan":
+            return self.scan(eqn, invals)
+        return _bind(eqn, invals)  # cond, while, custom derivatives: tags inside are lost
+
+    def scan(self, eqn, invals) -> list:
+        p = eqn.params
+        body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+
+        def step(carry, x):
+            out = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x])
+            return out[:ncarry], out[ncarry:]
+
+        carry, ys = jax.lax.scan(step, list(init), list(xs), length=p["length"],
+                                 reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+
+
+# Equations whose outputs are parameters again when their float inputs are.
+_PARAM_PRESERVING = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim",
+                     "copy", "squeeze", "expand_dims", "slice", "dynamic_slice", "concatenate",
+                     "sharding_constraint", "device_put", "reduce_precision")
+
+
+def derives_from_params(eqn, flags: Mapping) -> bool:
+    """Whether `eqn`'s outputs are (copies, casts, slices of) parameters: every float
+    input is one, and at least one input is."""
+    if eqn.primitive.name not in _PARAM_PRESERVING:
+        return False
+    floats = [v for v in eqn.invars if not isinstance(v, Literal)
+              and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    return bool(floats) and all(flags.get(v, False) for v in floats)
+
+
+def _first_block(jaxpr, key: str, flags: dict):
+    """(inner jaxpr, consts, is-parameter per inner input) of the first marked
+    region, looking into jit-ed calls and scan bodies; None if there is none."""
+    for eqn in jaxpr.eqns:
+        r = region(eqn)
+        if r is not None and isinstance(r[2], wrapping.Marker) and r[2].key == key:
+            return r[0], r[1], [flags.get(v, False) for v in eqn.invars]
+        for v in eqn.outvars:
+            flags[v] = derives_from_params(eqn, flags)
+        if eqn.primitive.name in _CALLS or r is not None:
+            closed = r[0] if r is not None else eqn.params.get("jaxpr",
+                                                               eqn.params.get("call_jaxpr"))
+            inner = getattr(closed, "jaxpr", closed)
+            sub = {iv: flags.get(ov, False) for iv, ov in zip(inner.invars, eqn.invars)}
+            found = _first_block(inner, key, sub)
+        elif eqn.primitive.name == "scan":
+            body, nc, ncarry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], \
+                eqn.params["num_carry"]
+            sub = {iv: flags.get(ov, False) and not nc <= i < nc + ncarry
+                   for i, (iv, ov) in enumerate(zip(body.invars, eqn.invars))}
+            found = _first_block(body, key, sub)
+        else:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _call_body(eqn):
+    """The jaxpr of a jit-ed call or remat region the interpreter runs inline."""
+    r = region(eqn)
+    if r is not None:
+        return r[0]
+    if eqn.primitive.name in _CALLS:
+        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        return getattr(closed, "jaxpr", closed)
+    return None
+
+
+def _stream_input(block) -> int | None:
+    """The index of the block's residual-stream input: the first float input shaped
+    like one of its computed outputs ([batch, seq, embed] in, the same out), or None.
+    Outputs that are inputs passed through (an NNX block returns its parameters) are
+    not computed."""
+    ins = set(block.invars)
+    outs = {(v.aval.shape, v.aval.dtype) for v in block.outvars
+            if not isinstance(v, Literal) and v not in ins}
+    return next((i for i, v in enumerate(block.invars)
+                 if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.ndim >= 2
+                 and (v.aval.shape, v.aval.dtype) in outs), None)
+
+
+def block_tags(jaxpr, key: str) -> tuple[str, ...]:
+    """The tags the interpreter adds at the blocks' boundary: ("decoder_layer_input",)
+    where the first marked block has a residual-stream input, else ()."""
+    found = _first_block(jaxpr, key, {})
+    return ("decoder_layer_input",) if found and _stream_input(found[0]) is not None else ()
+
+
+def _bind(eqn, invals) -> list:
+    got = eqn.primitive.get_bind_params(eqn.params)
+    # jax 0.12 returns the params; older releases (subfuns, params).
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Regions:
+    """A loss traced once with its blocks marked, to run under any policy.
+
+    Attributes:
+      closed: the loss's jaxpr; its inputs are the flattened loss arguments,
+        its one output the scalar loss.
+      in_tree: the pytree structure of the loss arguments.
+      key: the `Marker` key of the block regions.
+      num_layers: how many block regions the forward pass enters.
+      roles: {jaxpr Var: canonical tag} (`remat_kit.trace.roles.infer_roles`).
+      emitted: every tag the loss emits once tagged (path tags and roles),
+        to resolve globs against.
+      num_params: how many of the jaxpr's inputs are parameter leaves (the
+        first ones).
+    """
+
+    closed: ClosedJaxpr
+    in_tree: jax.tree_util.PyTreeDef
+    key: str
+    num_layers: int
+    roles: Mapping
+    emitted: tuple[str, ...]
+    num_params: int = 0
+
+    def block(self, policy: Policy) -> tuple[Callable, tuple]:
+        """The first block alone under `policy`, for `explain`: (fn(params, inputs)
+        -> the sum of its float outputs, (params, inputs) as tuples of
+        ShapeDtypeStructs). params are the block's inputs that derive from the
+        loss's parameters (`args[0]`), inputs the rest (activations, keys).
+
+        Raises:
+          ValueError: no marked block is found outside scans and conds.
+        """
+        flags = {v: i < self.num_params for i, v in enumerate(self.closed.jaxpr.invars)}
+        found = _first_block(self.closed.jaxpr, self.key, flags)
+        if found is None:
+            raise ValueError("no block region found to explain")
+        inner, consts, is_param = found
+        struct = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
+        params = tuple(struct(v) for v, p in zip(inner.invars, is_param) if p)
+        inputs = tuple(struct(v) for v, p in zip(inner.invars, is_param) if not p)
+        memo: dict = {}
+
+        def run_block(params, inputs):
+            ps, xs = iter(params), iter(inputs)
+            flat = [next(ps) if p else next(xs) for p in is_param]
+            run = _Run(self.key, self.roles, (policy,), self.emitted, memo)
+            body = run.block_body(inner, consts)
+            if policy.remat:
+                body = jax.checkpoint(body, policy=wrapping.to_jax(policy, self.emitted))
+            outs = body(*flat)
+            return sum(o.astype(jnp.float32).sum() for o in outs
+                       if jnp.issubdtype(o.dtype, jnp.floating))
+
+        return run_block, (params, inputs)
+
+    def loss(self, policies: Sequence[Policy]) -> Callable:
+        """The loss(*args) with block i under policies[i] (one entry per block)."""
+        if len(policies) != self.num_layers:
+            raise ValueError(f"{len(policies)} policies for {self.num_layers} blocks")
+        memo: dict = {}
+
+        def loss(*args):
+            leaves, tree = jax.tree.flatten(args)
+            if tree != self.in_tree:
+                raise TypeError(f"loss arguments {tree} differ from the traced ones "
+                                f"{self.in_tree}")
+            run = _Run(self.key, self.roles, tuple(policies), self.emitted, memo)
+            out, = run.eval(self.closed.jaxpr, self.closed.consts, leaves)
+            return out
+        return loss
+
+
+__all__ = ["Regions", "block_tags", "count_marked", "is_marked", "region"]

@@ -1,0 +1,380 @@
+"""Role inference: which canonical tag each value of a third-party model's jaxpr plays.
+
+A model from a library names its values its own way (or not at all), so MaxText's
+presets (`minimal`, `save_qkv_proj`, ...) would save nothing on it. `infer_roles`
+reads the roles from the dataflow instead, the way a reader of the model would:
+
+- a softmax over one axis (`exp(x - max) / sum(exp(...))`, as `jax.nn.softmax`
+  traces, inline or inside a custom_jvp) whose input comes from a dot_general of
+  two activations is attention: that dot is `attn_logits`, the value that enters
+  the next dot is `attn_probs` (after dropout, masking or a dtype cast), that dot
+  is `context` and the parameter matmul consuming it is `out_proj`;
+- the parameter matmuls feeding the scores are the query (the operand carrying
+  the softmax's kept axis) and the key (the one carrying the reduced, key axis);
+  the one feeding context's other operand is the value; one matmul feeding all
+  three is `qkv_proj`, one feeding key and value is `kv_proj`;
+- a parameter matmul whose input is a nonlinearity (tanh, erf, logistic, max) or
+  a product of matmuls, all of them from one input, is an MLP: `mlpwi` (or
+  `mlpwi_0` through the nonlinearity and `mlpwi_1` beside it when gated),
+  `mlp_act`, `mlpwo`. A fused gate/up matmul, split in two, is `mlpwi`, as
+  MaxText's `fused_mlp` tags it;
+- a normalized value (a reduce_sum over the last axis and an rsqrt) feeding the
+  query/key/value matmuls is `attn_norm`, feeding the MLP's input matmuls `mlp_norm`;
+- a fused attention op (cuDNN's `dot_product_attention_fwd`, a custom call or
+  Pallas kernel named like attention) has only `context`: its scores never exist.
+
+The walk (`remat_kit.trace.dataflow`) sees through calls (jit/pjit, closed_call,
+checkpoint/remat in either remat mode, custom_jvp_call, custom_vjp_call,
+shard_map) and into scan, while and cond bodies; a parameter stays a parameter
+through layout ops and casts. Names already in the jaxpr (`checkpoint_name`'s
+`name` primitive) are transparent: a role goes to the named value itself, never
+to the `name` equation's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from jax.extend import core as jcore
+
+from remat_kit.trace import dataflow as df
+
+# The tags inferred here: the vocabulary but for the block boundary
+# (decoder_layer_input/output), which is where a block is wrapped, not a role.
+ROLES = ("attn_norm", "query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj",
+         "attn_logits", "attn_probs", "context", "out_proj", "mlp_norm", "mlpwi", "mlpwi_0",
+         "mlpwi_1", "mlp_act", "mlpwo")
+
+_NONLIN = {"tanh", "logistic", "erf", "erfc", "max", "exp", "log1p"}
+_ELEMENTWISE = _NONLIN | {
+    "add", "sub", "mul", "div", "neg", "min", "pow", "integer_pow", "square", "sqrt", "rsqrt",
+    "abs", "sign", "select_n", "clamp", "sin", "cos", "convert_element_type", "log", "exp2",
+    "expm1", "cbrt", "floor", "ceil", "round", "atan2", "erf_inv", "and", "or", "not",
+    "ge", "gt", "le", "lt", "eq", "ne", "is_finite", "nextafter"}
+# Ops a value is looked through on its way between two matmuls (rope, head
+# repeats for grouped-query attention, splits of a fused projection).
+_THROUGH = _ELEMENTWISE | df.LAYOUT | {"broadcast_in_dim", "slice", "dynamic_slice",
+                                        "concatenate", "split", "unstack", "gather"}
+# Ops between an MLP's input matmuls and its activation (a fused gate/up split in two).
+_MLP_THROUGH = df.LAYOUT | {"broadcast_in_dim", "slice", "split", "unstack", "concatenate"}
+_FUSED_ATTENTION = re.compile(r"attention|attn|flash|fmha|\bmha|splash", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """Canonical tags of a jaxpr's values, as inferred by `infer_roles`.
+
+    Attributes:
+      of: jax.extend.core.Var -> canonical tag (a name in `ROLES`). A Var is the
+        one of the (sub-)jaxpr where the value is computed: an equation's output
+        var, or the outermost var of a value a call returns. Keyed by identity; a
+        sub-jaxpr traced once and called per layer maps its Vars once.
+      missing: canonical tag (of `ROLES`) -> one-line reason no value has it, e.g.
+        {"attn_logits": "fused attention (one op ...): its scores never exist"}.
+    """
+
+    of: dict
+    missing: dict
+
+
+def _is_dot(node) -> bool:
+    return node is not None and node.prim == "dot_general"
+
+
+def _param_dot(node):
+    """(weight operand index, activation operand index) of a matmul against a
+    parameter, or None."""
+    if not _is_dot(node):
+        return None
+    a, b = node.ins
+    if b.param and a.data:
+        return 1, 0
+    if a.param and b.data:
+        return 0, 1
+    return None
+
+
+def _bias_add(n, v) -> bool:
+    """A projection's bias: an add of a parameter to the matmul output."""
+    return n.prim == "add" and all(u is v or u.param for u in n.ins)
+
+
+def _scale(n, v) -> bool:
+    """Scaling scores by a scalar constant (1/sqrt(head_dim), a softcap's 1/cap)."""
+    if n.prim not in ("mul", "div") or (n.prim == "div" and n.ins[0] is not v):
+        return False
+    return all(u is v or (not u.data and not u.param and not u.shape) for u in n.ins)
+
+
+def _proj(node) -> df.Val:
+    """The value a projection matmul gives: after its bias, before any reshape (where
+    MaxText and our reference model tag it); but where a `name` follows a layout op
+    (an auto_tag path tag on a layer's output, e.g. the transpose jnp.einsum ends
+    with), the named value: one value, one set of names."""
+    val = df.fwd_end(node.outs[0], _bias_add, ops={"name", "sharding_constraint"})
+    return next((v for v in df.fwd_chain(val, _bias_add)
+                 if any(c.prim == "name" for c in v.consumers)), val)
+
+
+def _param_dots_upstream(val: df.Val) -> list[df.Node]:
+    """The parameter matmuls `val` comes from, looked through rope, head repeats,
+    splits and casts (not past another matmul)."""
+    return [n for n, _ in df.back(val, _THROUGH) if _param_dot(n) is not None]
+
+
+def _softmax(node):
+    """(exp output, key axes) if `node` normalizes an exp by its own sum: the div
+    of softmax; else None."""
+    if node.prim not in ("div", "mul") or len(node.ins) != 2:
+        return None
+    num, den = node.ins
+    if num.producer is None or num.producer.prim != "exp":
+        return None
+    if node.prim == "mul":  # num * (1 / sum)
+        r = df.back_end(den)
+        if r.producer is None or r.producer.prim not in ("div", "integer_pow"):
+            return None
+        den = r.producer.ins[-1]
+    s = df.back_end(den)
+    if s.producer is None or s.producer.prim != "reduce_sum":
+        return None
+    src = df.back_end(s.producer.ins[0], df.LAYOUT | {"convert_element_type"})
+    if src is not num:
+        return None
+    return num, set(s.producer.params["axes"])
+
+
+class _Assign:
+    """Collects roles per value; a value claimed twice keeps its first role."""
+
+    def __init__(self):
+        self.of: dict[int, tuple[df.Val, str]] = {}
+
+    def put(self, val: df.Val, tag: str):
+        if val.var is not None and not isinstance(val.var, jcore.DropVar):
+            self.of.setdefault(id(val), (val, tag))
+
+    def vars(self) -> dict:
+        by_var: dict = {}
+        for val, tag in self.of.values():
+            by_var.setdefault(val.var, set()).add(tag)
+        # One Var of a shared sub-jaxpr seen in two roles has neither.
+        return {v: next(iter(t)) for v, t in by_var.items() if len(t) == 1}
+
+
+def _projections(a: _Assign, q_dots, k_dots, v_dots, why: dict):
+    """Tags the query/key/value matmuls, fused ones as qkv_proj or kv_proj."""
+    q, k, v = (set(map(id, d)) for d in (q_dots, k_dots, v_dots))
+    for dots in (q_dots, k_dots, v_dots):
+        for d in dots:
+            i = id(d)
+            tag = ("qkv_proj" if i in q and i in k and i in v else
+                   "kv_proj" if i in k and i in v else
+                   "query_proj" if i in q else "key_proj" if i in k else "value_proj")
+            a.put(_proj(d), tag)
+    if not (q_dots and k_dots and v_dots):
+        why.setdefault("query_proj", "no parameter matmul found upstream of the attention "
+                       "scores")
+
+
+def _attention(g: df.Graph, a: _Assign, why: dict) -> tuple[set, set]:
+    """Finds softmax attention and fused attention ops; tags their values.
+
+    Returns the ids of the q/k/v matmuls and of the out matmuls found."""
+    qkv_ids, out_ids = set(), set()
+    fused = []
+    for node in g.nodes:
+        target = str(node.params.get("target_name", node.params.get("call_target_name",
+                                                                    node.params.get("name", ""))))
+        if (_FUSED_ATTENTION.search(node.prim) or (
+                node.prim in ("ffi_call", "custom_call", "pallas_call")
+                and _FUSED_ATTENTION.search(target))) and len(node.ins) >= 3:
+            fused.append(node)
+    for node in fused:
+        context = df.fwd_end(node.outs[0])
+        a.put(context, "context")
+        dots = [_param_dots_upstream(v) for v in node.ins[:3]]
+        _projections(a, *dots, why)
+        qkv_ids |= {id(d) for ds in dots for d in ds}
+        out_ids |= _out_proj(a, context)
+        reason = f"fused attention (one op, {node.prim}): its scores never exist"
+        why.setdefault("attn_logits", reason)
+        why.setdefault("attn_probs", reason)
+
+    for node in g.nodes:
+        sm = _softmax(node)
+        if sm is None:
+            continue
+        num, key_axes = sm
+        probs_out = node.outs[0]
+        # The scores: the matmul of two activations the exp's input comes from.
+        scores = [n for n, _ in df.back(num.producer.ins[0], _THROUGH - {"stop_gradient"})
+                  if _is_dot(n) and _param_dot(n) is None and all(v.data for v in n.ins)]
+        if len(scores) != 1:
+            continue
+        qk = scores[0]
+        # The key axis, followed back from the exp to the scores' matmul.
+        axes = df.axes_back(num.producer, num, num.producer.ins[0], key_axes)
+        for step_node, out_v, in_v in df.back_path(num.producer.ins[0], qk, _THROUGH) or []:
+            axes = df.axes_back(step_node, out_v, in_v, axes)
+        side = df.dot_operand_axes(qk, axes)
+        if set(side) not in ({0}, {1}):
+            why.setdefault("query_proj", "could not tell query from key: the softmax axis "
+                           "is not one operand's")
+            continue
+        key_i = next(iter(side))
+        # The context matmul: the next matmul the probabilities flow into.
+        ctx, p_i = next(((n, n.ins.index(via)) for n, via in
+                         df.fwd(probs_out, _ELEMENTWISE | df.LAYOUT | {"broadcast_in_dim"})
+                         if _is_dot(n)), (None, 0))
+        if ctx is None or _param_dot(ctx) is not None:
+            continue
+        a.put(df.fwd_end(qk.outs[0], _scale), "attn_logits")
+        a.put(df.back_end(ctx.ins[p_i]), "attn_probs")
+        context = df.fwd_end(ctx.outs[0])
+        a.put(context, "context")
+        q_dots = _param_dots_upstream(qk.ins[1 - key_i])
+        k_dots = _param_dots_upstream(qk.ins[key_i])
+        v_dots = _param_dots_upstream(ctx.ins[1 - p_i])
+        _projections(a, q_dots, k_dots, v_dots, why)
+        qkv_ids |= {id(d) for d in q_dots + k_dots + v_dots}
+        out_ids |= _out_proj(a, context)
+    return qkv_ids, out_ids
+
+
+def _out_proj(a: _Assign, context: df.Val) -> set:
+    for n, _ in df.fwd(context, df.LAYOUT | {"convert_element_type"}):
+        if _param_dot(n) is not None:
+            a.put(_proj(n), "out_proj")
+            return {id(n)}
+        if n.prim not in df.LAYOUT | {"convert_element_type"}:
+            break
+    return set()
+
+
+def _mlp(g: df.Graph, a: _Assign, skip: set) -> list[df.Node]:
+    """Tags MLPs: a parameter matmul (wo) whose input is a nonlinearity or a gated
+    product of parameter matmuls (wi) of one input. Returns the wi matmuls."""
+    wis = []
+    for wo in g.nodes:
+        ix = _param_dot(wo)
+        if ix is None or id(wo) in skip:
+            continue
+        act = df.back_end(wo.ins[ix[1]])
+        region, leaves, ok = [], [], True
+        for n, _ in df.back(act, _ELEMENTWISE | _MLP_THROUGH,
+                          stop=lambda n: _param_dot(n) is not None):
+            if _param_dot(n) is not None:
+                leaves.append(n)
+            elif n.prim in _ELEMENTWISE | _MLP_THROUGH:
+                region.append(n)
+            elif any(o.data for o in n.outs):
+                ok = False  # the input is not made from matmuls alone
+        if not ok or not leaves or any(id(n) in skip for n in leaves):
+            continue
+        sources = {id(df.back_end(n.ins[_param_dot(n)[1]], df.LAYOUT | {"convert_element_type"}))
+                   for n in leaves}
+        nonlin = [n for n in region if n.prim in _NONLIN and _not_relu_guard(n)]
+        gated = [n for n in region if n.prim == "mul" and sum(v.data for v in n.ins) == 2]
+        if len(sources) != 1 or not (nonlin or gated):
+            continue
+        a.put(act, "mlp_act")
+        a.put(_proj(wo), "mlpwo")
+        if len(leaves) == 1:
+            a.put(_proj(leaves[0]), "mlpwi")
+        elif len(leaves) == 2:
+            region_ids = {id(n) for n in region}
+            through = [any(id(n) in region_ids and n.prim in _NONLIN
+                           for n, _ in df.fwd(w.outs[0], _THROUGH)) for w in leaves]
+            if sorted(through) == [False, True]:
+                for w, t in zip(leaves, through):
+                    a.put(_proj(w), "mlpwi_0" if t else "mlpwi_1")
+        wis += leaves
+    return wis
+
+
+def _not_relu_guard(n) -> bool:
+    """`max` counts as a nonlinearity (relu) only against a constant."""
+    return n.prim != "max" or any(not v.data for v in n.ins)
+
+
+def _norm_of(val: df.Val) -> df.Val | None:
+    """`val` (walked back through layout ops) if it is a normalized value: made
+    elementwise from an rsqrt (or sqrt, or a power) of a reduce_sum over the last axis."""
+    out = df.back_end(val)
+    saw_rsqrt = False
+    for n, _ in df.back(out, _ELEMENTWISE | {"broadcast_in_dim"} | df.LAYOUT):
+        if n.prim in ("rsqrt", "sqrt") or (n.prim == "pow" and n.ins[1].literal):
+            saw_rsqrt = True
+        if (n.prim == "reduce_sum" and saw_rsqrt
+                and tuple(n.params["axes"]) == (len(n.ins[0].shape) - 1,)):
+            return out
+    return None
+
+
+def infer_roles(jaxpr, is_param: Sequence[bool]) -> Roles:
+    """Infers canonical tags (query_proj, attn_probs, mlpwo, ...) by dataflow.
+
+    Args:
+      jaxpr: a ClosedJaxpr or Jaxpr: a loss, one decoder block, or a whole
+        model's forward (as `jax.make_jaxpr` gives it), any dtypes and shapes.
+      is_param: one bool per `jaxpr.invars`: True where the input is a
+        parameter (a weight). A value made from parameters and constants only
+        (a cast, reshape or `1 + scale`) counts as a parameter.
+    Returns:
+      `Roles`: `of` maps each Var with a role to its tag (Vars of the
+      sub-jaxpr the value is computed in); `missing` gives, for each tag of
+      `ROLES` no value has, a one-line reason. Values whose role cannot be
+      inferred are left out (they keep the path tags auto_tag gives them).
+    Raises:
+      ValueError: `is_param` does not have one entry per input.
+      TypeError: `jaxpr` is neither a ClosedJaxpr nor a Jaxpr.
+    """
+    if not isinstance(jaxpr, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+        raise TypeError(f"infer_roles needs a ClosedJaxpr or Jaxpr (jax.make_jaxpr(f)(...)), "
+                        f"got {type(jaxpr).__name__}")
+    g = df.Graph(jaxpr, list(is_param))
+    a, why = _Assign(), {}
+    qkv, outs = _attention(g, a, why)
+    wis = _mlp(g, a, qkv | outs)
+    for dots, tag in ((qkv, "attn_norm"), ({id(w) for w in wis}, "mlp_norm")):
+        for n in g.nodes:
+            if id(n) in dots:
+                norm = _norm_of(n.ins[_param_dot(n)[1]])
+                if norm is not None:
+                    a.put(norm, tag)
+    of = a.vars()
+    found = set(of.values())
+    return Roles(of=of, missing={t: _reason(t, found, why) for t in ROLES if t not in found})
+
+
+def _reason(tag: str, found: set, why: dict) -> str:
+    """Why no value has `tag`, given the tags found."""
+    if tag in why:
+        return why[tag]
+    attention = found & {"attn_logits", "attn_probs", "context"}
+    if tag in ("query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj") and attention:
+        fused = sorted(found & {"qkv_proj", "kv_proj", "query_proj", "key_proj", "value_proj"})
+        return f"this model's projections are {', '.join(fused) or 'not parameter matmuls'}"
+    if tag in ("attn_norm", "attn_logits", "attn_probs", "context", "out_proj") or (
+            tag.endswith("_proj")):
+        if not attention:
+            return "no attention found (no softmax over a matmul of two activations)"
+        return {"attn_norm": "no norm (reduce over the features, rsqrt) feeds the projections",
+                "out_proj": "no parameter matmul consumes the attention context"}.get(
+                    tag, "not found in the attention")
+    mlp = found & {"mlpwi", "mlpwi_0", "mlpwi_1", "mlp_act", "mlpwo"}
+    if not mlp:
+        return "no MLP found (a parameter matmul of a nonlinearity of parameter matmuls)"
+    if tag in ("mlpwi_0", "mlpwi_1") and "mlpwi" in found:
+        return "the MLP has one input matmul (mlpwi)"
+    if tag == "mlpwi" and found & {"mlpwi_0", "mlpwi_1"}:
+        return "the MLP is gated (mlpwi_0, mlpwi_1)"
+    if tag == "mlp_norm":
+        return "no norm (reduce over the features, rsqrt) feeds the MLP"
+    return "not found in the MLP"
+
+
+__all__ = ["ROLES", "Roles", "infer_roles"]

@@ -1,0 +1,137 @@
+"""What to measure: one value that every command takes (`Workload`).
+
+A workload is a loss under a policy, the abstract arguments it takes, and how
+to build it again at another size. `measure`, `explain`, `plan`, `fit` and
+the CLI take one and know nothing else about the model behind it. Three
+providers make them:
+
+* `remat_kit.models.workload(cfg, batch, seq)`: our reference transformers;
+* `remat_kit.flax.from_model.workload(model, batch, seq)`: any linen or NNX
+  language model (tokens [batch, seq] -> logits [batch, seq, vocab]), its
+  repeated block found and rematerialized, its values tagged by role;
+* a function `(batch, seq) -> Workload` of the user's, for anything else
+  (`as_workload` calls it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from remat_kit.policy.policy import Policy
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Workload:
+    """A loss under a policy, its abstract arguments, and how it resizes.
+
+    Attributes:
+      loss_for_policy: policy -> loss(*args) returning a float scalar. The
+        policy is a `Policy` (with an optional layer schedule) or a list of
+        one `Policy` per layer (`remat_kit.policy.spec.layer_policies`); the
+        provider decides where it applies (per block, layer inputs kept).
+        The loss is differentiated with respect to `args[0]`.
+      args: the loss's arguments as pytrees of `jax.ShapeDtypeStruct`
+        (`args[0]` the parameters; with `sharding=` on a mesh).
+      name: what the reports call the model, e.g. "gpt2_small" or
+        "models.py:build".
+      batch, seq: the sizes `args` were built for (None where they mean
+        nothing, e.g. a plain loss).
+      resize: (batch, seq) -> the same workload at those sizes; None if it
+        cannot be resized (`fit` needs it).
+      sample_args: PRNG key -> concrete arrays shaped like `args`, for timed
+        runs; None draws random normal floats and zero ints.
+      per_device: (loss_for_policy, args) of the program one device runs on
+        `mesh`, where a shard of `args` is not a valid input of the global
+        loss (parameters split over fsdp or tensor); else None.
+      mesh: the `jax.sharding.Mesh` the args are sharded over, or None.
+      num_layers: how many blocks a layer schedule or a per-layer list
+        counts (None where the loss has no blocks).
+      block: policy -> (loss of one block alone under that policy, its args
+        as ShapeDtypeStructs, args[0] the block's parameters), for `explain`
+        and the per-layer figures; None where the loss has no blocks.
+      notes: lines the reports print under the table (e.g. a preset's roles
+        the model lacks).
+      size_bound: (vary, fixed, budget_bytes, floor_bytes, platform) ->
+        (size, exact): the largest batch (vary="batch") or seq whose train
+        step might fit budget_bytes per device and compile, exact when the
+        budget set it; None where the provider cannot tell (`fit` then
+        searches up to its max_size).
+    """
+
+    loss_for_policy: Callable
+    args: tuple
+    name: str = "loss"
+    batch: int | None = None
+    seq: int | None = None
+    resize: Callable[[int, int], "Workload"] | None = None
+    sample_args: Callable | None = None
+    per_device: tuple | None = None
+    mesh: jax.sharding.Mesh | None = None
+    num_layers: int | None = None
+    block: Callable | None = None
+    notes: tuple[str, ...] = ()
+    size_bound: Callable[[str, int, int, int, str], tuple[int, bool]] | None = None
+
+    @property
+    def params(self):
+        """`args[0]`, the parameters the loss is differentiated by."""
+        return self.args[0]
+
+    def at(self, batch: int | None = None, seq: int | None = None) -> "Workload":
+        """The same workload at another batch and/or sequence length.
+
+        Raises:
+          ValueError: the workload cannot be resized (no `resize`), or a size
+            is not a positive int.
+        """
+        batch = self.batch if batch is None else batch
+        seq = self.seq if seq is None else seq
+        if batch == self.batch and seq == self.seq:
+            return self
+        if self.resize is None:
+            raise ValueError(f"workload {self.name!r} cannot be resized (it was built for "
+                             f"batch {self.batch}, seq {self.seq}); give a function "
+                             "(batch, seq) -> Workload to resize it")
+        for label, value in (("batch", batch), ("seq", seq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{label} must be a positive int, got {value!r}")
+        return self.resize(batch, seq)
+
+
+def from_loss(loss_for_policy: Callable, *args, name: str = "loss") -> Workload:
+    """A workload of a loss factory (policy -> loss) or a plain loss and its args.
+
+    A plain loss(*args) (calling it with a Policy fails or does not return a
+    callable) is wrapped whole in one remat region per policy
+    (`checkpointed`): its arguments are always kept.
+    """
+    return Workload(_as_factory(loss_for_policy), tuple(args), name=name)
+
+
+def checkpointed(loss_fn: Callable) -> Callable:
+    """A loss factory that wraps all of `loss_fn` in one remat region.
+
+    policy -> `jax.checkpoint(loss_fn, policy=policy.to_jax())`, or `loss_fn`
+    itself for the `none` policy. The region's inputs (all of `loss_fn`'s
+    arguments) are always kept.
+    """
+    def factory(policy: Policy):
+        if not policy.remat:
+            return loss_fn
+        return jax.checkpoint(loss_fn, policy=policy.to_jax())
+    return factory
+
+
+def _as_factory(fn: Callable) -> Callable:
+    """`fn` if it maps a Policy to a loss, else `checkpointed(fn)` (fn is a plain loss)."""
+    try:
+        made = fn(Policy(remat=False))
+    except Exception:  # noqa: BLE001 - a plain loss fails on a Policy argument
+        made = None
+    return fn if callable(made) else checkpointed(fn)
+
+
+__all__ = ["Workload", "checkpointed", "from_loss"]

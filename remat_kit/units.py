@@ -1,0 +1,35 @@
+"""Figures as people read them: bytes in KiB/MiB/GiB, FLOPs, seconds.
+
+At the bottom of the package: the planner's messages and the CLI's tables
+print sizes the same way.
+"""
+
+
+def fmt_bytes(n) -> str:
+    """1234567 -> '1.18 MiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def fmt_flops(f) -> str:
+    """3.2e9 -> '3.2 GFLOP'; None -> '-'."""
+    if f is None:
+        return "-"
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if f >= size:
+            return f"{f / size:.3g} {unit}"
+    return f"{f:.3g} FLOP"
+
+
+def fmt_seconds(x) -> str:
+    """0.0314 -> '31.4 ms'; None -> '-'."""
+    if x is None:
+        return "-"
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
+
+
+__all__ = ["fmt_bytes", "fmt_flops", "fmt_seconds"]
