@@ -1,0 +1,332 @@
+"""fit's search: for one policy, the largest size whose compiled train step fits.
+
+`fit_one` searches sizes (multiples of the unit) for one policy: sizes compiled
+before predict the next (`_predict`, a line through the step bytes), then a
+bisection between the last fit and the first miss (`_search`); `Steps` keeps
+every compiled step, so rows share them; `AutoRow` is the planner's row,
+choosing at each size among its plan and the steps already compiled. The public
+call and its checks are `remat_kit.decide.fit.fit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from remat_kit.errors import BudgetError
+from remat_kit.decide.plan_cache import layers_summary
+from remat_kit.policy.policy import Policy
+from remat_kit.policy.spec import parse
+from remat_kit.decide.step import (StepMemory, one_policy)
+from remat_kit.measure.targets import is_out_of_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class FitRow:
+    """The largest size one policy allows within the budget.
+
+    Attributes:
+      policy: the spec as given.
+      size: the largest fitting sequence length or global batch size (a
+        multiple of `multiple`); 0 if not even one multiple fits.
+      memory: the step at `size` (`StepMemory`, per device); None if size is
+        0 or on error.
+      flops_per_token: FLOPs of the whole step over all devices per token:
+        per-device step FLOPs x devices / (global batch * seq), at `size`.
+      flop_overhead: step FLOPs / no remat's step FLOPs at the same size.
+      none_fits: whether no remat fits the budget at `size`.
+      none_flops: how no remat's FLOPs at `size` were found: "compiled", or
+        "extrapolated" (its compile failed for memory; FLOPs are a
+        polynomial in the size, degree 2 in seq and 1 in batch, fitted
+        exactly through compiled smaller sizes).
+      capped: `size` is the search's upper limit and still fits.
+      compiles: train-step compiles this row needed (cached ones not
+        counted); for an auto row, plus the planner's value-and-grad compiles.
+      probes: (size, total bytes or None on an out-of-memory compile) for
+        every size compiled for this policy, in search order.
+      error: why the search stopped ("TypeName: message"), for a compile that
+        failed for a reason other than memory; the other fields are then
+        what was found before it.
+      picked: for an auto row, the policy it picked at `size` (canonical
+        spec string; for a per-layer plan, its runs of layers, "0-6
+        save:mlpwi / 7-11 full", `plan_cache.layers_summary`); None for a
+        fixed policy.
+      picked_layers: for an auto row that picked a per-layer plan, each
+        layer's spec (`Plan.layer_specs`: compile it as
+        `TransformerConfig(remat="none", layer_remat=...)`); else empty.
+      limit: where the workload itself stopped the search: the first size
+        at which it could not be built (traced) although a smaller one was
+        (e.g. a learned position table shorter than the sequence), "seq 48:
+        BadInput: ..."; `size` is then the largest fitting size below it,
+        `capped` if the budget would allow more. Compile errors are `error`.
+    """
+
+    policy: str
+    size: int
+    memory: StepMemory | None = None
+    flops_per_token: float | None = None
+    flop_overhead: float | None = None
+    none_fits: bool | None = None
+    none_flops: str | None = None
+    capped: bool = False
+    compiles: int = 0
+    probes: tuple[tuple[int, int | None], ...] = ()
+    error: str | None = None
+    picked: str | None = None
+    picked_layers: tuple[str, ...] = ()
+    limit: str | None = None
+
+class Steps:
+    """Compiled step figures by (policy key, size), so no policy is compiled
+    twice at a size, whichever name (or planner) asked for it.
+
+    measure(policy, size, loss) compiles the train step of `policy` (a Policy)
+    at `size`, or with `loss` (a loss(*args) of the workload's arguments) of
+    that loss under no further remat: a per-layer plan's program.
+    """
+
+    def __init__(self, measure: Callable[[Policy, int, Callable | None], StepMemory]):
+        self._measure, self._cache, self.total = measure, {}, 0
+        self._failed: dict[tuple, Exception] = {}  # raised again, not compiled again
+
+    def get(self, policy, size: int, loss: Callable | None = None) -> StepMemory | None:
+        """The step at `size`, or None if its compile ran out of memory.
+
+        policy: a spec or `Policy`; or, with `loss`, the per-layer tuple of
+        Policies that loss runs (its key: their runs of layers, `layers_summary`).
+        """
+        key = (_key(policy), size)
+        if key in self._failed:
+            raise self._failed[key]
+        if key not in self._cache:
+            self.total += 1
+            try:
+                self._cache[key] = self._measure(
+                    Policy() if loss is not None else one_policy(policy), size, loss)
+            except Exception as e:  # noqa: BLE001 - only memory errors mean "does not fit"
+                if not is_out_of_memory(e):
+                    self._failed[key] = e
+                    raise
+                self._cache[key] = None
+        return self._cache[key]
+
+    def known(self, policy: str) -> dict[int, StepMemory]:
+        policy = _key(policy)
+        return {s: m for (p, s), m in self._cache.items() if p == policy and m is not None}
+
+    def at(self, size: int) -> dict[str, StepMemory]:
+        """Every policy compiled at `size` that did not run out of memory, by key."""
+        return {p: m for (p, s), m in self._cache.items() if s == size and m is not None}
+
+
+class SizeRefused(Exception):
+    """The workload cannot be built at a size (its own limit, not memory), "seq 48: ..."."""
+
+
+def _key(policy) -> str:
+    """A step's policy as one string: its canonical spec, or for one Policy per
+    layer their runs of layers ('0-6 save:mlpwi / 7-11 full')."""
+    return layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
+
+
+def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None) -> int | None:
+    """The largest unit k whose memory a quadratic through the three points
+    nearest the bracket predicts to fit; None if no prediction can be made."""
+    near = sorted(points, key=lambda k: min(abs(k - lo), abs(k - (hi or lo))))[:3]
+    if len(near) < 2:
+        return None
+    xs = np.array(near, float)
+    coef = np.polyfit(xs, np.array([points[k] for k in near], float), len(near) - 1)
+    roots = [r.real for r in np.roots(coef - np.eye(len(coef))[-1] * budget)
+             if abs(r.imag) < 1e-9 and r.real > 0]
+    return int(math.floor(max(roots))) if roots else None
+
+
+def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
+            budget: int, max_units: int, start: int = 1) -> tuple[int, bool]:
+    """The largest k in [0, max_units] with fits(k), assuming fits is monotone.
+
+    Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
+    already probed (None if not probed or out of memory), for prediction;
+    bytes_at(0) may give the memory the step holds at no size at all (its
+    parameters, gradients and optimizer state), which is never compiled.
+    `start`: the first unit probed, e.g. another policy's answer.
+    """
+    if max_units < 1:
+        return 0, False
+    start = min(max(start, 1), max_units)
+    if fits(start):
+        lo, hi = start, None  # fits(lo); not fits(hi)
+        if lo == max_units:
+            return lo, True
+    elif start == 1:
+        return 0, False
+    else:
+        lo, hi = 0, start  # size 0 fits trivially; the prediction picks the next probe
+    stalls = 0
+    while hi is None or hi - lo > 1:
+        points = {k: b for k in range(0, (hi or lo) + 1) if (b := bytes_at(k)) is not None}
+        guess = _predict(points, budget, lo, hi)
+        if guess == lo or (guess is None and hi is None and lo == start > 1):
+            # The boundary is predicted at lo, or lo is another policy's boundary:
+            # confirm that lo + 1 fails.
+            k = lo + 1
+        elif hi is None:
+            # Grow: to the predicted boundary, at most 8x a step; 2x without one.
+            k = 2 * lo if guess is None or guess < lo else min(guess, 8 * lo)
+        elif guess is None or not lo < guess < hi or stalls >= 2:
+            k, stalls = (lo + hi) // 2, 0
+        else:
+            k = guess
+        k = min(k, max_units)
+        width = None if hi is None else hi - lo
+        if fits(k):
+            lo = k
+            if k == max_units:
+                return lo, True
+        else:
+            hi = k
+        # A prediction that does not halve the bracket twice in a row gives way to bisection.
+        stalls = stalls + 1 if width is not None and hi - lo > width / 2 else 0
+    return lo, False
+
+
+def _extrapolated_flops(known: dict[int, StepMemory], size: int, degree: int) -> float | None:
+    pts = sorted((s, m.flops) for s, m in known.items() if m.flops is not None)
+    if len(pts) < degree + 1:
+        return None
+    pts = pts[-(degree + 1):]
+    coef = np.polyfit([s for s, _ in pts], [f for _, f in pts], degree)
+    return float(np.polyval(coef, size))
+
+class AutoRow:
+    """The auto row's choice at each size: the fewest-FLOP policy whose whole
+    step fits, among the planner's verified plan and every policy already
+    compiled at that size (see `fit`)."""
+
+    TRIES = 3
+
+    def __init__(self, steps: Steps, budget: int, planner_at: Callable[[int], object]):
+        self.steps, self.budget, self.planner_at = steps, budget, planner_at
+        self.planner_compiles = 0
+        self.layer_specs: dict[str, tuple[str, ...]] = {}  # step key -> a per-layer plan's specs
+        self._chosen: dict[int, tuple[str | None, StepMemory | None]] = {}
+
+    def at(self, size: int) -> tuple[str | None, StepMemory | None]:
+        """(picked spec, its step) at `size`; (None, None) if nothing fits."""
+        if size not in self._chosen:
+            self._chosen[size] = self._choose(size)
+        return self._chosen[size]
+
+    def _choose(self, size: int) -> tuple[str | None, StepMemory | None]:
+        full = self.steps.get("full", size)
+        if full is not None:
+            planner = self.planner_at(size)
+            # Take off what the step holds besides the value-and-grad memory the planner
+            # budgets (parameters, gradients, optimizer state, the update): full remat's step
+            # minus the planner's own figure for it (`minimum`: full's, in its memory kind).
+            try:
+                limit = self.budget - (full.total_bytes - planner.minimum()[0])
+                for _ in range(self.TRIES):
+                    plan = planner.plan(limit)
+                    if plan.layer_specs:
+                        self.layer_specs[_key(plan.policy)] = plan.layer_specs
+                        step = self.steps.get(plan.policy, size, planner.loss_of(plan.policy))
+                    else:
+                        step = self.steps.get(plan.spec, size)
+                    if step is not None and step.total_bytes <= self.budget:
+                        break
+                    # Over: take the overshoot off the planner's budget (an out-of-memory
+                    # compile: plan below what this plan measured).
+                    limit = (limit - (step.total_bytes - self.budget) if step is not None
+                             else plan.measured_bytes - 1)
+            except BudgetError:
+                pass  # below what the planner can reach: full (compiled) is the fallback
+            self.planner_compiles += len({id(r) for r in planner.records.values()})
+        fitting = [(m.flops, m.total_bytes, spec) for spec, m in self.steps.at(size).items()
+                   if m.total_bytes <= self.budget and m.flops is not None]
+        if not fitting:
+            return None, None
+        spec = min(fitting)[2]
+        return spec, self.steps.at(size)[spec]
+
+
+def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
+             extra_compiles: Callable[[], int], steps: Steps, budget: int, multiple: int,
+             max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
+             start: int, seen: dict[int, StepMemory], at_zero: int,
+             exact: bool = False, limit: str | None = None) -> tuple[FitRow, int]:
+    """One row: search the largest size where `at(size)` gives a fitting step.
+
+    Returns (the row, max_units for the next rows: below the model's own
+    limit where this search found one, `FitRow.limit`).
+
+    at(size) -> (picked spec or None for a fixed policy, step or None if out of memory).
+    seen: steps of this row compiled before, by size, for the search's prediction.
+    at_zero: the step's bytes at size 0 (parameters, gradients, optimizer state), a
+    point for the prediction that needs no compile.
+    exact: max_units is the most the budget allows (`size_bound`): fitting there is not capped.
+    limit: the workload's own limit found by an earlier row (max_units is below it).
+    """
+    before, extra_before = steps.total, extra_compiles()
+    probes = []
+    known = {0: at_zero} | {s // multiple: m.total_bytes for s, m in seen.items()
+                            if s % multiple == 0}
+
+    trying = [0]  # the unit being compiled, where an error comes from
+
+    def fits(k: int) -> bool:
+        trying[0] = k
+        _, m = at(k * multiple)
+        probes.append((k * multiple, None if m is None else m.total_bytes))
+        if m is not None:
+            known[k] = m.total_bytes
+        return m is not None and m.total_bytes <= budget
+
+    def compiles() -> int:
+        return steps.total - before + extra_compiles() - extra_before
+
+    while True:
+        try:
+            units, capped = _search(fits, known.get, budget, max_units, start)
+            break
+        except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
+            k = trying[0]
+            if not isinstance(e, SizeRefused) or not any(0 < u < k for u in known):
+                error = str(e) if isinstance(e, SizeRefused) else f"{type(e).__name__}: {e}"
+                return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
+                              error=error), max_units
+            # A smaller size was built: the workload stops at a limit of its own (e.g. a
+            # learned position table), so search below it.
+            limit, max_units, start = str(e), k - 1, min(start, k - 1)
+    capped = capped and (limit is not None or not exact)
+    size = units * multiple
+    if size == 0:
+        return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes)), max_units
+    picked, memory = at(size)
+    try:
+        none = steps.get("none", size)
+    except Exception as e:  # noqa: BLE001
+        none, error = None, f"no remat at {size}: {type(e).__name__}: {e}"
+    else:
+        error = None
+    if none is not None:
+        none_flops, how = none.flops, "compiled"
+    else:
+        none_flops = _extrapolated_flops(steps.known("none"), size, 2 if vary == "seq" else 1)
+        how = "extrapolated" if none_flops is not None else None
+    b, s = sizes(size)
+    return FitRow(
+        spec, size, memory, limit=limit,
+        flops_per_token=None if memory.flops is None else memory.flops * devices / (b * s),
+        flop_overhead=(None if memory.flops is None or not none_flops
+                       else memory.flops / none_flops),
+        none_fits=None if none is None else none.total_bytes <= budget, none_flops=how,
+        capped=capped, compiles=compiles(), probes=tuple(probes), error=error,
+        picked=picked), max_units
+
+
+__all__ = ["AutoRow", "FitRow", "SizeRefused", "Steps", "fit_one"]

@@ -1,0 +1,228 @@
+"""The planner's search: a budget's plan solved, verified by compiling, and kept.
+
+`plan(planner, budget)` is `Planner.plan`: each base rule whose own compile fits
+is a starting point, the MILP (`remat_kit.decide.cost_model`) fills the room the
+budget leaves above it, the best predicted candidate is compiled and solved again
+with the room corrected (up to `max_iterations` compiles), and every compiled
+policy is a candidate; `frontier` makes a list of budgets' plans monotone. The
+`Planner` (`remat_kit.decide.plan`) holds the measurements these read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from remat_kit.decide import offload as host_offload
+from remat_kit.decide.cost_model import PLANNED_BASES
+from remat_kit.decide.plan_cache import Plan, _write_cache, layers_summary, read_cache
+from remat_kit.errors import BudgetError
+from remat_kit.measure.record import MEMORY_LABELS, memory_kind
+from remat_kit.policy.budget import parse_budget
+from remat_kit.policy.policy import Policy
+
+# Recompute FLOPs below this fraction of the step's are within the cost model's
+# error (predicted vs compiled FLOPs differ by ~0.1% on gpt2_small and llama_1b),
+# so the MILP's second solve trades them for fewer saved bytes.
+FLOP_RESOLUTION = 1e-4
+
+
+def plan(planner, budget: "str | int | float") -> Plan:
+    """The policy with the fewest FLOPs (or least predicted time) whose
+    compiled memory fits `budget`.
+
+    Each base rule for untagged values (`cost_model.PLANNED_BASES`: nothing,
+    dots_no_batch, dots) whose own compile fits is a starting point: the
+    MILP fills the room the budget leaves above it, with the segments that
+    base rule implies. The base with the best predicted objective is
+    verified by compiling (and re-solved with the room corrected, up to
+    `max_iterations` compiles); every compiled policy, the bases alone
+    included, is a candidate, so a plan is never worse than them.
+
+    Args:
+      budget: see `parse_budget`.
+    Returns:
+      A verified `Plan`: measured_bytes <= budget_bytes.
+    Raises:
+      BudgetError: a malformed budget, or one below the least memory of
+        any compiled policy, normally `full` (the message gives that
+        minimum in bytes and as a fraction); a fraction budget where no
+        remat runs out of the target's memory (there is nothing to take a
+        fraction of); `full` runs out of the target's memory.
+      RuntimeError: `full` or `none` does not compile for another reason.
+      ValueError: more groups than layers (`group_count`).
+    """
+    parsed = parse_budget(budget)
+    groups, group_note = planner.group_count()
+    # The figure budgeted is in the key: a temp plan never answers a peak budget.
+    key = (f"{planner.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
+           f"|groups={groups}|{planner.objective}|offload={planner.host_bandwidth}"
+           + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None else ""))
+    if planner.cache and key in (hit := read_cache(planner.cache) or {}):
+        try:
+            return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            pass  # an entry from an older layout: plan again
+    full, none = planner.measure(Policy()), planner.none()
+    if none is None and parsed.bytes is None:
+        raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "
+                          f"runs out of {planner.target}'s memory at these shapes; give the "
+                          "budget in bytes (e.g. 12GiB)", budget=budget)
+    limit = parsed.resolve(none and none.memory_bytes)
+    least = min(planner._compiled(), key=lambda r: r.memory_bytes)
+    if limit < least.memory_bytes:
+        lo = least.memory_bytes
+        which = "full remat" if least is full else f"{least.policy} (below full remat's)"
+        of_none = (f"{lo / none.memory_bytes:.3f} of no remat ({none.memory_bytes:,} bytes)"
+                   if none else f"no remat runs out of {planner.target}'s memory")
+        raise BudgetError(
+            f"budget {budget} ({limit:,} bytes) is below the least "
+            f"{MEMORY_LABELS[full.memory_kind]} memory any policy "
+            f"reaches: {lo:,} bytes under {which}, {of_none}", budget=budget,
+            minimum_bytes=lo, minimum_fraction=none and lo / none.memory_bytes)
+    if none is not None and limit >= none.memory_bytes:
+        return _finish(planner, key, budget, limit, Policy(remat=False), none,
+                            none.memory_bytes, none.flops, "the budget holds no remat", 0,
+                            groups)
+    notes = [group_note] if group_note else []
+    time_objective = planner.objective == "time"
+    unit = FLOP_RESOLUTION * (planner.seconds(Policy(remat=False)) if time_objective
+                              else planner.none_flops())
+    # Each base rule alone is compiled: its memory is the floor the MILP fills above.
+    floors = dict(zip(PLANNED_BASES, planner.measure_all([Policy(base=b)
+                                                       for b in PLANNED_BASES])))
+    starts = []
+    for base, floor in floors.items():
+        if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
+            continue
+        model = planner.model_for(base, groups)
+        saved, offloaded, _ = model.solve(limit - floor.memory_bytes, unit, planner.objective)
+        predicted = _predict(planner, base, floor, model, saved, offloaded)
+        starts.append((predicted[2] if time_objective else predicted[1]
+                       + model.excess(offloaded) * model.flop_rate, base))
+    tried, status, best = set(), "", None
+    if starts:
+        base = min(starts)[1]
+        floor, model = floors[base], planner.model_for(base, groups)
+        notes.append(f"base {base}")
+        room, hi, fit = limit - floor.memory_bytes, None, False
+        for _ in range(planner.max_iterations):
+            saved, offloaded, status = model.solve(room, unit, planner.objective)
+            if (saved, offloaded) in tried:
+                # The room moved, the answer did not. Where the last compile fit,
+                # the budget may hold more than the model says (XLA reuses buffers:
+                # the last layer's residuals often cost nothing): offer the next
+                # smallest item, below any room already found too much.
+                bump = min((model.nbytes[t] for t in model.tags if model.nbytes[t]
+                            and t not in saved and t not in model.fixed), default=None)
+                if not fit or bump is None or (hi is not None and room + bump >= hi):
+                    break
+                room, fit = room + bump, False
+                continue
+            tried.add((saved, offloaded))
+            policy = planner._policy(saved, base, groups, offloaded)
+            record = planner.record_of(policy)
+            tag_bytes = model.cost(saved)[0]
+            name = record.policy
+            if record.error or record.memory_bytes is None or record.flops is None:
+                notes.append(f"{name}: no figures ({record.error}), skipped")
+                hi, room = tag_bytes, max(0, tag_bytes - 1)
+                continue
+            used = planner.device_bytes(record)
+            fit = used <= limit
+            notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
+            if fit:
+                found = (planner.score(record), policy, record,
+                         _predict(planner, base, floor, model, saved, offloaded))
+                best = found if best is None or found[0] < best[0] else best
+                # Fits with bytes to spare: the model over-predicted; offer the slack,
+                # but stay below a room that was already too much.
+                grown = room + limit - used
+                room = grown if hi is None else min(grown, (room + hi) / 2)
+            else:
+                # Over budget: shrink the room by the overshoot, and below this plan's bytes.
+                hi = tag_bytes
+                room = max(0, min(room - (used - limit), tag_bytes - 1))
+    # Any other policy compiled for this loss (the base rules alone, the presets
+    # remat-kit plan compares) that fits and scores better wins: it is verified
+    # just the same.
+    other = min((r for r in planner._compiled() if planner.device_bytes(r) <= limit),
+                key=planner.score)  # `least` fits
+    if best is None or planner.score(other) < best[0]:
+        policy, record = planner._policy_of(other), other
+        predicted = (other.memory_bytes, other.flops)
+        if best is not None:
+            notes.append(f"{other.policy} (compiled before) scores better")
+    else:
+        _, policy, record, predicted = best
+        predicted = predicted[:2]
+    offload_notes = host_offload.verify(planner, policy, record)
+    return _finish(planner, key, budget, limit, policy, record, *predicted,
+                        "; ".join([status, *notes, "chose " + (
+                            layers_summary(policy) if isinstance(policy, tuple)
+                            else str(policy)), *offload_notes]), len(tried),
+                        groups, offload_notes)
+
+def _predict(planner, base, floor, model, saved,
+             offloaded=frozenset()) -> tuple[int, float, float | None]:
+    """(device bytes, FLOPs, seconds or None) the cost model predicts for saving
+    `saved` and offloading `offloaded` above base rule `base` alone (`floor`,
+    its compiled record)."""
+    nbytes, flops = model.cost(saved, offloaded)
+    empty = model.cost(frozenset())[1]
+    seconds = None
+    if planner.objective == "time":
+        seconds = planner.seconds(Policy(base=base)) - model.time(frozenset()) + \
+            model.time(saved, offloaded)
+    return floor.memory_bytes + nbytes, floor.flops - empty + flops, seconds
+
+def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
+            status, iterations, groups, offload_notes=()) -> Plan:
+    least, none = planner.minimum()
+    if none is None:
+        status += "; no remat runs out of the target's memory: its FLOPs are the cost model's"
+    layered = isinstance(policy, tuple)
+    result = Plan(
+        budget=str(budget), budget_bytes=limit, policy=policy,
+        spec=layers_summary(policy) if layered else str(policy),
+        predicted_bytes=predicted_bytes,
+        predicted_flops=predicted_flops, measured_bytes=planner.device_bytes(record),
+        measured_flops=record.flops, none_bytes=none, none_flops=planner.none_flops(),
+        minimum_bytes=least, status=status, iterations=iterations,
+        platform=record.platform, memory_kind=planner.memory_kind,
+        none_out_of_memory=none is None,
+        layer_specs=tuple(map(str, policy)) if layered else (), groups=groups,
+        objective=planner.objective,
+        predicted_seconds=planner.seconds(policy) if planner.predict_time else None,
+        none_seconds=planner.seconds(Policy(remat=False)) if planner.predict_time else None,
+        offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
+        offload_notes=tuple(offload_notes))
+    if planner.cache:
+        _write_cache(planner.cache, key, result)
+    return result
+
+def frontier(planner, budgets: Sequence) -> list[Plan]:
+    """`plan` for each budget, made monotone: where a smaller budget's plan
+    scores better (fewer measured FLOPs, or less predicted time), it is kept
+    for the larger budget too (it fits).
+
+    Returns:
+      Plans in the order of `budgets`.
+    Raises:
+      BudgetError: as `plan`, for the first budget that fails.
+    """
+    plans = [plan(planner, b) for b in budgets]
+    score = ((lambda p: p.predicted_seconds) if planner.objective == "time"
+             else (lambda p: p.measured_flops))
+    best: Plan | None = None
+    for i in sorted(range(len(plans)), key=lambda i: plans[i].budget_bytes):
+        p = plans[i]
+        if best is not None and score(best) < score(p):
+            plans[i] = dataclasses.replace(
+                best, budget=p.budget, budget_bytes=p.budget_bytes, cached=p.cached,
+                status=p.status + f"; kept the plan of budget {best.budget} (scores better)")
+        best = plans[i]
+    return plans
+
+
+__all__ = ["frontier", "plan"]
