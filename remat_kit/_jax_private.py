@@ -10,6 +10,10 @@ compile-only use on a machine without them); `jax._src.hardware_utils` does. JAX
 0.12 exports the `checkpoint_name` primitive as `jax.ad_checkpoint.name_p`; 0.11
 (the GPU machines' JAX) has it only in `jax._src.ad_checkpoint`. If a JAX release
 moves any of these, only this module changes.
+
+A `scan` equation's parameters changed shape too: jax 0.11 gives `num_consts`,
+`num_carry` and a ClosedJaxpr body; 0.12 a flat tree `ft_in` of (consts, carry,
+xs) and an open Jaxpr. `scan_parts` reads both.
 """
 
 from __future__ import annotations
@@ -56,6 +60,27 @@ def hlo_module(compiled):
         return hlo.hlo_module_from_text(compiled.as_text())
 
 
+def scan_parts(eqn) -> tuple:
+    """(body Jaxpr, body consts, num_consts, num_carry) of a `scan` equation, under
+    every jax release remat_kit supports. The equation's inputs are
+    [*consts, *carry, *xs]; the body's inputs the same, one slice of each xs.
+
+    Raises:
+      ValueError: `eqn` is not a scan equation.
+    """
+    if eqn.primitive.name != "scan":
+        raise ValueError(f"scan_parts reads a scan equation, got {eqn.primitive.name}")
+    p = eqn.params
+    body = p["jaxpr"]
+    consts = tuple(getattr(body, "consts", ()))
+    body = getattr(body, "jaxpr", body)  # 0.11: ClosedJaxpr; 0.12: Jaxpr
+    if "ft_in" in p:  # jax 0.12: a flat tree of (consts, carry, xs)
+        nc, ncarry, _ = (len(part) for part in p["ft_in"].unpack())
+    else:
+        nc, ncarry = p["num_consts"], p["num_carry"]
+    return body, consts, nc, ncarry
+
+
 def has_nvidia_gpu() -> bool:
     """True if this machine shows an NVIDIA GPU device file."""
     return hardware_utils.has_visible_nvidia_gpu()
@@ -67,4 +92,4 @@ def num_tpu_chips() -> int:
 
 
 __all__ = ["has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
-           "saved_residuals"]
+           "saved_residuals", "scan_parts"]

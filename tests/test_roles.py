@@ -35,8 +35,9 @@ EXPECTED = {
                     "mlpwi_1": (2, (B, T, 64)), "attn_logits": (2, (B, T, 4, T))},
     "gpt_linen": {**{t: (2, None) for t in BLOCK}, "qkv_proj": (2, (B, T, 96)),
                   "mlpwi": (2, (B, T, 128)), "attn_probs": (2, (B, 4, T, T))},
-    "llama_nnx": {**{t: (2, None) for t in BLOCK}, "query_proj": (2, (B, T, 32)),
-                  "key_proj": (2, (B, T, 16)), "value_proj": (2, (B, T, 16)),
+    # query/key after the rotary embedding (MaxText's meaning), heads split; value at its matmul
+    "llama_nnx": {**{t: (2, None) for t in BLOCK}, "query_proj": (2, (B, T, 4, 8)),
+                  "key_proj": (2, (B, T, 2, 8)), "value_proj": (2, (B, T, 16)),
                   "mlpwi_0": (2, (B, T, 48)), "mlpwi_1": (2, (B, T, 48)),
                   "attn_logits": (2, (B, 4, T, T))},
     "fused_nnx": {**{t: (2, None) for t in BLOCK}, "query_proj": (2, (B, T, 32)),
@@ -99,7 +100,8 @@ def test_zoo_roles_per_block(zoo, name):
 
 @pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx", "gemma_linen"])
 def test_projections_are_param_matmuls(zoo, name):
-    """Each projection role sits on a dot_general (or its bias add)."""
+    """Each projection role sits on a dot_general (or its bias add); a rotated query or
+    key on its rotary embedding's output."""
     jaxpr, roles = zoo[name]
     producers = {}
 
@@ -111,8 +113,10 @@ def test_projections_are_param_matmuls(zoo, name):
                 walk(sub)
     walk(jaxpr.jaxpr)
     for var, tag in roles.of.items():
-        if tag.endswith("_proj") or tag.startswith("mlpw"):
-            prim = producers[var].primitive.name
+        prim = producers[var].primitive.name
+        if tag in ("query_proj", "key_proj") and name != "gpt_linen":  # rope: the rotated
+            assert prim == "concatenate", tag  # halves joined (MaxText names them after it)
+        elif tag.endswith("_proj") or tag.startswith("mlpw"):
             assert prim == "dot_general" or (prim == "add" and name == "gpt_linen"), tag
         if tag in ("attn_probs", "mlp_act", "attn_norm", "mlp_norm"):
             assert producers[var].primitive.name != "dot_general", tag

@@ -108,13 +108,42 @@ def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
             return model_workload(model, batch, seq, block=block, name=label, mesh=mesh)
         except (ModelError, RematSpecError) as e:
             raise ModelError(f"--model {spec!r}: {e}") from None
-        except Exception as e:  # noqa: BLE001 - the model failed to trace: user code
+        except Exception as e:  # noqa: BLE001 - the model failed to trace
+            where = _our_frame(e)
+            if where is not None:  # remat_kit's own fault: never the user's shapes
+                raise ModelError(f"--model {spec!r}: remat_kit failed on this model at "
+                                 f"{where} ({type(e).__name__}: {e}); this is a remat_kit "
+                                 "bug, not a fault of the model or its input shapes: please "
+                                 "report it") from None
             raise ModelError(f"--model {spec!r}: tracing the model on int32 tokens [{batch}, "
                              f"{seq}] failed: {type(e).__name__}: {e}; if the model takes "
                              f"other shapes (e.g. fewer positions), give them with --batch "
                              f"and --seq") from None
 
     return label, make
+
+
+# Libraries a model's code calls into: a failure raised there is the caller's.
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (
+    importlib.import_module("jax"), importlib.import_module("jaxlib"),
+    importlib.import_module("flax"), importlib.import_module("optax"),
+    importlib.import_module("numpy"), os))
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _our_frame(e: BaseException) -> str | None:
+    """"FILE:LINE" of remat_kit's code where `e` was raised, when the last frame
+    outside the libraries (jax, flax, optax, numpy, the standard library) is
+    remat_kit's own and not the model's; else None."""
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith(_LIBRARIES):
+            last = (path, tb.tb_lineno)
+        tb = tb.tb_next
+    if last is None or not last[0].startswith(_OURS):
+        return None
+    return f"{os.path.relpath(last[0], os.path.dirname(_OURS.rstrip(os.sep)))}:{last[1]}"
 
 
 def _check_module(model, spec: str, name: str) -> None:

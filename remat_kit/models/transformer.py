@@ -114,12 +114,13 @@ def attention(cfg: TransformerConfig, x, dense: Callable, dropout: Callable):
     heads = lambda name, n: _constrain(
         dense((n, cfg.heads_dim), name, ("embed", "heads", "kv"))(x),
         "batch", "length", "heads", "kv")
-    q = tag(heads("query", cfg.num_heads), "query_proj")
-    k = tag(heads("key", cfg.kv_heads), "key_proj")
+    q, k = heads("query", cfg.num_heads), heads("key", cfg.kv_heads)
     v = tag(heads("value", cfg.kv_heads), "value_proj")
     if cfg.family == "llama":
         positions = jnp.arange(x.shape[1])
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    # Named after the rotary embedding, as MaxText names them (layers/attentions.py).
+    q, k = tag(q, "query_proj"), tag(k, "key_proj")
     context = causal_attention(q, k, v, dropout, cfg.dtype)
     context = tag(_constrain(context, "batch", "length", "heads", "kv"), "context")
     out = dense((cfg.d_model,), "out", ("heads", "kv", "embed"), axis=(-2, -1))(context)

@@ -20,8 +20,10 @@ from remat_kit.errors import UnknownTagError
 TAGS: dict[str, str] = {
     "decoder_layer_input": "input to a decoder layer (the residual stream) [batch, seq, embed]",
     "attn_norm": "pre-attention norm output [batch, seq, embed]",
-    "query_proj": "query projection [batch, seq, heads, head_dim]",
-    "key_proj": "key projection [batch, seq, kv_heads, head_dim]",
+    "query_proj": ("query projection [batch, seq, heads, head_dim], after the rotary embedding "
+                   "where there is one (as MaxText tags it, layers/attentions.py)"),
+    "key_proj": ("key projection [batch, seq, kv_heads, head_dim], after the rotary embedding, "
+                 "before grouped-query heads are repeated"),
     "value_proj": "value projection [batch, seq, kv_heads, head_dim]",
     "kv_proj": "fused key/value projection",
     "qkv_proj": "fused query/key/value projection",

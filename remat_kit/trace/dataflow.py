@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 
 from jax.extend import core as jcore
 
+from remat_kit._jax_private import scan_parts
+
 # Calls whose single sub-jaxpr maps eqn inputs and outputs one to one: inlined.
 CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
@@ -124,15 +126,10 @@ class Graph:
                     for i, (v, src) in enumerate(zip(jaxpr.invars, like))]
 
         if name == "scan":
-            body = p["jaxpr"]
-            if "ft_in" in p:  # jax 0.12: a tree of (consts, carry, xs)
-                consts, carry, _ = p["ft_in"].update(list(ins)).unpack()
-                nc, ncarry = len(list(consts)), len(list(carry))
-            else:
-                nc, ncarry = p["num_consts"], p["num_carry"]
-            if len(body.jaxpr.invars) != len(ins):
+            body, _, nc, ncarry = scan_parts(eqn)
+            if len(body.invars) != len(ins):
                 return
-            self._walk(body.jaxpr, fresh(body.jaxpr, nc, ins, ncarry), depth)
+            self._walk(body, fresh(body, nc, ins, ncarry), depth)
         elif name == "while":
             cn, bn = p["cond_nconsts"], p["body_nconsts"]
             body = p["body_jaxpr"].jaxpr

@@ -34,6 +34,7 @@ to the `name` equation's output.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 
@@ -124,14 +125,12 @@ def _param_dots_upstream(val: df.Val) -> list[df.Node]:
     return [n for n, _ in df.back(val, _THROUGH) if _param_dot(n) is not None]
 
 
-def _softmax(node):
-    """(exp output, key axes) if `node` normalizes an exp by its own sum: the div
-    of softmax; else None."""
+def _divided(node):
+    """(numerator, the reduce_sum node of the denominator) of `x / sum(...)` or
+    `x * (1 / sum(...))`; else None."""
     if node.prim not in ("div", "mul") or len(node.ins) != 2:
         return None
     num, den = node.ins
-    if num.producer is None or num.producer.prim != "exp":
-        return None
     if node.prim == "mul":  # num * (1 / sum)
         r = df.back_end(den)
         if r.producer is None or r.producer.prim not in ("div", "integer_pow"):
@@ -140,10 +139,36 @@ def _softmax(node):
     s = df.back_end(den)
     if s.producer is None or s.producer.prim != "reduce_sum":
         return None
-    src = df.back_end(s.producer.ins[0], df.LAYOUT | {"convert_element_type"})
-    if src is not num:
+    return num, s.producer
+
+
+def _exp_summed(val: df.Val, total) -> bool:
+    """Whether `val` is an exp whose sum (over layout ops and casts) is `total`."""
+    return (val.producer is not None and val.producer.prim == "exp"
+            and df.back_end(total.ins[0], df.LAYOUT | {"convert_element_type"}) is val)
+
+
+def _softmax(node):
+    """(exp output, key axes, probabilities, context matmul or None) if `node`
+    normalizes an exp by its own sum: the div of softmax (probabilities: its
+    output), or the div of a matmul of the unnormalized exps by their sum
+    (`(exp(s - max) @ v) / sum(exp(s - max))`: probabilities are the exps and
+    the matmul is the context's); else None."""
+    got = _divided(node)
+    if got is None:
         return None
-    return num, set(s.producer.params["axes"])
+    num, total = got
+    axes = set(total.params["axes"])
+    if _exp_summed(num, total):
+        return num, axes, node.outs[0], None
+    ctx = df.back_end(num, df.LAYOUT | {"convert_element_type"}).producer
+    if not _is_dot(ctx) or _param_dot(ctx) is not None:
+        return None
+    exps = [v for v in ctx.ins
+            if _exp_summed(df.back_end(v, df.LAYOUT | {"convert_element_type"}), total)]
+    if len(exps) != 1:
+        return None
+    return df.back_end(exps[0], df.LAYOUT | {"convert_element_type"}), axes, exps[0], ctx
 
 
 class _Assign:
@@ -164,8 +189,31 @@ class _Assign:
         return {v: next(iter(t)) for v, t in by_var.items() if len(t) == 1}
 
 
-def _projections(a: _Assign, q_dots, k_dots, v_dots, why: dict):
-    """Tags the query/key/value matmuls, fused ones as qkv_proj or kv_proj."""
+def _rotated(dot, operand: df.Val) -> df.Val:
+    """The value a query or key projection `dot` gives on its way to the scores
+    matmul's `operand`: past what computes on it element for element (a rotary
+    embedding, its halves sliced and joined, a cast), up to a head repeat (grouped-query attention) or a
+    scaling by a constant; where nothing computes, the projection (`_proj`).
+    MaxText names query_proj/key_proj after the rotary embedding
+    (layers/attentions.py: `checkpoint_name(query, "query_proj")` after
+    `apply_rotary_embedding`)."""
+    size = lambda v: math.prod(v.shape)  # noqa: E731
+    out = dot.outs[0]
+    found = None
+    for node, val, _ in reversed(df.back_path(operand, dot, _THROUGH) or []):
+        if size(val) > size(out) or _scale(node, _):  # a head repeat, the scaling
+            break
+        if size(val) == size(out) and node.prim not in df.LAYOUT | {"broadcast_in_dim"}:
+            found = val  # (a rotation's halves, sliced, are smaller)
+    if found is None:
+        return _proj(dot)
+    return df.fwd_end(found, ops={"name", "sharding_constraint"})
+
+
+def _projections(a: _Assign, q_dots, k_dots, v_dots, why: dict, ends=()):
+    """Tags the query/key/value matmuls, fused ones as qkv_proj or kv_proj;
+    `ends` = (query operand, key operand) of the scores matmul, to name a query or
+    key after its rotary embedding (`_rotated`)."""
     q, k, v = (set(map(id, d)) for d in (q_dots, k_dots, v_dots))
     for dots in (q_dots, k_dots, v_dots):
         for d in dots:
@@ -173,7 +221,10 @@ def _projections(a: _Assign, q_dots, k_dots, v_dots, why: dict):
             tag = ("qkv_proj" if i in q and i in k and i in v else
                    "kv_proj" if i in k and i in v else
                    "query_proj" if i in q else "key_proj" if i in k else "value_proj")
-            a.put(_proj(d), tag)
+            if ends and tag in ("query_proj", "key_proj"):
+                a.put(_rotated(d, ends[tag == "key_proj"]), tag)
+            else:
+                a.put(_proj(d), tag)
     if not (q_dots and k_dots and v_dots):
         why.setdefault("query_proj", "no parameter matmul found upstream of the attention "
                        "scores")
@@ -207,8 +258,7 @@ def _attention(g: df.Graph, a: _Assign, why: dict) -> tuple[set, set]:
         sm = _softmax(node)
         if sm is None:
             continue
-        num, key_axes = sm
-        probs_out = node.outs[0]
+        num, key_axes, probs_out, ctx = sm
         # The scores: the matmul of two activations the exp's input comes from.
         scores = [n for n, _ in df.back(num.producer.ins[0], _THROUGH - {"stop_gradient"})
                   if _is_dot(n) and _param_dot(n) is None and all(v.data for v in n.ins)]
@@ -226,19 +276,23 @@ def _attention(g: df.Graph, a: _Assign, why: dict) -> tuple[set, set]:
             continue
         key_i = next(iter(side))
         # The context matmul: the next matmul the probabilities flow into.
-        ctx, p_i = next(((n, n.ins.index(via)) for n, via in
-                         df.fwd(probs_out, _ELEMENTWISE | df.LAYOUT | {"broadcast_in_dim"})
-                         if _is_dot(n)), (None, 0))
+        context = None
+        if ctx is None:
+            ctx, p_i = next(((n, n.ins.index(via)) for n, via in
+                             df.fwd(probs_out, _ELEMENTWISE | df.LAYOUT | {"broadcast_in_dim"})
+                             if _is_dot(n)), (None, 0))
+        else:  # normalized after the matmul: the context is the divide's output
+            p_i, context = ctx.ins.index(probs_out), df.fwd_end(node.outs[0])
         if ctx is None or _param_dot(ctx) is not None:
             continue
         a.put(df.fwd_end(qk.outs[0], _scale), "attn_logits")
         a.put(df.back_end(ctx.ins[p_i]), "attn_probs")
-        context = df.fwd_end(ctx.outs[0])
+        context = context or df.fwd_end(ctx.outs[0])
         a.put(context, "context")
         q_dots = _param_dots_upstream(qk.ins[1 - key_i])
         k_dots = _param_dots_upstream(qk.ins[key_i])
         v_dots = _param_dots_upstream(ctx.ins[1 - p_i])
-        _projections(a, q_dots, k_dots, v_dots, why)
+        _projections(a, q_dots, k_dots, v_dots, why, (qk.ins[1 - key_i], qk.ins[key_i]))
         qkv_ids |= {id(d) for d in q_dots + k_dots + v_dots}
         out_ids |= _out_proj(a, context)
     return qkv_ids, out_ids
