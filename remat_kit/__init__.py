@@ -17,6 +17,7 @@ any linen or NNX language model, or one of the user's own.
 from remat_kit import mesh, models
 from remat_kit.measure import estimate
 from remat_kit.flax import from_model
+from remat_kit.flax.measured import remat_model
 from remat_kit.trace import roles
 from remat_kit.cli import report
 from remat_kit.measure import targets
@@ -41,5 +42,5 @@ __all__ = [
     "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError", "Workload",
     "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom", "from_model",
     "layer_residuals", "linen", "measure", "measure_config", "mesh", "models", "nnx", "parse",
-    "plan", "register_tag", "report", "residuals", "roles", "step_memory", "tag", "targets", "validate",
+    "plan", "register_tag", "remat_model", "report", "residuals", "roles", "step_memory", "tag", "targets", "validate",
 ]

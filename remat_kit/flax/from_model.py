@@ -19,6 +19,7 @@ a dict or object with a `logits` entry. `workload(model, batch, seq)`
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -31,15 +32,13 @@ from flax import nnx
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.trace import regions
-from remat_kit.trace import roles
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import UnknownModuleError
 from remat_kit.policy.spec import layer_policies
-from remat_kit.trace.validate import emitted_tags
 from remat_kit.trace.workload import Workload
 
-_KEY = "remat_kit_block"
+KEY = "remat_kit_block"
 
 
 class ModelError(ValueError):
@@ -77,8 +76,11 @@ def next_token_loss(logits, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def pick_block(instances: dict[tuple, list], block) -> tuple[type, int]:
-    """The block class and its count, from {(class, structure, size): [instance ids]}.
+def pick_block(instances: dict[tuple, list], block,
+               copies: dict | None = None) -> tuple[type, int]:
+    """The block class and its count, from {(class, structure, size): [instance ids]}
+    and {instance id: layers it runs} (`copies`: a scanned stack's one instance runs
+    its scan's length of layers; default 1 each).
 
     Raises:
       UnknownModuleError: `block` names no class of the model, or no class that
@@ -101,11 +103,12 @@ def pick_block(instances: dict[tuple, list], block) -> tuple[type, int]:
 
     best = None
     for (cls, _, size), ids in instances.items():
-        if len(ids) < 2 or not composite(tuple(ids[0])):
+        count = sum((copies or {}).get(tuple(i), 1) for i in ids)
+        if count < 2 or not composite(tuple(ids[0])):
             continue
-        rank = (len(ids) * size, -len(ids))  # most parameters covered, then the outermost
+        rank = (len(ids) * size, -count)  # most parameters covered, then the outermost
         if best is None or rank > best[0]:
-            best = (rank, cls, len(ids))
+            best = (rank, cls, count)
     if best is None:
         raise UnknownModuleError(
             None, sorted(classes),
@@ -122,22 +125,46 @@ def _structure(tree) -> tuple[object, int]:
     return (treedef, shapes), sum(math.prod(s) for s, _ in shapes)
 
 
+def _stacked(whole, seen) -> int:
+    """How many layers one instance runs: its parameters `whole` (as the model
+    holds them) against `seen` (as its call sees them). A scanned stack
+    (`nn.scan`, `nnx.scan` over `nnx.vmap`-made blocks) holds each parameter with
+    leading layer axes its call does not see: their product; else 1."""
+    (tree, shapes), _ = _structure(whole)
+    (tree_seen, inner), _ = _structure(seen)
+    if tree != tree_seen or not shapes:
+        return 1
+    lead = {s[:len(s) - len(i)] for (s, _), (i, _) in zip(shapes, inner)
+            if len(s) >= len(i) and s[len(s) - len(i):] == i}
+    return math.prod(lead.pop()) if len(lead) == 1 and len(shapes) == len(inner) else 1
+
+
 # ---------------------------------------------------------------------------
 # linen
 # ---------------------------------------------------------------------------
 
-def _linen_instances(model: nn.Module, tokens) -> tuple[dict, dict]:
-    """Every submodule's class by path, from one abstract `init`; and the variables."""
+def _linen_instances(model: nn.Module, fn: Callable, *args,
+                     params=None) -> tuple[dict, dict, dict]:
+    """Every submodule's class by path, from one abstract run of `fn(*args)` (an
+    `init`, whose output's "params" are read, or an `apply` of `params`); the
+    layers each instance runs (`_stacked`); and what `fn` returned."""
     paths: dict[tuple, type] = {}
+    seen: dict[tuple, object] = {}
 
     def record(next_fun, args, kwargs, context):
-        paths.setdefault(tuple(context.module.path), type(context.module))
-        return next_fun(*args, **kwargs)
+        out = next_fun(*args, **kwargs)
+        path = tuple(context.module.path)
+        paths.setdefault(path, type(context.module))
+        if context.method_name != "setup" and path not in seen:
+            seen[path] = nn.unbox(context.module.variables.get("params", {}))
+        return out
 
-    with nn.intercept_methods(record):
-        variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
-    params = nn.unbox(variables.get("params", {}))
-    instances = collections.defaultdict(list)
+    # jit off: an `nn.jit`-ed method traced before at these shapes is a hit in jax's
+    # trace cache, which runs no interceptor, so its submodules would go unseen.
+    with nn.intercept_methods(record), jax.disable_jit():
+        out = jax.eval_shape(fn, *args)
+    params = nn.unbox(out.get("params", {}) if params is None else params)
+    instances, copies = collections.defaultdict(list), {}
     for path, cls in paths.items():
         if not path:
             continue
@@ -148,27 +175,33 @@ def _linen_instances(model: nn.Module, tokens) -> tuple[dict, dict]:
             continue
         structure, size = _structure(sub)
         instances[(cls, structure, size)].append(path)
-    return instances, variables
+        copies[path] = _stacked(sub, seen.get(path, sub))
+    return instances, copies, out
+
+
+@contextlib.contextmanager
+def marking_linen(cls: type):
+    """Inside: every call of a `cls` submodule runs as a remat region marked for
+    `remat_kit.trace.regions`, and every submodule output is tagged by its path."""
+    plan = wrapping.Plan.of({cls: "full"}, nn.Module, "remat_kit.flax.from_model")
+    markers = {k: wrapping.Marker(KEY) for k in plan.keys}
+    with flax_linen._intercepting(plan, markers, True, ("__call__",), check=False), \
+            flax_linen.auto_tag():
+        yield
 
 
 def _linen(model: nn.Module, batch: int, seq: int, block) -> tuple:
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-    instances, variables = _linen_instances(model, init_tokens)
-    cls, _ = pick_block(instances, block)
+    instances, copies, variables = _linen_instances(
+        model, lambda t: model.init(jax.random.key(0), t), init_tokens)
+    cls, _ = pick_block(instances, block, copies)
     params = variables["params"]  # boxed with logical axes where the model names them
     rest = {k: v for k, v in variables.items() if k != "params"}
 
-    def loss(params, tokens, rest):
-        out = model.apply({"params": params, **rest}, tokens)
+    def marked(params, tokens, rest):
+        with marking_linen(cls):
+            out = model.apply({"params": params, **rest}, tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens)
-
-    plan = wrapping.Plan.of({cls: "full"}, nn.Module, "remat_kit.flax.from_model")
-    markers = {k: wrapping.Marker(_KEY) for k in plan.keys}
-
-    def marked(*args):
-        with flax_linen._intercepting(plan, markers, True, ("__call__",), check=False), \
-                flax_linen.auto_tag():
-            return loss(*args)
 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     return cls, marked, (params, tokens, nn.unbox(rest))
@@ -203,25 +236,71 @@ def _nnx_marked_class(cls: type) -> type:
             a, kw = rebuild(xs)
             return orig(mdl, *a, **kw)
 
-        return nnx.remat(body, policy=wrapping.Marker(_KEY))(self, *arrays)
+        return nnx.remat(body, policy=wrapping.Marker(KEY))(self, *arrays)
 
     return flax_nnx._subclass(cls, {"__call__": __call__})
 
 
-def _nnx(model: nnx.Module, batch: int, seq: int, block) -> tuple:
+def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
+    """{path: layers it runs} of the modules at `paths` (`_stacked`): one abstract
+    forward `model(*args, **kwargs)` of a copy whose modules there record the
+    parameters their call sees."""
+    seen: dict[tuple, object] = {}
+    copy = flax_nnx._copy(model)
+
+    def recorder(cls, path):
+        orig = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            seen.setdefault(path, nnx.state(self, nnx.Param))
+            return orig(self, *args, **kwargs)
+        return flax_nnx._subclass(cls, {"__call__": __call__})
+
+    for path, node in nnx.iter_graph(copy):
+        if tuple(path) in paths:
+            node.__class__ = recorder(type(node), tuple(path))
+    graphdef, state = nnx.split(copy)
+    arrays, rebuild = wrapping.split_static(args, kwargs)
+
+    def forward(s, *xs):
+        a, kw = rebuild(xs)
+        return nnx.merge(graphdef, s)(*a, **kw)
+
+    jax.eval_shape(forward, state, *arrays)
+    whole = {p: nnx.state(n, nnx.Param) for p, n in nnx.iter_graph(model) if tuple(p) in paths}
+    return {tuple(p): _stacked(w, seen.get(tuple(p), w)) for p, w in whole.items()}
+
+
+def nnx_block(model: nnx.Module, block, *args, **kwargs) -> type:
+    """The block class of `model` (`pick_block`); a stack held by one module (a scan)
+    is counted by one abstract forward `model(*args, **kwargs)`."""
     instances = collections.defaultdict(list)
     for path, node in nnx.iter_graph(model):
         if path and isinstance(node, nnx.Module):
             structure, size = _structure(nnx.state(node, nnx.Param))
             if size:
                 instances[(type(node), structure, size)].append(tuple(path))
-    cls, _ = pick_block(instances, block)
-    blocks = {p for (c, _, _), paths in instances.items() if c is cls for p in paths}
+    every = [p for ids in instances.values() for p in ids]
+    singles = {ids[0] for ids in instances.values() if len(ids) == 1  # composite ones
+               and any(len(q) > len(ids[0]) and q[:len(ids[0])] == ids[0] for q in every)}
+    copies = _nnx_copies(model, singles, *args, **kwargs) if singles else {}
+    return pick_block(instances, block, copies)[0]
+
+
+def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
+    """A copy of `model` (same arrays) whose submodule outputs are tagged by path and
+    whose `cls` blocks each run as a remat region marked for `remat_kit.trace.regions`."""
     tagged = flax_nnx.auto_tag(model)
-    for path, node in nnx.iter_graph(tagged):
-        if tuple(path) in blocks:
+    for _, node in nnx.iter_graph(tagged):
+        if isinstance(node, cls):
             node.__class__ = _nnx_marked_class(type(node))
-    graphdef, params, rest = nnx.split(tagged, nnx.Param, ...)
+    return tagged
+
+
+def _nnx(model: nnx.Module, batch: int, seq: int, block) -> tuple:
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    cls = nnx_block(model, block, tokens)
+    graphdef, params, rest = nnx.split(nnx_marked(model, cls), nnx.Param, ...)
     abstract = lambda s: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s)
 
@@ -229,7 +308,6 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block) -> tuple:
         out = nnx.merge(graphdef, params, rest)(tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens)
 
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     return cls, marked, (abstract(params), tokens, abstract(rest))
 
 
@@ -282,28 +360,27 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                          f"{type(model).__name__} {model!r:.80}")
     sharded = rk_mesh.spanning(mesh)  # a one-device mesh: its program is the per-device one
     args = _on_mesh(args, sharded)
-    traced = _trace(marked, args, sharded)
-    n = regions.count_marked(traced.jaxpr, _KEY)
+    traced, _ = trace(marked, args, sharded)
+    n = regions.count_marked(traced.jaxpr, KEY)
     if n == 0:
         raise UnknownModuleError(
             cls.__name__, [cls.__name__],
             message="the block class is instantiated but never called by the model's "
                     "__call__; name another block with --block")
-    leaves = jax.tree.leaves(args[0])
-    found = roles.infer_roles(traced, [True] * len(leaves)
-                              + [False] * (len(traced.jaxpr.invars) - len(leaves)))
-    emitted = tuple(dict.fromkeys((*emitted_tags(jax.extend.core.jaxpr_as_fun(traced),
-                                                 *jax.tree.leaves(args)),
-                                   *regions.block_tags(traced.jaxpr, _KEY),
-                                   *found.of.values())))
-    traced_regions = regions.Regions(traced, jax.tree.structure(args), _KEY, n, found.of,
-                                     emitted, num_params=len(leaves))
+    traced_regions, found = regions.build(traced, jax.tree.structure(args), KEY,
+                                          len(jax.tree.leaves(args[0])))
 
     def loss_for_policy(policy):
         return traced_regions.loss(layer_policies(policy, n))
 
     label = name or type(model).__name__
     notes = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
+    own = regions.own_remat(traced.jaxpr, KEY)
+    if own:  # the model's own remat stays in every program: say so where `none` shows
+        notes += (f"already rematerialized: the model runs {own} remat region"
+                  f"{'s' if own > 1 else ''} of its own (nn.remat / nnx.remat / "
+                  f"jax.checkpoint) in or around its {n} {cls.__name__} blocks, and they stay "
+                  "under every policy: `none` here is not no remat",)
     local = None
     if sharded is not None:  # what one device runs: its share of the batch, whole parameters
         one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls)
@@ -314,18 +391,21 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                     block=traced_regions.block)
 
 
-def _trace(fn: Callable, args, mesh):
+def trace(fn: Callable, args, mesh=None):
+    """(the ClosedJaxpr of fn(*args) on `mesh`, its output as ShapeDtypeStructs), with
+    its block regions marked (fn marks them): jax's trace caches are cleared and
+    fn traced again where a cached jit-ed call hid the marks."""
     def traced_fn(*xs):
         with rk_mesh.use(mesh):
             return fn(*xs)
 
-    traced = jax.make_jaxpr(traced_fn)(*args)
-    if regions.count_marked(traced.jaxpr, _KEY) == 0:
+    traced, shape = jax.make_jaxpr(traced_fn, return_shape=True)(*args)
+    if regions.count_marked(traced.jaxpr, KEY) == 0:
         # A jit-ed call traced before (by the user, at these shapes) comes from
         # jax's trace cache, without our interceptors: trace it afresh.
         jax.clear_caches()
-        traced = jax.make_jaxpr(traced_fn)(*args)
-    return traced
+        traced, shape = jax.make_jaxpr(traced_fn, return_shape=True)(*args)
+    return traced, shape
 
 
 __all__ = ["ModelError", "logits_of", "next_token_loss", "pick_block", "workload"]

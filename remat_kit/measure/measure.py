@@ -29,7 +29,6 @@ one remat region per policy (`remat_kit.trace.workload.checkpointed`).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import math
 import os
 import statistics
@@ -42,7 +41,6 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.policy import names as tag_names
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
@@ -54,7 +52,7 @@ from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import _stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
-from remat_kit.trace.validate import emitted_tags
+from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
 
 
@@ -256,7 +254,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
                           "includes the offloaded residuals",)
             for name in group_names:  # merged policies may each select nothing
-                notes += tuple(f"{name}: {line}" for line in _policy_notes(
+                notes += tuple(f"{name}: {line}" for line in policy_notes(
                     by_name.get(name, policy), emitted, workload.notes))
             record = dataclasses.replace(
                 record, **found, **figures["memory"], flops=figures["flops"],
@@ -373,39 +371,6 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target,
         seconds = time.perf_counter() - begin
         out.append((policy, list(group_names), loss, staged, start(lowered, text), seconds))
     return out
-
-
-# Tags that name the same values in models written another way (fused or not, gated or not).
-_ALTERNATIVES = ({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"},
-                 {"mlpwi", "mlpwi_0", "mlpwi_1"})
-
-
-def _policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str]) -> tuple:
-    """Lines saying where a policy's names select nothing the loss emits.
-
-    A name-based preset on a model that lacks a role (fused attention has no
-    attn_logits) or a path glob that matches no path is named, never
-    silently compiled as its base rule. `missing` are the workload's notes on
-    roles it lacks ("attn_logits: fused attention ...").
-    """
-    if not policy.remat:
-        return ()
-    wanted = [p for p in (*policy.save, *policy.offload)]
-    out = []
-    unmatched = [p for p in wanted if not any(fnmatch.fnmatchcase(t, p) for t in emitted)]
-    if wanted and len(unmatched) == len(wanted):
-        out.append(f"none of the tags this policy keeps ({', '.join(sorted(wanted))}) is "
-                   f"emitted by the model: it compiles as its base rule '{policy.base}'")
-    for line in missing:
-        tag = line.split(":", 1)[0]
-        family = next((f for f in _ALTERNATIVES if tag in f), {tag})
-        # kv_proj missing beside key_proj/value_proj is the same values under other names.
-        if tag in unmatched and not family & set(emitted):
-            out.append(line)
-    globs = [p for p in unmatched if tag_names.is_glob(p) or "/" in p]
-    if globs and len(unmatched) < len(wanted):
-        out.append(f"pattern(s) {', '.join(sorted(globs))} match no tag the model emits")
-    return tuple(out)
 
 
 __all__ = ["measure"]

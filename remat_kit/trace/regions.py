@@ -27,11 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
-from remat_kit.trace import wrapping
+from remat_kit._jax_private import scan_parts
+from remat_kit.trace import roles, wrapping
+from remat_kit.errors import RematSpecError
 from remat_kit.policy.policy import Policy
-from remat_kit.trace.validate import tag_of
+from remat_kit.trace.validate import emitted_tags, tag_of
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 # One-input ops that keep a value's bytes: a role may be named after them.
@@ -66,15 +68,30 @@ def _subs(eqn):
         yield from wrapping._jaxprs(value)
 
 
-def count_marked(jaxpr, key: str) -> int:
-    """Marked regions the forward pass enters, a scan's body counted once per trip."""
+def count_marked(jaxpr, key: str, trips: bool = True) -> int:
+    """Marked regions the forward pass enters, a scan's body counted once per trip
+    (`trips`), or once (the regions the jaxpr holds)."""
     n = 0
     for eqn in jaxpr.eqns:
         if is_marked(eqn, key):
             n += 1
             continue
-        trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        n += trips * sum(count_marked(sub, key) for sub in _subs(eqn))
+        k = eqn.params.get("length", 1) if trips and eqn.primitive.name == "scan" else 1
+        n += k * sum(count_marked(sub, key, trips) for sub in _subs(eqn))
+    return n
+
+
+def own_remat(jaxpr, key: str) -> int:
+    """Remat regions of the model's own (`nn.remat`, `nnx.remat`, `jax.checkpoint`
+    in its code: a policy that is not `Marker(key)`) the forward pass enters, a
+    scan's body counted once per trip."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        r = region(eqn)
+        if r is not None and not (isinstance(r[2], wrapping.Marker) and r[2].key == key):
+            n += 1
+        k = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        n += k * sum(own_remat(sub, key) for sub in _subs(eqn))
     return n
 
 
@@ -192,11 +209,11 @@ class _Run:
 
     def scan(self, eqn, invals) -> list:
         p = eqn.params
-        body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        body, body_consts, nc, ncarry = scan_parts(eqn)
         consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
 
         def step(carry, x):
-            out = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x])
+            out = self.eval(body, body_consts, [*consts, *carry, *x])
             return out[:ncarry], out[ncarry:]
 
         carry, ys = jax.lax.scan(step, list(init), list(xs), length=p["length"],
@@ -217,7 +234,13 @@ def derives_from_params(eqn, flags: Mapping) -> bool:
         return False
     floats = [v for v in eqn.invars if not isinstance(v, Literal)
               and jnp.issubdtype(v.aval.dtype, jnp.floating)]
-    return bool(floats) and all(flags.get(v, False) for v in floats)
+    return bool(floats) and all(_flag(flags, v) for v in floats)
+
+
+def _flag(flags: Mapping, v) -> bool:
+    """Whether `v` is a parameter; a literal (`jnp.where(m, x, -1e9)`'s -1e9,
+    `jnp.clip`'s bounds) never is, and is unhashable."""
+    return not isinstance(v, Literal) and flags.get(v, False)
 
 
 def _first_block(jaxpr, key: str, flags: dict):
@@ -226,19 +249,18 @@ def _first_block(jaxpr, key: str, flags: dict):
     for eqn in jaxpr.eqns:
         r = region(eqn)
         if r is not None and isinstance(r[2], wrapping.Marker) and r[2].key == key:
-            return r[0], r[1], [flags.get(v, False) for v in eqn.invars]
+            return r[0], r[1], [_flag(flags, v) for v in eqn.invars]
         for v in eqn.outvars:
             flags[v] = derives_from_params(eqn, flags)
         if eqn.primitive.name in _CALLS or r is not None:
             closed = r[0] if r is not None else eqn.params.get("jaxpr",
                                                                eqn.params.get("call_jaxpr"))
             inner = getattr(closed, "jaxpr", closed)
-            sub = {iv: flags.get(ov, False) for iv, ov in zip(inner.invars, eqn.invars)}
+            sub = {iv: _flag(flags, ov) for iv, ov in zip(inner.invars, eqn.invars)}
             found = _first_block(inner, key, sub)
-        elif eqn.primitive.name == "scan":
-            body, nc, ncarry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], \
-                eqn.params["num_carry"]
-            sub = {iv: flags.get(ov, False) and not nc <= i < nc + ncarry
+        elif eqn.primitive.name == "scan":  # a carry is never a parameter
+            body, _, nc, ncarry = scan_parts(eqn)
+            sub = {iv: _flag(flags, ov) and not nc <= i < nc + ncarry
                    for i, (iv, ov) in enumerate(zip(body.invars, eqn.invars))}
             found = _first_block(body, key, sub)
         else:
@@ -347,19 +369,58 @@ class Regions:
 
     def loss(self, policies: Sequence[Policy]) -> Callable:
         """The loss(*args) with block i under policies[i] (one entry per block)."""
-        if len(policies) != self.num_layers:
-            raise ValueError(f"{len(policies)} policies for {self.num_layers} blocks")
-        memo: dict = {}
+        run = self.function(policies)
 
         def loss(*args):
             leaves, tree = jax.tree.flatten(args)
             if tree != self.in_tree:
                 raise TypeError(f"loss arguments {tree} differ from the traced ones "
                                 f"{self.in_tree}")
-            run = _Run(self.key, self.roles, tuple(policies), self.emitted, memo)
-            out, = run.eval(self.closed.jaxpr, self.closed.consts, leaves)
+            out, = run(*leaves)
             return out
         return loss
 
+    def function(self, policies: Sequence[Policy]) -> Callable:
+        """The traced function on its flat inputs, block i under policies[i]: a
+        callable (*leaves) -> the list of its flat outputs.
 
-__all__ = ["Regions", "block_tags", "count_marked", "is_marked", "region"]
+        Raises:
+          ValueError: not one policy per block.
+          RematSpecError: different policies for blocks that one scan body runs.
+        """
+        if len(policies) != self.num_layers:
+            raise ValueError(f"{len(policies)} policies for {self.num_layers} blocks")
+        bodies = count_marked(self.closed.jaxpr, self.key, trips=False)
+        if bodies < self.num_layers and len(set(policies)) > 1:
+            raise RematSpecError(
+                f"the model runs its {self.num_layers} blocks as {bodies} scan "
+                f"bod{'y' if bodies == 1 else 'ies'}, which take{'s' if bodies == 1 else ''} one "
+                f"policy for every layer; got {len(set(policies))} different policies "
+                f"({', '.join(dict.fromkeys(map(str, policies)))}); give one policy")
+        memo: dict = {}
+
+        def run(*leaves):
+            return _Run(self.key, self.roles, tuple(policies), self.emitted, memo).eval(
+                self.closed.jaxpr, self.closed.consts, list(leaves))
+        return run
+
+
+def build(closed: ClosedJaxpr, in_tree, key: str, num_params: int):
+    """The `Regions` of a function traced with its blocks marked `Marker(key)`, and
+    the roles inferred on it (`roles.infer_roles`, its first `num_params` inputs the
+    parameters), the one way every program of a model not ours is made: `compare
+    --model`'s and the wrappers' (`rk.remat_model`) alike.
+
+    Returns:
+      (Regions, Roles). Regions.emitted holds the path tags, the tags inside the
+      marked blocks and the roles, for globs to resolve against.
+    """
+    found = roles.infer_roles(closed, [i < num_params for i in range(len(closed.jaxpr.invars))])
+    emitted = tuple(dict.fromkeys((*emitted_tags(jaxpr_as_fun(closed), *(
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals)),
+                                   *block_tags(closed.jaxpr, key), *found.of.values())))
+    return Regions(closed, in_tree, key, count_marked(closed.jaxpr, key), found.of, emitted,
+                   num_params=num_params), found
+
+
+__all__ = ["Regions", "block_tags", "build", "count_marked", "is_marked", "own_remat", "region"]

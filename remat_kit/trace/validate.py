@@ -7,6 +7,7 @@ treats a name the model never emits as a silent no-op. Here it is an error.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 import warnings
 
 import jax
@@ -166,4 +167,37 @@ def validate(policy: "str | Policy", fn, *args) -> Policy:
     return policy
 
 
-__all__ = ["check_names", "emitted_tags", "tag_aliases", "tag_of", "validate"]
+# Tags that name the same values in models written another way (fused or not, gated or not).
+_ALTERNATIVES = ({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"},
+                 {"mlpwi", "mlpwi_0", "mlpwi_1"})
+
+
+def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str]) -> tuple:
+    """Lines saying where a policy's names select nothing the loss emits.
+
+    A name-based preset on a model that lacks a role (fused attention has no
+    attn_logits) or a path glob that matches no path is named, never
+    silently compiled as its base rule. `missing` are the workload's notes on
+    roles it lacks ("attn_logits: fused attention ...").
+    """
+    if not policy.remat:
+        return ()
+    wanted = [p for p in (*policy.save, *policy.offload)]
+    out = []
+    unmatched = [p for p in wanted if not any(fnmatch.fnmatchcase(t, p) for t in emitted)]
+    if wanted and len(unmatched) == len(wanted):
+        out.append(f"none of the tags this policy keeps ({', '.join(sorted(wanted))}) is "
+                   f"emitted by the model: it compiles as its base rule '{policy.base}'")
+    for line in missing:
+        tag = line.split(":", 1)[0]
+        family = next((f for f in _ALTERNATIVES if tag in f), {tag})
+        # kv_proj missing beside key_proj/value_proj is the same values under other names.
+        if tag in unmatched and not family & set(emitted):
+            out.append(line)
+    globs = [p for p in unmatched if names.is_glob(p) or "/" in p]
+    if globs and len(unmatched) < len(wanted):
+        out.append(f"pattern(s) {', '.join(sorted(globs))} match no tag the model emits")
+    return tuple(out)
+
+
+__all__ = ["check_names", "emitted_tags", "policy_notes", "tag_aliases", "tag_of", "validate"]

@@ -1,0 +1,279 @@
+"""The measured program, applied: a user's Flax model run exactly as `compare --model` measured it.
+
+`remat_model(model, policy)` returns the model (linen: a module with the same
+`init`/`apply` and parameter tree; NNX: a copy with the same arrays and state
+paths) whose forward pass is made the way `remat_kit.flax.from_model` makes the
+program `compare`, `plan` and `fit` measure: the call is traced once per
+argument signature with each block (the repeated class, `from_model.pick_block`)
+marked and every submodule output tagged by path, the dataflow roles are inferred
+(`query_proj`, `attn_probs`, ...), and `remat_kit.trace.regions` runs each block
+under its layer's policy (`regions.build`: one code path for both). So the
+gradients of a loss of its output compile to the program measured for that
+policy: equal temp memory and FLOPs.
+
+    model = rk.remat_model(model, "minimal")                 # a preset, on every block
+    model = rk.remat_model(model, ("full", "minimal"))       # one policy per block
+    model = rk.remat_model(model, rk.plan(...))              # a Plan, per layer or not
+    model = rk.remat_model(model, "plan.json", budget="0.5") # remat-kit plan --json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from remat_kit.errors import RematSpecError, UnknownModuleError
+from remat_kit.flax import from_model
+from remat_kit.flax import linen as flax_linen
+from remat_kit.flax import nnx as flax_nnx
+from remat_kit.policy.policy import Policy
+from remat_kit.policy.spec import AutoSpec, layer_policies, parse
+from remat_kit.trace import regions, wrapping
+from remat_kit.trace.validate import policy_notes
+
+
+def read_plan(path: "str | os.PathLike", budget=None) -> dict:
+    """One plan of a `remat-kit plan --json` file: its `plan` entry (spec,
+    layer_specs, ...) with the file's context under "context".
+
+    Args:
+      budget: which budget's plan, as written on the command line ("0.5",
+        "6GiB"); default the file's only plan.
+    Raises:
+      RematSpecError: the file cannot be read or is not plan JSON, `budget`
+        is not one of its budgets, or it holds several plans and no budget.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        entries = [e for e in data["budgets"] if e.get("plan")]
+        context = data.get("context", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise RematSpecError(f"plan file {os.fspath(path)!r} is not remat-kit plan --json "
+                             f"output: {type(e).__name__}: {e}", token=os.fspath(path)) from None
+    budgets = [str(e["budget"]) for e in entries]
+    if budget is None and len(entries) != 1:
+        raise RematSpecError(f"plan file {os.fspath(path)!r} holds {len(entries)} plans "
+                             f"(budgets {', '.join(budgets) or 'none'}); pick one with budget=",
+                             token=os.fspath(path), choices=budgets)
+    found = [e for e in entries if budget is None or str(e["budget"]) == str(budget)]
+    if not found:
+        raise RematSpecError(f"budget {budget!r} is not in plan file {os.fspath(path)!r}",
+                             token=str(budget), choices=budgets)
+    return found[0]["plan"] | {"context": context}
+
+
+def _spec_of(policy, budget):
+    """The policy as a spec, Policy or per-layer tuple, and the plan's context
+    ({} where it is not a plan)."""
+    if isinstance(policy, (str, os.PathLike)) and os.fspath(policy).endswith(".json"):
+        policy = read_plan(policy, budget)
+    if isinstance(policy, Mapping):
+        if "spec" not in policy:
+            raise RematSpecError(f"a plan given as a dict needs 'spec' (and 'layer_specs' for a "
+                                 f"per-layer plan), got keys {sorted(policy)}")
+        return tuple(policy.get("layer_specs") or ()) or policy["spec"], policy.get("context", {})
+    if hasattr(policy, "layer_specs") and hasattr(policy, "spec"):  # a remat_kit Plan
+        return tuple(policy.layer_specs) or policy.spec, {}
+    if isinstance(policy, (str, Policy)):
+        if isinstance(parse(policy), AutoSpec):
+            raise RematSpecError(f"{policy} is planned for a model at its shapes: plan it "
+                                 "first (rk.plan, remat-kit plan --json) and give the plan",
+                                 token=str(policy))
+        return policy, {}
+    if isinstance(policy, Sequence):
+        return tuple(policy), {}
+    raise TypeError(f"rk.remat_model takes a spec, a Policy, one per block, a Plan or a plan "
+                    f"JSON file, got {type(policy).__name__} {policy!r:.80}")
+
+
+def _layers(spec, context: dict, n: int, cls: type) -> tuple[Policy, ...]:
+    """One Policy per block; RematSpecError, naming what differs, where a plan or list
+    was made for another model (layer count, block class)."""
+    made_for = context.get("block")
+    if made_for and made_for != cls.__name__:
+        raise RematSpecError(f"the plan was made for blocks of class {made_for}; this model's "
+                             f"blocks are {cls.__name__}", token=made_for)
+    if isinstance(spec, tuple) and len(spec) != n:
+        raise RematSpecError(f"{len(spec)} per-layer policies for a model of {n} {cls.__name__} "
+                             "blocks: give one per block", token=str(len(spec)))
+    return layer_policies(spec, n)
+
+
+def _warn(layers, program, found, cls) -> None:
+    """The notes `compare` prints for these policies on this model, as warnings."""
+    missing = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
+    for policy in dict.fromkeys(layers):
+        for line in policy_notes(policy, program.emitted, missing):
+            warnings.warn(f"rk.remat_model: {policy}: {line}", stacklevel=4)
+    own = regions.own_remat(program.closed.jaxpr, from_model.KEY)
+    if own:
+        warnings.warn(f"rk.remat_model: the model already runs {own} remat region"
+                      f"{'s' if own > 1 else ''} of its own in or around its {cls.__name__} "
+                      "blocks; they stay inside the policy's regions, so `none` is not no "
+                      "remat here", stacklevel=4)
+
+
+def _program(fn, arrays, num_params: int, cls: type, spec, context):
+    """(run(*arrays) -> flat outputs, output tree) of `fn(*arrays)` with its `cls`
+    blocks under the policy; `fn` marks the blocks."""
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    closed, shape = from_model.trace(fn, structs)
+    program, found = regions.build(closed, None, from_model.KEY, num_params)
+    if program.num_layers == 0:
+        raise UnknownModuleError(cls.__name__, [cls.__name__],
+                                 message="the block class is instantiated but never called "
+                                         "by the model's __call__; name another with block=")
+    layers = _layers(spec, context, program.num_layers, cls)
+    _warn(layers, program, found, cls)
+    return program.function(layers), jax.tree.structure(shape)
+
+
+def _signature(arrays, rebuild, *extra):
+    """The program's cache key: shapes, static arguments, `extra`; None if unhashable."""
+    key = (flax_linen._cache_key(arrays, rebuild), *extra)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return None if key[0] is None else key
+
+
+def _linen(model: nn.Module, spec, context, block) -> nn.Module:
+    base = type(model)
+    built: dict = {}
+
+    def apply(self, variables, *args, method=None, **kwargs):
+        params = variables.get("params", {})
+        rest = {k: v for k, v in variables.items() if k != "params"}
+        arrays, rebuild = wrapping.split_static((params, rest, *args), kwargs)
+        key = _signature(arrays, rebuild, method)
+        if key is None or key not in built:
+            def call(*xs):
+                (p, r, *a), kw = rebuild(xs)
+                return base.apply(self, {"params": p, **r}, *a, method=method, **kw)
+
+            instances, copies, _ = from_model._linen_instances(self, call, *arrays,
+                                                                  params=params)
+            cls, _ = from_model.pick_block(instances, block, copies)
+
+            def marked(*xs):
+                with from_model.marking_linen(cls):
+                    return call(*xs)
+
+            num_params = sum(map(wrapping.is_array, jax.tree.leaves(params)))
+            made = _program(marked, arrays, num_params, cls, spec, context)
+            if key is None:
+                run, tree = made
+                return jax.tree.unflatten(tree, run(*arrays))
+            built[key] = made
+        run, tree = built[key]
+        return jax.tree.unflatten(tree, run(*arrays))
+
+    sub = type(base.__name__, (base,), {"apply": apply, "__qualname__": base.__qualname__,
+                                        "__module__": base.__module__})
+    return sub(**flax_linen._init_fields(model, "parent"))
+
+
+@contextlib.contextmanager
+def _as_class(module: nnx.Module, cls: type):
+    """`module` seen as an instance of `cls` inside (its forward not ours)."""
+    own, module.__class__ = module.__class__, cls
+    try:
+        yield module
+    finally:
+        module.__class__ = own
+
+
+def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
+    base = type(model)
+    built: dict = {}
+
+    def __call__(self, *args, **kwargs):
+        arrays, rebuild = wrapping.split_static(args, kwargs)
+        key = _signature(arrays, rebuild)
+        with _as_class(self, base):
+            params, rest = nnx.state(self, nnx.Param, ...)
+            if key is None or key not in built:
+                cls = from_model.nnx_block(self, block, *args, **kwargs)
+                marked = from_model.nnx_marked(self, cls)
+                graphdef = nnx.split(marked)[0]
+
+                def forward(p, r, *xs):
+                    a, kw = rebuild(xs)
+                    module = nnx.merge(graphdef, p, r)
+                    out = module(*a, **kw)
+                    return out, nnx.state(module, nnx.Param, ...)
+
+                leaves, tree = jax.tree.flatten((params, rest))
+                inputs = tuple(leaves) + tuple(arrays)
+
+                def flat(*xs):
+                    p, r = jax.tree.unflatten(tree, xs[:len(leaves)])
+                    return forward(p, r, *xs[len(leaves):])
+
+                num_params = len(jax.tree.leaves(params))
+                built_now = (*_program(flat, inputs, num_params, cls, spec, context), tree)
+                if key is not None:
+                    built[key] = built_now
+            else:
+                built_now = built[key]
+            run, out_tree, state_tree = built_now
+            leaves = jax.tree.leaves((params, rest))
+            out, state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
+            nnx.update(self, *state)
+        return out
+
+    out = flax_nnx._copy(model)
+    out.__class__ = flax_nnx._subclass(base, {"__call__": __call__})
+    return out
+
+
+def remat_model(model, policy, *, block=None, budget=None):
+    """`model` running exactly the program `compare --model` / `plan --model` measured.
+
+    Args:
+      model: a `flax.linen.Module` instance (unbound) or a `flax.nnx.Module`.
+      policy: a spec string or `Policy` (a layer schedule picks the blocks), a
+        sequence of one spec or Policy per block, a `Plan` (`rk.plan`; per
+        layer or not), its `to_dict()`, or the path of a `remat-kit plan --json`
+        file (with `budget=` where it holds several plans).
+      block: the block class or its name; default the repeated class
+        `from_model` finds (the one `compare` measured).
+      budget: with a plan file, which budget's plan ("0.5", "6GiB").
+    Returns:
+      linen: a module of a subclass of `type(model)` with the same fields,
+      whose `init` is the model's and whose `apply` takes the same arguments
+      (rngs, mutable, method) and gives the same outputs and gradients. NNX:
+      a copy (same arrays, same `nnx.state` paths) whose call runs the
+      program; its state updates (RNG counts, statistics) land on the copy.
+      Each new argument signature traces the model once (no FLOPs) before
+      its first run. A policy naming a role or tag the model does not emit
+      warns, as `compare` notes it; a model that rematerializes its own
+      blocks warns that those regions stay.
+    Raises:
+      TypeError: not a linen or NNX module; a policy of another type.
+      RematSpecError: a spec that does not parse, an `auto:budget=` spec (plan
+        it first), a plan file that cannot be read, or (at the first call,
+        before anything compiles) a plan or list for another layer count or
+        block class.
+      UnknownModuleError: (at the first call) no repeated block, or `block`
+        matches none.
+    """
+    spec, context = _spec_of(policy, budget)
+    if isinstance(model, nnx.Module):
+        return _nnx(model, spec, context, block)
+    if isinstance(model, nn.Module) and not isinstance(model, type):
+        return _linen(model, spec, context, block)
+    raise TypeError(f"rk.remat_model takes a flax.linen.Module instance or a flax.nnx.Module, "
+                    f"got {type(model).__name__} {model!r:.80}")
+
+
+__all__ = ["read_plan", "remat_model"]

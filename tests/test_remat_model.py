@@ -1,0 +1,163 @@
+"""rk.remat_model: the policy you measure is the policy you run.
+
+On models that are not ours (tests/zoo: linen and NNX, fused qkv, GQA, rotary, a scanned
+stack, a model from PyPI), the gradient of the next-token loss of `rk.remat_model(model,
+policy)` compiles to the program `compare --model` measured for that policy (the
+workload of `rk.from_model`): equal temp bytes and equal FLOPs. Its gradients equal
+the plain model's; a Plan, a per-layer list and a plan file apply the same way, and a
+plan for another model is refused before anything compiles.
+"""
+
+import importlib
+import json
+
+import chex
+import jax
+import pytest
+from flax import nnx
+
+import remat_kit as rk
+from remat_kit.errors import RematSpecError
+from remat_kit.flax.from_model import logits_of, next_token_loss
+from remat_kit.measure import lowering
+
+B, T = 2, 8
+ZOO = ("gpt_linen", "llama_nnx", "gemma_linen", "fused_nnx", "nano_moe", "scan_linen",
+       "scan_nnx")
+
+
+def _make(name):
+    """(model, params, forward); a zoo module without `make` gives its model() alone."""
+    module = importlib.import_module(f"tests.zoo.{name}")
+    return module.make(B, T) if hasattr(module, "make") else (module.model(), None, None)
+
+
+def _wrapped_loss(wrapped, work):
+    """(loss(*args), args) of the next-token loss of `wrapped`, args as the workload's."""
+    if isinstance(wrapped, nnx.Module):
+        graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
+
+        def loss(p, tokens, r):
+            return next_token_loss(logits_of(nnx.merge(graphdef, p, r)(tokens), B, T), tokens)
+        return loss, work.args
+
+    def loss(p, tokens, r):
+        return next_token_loss(logits_of(wrapped.apply({"params": p, **r}, tokens), B, T),
+                               tokens)
+    return loss, work.args
+
+
+def _figures(loss, args):
+    """(temp bytes, FLOPs) of value_and_grad(loss), the program `measure` compiles."""
+    compiled = lowering.compile_for(lambda *a: jax.value_and_grad(loss)(*a), *args)
+    return compiled.memory["temp_size_in_bytes"], compiled.flops
+
+
+@pytest.fixture(scope="module", params=ZOO)
+def zoo(request):
+    model, params, forward = _make(request.param)
+    return request.param, model, params, forward, rk.from_model.workload(model, B, T)
+
+
+@pytest.mark.parametrize("spec", ["minimal", "selective"])
+def test_wrapped_model_compiles_to_the_measured_program(zoo, spec):
+    _, model, _, _, work = zoo
+    measured = _figures(work.loss_for_policy(rk.parse(spec)), work.args)
+    assert _figures(*_wrapped_loss(rk.remat_model(model, spec), work)) == measured
+
+
+@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx"])
+@pytest.mark.parametrize("spec", ["none", "full", "save_qkv_proj", "minimal_with_context",
+                                  "full@every:2", ("full", "minimal")])
+def test_every_preset_schedule_and_layer_list_is_the_measured_program(name, spec):
+    model, _, _ = _make(name)
+    work = rk.from_model.workload(model, B, T)
+    measured = _figures(work.loss_for_policy(spec if isinstance(spec, tuple)
+                                             else rk.parse(spec)), work.args)
+    assert _figures(*_wrapped_loss(rk.remat_model(model, spec), work)) == measured
+
+
+def test_the_figures_are_compare_s_row():
+    model, _, _ = _make("gpt_linen")
+    work = rk.from_model.workload(model, B, T)
+    (row,) = rk.measure(work, policies=["minimal"])
+    assert _figures(*_wrapped_loss(rk.remat_model(model, "minimal"), work)) == (
+        row.memory_bytes, row.flops)
+
+
+@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx"])
+def test_gradients_equal_the_plain_model(name):
+    model, params, forward = _make(name)
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 64)
+    wrapped = rk.remat_model(model, "minimal")
+    if isinstance(model, nnx.Module):
+        graphdef, _ = nnx.split(wrapped, nnx.Param)
+        got = jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p)(tokens), tokens))(params)
+    else:
+        got = jax.grad(lambda p: next_token_loss(
+            logits_of(wrapped.apply({"params": p}, tokens), B, T), tokens))(params)
+    want = jax.grad(lambda p: next_token_loss(logits_of(forward(p, tokens), B, T),
+                                              tokens))(params)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_applies_as_it_was_verified(tmp_path):
+    model, _, _ = _make("gpt_linen")
+    work = rk.from_model.workload(model, B, T)
+    plan = rk.Planner(work, cache=None).plan(0.85)
+    loss, args = _wrapped_loss(rk.remat_model(model, plan), work)
+    assert _figures(loss, args) == (plan.measured_bytes, plan.measured_flops)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"context": {"block": "Block"},
+                                "budgets": [{"budget": "0.85", "plan": plan.to_dict()}]}))
+    loss, args = _wrapped_loss(rk.remat_model(model, str(path)), work)
+    assert _figures(loss, args) == (plan.measured_bytes, plan.measured_flops)
+
+
+@pytest.mark.parametrize("policy, message", [
+    (("full", "minimal", "none"), "3 per-layer policies for a model of 2 Block blocks"),
+    ({"spec": "full", "layer_specs": ["full"] * 4}, "4 per-layer policies"),
+])
+def test_a_plan_for_another_model_is_refused_before_compiling(policy, message):
+    model, params, _ = _make("gpt_linen")
+    wrapped = rk.remat_model(model, policy)
+    with pytest.raises(RematSpecError, match=message):
+        jax.eval_shape(lambda p, t: wrapped.apply({"params": p}, t), params,
+                       jax.ShapeDtypeStruct((B, T), "int32"))
+
+
+def test_a_plan_file_for_another_block_class_is_refused(tmp_path):
+    model, params, _ = _make("gpt_linen")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"context": {"block": "DecoderLayer"},
+                                "budgets": [{"budget": "0.5", "plan": {"spec": "full"}}]}))
+    wrapped = rk.remat_model(model, str(path))
+    with pytest.raises(RematSpecError, match="made for blocks of class DecoderLayer; this "
+                                             "model's blocks are Block"):
+        jax.eval_shape(lambda p, t: wrapped.apply({"params": p}, t), params,
+                       jax.ShapeDtypeStruct((B, T), "int32"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "is not remat-kit plan --json output"),
+    ('{"budgets": [{"budget": "0.5", "plan": {"spec": "full"}}, '
+     '{"budget": "0.8", "plan": {"spec": "minimal"}}]}', "holds 2 plans .*pick one"),
+])
+def test_a_bad_plan_file_is_one_line(tmp_path, text, message):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(RematSpecError, match=message):
+        rk.remat_model(_make("gpt_linen")[0], str(path))
+
+
+def test_an_auto_spec_is_planned_first():
+    with pytest.raises(RematSpecError, match="plan it first"):
+        rk.remat_model(_make("gpt_linen")[0], "auto:budget=0.5")
+
+
+def test_a_tag_the_model_never_emits_warns_as_compare_notes_it():
+    model, params, _ = _make("gpt_linen")
+    wrapped = rk.remat_model(model, "save:mlpwi_0")  # GPT-2's MLP is not gated
+    with pytest.warns(UserWarning, match="compiles as its base rule 'nothing'"):
+        jax.eval_shape(lambda p, t: wrapped.apply({"params": p}, t), params,
+                       jax.ShapeDtypeStruct((B, T), "int32"))
