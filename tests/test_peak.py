@@ -69,3 +69,21 @@ def test_tpu_parts_sum_to_the_compilers_peak():
     parts = full.peak["parts"]
     assert parts["program code"] == full.to_dict()["peak"]["parts"]["program code"] > 0
     assert next(iter(parts)) == LOGITS and parts[LOGITS] >= 8 * 128 * 32768 * 4
+
+
+def test_compare_peak_writes_the_breakdown_and_a_line(tmp_path, capsys):
+    from remat_kit.cli import main
+    path = tmp_path / "c.json"
+    assert main(["compare", "--config", "tiny", "--batch", "8", "--seq", "16",
+                 "--policies", "full", "--peak", "--json", str(path)]) == 0
+    [row] = __import__("json").loads(path.read_text())["records"]
+    assert sum(row["peak"]["parts"].values()) == row["peak"]["bytes"] == row["memory_bytes"]
+    assert f"temp of full: {peak.summary(row['peak'])}" in capsys.readouterr().out
+
+
+def test_plan_below_the_minimum_says_what_holds_it(capsys):
+    from remat_kit.cli import main
+    assert main(["plan", "--config", "tiny", "--batch", "8", "--seq", "16", "--budgets",
+                 "0.01", "--no-presets", "--cache", ""]) == 1
+    out = capsys.readouterr().out
+    assert "below the minimum: full remat's temp " in out, out
