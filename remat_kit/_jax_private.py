@@ -6,7 +6,10 @@ it run XLA's cost analysis on one computation of a compiled module (needed to
 count a while loop's body once per trip), nor parse the optimized HLO module it
 prints; `jax._src.lib` does. Nor does it say
 whether TPU chips or NVIDIA GPUs are attached (to set up the plugins for
-compile-only use on a machine without them); `jax._src.hardware_utils` does. JAX
+compile-only use on a machine without them); `jax._src.hardware_utils` does. Nor
+can one compile skip the persistent compilation cache (whose key leaves out
+`xla_dump_to`, so a hit writes no dump); `jax._src.config`'s thread-local
+state can. JAX
 0.12 exports the `checkpoint_name` primitive as `jax.ad_checkpoint.name_p`; 0.11
 (the GPU machines' JAX) has it only in `jax._src.ad_checkpoint`. If a JAX release
 moves any of these, only this module changes.
@@ -31,6 +34,7 @@ if _version >= (0, 12):
     from jax.ad_checkpoint import name_p  # noqa: E402
 else:
     from jax._src.ad_checkpoint import name_p  # noqa: E402
+from jax._src import config as _config  # noqa: E402
 from jax._src import hardware_utils  # noqa: E402
 from jax._src.lib import _jax, hlo  # noqa: E402
 
@@ -91,5 +95,11 @@ def num_tpu_chips() -> int:
     return hardware_utils.num_available_tpu_chips_and_device_id()[0]
 
 
+def without_compilation_cache():
+    """A context (this thread only) in which compiles neither read nor write JAX's
+    persistent compilation cache: XLA itself runs, e.g. to write its dump."""
+    return _config.enable_compilation_cache(False)
+
+
 __all__ = ["has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
-           "saved_residuals", "scan_parts"]
+           "saved_residuals", "scan_parts", "without_compilation_cache"]

@@ -134,7 +134,7 @@ def _compare(args) -> int:
         if args.time and cfg is not None:
             check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
         records = measure(work, policies=specs, names=specs, time_steps=args.time,
-                          progress=progress, target=target, per_layer=True)
+                          progress=progress, target=target, per_layer=True, peak=args.peak)
         target = targets.parse_target(target)
         found = targets.versions(target)
         mesh_text = rk_mesh.spec_text(mesh)
@@ -151,6 +151,10 @@ def _compare(args) -> int:
         report.print_side_by_side(
             [(str(t), rows) for t, _, rows in sections],
             f"{label}: batch {batch}, seq {seq}, {dtype}, per device")
+    for target, _, rows in sections:
+        if len(sections) > 1 and args.peak:
+            print(f"{target}:")
+        report.print_peaks(rows)
     for note in dict.fromkeys(n for _, _, rows in sections for d in rows for n in d["notes"]
                               if cfg is None):
         print(f"note: {note}", file=sys.stderr)
@@ -180,7 +184,10 @@ def _explain(args) -> int:
     from remat_kit.measure import targets
     from remat_kit.models.shortcuts import layer_residuals
 
+    from remat_kit.decide.resolve import measure
+    from remat_kit.measure import peak
     from remat_kit.measure.explain import explain
+    from remat_kit.measure.record import MEMORY_LABELS
 
     src = load_source(args)
     cfg, label = src.cfg, src.label
@@ -199,6 +206,9 @@ def _explain(args) -> int:
         raise BadInput(f"explain shows one layer under one policy; {policy} runs its layers "
                        f"under different policies (schedule {policy.schedule}): explain the "
                        f"policy without '@{policy.schedule}', or compare the whole model")
+    if args.peak and args.mesh is not None:
+        raise BadInput("explain --peak compiles the whole model on one device; drop --mesh "
+                       "(compare --mesh ... --peak measures it sharded)")
     where = ""
     if args.mesh is not None and cfg is None:  # the block one device runs: its batch share
         try:
@@ -264,6 +274,14 @@ def _explain(args) -> int:
                       f"{c.seconds:.1f} s", markup=False)
         for note in c.notes:
             console.print(note, style="dim", markup=False)
+    if args.peak:
+        [record] = measure(src.workload(batch, seq), policies=[policy], target=target,
+                           peak=True)
+        if record.error:
+            raise BadInput(f"--peak: the whole model under {policy} did not compile: "
+                           f"{record.error.splitlines()[0]}")
+        console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
+                      f"({record.platform}): {peak.summary(record.peak)}", markup=False)
     return 0
 
 
@@ -277,6 +295,7 @@ def _plan(args) -> int:
     from remat_kit.policy.budget import parse_budget
     from remat_kit.decide.plan import CPU_OFFLOAD_NOTE, Planner, offload_bandwidth, read_cache
     from remat_kit.decide.plan_cache import CACHE_LIMIT
+    from remat_kit.decide.search import what_holds
     from remat_kit.measure.record import MEMORY_LABELS
     from remat_kit.measure.time_model import OBJECTIVES
 
@@ -338,6 +357,7 @@ def _plan(args) -> int:
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
     plan_seconds = time.perf_counter() - start
+    held, held_parts = what_holds(planner) if len(fits) < len(budgets) else ("", None)
     kind = planner.memory_kind
     memory = MEMORY_LABELS[kind]
     ok = [r for r in records if r.error is None and r.memory_bytes is not None
@@ -396,13 +416,15 @@ def _plan(args) -> int:
         for note in p.offload_notes:
             if note != CPU_OFFLOAD_NOTE:
                 console.print(f"budget {b}: {note}", markup=False)
+    if held:
+        console.print(f"below the minimum: {held}", markup=False)
     console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
                   f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))
     context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                "devices": devices, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
-               "plan_seconds": plan_seconds}
+               "minimum_peak": held_parts, "plan_seconds": plan_seconds}
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": 1, "context": context, "budgets": out,
@@ -553,6 +575,9 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")
     compare.add_argument("--plot", default=None, metavar="PATH",
                          help="write a memory vs FLOPs PNG here")
+    compare.add_argument("--peak", action="store_true",
+                         help="also say what holds each policy's peak (XLA's buffer "
+                              "assignment, grouped): a line per policy, and in --json")
     compare.set_defaults(run=_compare)
 
     explain = sub.add_parser("explain", help="what one layer saves under one policy")
@@ -563,6 +588,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--target", default=None,
                          help="also compile the layer for this target (cpu, tpu:v5e:1x1, "
                               "gpu:h100, ...) and print its temp memory and FLOPs")
+    explain.add_argument("--peak", action="store_true",
+                         help="also compile the whole model under the policy and say what "
+                              "holds its peak (XLA's buffer assignment, grouped)")
     explain.set_defaults(run=_explain)
 
     plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")

@@ -36,6 +36,11 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
                                           # by: "temp_size_in_bytes" on CPU,
                                           # "peak_memory_in_bytes" on TPU/GPU
           "memory_bytes": int | null,     # that figure's value
+          "peak": {                       # with --peak only, else null: what
+            "figure": str,                # holds memory_kind's figure, from
+            "bytes": int,                 # XLA's buffer assignment
+            "step": int,                  # (remat_kit.measure.peak)
+            "parts": {str: int}},         # group -> bytes, largest first
           "argument_size_in_bytes": int | null,
           "output_size_in_bytes": int | null,
           "alias_size_in_bytes": int | null,
@@ -88,7 +93,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from remat_kit.measure import estimate
+from remat_kit.measure import estimate, peak
 from remat_kit.measure.record import MEMORY_LABELS, PEAK, TEMP, Record
 from remat_kit.models import TransformerConfig
 from remat_kit.files import atomic_write
@@ -522,3 +527,14 @@ __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_t
            "print_side_by_side", "print_table", "rows", "save_figure", "side_by_side", "table",
            "write_csv",
            "write_json"]
+
+
+def print_peaks(report_rows: Sequence[dict], console: Console | None = None) -> None:
+    """One line per policy measured with its peak breakdown (`Record.peak`):
+    "peak of full: 3.38 GiB: logits and their gradient 2.30 GiB, ...";
+    nothing for rows without one."""
+    console = _console(console)
+    for d in report_rows:
+        if d.get("peak"):
+            console.print(f"{MEMORY_LABELS[d['peak']['figure']]} of {', '.join(d['names'])}: "
+                          f"{peak.summary(d['peak'])}", markup=False)

@@ -242,6 +242,14 @@ class Planner:
                     self._policies.setdefault(str(parse(name)), parse(name))
         return [self.records[k] for k in keys]
 
+    def peak(self, policy: "Policy | str") -> dict | None:
+        """What holds `policy`'s compiled figure (`Record.peak`,
+        `remat_kit.measure.peak.breakdown`): one more compile, which writes
+        XLA's buffer assignment; None where it fails."""
+        [record] = measure(self.loss_fn, *self.args, policies=[policy], target=self.target,
+                           per_device=self.per_device, peak=True)
+        return record.peak
+
     def _progress(self, i, n, record):
         if self.progress:
             self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")

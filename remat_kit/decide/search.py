@@ -17,6 +17,7 @@ from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
 from remat_kit.decide.plan_cache import Plan, _write_cache, layers_summary, read_cache
 from remat_kit.errors import BudgetError
+from remat_kit.measure.peak import summary
 from remat_kit.measure.record import MEMORY_LABELS, memory_kind
 from remat_kit.policy.budget import parse_budget
 from remat_kit.policy.policy import Policy
@@ -25,6 +26,29 @@ from remat_kit.policy.policy import Policy
 # error (predicted vs compiled FLOPs differ by ~0.1% on gpt2_small and llama_1b),
 # so the MILP's second solve trades them for fewer saved bytes.
 FLOP_RESOLUTION = 1e-4
+
+
+def what_holds(planner) -> tuple[str, dict | None]:
+    """What holds the least memory any compiled policy reaches (normally full
+    remat's), for a budget below it: ("full remat's peak 3.38 GiB: logits and
+    their gradient 2.30 GiB, ...; no layer policy lowers the logits and their
+    gradient", `Planner.peak`'s breakdown). The last clause is said where the
+    largest part is none a layer policy changes (not a residual, nor a
+    recomputed value). ("", None) where the breakdown cannot be had. One more
+    compile."""
+    full = planner.measure(Policy())
+    least = min(planner._compiled(), key=lambda r: r.memory_bytes)
+    try:
+        found = planner.peak(Policy() if least is full else least.policy)
+    except Exception:  # noqa: BLE001 - a budget's error must not be lost to it
+        found = None
+    if not found:
+        return "", None
+    which = "full remat" if least is full else least.policy
+    top = next(iter(found["parts"]))
+    fixed = not top.startswith(("residual", "recomputed"))
+    return (f"{which}'s {MEMORY_LABELS[found['figure']]} {summary(found)}"
+            + (f"; no layer policy lowers the {top}" if fixed else "")), found
 
 
 def plan(planner, budget: "str | int | float") -> Plan:
@@ -78,8 +102,9 @@ def plan(planner, budget: "str | int | float") -> Plan:
         raise BudgetError(
             f"budget {budget} ({limit:,} bytes) is below the least "
             f"{MEMORY_LABELS[full.memory_kind]} memory any policy "
-            f"reaches: {lo:,} bytes under {which}, {of_none}", budget=budget,
-            minimum_bytes=lo, minimum_fraction=none and lo / none.memory_bytes)
+            f"reaches: {lo:,} bytes under {which}, {of_none}"
+            + ("; " + held if (held := what_holds(planner)[0]) else ""),
+            budget=budget, minimum_bytes=lo, minimum_fraction=none and lo / none.memory_bytes)
     if none is not None and limit >= none.memory_bytes:
         return _finish(planner, key, budget, limit, Policy(remat=False), none,
                             none.memory_bytes, none.flops, "the budget holds no remat", 0,

@@ -1,6 +1,6 @@
 """measure: programs and figures. A `Workload` under resolved policies lowered and
 compiled per target (`targets`: the target as a value; `lowering`: one compile site),
-residuals by tag, memory and FLOPs (`costs`), predicted time (`time_model`), the kept
+residuals by tag, memory and FLOPs (`costs`), what holds the peak (`peak`), predicted time (`time_model`), the kept
 figures (`figure_cache`), one `Record` per program (`record`), what one block saves
 (`explain`), and the analytic estimate (`estimate`).
 

@@ -14,7 +14,7 @@ HLO again (0.4-0.6 s of the ~3 s a cached gpt2_small program took).
 The key is a SHA-256 of the lowered program's text (StableHLO, with its
 shardings), the target, the compiler and JAX versions, the compile options,
 the target's roofline figures, $XLA_FLAGS and $LIBTPU_INIT_ARGS, `FORMAT` and the source of the modules that
-compute the figures (`costs`, `targets`, `time_model`): any change to the
+compute the figures (`costs`, `peak`, `targets`, `time_model`): any change to the
 program or to what reads it misses. A hit skips the compile; residuals
 still come from the traced program. The folder sits beside JAX's cache
 (`cli.use_compile_cache`: $REMAT_KIT_COMPILE_CACHE, then "-figures"); with
@@ -33,6 +33,7 @@ import os
 import jax
 
 from remat_kit.measure import costs
+from remat_kit.measure import peak
 from remat_kit.measure import targets
 from remat_kit.measure import time_model
 
@@ -44,7 +45,7 @@ MAX_ENTRIES = 20_000
 @functools.cache
 def _code() -> str:
     """A digest of the code that turns a compile into figures."""
-    return hashlib.sha256("".join(inspect.getsource(m) for m in (costs, targets, time_model))
+    return hashlib.sha256("".join(inspect.getsource(m) for m in (costs, peak, targets, time_model))
                           .encode()).hexdigest()
 
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,13 +43,15 @@ import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
+from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
+from remat_kit.measure import peak as peak_of
 from remat_kit.measure import time_model
 from remat_kit.measure.explain import stack_stored_bytes
 from remat_kit.policy.policy import Policy
-from remat_kit.measure.record import Record, StepTime
+from remat_kit.measure.record import Record, StepTime, memory_kind
 from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import _stage, split
 from remat_kit.errors import RematSpecError
@@ -136,7 +140,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             progress: Callable[[int, int, Record], None] | None = None,
             per_device: tuple | None = None,
             target: "str | targets.Target | None" = None,
-            per_layer: bool = False) -> list[Record]:
+            per_layer: bool = False, peak: bool = False) -> list[Record]:
     """Measures a workload under each policy, compile-only (optionally also timed).
 
     Args:
@@ -178,6 +182,9 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       per_layer: also measure one block at a time (`Record.layer_residual_bytes`,
         `layers_residual_bytes`, for the Korthikanti comparison), where the
         workload has blocks.
+      peak: also say what holds each program's peak (`Record.peak`,
+        `remat_kit.measure.peak.breakdown`): the compile then writes XLA's
+        buffer assignment to a temporary folder and reads it back.
     Returns:
       One `Record` per distinct policy, in first-seen order. A policy that
       fails to trace, compile or run gives a record with `error` set (for
@@ -223,8 +230,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     groups = _group(parsed, names, emitted)
     with _Compiles(lowering.compile_options(target, not time_steps),
                    workers=1 if time_steps else COMPILE_WORKERS, target=target,
-                   runs=time_steps > 0) as compiles:
-        programs = _lower_programs(groups, loss_for_policy, args, target, compiles.start)
+                   runs=time_steps > 0, peak=peak) as compiles:
+        programs = _lower_programs(groups, loss_for_policy, args, target, compiles.start, peak)
     timed: dict[int, object] = {}  # index in records -> compiled, timed after every compile
     for i, (policy, group_names, loss, staged, compiling, seconds) in enumerate(programs):
         record = Record(str(policy), tuple(group_names), label, str(target),
@@ -239,15 +246,27 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 layers = stack_stored_bytes(workload, policy) if per_layer else {}
             except Exception as e:  # noqa: BLE001 - raised once the compile is known
                 local = e
-            compiled, compile_seconds, program_key = compiling()
-            if isinstance(local, Exception):
-                raise local
-            seconds += compile_seconds
-            if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
-                figures = compiled
-            else:
-                figures = _figures(compiled, target, local)
-                figure_cache.store(program_key, figures)
+            compiled, compile_seconds, program_key, dump = compiling()
+            try:
+                if isinstance(local, Exception):
+                    raise local
+                seconds += compile_seconds
+                if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
+                    figures = compiled
+                else:
+                    figures = _figures(compiled, target, local)
+                    if dump is not None:
+                        figures["peak"] = peak_of.breakdown(
+                            dump, figures["memory"], figure=memory_kind(target.platform),
+                            arg_groups=(("parameters", len(jax.tree.leaves(args[0]))),),
+                            logits_shape=peak_of.logits_shape(local.program),
+                            residuals=local.residuals,
+                            code_bytes=getattr(compiled.memory_analysis(),
+                                               "generated_code_size_in_bytes", 0) or 0)
+                    figure_cache.store(program_key, figures)
+            finally:
+                if dump is not None:
+                    shutil.rmtree(dump, ignore_errors=True)
             notes = tuple(figures["cost_notes"])
             found = split(local.residuals)
             if found["offloaded_bytes"] and target.platform == "cpu":
@@ -260,6 +279,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 record, **found, **figures["memory"], flops=figures["flops"],
                 transcendentals=figures["transcendentals"], compile_seconds=seconds,
                 predicted_seconds=figures["predicted_seconds"],
+                peak=figures.get("peak") if peak else None,
                 notes=notes + tuple(figures["time_notes"]), **layers)
             if data is not None:
                 timed[len(records)] = compiled
@@ -308,9 +328,12 @@ class _Compiles:
     """Starts each lowered program's compile as soon as it is lowered.
 
     `start(lowered, text)` returns a zero-argument callable giving (compiled,
-    seconds, key), raising what the compile raised; for a program whose
+    seconds, key, dump), raising what the compile raised; for a program whose
     figures were kept (`figure_cache`: a program that will not run),
-    compiled is those figures (a dict) and nothing compiles. With workers > 1
+    compiled is those figures (a dict) and nothing compiles. With `peak`,
+    kept figures count only if they hold a breakdown ("peak"), and a compile
+    writes XLA's dump (`peak.dump_options`) into the new folder `dump`, which
+    the caller reads and removes; else dump is None. With workers > 1
     the compile runs now on a pool, that many at a time, so the next policy's
     tracing and lowering (Python, holding the GIL) overlap it; with 1, it
     runs when asked for, so a timed step never runs beside a compile. seconds
@@ -318,20 +341,32 @@ class _Compiles:
     threads exit once their queued compiles are done.
     """
 
-    def __init__(self, options: dict | None, workers: int, target, runs: bool):
-        self._options, self._target, self._runs = options, target, runs
+    def __init__(self, options: dict | None, workers: int, target, runs: bool,
+                 peak: bool = False):
+        self._options, self._target, self._runs, self._peak = options, target, runs, peak
         self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
     def _compile(self, lowered, program_key) -> tuple:
+        dump = tempfile.mkdtemp(prefix="remat_kit_peak_") if self._peak else None
         start = time.perf_counter()
-        compiled = lowered.compile(self._options)
-        return compiled, time.perf_counter() - start, program_key
+        try:
+            if dump is None:
+                compiled = lowered.compile(self._options)
+            else:  # a compile read back from JAX's cache would write no dump
+                with without_compilation_cache():
+                    compiled = lowered.compile(peak_of.dump_options(self._options, dump))
+        except BaseException:
+            if dump is not None:
+                shutil.rmtree(dump, ignore_errors=True)
+            raise
+        return compiled, time.perf_counter() - start, program_key, dump
 
     def start(self, lowered, text: str) -> Callable[[], tuple]:
+        # The dump option is left out of the key: it changes no figure.
         program_key, kept = figure_cache.lookup(text, self._target, self._options, "measure",
                                                 self._runs)
-        if kept is not None:
-            return lambda: (kept, 0.0, program_key)
+        if kept is not None and (not self._peak or "peak" in kept):
+            return lambda: (kept, 0.0, program_key, None)
         if self._pool is None:
             return lambda: self._compile(lowered, program_key)
         return self._pool.submit(self._compile, lowered, program_key).result
@@ -345,21 +380,25 @@ class _Compiles:
 
 
 def _lower_programs(groups, loss_for_policy: Callable, args, target,
-                    start: Callable[[object, str], Callable[[], tuple]]) -> list[tuple]:
+                    start: Callable[[object, str], Callable[[], tuple]],
+                    marked: bool = False) -> list[tuple]:
     """(policy, names, loss, staged, compiling, seconds) per distinct program,
     in first-seen order: `compiling` is `start(lowered, its text)` (called once per
     distinct program, as soon as it is lowered), or the exception where
     tracing or lowering failed. Groups whose decisions differ only on values
     the backward pass never reads lower to the same program: they become one
     entry with all their names, so `measure` compiles, and counts, each
-    program once."""
+    program once. marked: lower each program with its residuals named in its op
+    metadata (`peak.marked`; the same text, so the same key)."""
     out, seen = [], {}  # lowered program text -> its index in out
     for policy, group_names in groups:
         begin = time.perf_counter()
         try:
             loss = loss_for_policy(policy)
             staged = _stage(loss, args)
-            lowered = lowering.lower(jaxpr_as_fun(staged.program), staged.leaves, target)
+            program = (peak_of.marked(staged.program, staged.residual_vars, staged.residuals)
+                       if marked else staged.program)
+            lowered = lowering.lower(jaxpr_as_fun(program), staged.leaves, target)
         except Exception as e:  # noqa: BLE001 - reported in the policy's record
             out.append((policy, list(group_names), None, None, e, 0.0))
             continue

@@ -73,6 +73,9 @@ class Record:
         uniform policy; for every:k / first:n the layers under the policy
         plus those without remat; for nested:g (g > 1) the L/g group inputs
         (a full-remat layer's bytes each). `measure_config` only.
+      peak: what holds the compiler's figure (`memory_kind`), where asked
+        (`measure(..., peak=True)`): `remat_kit.measure.peak.breakdown`'s
+        {"figure", "bytes", "step", "parts": {group: bytes}}; else None.
       notes: caveats on these numbers.
       error: why the policy could not be measured ("TypeName: message"); the
         numbers are then None / empty.
@@ -103,6 +106,7 @@ class Record:
     step_time: StepTime | None = None
     layer_residual_bytes: int | None = None
     layers_residual_bytes: int | None = None
+    peak: dict | None = None
     notes: tuple[str, ...] = ()
     error: str | None = None
 

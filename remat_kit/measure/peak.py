@@ -1,0 +1,305 @@
+"""What holds a compiled program's peak: the buffers live at its peak, grouped by what they are.
+
+XLA writes its buffer assignment and each value's live range when asked to dump
+(`dump_options`: the compile option ``xla_dump_to``; the XLA CPU compiler and
+libtpu both honor it, for ahead-of-time compiles too). `breakdown` reads the
+dump back: every value's allocation (entry parameter, output, temp; memory
+space, ``color`` 0 being device memory) and its live range over the schedule,
+finds the step where the device memory live is largest and groups the values
+live there:
+
+* ``parameters`` and ``inputs``: entry parameters, by argument (`arg_groups`);
+* ``outputs``: the loss and the gradients, written as the step ends;
+* ``residual <tag>``: a value the forward pass saves for the backward pass,
+  named by the ``checkpoint_name`` tag (or primitive) that produced it;
+  `marked` puts the name into the program's op metadata (the name stack),
+  which changes no instruction, only the metadata the dump shows;
+* ``logits and their gradient``: values shaped like the loss head's logits
+  (`logits_shape`);
+* ``recomputed values`` (the backward pass's rematerialized forward values),
+  ``backward temporaries`` and ``other temporaries``.
+
+On TPU the compiler's peak also counts the program itself
+(``generated_code_size_in_bytes``), listed as ``program code``; what neither
+explains (packing, padding, reserved space: about 2% measured) is
+``compiler's own``.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+
+from jax.extend.core import ClosedJaxpr, Literal
+
+from remat_kit.measure.residuals import call_body
+from remat_kit.units import fmt_bytes
+
+_MARK = "rk_res:"  # name-stack entry of a residual's producer: rk_res:<kind>:<name>
+_ALLOCATION = re.compile(r"allocation (\d+): size (\d+),(.*)")
+_VALUE = re.compile(r"\s*value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+_RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", re.M)
+_DIMS = re.compile(r"\[([\d,]*)\]")
+
+
+def dump_options(options: dict | None, folder: str) -> dict:
+    """`options` (XLA compile options, or None) with XLA's dump into `folder`: the
+    optimized HLO, its buffer assignment and live ranges."""
+    return {**(options or {}), "xla_dump_to": folder}
+
+
+def marked(program: ClosedJaxpr, residual_vars, residuals) -> ClosedJaxpr:
+    """`program` (a `residuals._stage` program) with each residual's producing
+    equation named ``rk_res:<kind>:<name>`` in its name stack. A residual that a
+    call-like equation returns (a scanned layer stack, a jit, a remat region) is
+    marked where its body computes it. Only metadata changes: the lowered
+    program's text (`Lowered.as_text()`, the figure cache's key) and its buffers
+    are the same."""
+    names = {v: f"{r.kind}:{r.name}" for v, r in zip(residual_vars, residuals)
+             if not isinstance(v, Literal)}
+    return ClosedJaxpr(_mark(program.jaxpr, names), program.consts)
+
+
+def _mark(jaxpr, names: dict):
+    """`jaxpr` with the producers of the values in `names` (var -> mark) marked."""
+    eqns = []
+    for eqn in jaxpr.eqns:
+        found = {i: names[v] for i, v in enumerate(eqn.outvars) if v in names}
+        body = call_body(eqn) if found else None
+        if body is not None:  # mark inside: the body's outputs are the equation's
+            key = "jaxpr" if body is _unwrap(eqn.params.get("jaxpr")) else "call_jaxpr"
+            inner = _mark(body, {body.outvars[i]: m for i, m in found.items()
+                                 if not isinstance(body.outvars[i], Literal)})
+            held = eqn.params[key]
+            eqn = eqn.replace(params={**eqn.params, key: ClosedJaxpr(inner, held.consts)
+                                      if isinstance(held, ClosedJaxpr) else inner})
+        elif len(set(found.values())) == 1:
+            info = eqn.source_info
+            eqn = eqn.replace(source_info=info.replace(name_stack=info.name_stack.extend(
+                _MARK + next(iter(found.values())))))
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns)
+
+
+def _unwrap(body):
+    return body.jaxpr if isinstance(body, ClosedJaxpr) else body
+
+
+def _read(folder: str, suffix: str) -> str:
+    found = sorted(glob.glob(os.path.join(folder, f"*{suffix}")))
+    if not found:
+        raise FileNotFoundError(f"XLA wrote no *{suffix} in {folder}")
+    with open(found[-1]) as f:
+        return f.read()
+
+
+def _values(text: str) -> dict:
+    """value name ('fusion.3{}') -> (memory color, allocation kind, parameter number or
+    None, bytes, shape text) from XLA's buffer-assignment dump."""
+    out, where = {}, None
+    for line in text.splitlines():
+        if m := _ALLOCATION.match(line):
+            rest = m.group(3)
+            color = re.search(r"color (\d+)", rest)
+            number = re.search(r"parameter (\d+)", rest)
+            kind = ("parameter" if number else "output" if "live-out" in rest
+                    else "temp" if "temp" in rest else "other")
+            where = (int(color.group(1)) if color else 0, kind,
+                     int(number.group(1)) if number else None)
+        elif where and (m := _VALUE.match(line)):
+            name = m.group(1) if "{" in m.group(1) else m.group(1) + "{}"
+            out[name] = (*where, int(m.group(2)), m.group(3))
+    return out
+
+
+def _instructions(hlo: str) -> tuple[dict, dict]:
+    """({instruction name: (opcode, op_name, called computations, operand names)},
+    {computation name: [its instruction names]}, {computation name: its ROOT}) of
+    optimized HLO text."""
+    instrs, comps, roots, current, current_name = {}, {}, {}, None, None
+    for line in hlo.splitlines():
+        if m := re.match(r"^(?:ENTRY )?%(\S+) \(", line):
+            current_name = m.group(1)
+            current = comps.setdefault(current_name, [])
+            continue
+        if " = " not in line or current is None:
+            continue
+        head, _, tail = line.strip().removeprefix("ROOT ").partition(" = ")
+        op = re.search(r"\s([a-z][\w-]*)\(([^)]*)\)", " " + tail)
+        if op is None:
+            continue
+        name = head.lstrip("%")
+        op_name = re.search(r'op_name="([^"]*)"', tail)
+        called = re.findall(r"(?:calls|body)=%([\w.-]+)", tail)
+        operands = re.findall(r"%([\w.-]+)", op.group(2))
+        instrs[name] = (op.group(1), op_name.group(1) if op_name else "", called, operands)
+        current.append(name)
+        if line.strip().startswith("ROOT "):
+            roots[current_name] = name
+    return instrs, comps, roots
+
+
+def _marks(name: str, index: int, instrs: dict, comps: dict, roots: dict, depth: int = 0) -> list[str]:
+    """The residual marks (`marked`) of the value `name`{index}: in its own op
+    metadata, else in the computation it fuses, else (a while loop) in the loop
+    body's output `index`."""
+    if name not in instrs or depth > 3:
+        return []
+    opcode, op_name, called, _ = instrs[name]
+    own = re.findall(re.escape(_MARK) + r"([^/]+)", op_name)
+    if own:
+        return own
+    if opcode == "fusion" and called:
+        inner = {m for n in comps.get(called[0], ()) for m in
+                 re.findall(re.escape(_MARK) + r"([^/]+)", instrs.get(n, ("", ""))[1])}
+        return sorted(inner) if len(inner) == 1 else []
+    if opcode == "while" and called and called[-1] in roots:
+        operands = instrs.get(roots[called[-1]], ("", "", [], []))[3]
+        if index < len(operands):
+            return _marks(operands[index], 0, instrs, comps, roots, depth + 1)
+    return []
+
+
+class _Program:
+    """What grouping reads of one dump: its HLO, arguments, logits and residuals."""
+
+    def __init__(self, hlo: str, arg_groups, logits_shape, residuals):
+        self.instrs, self.comps, self.roots = _instructions(hlo)
+        self.arg_groups = arg_groups
+        self.logits = None if logits_shape is None else (math.prod(logits_shape),
+                                                         logits_shape[-1])
+        self.tagged = [r for r in residuals if r.kind == "tag"]
+
+    def marks(self, instr: str, index: int) -> list[str]:
+        return _marks(instr, index, self.instrs, self.comps, self.roots)
+
+    def loop_tag(self, instr: str, index: int, size: int, dims: tuple) -> str | None:
+        """The tag of a scanned stack's loop state `instr`{index} that no op
+        computes (a layer's input, carried and stacked), by its shape: the one
+        tagged residual of that shape and size not found by mark on the loop's
+        other outputs."""
+        if self.instrs.get(instr, ("",))[0] != "while":
+            return None
+        called = self.instrs[instr][2]
+        width = len(self.instrs.get(self.roots.get(called[-1] if called else ""),
+                                    ("", "", [], []))[3])
+        found = {m[4:] for i in range(width) if i != index for m in self.marks(instr, i)[:1]
+                 if m.startswith("tag:")}
+        names = {r.name for r in self.tagged if r.nbytes == size and r.shape == dims} - found
+        return names.pop() if len(names) == 1 else None
+
+    def group(self, name: str, value: tuple) -> str:
+        color, kind, number, size, shape = value
+        if kind == "parameter":
+            for label, count in self.arg_groups:
+                if number < count:
+                    return label
+                number -= count
+            return "inputs"
+        if kind == "output":
+            return "outputs (loss, gradients)"
+        instr, _, index = name.partition("{")
+        index = int(index.rstrip("}").split(",")[0] or 0)
+        marks = self.marks(instr, index)
+        if marks and marks[0].startswith("tag:"):
+            return f"residual {marks[0][4:]}"
+        found = _DIMS.search(shape)
+        dims = tuple(int(d) for d in found.group(1).split(",") if d) if found else ()
+        # The logits may be reshaped ([batch * seq, vocab]): same elements, same last axis.
+        if self.logits is not None and dims and (math.prod(dims), dims[-1]) == self.logits:
+            return "logits and their gradient"
+        if marks:
+            return "residuals, untagged"
+        if (tag := self.loop_tag(instr, index, size, dims)) is not None:
+            return f"residual {tag}"
+        op_name = self.instrs.get(instr, ("", ""))[1]
+        if "rematted_computation" in op_name:
+            return "recomputed values"
+        if "transpose(" in op_name:
+            return "backward temporaries"
+        return "other temporaries"
+
+
+def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
+              logits_shape: tuple | None = None, residuals=(), code_bytes: int = 0) -> dict:
+    """The device buffers live at the peak of the program XLA dumped into `folder`.
+
+    Args:
+      folder: where the compile wrote its dump (`dump_options`).
+      memory: the compile's `costs.memory_fields`.
+      figure: the figure broken down, "temp_size_in_bytes" (XLA CPU: temp
+        buffers only) or "peak_memory_in_bytes" (TPU, GPU: everything live).
+      arg_groups: (label, number of leaves) for the program's leading
+        arguments, e.g. (("parameters", 16),); the rest are "inputs".
+      logits_shape: the loss head's logits shape (`logits_shape`), whose
+        values (or a reshape of them keeping the last axis) are grouped as
+        "logits and their gradient".
+      residuals: the program's `residuals.Residual`s; a scanned stack's loop
+        state that no op computes is named by its shape among them.
+      code_bytes: the program's own size (`generated_code_size_in_bytes`),
+        which the TPU peak counts; "program code" where figure is the peak.
+    Returns:
+      {"figure": figure, "bytes": its value, "step": the schedule step of the
+      peak, "parts": {group: bytes}, largest first} (JSON-ready), the parts
+      summing to the figure: "program code" and "compiler's own" (packing,
+      padding, what the dump does not show) are parts too.
+    Raises:
+      FileNotFoundError: the folder holds no dump.
+    """
+    values = _values(_read(folder, "after_optimizations-buffer-assignment.txt"))
+    ranges = [(n, int(a), int(b)) for n, a, b in _RANGE.findall(
+        _read(folder, "after_optimizations-live-range.txt"))]
+    program = _Program(_read(folder, "after_optimizations.txt"), arg_groups, logits_shape,
+                       residuals)
+    counted = ("temp",) if figure == "temp_size_in_bytes" else ("temp", "parameter", "output")
+    live = [(n, a, b) for n, a, b in ranges
+            if n in values and values[n][0] == 0 and values[n][1] in counted]
+    # Device bytes live at each step: a value from its definition up to its last use
+    # (that step's output may take its buffer).
+    delta: dict[int, int] = {}
+    for n, a, b in live:
+        delta[a] = delta.get(a, 0) + values[n][3]
+        delta[b] = delta.get(b, 0) - values[n][3]
+    total, best, step = 0, -1, 0
+    for t in sorted(delta):
+        total += delta[t]
+        if total > best:
+            best, step = total, t
+    parts: dict[str, int] = {}
+    for n, a, b in live:
+        if a <= step < b:
+            g = program.group(n, values[n])
+            parts[g] = parts.get(g, 0) + values[n][3]
+    whole = memory.get(figure) or 0
+    if figure != "temp_size_in_bytes" and code_bytes:
+        parts["program code"] = code_bytes
+    parts["compiler's own"] = whole - sum(parts.values())
+    return {"figure": figure, "bytes": whole, "step": step,
+            "parts": dict(sorted(parts.items(), key=lambda kv: -kv[1]))}
+
+
+def summary(found: dict, top: int = 4) -> str:
+    """One line of a `breakdown`: '3.38 GiB: logits and their gradient 2.30 GiB,
+    parameters 474.97 MiB, ..., other 156.32 MiB' (its `top` largest parts, the
+    rest summed as "other")."""
+    parts = list(found["parts"].items())
+    shown = ", ".join(f"{g} {fmt_bytes(b)}" for g, b in parts[:top])
+    rest = sum(b for _, b in parts[top:])
+    return f"{fmt_bytes(found['bytes'])}: {shown}" + (f", other {fmt_bytes(rest)}" if rest else "")
+
+
+def logits_shape(program: ClosedJaxpr) -> tuple | None:
+    """The shape of the loss head's logits in a `residuals._stage` program: the
+    operand of the forward pass's last `reduce_max` of rank >= 2 (a softmax's or
+    log-sum-exp's stabilizer), found before the loss value is computed; None if
+    there is none (a loss without a softmax over its last axis)."""
+    eqns = program.jaxpr.eqns
+    loss = program.jaxpr.outvars[0]
+    end = next((i for i, e in enumerate(eqns) if loss in e.outvars), len(eqns))
+    found = None
+    for eqn in eqns[:end]:
+        if eqn.primitive.name == "reduce_max" and len(eqn.invars[0].aval.shape) >= 2:
+            found = tuple(eqn.invars[0].aval.shape)
+    return found
