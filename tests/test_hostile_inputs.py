@@ -8,6 +8,7 @@ of random bytes, docs/plan.md on bytes.
 """
 
 import dataclasses
+import json
 import pathlib
 import re
 
@@ -137,3 +138,46 @@ def test_the_budgets_docs_give_bytes_as_the_code_takes_them():
         parse_budget(example)  # every form the row shows is taken
     with pytest.raises(rk.BudgetError, match="6000000000B"):
         parse_budget("6000000000")  # a bare number above 1, as the row says
+
+
+UNEVEN = """
+import flax.linen as nn
+
+class Block(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32)(nn.relu(nn.Dense(self.hidden)(x)))
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32)(tokens)
+        for hidden in (64, 128, 128):  # one class, layer 0 narrower
+            x = Block(hidden)(x)
+        return nn.Dense(64)(x)
+
+def model():
+    return Model()
+"""
+
+
+def test_blocks_of_one_class_that_differ_are_said_to(tmp_path, capsys):
+    path = tmp_path / "uneven.py"
+    path.write_text(UNEVEN)
+    out = tmp_path / "records.json"
+    assert cli.main(["compare", "--model", f"{path}:model", "--batch", "2", "--seq", "8",
+                     "--policies", "none,full", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert all(r["layers_residual_bytes"] is None for r in records)  # not 3 x layer 0
+    # Each block's input bytes: [2, 8, 32] f32 activations + its two Dense layers.
+    sizes = [2 * 8 * 32 * 4 + 4 * (32 * h + h + h * 32 + 32) for h in (64, 128, 128)]
+    said = ("the 3 blocks differ in shape: their inputs (parameters and activations) are "
+            f"{', '.join(f'{b:,}' for b in sizes)} bytes")
+    assert all(any(n.startswith(said) for n in r["notes"]) for r in records)
+    capsys.readouterr()
+    assert cli.main(["explain", "--model", f"{path}:model", "--batch", "2", "--seq", "8",
+                     "--policy", "full"]) == 0
+    shown = capsys.readouterr().out
+    assert "model (3 layers)" not in shown and said in " ".join(shown.split())

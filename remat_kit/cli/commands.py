@@ -250,10 +250,13 @@ def _explain(args) -> int:
         totals.add_column(name, justify="right" if name else "left")
     totals.add_row("per layer", fmt_bytes(layer.saved_bytes),
                    fmt_bytes(layer.offloaded_bytes), fmt_bytes(layer.recomputed_bytes))
-    totals.add_row(f"model ({n} layer{'' if n == 1 else 's'})", fmt_bytes(n * layer.saved_bytes),
-                   fmt_bytes(n * layer.offloaded_bytes),
-                   fmt_bytes(n * layer.recomputed_bytes))
+    if not layer.blocks_differ:  # else n x the first block is no figure
+        totals.add_row(f"model ({n} layer{'' if n == 1 else 's'})",
+                       fmt_bytes(n * layer.saved_bytes), fmt_bytes(n * layer.offloaded_bytes),
+                       fmt_bytes(n * layer.recomputed_bytes))
     console.print(totals)
+    if layer.blocks_differ:
+        console.print(layer.blocks_differ)
     console.print(f"parameters read by the backward pass (not extra memory): "
                   f"{fmt_bytes(layer.parameter_bytes)} per layer")
     if layer.compiled is not None:
