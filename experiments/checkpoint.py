@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -177,6 +178,7 @@ class Checkpoints:
         self._failed = False  # a write error was raised (orbax raises it again on close)
         self.last_write_seconds: float | None = None
         self.last_blocking_seconds: float | None = None
+        self._check_writable()
         try:
             self._manager = ocp.CheckpointManager(
                 self.directory,
@@ -190,6 +192,22 @@ class Checkpoints:
                                                      cleanup_tmp_directories=True))
         except OSError as e:
             raise BadInput(f"cannot use checkpoint folder {str(self.directory)!r}: {e}") from e
+
+    def _check_writable(self) -> None:
+        """BadInput at once where the folder exists but a file cannot be created in
+        it (a read-only mount): orbax would fail the first save, then its
+        threads would wait forever at exit."""
+        if not self.directory.is_dir():
+            return  # the workdir was checked writable; orbax creates the folder
+        try:
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as e:
+            steps = steps_on_disk(self.directory)
+            kept = f"checkpoint {steps[-1]} is intact" if steps else "it holds no checkpoint"
+            raise BadInput(f"checkpoint folder {str(self.directory)!r} cannot be written "
+                           f"({e.strerror or e}); {kept}; make it writable or use another "
+                           "workdir") from None
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

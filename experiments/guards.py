@@ -10,7 +10,9 @@ import os
 import pathlib
 import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Iterator
 
 from remat_kit.cli.inputs import BadInput
@@ -73,6 +75,25 @@ def stop_signals() -> Iterator[StopSignals]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def exit_past_stuck_threads(code: int, seconds: float = 5.0) -> None:
+    """Ends the process with `code` now (os._exit, after flushing) where threads
+    other than this one that the interpreter would wait for at exit are still
+    alive after `seconds`: after a failed checkpoint write, orbax's threads can
+    wait for one another forever (`blocking_key_value_get`), and the run hung
+    after printing its error. Returns where none is left."""
+    deadline = time.monotonic() + seconds
+
+    def stuck():
+        return [t for t in threading.enumerate()
+                if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+    for t in stuck():
+        t.join(max(0.0, deadline - time.monotonic()))
+    if stuck():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 @contextlib.contextmanager

@@ -24,12 +24,26 @@ from collections.abc import Callable, Iterator
 import ml_collections
 
 from experiments.common import warn_line
+from remat_kit import files
+from remat_kit.cli.inputs import BadInput
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
 TENSORBOARD = "tensorboard"
 LIBRARY_LOG = "orbax.log"
+SUMMARY = "summary.json"
+
+
+def check_files(workdir: pathlib.Path) -> None:
+    """BadInput, one line, where a file the run writes in `workdir` (metrics.jsonl,
+    the config and its history, summary.json) is there but is no writable regular
+    file (a folder by that name gave an IsADirectoryError traceback)."""
+    for name in (METRICS, CONFIG, HISTORY, SUMMARY):
+        path = workdir / name
+        if (path.exists() or path.is_symlink()) and (why := files.problem(str(path))):
+            raise BadInput(f"--workdir: {why}; the run writes {name} there: move it away or "
+                           "use another workdir")
 
 
 def _replace_text(path: pathlib.Path, text: str) -> None:

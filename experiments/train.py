@@ -188,6 +188,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.Ex
     error becomes BadInput."""
     _check_fields(config)
     check_folder(workdir, "--workdir", create=True)
+    runlog.check_files(pathlib.Path(workdir))
     try:
         cfg = from_config_dict(config)
         _start_devices(config, cfg)
@@ -306,9 +307,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        # From the first moment: a signal during setup, a compile or the last
+        # checkpoint write is acted on where the run can stop cleanly, never a traceback.
+        stop = stack.enter_context(guards.stop_signals())
         cfg, corpus, batches, evals = _setup(config, workdir, stack)
         try:
-            return _train(config, pathlib.Path(workdir), cfg, corpus, batches, evals, start)
+            return _train(config, pathlib.Path(workdir), cfg, corpus, batches, evals, start,
+                          stop)
         except (BadInput, guards.RunStopped):
             raise
         except Exception as e:  # noqa: BLE001 - a full disk; XLA's out-of-memory
@@ -390,15 +395,17 @@ def _hang(ckpt: checkpoint.Checkpoints, stop: guards.StopSignals, console: Conso
         time.sleep(0.05)
 
 
-def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: float) -> dict:
+def _train(config, workdir: pathlib.Path, cfg, corpus, batches, evals, start: float,
+           stop: guards.StopSignals) -> dict:
     ckpt = checkpoint.Checkpoints(workdir, config.keep_checkpoints)
     try:
-        return _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start)
+        return _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start, stop)
     finally:
         ckpt.close()  # waits for the last write
 
 
-def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float) -> dict:
+def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float,
+                stop: guards.StopSignals) -> dict:
     # Every process trains and checkpoints (orbax coordinates them); process 0
     # alone prints and writes metrics, the config history and the summary.
     lead = jax.process_index() == 0
@@ -491,8 +498,14 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                         TextColumn("loss {task.fields[loss]:.3f}"),
                         TextColumn("{task.fields[tok_s]:,.0f} tok/s"), TimeRemainingColumn(),
                         console=console)
-    with (progress, runlog.MetricsLog(workdir, start_step, config.tensorboard, lead, warn) as metrics,
-          guards.stop_signals() as stop):
+    if stop.received:  # during the compile: nothing trained, nothing new to keep
+        last = ckpt.latest_step()
+        raise guards.Interrupted(
+            f"{stop.name} before step {start_step + 1}: nothing new was written; "
+            + (f"checkpoint {last} in {ckpt.directory} is the latest" if last is not None
+               else "no checkpoint was written"), stop.received)
+    with (progress, runlog.MetricsLog(workdir, start_step, config.tensorboard, lead, warn)
+          as metrics):
         task = progress.add_task("train", total=config.num_steps, completed=start_step,
                                  loss=float("nan"), tok_s=0.0)
         for step in range(start_step + 1, config.num_steps + 1):
@@ -525,7 +538,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                 save(step)
             if step == config.hang_after_step:
                 _hang(ckpt, stop, progress.console, step)
-            if stop.received:
+            if stop.received and step < config.num_steps:  # the last step ends the run
                 save(step)
                 ckpt.wait()
                 raise guards.Interrupted(
@@ -562,6 +575,11 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     if lead:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
+    if stop.received:  # after the last step: the run is whole, the exit code still says so
+        raise guards.Interrupted(
+            f"{stop.name} after the last step {config.num_steps}: the run finished; "
+            f"checkpoint {last_saved} and summary.json are written in {workdir}",
+            stop.received)
     return summary
 
 
@@ -640,6 +658,7 @@ def main(argv: list[str]) -> None:
             # After a failed write, orbax's threads print tracebacks as the
             # interpreter shuts down: they go to the log, after our one line.
             runlog.divert_stderr(pathlib.Path(_WORKDIR.value))
+            guards.exit_past_stuck_threads(code)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from remat_kit import mesh as rk_mesh
 from remat_kit import files as outputs
 from remat_kit.units import fmt_bytes
+from remat_kit.cli import stops
 from remat_kit.errors import RematSpecError
 from remat_kit.cli.inputs import (BadInput, Source, _non_negative_int, _positive_int, check_memory,
                               check_output_file, check_planner_floor, check_schedules,
@@ -259,10 +260,13 @@ def _explain(args) -> int:
         totals.add_column(name, justify="right" if name else "left")
     totals.add_row("per layer", fmt_bytes(layer.saved_bytes),
                    fmt_bytes(layer.offloaded_bytes), fmt_bytes(layer.recomputed_bytes))
-    totals.add_row(f"model ({n} layer{'' if n == 1 else 's'})", fmt_bytes(n * layer.saved_bytes),
-                   fmt_bytes(n * layer.offloaded_bytes),
-                   fmt_bytes(n * layer.recomputed_bytes))
+    if not layer.blocks_differ:  # else n x the first block is no figure
+        totals.add_row(f"model ({n} layer{'' if n == 1 else 's'})",
+                       fmt_bytes(n * layer.saved_bytes), fmt_bytes(n * layer.offloaded_bytes),
+                       fmt_bytes(n * layer.recomputed_bytes))
     console.print(totals)
+    if layer.blocks_differ:
+        console.print(layer.blocks_differ)
     console.print(f"parameters read by the backward pass (not extra memory): "
                   f"{fmt_bytes(layer.parameter_bytes)} per layer")
     if layer.compiled is not None:
@@ -664,11 +668,19 @@ def use_compile_cache() -> None:
     so a repeated run loads them instead of compiling (the same memory and FLOP
     figures; only the compile seconds shrink). The folder is $REMAT_KIT_COMPILE_CACHE,
     default ~/.cache/remat_kit/jax ($XDG_CACHE_HOME if set); an empty value
-    turns it off, and JAX_COMPILATION_CACHE_DIR, if set, is used as JAX uses it."""
+    turns it off, and JAX_COMPILATION_CACHE_DIR, if set, is used as JAX uses it.
+
+    Raises:
+      BadInput: $REMAT_KIT_COMPILE_CACHE names something that is not a folder
+        (/dev/null, a file): the figures would go to "/dev/null-figures".
+    """
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = os.environ.get("REMAT_KIT_COMPILE_CACHE", os.path.join(home, "remat_kit", "jax"))
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise BadInput(f"REMAT_KIT_COMPILE_CACHE={path!r} is not a folder; give a folder for "
+                       "the compile cache, or an empty value for none")
     if path:
         import jax
         jax.config.update("jax_compilation_cache_dir", path)
@@ -684,11 +696,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    use_compile_cache()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), stops.catching():
         warnings.showwarning = _one_line_warning
         try:
+            use_compile_cache()
             return args.run(args)
+        except stops.Stopped as e:  # Ctrl-C or SIGTERM: one line, never a traceback
+            print(f"remat-kit {args.command}: stopped by {e.name}; {stops.kept(args)}",
+                  file=sys.stderr)
+            return e.exit_code
         except (BadInput, RematSpecError, ValueError) as e:
             # RematSpecError is a ValueError; other ValueErrors here come from
             # validating sizes and dtypes before anything is measured.
@@ -702,13 +718,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _joined_values(argv: list[str]) -> list[str]:
-    """`--budget -1GiB` as `--budget=-1GiB`: argparse takes a value that starts with
+    """`--budget -1GiB` (or -inf) as `--budget=-1GiB`: argparse takes a value that starts with
     '-' and is not a plain number for an option, and would say only "expected one
     argument"; joined, the budget's own check names the bad value."""
     out = []
     for arg in argv:
         if (out and out[-1] in ("--budget", "--budgets") and arg[:1] == "-"
-                and arg[1:2].isdigit()):
+                and arg[1:2] != "-" and arg != "-h"):  # -1GiB, -inf, -nan, -.5
             out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)

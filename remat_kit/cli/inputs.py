@@ -184,12 +184,23 @@ class Source:
     make: object
 
     def workload(self, batch: int, seq: int, mesh=None):
-        """The workload at these sizes; BadInput for a model that cannot give one."""
+        """The workload at these sizes; BadInput for a model that cannot give one,
+        or whose loss does not depend differentiably on its parameters (there
+        would be no backward pass: every policy the same program, 0 residuals)."""
         from remat_kit.flax.from_model import ModelError
+        from remat_kit.policy.policy import Policy
+        from remat_kit.trace.workload import has_gradient_path
         try:
-            return self.make(batch, seq, mesh)
+            work = self.make(batch, seq, mesh)
         except ModelError as e:
             raise BadInput(str(e)) from None
+        if self.cfg is None and not has_gradient_path(work.loss_for_policy(Policy(remat=False)),
+                                                      *work.args):  # ours always have one
+            raise BadInput(f"{self.label}: the loss has no float path to the parameters "
+                           "(integer or boolean logits? a stop_gradient?): its gradient is "
+                           "zero, so there is no backward pass to rematerialize; return "
+                           "float logits")
+        return work
 
     def dtype(self, workload=None) -> str:
         """The activation dtype for titles: the config's, else the parameters'."""

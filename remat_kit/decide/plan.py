@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from collections.abc import Callable, Collection, Sequence
 
@@ -79,11 +80,13 @@ import jax.numpy as jnp
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide import search
+from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import time_model
 from remat_kit.decide.cost_model import (SAVE_TAGS, CostModel, Program, cost_model,
                                   forward_jaxpr, with_region_policies)
 from remat_kit.errors import BudgetError
+from remat_kit.measure.lowering import compile_options
 from remat_kit.measure.measure import measure
 from remat_kit.decide.plan_cache import Plan, default_cache_path, layers_summary, \
     read_cache
@@ -188,8 +191,10 @@ class Planner:
         if groups != "layers" and (isinstance(groups, bool) or not isinstance(groups, int)):
             raise ValueError(f"groups must be a whole number of layer groups or 'layers', "
                              f"got {groups!r}")
-        if not (offload in (None, True, False) or isinstance(offload, (int, float))
-                and offload > 0):
+        # `is`, not `in`: 0 == False and 1 == True, but 0 is no bandwidth.
+        if not (offload is None or offload is True or offload is False
+                or isinstance(offload, (int, float)) and not isinstance(offload, bool)
+                and math.isfinite(offload) and offload > 0):
             raise ValueError(f"offload must be None, True, False or a host bandwidth in "
                              f"bytes/s > 0, got {offload!r}")
         if isinstance(loss_fn, Workload):
@@ -198,7 +203,7 @@ class Planner:
             per_device = per_device or loss_fn.per_device
             loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
         _check_differentiable(args)
-        self.loss_fn, self.args = _as_factory(loss_fn), args
+        self.loss_fn, self.args = _as_factory(loss_fn, len(args)), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
         self.target = targets.parse_target(target)
@@ -442,11 +447,16 @@ class Planner:
         return self._staged
 
     def fingerprint(self) -> str:
-        """A hash of the traced program, argument shardings, JAX version and target."""
+        """A hash of the traced program, argument shardings, JAX version, target and
+        compiler (`figure_cache.compiler_parts`)."""
         if self._fingerprint is None:
             text = re.sub(r"0x[0-9a-f]+", "", str(self.staged.program))  # object addresses vary
             shardings = [str(getattr(x, "sharding", None)) for x in jax.tree.leaves(self.args)]
-            blob = "\n".join([text, *shardings, jax.__version__, str(self.target),
+            # What the figure cache keys by besides the program ($XLA_FLAGS, the
+            # compiler version, ...): a plan compiled under other flags is another plan.
+            compiler = figure_cache.compiler_parts(
+                self.target, compile_options(self.target, True))
+            blob = "\n".join([text, *shardings, jax.__version__, repr(compiler),
                               str(jax.device_count())])
             self._fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:32]
         return self._fingerprint
@@ -490,17 +500,29 @@ class Planner:
         return search.plan(self, budget)
 
     def device_bytes(self, record: Record) -> int:
-        """The device memory `record` is budgeted by: its `memory_bytes`, less its
-        offloaded residuals on the CPU target when offload is planned there (host
-        memory is device memory on the CPU, so its compile counts them)."""
-        if self.target.platform == "cpu" and self.host_bandwidth is not None:
-            return record.memory_bytes - record.offloaded_bytes
-        return record.memory_bytes
+        """The device memory `record` is budgeted by: its `memory_bytes`; on the CPU
+        target with offload planned, for a record that offloads, the memory of the
+        same policy with the offloaded tags recomputed instead (one more compile,
+        memoized). Host memory is device memory on the CPU, so its compile counts
+        offloaded residuals, and less their bytes is no device figure: XLA reuses
+        their buffers, so that went below zero (-8,128 bytes on tests/zoo/gpt_linen)."""
+        if (self.target.platform != "cpu" or self.host_bandwidth is None
+                or not record.offloaded_bytes):
+            return record.memory_bytes
+        policy = self._policy_of(record)
+        kept = tuple(dataclasses.replace(p, offload=frozenset())
+                     for p in (policy if isinstance(policy, tuple) else (policy,)))
+        twin = self.record_of(kept if isinstance(policy, tuple) else kept[0])
+        return record.memory_bytes if twin.error or twin.memory_bytes is None \
+            else twin.memory_bytes
 
     def _compiled(self) -> list[Record]:
-        """Every policy compiled for this loss that has memory and FLOP figures."""
+        """Every policy compiled for this loss that has memory and FLOP figures and,
+        where offload is not planned, offloads nothing (a preset such as
+        minimal_offloaded is then never a plan)."""
         return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
-                if r.error is None and r.flops is not None and r.memory_bytes is not None]
+                if r.error is None and r.flops is not None and r.memory_bytes is not None
+                and (self.host_bandwidth is not None or not r.offloaded_bytes)]
 
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: `remat_kit.decide.search.frontier`."""

@@ -4,7 +4,9 @@ Plans are cached keyed by a fingerprint of the traced program (model, shapes,
 dtypes, shardings), the JAX version, the target, the memory figure, the budget,
 the layer groups and the objective (`Planner.plan` builds the key), so a
 restarted run does not plan again and a plan made for one figure is never
-returned for another.
+returned for another. Each plan is sealed (`remat_kit.measure.sealed`): one
+whose checksum or figures fail the check when read back (a changed digit, a
+negative byte count, a missing field) is planned again and overwritten.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import warnings
 from collections.abc import Sequence
 
 from remat_kit.files import atomic_write, read_regular
+from remat_kit.measure import sealed
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import parse
 
@@ -183,6 +186,33 @@ def read_cache(path: str) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+_count, _amount = sealed.count, sealed.amount
+# The figures of a kept plan, checked when it is read back (`cached_plan`).
+_PLAN: sealed.Schema = {
+    "budget": sealed.text, "budget_bytes": _count, "spec": sealed.text,
+    "predicted_bytes": _count, "predicted_flops": _amount, "measured_bytes": _count,
+    "measured_flops": _amount, "none_bytes": sealed.optional(_count), "none_flops": _amount,
+    "minimum_bytes": _count, "status": sealed.text, "iterations": _count,
+    "platform": sealed.text, "memory_kind": sealed.text, "layer_specs": sealed.texts,
+    "groups": _count, "objective": sealed.text,
+    "predicted_seconds": sealed.optional(_amount), "none_seconds": sealed.optional(_amount),
+    "offloaded_bytes": _count, "host_bytes": sealed.optional(_count),
+    "offload_notes": sealed.texts}
+
+
+def cached_plan(path: str, key: str) -> Plan | None:
+    """The plan kept under `key` in the cache at `path` (`cached` set), or None:
+    no cache, no such plan, or one that fails its checksum or figures (it is
+    planned again and overwritten)."""
+    entry = sealed.unseal((read_cache(path) or {}).get(key), _PLAN)
+    if entry is None:
+        return None
+    try:
+        return dataclasses.replace(Plan.from_dict(entry), cached=True)
+    except (TypeError, ValueError):  # a spec that no longer parses
+        return None
+
+
 def _write_cache(path: str, key: str, plan: Plan) -> None:
     data = read_cache(path)
     if data is None:
@@ -192,10 +222,10 @@ def _write_cache(path: str, key: str, plan: Plan) -> None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with atomic_write(path) as f:  # concurrent runs never read half a file
-            json.dump(data | {key: plan.to_dict()}, f, indent=1)
+            json.dump(data | {key: sealed.seal(plan.to_dict())}, f, indent=1)
     except OSError as e:
         warnings.warn(f"cannot write plan cache {path!r} ({e}); the plan is not cached",
                       stacklevel=3)
 
 
-__all__ = ["Plan", "default_cache_path", "layers_summary", "read_cache"]
+__all__ = ["Plan", "cached_plan", "default_cache_path", "layers_summary", "read_cache"]

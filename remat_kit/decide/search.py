@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
-from remat_kit.decide.plan_cache import Plan, _write_cache, layers_summary, read_cache
+from remat_kit.decide.plan_cache import Plan, _write_cache, cached_plan, layers_summary
 from remat_kit.errors import BudgetError
 from remat_kit.measure.peak import summary
 from remat_kit.measure.record import MEMORY_LABELS, memory_kind
@@ -82,11 +82,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     key = (f"{planner.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
            f"|groups={groups}|{planner.objective}|offload={planner.host_bandwidth}"
            + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None else ""))
-    if planner.cache and key in (hit := read_cache(planner.cache) or {}):
-        try:
-            return dataclasses.replace(Plan.from_dict(hit[key]), cached=True)
-        except (TypeError, ValueError, KeyError, AttributeError):
-            pass  # an entry from an older layout: plan again
+    if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
+        return kept
     full, none = planner.measure(Policy()), planner.none()
     if none is None and parsed.bytes is None:
         raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "

@@ -11,6 +11,7 @@ before anything compiles.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -25,6 +26,27 @@ from remat_kit.mesh import spanning
 from remat_kit.trace.workload import Workload
 
 FORMS = "FILE.py:FUNCTION or package.module:FUNCTION"
+
+
+class ExitCalled(SystemExit):
+    """The user's code called os._exit while remat-kit ran it (`_no_exit`)."""
+
+
+@contextlib.contextmanager
+def _no_exit():
+    """While the user's code runs, os._exit raises ExitCalled: os._exit(0) in a
+    model file would end remat-kit at once, exit 0 and no report, which reads as
+    success."""
+    real = os._exit
+
+    def refuse(code):
+        raise ExitCalled(f"it called os._exit({code}), which would end remat-kit with no "
+                         "report")
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def _module(path: str, spec: str):
@@ -51,10 +73,12 @@ def _module(path: str, spec: str):
         module = None
         load = lambda: importlib.import_module(path)  # noqa: E731
     try:
-        loaded = load()
-    except SyntaxError as e:
-        raise ModelError(f"--model {spec!r}: syntax error ({e.msg}) in {e.filename} line "
-                         f"{e.lineno}") from None
+        with _no_exit():
+            loaded = load()
+    except SyntaxError as e:  # a file of random bytes has no line
+        where = e.filename or path
+        raise ModelError(f"--model {spec!r}: syntax error ({e.msg}) in {where}"
+                         + (f" line {e.lineno}" if e.lineno else "")) from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of user code
         raise ModelError(f"--model {spec!r}: {path} does not import: {type(e).__name__}: "
                          f"{e}") from None
@@ -97,7 +121,8 @@ def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
                          "take none (and return a linen or NNX model) or (batch, seq) (and "
                          "return a remat_kit.Workload)")
     try:
-        model = fn()
+        with _no_exit():
+            model = fn()
     except (Exception, SystemExit) as e:  # noqa: BLE001
         raise ModelError(f"--model {spec!r}: {name}() raised {type(e).__name__}: {e}") \
             from None
@@ -105,10 +130,11 @@ def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
 
     def make(batch: int, seq: int, mesh=None) -> Workload:
         try:
-            return model_workload(model, batch, seq, block=block, name=label, mesh=mesh)
+            with _no_exit():
+                return model_workload(model, batch, seq, block=block, name=label, mesh=mesh)
         except (ModelError, RematSpecError) as e:
             raise ModelError(f"--model {spec!r}: {e}") from None
-        except Exception as e:  # noqa: BLE001 - the model failed to trace
+        except (Exception, ExitCalled) as e:  # noqa: BLE001 - the model failed to trace
             where = _our_frame(e)
             if where is not None:  # remat_kit's own fault: never the user's shapes
                 raise ModelError(f"--model {spec!r}: remat_kit failed on this model at "
@@ -168,7 +194,8 @@ def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
             raise ModelError(f"--model {spec!r}: --mesh is for a model; {name}(batch, seq) "
                              "builds its Workload, so build the mesh into its arguments")
         try:
-            got = fn(batch, seq)
+            with _no_exit():
+                got = fn(batch, seq)
         except (Exception, SystemExit) as e:  # noqa: BLE001
             raise ModelError(f"--model {spec!r}: {name}({batch}, {seq}) raised "
                              f"{type(e).__name__}: {e}") from None

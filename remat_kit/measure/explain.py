@@ -20,6 +20,7 @@ from remat_kit.policy.policy import Policy
 from remat_kit.measure.residuals import Residual, _aval_bytes, residuals
 from remat_kit.policy.spec import layer_policies
 from remat_kit.policy.spec import parse
+from remat_kit.trace import regions
 from remat_kit.trace.validate import emitted_tags, tag_aliases
 from remat_kit.trace.workload import Workload, checkpointed
 
@@ -56,6 +57,9 @@ class LayerBreakdown:
         by reference, not extra memory): the layer's parameters for
         `layer_residuals`, every argument for `explain`.
       num_layers: layers in the model.
+      blocks_differ: where the model's blocks are not alike (one class, other
+        widths), a line giving each block's input bytes (`blocks_differ`): the
+        rows are the first block's and L x them is no figure; else "".
       compiled: with a `target`, the layer's value-and-grad compiled for it
         (`lowering.Compiled`: temp bytes, FLOPs, compile seconds), else None.
     """
@@ -65,6 +69,7 @@ class LayerBreakdown:
     parameter_bytes: int
     num_layers: int
     compiled: "lowering.Compiled | None" = None
+    blocks_differ: str = ""
 
     def _sum(self, decision: str) -> int:
         return sum(r.nbytes for r in self.rows if r.decision == decision)
@@ -99,7 +104,39 @@ def _block_stored_bytes(workload: Workload, policy: Policy) -> int:
     return sum(r.nbytes for r in residuals(fn, *args) if not _is_param(r))
 
 
-def stack_stored_bytes(workload: Workload, policy: Policy) -> dict[str, int | None]:
+def _block_regions(jaxpr):
+    """The outermost remat regions of `jaxpr`, looking into jit-ed calls (not scans:
+    a scanned stack is one body, alike by construction)."""
+    for eqn in jaxpr.eqns:
+        if regions.region(eqn) is not None:
+            yield eqn
+        elif eqn.primitive.name in ("pjit", "jit", "closed_call"):
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            yield from _block_regions(getattr(inner, "jaxpr", inner))
+
+
+def blocks_differ(workload: Workload) -> str:
+    """"" where the blocks of `workload` are alike (or cannot be told apart), else a
+    line saying how they differ: each block's input bytes (its parameters and
+    activations), from the loss traced under `full`, where each block is one
+    remat region. Traced only, no compile."""
+    if workload.block is None or not workload.num_layers or workload.num_layers < 2:
+        return ""
+    jaxpr = jax.make_jaxpr(workload.loss_for_policy(Policy()))(*workload.args).jaxpr
+    found = list(_block_regions(jaxpr))
+    if len(found) != workload.num_layers:
+        return ""
+    shapes = [tuple((v.aval.shape, str(v.aval.dtype)) for v in e.invars) for e in found]
+    if len(set(shapes)) == 1:
+        return ""
+    sizes = [sum(_aval_bytes(v.aval) for v in e.invars) for e in found]
+    return (f"the {len(found)} blocks differ in shape: their inputs (parameters and "
+            f"activations) are {', '.join(f'{b:,}' for b in sizes)} bytes; one block's "
+            "figures are the first block's, and L x them is no figure for the model")
+
+
+def stack_stored_bytes(workload: Workload, policy: Policy,
+                       alike: bool | None = None) -> dict[str, int | None]:
     """{"layer_residual_bytes", "layers_residual_bytes"} of `Record` for the
     blocks of `workload` under `policy`, one block measured at a time.
 
@@ -107,7 +144,8 @@ def stack_stored_bytes(workload: Workload, policy: Policy) -> dict[str, int | No
     and layers_residual_bytes L x that; for every:k / first:n the blocks under
     the policy plus those without remat; for nested:g (g > 1) the L/g group
     inputs (a full-remat block's bytes each). Both None where the workload
-    has no `block`.
+    has no `block`; layers_residual_bytes None where the blocks differ in shape
+    (`blocks_differ`; `alike` gives its answer where known).
     """
     if workload.block is None or not workload.num_layers:
         return {"layer_residual_bytes": None, "layers_residual_bytes": None}
@@ -118,9 +156,11 @@ def stack_stored_bytes(workload: Workload, policy: Policy) -> dict[str, int | No
     else:
         per_layer = layer_policies(policy, L)
     measured = {p: _block_stored_bytes(workload, p) for p in set(per_layer)}
+    if alike is None:  # else the first block's bytes x L mean nothing
+        alike = not blocks_differ(workload)
     return {"layer_residual_bytes": (measured[per_layer[0]] if schedule.kind == "uniform"
                                      else None),
-            "layers_residual_bytes": sum(measured[p] for p in per_layer)}
+            "layers_residual_bytes": sum(measured[p] for p in per_layer) if alike else None}
 
 
 def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],
@@ -187,9 +227,11 @@ def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
             raise ValueError(f"workload {fn.name!r} has no blocks to explain one of; explain "
                              "its loss as a function instead")
         block, block_args = fn.block(layer_policies(policy, fn.num_layers)[0])
-        return breakdown(policy, block, block_args, lambda r: not _is_param(r),
-                          fn.num_layers, target)
+        return dataclasses.replace(
+            breakdown(policy, block, block_args, lambda r: not _is_param(r), fn.num_layers,
+                      target), blocks_differ=blocks_differ(fn))
     return breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
 
 
-__all__ = ["LayerBreakdown", "LayerRow", "breakdown", "explain", "stack_stored_bytes"]
+__all__ = ["LayerBreakdown", "LayerRow", "blocks_differ", "breakdown", "explain",
+           "stack_stored_bytes"]

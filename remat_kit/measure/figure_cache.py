@@ -19,27 +19,49 @@ program or to what reads it misses. A hit skips the compile; residuals
 still come from the traced program. The folder sits beside JAX's cache
 (`cli.use_compile_cache`: $REMAT_KIT_COMPILE_CACHE, then "-figures"); with
 no JAX cache folder set nothing is kept. Past `MAX_ENTRIES` files the least
-recently used half is removed.
+recently used half is removed, and so are temporary files a killed writer
+left (`STALE_SECONDS` old).
+
+Each entry is sealed (`remat_kit.measure.sealed`): a checksum of the entry and
+the kind and range of every field (`MEASURED`, `COMPILED`) are checked when it
+is read back. An entry that fails (a changed digit, a negative or missing
+figure, a string where a list belongs) is a miss: the program is compiled
+again and the entry rewritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
 import json
 import os
+import time
 
 import jax
 
 from remat_kit.measure import costs
 from remat_kit.measure import peak
+from remat_kit.measure import sealed
 from remat_kit.measure import targets
 from remat_kit.measure import time_model
 
-FORMAT = 1  # bump when what is stored, or how it is computed, changes
+FORMAT = 2  # bump when what is stored, or how it is computed, changes
 # Entries are ~1 KB; past this many, the least recently used half is removed.
 MAX_ENTRIES = 20_000
+# A temporary file this old is a dead writer's, not one being written.
+STALE_SECONDS = 3600
+# The environment variables that change what XLA compiles.
+COMPILER_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+
+_FIGURES = {"memory": sealed.mapping(sealed.optional(sealed.count)),
+            "flops": sealed.optional(sealed.amount),
+            "transcendentals": sealed.optional(sealed.amount)}
+# What `measure` keeps of a compile, and what `targets.compile_for` keeps.
+MEASURED: sealed.Schema = {**_FIGURES, "predicted_seconds": sealed.optional(sealed.amount),
+                           "cost_notes": sealed.texts, "time_notes": sealed.texts}
+COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts}
 
 
 @functools.cache
@@ -50,9 +72,12 @@ def _code() -> str:
 
 
 def folder() -> str | None:
-    """Where figures are kept: JAX's compilation cache folder + "-figures"; None if unset."""
+    """Where figures are kept: JAX's compilation cache folder + "-figures"; None if
+    unset or not a folder."""
     base = jax.config.jax_compilation_cache_dir
-    return f"{base.rstrip(os.sep)}-figures" if base else None
+    if not base or (os.path.exists(base) and not os.path.isdir(base)):
+        return None  # none set, or a file (/dev/null): JAX keeps nothing there either
+    return f"{base.rstrip(os.sep)}-figures"
 
 
 def key(lowered_text: str, target: "targets.Target", options: dict | None,
@@ -63,29 +88,42 @@ def key(lowered_text: str, target: "targets.Target", options: dict | None,
     `lowering.compile_for`'s)."""
     if (runs and not target.aot) or folder() is None:
         return None
-    parts = (FORMAT, _code(), kind, str(target), sorted(targets.versions(target).items()),
-             sorted((options or {}).items()), repr(time_model.roofline(target)),
-             [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")], lowered_text)
+    parts = (FORMAT, _code(), kind, compiler_parts(target, options), lowered_text)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
+def compiler_parts(target: "targets.Target", options: dict | None) -> list:
+    """What a compile depends on besides the program, as the cache keys hold it:
+    the target, the compiler and JAX versions, the compile `options`, the
+    target's roofline figures and the compiler flags in the environment
+    (`COMPILER_FLAGS`). The plan cache keys its plans by the same parts
+    (`remat_kit.decide.plan.Planner.fingerprint`)."""
+    return [str(target), sorted(targets.versions(target).items()),
+            sorted((options or {}).items()), repr(time_model.roofline(target)),
+            [os.environ.get(v, "") for v in COMPILER_FLAGS]]
+
+
 def lookup(lowered_text: str, target: "targets.Target", options: dict | None,
-           kind: str, runs: bool = False) -> tuple[str | None, dict | None]:
+           kind: str, runs: bool = False,
+           schema: sealed.Schema = MEASURED) -> tuple[str | None, dict | None]:
     """(the program's `key`, the figures kept under it or None): what a compile
-    site asks before compiling; it `store`s under the key after a miss."""
+    site asks before compiling; it `store`s under the key after a miss.
+    schema: what the figures hold (`MEASURED`, `COMPILED`), checked by `load`."""
     program_key = key(lowered_text, target, options, kind, runs)
-    return program_key, load(program_key)
+    return program_key, load(program_key, schema)
 
 
-def load(program_key: str | None) -> dict | None:
-    """The figures stored under `program_key`; None on a miss or an unreadable file."""
+def load(program_key: str | None, schema: sealed.Schema | None = None) -> dict | None:
+    """The figures stored under `program_key`; None on a miss, an unreadable
+    file, or an entry that fails its checksum or `schema` (`sealed.unseal`)."""
     if program_key is None:
         return None
     path = os.path.join(folder(), f"{program_key}.json")
     try:
         with open(path) as f:
-            figures = json.load(f)
-        os.utime(path)  # recently used: kept when the folder is pruned
+            figures = sealed.unseal(json.load(f), schema or {})
+        if figures is not None:
+            os.utime(path)  # recently used: kept when the folder is pruned
         return figures
     except (OSError, ValueError):
         return None
@@ -97,20 +135,29 @@ def store(program_key: str | None, figures: dict) -> None:
     if program_key is None:
         return
     path = os.path.join(folder(), f"{program_key}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(folder(), exist_ok=True)
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-            json.dump(figures, f)
-        os.replace(f"{path}.{os.getpid()}.tmp", path)
+        with open(tmp, "w") as f:
+            json.dump(sealed.seal(figures), f)
+        os.replace(tmp, path)
         _prune(folder())
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a full disk: no half-written file stays behind
 
 
 def _prune(where: str) -> None:
-    """Past `MAX_ENTRIES` files, removes the least recently used half."""
+    """Removes temporary files `STALE_SECONDS` old; past `MAX_ENTRIES` files,
+    the least recently used half."""
     with os.scandir(where) as it:
-        entries = [e for e in it if e.name.endswith(".json")]
+        found = list(it)
+    entries = [e for e in found if e.name.endswith(".json")]
+    now = time.time()
+    for e in found:
+        with contextlib.suppress(OSError):  # another process removed it first
+            if e.name.endswith(".tmp") and now - e.stat().st_mtime > STALE_SECONDS:
+                os.remove(e.path)
     if len(entries) <= MAX_ENTRIES:
         return
     entries.sort(key=lambda e: e.stat().st_mtime)
@@ -121,4 +168,5 @@ def _prune(where: str) -> None:
             pass
 
 
-__all__ = ["FORMAT", "MAX_ENTRIES", "folder", "key", "load", "lookup", "store"]
+__all__ = ["COMPILED", "COMPILER_FLAGS", "FORMAT", "MAX_ENTRIES", "MEASURED", "STALE_SECONDS",
+           "compiler_parts", "folder", "key", "load", "lookup", "store"]

@@ -169,7 +169,7 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     lowered, options = lower(flat, leaves, target, donated), compile_options(target, compile_only)
     program_key, kept = figure_cache.lookup(lowered.as_text(), target, options,
                                             f"compile_for count_flops={count_flops}",
-                                            runs=not compile_only)
+                                            runs=not compile_only, schema=figure_cache.COMPILED)
     if kept is not None:  # a program that will not run: kept figures, nothing compiled
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
                         time.perf_counter() - start, tuple(kept["notes"]))

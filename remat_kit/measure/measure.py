@@ -49,7 +49,7 @@ from remat_kit.measure import targets
 from remat_kit.measure import lowering
 from remat_kit.measure import peak as peak_of
 from remat_kit.measure import time_model
-from remat_kit.measure.explain import stack_stored_bytes
+from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import Record, StepTime, memory_kind
 from remat_kit.measure.costs import memory_fields
@@ -228,6 +228,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     names = names if names is not None else [str(p) for p in policies]
     by_name = dict(zip(names, parsed))
     groups = _group(parsed, names, emitted)
+    differ = blocks_differ(workload) if per_layer else ""  # one note for every record
     with _Compiles(lowering.compile_options(target, not time_steps),
                    workers=1 if time_steps else COMPILE_WORKERS, target=target,
                    runs=time_steps > 0, peak=peak) as compiles:
@@ -243,7 +244,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             try:
                 local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
                          else _stage(loss, local_args) if local_args is not None else staged)
-                layers = stack_stored_bytes(workload, policy) if per_layer else {}
+                layers = stack_stored_bytes(workload, policy, not differ) if per_layer else {}
             except Exception as e:  # noqa: BLE001 - raised once the compile is known
                 local = e
             compiled, compile_seconds, program_key, dump = compiling()
@@ -275,6 +276,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             for name in group_names:  # merged policies may each select nothing
                 notes += tuple(f"{name}: {line}" for line in policy_notes(
                     by_name.get(name, policy), emitted, workload.notes))
+            notes += (differ,) if differ else ()
             record = dataclasses.replace(
                 record, **found, **figures["memory"], flops=figures["flops"],
                 transcendentals=figures["transcendentals"], compile_seconds=seconds,

@@ -28,6 +28,7 @@ equation a read and a write, so it predicts memory-bound programs high.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
+from remat_kit.measure import sealed
 from remat_kit.measure import targets
 from remat_kit._jax_private import hlo_module
 
@@ -107,6 +109,12 @@ _CALIBRATION = 3
 _RUNS = 15
 
 
+# What a kept calibration holds (`sealed.unseal` checks it when read back).
+_KEPT: sealed.Schema = {"version": lambda v: v == _CALIBRATION, "f32_flops": sealed.positive,
+                        "bandwidth": sealed.positive, "source": sealed.text}
+_MEASURED: dict[str, Roofline] = {}  # path -> this process's calibration
+
+
 def calibrate_cpu(path: str | None = None) -> Roofline:
     """This machine's CPU peaks, measured once and cached at `path` (default
     $XDG_CACHE_HOME/remat_kit/cpu_roofline.json).
@@ -121,15 +129,40 @@ def calibrate_cpu(path: str | None = None) -> Roofline:
     no faster than f32: both peaks are the matmul's. The best of many runs
     keeps most of other processes' load out; a figure measured under load is
     low, and the cache keeps it: delete the file to measure again.
+
+    The file is sealed (`remat_kit.measure.sealed`): a changed figure, or a
+    peak that is not a positive finite number, is measured again and
+    rewritten. A process measures once per path, so one report never mixes
+    rooflines; where the file cannot be written (a read-only folder) a
+    warning says so once, and the next process measures again.
     """
     path = path or _cache_path()
+    if path in _MEASURED:
+        return _MEASURED[path]
     try:
         with open(path) as f:
-            d = json.load(f)
-        if d.get("version") == _CALIBRATION:
-            return Roofline(d["f32_flops"], d["f32_flops"], d["bandwidth"], None, d["source"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+            d = sealed.unseal(json.load(f), _KEPT)
+    except (OSError, ValueError):
+        d = None
+    if d is None:
+        d = _measure_cpu()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+                json.dump(sealed.seal(d), f)
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(f"{path}.{os.getpid()}.tmp")
+            warnings.warn(f"the CPU roofline cannot be kept at {path!r} ({e.strerror or e}): "
+                          "measured once for this run, so another run may predict other "
+                          "times", stacklevel=2)
+    _MEASURED[path] = Roofline(d["f32_flops"], d["f32_flops"], d["bandwidth"], None, d["source"])
+    return _MEASURED[path]
+
+
+def _measure_cpu() -> dict:
+    """{"version", "f32_flops", "bandwidth", "source"} measured now (`calibrate_cpu`)."""
     cpu = jax.devices("cpu")[0]
 
     def best(f, *xs):
@@ -148,14 +181,8 @@ def calibrate_cpu(path: str | None = None) -> Roofline:
     bandwidth = 2 * x.nbytes / best(jax.jit(lambda v: v * 1.0001), x)
     source = (f"measured on this machine ({os.cpu_count()} CPUs): a {n}x{n} f32 matmul and a "
               f"{x.nbytes >> 20} MiB element-wise pass, best of {_RUNS}")
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"version": _CALIBRATION, "f32_flops": flops, "bandwidth": bandwidth,
-                       "source": source}, f)
-    except OSError:
-        pass  # uncached: measured again next time
-    return Roofline(flops, flops, bandwidth, None, source)
+    return {"version": _CALIBRATION, "f32_flops": flops, "bandwidth": bandwidth,
+            "source": source}
 
 
 def roofline(target: "str | targets.Target | None" = None) -> Roofline:

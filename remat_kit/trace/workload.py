@@ -16,9 +16,11 @@ providers make them:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 import jax
+from jax.extend.core import Literal
 
 from remat_kit.policy.policy import Policy
 
@@ -108,7 +110,7 @@ def from_loss(loss_for_policy: Callable, *args, name: str = "loss") -> Workload:
     callable) is wrapped whole in one remat region per policy
     (`checkpointed`): its arguments are always kept.
     """
-    return Workload(_as_factory(loss_for_policy), tuple(args), name=name)
+    return Workload(_as_factory(loss_for_policy, len(args)), tuple(args), name=name)
 
 
 def checkpointed(loss_fn: Callable) -> Callable:
@@ -125,8 +127,61 @@ def checkpointed(loss_fn: Callable) -> Callable:
     return factory
 
 
-def _as_factory(fn: Callable) -> Callable:
-    """`fn` if it maps a Policy to a loss, else `checkpointed(fn)` (fn is a plain loss)."""
+def has_gradient_path(loss: Callable, *args) -> bool:
+    """Whether `loss(*args)` depends differentiably on args[0] (the parameters).
+
+    Traced only (no compile): the tangent of the loss along a tangent of
+    args[0] (`jax.jvp`); JAX drops what a cast to an integer, a comparison or
+    a `stop_gradient` cuts, so where no equation links the tangent input to
+    the output, the gradient is zero and there is no backward pass: integer or
+    boolean logits, say. args: arrays or `jax.ShapeDtypeStruct`s.
+    """
+    params, rest = args[0], args[1:]
+
+    def tangent(p, t, *rest):
+        return jax.jvp(lambda q: loss(q, *rest), (p,), (t,))[1]
+
+    jaxpr = jax.make_jaxpr(tangent)(params, params, *rest).jaxpr
+    n = len(jax.tree.leaves(params))
+    live = set(jaxpr.invars[n:2 * n])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+    return any(not isinstance(v, Literal) and v in live for v in jaxpr.outvars)
+
+
+def _takes(fn: Callable, n: int) -> bool:
+    """Whether `fn` can be called with `n` positional arguments (True where its
+    signature cannot be read)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a signature
+        return True
+    return True
+
+
+def _as_factory(fn: Callable, nargs: int | None = None) -> Callable:
+    """`fn` if it maps a Policy to a loss, else `checkpointed(fn)` (fn is a plain loss).
+
+    nargs: how many arguments the loss is called with. Where `fn` takes one
+    argument and cannot take `nargs`, it is a factory: what it raises when
+    called with a Policy is the user's own error and propagates.
+
+    Raises:
+      TypeError: `fn` is not callable, or a factory returns no loss.
+    """
+    if not callable(fn):
+        raise TypeError(f"loss_fn must be a loss(*args), a policy -> loss factory or a "
+                        f"remat_kit.Workload, got {type(fn).__name__} {fn!r}")
+    if nargs is not None and nargs != 1 and _takes(fn, 1) and not _takes(fn, nargs):
+        made = fn(Policy(remat=False))
+        if not callable(made):
+            raise TypeError(f"loss_fn takes one argument, not the {nargs} the loss is called "
+                            f"with, so it is a policy -> loss factory; it returned "
+                            f"{type(made).__name__}, not a loss")
+        return fn
     try:
         made = fn(Policy(remat=False))
     except Exception:  # noqa: BLE001 - a plain loss fails on a Policy argument
@@ -134,4 +189,4 @@ def _as_factory(fn: Callable) -> Callable:
     return fn if callable(made) else checkpointed(fn)
 
 
-__all__ = ["Workload", "checkpointed", "from_loss"]
+__all__ = ["Workload", "checkpointed", "from_loss", "has_gradient_path"]

@@ -1,0 +1,183 @@
+"""Issue 28, the planner and --model inputs: each test failed on the tree before
+the fix. Item 3: `--offload` on the CPU planned negative memory. Item 4: a model
+with integer logits was measured with no backward pass. Item 7: `--no-offload`
+returned an offload plan. Item 9: os._exit(0) in a model file ended remat-kit
+with exit 0 and no output. Item 14: `rk.plan` raised ZeroDivisionError, a weak
+reference error, or hid a factory's own error. Small: `--budgets -inf`, a file
+of random bytes, docs/plan.md on bytes.
+"""
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import remat_kit as rk
+from remat_kit.cli import commands as cli
+from remat_kit.decide.plan import Planner
+from remat_kit.flax.from_model import workload
+from remat_kit.policy.budget import parse_budget
+from zoo import gpt_linen
+
+W = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+X = jax.ShapeDtypeStruct((8, 32), jnp.float32)
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def loss(w, x):
+    return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return workload(gpt_linen.model(), 2, 8)
+
+
+def test_offload_on_the_cpu_never_plans_negative_memory(gpt):
+    planner = Planner(gpt, cache=None, offload=True, groups=1, max_iterations=1)
+    plan = planner.plan(0.8)
+    assert plan.offloaded_bytes > 0 and plan.measured_bytes >= 0  # on main: -8,128 bytes
+    # What the device holds: the same policy with the offloaded tags recomputed.
+    kept = planner.record_of(dataclasses.replace(plan.policy, offload=frozenset()))
+    assert plan.measured_bytes == kept.memory_bytes <= plan.budget_bytes
+
+
+def test_no_offload_never_returns_an_offload_preset(gpt):
+    planner = Planner(gpt, cache=None, offload=False, groups=1, max_iterations=1)
+    [preset] = planner.measure_all(["minimal_offloaded"])
+    assert preset.offloaded_bytes > 0
+    plan = planner.plan(0.9)
+    assert plan.offloaded_bytes == 0 and not plan.policy.offload, plan.spec
+
+
+INT_LOGITS = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32)(nn.relu(nn.Dense(32)(x)))
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32)(tokens)
+        for _ in range(2):
+            x = Block()(x)
+        return nn.Dense(64)(x).astype(jnp.int32)
+
+def model():
+    return Model()
+"""
+
+
+def test_integer_logits_are_refused(tmp_path, capsys):
+    path = tmp_path / "ints.py"
+    path.write_text(INT_LOGITS)
+    assert cli.main(["compare", "--model", f"{path}:model", "--batch", "2", "--seq", "8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "remat-kit compare: error: ints.py:model: the loss has no float path to the "
+        "parameters (integer or boolean logits? a stop_gradient?): its gradient is zero, so "
+        "there is no backward pass to rematerialize; return float logits"]
+
+
+@pytest.mark.parametrize("where", ["import", "function"])
+def test_os_exit_in_a_model_file_is_an_error(tmp_path, capsys, where):
+    path = tmp_path / "quits.py"
+    body = "os._exit(0)\n" if where == "import" else ""
+    path.write_text(f"import os\n{body}\ndef model():\n    os._exit(0)\n")
+    assert cli.main(["compare", "--model", f"{path}:model"]) == 2
+    said = {"import": f"{path} does not import:", "function": "model() raised"}[where]
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:model': {said} ExitCalled: it called "
+        "os._exit(0), which would end remat-kit with no report"]
+
+
+def test_plan_arguments_are_named_or_the_users_own_error():
+    with pytest.raises(ValueError, match=r"offload must be None, True, False or a host "
+                                         r"bandwidth in bytes/s > 0, got 0$"):
+        rk.plan(loss, W, X, budget=1.0, cache=None, offload=0)
+    with pytest.raises(TypeError, match=r"^loss_fn must be a loss\(\*args\), a policy -> loss "
+                                        r"factory or a remat_kit.Workload, got int 5$"):
+        rk.plan(5, W, X, budget=1.0, cache=None)
+
+    def factory(policy):
+        return 1 / 0  # the user's own bug, not a plain loss
+    with pytest.raises(ZeroDivisionError):
+        rk.plan(factory, W, X, budget=1.0, cache=None)
+
+
+def test_a_negative_infinite_budget_names_the_value(capsys):
+    code = cli.main(["plan", "--config", "tiny", "--batch", "1", "--seq", "8",
+                     "--budgets", "-inf"])
+    err = capsys.readouterr().err
+    assert code == 2 and "expected one argument" not in err
+    assert err.startswith("remat-kit plan: error: --budgets: a budget must be ")
+    assert err.endswith("; got '-inf'\n")
+
+
+def test_random_bytes_are_named_as_the_file(tmp_path, capsys):
+    path = tmp_path / "noise.py"
+    path.write_bytes(bytes(range(256)) * 4)
+    assert cli.main(["compare", "--model", f"{path}:model"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"in {path}" in line and "None" not in line
+
+
+def test_the_budgets_docs_give_bytes_as_the_code_takes_them():
+    row = next(line for line in (REPO / "docs" / "plan.md").read_text().splitlines()
+               if line.startswith("| `--budgets`"))
+    examples = re.findall(r"`([^`]+)`", row.split("|")[2])
+    assert "6000000000B" in examples and examples
+    for example in examples:
+        parse_budget(example)  # every form the row shows is taken
+    with pytest.raises(rk.BudgetError, match="6000000000B"):
+        parse_budget("6000000000")  # a bare number above 1, as the row says
+
+
+UNEVEN = """
+import flax.linen as nn
+
+class Block(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32)(nn.relu(nn.Dense(self.hidden)(x)))
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32)(tokens)
+        for hidden in (64, 128, 128):  # one class, layer 0 narrower
+            x = Block(hidden)(x)
+        return nn.Dense(64)(x)
+
+def model():
+    return Model()
+"""
+
+
+def test_blocks_of_one_class_that_differ_are_said_to(tmp_path, capsys):
+    path = tmp_path / "uneven.py"
+    path.write_text(UNEVEN)
+    out = tmp_path / "records.json"
+    assert cli.main(["compare", "--model", f"{path}:model", "--batch", "2", "--seq", "8",
+                     "--policies", "none,full", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert all(r["layers_residual_bytes"] is None for r in records)  # not 3 x layer 0
+    # Each block's input bytes: [2, 8, 32] f32 activations + its two Dense layers.
+    sizes = [2 * 8 * 32 * 4 + 4 * (32 * h + h + h * 32 + 32) for h in (64, 128, 128)]
+    said = ("the 3 blocks differ in shape: their inputs (parameters and activations) are "
+            f"{', '.join(f'{b:,}' for b in sizes)} bytes")
+    assert all(any(n.startswith(said) for n in r["notes"]) for r in records)
+    capsys.readouterr()
+    assert cli.main(["explain", "--model", f"{path}:model", "--batch", "2", "--seq", "8",
+                     "--policy", "full"]) == 0
+    shown = capsys.readouterr().out
+    assert "model (3 layers)" not in shown and said in " ".join(shown.split())
