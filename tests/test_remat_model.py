@@ -77,6 +77,7 @@ def test_every_preset_schedule_and_layer_list_is_the_measured_program(name, spec
     assert _figures(*_wrapped_loss(rk.remat_model(model, spec), work)) == measured
 
 
+@pytest.mark.remat_modes
 def test_the_figures_are_compare_s_row():
     model, _, _ = _make("gpt_linen")
     work = rk.from_model.workload(model, B, T)
@@ -161,3 +162,27 @@ def test_a_tag_the_model_never_emits_warns_as_compare_notes_it():
     with pytest.warns(UserWarning, match="compiles as its base rule 'nothing'"):
         jax.eval_shape(lambda p, t: wrapped.apply({"params": p}, t), params,
                        jax.ShapeDtypeStruct((B, T), "int32"))
+
+
+@pytest.mark.parametrize("name, block", [("gpt_linen", "Block"), ("llama_nnx", "TransformerBlock")])
+def test_path_tag_wrappers_say_a_role_preset_selects_nothing(name, block):
+    """apply_remat tags module paths, not roles: on a model that does not tag its own
+    values, `minimal` would compile as its base rule; it says so, and names the way."""
+    model, params, _ = _make(name)
+    wrapped = (rk.nnx.apply_remat if isinstance(model, nnx.Module) else rk.linen.apply_remat)(
+        model, {block: "minimal"})
+    tokens = jax.ShapeDtypeStruct((B, T), "int32")
+    with pytest.warns(UserWarning, match="compiles as its base rule 'nothing'.*rk.remat_model"):
+        if isinstance(model, nnx.Module):
+            graphdef, state = nnx.split(wrapped)
+            jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)
+        else:
+            jax.eval_shape(lambda p, t: wrapped.apply({"params": p}, t), params, tokens)
+
+
+def test_user_text_in_a_title_is_not_markup(capsys):
+    """A model named like an emoji code (FILE.py:llama) prints as written."""
+    from remat_kit.cli import report
+    report.print_table([], "tests/zoo/x.py:llama :smile: [bold]b[/bold]")
+    out = capsys.readouterr().out
+    assert ":llama" in out and ":smile:" in out and "[bold]" in out

@@ -294,6 +294,7 @@ def _plan(args) -> int:
 
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from remat_kit.cli import report
     from remat_kit.policy.budget import parse_budget
@@ -370,7 +371,7 @@ def _plan(args) -> int:
              f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
              f"{fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
              f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
-    t = Table(title=title, caption=f"memory: compiled {kind}, budgets and x none of it; "
+    t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
               f"FLOPs: over no remat; time: predicted step time over no remat "
               f"({planner.roofline.source}); objective: {planner.objective}",
               caption_justify="left")
@@ -428,7 +429,8 @@ def _plan(args) -> int:
     context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                "devices": devices, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
-               "minimum_peak": held_parts, "plan_seconds": plan_seconds}
+               "minimum_peak": held_parts, "plan_seconds": plan_seconds,
+               "block": work.block_name, "num_layers": work.num_layers}
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": 1, "context": context, "budgets": out,

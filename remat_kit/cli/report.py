@@ -91,6 +91,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 from rich.table import Table
 
 from remat_kit.measure import estimate, peak
@@ -234,7 +235,7 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
     kind = memory_kind_of(report_rows)
     other = TEMP if kind == PEAK else PEAK if sharded else None
     label = MEMORY_LABELS[kind]
-    t = Table(title=title, caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
+    t = Table(title=Text(title), caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
               f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}"
               + ("; pred.: the time model's step time (a roofline per compiled op, "
                  "remat_kit.measure.time_model)" if predicted else ""),
@@ -307,7 +308,7 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
     """
     kinds = [memory_kind_of(rows) for _, rows in sections]
     peaks = [k == PEAK for k in kinds]
-    t = Table(title=title, caption="; ".join(
+    t = Table(title=Text(title), caption="; ".join(
         [*(f"{name}: {escape(compiled_by(rows))}" for name, rows in sections),
          *(_MEMORY_NOTES[k] for k in dict.fromkeys(kinds))]), caption_justify="left")
     t.add_column("policy", justify="left")
@@ -457,7 +458,7 @@ def fit_table(result, title: str = "") -> Table:
     vary = result.vary
     where = (f"per device of mesh {result.mesh} ({result.devices} devices); sizes and "
              f"FLOPs/token global" if result.mesh else "per device")
-    t = Table(title=title, caption=(
+    t = Table(title=Text(title), caption=(
         f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = "
         f"{result.rows[0].memory.source if result.rows and result.rows[0].memory else 'n/a'}; "
         f"x none = step FLOPs / no remat's at the same {vary}"), caption_justify="left")

@@ -388,6 +388,7 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,
                     resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh),
                     per_device=local, mesh=mesh, num_layers=n, notes=notes,
+                    block_name=cls.__name__,
                     block=traced_regions.block)
 
 

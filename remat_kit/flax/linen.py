@@ -319,7 +319,7 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
                                    part=(*part, "markers", key)):
                     emitted = wrapping.traced_names(
                         lambda *xs: fn(*rebuild(xs)[0], **rebuild(xs)[1]), arrays)
-                resolved = plan.resolve(emitted, validate)
+                resolved = plan.resolve(emitted, validate, where="rk.linen.apply_remat")
                 if key is not None:
                     resolved_cache[key] = resolved
         with _intercepting(plan, resolved, prevent_cse, methods, check=method is None,

@@ -97,10 +97,13 @@ def _spec_of(policy, budget):
 def _layers(spec, context: dict, n: int, cls: type) -> tuple[Policy, ...]:
     """One Policy per block; RematSpecError, naming what differs, where a plan or list
     was made for another model (layer count, block class)."""
-    made_for = context.get("block")
+    made_for, layers = context.get("block"), context.get("num_layers")
     if made_for and made_for != cls.__name__:
         raise RematSpecError(f"the plan was made for blocks of class {made_for}; this model's "
                              f"blocks are {cls.__name__}", token=made_for)
+    if layers and layers != n:
+        raise RematSpecError(f"the plan was made for a model of {layers} {made_for or 'block'}s; "
+                             f"this model runs {n} {cls.__name__} blocks", token=str(layers))
     if isinstance(spec, tuple) and len(spec) != n:
         raise RematSpecError(f"{len(spec)} per-layer policies for a model of {n} {cls.__name__} "
                              "blocks: give one per block", token=str(len(spec)))

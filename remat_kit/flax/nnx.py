@@ -112,7 +112,7 @@ def _jax_policy(module, policy: Policy, body: Callable, arrays, validate: bool):
     Globs and `validate` need the names the region emits: the region is traced
     once per argument signature (no FLOPs) on a copy of `module`.
     """
-    if not (validate or wrapping.needs_names(policy)):
+    if not (validate or wrapping.needs_names(policy) or wrapping.names_roles(policy)):
         return policy.to_jax()
     sig = tuple((a.shape, str(a.dtype)) for a in arrays)
     cache = _RESOLVED.setdefault(module, {})
@@ -122,7 +122,7 @@ def _jax_policy(module, policy: Policy, body: Callable, arrays, validate: bool):
                                *arrays)
         if validate:
             check_names(policy, emitted, where=type(module).__name__)
-        cache[sig] = wrapping.to_jax(policy, emitted)
+        cache[sig] = wrapping.to_jax(policy, emitted, where="rk.nnx")
     return cache[sig]
 
 

@@ -128,7 +128,7 @@ def workload(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None 
         loss_for_policy, args, name=label, batch=batch, seq=seq,
         resize=lambda b, s: workload(sized(cfg, s), b, s, mesh=mesh, name=label),
         sample_args=sample_args, per_device=per_device, mesh=mesh,
-        num_layers=cfg.num_layers,
+        num_layers=cfg.num_layers, block_name="DecoderLayer",
         block=lambda policy: layer_program(local_cfg, local_batch, seq, policy),
         size_bound=lambda *bound: bounds.size_bound(cfg, *bound, mesh=mesh))
 

@@ -5,7 +5,7 @@ re-run under any policy (`regions`), and the pieces every way of applying a poli
 shares (`wrapping`: markers, static arguments, output tags).
 
 May import: `remat_kit.policy` and the bottom modules (errors, mesh, files, units,
-_jax_private). Knows no Flax module API and no reference model.
+_jax_private). Knows no reference model.
 
 Public names: `Workload`, `from_loss`, `checkpointed` (`workload`); `emitted_tags`,
 `validate` (`validate`); `infer_roles`, `ROLES` (`roles`).

@@ -56,6 +56,9 @@ class Workload:
         and the per-layer figures; None where the loss has no blocks.
       notes: lines the reports print under the table (e.g. a preset's roles
         the model lacks).
+      block_name: the class name of the blocks (`num_layers` of them), e.g.
+        "DecoderLayer"; a plan made on this workload names it, so it is refused
+        on a model of other blocks (`rk.remat_model`).
       size_bound: (vary, fixed, budget_bytes, floor_bytes, platform) ->
         (size, exact): the largest batch (vary="batch") or seq whose train
         step might fit budget_bytes per device and compile, exact when the
@@ -76,6 +79,7 @@ class Workload:
     block: Callable | None = None
     notes: tuple[str, ...] = ()
     size_bound: Callable[[str, int, int, int, str], tuple[int, bool]] | None = None
+    block_name: str | None = None
 
     @property
     def params(self):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 
 import flax.linen as nn
@@ -19,7 +20,7 @@ from remat_kit.policy import names
 from remat_kit.errors import RematSpecError, UnknownModuleError
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, parse
-from remat_kit.trace.validate import check_names, tag_of
+from remat_kit.trace.validate import check_names, policy_notes, tag_of
 
 
 def is_array(x) -> bool:
@@ -246,8 +247,25 @@ def needs_names(policy: Policy) -> bool:
     return policy.remat and any(names.is_glob(p) for p in policy.patterns())
 
 
-def to_jax(policy: Policy, emitted=()):
-    """`policy.to_jax` over the vocabulary, the policy's literal names and `emitted`."""
+def names_roles(policy: Policy) -> bool:
+    """Whether the policy keeps values by a canonical tag (`query_proj`, `attn_probs`:
+    MaxText's and Megatron's presets), which a model not ours emits only once its
+    dataflow roles are tagged (`rk.remat_model` does; path tags do not)."""
+    return policy.remat and any(p in names.TAGS for p in (*policy.save, *policy.offload))
+
+
+def to_jax(policy: Policy, emitted=(), where: str | None = None):
+    """`policy.to_jax` over the vocabulary, the policy's literal names and `emitted`.
+
+    where: a wrapper's name; then a policy whose names select nothing the region
+    emits warns with the note `compare` gives (`validate.policy_notes`), never
+    compiling as its base rule without a word.
+    """
+    if where is not None:
+        for line in policy_notes(policy, tuple(emitted), ()):
+            warnings.warn(f"{where}: {policy}: {line}; the wrappers name module outputs by "
+                          "path, not by dataflow role: rk.remat_model(model, policy) runs the "
+                          "program compare --model measured", stacklevel=3)
     return policy.to_jax(tuple(dict.fromkeys((*policy.resolve(), *emitted))))
 
 
@@ -372,7 +390,8 @@ class Plan:
                     "apply_remat: no submodule of the model is of this class (valid choices: "
                     "the classes present)"))
 
-    def resolve(self, emitted: Mapping[str, set[str]] | None, validate: bool) -> dict:
+    def resolve(self, emitted: Mapping[str, set[str]] | None, validate: bool,
+                where: str | None = None) -> dict:
         """{key: JAX policy}; with `emitted` (per key label) globs become concrete names.
 
         Raises:
@@ -383,11 +402,11 @@ class Plan:
             tags = sorted((emitted or {}).get(self.label(key), ()))
             if validate:
                 check_names(policy, tags, where=f"{self.label(key)} (apply_remat)")
-            out[key] = to_jax(policy, tags)
+            out[key] = to_jax(policy, tags, where=where)
         return out
 
     def needs_trace(self, validate: bool) -> bool:
-        return validate or any(needs_names(p) for p in self.policies)
+        return validate or any(needs_names(p) or names_roles(p) for p in self.policies)
 
 
 def traced_names(fn: Callable, arrays) -> dict[str, set[str]]:
