@@ -186,3 +186,12 @@ def test_user_text_in_a_title_is_not_markup(capsys):
     report.print_table([], "tests/zoo/x.py:llama :smile: [bold]b[/bold]")
     out = capsys.readouterr().out
     assert ":llama" in out and ":smile:" in out and "[bold]" in out
+
+
+def test_plan_prints_a_preset_s_note_not_only_in_json(capsys):
+    from remat_kit.cli import commands as cli
+    assert cli.main(["plan", "--model", "tests/zoo/gpt_linen.py:model", "--batch", "2",
+                     "--seq", "8", "--budgets", "0.9", "--cache", "",
+                     "--presets", "none,full,save:mlpwi_0"]) == 0
+    err = capsys.readouterr().err
+    assert "note: save:mlpwi_0: none of the tags this policy keeps (mlpwi_0)" in err

@@ -423,6 +423,10 @@ def _plan(args) -> int:
                 console.print(f"budget {b}: {note}", markup=False)
     if held:
         console.print(f"below the minimum: {held}", markup=False)
+    # The presets' notes (a preset that compiles as its base rule on this model), as compare
+    # prints them: never in the JSON only.
+    for note in dict.fromkeys(n for r in records for n in r.notes):
+        print(f"note: {note}", file=sys.stderr)
     console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
                   f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))

@@ -190,11 +190,14 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
       methods: a method name or names to wrap; default `("__call__",)`.
     Returns:
       The wrapped class. Parameters keep the names and structure of `cls`.
-      Without `validate` and globs it is flax's `nn.remat(cls, policy=...)`
-      with a JAX built-in policy. With either, each call first traces the
-      module alone for the names it emits, so globs (`save:*/attn/*`) become
-      a built-in over those names, and then runs as one lifted remat region,
-      as `apply_remat` does: array arguments are traced, all others static.
+      Without `validate`, globs and canonical tags (`minimal`'s query_proj,
+      ...) it is flax's `nn.remat(cls, policy=...)` with a JAX built-in
+      policy. With any, each call first traces the module alone for the
+      names it emits, so globs (`save:*/attn/*`) become a built-in over those
+      names and canonical tags the module does not emit warn (path tags are
+      not roles: `rk.remat_model` tags roles), and then runs as one lifted
+      remat region, as `apply_remat` does: array arguments are traced, all
+      others static.
     Raises:
       TypeError: `cls` is not a linen Module class; `static_argnums` not
         ints; `prevent_cse` or `validate` not a bool.
@@ -212,7 +215,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
     policy = wrapping.module_policy(policy)
     if not policy.remat:
         return cls
-    if not (validate or wrapping.needs_names(policy)):
+    if not (validate or wrapping.needs_names(policy) or wrapping.names_roles(policy)):
         return nn.remat(cls, policy=policy.to_jax(), static_argnums=static_argnums,
                         prevent_cse=prevent_cse, methods=list(methods))
 
@@ -225,7 +228,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
             if validate:
                 check_names(policy, emitted,
                             where=f"{cls.__name__} at {'/'.join(self.path) or 'root'}")
-            jax_policy = wrapping.to_jax(policy, emitted)
+            jax_policy = wrapping.to_jax(policy, emitted, where="rk.linen.remat")
             return _region(self, name, jax_policy, prevent_cse, args, kwargs, traced)
         return method
 
