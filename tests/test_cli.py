@@ -193,7 +193,8 @@ _TYPES = {
     "memory_kind": str, "memory_bytes": int, "memory_ratio_to_none": float,
     "predicted_seconds": float, "predicted_ratio_to_none": float,
 }
-_NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes")
+_NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes",
+             "peak")  # peak: with --peak only
 
 
 def test_compare_table_json_and_plot(capsys, tmp_path):
