@@ -3,6 +3,10 @@
     python -m experiments.train --config=experiments/configs/tiny.py \
         --config.remat=selective --workdir=runs/x
 
+`--model FILE.py:FUNCTION` (or config.model set to that) trains the user's own
+linen model instead, as `remat-kit compare --model` measures it
+(experiments/own_model.py, docs/training.md).
+
 Writes `workdir/metrics.jsonl` (one JSON line per logged step) and
 `workdir/summary.json` (eval loss in nats/byte, median step time, and the
 compiled train step's memory and FLOPs under the policy and under no remat).
