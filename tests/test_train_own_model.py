@@ -126,3 +126,24 @@ def test_bad_model_flag_is_one_line_exit_2(files, tmp_path):
 def test_is_own_tells_specs_from_config_names():
     assert own_model.is_own("tests/zoo/gpt_linen.py:model")
     assert not own_model.is_own("tiny")
+
+
+def test_sweep_measures_the_users_model_as_compare_does(files, tmp_path):
+    from experiments import sweep
+
+    config = _config(files, model=f"{ZOO / 'gpt_linen.py'}:model")
+    rows = sweep.sweep(config, str(tmp_path), "none,minimal", steps=1)
+    model = user_model.load(config.model)[1].model
+    records = rk.measure(rk.from_model.workload(model, BATCH, SEQ), policies=["none", "minimal"])
+    assert {r["policy"]: r["temp_size_in_bytes"] for r in rows} == {
+        r.policy: r.temp_size_in_bytes for r in records}
+    assert json.loads((tmp_path / "records.json").read_text())["context"]["config"] == \
+        config.model
+
+
+def test_sweep_refuses_a_bad_model_in_one_line(files, tmp_path):
+    from experiments import sweep
+
+    with pytest.raises(BadInput, match=r"^--model 'nowhere.py:model': file 'nowhere.py' "
+                                        r"not found$"):
+        sweep.sweep(_config(files, model="nowhere.py:model"), str(tmp_path), "none", steps=1)
