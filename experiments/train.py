@@ -659,7 +659,8 @@ def _check_budget(config: ml_collections.ConfigDict, budget: int, stats: dict) -
         f"config.memory_budget={config.memory_budget} ({budget} bytes per device): the "
         f"compiled train step under remat={config.remat} holds {used['step_bytes']} bytes "
         f"({_format_bytes(used['step_bytes'])}; {used['step_bytes_source']}, "
-        f"{stats['label']}), over the budget. `remat-kit fit --config {config.model} "
+        f"{stats['label']}), over the budget. `remat-kit fit "
+        f"{'--model' if own_model.is_own(config.model) else '--config'} {config.model} "
         f"--budget {config.memory_budget} --batch {config.batch_size}` lists the largest "
         f"seq_len each policy fits")
 
