@@ -6,7 +6,10 @@
 For each policy, `remat_kit.models.shortcuts.measure_config` compiles the model's
 value-and-grad step, then runs one warm-up and --steps timed steps on random
 tokens. The model, batch_size and seq_len come from the config file (see
-`remat_kit.cli.inputs.config_from_dict`). Writes into --workdir:
+`remat_kit.cli.inputs.config_from_dict`). `--model FILE.py:FUNCTION` (or
+config.model set to that) sweeps the user's own model instead, measured as
+`remat-kit compare --model` measures it (`remat_kit.flax.user_model`), at the
+config's batch_size and seq_len. Writes into --workdir:
 
     records.json   the `remat_kit.cli.report` JSON schema, one object per policy
     records.csv    one line per policy (`remat_kit.cli.report.CSV_FIELDS`)
@@ -22,6 +25,7 @@ after the other policies' results are written.
 
 import pathlib
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -29,7 +33,10 @@ from experiments.common import fail, parse_flags
 from remat_kit.cli import report
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            config_from_dict, preset_policies, split_policies)
-from remat_kit.errors import RematSpecError
+from remat_kit.errors import RematSpecError, UnknownModuleError
+from remat_kit.flax import user_model
+from remat_kit.flax.from_model import ModelError
+from remat_kit.decide.resolve import measure
 from remat_kit.models.shortcuts import measure_config
 from remat_kit.measure.record import platform_label
 
@@ -44,6 +51,9 @@ def _define_flags() -> None:
                         "preset.")
     flags.DEFINE_string("workdir", None, "Folder for records.json, records.csv, pareto.png.")
     flags.DEFINE_integer("steps", 5, "Timed steps per policy, after one warm-up step.")
+    flags.DEFINE_string("model", None, "The user's model, FILE.py:FUNCTION or "
+                        "package.module:FUNCTION as remat-kit --model takes it; sets "
+                        "config.model.")
     flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -58,6 +68,8 @@ def sweep(config, workdir: str, policies: str | None = None, steps: int = 5) -> 
         sizes the model or the memory cannot take. All before compiling.
     """
     check_int("--steps", steps)
+    if ":" in config.model:  # the user's model (a config name holds no ':')
+        return _sweep_own(config, workdir, policies, steps)
     cfg, sizes = config_from_dict(config)
     batch, seq = sizes.get("batch", 8), sizes.get("seq", min(cfg.max_len, 1024))
     check_seq(cfg, seq, "config.seq_len")
@@ -65,12 +77,39 @@ def sweep(config, workdir: str, policies: str | None = None, steps: int = 5) -> 
     check_folder(workdir, "--workdir", create=True)
     check_memory(cfg, batch, seq, f"batch_size={batch}, seq_len={seq}")
     records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=steps)
-    rows = report.rows(records, cfg, batch, seq)
+    return _write(config, workdir, report.rows(records, cfg, batch, seq), batch, seq, cfg.dtype,
+                  steps)
+
+
+def _sweep_own(config, workdir: str, policies: str | None, steps: int) -> list[dict]:
+    """`sweep` of the user's model config.model at config.batch_size and seq_len:
+    `measure` of `rk.from_model.workload`, as `remat-kit compare --model`."""
+    batch = check_int("config.batch_size", config.get("batch_size", 8))
+    seq = check_int("config.seq_len", config.get("seq_len", 64))
+    specs = split_policies(policies) if policies is not None else preset_policies()
+    check_folder(workdir, "--workdir", create=True)
+    try:
+        _, make = user_model.load(config.model, config.get("block") or None)
+        work = make(batch, seq)
+    except ModelError as e:
+        raise BadInput(str(e)) from None
+    except UnknownModuleError as e:
+        raise BadInput(f"--model {config.model!r}: {e}") from None
+    records = measure(work, policies=specs, names=specs, time_steps=steps, per_layer=True)
+    leaves = jax.tree.leaves(work.params)
+    dtype = str(leaves[0].dtype) if leaves else "-"  # the parameters', as compare titles it
+    return _write(config, workdir, report.rows(records, None, batch, seq), batch, seq, dtype,
+                  steps)
+
+
+def _write(config, workdir: str, rows: list[dict], batch: int, seq: int, dtype: str,
+           steps: int) -> list[dict]:
+    """Writes records.json, records.csv and pareto.png, prints the table; returns rows."""
     out = pathlib.Path(workdir)
     platform = platform_label()
-    title = f"{config.model}: batch {batch}, seq {seq}, {cfg.dtype} ({platform}, {steps} steps)"
+    title = f"{config.model}: batch {batch}, seq {seq}, {dtype} ({platform}, {steps} steps)"
     report.write_json(out / "records.json", rows,
-                      {"config": config.model, "batch": batch, "seq": seq, "dtype": cfg.dtype,
+                      {"config": config.model, "batch": batch, "seq": seq, "dtype": dtype,
                        "devices": 1, "platform": platform})
     report.write_csv(out / "records.csv", rows)
     report.plot(out / "pareto.png", rows, title)
@@ -81,6 +120,8 @@ def sweep(config, workdir: str, policies: str | None = None, steps: int = 5) -> 
 def main(argv: list[str]) -> None:
     del argv  # parse_flags has rejected extra arguments
     f = flags.FLAGS
+    if f.model is not None:
+        f.config.model = f.model
     try:
         rows = sweep(f.config, f.workdir, f.policies, f.steps)
     except (BadInput, RematSpecError) as e:

@@ -3,6 +3,10 @@
     python -m experiments.train --config=experiments/configs/tiny.py \
         --config.remat=selective --workdir=runs/x
 
+`--model FILE.py:FUNCTION` (or config.model set to that) trains the user's own
+linen model instead, as `remat-kit compare --model` measures it
+(experiments/own_model.py, docs/training.md).
+
 Writes `workdir/metrics.jsonl` (one JSON line per logged step) and
 `workdir/summary.json` (eval loss in nats/byte, median step time, and the
 compiled train step's memory and FLOPs under the policy and under no remat).
@@ -52,7 +56,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 from rich.table import Table
 
-from experiments import checkpoint, data, guards, runlog
+from experiments import checkpoint, data, guards, own_model, runlog
 from experiments.common import fail, parse_flags, warn_line
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
@@ -71,6 +75,9 @@ from remat_kit.policy.spec import AutoSpec, parse
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics.jsonl and summary.json.")
+_MODEL = flags.DEFINE_string("model", None, "The user's linen model, FILE.py:FUNCTION or "
+                             "package.module:FUNCTION as remat-kit --model takes it; sets "
+                             "config.model.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -93,13 +100,15 @@ def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTra
     return tx, schedule
 
 
-def make_train_step(model: Transformer, deterministic: bool) -> Callable:
+def make_train_step(model: "Transformer | Callable", deterministic: bool) -> Callable:
     """step(state, inputs, targets, rng) -> (state, loss).
 
-    inputs, targets: int32 [batch, seq]; rng: a PRNG key, folded with the step
-    number for dropout; loss: float32 scalar, nats/byte, before the update.
+    model: our Transformer, or a user's model's loss(params, inputs, targets,
+    rng) (`own_model.OwnModel.loss_fn`). inputs, targets: int32 [batch, seq];
+    rng: a PRNG key, folded with the step number for dropout; loss: float32
+    scalar, nats/byte, before the update.
     """
-    loss_fn = make_loss_fn(model, deterministic)
+    loss_fn = model if not isinstance(model, Transformer) else make_loss_fn(model, deterministic)
 
     def step(state, inputs, targets, rng):
         dropout_rng = jax.random.fold_in(rng, state.step)
@@ -189,12 +198,17 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.Ex
     _check_fields(config)
     check_folder(workdir, "--workdir", create=True)
     runlog.check_files(pathlib.Path(workdir))
+    own = own_model.is_own(config.model)
     try:
-        cfg = from_config_dict(config)
+        cfg = None if own else from_config_dict(config)
         _start_devices(config, cfg)
         # One writer per workdir: a second run refuses here, before it touches a file.
         stack.enter_context(guards.workdir_lock(pathlib.Path(workdir), jax.process_index()))
         stack.enter_context(runlog.library_log(pathlib.Path(workdir)))
+        if own:  # the user's model: loaded, checked and planned as --model is
+            corpus = data.load_corpus(config.data)
+            model = own_model.load(config, _mesh(config), os.path.join(workdir, "plans.json"))
+            return model, corpus, *_batches(config, corpus)
         if cfg.vocab_size < data.VOCAB_SIZE:
             raise ValueError(f"config.vocab_size must be at least {data.VOCAB_SIZE} (one token "
                              f"per byte value), got {cfg.vocab_size}")
@@ -202,10 +216,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.Ex
         check_memory(cfg, config.batch_size, config.seq_len, _sizes(config))
         _check_floor(config, cfg)
         corpus = data.load_corpus(config.data)
-        batches = data.train_batches(corpus.train, config.batch_size, config.seq_len,
-                                     config.seed)
-        evals = data.eval_batches(corpus.eval, config.batch_size, config.seq_len,
-                                  config.eval_batches)
+        batches, evals = _batches(config, corpus)
         # auto:budget=... is planned for these shapes on the run's mesh (per-device
         # bytes); the plan is cached in the workdir, so a restarted run does not plan again.
         cfg = resolve_config(cfg, config.batch_size, config.seq_len, mesh=_mesh(config),
@@ -215,6 +226,13 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.Ex
     except (RematSpecError, MeshError, TypeError, ValueError, OSError) as e:
         raise BadInput(str(e)) from e
     return cfg, corpus, batches, evals
+
+
+def _batches(config: ml_collections.ConfigDict, corpus: data.Corpus) -> tuple:
+    """(train batches, eval batches) of the corpus at the config's shapes."""
+    return (data.train_batches(corpus.train, config.batch_size, config.seq_len, config.seed),
+            data.eval_batches(corpus.eval, config.batch_size, config.seq_len,
+                              config.eval_batches))
 
 
 def _sizes(config: ml_collections.ConfigDict) -> str:
@@ -412,21 +430,27 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     console = Console(soft_wrap=True, quiet=not lead)  # long paths stay on one line in logs
     console.print(f"data: {corpus.source}: {corpus.files} files, "
                   f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
-    console.print(f"model: {config.model} {cfg.family} L={cfg.num_layers} d={cfg.d_model} "
-                  f"heads={cfg.num_heads} mlp={cfg.mlp_dim}; remat={config.remat} "
-                  f"(policy {cfg.policy})")
-
-    model = Transformer(cfg)
-    deterministic = cfg.dropout_rate == 0
+    own = isinstance(cfg, own_model.OwnModel)
+    if own:
+        console.print(own_model.describe(cfg, config.remat))
+        model, deterministic, policy_text = cfg.loss_fn(), True, cfg.spec
+        init_params = cfg.init
+    else:
+        console.print(f"model: {config.model} {cfg.family} L={cfg.num_layers} d={cfg.d_model} "
+                      f"heads={cfg.num_heads} mlp={cfg.mlp_dim}; remat={config.remat} "
+                      f"(policy {cfg.policy})")
+        model, deterministic = Transformer(cfg), cfg.dropout_rate == 0
+        policy_text = str(cfg.policy)
+        init_params = lambda rng, tokens: model.init(rng, tokens)["params"]  # noqa: E731
     tx, schedule = make_optimizer(config)
     mesh = _mesh(config)
 
     def init_state():
         # Parameters do not depend on the batch: initialize on one sequence.
         init_rng = jax.random.split(jax.random.key(config.seed))[0]
-        params = model.init(init_rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+        params = init_params(init_rng, jnp.zeros((1, config.seq_len), jnp.int32))
         # Boxed parameters give boxed optimizer moments: one logical spec for both.
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        return train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
 
     # The state, batches and PRNG key, sharded by the model's logical axes on the mesh.
     sharded = mesh is not None
@@ -453,7 +477,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         console.print(f"{workdir} already holds a finished run of {start_step} steps; nothing "
                       f"to train (raise --config.num_steps to train on, or use a new workdir)")
         return json.loads(done.read_text())
-    policies, changed = (runlog.record_start(workdir, config, str(cfg.policy), start_step, warn)
+    policies, changed = (runlog.record_start(workdir, config, policy_text, start_step, warn)
                          if lead else ([], []))
     if start_step:
         console.print(f"resuming at step {start_step} from {ckpt.directory}"
@@ -470,7 +494,12 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
 
     step_fn = compile_step(model)
     stats = {"label": platform_label(), "policy": _compiled_stats(step_fn)}
-    if cfg.policy.remat:
+    if own:  # the prediction for this policy and shape, beside the compiled step
+        line, stats["predicted"] = own_model.check_line(stats["policy"], cfg.predicted(tx))
+        console.print(line)
+    if own and cfg.spec != "none":
+        stats["none"] = _compiled_stats(compile_step(cfg.loss_fn("none")))
+    elif not own and cfg.policy.remat:
         none_model = Transformer(from_config_dict(config, remat="none"))
         stats["none"] = _compiled_stats(compile_step(none_model))
     else:
@@ -479,7 +508,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     if budget is not None:
         _check_budget(config, budget, stats)
     with rk_mesh.use(mesh):
-        eval_fn = jax.jit(make_loss_fn(model, deterministic=True),
+        eval_fn = jax.jit(model if own else make_loss_fn(model, deterministic=True),
                           **on((state_sh.params if sharded else None, batch_sh, batch_sh, key_sh),
                                key_sh)).lower(state.params, sample, sample, train_rng).compile()
     console.print(f"{num_params:,} parameters; compiled in {time.perf_counter() - start:.1f} s")
@@ -553,7 +582,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     timed = step_seconds[1:] or step_seconds
     median_step = statistics.median(timed) if timed else None
     summary = {
-        "model": config.model, "remat": config.remat, "policy": str(cfg.policy),
+        "model": config.model, "remat": config.remat, "policy": policy_text,
         "policies": policies, "start_step": start_step,
         "num_params": num_params, "num_steps": config.num_steps,
         "batch_size": config.batch_size, "seq_len": config.seq_len,
@@ -630,7 +659,8 @@ def _check_budget(config: ml_collections.ConfigDict, budget: int, stats: dict) -
         f"config.memory_budget={config.memory_budget} ({budget} bytes per device): the "
         f"compiled train step under remat={config.remat} holds {used['step_bytes']} bytes "
         f"({_format_bytes(used['step_bytes'])}; {used['step_bytes_source']}, "
-        f"{stats['label']}), over the budget. `remat-kit fit --config {config.model} "
+        f"{stats['label']}), over the budget. `remat-kit fit "
+        f"{'--model' if own_model.is_own(config.model) else '--config'} {config.model} "
         f"--budget {config.memory_budget} --batch {config.batch_size}` lists the largest "
         f"seq_len each policy fits")
 
@@ -648,8 +678,11 @@ def _mesh(config: ml_collections.ConfigDict):
 
 def main(argv: list[str]) -> None:
     del argv  # parse_flags has rejected extra arguments
+    config = _CONFIG.value
+    if _MODEL.value is not None:
+        config.model = _MODEL.value
     try:
-        train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        train_and_evaluate(config, _WORKDIR.value)
     except (BadInput, guards.RunStopped) as e:
         code, label = (2, "error") if isinstance(e, BadInput) else (e.exit_code, "stopped")
         try:

@@ -88,6 +88,8 @@ def _module(path: str, spec: str):
 def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
     """(label, make) for a --model spec: make(batch, seq, mesh) -> Workload.
 
+    Where FUNCTION returns a module, `make.model` is that module.
+
     Raises:
       ModelError: a malformed spec, a module that does not import, FUNCTION
         missing or not callable, taking other arguments, or returning
@@ -146,6 +148,7 @@ def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
                              f"other shapes (e.g. fewer positions), give them with --batch "
                              f"and --seq") from None
 
+    make.model = model  # the module itself, for callers that train it (experiments.train)
     return label, make
 
 
