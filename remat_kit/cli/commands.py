@@ -569,6 +569,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--seq", type=_positive_int, default=None,
                        help="sequence length (default: the config file's seq_len, or "
                             "min(max_len, 1024))")
+        p.add_argument("--vocab-chunks", type=_positive_int, default=None, metavar="N",
+                       help="compute the loss over N vocabulary slices, each recomputed in "
+                            "the backward pass, so the float32 logits and their gradient "
+                            "never exist whole (N must divide the vocabulary; default 1)")
         p.add_argument("--dtype", choices=DTYPES, default=None,
                        help="activation dtype (default: the config's)")
 
