@@ -11,8 +11,6 @@ IsADirectoryError traceback.
 """
 
 import os
-import pathlib
-import shutil
 import signal
 import subprocess
 import sys

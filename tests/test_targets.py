@@ -70,7 +70,7 @@ def test_labels_name_the_compiler_and_the_topology():
                     "'v5p'?; valid: v2, v3, v4, v5e, v5p, v6e, tpu7x"),
     ("tpu:v5e:2", "bad TPU topology 'v5e:2' in target 'tpu:v5e:2'"),
     ("tpu:v5e", "bad TPU topology 'v5e'"),
-    ("gpu:h10", "unknown GPU 'h10' in target 'gpu:h10'; did you mean 'h100'?; valid: h100, h200"),
+    ("gpu:h10", "unknown GPU 'h10' in target 'gpu:h10'; did you mean 'h100'?; valid: a100, h100, h200"),
     ("gpu:h100:0", "bad GPU target 'gpu:h100:0'"),
     ("gpu:/no/such.txtpb", "GPU target config file '/no/such.txtpb' in target"),
 ])

@@ -349,6 +349,8 @@ def _plan(args) -> int:
                       cache=args.cache if args.cache is not None else True,
                       target=target_list[0], groups=groups, objective=args.objective,
                       offload=args.offload)
+    if planner.objective == "time":  # how far this target's time model was checked
+        print(planner.time_check, file=sys.stderr, flush=True)
     # Presets first: the planner takes any compiled policy that beats its own plan.
     named: dict[int, tuple] = {}
     for spec, r in zip(presets, planner.measure_all(presets)):
@@ -567,6 +569,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--seq", type=_positive_int, default=None,
                        help="sequence length (default: the config file's seq_len, or "
                             "min(max_len, 1024))")
+        p.add_argument("--vocab-chunks", type=_positive_int, default=None, metavar="N",
+                       help="compute the loss over N vocabulary slices, each recomputed in "
+                            "the backward pass, so the float32 logits and their gradient "
+                            "never exist whole (N must divide the vocabulary; default 1)")
         p.add_argument("--dtype", choices=DTYPES, default=None,
                        help="activation dtype (default: the config's)")
 
@@ -629,8 +635,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="decide each tag in G groups of consecutive layers (default: one "
                            "group per layer, up to 64; 1: one decision for every layer)")
     plan.add_argument("--objective", default=None, metavar="flops|time",
-                      help="minimize FLOPs or predicted step time (default: time on TPU and "
-                           "GPU targets, flops on CPU)")
+                      help="minimize FLOPs or predicted step time (default: time only on a "
+                           "target whose time model was checked within reach of measured "
+                           "step times, flops elsewhere; time prints how far it was checked)")
     offload = plan.add_mutually_exclusive_group()
     offload.add_argument("--offload", dest="offload", action="store_const", const=True,
                          default=None, help="also plan offload to host memory, at the target's "

@@ -220,8 +220,11 @@ def load_source(args) -> Source:
 
     Raises:
       BadInput: both or neither given, --block without --model, --dtype with
-        --model (the model's dtypes are its own), or a bad config or model.
+        --model (the model's dtypes are its own), a bad config or model, or
+        --vocab-chunks not dividing a config's vocabulary (a --model's is
+        checked when it is traced).
     """
+    chunks = getattr(args, "vocab_chunks", None) or 1
     from remat_kit.models import workload as config_workload
 
     if args.model is not None:
@@ -231,7 +234,7 @@ def load_source(args) -> Source:
             raise BadInput(f"--dtype is for --config; a --model keeps its own dtypes (set "
                            f"them where {args.model} builds the model)")
         try:
-            label, make = user_model.load(args.model, args.block)
+            label, make = user_model.load(args.model, args.block, chunks)
         except ModelError as e:
             raise BadInput(str(e)) from None
         return Source(label, None, {}, make)
@@ -241,6 +244,11 @@ def load_source(args) -> Source:
     cfg, label, defaults = load_config(args.config)
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
+    if chunks != 1:
+        try:
+            cfg = cfg.replace(vocab_chunks=chunks)
+        except ValueError as e:
+            raise BadInput(f"--vocab-chunks {chunks}: {str(e).partition(': ')[2]}") from None
     return Source(label, cfg, defaults,
                   lambda batch, seq, mesh=None: config_workload(cfg, batch, seq, mesh=mesh))
 

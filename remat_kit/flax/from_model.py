@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 
 from remat_kit.flax import linen as flax_linen
+from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.trace import regions
 from remat_kit.trace import wrapping
@@ -70,10 +71,21 @@ def _describe(out) -> str:
     return f"{type(out).__name__} {shapes}"
 
 
-def next_token_loss(logits, tokens):
-    """Mean cross-entropy of logits[:, :-1] against tokens[:, 1:], in float32."""
-    logits = logits[:, :-1].astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+def next_token_loss(logits, tokens, vocab_chunks: int = 1):
+    """Mean cross-entropy of logits[:, :-1] against tokens[:, 1:], in float32.
+
+    vocab_chunks > 1: computed over that many vocabulary slices of the logits
+    (`chunked_loss.chunked_logits_loss`), equal to the plain loss without its
+    float32 copies of the logits and their gradient (the model's own logits stay).
+    Raises ModelError: vocab_chunks below 1 or not dividing the vocabulary.
+    """
+    if vocab_chunks == 1:
+        logits = logits[:, :-1].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    try:
+        return chunked_logits_loss(logits[:, :-1], tokens[:, 1:], vocab_chunks)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
 
 
 def pick_block(instances: dict[tuple, list], block,
@@ -190,7 +202,7 @@ def marking_linen(cls: type):
         yield
 
 
-def _linen(model: nn.Module, batch: int, seq: int, block) -> tuple:
+def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     instances, copies, variables = _linen_instances(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens)
@@ -201,7 +213,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block) -> tuple:
     def marked(params, tokens, rest):
         with marking_linen(cls):
             out = model.apply({"params": params, **rest}, tokens)
-        return next_token_loss(logits_of(out, batch, seq), tokens)
+        return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     return cls, marked, (params, tokens, nn.unbox(rest))
@@ -297,7 +309,7 @@ def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
     return tagged
 
 
-def _nnx(model: nnx.Module, batch: int, seq: int, block) -> tuple:
+def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     cls = nnx_block(model, block, tokens)
     graphdef, params, rest = nnx.split(nnx_marked(model, cls), nnx.Param, ...)
@@ -306,7 +318,7 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block) -> tuple:
 
     def marked(params, tokens, rest):
         out = nnx.merge(graphdef, params, rest)(tokens)
-        return next_token_loss(logits_of(out, batch, seq), tokens)
+        return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     return cls, marked, (abstract(params), tokens, abstract(rest))
 
@@ -316,7 +328,7 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block) -> tuple:
 # ---------------------------------------------------------------------------
 
 def workload(model, batch: int, seq: int, *, block=None, name: str | None = None,
-             mesh: jax.sharding.Mesh | None = None) -> Workload:
+             mesh: jax.sharding.Mesh | None = None, vocab_chunks: int = 1) -> Workload:
     """The `Workload` of a linen or NNX language model's next-token loss.
 
     Args:
@@ -330,13 +342,15 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
         axes: tokens split over them, parameters sharded by their logical
         axes where the model names them (linen), else whole on every device.
         A tensor axis needs the model's own tensor parallelism: refused.
+      vocab_chunks: compute the loss over this many vocabulary slices of the
+        logits (`next_token_loss`); 1, the default, the plain loss.
     Returns:
       A `Workload` with args (params, tokens, other variables) as
       ShapeDtypeStructs; `loss_for_policy` takes a policy, a layer schedule
       or one policy per block. Resizing re-traces the model.
     Raises:
-      ModelError: not a linen/NNX module, the output has no logits, or a mesh
-        with a tensor axis.
+      ModelError: not a linen/NNX module, the output has no logits, a mesh
+        with a tensor axis, or vocab_chunks below 1 or not dividing the vocabulary.
       UnknownModuleError: no repeated block class, or `block` matches none.
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
@@ -352,9 +366,9 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                          f"{rk_mesh.axis_size(mesh, 'batch')} data x fsdp devices of mesh "
                          f"{rk_mesh.spec_text(mesh)}")
     if isinstance(model, nnx.Module):
-        cls, marked, args = _nnx(model, batch, seq, block)
+        cls, marked, args = _nnx(model, batch, seq, block, vocab_chunks)
     elif isinstance(model, nn.Module) and not isinstance(model, type):
-        cls, marked, args = _linen(model, batch, seq, block)
+        cls, marked, args = _linen(model, batch, seq, block, vocab_chunks)
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
@@ -383,10 +397,12 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                   "under every policy: `none` here is not no remat",)
     local = None
     if sharded is not None:  # what one device runs: its share of the batch, whole parameters
-        one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls)
+        one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls,
+                       vocab_chunks=vocab_chunks)
         local = (one.loss_for_policy, one.args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,
-                    resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh),
+                    resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh,
+                                                 vocab_chunks=vocab_chunks),
                     per_device=local, mesh=mesh, num_layers=n, notes=notes,
                     block_name=cls.__name__,
                     block=traced_regions.block)

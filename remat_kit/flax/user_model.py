@@ -85,15 +85,19 @@ def _module(path: str, spec: str):
     return module if module is not None else loaded
 
 
-def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
+def load(spec: str, block: str | None = None, vocab_chunks: int = 1) -> tuple[str, Callable]:
     """(label, make) for a --model spec: make(batch, seq, mesh) -> Workload.
 
     Where FUNCTION returns a module, `make.model` is that module.
+    vocab_chunks: the built loss over that many vocabulary slices
+    (`from_model.next_token_loss`); a FUNCTION(batch, seq) builds its own loss,
+    so it takes none.
 
     Raises:
       ModelError: a malformed spec, a module that does not import, FUNCTION
         missing or not callable, taking other arguments, or returning
-        neither a Flax module nor (for (batch, seq)) a Workload. Model
+        neither a Flax module nor (for (batch, seq)) a Workload, vocab_chunks
+        other than 1 for a Workload function. Model
         problems show at the first make() (`remat_kit.flax.from_model.workload`).
     """
     path, sep, name = spec.rpartition(":")
@@ -117,6 +121,9 @@ def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
         params = []
     label = f"{os.path.basename(path)}:{name}"
     if len(params) == 2:
+        if vocab_chunks != 1:
+            raise ModelError(f"--vocab-chunks is for the loss remat-kit builds; --model "
+                             f"{spec!r}: {name}(batch, seq) builds its own Workload and loss")
         return label, _function_maker(fn, spec, label)
     if params:
         raise ModelError(f"--model {spec!r}: {name} takes {len(params)} arguments; it must "
@@ -133,7 +140,8 @@ def load(spec: str, block: str | None = None) -> tuple[str, Callable]:
     def make(batch: int, seq: int, mesh=None) -> Workload:
         try:
             with _no_exit():
-                return model_workload(model, batch, seq, block=block, name=label, mesh=mesh)
+                return model_workload(model, batch, seq, block=block, name=label, mesh=mesh,
+                                      vocab_chunks=vocab_chunks)
         except (ModelError, RematSpecError) as e:
             raise ModelError(f"--model {spec!r}: {e}") from None
         except (Exception, ExitCalled) as e:  # noqa: BLE001 - the model failed to trace

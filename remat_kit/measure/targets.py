@@ -16,8 +16,9 @@ a report can give an accelerator's figures on a machine that has none:
 ``gpu``             the GPU devices of this machine (``jax.devices("gpu")``).
 ``gpu:<name>[:N]``  ahead of time with the CUDA PJRT plugin for N (default
                     1) NVIDIA GPUs on one host, described by an XLA
-                    ``GpuTargetConfigProto``: ``gpu:h100`` (H100 SXM 80 GB),
-                    ``gpu:h200`` (H200 SXM 141 GB), both shipped, or
+                    ``GpuTargetConfigProto``: ``gpu:a100`` (A100 SXM4 80 GB),
+                    ``gpu:h100`` (H100 SXM 80 GB), ``gpu:h200`` (H200 SXM
+                    141 GB), all shipped, or
                     ``gpu:/path/to/spec.txtpb``; runs on a
                     machine without a GPU (``pip install remat-kit[cuda]``,
                     about 5.6 GB). The GPU compiler gives no cost analysis,
@@ -62,10 +63,13 @@ _TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
 # project's design notes (DESIGN.md, "Measuring: what counts").
 # h200_sxm.txtpb: an NVIDIA H200 SXM 141 GB HBM3e, the same chip with 4.8 TB/s
 # and 139.9 GiB (NVIDIA's H200 datasheet; the file's comment derives the size).
-GPU_TARGET_CONFIGS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
+# a100_sxm.txtpb: an NVIDIA A100 SXM4 80 GB, the GPU of the published remat step
+# times the time model is checked against (its comment gives the datasheet figures).
+GPU_TARGET_CONFIGS = {"a100": "a100_sxm.txtpb", "h100": "h100_sxm.txtpb",
+                      "h200": "h200_sxm.txtpb"}
 KINDS = ("cpu", "tpu", "tpu:<topology>", "gpu", "gpu:<name>[:N]")
 EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1", "gpu",
-            "gpu:h100", "gpu:h100:8", "gpu:h200", "gpu:/path/to/spec.txtpb")
+            "gpu:a100", "gpu:h100", "gpu:h100:8", "gpu:h200", "gpu:/path/to/spec.txtpb")
 
 class TargetError(ValueError):
     """A target string names no compiler or device set this machine can compile for.
@@ -223,6 +227,7 @@ def parse_targets(text: str) -> list[Target]:
 # ---------------------------------------------------------------------------
 
 _PCIE5_X16 = 64e9  # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b coding, ~63 GB/s each way
+_PCIE4_X16 = 32e9  # PCIe Gen4 x16: 16 GT/s x 16 lanes, ~31.5 GB/s each way
 # TPU host <-> HBM (PCIe DMA): Google publishes no per-chip figure; "How to Scale Your
 # Model" (Austin et al. 2025, jax-ml.github.io/scaling-book/tpus, "PCIe" in its bandwidth
 # table, 16-32 GB/s by generation; its worked example takes 1.5e10 bytes/s) gives the
@@ -239,6 +244,11 @@ PEAKS = {
     "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
                 "host_bandwidth": _TPU_HOST_DMA,
                 "source": "cloud.google.com/tpu/docs/v5p; host DMA: jax-ml.github.io/scaling-book"},
+    # https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM4 80GB datasheet): BF16
+    # 624 TFLOP/s with sparsity (312 dense), TF32 312 with sparsity (156 dense),
+    # 2,039 GB/s HBM2e; host link PCIe Gen4 x16.
+    "gpu:a100": {"bf16_flops": 312e12, "f32_flops": 156e12, "bandwidth": 2.039e12,
+                 "host_bandwidth": _PCIE4_X16, "source": "nvidia.com/en-us/data-center/a100"},
     # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM): BF16 1,979 TFLOP/s
     # with sparsity (989 dense), TF32 989 with sparsity (494.5 dense), 3.35 TB/s HBM3;
     # host link PCIe Gen5 x16.
@@ -251,25 +261,32 @@ PEAKS = {
 }
 
 
-def peaks(target: "str | Target") -> dict | None:
-    """`PEAKS` of `target`'s chip: {"bf16_flops", "f32_flops" (FLOP/s), "bandwidth",
-    "host_bandwidth" (bytes/s), "source"}; None for the CPU and for chips not listed
-    (the time model then measures this CPU, `time_model.calibrate_cpu`). A target of
-    this machine's devices is matched by its device kind ("NVIDIA H200", "TPU v5 lite")."""
+def chip(target: "str | Target") -> str:
+    """The chip `target` compiles for, as `PEAKS` names it: "cpu", "tpu:v5e",
+    "gpu:a100", ...; a target of this machine's devices is matched by its device
+    kind ("NVIDIA A100-SXM4-80GB", "TPU v5 lite"); "tpu:?" / "gpu:?" where the
+    kind names no listed chip or there is no such device."""
     target = parse_target(target)
     if target.platform == "cpu":
-        return None
+        return "cpu"
     if target.aot:
-        name = target.topology.split(":")[0].lower()
-    else:
-        try:
-            kind = jax.devices(target.platform)[0].device_kind.lower()
-        except RuntimeError:
-            return None
-        names = (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e")),
-                 ("v5p", ("v5p",)))
-        name = next((n for n, words in names if any(w in kind for w in words)), "")
-    return PEAKS.get(f"{target.platform}:{name}")
+        return f"{target.platform}:{target.topology.split(':')[0].lower()}"
+    try:
+        kind = jax.devices(target.platform)[0].device_kind.lower()
+    except RuntimeError:
+        return f"{target.platform}:?"
+    names = (("a100", ("a100",)), ("h200", ("h200",)), ("h100", ("h100",)),
+             ("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p",)))
+    name = next((n for n, words in names if any(w in kind for w in words)), "?")
+    return f"{target.platform}:{name}"
+
+
+def peaks(target: "str | Target") -> dict | None:
+    """`PEAKS` of `target`'s chip (`chip`): {"bf16_flops", "f32_flops" (FLOP/s),
+    "bandwidth", "host_bandwidth" (bytes/s), "source"}; None for the CPU and for
+    chips not listed (the time model then measures this CPU,
+    `time_model.calibrate_cpu`)."""
+    return PEAKS.get(chip(target))
 
 
 # ---------------------------------------------------------------------------
@@ -423,6 +440,6 @@ def versions(target: "str | Target") -> dict[str, str]:
     return {"jax": jax.__version__, "compiler": compiler}
 
 
-__all__ = ["EXAMPLES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
+__all__ = ["chip", "EXAMPLES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
            "devices", "gpu_description", "is_out_of_memory", "make_mesh", "parse_target",
            "parse_targets", "peaks", "versions"]

@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from remat_kit.errors import RematSpecError, _closest
+from remat_kit.flax.chunked_loss import check_chunks
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import layer_policies
 from remat_kit.policy.spec import AutoSpec, parse
@@ -47,13 +48,18 @@ class TransformerConfig:
         on a leading layer axis) instead of a Python loop. Takes the
         uniform and nested schedules (nested: a scan over groups of a scan
         over layers; parameters stacked [num_layers, ...] either way).
+      vocab_chunks: compute the training loss (`make_loss_fn`) over this many
+        vocabulary slices, one at a time, recomputed in the backward pass, so
+        the float32 logits [batch, seq, vocab] and their gradient never exist
+        whole (`remat_kit.flax.chunked_loss`; MaxText's `num_vocab_tiling` is
+        the same idea over tokens); 1 = the plain loss. Must divide vocab_size.
       rope_theta: RoPE base frequency (llama).
       norm_eps: epsilon of LayerNorm / RMSNorm.
 
     Raises:
       TypeError: a field has the wrong type; the message names the field.
       ValueError: a field has a bad value (unknown family or dtype,
-        non-positive size, heads that do not divide, a layer schedule that
+        non-positive size, heads or vocab_chunks that do not divide, a layer schedule that
         does not fit num_layers or scan_layers, a layer_remat list of the
         wrong length).
       RematSpecError: `remat` is not a valid spec.
@@ -74,6 +80,7 @@ class TransformerConfig:
     remat: str | Policy = "none"
     layer_remat: tuple[str | Policy, ...] = ()
     scan_layers: bool = False
+    vocab_chunks: int = 1
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
 
@@ -96,6 +103,10 @@ class TransformerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be positive, "
                                  f"got {getattr(self, name)}")
+        try:
+            check_chunks(self.vocab_chunks, self.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"TransformerConfig.vocab_chunks: {e}") from None
         for name in ("num_kv_heads", "head_dim"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be positive or None, "

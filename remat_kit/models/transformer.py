@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import mesh as rk_mesh
+from remat_kit.flax.chunked_loss import chunked_head_loss
 from remat_kit.models.config import TransformerConfig
 from remat_kit.policy.names import tag
 from remat_kit.policy.policy import Policy
@@ -301,18 +302,39 @@ def _looped_layers(module: nn.Module, x, deterministic: bool, lo: int, hi: int):
     return x
 
 
+class _Head(nn.Module):
+    """Llama's untied output projection: `nn.Dense(vocab, use_bias=False)` (the same
+    parameter, its name and init) with the kernel [d_model, vocab] at hand, so a
+    chunked loss can take it a vocabulary slice at a time."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        self.kernel = self.param("kernel", _axes(nn.initializers.lecun_normal(), "embed", "vocab"),
+                                 (cfg.d_model, cfg.vocab_size), cfg.param_dtype)
+
+    def __call__(self, x):
+        x, kernel = nn.dtypes.promote_dtype(x, self.kernel, dtype=self.config.dtype)
+        return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
 class Transformer(nn.Module):
     """Decoder-only language model.
 
     __call__(tokens int32 [batch, seq], deterministic=True) -> float32 logits
-    [batch, seq, vocab]. seq must be <= config.max_len for gpt2. Dropout needs
-    rngs={"dropout": key} when deterministic is False.
+    [batch, seq, vocab]; __call__(tokens, deterministic, targets=int32 [batch,
+    seq]) -> the mean next-token cross-entropy, a float32 scalar: `lm_loss` of
+    the logits, or with config.vocab_chunks > 1 the same loss computed a
+    vocabulary slice at a time (`remat_kit.flax.chunked_loss.chunked_head_loss`),
+    the logits never whole. seq must be <= config.max_len for gpt2. Dropout
+    needs rngs={"dropout": key} when deterministic is False.
     """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, tokens, deterministic: bool = True):
+    def __call__(self, tokens, deterministic: bool = True, targets=None):
         cfg = self.config
         embed_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
@@ -341,14 +363,13 @@ class Transformer(nn.Module):
             for lo in range(0, cfg.num_layers, size):
                 x = group(self, x, deterministic, lo, lo + size)
         x = _norm(cfg, "final_norm")(x)
-        if cfg.family == "gpt2":
-            logits = embed.attend(x)
-        else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
-                              param_dtype=cfg.param_dtype, name="lm_head",
-                              kernel_init=_axes(nn.initializers.lecun_normal(),
-                                                "embed", "vocab"))(x)
-        return logits.astype(jnp.float32)
+        head = None if cfg.family == "gpt2" else _Head(cfg, name="lm_head")
+        if targets is not None and cfg.vocab_chunks > 1:
+            kernel, axis = (embed.embedding, 0) if head is None else (head.kernel, -1)
+            return chunked_head_loss(x, kernel, targets, cfg.vocab_chunks, vocab_axis=axis,
+                                     dtype=cfg.activation_dtype)
+        logits = (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
+        return logits if targets is None else lm_loss(logits, targets)
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -363,10 +384,10 @@ def make_loss_fn(model: Transformer, deterministic: bool = True):
     """loss(params, inputs, targets, dropout_rng) -> scalar, for `jax.grad` and measurement.
 
     inputs, targets: int32 [batch, seq]; dropout_rng: a PRNG key (ignored when
-    deterministic).
+    deterministic). With the model's config.vocab_chunks > 1 the loss is computed
+    over vocabulary chunks (`Transformer`), equal to the plain one.
     """
     def loss(params, inputs, targets, dropout_rng):
-        logits = model.apply({"params": params}, inputs, deterministic=deterministic,
-                             rngs={"dropout": dropout_rng})
-        return lm_loss(logits, targets)
+        return model.apply({"params": params}, inputs, deterministic=deterministic,
+                           targets=targets, rngs={"dropout": dropout_rng})
     return loss
