@@ -134,8 +134,17 @@ def _fingerprint(run: Run) -> dict:
 
 
 def _matches(entry: dict | None, run: Run) -> bool:
-    return entry is not None and {k: entry.get(k) for k in ("model", "batch", "seq")} \
-        == _fingerprint(run)
+    """Whether `entry` was predicted for `run`; a config field added since, at its
+    default, changes no program, so it does not stale the entry."""
+    if entry is None or not isinstance(entry.get("model"), dict):
+        return False
+    want = _fingerprint(run)
+    cls = type(run.config())
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(cls)
+                                      if f.default is not dataclasses.MISSING}))
+    model = {**{k: defaults[k] for k in want["model"]
+                if k not in entry["model"] and k in defaults}, **entry["model"]}
+    return {"model": model, "batch": entry.get("batch"), "seq": entry.get("seq")} == want
 
 
 def _spec(policy: str, run: Run) -> str:

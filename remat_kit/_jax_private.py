@@ -21,6 +21,9 @@ xs) and an open Jaxpr. `scan_parts` reads both.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 
 _MIN, _MAX = (0, 11), (0, 13)
@@ -34,6 +37,7 @@ if _version >= (0, 12):
     from jax.ad_checkpoint import name_p  # noqa: E402
 else:
     from jax._src.ad_checkpoint import name_p  # noqa: E402
+from jax._src import compilation_cache as _compilation_cache  # noqa: E402
 from jax._src import config as _config  # noqa: E402
 from jax._src import hardware_utils  # noqa: E402
 from jax._src.lib import _jax, hlo  # noqa: E402
@@ -95,10 +99,36 @@ def num_tpu_chips() -> int:
     return hardware_utils.num_available_tpu_chips_and_device_id()[0]
 
 
+# Threads inside `without_compilation_cache`. jax 0.12 decides once per process whether
+# the persistent cache is used (`compilation_cache.is_cache_used` memoizes its first
+# answer), so its `enable_compilation_cache` flag set later is not seen: the check
+# itself is wrapped to answer False in these threads.
+_UNCACHED = threading.local()
+
+
+def _guard_cache_check() -> None:
+    if getattr(_compilation_cache.is_cache_used, "_remat_kit", False):
+        return
+    original = _compilation_cache.is_cache_used
+
+    def is_cache_used(backend):
+        return False if getattr(_UNCACHED, "on", False) else original(backend)
+
+    is_cache_used._remat_kit = True
+    _compilation_cache.is_cache_used = is_cache_used
+
+
+@contextlib.contextmanager
 def without_compilation_cache():
     """A context (this thread only) in which compiles neither read nor write JAX's
     persistent compilation cache: XLA itself runs, e.g. to write its dump."""
-    return _config.enable_compilation_cache(False)
+    _guard_cache_check()
+    before, _UNCACHED.on = getattr(_UNCACHED, "on", False), True
+    try:
+        with _config.enable_compilation_cache(False):
+            yield
+    finally:
+        _UNCACHED.on = before
 
 
 __all__ = ["has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
