@@ -149,6 +149,15 @@ def _signature(arrays, rebuild, *extra):
     return None if key[0] is None else key
 
 
+def _once(built: dict, key, make):
+    """`make()`, kept in `built` under `key` (None: an unhashable call, made each time)."""
+    if key is None:
+        return make()
+    if key not in built:
+        built[key] = make()
+    return built[key]
+
+
 def _linen(model: nn.Module, spec, context, block) -> nn.Module:
     base = type(model)
     built: dict = {}
@@ -157,12 +166,12 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
         params = variables.get("params", {})
         rest = {k: v for k, v in variables.items() if k != "params"}
         arrays, rebuild = wrapping.split_static((params, rest, *args), kwargs)
-        key = _signature(arrays, rebuild, method)
-        if key is None or key not in built:
-            def call(*xs):
-                (p, r, *a), kw = rebuild(xs)
-                return base.apply(self, {"params": p, **r}, *a, method=method, **kw)
 
+        def call(*xs):
+            (p, r, *a), kw = rebuild(xs)
+            return base.apply(self, {"params": p, **r}, *a, method=method, **kw)
+
+        def make():
             instances, copies, _ = from_model._linen_instances(self, call, *arrays,
                                                                   params=params)
             cls, _ = from_model.pick_block(instances, block, copies)
@@ -172,16 +181,12 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
                     return call(*xs)
 
             num_params = sum(map(wrapping.is_array, jax.tree.leaves(params)))
-            made = _program(marked, arrays, num_params, cls, spec, context)
-            if key is None:
-                run, tree = made
-                return jax.tree.unflatten(tree, run(*arrays))
-            built[key] = made
-        run, tree = built[key]
+            return _program(marked, arrays, num_params, cls, spec, context)
+
+        run, tree = _once(built, _signature(arrays, rebuild, method), make)
         return jax.tree.unflatten(tree, run(*arrays))
 
-    sub = type(base.__name__, (base,), {"apply": apply, "__qualname__": base.__qualname__,
-                                        "__module__": base.__module__})
+    sub = flax_nnx._subclass(base, {"apply": apply})
     return sub(**flax_linen._init_fields(model, "parent"))
 
 
@@ -201,37 +206,25 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
 
     def __call__(self, *args, **kwargs):
         arrays, rebuild = wrapping.split_static(args, kwargs)
-        key = _signature(arrays, rebuild)
         with _as_class(self, base):
-            params, rest = nnx.state(self, nnx.Param, ...)
-            if key is None or key not in built:
+            state = nnx.state(self, nnx.Param, ...)  # (params, the rest)
+            leaves, tree = jax.tree.flatten(state)
+
+            def make():
                 cls = from_model.nnx_block(self, block, *args, **kwargs)
-                marked = from_model.nnx_marked(self, cls)
-                graphdef = nnx.split(marked)[0]
+                graphdef = nnx.split(from_model.nnx_marked(self, cls))[0]
 
-                def forward(p, r, *xs):
-                    a, kw = rebuild(xs)
-                    module = nnx.merge(graphdef, p, r)
-                    out = module(*a, **kw)
-                    return out, nnx.state(module, nnx.Param, ...)
+                def forward(*xs):  # state leaves, then the call's arrays
+                    a, kw = rebuild(xs[len(leaves):])
+                    module = nnx.merge(graphdef, *jax.tree.unflatten(tree, xs[:len(leaves)]))
+                    return module(*a, **kw), nnx.state(module, nnx.Param, ...)
 
-                leaves, tree = jax.tree.flatten((params, rest))
-                inputs = tuple(leaves) + tuple(arrays)
+                num_params = len(jax.tree.leaves(state[0]))
+                return _program(forward, (*leaves, *arrays), num_params, cls, spec, context)
 
-                def flat(*xs):
-                    p, r = jax.tree.unflatten(tree, xs[:len(leaves)])
-                    return forward(p, r, *xs[len(leaves):])
-
-                num_params = len(jax.tree.leaves(params))
-                built_now = (*_program(flat, inputs, num_params, cls, spec, context), tree)
-                if key is not None:
-                    built[key] = built_now
-            else:
-                built_now = built[key]
-            run, out_tree, state_tree = built_now
-            leaves = jax.tree.leaves((params, rest))
-            out, state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
-            nnx.update(self, *state)
+            run, out_tree = _once(built, _signature(arrays, rebuild), make)
+            out, new_state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
+            nnx.update(self, *new_state)
         return out
 
     out = flax_nnx._copy(model)
