@@ -1,11 +1,11 @@
 """rk.remat_model: the policy you measure is the policy you run.
 
 On models that are not ours (tests/zoo: linen and NNX, fused qkv, GQA, rotary, a scanned
-stack, a model from PyPI), the gradient of the next-token loss of `rk.remat_model(model,
-policy)` compiles to the program `compare --model` measured for that policy (the
-workload of `rk.from_model`): equal temp bytes and equal FLOPs. Its gradients equal
-the plain model's; a Plan, a per-layer list and a plan file apply the same way, and a
-plan for another model is refused before anything compiles.
+stack, a model with its own mesh, a model from PyPI), the gradient of the next-token loss
+of `rk.remat_model(model, policy)` compiles to the program `compare --model` measured for
+that policy (the workload of `rk.from_model`): equal temp bytes and equal FLOPs. Its
+gradients equal the plain model's; a Plan, a per-layer list and a plan file apply the same
+way, and a plan for another model is refused before anything compiles.
 """
 
 import importlib
@@ -23,7 +23,7 @@ from remat_kit.measure import lowering
 
 B, T = 2, 8
 ZOO = ("gpt_linen", "llama_nnx", "gemma_linen", "fused_nnx", "nano_moe", "scan_linen",
-       "scan_nnx")
+       "scan_nnx", "mesh_linen")
 
 
 def _make(name):
