@@ -195,3 +195,14 @@ def test_plan_prints_a_preset_s_note_not_only_in_json(capsys):
                      "--presets", "none,full,save:mlpwi_0"]) == 0
     err = capsys.readouterr().err
     assert "note: save:mlpwi_0: none of the tags this policy keeps (mlpwi_0)" in err
+
+
+@pytest.mark.remat_modes
+def test_roles_are_found_under_either_remat_mode():
+    """Under jax_remat3 a checkpoint_name is a hi-primitive: the dataflow reads it as
+    the name it is, so the roles (and what minimal saves) are the same in both modes."""
+    work = rk.from_model.workload(_make("gpt_linen")[0], B, T)
+    assert not [n for n in work.notes if "no MLP found" in n or "not parameter matmuls" in n]
+    (row,) = rk.measure(work, policies=["minimal"])
+    assert set(row.residual_bytes_by_tag) & set(rk.roles.ROLES) == {"mlpwi", "out_proj",
+                                                                    "qkv_proj"}

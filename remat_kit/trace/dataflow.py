@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from jax.extend import core as jcore
 
 from remat_kit._jax_private import scan_parts
+from remat_kit.trace.validate import tag_of
 
 # Calls whose single sub-jaxpr maps eqn inputs and outputs one to one: inlined.
 CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -91,6 +92,9 @@ class Graph:
             name = eqn.primitive.name
             # jax_remat3 stages remat as a hi-primitive holding its params.
             params = getattr(eqn.params.get("_prim"), "params", None) or eqn.params
+            tag = tag_of(eqn)
+            if tag is not None:  # checkpoint_name, a hi-primitive under jax_remat3 too
+                name, params = "name", {"name": tag}
             sub = params.get(CALLS.get(name, ""))
             inner = getattr(sub, "jaxpr", sub)
             if (isinstance(inner, jcore.Jaxpr) and len(inner.invars) == len(ins)
@@ -100,7 +104,7 @@ class Graph:
                         val.var, val.depth = var, depth
                     env[var] = val
                 continue
-            node = Node(name, eqn.params, ins)
+            node = Node(name, params if tag is not None else eqn.params, ins)
             self.nodes.append(node)
             for val in ins:
                 val.consumers.append(node)
