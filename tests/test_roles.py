@@ -22,6 +22,7 @@ from jax.extend import core as jcore
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.trace import dataflow as df
 from remat_kit.trace.roles import ROLES, _proj, infer_roles
+from remat_kit.trace.validate import tag_of
 from tests.zoo import fused_nnx
 
 B, T = 2, 8
@@ -168,11 +169,12 @@ def test_custom_vjp_attention_is_seen_through():
 
 
 def named_tags(jaxpr) -> dict:
-    """Var -> tag of every checkpoint_name in the jaxpr (its input var)."""
+    """Var -> tag of every checkpoint_name in the jaxpr (its input var), under either
+    remat mode (jax_remat3 stages a name as a hi-primitive)."""
     out = {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name":
-            out[eqn.invars[0]] = eqn.params["name"]
+        if (tag := tag_of(eqn)) is not None:
+            out[eqn.invars[0]] = tag
         for sub in _subs(eqn):
             out.update(named_tags(sub))
     return out
