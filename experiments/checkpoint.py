@@ -42,7 +42,10 @@ DAMAGED = "damaged"
 
 
 def _keystr(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    # Orbax stores an attribute of a pytree node (an NNX Variable's `value`,
+    # GetAttrKey) as a dict key of that name: both read as the name.
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
 
 
 def _describe(leaf) -> str:

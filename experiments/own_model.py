@@ -1,9 +1,13 @@
 """The user's own model in `experiments.train`: `--model FILE.py:FUNCTION` or
 `config.model = "FILE.py:FUNCTION"`, loaded as `remat-kit compare --model` loads it.
 
-FUNCTION takes no arguments and returns a linen language model (int32 tokens
-[batch, seq] -> logits [batch, seq, vocab], or a dict / object with `logits`;
-`remat_kit.flax.user_model`). The policy is applied with `rk.remat_model`, so
+FUNCTION takes no arguments and returns a linen or NNX language model (int32
+tokens [batch, seq] -> logits [batch, seq, vocab], or a dict / object with
+`logits`; `remat_kit.flax.user_model`). A linen model's parameters are
+initialized from config.seed; an NNX model trains the arrays FUNCTION built,
+as its `nnx.Param` state (`nnx.split`), the train state's params; the
+wrapped copy is merged with them in each step (`nnx.merge`), so its
+checkpoints hold the same `nnx.State` paths. The policy is applied with `rk.remat_model`, so
 the run trains the program `compare --model` measured: an `auto:budget=` spec
 is planned first on `rk.from_model.workload(model, batch, seq)` (`rk.Planner`)
 and its Plan applied. The loss is `compare`'s: next-token cross-entropy within
@@ -20,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import nnx
 
 import remat_kit as rk
 from remat_kit.cli.inputs import BadInput
@@ -45,7 +50,7 @@ class OwnModel:
 
     Attributes:
       label: "FILE.py:FUNCTION".
-      model: the linen module as FUNCTION returned it.
+      model: the linen or NNX module as FUNCTION returned it.
       workload: `rk.from_model.workload(model, batch, seq)` (on the run's mesh).
       policy: what `rk.remat_model` is given: config.remat, or the Plan of an
         `auto:budget=` spec.
@@ -68,21 +73,24 @@ class OwnModel:
             return tuple(self.policy.layer_specs) or self.policy.spec
         return self.policy
 
-    def init(self, rng, tokens) -> dict:
-        """The model's parameters (boxed where it names logical axes)."""
+    def init(self, rng, tokens):
+        """The parameters to train: linen's `init` from `rng` (boxed where the
+        model names logical axes); NNX's `nnx.Param` state, the arrays the
+        model holds (`rng` and `tokens` unused)."""
+        if isinstance(self.model, nnx.Module):
+            return nnx.state(self.model, nnx.Param)
         return self.model.init(rng, tokens)["params"]
 
     def loss_fn(self, policy=None) -> Callable:
         """loss(params, inputs, targets, rng) -> float32 scalar, under `policy`
         (default the run's): `compare`'s next-token loss of `inputs` alone
         (targets and rng unused: the loss `compare` measured, no dropout)."""
-        run = rk.remat_model(self.model, self.policy if policy is None else policy)
+        apply = _applier(rk.remat_model(self.model, self.policy if policy is None else policy))
 
         def loss(params, inputs, targets, rng):
             del targets, rng
-            out = run.apply({"params": params}, inputs)
             return from_model.next_token_loss(
-                from_model.logits_of(out, *inputs.shape), inputs)
+                from_model.logits_of(apply(params, inputs), *inputs.shape), inputs)
         return loss
 
     def predicted(self, optimizer) -> stepping.StepMemory:
@@ -97,8 +105,10 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
 
     Raises:
       BadInput: everything `--model` refuses (`user_model.load`, the same one
-        line), an NNX model or one with variables besides params (not trained
-        here yet), a vocab below `vocab_size` bytes, config fields that size
+        line), a model with variables besides its parameters (linen
+        collections besides params, NNX state besides `nnx.Param`: not
+        trained here yet), an abstract NNX model (`nnx.eval_shape`: no arrays
+        to train), a vocab below `vocab_size` bytes, config fields that size
         our reference model, or an `auto:budget=` that cannot be planned.
     """
     from experiments import data
@@ -118,19 +128,9 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
     if model is None:
         raise BadInput(f"--model {config.model!r}: experiments.train trains a model; "
                        f"{label}(batch, seq) builds a Workload: give a function that "
-                       "returns the linen module")
-    if not isinstance(model, nn.Module):
-        raise BadInput(f"--model {config.model!r}: experiments.train takes a linen model; "
-                       f"{label} returned a {type(model).__name__} (NNX training is not "
-                       "supported yet)")
-    tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
-    variables, out = jax.eval_shape(lambda t: model.init_with_output(jax.random.key(0), t)[::-1],
-                                    tokens)
-    other = sorted(set(variables) - {"params"})
-    if other:
-        raise BadInput(f"--model {config.model!r}: its variables {other} besides params are "
-                       "not trained here yet; give a model with params only")
-    vocab = from_model.logits_of(out, 1, config.seq_len).shape[-1]
+                       "returns the linen or NNX module")
+    vocab = from_model.logits_of(_output(model, config.seq_len, config.model), 1,
+                                 config.seq_len).shape[-1]
     if vocab < data.VOCAB_SIZE:
         raise BadInput(f"--model {config.model!r}: its logits have vocab {vocab}; the data is "
                        f"bytes, one token per byte value: the model needs a vocab of at least "
@@ -141,6 +141,43 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
         spec = " | ".join(planned.layer_specs) if planned.layer_specs else planned.spec
         return OwnModel(label, model, workload, planned, spec, vocab)
     return OwnModel(label, model, workload, config.remat, str(policy), vocab)
+
+
+def _applier(run) -> Callable:
+    """(params, tokens) -> the output of `run` (`rk.remat_model`'s model) on
+    those parameters: linen's `apply`; NNX's `nnx.merge` of its graph with them."""
+    if isinstance(run, nnx.Module):
+        graphdef = nnx.graphdef(run)
+        return lambda params, tokens: nnx.merge(graphdef, params)(tokens)
+    return lambda params, tokens: run.apply({"params": params}, tokens)
+
+
+def _output(model, seq: int, spec: str):
+    """The model's output on int32 tokens [1, seq] as ShapeDtypeStructs
+    (`jax.eval_shape`). BadInput where it holds variables besides its
+    parameters (not trained here yet) or, NNX, its parameters are abstract."""
+    tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    if isinstance(model, nn.Module):
+        variables, out = jax.eval_shape(
+            lambda t: model.init_with_output(jax.random.key(0), t)[::-1], tokens)
+        other = f"its variables {sorted(set(variables) - {'params'})}"
+        held = len(variables) > 1
+    else:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+            raise BadInput(f"--model {spec!r}: its parameters are abstract (nnx.eval_shape); "
+                           "experiments.train trains the model's arrays: return the built "
+                           "model")
+        named = (f"{type(v).__name__} {'/'.join(map(str, path))}"
+                 for path, v in nnx.to_flat_state(rest))
+        other = f"its NNX state {sorted(named)}"
+        held = bool(jax.tree.leaves(rest))
+        out = None if held else jax.eval_shape(lambda p, t: nnx.merge(graphdef, p)(t),
+                                               params, tokens)
+    if held:
+        raise BadInput(f"--model {spec!r}: {other} besides its parameters are not trained "
+                       "here yet; give a model with parameters only")
+    return out
 
 
 def describe(own: OwnModel, remat: str) -> str:

@@ -4,7 +4,7 @@
         --config.remat=selective --workdir=runs/x
 
 `--model FILE.py:FUNCTION` (or config.model set to that) trains the user's own
-linen model instead, as `remat-kit compare --model` measures it
+linen or NNX model instead, as `remat-kit compare --model` measures it
 (experiments/own_model.py, docs/training.md).
 
 Writes `workdir/metrics.jsonl` (one JSON line per logged step) and
@@ -75,7 +75,7 @@ from remat_kit.policy.spec import AutoSpec, parse
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics.jsonl and summary.json.")
-_MODEL = flags.DEFINE_string("model", None, "The user's linen model, FILE.py:FUNCTION or "
+_MODEL = flags.DEFINE_string("model", None, "The user's linen or NNX model, FILE.py:FUNCTION or "
                              "package.module:FUNCTION as remat-kit --model takes it; sets "
                              "config.model.")
 flags.mark_flags_as_required(["config", "workdir"])

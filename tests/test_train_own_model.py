@@ -1,6 +1,6 @@
-"""experiments.train on a user's own model (--model FILE.py:FUNCTION / config.model):
-the policy applied with rk.remat_model, auto:budget= planned on the model's
-workload, the compiled step's memory equal to remat_kit.decide.step's
+"""experiments.train on a user's own model (--model FILE.py:FUNCTION / config.model),
+linen and NNX: the policy applied with rk.remat_model, auto:budget= planned on
+the model's workload, the compiled step's memory equal to remat_kit.decide.step's
 prediction, resume with the same losses, and --model's refusals as one line."""
 
 import json
@@ -9,13 +9,17 @@ import shutil
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import remat_kit as rk
-from experiments import own_model, train
+from experiments import data, own_model, train
 from experiments.configs import tiny
 from remat_kit.cli.inputs import BadInput
 from remat_kit.flax import user_model
+from remat_kit.flax.from_model import next_token_loss
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ZOO = REPO / "tests" / "zoo"
@@ -23,16 +27,28 @@ TEXT = "".join(f"def h{i}(z):\n    return z + {i} * {i % 3}\n\n" for i in range(
 BATCH, SEQ, STEPS = 2, 16, 4
 
 
+# The zoo models at a byte vocab (2 layers, width 32): FUNCTION bodies of a model file.
+MODELS = {
+    "gpt256": "from gpt_linen import GPT, GPTConfig\n\n\n"
+              "def model():\n    return GPT(GPTConfig(vocab=256, max_len=16))\n",
+    "llama256": "from flax import nnx\nfrom llama_nnx import Llama, LlamaConfig\n\n\n"
+                "def model():\n    return Llama(LlamaConfig(vocab=256), rngs=nnx.Rngs(0))\n\n\n"
+                "def with_stat():\n    m = model()\n"
+                "    m.seen = nnx.BatchStat(jnp.zeros(()))\n    return m\n",
+    "scan256": "from flax import nnx\nimport scan_nnx\n\nscan_nnx.VOCAB = 256\n\n\n"
+               "def model():\n    return scan_nnx.GPT(True, rngs=nnx.Rngs(0))\n",
+}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """(data file, model file): the zoo GPT (2 layers, width 32) at a byte vocab."""
+    """(data file, the linen GPT's file, the folder holding every MODELS file)."""
     folder = tmp_path_factory.mktemp("own")
     (folder / "text.txt").write_text(TEXT)
-    (folder / "gpt256.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(ZOO)!r})\n"
-        "from gpt_linen import GPT, GPTConfig\n\n\n"
-        "def model():\n    return GPT(GPTConfig(vocab=256, max_len=16))\n")
-    return folder / "text.txt", folder / "gpt256.py"
+    for name, body in MODELS.items():
+        (folder / f"{name}.py").write_text(
+            f"import sys\nsys.path.insert(0, {str(ZOO)!r})\nimport jax.numpy as jnp\n{body}")
+    return folder / "text.txt", folder / "gpt256.py", folder
 
 
 def _config(files, **fields):
@@ -49,6 +65,23 @@ def _losses(workdir: pathlib.Path) -> list:
             map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
 
 
+def _resumed(reference: pathlib.Path, workdir: pathlib.Path, config) -> dict:
+    """The run of `reference` started again as if stopped after its second-to-last
+    checkpoint: that run's summary."""
+    shutil.copytree(reference, workdir)
+    last = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    shutil.rmtree(workdir / "checkpoints" / str(last))
+    (workdir / "summary.json").unlink()
+    return train.train_and_evaluate(config, str(workdir))
+
+
+def _prediction(config, policy="minimal"):
+    """rk.step_memory of config.model under `policy` with the run's optimizer."""
+    model = user_model.load(config.model)[1].model
+    return rk.step_memory(rk.from_model.workload(model, BATCH, SEQ), BATCH, SEQ, policy,
+                          optimizer=train.make_optimizer(config)[0])
+
+
 @pytest.fixture(scope="module")
 def minimal(files, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("minimal")
@@ -57,16 +90,14 @@ def minimal(files, tmp_path_factory):
 
 def test_compiled_step_equals_step_memory_prediction(files, minimal):
     _, summary = minimal
-    config = _config(files)
-    model = user_model.load(config.model)[1].model
-    predicted = rk.step_memory(rk.from_model.workload(model, BATCH, SEQ), BATCH, SEQ,
-                               "minimal", optimizer=train.make_optimizer(config)[0])
+    predicted = _prediction(_config(files))
     compiled = summary["compiled"]
     assert compiled["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
     assert compiled["predicted"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
     assert compiled["predicted"]["temp_equal"] is True
     # The run's step also carries TrainState.step (int32) and the PRNG key (2 x uint32).
     assert compiled["policy"]["step_bytes"] - predicted.total_bytes == 4 + 8
+    assert compiled["policy"]["flops"] == predicted.flops + 1  # TrainState's step + 1
     assert summary["policy"] == str(rk.parse("minimal"))
     assert [s for s, _ in _losses(minimal[0])] == [1, 2, 3, 4]
 
@@ -74,27 +105,120 @@ def test_compiled_step_equals_step_memory_prediction(files, minimal):
 def test_resume_from_checkpoint_gives_the_same_losses(files, minimal, tmp_path):
     reference, _ = minimal
     workdir = tmp_path / "resumed"
-    shutil.copytree(reference, workdir)
-    shutil.rmtree(workdir / "checkpoints" / str(STEPS))  # as if stopped after checkpoint 2
-    (workdir / "summary.json").unlink()
-    summary = train.train_and_evaluate(_config(files), str(workdir))
+    summary = _resumed(reference, workdir, _config(files))
     assert summary["start_step"] == 2
     assert _losses(workdir) == _losses(reference)
 
 
-def test_auto_budget_is_planned_on_the_models_workload(files, tmp_path):
-    config = _config(files, remat="auto:budget=0.8", num_steps=2, checkpoint_every=2)
-    summary = train.train_and_evaluate(config, str(tmp_path))
+def test_auto_budget_is_planned_on_the_models_workload_and_resumes(files, tmp_path):
+    config = _config(files, remat="auto:budget=0.8", num_steps=3, checkpoint_every=2)
+    summary = train.train_and_evaluate(config, str(tmp_path / "run"))
     model = user_model.load(config.model)[1].model
     # The run's plan cache answers only for this very program (it is keyed by it).
     plan = rk.Planner(rk.from_model.workload(model, BATCH, SEQ),
-                      cache=str(tmp_path / "plans.json")).plan("0.8")
+                      cache=str(tmp_path / "run" / "plans.json")).plan("0.8")
     spec = " | ".join(plan.layer_specs) if plan.layer_specs else plan.spec
     assert summary["policy"] == spec
     assert summary["compiled"]["policy"]["temp_size_in_bytes"] == \
         summary["compiled"]["predicted"]["temp_size_in_bytes"]
     assert summary["compiled"]["predicted"]["temp_equal"] is True
-    assert (tmp_path / "plans.json").exists()  # a restart reads the plan back
+    assert (tmp_path / "run" / "plans.json").exists()  # a restart reads the plan back
+    resumed = _resumed(tmp_path / "run", tmp_path / "resumed", config)
+    assert resumed["start_step"] == 2 and resumed["policy"] == spec
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "run")
+    assert resumed["eval_loss"] == summary["eval_loss"]
+
+
+def _nnx(files, function="llama256.py:model", **fields):
+    return _config(files, model=f"{files[2] / function}", **fields)
+
+
+@pytest.fixture(scope="module")
+def llama(files, tmp_path_factory):
+    """(workdir, config, summary) of 3 steps of the zoo NNX Llama under minimal."""
+    workdir = tmp_path_factory.mktemp("llama")
+    config = _nnx(files, num_steps=3)
+    return workdir, config, train.train_and_evaluate(config, str(workdir))
+
+
+def test_nnx_model_trains_its_own_arrays_under_the_predicted_program(files, llama):
+    workdir, config, summary = llama
+    predicted = _prediction(config)
+    compiled = summary["compiled"]
+    assert compiled["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
+    assert compiled["predicted"]["temp_equal"] is True
+    assert compiled["policy"]["step_bytes"] - predicted.total_bytes == 4 + 8
+    assert compiled["policy"]["flops"] == predicted.flops + 1  # TrainState's step + 1
+    assert [s for s, _ in _losses(workdir)] == [1, 2, 3]
+    # Step 1's loss is the built model's own (no remat, its arrays) on batch 0.
+    model = user_model.load(config.model)[1].model
+    inputs, _ = data.train_batches(data.load_corpus(config.data).train, BATCH, SEQ,
+                                   config.seed)(0)
+    own = next_token_loss(model(jnp.asarray(inputs)), jnp.asarray(inputs))
+    assert _losses(workdir)[0][1] == pytest.approx(float(own), rel=1e-6)
+    assert summary["num_params"] == sum(x.size for x in jax.tree.leaves(nnx.state(model,
+                                                                                  nnx.Param)))
+
+
+def test_nnx_model_resumes_with_the_same_losses(llama, tmp_path):
+    reference, config, summary = llama
+    resumed = _resumed(reference, tmp_path / "resumed", config)
+    assert resumed["start_step"] == 2
+    assert _losses(tmp_path / "resumed") == _losses(reference)
+    assert resumed["eval_loss"] == summary["eval_loss"]
+
+
+def test_nnx_checkpoint_of_another_model_is_refused_in_one_line(files, llama, tmp_path):
+    shutil.copytree(llama[0], tmp_path / "run")
+    with pytest.raises(BadInput, match=r"^checkpoint .*/3 has no parameter 'blocks/.*/value' "
+                                       r"\(this model's is .*\); it holds another model's"):
+        train.train_and_evaluate(_nnx(files, "scan256.py:model", num_steps=3),
+                                 str(tmp_path / "run"))
+
+
+def test_nnx_auto_budget_is_planned_on_the_models_workload(files, tmp_path):
+    config = _nnx(files, remat="auto:budget=0.8", num_steps=1)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    model = user_model.load(config.model)[1].model
+    plan = rk.Planner(rk.from_model.workload(model, BATCH, SEQ),
+                      cache=str(tmp_path / "plans.json")).plan("0.8")
+    assert summary["policy"] == (" | ".join(plan.layer_specs) if plan.layer_specs
+                                 else plan.spec)
+    assert summary["compiled"]["predicted"]["temp_equal"] is True
+
+
+def test_scanned_nnx_model_trains_the_program_predicted(files, tmp_path):
+    config = _nnx(files, "scan256.py:model", num_steps=1)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    assert summary["compiled"]["policy"]["temp_size_in_bytes"] == \
+        _prediction(config).temp_size_in_bytes
+
+
+def test_nnx_model_trains_on_a_mesh_as_predicted(files, tmp_path):
+    # The tests' 8 host devices (conftest): the batch split over all of them.
+    config = _nnx(files, mesh="data:8", batch_size=8, num_steps=1)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    model = user_model.load(config.model)[1].model
+    mesh = rk.mesh.make("data:8")
+    predicted = rk.step_memory(rk.from_model.workload(model, 8, SEQ, mesh=mesh), 8, SEQ,
+                               "minimal", optimizer=train.make_optimizer(config)[0])
+    assert summary["mesh"] == "data:8"
+    assert summary["compiled"]["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("function, message", [
+    ("llama256.py:with_stat", "its NNX state ['BatchStat seen'] besides its parameters are not "
+                              "trained here yet; give a model with parameters only"),
+    (None, "its parameters are abstract (nnx.eval_shape); experiments.train trains the "
+           "model's arrays: return the built model")])
+def test_nnx_models_it_cannot_train_are_refused_in_one_line(files, tmp_path, function,
+                                                            message):
+    config = (_nnx(files, function) if function else
+              _config(files, model=f"{ZOO / 'scan_nnx.py'}:model"))
+    with pytest.raises(BadInput) as e:
+        train.train_and_evaluate(config, str(tmp_path))
+    assert str(e.value) == f"--model {config.model!r}: {message}"
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_a_model_with_a_small_vocab_is_refused_in_one_line(files, tmp_path):
@@ -128,10 +252,11 @@ def test_is_own_tells_specs_from_config_names():
     assert not own_model.is_own("tiny")
 
 
-def test_sweep_measures_the_users_model_as_compare_does(files, tmp_path):
+@pytest.mark.parametrize("spec", ["gpt_linen.py:model", "scan_nnx.py:model"])
+def test_sweep_measures_the_users_model_as_compare_does(files, tmp_path, spec):
     from experiments import sweep
 
-    config = _config(files, model=f"{ZOO / 'gpt_linen.py'}:model")
+    config = _config(files, model=f"{ZOO / spec}")
     rows = sweep.sweep(config, str(tmp_path), "none,minimal", steps=1)
     model = user_model.load(config.model)[1].model
     records = rk.measure(rk.from_model.workload(model, BATCH, SEQ), policies=["none", "minimal"])
