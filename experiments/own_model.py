@@ -10,7 +10,9 @@ wrapped copy is merged with them in each step (`nnx.merge`), so its
 checkpoints hold the same `nnx.State` paths. The policy is applied with `rk.remat_model`, so
 the run trains the program `compare --model` measured: an `auto:budget=` spec
 is planned first on `rk.from_model.workload(model, batch, seq)` (`rk.Planner`)
-and its Plan applied. The loss is `compare`'s: next-token cross-entropy within
+and its Plan applied; config.remat may also name a `remat-kit plan --json` file
+(PATH.json: its only plan; PATH.json@BUDGET: the plan of that budget, as
+written on plan's --budgets), per layer or not. The loss is `compare`'s: next-token cross-entropy within
 each window (`from_model.next_token_loss`), so the compiled step's temp memory
 equals `remat_kit.decide.step`'s prediction for the same policy and shape.
 """
@@ -18,7 +20,7 @@ equals `remat_kit.decide.step`'s prediction for the same policy and shape.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -29,7 +31,9 @@ from flax import nnx
 import remat_kit as rk
 from remat_kit.cli.inputs import BadInput
 from remat_kit.decide import step as stepping
+from remat_kit.errors import RematSpecError
 from remat_kit.flax import from_model, user_model
+from remat_kit.flax.measured import read_plan
 from remat_kit.measure import targets
 from remat_kit.policy.spec import AutoSpec, parse
 from remat_kit.trace.workload import Workload
@@ -52,8 +56,9 @@ class OwnModel:
       label: "FILE.py:FUNCTION".
       model: the linen or NNX module as FUNCTION returned it.
       workload: `rk.from_model.workload(model, batch, seq)` (on the run's mesh).
-      policy: what `rk.remat_model` is given: config.remat, or the Plan of an
-        `auto:budget=` spec.
+      policy: what `rk.remat_model` is given: config.remat, or a plan as a
+        dict (spec, layer_specs; `Plan.to_dict` of an `auto:budget=` spec, or
+        a plan file's entry with its context).
       spec: the policy as printed and recorded (the plan's spec, or its
         per-layer specs joined by ' | ').
       vocab: the logits' last dimension.
@@ -69,8 +74,8 @@ class OwnModel:
     @property
     def layers(self):
         """The policy as `Workload.loss_for_policy` takes it."""
-        if hasattr(self.policy, "layer_specs"):
-            return tuple(self.policy.layer_specs) or self.policy.spec
+        if isinstance(self.policy, Mapping):
+            return tuple(self.policy.get("layer_specs") or ()) or self.policy["spec"]
         return self.policy
 
     def init(self, rng, tokens):
@@ -109,7 +114,10 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
         collections besides params, NNX state besides `nnx.Param`: not
         trained here yet), an abstract NNX model (`nnx.eval_shape`: no arrays
         to train), a vocab below `vocab_size` bytes, config fields that size
-        our reference model, or an `auto:budget=` that cannot be planned.
+        our reference model, an `auto:budget=` that cannot be planned, a plan
+        file that cannot be read or was made for another model (its layer
+        count or block class: `rk.remat_model`'s line, traced here).
+      RematSpecError: config.remat does not parse (the caller's one line).
     """
     from experiments import data
 
@@ -135,12 +143,39 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
         raise BadInput(f"--model {config.model!r}: its logits have vocab {vocab}; the data is "
                        f"bytes, one token per byte value: the model needs a vocab of at least "
                        f"{data.VOCAB_SIZE}")
-    policy = parse(config.remat)  # RematSpecError: the caller's one line
-    if isinstance(policy, AutoSpec):
-        planned = rk.Planner(workload, cache=cache or None).plan(policy.budget)
-        spec = " | ".join(planned.layer_specs) if planned.layer_specs else planned.spec
-        return OwnModel(label, model, workload, planned, spec, vocab)
-    return OwnModel(label, model, workload, config.remat, str(policy), vocab)
+    own = OwnModel(label, model, workload, *_policy(config.remat, workload, cache), vocab)
+    if isinstance(own.policy, Mapping) and own.policy.get("context"):
+        # A plan file names the model it was made for: checked on one trace, before compiling.
+        tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+        try:
+            jax.eval_shape(own.loss_fn(), workload.params, tokens, tokens, None)
+        except RematSpecError as e:
+            raise BadInput(f"config.remat={config.remat!r}: {e}") from None
+    return own
+
+
+def _policy(remat: str, workload: Workload, cache: str | None) -> tuple[object, str]:
+    """(what `rk.remat_model` is given, the spec as printed) for config.remat:
+    a spec as it is; an `auto:budget=` spec's Plan from `rk.Planner` on the
+    workload; a plan file's plan (PATH.json or PATH.json@BUDGET)."""
+    path, at, budget = remat.rpartition("@")
+    if not (at and path.endswith(".json")):
+        path, budget = remat, None
+    if path.endswith(".json"):
+        try:
+            plan = read_plan(path, budget)
+        except RematSpecError as e:
+            if budget is None and e.choices:
+                raise BadInput(f"config.remat={remat!r} holds plans for budgets "
+                               f"{', '.join(e.choices)}: pick one as {path}@BUDGET") from None
+            raise BadInput(f"config.remat: {e}") from None
+    else:
+        policy = parse(remat)
+        if not isinstance(policy, AutoSpec):
+            return remat, str(policy)
+        plan = rk.Planner(workload, cache=cache or None).plan(policy.budget).to_dict()
+    layers = plan.get("layer_specs") or ()
+    return plan, " | ".join(layers) if layers else plan["spec"]
 
 
 def _applier(run) -> Callable:

@@ -19,7 +19,9 @@ from experiments import data, own_model, train
 from experiments.configs import tiny
 from remat_kit.cli.inputs import BadInput
 from remat_kit.flax import user_model
+from remat_kit.decide import step as stepping
 from remat_kit.flax.from_model import next_token_loss
+from remat_kit.measure import targets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ZOO = REPO / "tests" / "zoo"
@@ -185,6 +187,45 @@ def test_nnx_auto_budget_is_planned_on_the_models_workload(files, tmp_path):
     assert summary["policy"] == (" | ".join(plan.layer_specs) if plan.layer_specs
                                  else plan.spec)
     assert summary["compiled"]["predicted"]["temp_equal"] is True
+
+
+def _plan_file(folder: pathlib.Path, layers: int = 2) -> pathlib.Path:
+    """A `remat-kit plan --json` file of two per-layer plans for the zoo NNX Llama."""
+    folder.mkdir(exist_ok=True)
+    path = folder / "plan.json"
+    path.write_text(json.dumps({
+        "context": {"block": "TransformerBlock", "num_layers": layers},
+        "budgets": [{"budget": "0.5", "plan": {"spec": "full", "layer_specs": ["full"] * 2}},
+                    {"budget": "0.8", "plan": {"spec": "none",
+                                               "layer_specs": ["full", "minimal"]}}]}))
+    return path
+
+
+def test_nnx_model_trains_a_per_layer_plan_file(files, tmp_path):
+    config = _nnx(files, remat=f"{_plan_file(tmp_path)}@0.8", num_steps=1)
+    summary = train.train_and_evaluate(config, str(tmp_path / "run"))
+    model = user_model.load(config.model)[1].model
+    predicted = stepping.compile_step(rk.from_model.workload(model, BATCH, SEQ),
+                                      ("full", "minimal"), train.make_optimizer(config)[0],
+                                      targets.parse_target(None))
+    assert summary["policy"] == "full | minimal"
+    assert summary["compiled"]["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("remat, message", [
+    ("{plan}", "config.remat='{plan}' holds plans for budgets 0.5, 0.8: pick one as "
+               "{plan}@BUDGET"),
+    ("{plan}@0.3", "config.remat: budget '0.3' is not in plan file '{plan}'"),
+    ("{other}@0.8", "config.remat='{other}@0.8': the plan was made for a model of 3 "
+                    "TransformerBlocks; this model runs 2 TransformerBlock blocks")])
+def test_a_plan_file_that_does_not_fit_is_refused_in_one_line(files, tmp_path, remat,
+                                                              message):
+    names = {"plan": _plan_file(tmp_path), "other": _plan_file(tmp_path / "x", layers=3)}
+    config = _nnx(files, remat=remat.format(**names))
+    with pytest.raises(BadInput) as e:
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert str(e.value).startswith(message.format(**names))
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_scanned_nnx_model_trains_the_program_predicted(files, tmp_path):
