@@ -170,6 +170,18 @@ def test_nnx_model_resumes_with_the_same_losses(llama, tmp_path):
     assert resumed["eval_loss"] == summary["eval_loss"]
 
 
+def test_nnx_model_resumes_under_another_policy(llama, tmp_path):
+    reference, config, _ = llama
+    full = config.copy_and_resolve_references()
+    full.remat = "full"
+    resumed = _resumed(reference, tmp_path / "resumed", full)
+    assert [(p["from_step"], p["remat"]) for p in resumed["policies"]] == [(0, "minimal"),
+                                                                          (2, "full")]
+    # Recomputing changes no value: step 3's loss as the run that stayed on minimal.
+    (step, loss), (ref_step, ref_loss) = _losses(tmp_path / "resumed")[-1], _losses(reference)[-1]
+    assert step == ref_step == 3 and loss == pytest.approx(ref_loss, rel=1e-6)
+
+
 def test_nnx_checkpoint_of_another_model_is_refused_in_one_line(files, llama, tmp_path):
     shutil.copytree(llama[0], tmp_path / "run")
     with pytest.raises(BadInput, match=r"^checkpoint .*/3 has no parameter 'blocks/.*/value' "
