@@ -4,17 +4,19 @@
 FUNCTION takes no arguments and returns a linen or NNX language model (int32
 tokens [batch, seq] -> logits [batch, seq, vocab], or a dict / object with
 `logits`; `remat_kit.flax.user_model`). A linen model's parameters are
-initialized from config.seed; an NNX model trains the arrays FUNCTION built,
-as its `nnx.Param` state (`nnx.split`), the train state's params; the
-wrapped copy is merged with them in each step (`nnx.merge`), so its
-checkpoints hold the same `nnx.State` paths. The policy is applied with `rk.remat_model`, so
-the run trains the program `compare --model` measured: an `auto:budget=` spec
-is planned first on `rk.from_model.workload(model, batch, seq)` (`rk.Planner`)
-and its Plan applied; config.remat may also name a `remat-kit plan --json` file
-(PATH.json: its only plan; PATH.json@BUDGET: the plan of that budget, as
-written on plan's --budgets), per layer or not. The loss is `compare`'s: next-token cross-entropy within
-each window (`from_model.next_token_loss`), so the compiled step's temp memory
-equals `remat_kit.decide.step`'s prediction for the same policy and shape.
+initialized from config.seed. An NNX model trains the arrays FUNCTION built:
+its `nnx.Param` state (`nnx.split`) is the train state's params, and the model
+under the policy is merged with it in each step (`nnx.merge`), so checkpoints
+hold the model's own `nnx.State` paths.
+
+The policy is applied with `rk.remat_model`, so the run trains the program
+`compare --model` measured: an `auto:budget=` spec is planned first on
+`rk.from_model.workload(model, batch, seq)` (`rk.Planner`) and its Plan
+applied; config.remat may also name a `remat-kit plan --json` file (PATH.json:
+its only plan; PATH.json@BUDGET: the plan of that budget, as written on plan's
+--budgets), per layer or not. The loss is `compare`'s: next-token cross-entropy
+within each window (`from_model.next_token_loss`), so the compiled step's temp
+memory equals `remat_kit.decide.step`'s prediction for the same policy and shape.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class OwnModel:
     """
 
     label: str
-    model: nn.Module
+    model: nn.Module | nnx.Module
     workload: Workload
     policy: object
     spec: str
