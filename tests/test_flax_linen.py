@@ -96,9 +96,14 @@ def per_layer(*suffixes):
 
 
 @pytest.mark.remat_modes
-def test_apply_remat_keeps_params_and_grads(setup):
+@pytest.mark.parametrize("mapping", [{"Block": "full", Mlp: "dots"}, {"Block": "minimal"},
+                                     {"Block": "selective"}],
+                         ids=["path", "minimal", "selective"])
+def test_apply_remat_keeps_params_and_grads(setup, mapping):
+    """Role presets run with their roles tagged, on the region's variables and RNG
+    streams: the same dropout masks, so the same grads."""
     tokens, params, ref = setup
-    model = rk.linen.apply_remat(Model(dropout_rate=0.1), {"Block": "full", Mlp: "dots"})
+    model = rk.linen.apply_remat(Model(dropout_rate=0.1), mapping)
     assert isinstance(model, Model) and type(model).__name__ == "Model"
     # The same parameter tree: an unwrapped model's checkpoint applies unchanged.
     same_tree(model, params, tokens)
@@ -163,9 +168,10 @@ def test_temp_bytes_fall(setup):
     assert temp(rk.linen.apply_remat(Model(), {"Block": "full"})) < temp(Model())
 
 
-def test_mutable_and_rngs_pass_through(setup):
+@pytest.mark.parametrize("spec", ["full", "minimal"])
+def test_mutable_and_rngs_pass_through(setup, spec):
     tokens, params, _ = setup
-    model = rk.linen.apply_remat(Model(dropout_rate=0.5), {"Block": "full"})
+    model = rk.linen.apply_remat(Model(dropout_rate=0.5), {"Block": spec})
 
     @jax.jit
     def run(params, tokens, rng):
@@ -179,10 +185,11 @@ def test_mutable_and_rngs_pass_through(setup):
 
 
 @pytest.mark.remat_modes
-def test_class_form_static_flag_and_dropout(setup):
+@pytest.mark.parametrize("spec", ["dots", "minimal"])
+def test_class_form_static_flag_and_dropout(setup, spec):
     tokens, params, ref = setup
     # flax's nn.remat: static_argnums count self, __call__(self, x, deterministic) -> 2.
-    model = Model(dropout_rate=0.1, block=rk.linen.remat(Block, "dots", static_argnums=(2,)))
+    model = Model(dropout_rate=0.1, block=rk.linen.remat(Block, spec, static_argnums=(2,)))
     same_tree(model, params, tokens)
     with rk.linen.auto_tag():
         grads = jax.jit(jax.value_and_grad(loss_fn(model, deterministic=False)))(
@@ -236,9 +243,12 @@ def test_errors(setup):
     with pytest.raises(rk.UnknownTagError, match="never emits") as info:
         model = rk.linen.apply_remat(Model(), {"Block": "save:*/attn/qeury"}, validate=True)
         jax.eval_shape(model.init, jax.random.key(1), tokens)
-    with pytest.raises(rk.UnknownTagError, match="never emits"):
-        wrapped = rk.linen.remat(Block, "save:query_proj", validate=True)
-        jax.eval_shape(Model(block=wrapped).init, jax.random.key(1), tokens)
+    # The roles are tagged: query_proj validates; the ungated MLP has no mlpwi_0.
+    wrapped = rk.linen.remat(Block, "save:query_proj", validate=True)
+    jax.eval_shape(Model(block=wrapped).apply, {"params": params}, tokens)
+    with pytest.raises(rk.UnknownTagError, match=r"'mlpwi_0', which rk.linen \(Block\) never emits"):
+        wrapped = rk.linen.remat(Block, "save:mlpwi_0", validate=True)
+        jax.eval_shape(Model(block=wrapped).apply, {"params": params}, tokens)
     with rk.linen.auto_tag():  # a glob the model emits passes
         model = rk.linen.apply_remat(Model(), {"Block": "save:*/attn/*"}, validate=True)
         assert jax.eval_shape(model.apply, {"params": params}, tokens).shape == (

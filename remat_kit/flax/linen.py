@@ -17,12 +17,14 @@ import contextvars
 import dataclasses
 from collections.abc import Sequence
 
+import flax
+import flax.core.lift
 import flax.linen as nn
 import jax
 
-from remat_kit.trace import wrapping
+from remat_kit.trace import call_region, wrapping
 from remat_kit.policy.policy import Policy
-from remat_kit.trace.validate import check_names, emitted_tags
+from remat_kit.trace.validate import emitted_tags
 
 # Standard flax layers: `auto_tag(AUTO_TAG_CLASSES)` names only their outputs.
 AUTO_TAG_CLASSES: tuple[type, ...] = (
@@ -143,17 +145,19 @@ def _key_jit_by_path() -> None:
 
 
 def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args, kwargs,
-            owner):
+            owner, cls: type | None = None):
     """Runs `module.method(*args, **kwargs)` as one lifted `nn.remat` region made by
     `owner`, inside the regions other owners made for this call, if any.
 
     Array arguments are traced; everything else (flags, None) is closed over,
-    so `deterministic=True` stays a Python bool inside the region.
+    so `deterministic=True` stays a Python bool inside the region. Under a
+    `RoleCall` the region's values are tagged with their roles (`_role_checkpoint`;
+    `cls`, default the module's class, names it).
     """
-    arrays, rebuild = wrapping.split_static(args, kwargs)
-    output = {}  # the output's non-array structure, filled while tracing
     entry, call = _ENTERED.get(), _call_id(module, method)
     owners = (*entry[1], owner) if entry is not None and entry[0] == call else (owner,)
+    arrays, rebuild = wrapping.split_static(args, kwargs)
+    output = {}  # the output's non-array structure, filled while tracing
 
     def body(mdl, *xs):
         a, kw = rebuild(xs)
@@ -166,8 +170,78 @@ def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args,
         finally:
             _ENTERED.reset(token)
 
-    outs = nn.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(module, *arrays)
+    if isinstance(jax_policy, wrapping.RoleCall) and module.is_initializing():
+        jax_policy = jax_policy.policy.to_jax()  # parameters made inside have no roles
+    if isinstance(jax_policy, wrapping.RoleCall):
+        try:
+            key = (cls or type(module), module.path, method, jax_policy,
+                   tuple(_init_fields(module, "parent", "name").items()),
+                   repr(rebuild([None] * len(arrays))))
+            hash(key)
+        except TypeError:
+            key = (object(),)  # unhashable fields: traced at each call
+        outs = nn.transforms.lift_transform(
+            _role_checkpoint, body, jax_policy, key,
+            f"rk.linen ({(cls or type(module)).__name__})", output)(module, *arrays)
+    else:
+        outs = nn.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(module, *arrays)
     return output["rebuild"](outs)
+
+
+# {(class, path, method, fields, RoleCall, argument structure and shapes): run} of the
+# role-tagged regions traced so far.
+_ROLE_RUNS: dict = {}
+
+
+def _is_param(path) -> bool:
+    """Whether a key path into pack's (variable groups, rng groups, args) is a parameter:
+    group, scope, then the collection name."""
+    return len(path) > 3 and path[0].idx == 0 and getattr(path[3], "key", None) == "params"
+
+
+def _role_checkpoint(fn, call, key, where: str, output: dict):
+    """flax's lifted `checkpoint` (`flax.core.lift.checkpoint`) with the region made
+    by `call_region.build` in place of `jax.checkpoint`: the region's variables
+    (parameters first), RNG streams and arrays go in, so dropout masks and mutable
+    collections are the plain model's, and its values carry their dataflow roles and
+    path tags (`auto_tag()`, as compare's program has them) under `call.policy`.
+    Traced once per `key` and argument structure; `output` (filled by `fn` while it
+    is traced) is kept with the program and restored when a kept one runs."""
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
+        # pack's groups: one tuple per filter of one dict per scope, {collection: tree}
+        paths, tree = jax.tree_util.tree_flatten_with_path((variable_groups, rng_groups, args))
+        order = sorted(range(len(paths)), key=lambda i: not _is_param(paths[i][0]))
+        leaves = [paths[i][1] for i in order]
+
+        def block(*xs):
+            flat = [None] * len(xs)
+            for i, x in zip(order, xs):
+                flat[i] = x
+            groups, rngs, a = jax.tree.unflatten(tree, flat)
+            scope = scope_fn(groups, rngs)
+            with contextlib.ExitStack() as stack:
+                if "every module" not in _TAGGING.get():
+                    stack.enter_context(auto_tag())
+                y = fn(scope, *a)
+            return y, repack_fn(scope)
+
+        try:
+            full = (*key, tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+            hash(full)
+        except TypeError:
+            full = None
+
+        def make():
+            made = call_region.build(block, leaves, sum(_is_param(p) for p, _ in paths), call,
+                                     where)
+            return made, dict(output)
+
+        region, traced = call_region.once(_ROLE_RUNS, full, make)
+        region.warn()
+        output.update(traced)
+        return region.run(*leaves)
+
+    return flax.core.lift.pack(inner, (True,), (True,), (True,), name="remat")
 
 
 def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[int] = (),
@@ -225,11 +299,10 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
                 if inside:
                     return getattr(super(traced, self), name)(*args, **kwargs)
             emitted = _emitted_alone(cls, self, name, args, kwargs)
-            if validate:
-                check_names(policy, emitted,
-                            where=f"{cls.__name__} at {'/'.join(self.path) or 'root'}")
-            jax_policy = wrapping.to_jax(policy, emitted, where="rk.linen.remat")
-            return _region(self, name, jax_policy, prevent_cse, args, kwargs, traced)
+            jax_policy = wrapping.resolve(
+                policy, emitted, validate, where="rk.linen.remat",
+                checked=f"{cls.__name__} at {'/'.join(self.path) or 'root'}")
+            return _region(self, name, jax_policy, prevent_cse, args, kwargs, traced, cls)
         return method
 
     traced = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__,

@@ -114,8 +114,9 @@ def _warn(layers, program, found, cls) -> None:
     """The notes `compare` prints for these policies on this model, as warnings."""
     missing = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
     for policy in dict.fromkeys(layers):
-        for line in policy_notes(policy, program.emitted, missing):
-            warnings.warn(f"rk.remat_model: {policy}: {line}", stacklevel=4)
+        notes = policy_notes(policy, program.emitted, missing)
+        if notes:
+            warnings.warn(f"rk.remat_model: {policy}: {'; '.join(notes)}", stacklevel=4)
     own = regions.own_remat(program.closed.jaxpr, from_model.KEY)
     if own:
         warnings.warn(f"rk.remat_model: the model already runs {own} remat region"

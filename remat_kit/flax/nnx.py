@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import nnx
 
-from remat_kit.trace import wrapping
+from remat_kit.trace import call_region, wrapping
 from remat_kit.policy.policy import Policy, TagPolicy
-from remat_kit.trace.validate import check_names, emitted_tags
+from remat_kit.trace.validate import emitted_tags
 
 # Standard nnx layers: `auto_tag(model, AUTO_TAG_CLASSES)` names only their outputs.
 AUTO_TAG_CLASSES: tuple[type, ...] = (
@@ -120,10 +120,49 @@ def _jax_policy(module, policy: Policy, body: Callable, arrays, validate: bool):
         graphdef, state = nnx.split(module)
         emitted = emitted_tags(lambda s, *xs: body(nnx.merge(graphdef, s), *xs), state,
                                *arrays)
-        if validate:
-            check_names(policy, emitted, where=type(module).__name__)
-        cache[sig] = wrapping.to_jax(policy, emitted, where="rk.nnx")
+        cache[sig] = wrapping.resolve(policy, emitted, validate, where="rk.nnx",
+                                      checked=type(module).__name__)
     return cache[sig]
+
+
+# {(graphdef, state structure, call signature, RoleCall): (run, output)} of role-tagged calls.
+_ROLE_RUNS: dict = {}
+
+
+def _role_call(module: nnx.Module, orig: Callable, call, args, kwargs):
+    """`orig(module, *args, **kwargs)` as the program `compare --model` measures for a
+    block under `call.policy`: the call traced alone on the module's state (an
+    `auto_tag` copy: the path tags compare's program has) and run with its dataflow
+    roles tagged (`call_region.build`); its state updates land on `module`."""
+    state = nnx.state(module, nnx.Param, ...)  # (params, the rest): params first
+    leaves, tree = jax.tree.flatten(state)
+    arrays, rebuild = wrapping.split_static(args, kwargs)
+    output = {}  # the output's non-array structure, filled while tracing
+
+    def make():
+        graphdef = nnx.split(auto_tag(module))[0]
+
+        def block(*xs):  # state leaves, then the call's arrays
+            a, kw = rebuild(xs[len(leaves):])
+            m = nnx.merge(graphdef, *jax.tree.unflatten(tree, xs[:len(leaves)]))
+            outs, output["rebuild"] = wrapping.split_output(orig(m, *a, **kw))
+            return outs, nnx.state(m, nnx.Param, ...)
+
+        region = call_region.build(block, (*leaves, *arrays), len(jax.tree.leaves(state[0])),
+                                   call, f"rk.nnx ({type(module).__name__})")
+        return region, output
+
+    try:
+        key = (nnx.split(module)[0], tree, tuple((a.shape, str(a.dtype)) for a in arrays),
+               repr(rebuild([None] * len(arrays))), call)
+        hash(key)
+    except TypeError:
+        key = None
+    region, out = call_region.once(_ROLE_RUNS, key, make)
+    region.warn()
+    outs, new_state = region.run(*leaves, *arrays)
+    nnx.update(module, *new_state)
+    return out["rebuild"](outs)
 
 
 @functools.cache
@@ -143,6 +182,8 @@ def _remat_class(cls: type, policy: Policy, prevent_cse: bool, validate: bool,
                 return outs
 
             jax_policy = _jax_policy(self, policy, body, arrays, validate)
+            if isinstance(jax_policy, wrapping.RoleCall):
+                return _role_call(self, orig, jax_policy, args, kwargs)
             outs = nnx.remat(body, policy=jax_policy, prevent_cse=prevent_cse)(self, *arrays)
             return output["rebuild"](outs)
 

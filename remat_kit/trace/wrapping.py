@@ -247,11 +247,17 @@ def needs_names(policy: Policy) -> bool:
     return policy.remat and any(names.is_glob(p) for p in policy.patterns())
 
 
+def role_names(policy: Policy) -> frozenset[str]:
+    """The canonical tags the policy names (`query_proj`, `attn_probs`: MaxText's and
+    Megatron's presets), saved, offloaded or recomputed; a model not ours emits them
+    only once its dataflow roles are tagged (path tags are not roles)."""
+    return frozenset(p for p in policy.patterns() if p in names.TAGS) if policy.remat \
+        else frozenset()
+
+
 def names_roles(policy: Policy) -> bool:
-    """Whether the policy keeps values by a canonical tag (`query_proj`, `attn_probs`:
-    MaxText's and Megatron's presets), which a model not ours emits only once its
-    dataflow roles are tagged (`rk.remat_model` does; path tags do not)."""
-    return policy.remat and any(p in names.TAGS for p in (*policy.save, *policy.offload))
+    """Whether the policy names a canonical tag (`role_names`)."""
+    return bool(role_names(policy))
 
 
 def to_jax(policy: Policy, emitted=(), where: str | None = None):
@@ -263,10 +269,38 @@ def to_jax(policy: Policy, emitted=(), where: str | None = None):
     """
     if where is not None:
         for line in policy_notes(policy, tuple(emitted), ()):
-            warnings.warn(f"{where}: {policy}: {line}; the wrappers name module outputs by "
-                          "path, not by dataflow role: rk.remat_model(model, policy) runs the "
-                          "program compare --model measured", stacklevel=3)
+            warnings.warn(f"{where}: {policy}: {line}", stacklevel=3)
     return policy.to_jax(tuple(dict.fromkeys((*policy.resolve(), *emitted))))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleCall:
+    """What a wrapper runs a region under in place of a JAX policy where the policy
+    names roles (`role_names`) the region does not emit: the call traced alone with
+    its roles tagged (`remat_kit.trace.call_region`). `validate`: check the
+    policy's names against the tagged region's (UnknownTagError), not warn."""
+
+    policy: Policy
+    validate: bool = False
+
+
+def resolve(policy: Policy, emitted, validate: bool = False, where: str | None = None,
+            checked: str | None = None):
+    """A wrapper's policy for a region that emits `emitted`: a `RoleCall` where the
+    policy names roles and the region emits none of them (a model that tags no
+    roles itself), else its JAX policy (`to_jax`, warning as `where`).
+
+    Raises:
+      UnknownTagError: `validate` and (not a RoleCall) the policy names a tag the
+        region never emits; `checked` names the region in the message.
+    """
+    emitted = tuple(emitted)
+    wanted = role_names(policy)
+    if wanted and not wanted & set(emitted):
+        return RoleCall(policy, validate)
+    if validate:
+        check_names(policy, emitted, where=checked or where or "the region")
+    return to_jax(policy, emitted, where=where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,13 +431,9 @@ class Plan:
         Raises:
           UnknownTagError: `validate` and a policy names a tag its region never emits.
         """
-        out = {}
-        for key, policy in zip(self.keys, self.policies):
-            tags = sorted((emitted or {}).get(self.label(key), ()))
-            if validate:
-                check_names(policy, tags, where=f"{self.label(key)} (apply_remat)")
-            out[key] = to_jax(policy, tags, where=where)
-        return out
+        return {key: resolve(policy, sorted((emitted or {}).get(self.label(key), ())),
+                             validate, where, checked=f"{self.label(key)} (apply_remat)")
+                for key, policy in zip(self.keys, self.policies)}
 
     def needs_trace(self, validate: bool) -> bool:
         return validate or any(needs_names(p) or names_roles(p) for p in self.policies)

@@ -1,0 +1,85 @@
+"""One call of a block, run under a role-named policy on a model that tags no roles itself.
+
+The path-tag wrappers (`rk.linen`, `rk.nnx`) name module outputs by path. A
+preset that keeps values by their dataflow role (MaxText's `minimal` keeps
+`query_proj`, ..., Megatron's `selective` recomputes `attn_logits`) selects
+nothing on a model that does not call `checkpoint_name` with those names, and
+would compile as its base rule. For such a call the wrappers trace the block
+alone (`jax.make_jaxpr`, no FLOPs), mark it as one region, and run it through
+`remat_kit.trace.regions.build`: the roles are inferred and tagged and the
+region is checkpointed under the policy by the same code that makes
+`compare --model`'s program, so the wrapped model compiles to the program
+compare measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+
+import jax
+
+from remat_kit.trace import regions, wrapping
+from remat_kit.trace.validate import check_names, policy_notes
+
+KEY = "remat_kit_call"
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A block's call made by `build`: `run(*leaves)` gives its output; `notes` are
+    compare's notes on what the policy selects there, which `warn` raises."""
+
+    run: Callable
+    notes: tuple[str, ...]
+
+    def warn(self) -> None:
+        """Warns each note (Python's filters show each once per place), at every use of
+        a kept region, not only the first trace."""
+        for note in self.notes:
+            warnings.warn(note, stacklevel=4)
+
+
+def build(fn: Callable, leaves: Sequence, num_params: int, call: wrapping.RoleCall,
+          where: str) -> Region:
+    """`fn` (a block's call on flat array inputs, its first `num_params` the block's
+    parameters) as a `Region` whose run(*leaves) gives fn's output, checkpointed under
+    `call.policy` with its dataflow roles tagged.
+
+    Its notes: compare's note where the policy still selects nothing (a role the
+    block lacks: fused attention has no `attn_logits`), in one line, and where the
+    block runs remat regions of its own, which stay inside the policy's region.
+
+    Raises:
+      UnknownTagError: `call.validate` and the policy names a tag the tagged
+        block never emits.
+    """
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+    marked = jax.checkpoint(fn, policy=wrapping.Marker(KEY))
+    closed, shape = jax.make_jaxpr(marked, return_shape=True)(*structs)
+    program, found = regions.build(closed, None, KEY, num_params)
+    if call.validate:
+        check_names(call.policy, program.emitted, where=where)
+    missing = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
+    notes = policy_notes(call.policy, program.emitted, missing)
+    out = (f"{where}: {call.policy}: {'; '.join(notes)}",) if notes else ()
+    own = regions.own_remat(closed.jaxpr, KEY)
+    if own:
+        out += (f"{where}: the block already runs {own} remat region"
+                f"{'s' if own > 1 else ''} of its own; they stay, nested inside the "
+                "policy's region",)
+    run, tree = program.function((call.policy,)), jax.tree.structure(shape)
+    return Region(lambda *xs: jax.tree.unflatten(tree, run(*xs)), out)
+
+
+def once(built: dict, key, make):
+    """`make()`, kept in `built` under `key` (None: an unhashable call, made each time)."""
+    if key is None:
+        return make()
+    if key not in built:
+        built[key] = make()
+    return built[key]
+
+
+__all__ = ["KEY", "Region", "build", "once"]
