@@ -28,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
-from remat_kit.trace import regions
+from remat_kit.trace import regions, retarget
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import UnknownModuleError
@@ -375,6 +376,12 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
     sharded = rk_mesh.spanning(mesh)  # a one-device mesh: its program is the per-device one
     args = _on_mesh(args, sharded)
     traced, _ = trace(marked, args, sharded)
+    own_mesh = retarget.meshes(traced.jaxpr)
+    if own_mesh and sharded is None:  # a mesh of the model's own: its devices hold the args
+        whole = NamedSharding(own_mesh[0], PartitionSpec())
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+                            args)
+        traced, _ = trace(marked, args)
     n = regions.count_marked(traced.jaxpr, KEY)
     if n == 0:
         raise UnknownModuleError(

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from remat_kit.measure import figure_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.targets import Target, TargetError, devices, parse_target
+from remat_kit.trace import retarget
 from remat_kit.mesh import local_shape as _local
 
 # XLA CPU: LLVM optimization only changes the speed of the generated code,
@@ -32,12 +33,15 @@ _CPU_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
 def place(args, target: "str | Target"):
     """`args` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs on `target`'s devices.
 
-    Leaves that carry a sharding keep it (it must be over the target's
-    devices); the others are replicated on the target's first device. For
-    JAX's default backend with no sharding given, `args` come back as they are.
+    Leaves that carry a sharding keep it; a `NamedSharding` over other devices
+    (this machine's, a model's own mesh) is rebuilt over the target's first
+    devices with the same axis names and shape. The others are replicated on
+    the target's first device. For JAX's default backend with no sharding
+    given, `args` come back as they are.
 
     Raises:
-      TargetError: a leaf is sharded over devices that are not the target's.
+      TargetError: a leaf sharded over other devices, not by a NamedSharding.
+      MeshError: a mesh with more devices than the target has.
     """
     target = parse_target(target)
     if not target.aot and target.platform == jax.default_backend():
@@ -51,9 +55,11 @@ def place(args, target: "str | Target"):
         if sharding is None:
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=single)
         if not {(d.platform, d.id) for d in sharding.device_set} <= ids:
-            raise TargetError(f"an argument is sharded over {sorted(sharding.device_set)[:2]}"
-                              f"..., not over the devices of target {target}; build the mesh "
-                              f"with remat_kit.measure.targets.make_mesh")
+            if not isinstance(sharding, NamedSharding):
+                raise TargetError(f"an argument is sharded over {sorted(sharding.device_set)[:2]}"
+                                  f"..., not over the devices of target {target}; build the "
+                                  f"mesh with remat_kit.measure.targets.make_mesh")
+            sharding = retarget.rebuild(sharding, found, str(target))  # same axes, shape
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     return jax.tree.map(one, args)
@@ -67,8 +73,20 @@ def lower(fn: Callable, leaves: Sequence, target: "str | Target",
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     if target.aot:
         platform = "cuda" if target.platform == "gpu" else target.platform
-        return jitted.trace(*leaves).lower(lowering_platforms=(platform,))
+        with retarget.retargeting(devices(target), str(target)):  # a model's own mesh
+            return jitted.trace(*leaves).lower(lowering_platforms=(platform,))
     return jitted.lower(*leaves)
+
+
+def on_target(closed, target: "str | Target"):
+    """A staged ClosedJaxpr for `target`: a mesh of the model's own over other
+    devices rebuilt on the target's (`trace.retarget`); as it is for JAX's backend.
+
+    Raises:
+      MeshError: the model's mesh has more devices than the target.
+    """
+    target = parse_target(target)
+    return retarget.rebuild(closed, devices(target), str(target)) if target.aot else closed
 
 
 def compile_options(target: "str | Target", compile_only: bool) -> dict | None:
@@ -185,4 +203,4 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                     found.get("transcendentals"), seconds, notes)
 
 
-__all__ = ["Compiled", "compile_for", "compile_options", "costs", "lower", "place"]
+__all__ = ["Compiled", "compile_for", "compile_options", "costs", "lower", "on_target", "place"]

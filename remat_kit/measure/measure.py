@@ -400,7 +400,8 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target,
             staged = _stage(loss, args)
             program = (peak_of.marked(staged.program, staged.residual_vars, staged.residuals)
                        if marked else staged.program)
-            lowered = lowering.lower(jaxpr_as_fun(program), staged.leaves, target)
+            lowered = lowering.lower(jaxpr_as_fun(lowering.on_target(program, target)),
+                                     staged.leaves, target)
         except Exception as e:  # noqa: BLE001 - reported in the policy's record
             out.append((policy, list(group_names), None, None, e, 0.0))
             continue

@@ -2,7 +2,8 @@
 argument shapes, how it resizes), the tags a function emits (`validate`), dataflow
 roles inferred on any transformer's jaxpr (`dataflow`, `roles`), remat regions
 re-run under any policy (`regions`), one block call run that way with its roles
-tagged (`call_region`, for the wrappers), and the pieces every way of applying a
+tagged (`call_region`, for the wrappers), a model's own mesh rebuilt on a target's
+devices (`retarget`), and the pieces every way of applying a
 policy shares (`wrapping`: markers, static arguments, output tags, `RoleCall`).
 
 May import: `remat_kit.policy` and the bottom modules (errors, mesh, files, units,

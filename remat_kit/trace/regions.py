@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from remat_kit._jax_private import scan_parts
-from remat_kit.trace import roles, wrapping
+from remat_kit.trace import retarget, roles, wrapping
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.policy import Policy
 from remat_kit.trace.validate import emitted_tags, tag_of
@@ -305,6 +305,7 @@ def _bind(eqn, invals) -> list:
     got = eqn.primitive.get_bind_params(eqn.params)
     # jax 0.12 returns the params; older releases (subfuns, params).
     subfuns, params = got if isinstance(got, tuple) else ((), got)
+    params = retarget.params(params)  # the model's own mesh, on a target's devices
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]

@@ -1,0 +1,136 @@
+"""A model's own mesh, rebuilt on the devices of the target it is compiled for.
+
+A model may carry a mesh of its own: built at import over this machine's devices
+and used in `with_sharding_constraint` / `NamedSharding` inside its code (a
+training codebase pinning its data-parallel layout). Traced, those shardings sit
+in the jaxpr's equations. Compiled for another target (`--target tpu:v5e:2x4`,
+deviceless), they name devices the target has not, and JAX refuses the program.
+Inside `retargeting(devices)` (the compile functions enter it), every equation
+`remat_kit.trace.regions` binds has each such mesh replaced by one with the same
+axis names, shape and axis types over the target's first devices, inner jaxprs
+(jit-ed calls bound whole) included; a mesh larger than the target is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.sharding import Mesh, NamedSharding
+
+from remat_kit.errors import MeshError
+
+# (target devices, the target's name, {id(mesh): rebuilt}) while compiling for a target.
+_TARGET: contextvars.ContextVar = contextvars.ContextVar("remat_kit_retarget", default=None)
+
+
+@contextlib.contextmanager
+def retargeting(devices: Sequence, label: str) -> Iterator[None]:
+    """Context in which `params` rebuilds meshes not over `devices` (those of the
+    target named `label`) on them."""
+    token = _TARGET.set((tuple(devices), label, {}))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def describe(mesh: Mesh) -> str:
+    """'data: 8 over 8 cpu devices'."""
+    axes = ", ".join(f"{a}: {n}" for a, n in mesh.shape.items())
+    return f"{axes} over {mesh.size} {mesh.devices.flat[0].platform} devices"
+
+
+def _mesh(mesh: Mesh, devices: tuple, label: str, memo: dict) -> Mesh:
+    if not mesh.axis_names or set(mesh.devices.flat) <= set(devices):
+        return mesh  # the empty context mesh, or already the target's
+    if id(mesh) not in memo:
+        if mesh.size > len(devices):
+            raise MeshError(
+                f"the model builds its own mesh ({describe(mesh)}) and target {label} has "
+                f"{len(devices)} device{'s' if len(devices) != 1 else ''}: name a target with "
+                f"at least {mesh.size}, or build the model's mesh over at most {len(devices)}")
+        grid = np.array(devices[:mesh.size], dtype=object).reshape(mesh.devices.shape)
+        memo[id(mesh)] = (mesh, Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types))
+    return memo[id(mesh)][1]
+
+
+def _value(v, devices, label, memo):
+    if isinstance(v, Mesh):
+        return _mesh(v, devices, label, memo)
+    if isinstance(v, NamedSharding):
+        mesh = _mesh(v.mesh, devices, label, memo) if isinstance(v.mesh, Mesh) else v.mesh
+        return v if mesh is v.mesh else NamedSharding(mesh, v.spec, memory_kind=v.memory_kind)
+    if isinstance(v, ClosedJaxpr):
+        inner = _jaxpr(v.jaxpr, devices, label, memo)
+        return v if inner is v.jaxpr else ClosedJaxpr(inner, v.consts)
+    if isinstance(v, Jaxpr):
+        return _jaxpr(v, devices, label, memo)
+    if isinstance(v, (tuple, list)):
+        out = [_value(x, devices, label, memo) for x in v]
+        if all(a is b for a, b in zip(out, v)):
+            return v
+        return type(v)(*out) if hasattr(v, "_fields") else type(v)(out)  # namedtuples too
+    return v
+
+
+def _jaxpr(jaxpr: Jaxpr, devices, label, memo) -> Jaxpr:
+    if ("jaxpr", id(jaxpr)) not in memo:
+        eqns = [e if (p := _params(e.params, devices, label, memo)) is e.params
+                else e.replace(params=p) for e in jaxpr.eqns]
+        new = jaxpr if all(a is b for a, b in zip(eqns, jaxpr.eqns)) else jaxpr.replace(eqns=eqns)
+        memo[("jaxpr", id(jaxpr))] = (jaxpr, new)  # the jaxpr kept alive: ids stay its own
+    return memo[("jaxpr", id(jaxpr))][1]
+
+
+def _params(params: dict, devices, label, memo) -> dict:
+    out = {k: _value(v, devices, label, memo) for k, v in params.items()}
+    return params if all(out[k] is params[k] for k in params) else out
+
+
+def rebuild(value, devices: Sequence, label: str):
+    """`value` (a Mesh, a NamedSharding, a jaxpr, tuples of them) with each mesh not over
+    `devices` (those of the target named `label`) rebuilt on them.
+
+    Raises:
+      MeshError: a mesh with more devices than `devices`.
+    """
+    return _value(value, tuple(devices), label, {})
+
+
+def params(params: dict) -> dict:
+    """An equation's bind params with every mesh over devices not the target's rebuilt
+    on the target's (outside `retargeting`: unchanged).
+
+    Raises:
+      MeshError: a mesh with more devices than the target has.
+    """
+    state = _TARGET.get()
+    return params if state is None else _params(params, *state)
+
+
+def meshes(jaxpr: Jaxpr) -> list[Mesh]:
+    """The concrete meshes `jaxpr`'s equations name, inner jaxprs included, largest first."""
+    found: dict[int, Mesh] = {}
+
+    def walk(v):
+        if isinstance(v, Mesh):
+            found.setdefault(id(v), v)
+        elif isinstance(v, NamedSharding) and isinstance(v.mesh, Mesh):
+            found.setdefault(id(v.mesh), v.mesh)
+        elif isinstance(v, (ClosedJaxpr, Jaxpr)):
+            for e in (v.jaxpr if isinstance(v, ClosedJaxpr) else v).eqns:
+                for x in e.params.values():
+                    walk(x)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                walk(x)
+
+    walk(jaxpr)
+    return sorted((m for m in found.values() if m.axis_names), key=lambda m: -m.size)
+
+
+__all__ = ["describe", "meshes", "params", "rebuild", "retargeting"]
