@@ -37,6 +37,7 @@ import os
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 
 from remat_kit import mesh as rk_mesh
@@ -265,6 +266,8 @@ def _explain(args) -> int:
                        fmt_bytes(n * layer.saved_bytes), fmt_bytes(n * layer.offloaded_bytes),
                        fmt_bytes(n * layer.recomputed_bytes))
     console.print(totals)
+    if layer.constants:
+        console.print(_constants_line(layer.constants), markup=False)
     if layer.blocks_differ:
         console.print(layer.blocks_differ)
     console.print(f"parameters read by the backward pass (not extra memory): "
@@ -287,6 +290,18 @@ def _explain(args) -> int:
         console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
                       f"({record.platform}): {peak.summary(record.peak)}", markup=False)
     return 0
+
+
+def _constants_line(constants) -> str:
+    """explain's line for `LayerBreakdown.constants`, equal values counted once each:
+    'constants, the same in every layer (not per-layer residuals, in no sum above):
+    broadcast_in_dim [1, 16, 1, 8] float32 512 B x4, ...; 12.50 KiB'."""
+    counts = Counter((r.name, r.shape, r.dtype, r.nbytes) for r in constants)
+    shown = ", ".join(f"{name} {list(shape)} {dtype} {fmt_bytes(nbytes)}"
+                      + (f" x{n}" if n > 1 else "") for (name, shape, dtype, nbytes), n
+                      in counts.items())
+    return (f"constants, the same in every layer (not per-layer residuals, in no sum above): "
+            f"{shown}; {fmt_bytes(sum(r.nbytes for r in constants))}")
 
 
 def _plan(args) -> int:

@@ -174,8 +174,13 @@ class _Program:
     def __init__(self, hlo: str, arg_groups, logits_shape, residuals):
         self.instrs, self.comps, self.roots = _instructions(hlo)
         self.arg_groups = arg_groups
-        self.logits = None if logits_shape is None else (math.prod(logits_shape),
-                                                         logits_shape[-1])
+        # (rows of the loss's logits, the most rows a value holding them has, vocab): a
+        # model's own logits [batch, seq, vocab] have a row per sequence more than the
+        # next-token loss's slice [batch, seq - 1, vocab] (`from_model.next_token_loss`).
+        self.logits = None if logits_shape is None else (
+            math.prod(logits_shape[:-1]),
+            math.prod(logits_shape[:-1]) + (logits_shape[0] if len(logits_shape) > 2 else 0),
+            logits_shape[-1])
         self.tagged = [r for r in residuals if r.kind == "tag"]
 
     def marks(self, instr: str, index: int) -> list[str]:
@@ -213,8 +218,9 @@ class _Program:
             return f"residual {marks[0][4:]}"
         found = _DIMS.search(shape)
         dims = tuple(int(d) for d in found.group(1).split(",") if d) if found else ()
-        # The logits may be reshaped ([batch * seq, vocab]): same elements, same last axis.
-        if self.logits is not None and dims and (math.prod(dims), dims[-1]) == self.logits:
+        # The logits may be reshaped ([batch * seq, vocab]): same rows, same last axis.
+        if self.logits is not None and dims and dims[-1] == self.logits[2] and (
+                self.logits[0] <= math.prod(dims[:-1]) <= self.logits[1]):
             return LOGITS
         if marks:
             return "residuals, untagged"
