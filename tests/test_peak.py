@@ -185,3 +185,31 @@ def test_plan_below_the_minimum_names_the_chunks_where_the_logits_hold_it(tmp_pa
         f"--vocab-chunks 64 (the loss over 64 vocabulary chunks) lowers them, to "
         f"{fmt_bytes(chunked.memory_bytes)}")
     assert f"below the minimum: {context['below_minimum']}\n" in capsys.readouterr().out
+
+
+def test_logits_of_a_model_not_ours_are_found_where_the_loss_slices_them():
+    """A model returning logits [batch, seq, vocab], whose next-token loss reads
+    [batch, seq - 1, vocab] of them (`from_model.next_token_loss`): its own logits and
+    their gradient are grouped as logits, not as backward temporaries."""
+    import flax.linen as nn
+
+    from remat_kit.flax.from_model import workload as model_workload
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(32)(nn.tanh(nn.Dense(32)(x)))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(8192, 32)(tokens)
+            for _ in range(2):
+                x = Block()(x)
+            return nn.Dense(8192)(x)
+
+    [full] = measure(model_workload(Model(), 8, 64), policies=["full"], target="cpu", peak=True)
+    _check_sums(full, "temp_size_in_bytes", 0.05)
+    parts = full.peak["parts"]
+    assert full.peak["logits_shape"] == [8, 63, 8192]
+    assert next(iter(parts)) == LOGITS and parts[LOGITS] >= 2 * 8 * 64 * 8192 * 4, parts
