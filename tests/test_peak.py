@@ -213,3 +213,17 @@ def test_logits_of_a_model_not_ours_are_found_where_the_loss_slices_them():
     parts = full.peak["parts"]
     assert full.peak["logits_shape"] == [8, 63, 8192]
     assert next(iter(parts)) == LOGITS and parts[LOGITS] >= 2 * 8 * 64 * 8192 * 4, parts
+
+
+def test_plan_below_the_minimum_where_the_layers_hold_it_names_no_chunks(tmp_path, capsys):
+    import json
+
+    from remat_kit.cli import main
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--config", "tiny", "--batch", "8", "--seq", "64", "--budgets", "1KiB",
+                 "--no-presets", "--cache", "", "--json", str(path)]) == 1
+    context = json.loads(path.read_text())["context"]
+    held = context["minimum_peak"]
+    assert next(iter(held["parts"])) == "recomputed values"
+    assert context["below_minimum"] == f"full remat's temp {peak.summary(held)}"
+    assert f"below the minimum: {context['below_minimum']}\n" in capsys.readouterr().out
