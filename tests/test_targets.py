@@ -329,7 +329,7 @@ def test_gpu_descriptions_are_read_without_the_plugin():
 
 
 @pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="the CUDA plugin is not installed "
-                    "(pip install 'remat-kit[cuda]', about 5.6 GB)")
+                    "(pip install 'remat-kit[cuda]', about 200 MB)")
 @pytest.mark.parametrize("gpu, kind", [("h100", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")])
 def test_gpu_targets_compile_without_a_gpu(gpu, kind):
     def loss(w, x):

@@ -37,6 +37,7 @@ import os
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 
 from remat_kit import mesh as rk_mesh
@@ -47,7 +48,7 @@ from remat_kit.errors import RematSpecError
 from remat_kit.cli.inputs import (BadInput, Source, _non_negative_int, _positive_int, check_memory,
                               check_output_file, check_planner_floor, check_schedules,
                               check_seq, device_mesh, load_source, plan_groups,
-                              preset_policies, split_budgets, split_policies)
+                              preset_policies, rechunked, split_budgets, split_policies)
 from remat_kit.models import CONFIGS
 from remat_kit.models.config import DTYPES
 from remat_kit.policy.spec import AutoSpec, parse
@@ -265,6 +266,8 @@ def _explain(args) -> int:
                        fmt_bytes(n * layer.saved_bytes), fmt_bytes(n * layer.offloaded_bytes),
                        fmt_bytes(n * layer.recomputed_bytes))
     console.print(totals)
+    if layer.constants:
+        console.print(_constants_line(layer.constants), markup=False)
     if layer.blocks_differ:
         console.print(layer.blocks_differ)
     console.print(f"parameters read by the backward pass (not extra memory): "
@@ -287,6 +290,18 @@ def _explain(args) -> int:
         console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
                       f"({record.platform}): {peak.summary(record.peak)}", markup=False)
     return 0
+
+
+def _constants_line(constants) -> str:
+    """explain's line for `LayerBreakdown.constants`, equal values counted once each:
+    'constants, the same in every layer (not per-layer residuals, in no sum above):
+    broadcast_in_dim [1, 16, 1, 8] float32 512 B x4, ...; 12.50 KiB'."""
+    counts = Counter((r.name, r.shape, r.dtype, r.nbytes) for r in constants)
+    shown = ", ".join(f"{name} {list(shape)} {dtype} {fmt_bytes(nbytes)}"
+                      + (f" x{n}" if n > 1 else "") for (name, shape, dtype, nbytes), n
+                      in counts.items())
+    return (f"constants, the same in every layer (not per-layer residuals, in no sum above): "
+            f"{shown}; {fmt_bytes(sum(r.nbytes for r in constants))}")
 
 
 def _plan(args) -> int:
@@ -364,7 +379,8 @@ def _plan(args) -> int:
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
     plan_seconds = time.perf_counter() - start
-    held, held_parts = what_holds(planner) if len(fits) < len(budgets) else ("", None)
+    held, held_parts = (what_holds(planner, lambda n: rechunked(args, n).workload(batch, seq, mesh))
+                        if len(fits) < len(budgets) else ("", None))
     kind = planner.memory_kind
     memory = MEMORY_LABELS[kind]
     ok = [r for r in records if r.error is None and r.memory_bytes is not None
@@ -424,7 +440,7 @@ def _plan(args) -> int:
             if note != CPU_OFFLOAD_NOTE:
                 console.print(f"budget {b}: {note}", markup=False)
     if held:
-        console.print(f"below the minimum: {held}", markup=False)
+        console.print(f"below the minimum: {held}", markup=False, soft_wrap=True)
     # The presets' notes (a preset that compiles as its base rule on this model), as compare
     # prints them: never in the JSON only.
     for note in dict.fromkeys(n for r in records for n in r.notes):
@@ -435,7 +451,7 @@ def _plan(args) -> int:
     context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                "devices": devices, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
-               "minimum_peak": held_parts, "plan_seconds": plan_seconds,
+               "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
                "block": work.block_name, "num_layers": work.num_layers}
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
@@ -521,6 +537,9 @@ def _fit(args) -> int:
         print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
 
     model, dtype = cfg, cfg and cfg.dtype
+    # The model with its loss over n vocabulary chunks, should the logits hold fit's floor.
+    rechunk = None if cfg is not None else (
+        lambda n, built=mesh: lambda b, s: rechunked(args, n).workload(b, s, built))
     if cfg is None:  # traced once at the smallest size: bad models fail before compiling
         first = src.workload(*((batch, multiple) if args.vary == "seq" else (multiple, seq)),
                              mesh)
@@ -529,7 +548,8 @@ def _fit(args) -> int:
         mesh = None  # the workloads carry it
     try:
         result = fit(model, args.budget, vary=args.vary, policies=specs, batch=batch, seq=seq,
-                     multiple=multiple, target=target_list[0], mesh=mesh, progress=progress)
+                     multiple=multiple, target=target_list[0], mesh=mesh, progress=progress,
+                     rechunk=rechunk)
     except BudgetError as e:
         raise BadInput(f"--budget: {e}") from None
     fixed = f"batch {batch}" if args.vary == "seq" else f"seq {seq}"
@@ -539,6 +559,8 @@ def _fit(args) -> int:
              f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(report.fit_table(result, title))
+    if result.below_minimum:
+        console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump(report.fit_to_dict(result) | {"config": label}, f, indent=2)

@@ -253,6 +253,12 @@ def load_source(args) -> Source:
                   lambda batch, seq, mesh=None: config_workload(cfg, batch, seq, mesh=mesh))
 
 
+def rechunked(args, chunks: int) -> Source:
+    """The Source of `args` with --vocab-chunks `chunks` (the remedy a below-the-minimum
+    line names, compiled to give its figure)."""
+    return load_source(argparse.Namespace(**{**vars(args), "vocab_chunks": chunks}))
+
+
 def check_seq(cfg: TransformerConfig, seq: int, name: str = "--seq") -> None:
     """BadInput if a GPT-2 model has no position embedding for `seq` positions."""
     if cfg.family == "gpt2" and seq > cfg.max_len:

@@ -109,11 +109,11 @@ FORMULA_NOTE = (
     "row on a mesh with a tensor axis, and the 'tensor + sequence parallel' row in 'Korthikanti "
     "SP x L') times the layers, at "
     "this run's bytes per element, dropout masks only with dropout on. 'layer x L': each "
-    "decoder layer measured alone under its policy, summed over the layers. Gaps come from "
-    "what the formula models: "
+    "decoder layer measured alone under its policy, summed over the layers, its constants "
+    "(the same in every layer: the causal mask and its fill, a rotary table) left out. Gaps "
+    "come from what the formula models: "
     "Megatron's GeLU 4h-wide multi-head layer with 16-bit tensors. Here, without remat, the "
-    "softmax keeps its exp output in f32, jnp.where's causal mask keeps a bool [b,h,s,s] mask "
-    "and an f32 [b,h,s,s] zero tangent, LayerNorm keeps f32 intermediates and GELU keeps its "
+    "softmax keeps its exp output in f32, LayerNorm keeps f32 intermediates and GELU keeps its "
     "input and derivative; Llama configs (SwiGLU, grouped-query attention, RMSNorm) change "
     "the constants. Embeddings, logits and the loss are in 'residuals' only.")
 

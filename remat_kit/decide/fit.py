@@ -49,7 +49,8 @@ from remat_kit.policy.policy import Policy
 from remat_kit.units import fmt_bytes
 from remat_kit.policy.spec import AutoSpec, parse
 from remat_kit.decide.step import (StepMemory, check_args, check_mesh, compile_step, default_optimizer,
-                            one_policy, resizer)
+                            one_policy, resizer, step_peak)
+from remat_kit.measure.peak import held_line, vocab_chunks_for
 from remat_kit.decide.fit_search import FitRow, Steps, SizeRefused, AutoRow, fit_one
 
 VARY = ("seq", "batch")
@@ -94,6 +95,12 @@ class FitResult:
       seconds: wall time of the whole search.
       mesh: the mesh, e.g. "data:2,fsdp:2,tensor:2"; None for one device.
       devices: devices the step runs on (the mesh's size, else 1).
+      below_minimum: where no policy fits even the smallest size, what holds
+        the least step memory compiled there (normally full remat's), in one
+        line (`peak.held_line`): "at seq 128, full remat's step memory 40.25
+        MiB: logits and their gradient 32.00 MiB, ...; no layer policy lowers
+        the logits and their gradient; --vocab-chunks 32 ..."; else "".
+      minimum_peak: that step's `peak.breakdown` (JSON-ready); else None.
     """
 
     rows: tuple[FitRow, ...]
@@ -106,6 +113,8 @@ class FitResult:
     seconds: float
     mesh: str | None = None
     devices: int = 1
+    below_minimum: str = ""
+    minimum_peak: dict | None = None
 
 
 def fit(model, budget: "int | str", *, vary: str = "seq",
@@ -114,7 +123,8 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         max_size: int | None = None, optimizer: optax.GradientTransformation | None = None,
         target: "str | targets.Target | None" = None, mesh: Mesh | None = None,
         cache: "str | bool | None" = None,
-        progress: Callable[[int, int, FitRow], None] | None = None) -> FitResult:
+        progress: Callable[[int, int, FitRow], None] | None = None,
+        rechunk: Callable | None = None) -> FitResult:
     """For each policy, the largest sequence length or batch whose train step fits `budget`.
 
     Sizes are global (the whole mesh's batch, the sequence length); memory
@@ -162,6 +172,11 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
       cache: the plan cache of the auto row's planner (`remat_kit.decide.plan.Planner`);
         default none.
       progress: called as progress(i, n, row) after the i-th of n policies.
+      rechunk: rechunk(n) -> `model` (of the same kinds) with its loss over n
+        vocabulary chunks. Where no policy fits the smallest size and the
+        logits hold the most of its step, `FitResult.below_minimum` names a
+        chunk count (`peak.vocab_chunks_for`), and with rechunk gives the
+        step memory it compiles to (one more compile).
     Returns:
       A `FitResult`; its rows follow `policies`' order.
     Raises:
@@ -279,6 +294,42 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
                 rows[i].picked])
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
+    held, found = "", None
+    if all(r.size == 0 and r.error is None for r in rows):
+        remade = None if rechunk is None else (
+            lambda n: resizer(rechunk(n), None)[0](*sizes(multiple)))
+        held, found = _what_holds(steps, smallest, multiple, vary, optimizer, target, remade)
     return FitResult(tuple(rows), vary, batch if vary == "seq" else seq, multiple, budget_bytes,
-                     floor, target.label, time.perf_counter() - start, rk_mesh.spec_text(mesh), devices)
+                     floor, target.label, time.perf_counter() - start, rk_mesh.spec_text(mesh),
+                     devices, held, found)
+
+
+def _what_holds(steps: Steps, work, size: int, vary: str, optimizer, target,
+                remade: Callable[[int], object] | None) -> tuple[str, dict | None]:
+    """(`FitResult.below_minimum`, `minimum_peak`) of the least step compiled at
+    `size` (the smallest size searched), by `step_peak`: one more compile, and one
+    of full remat at `remade(n)` (the workload at `size` with its loss over n
+    vocabulary chunks) where the line names a chunk count. ("", None) where
+    nothing compiled at `size` or the breakdown cannot be had."""
+    compiled = {}
+    for key, m in steps.at(size).items():
+        try:
+            compiled[key] = (one_policy(key), m)
+        except Exception:  # noqa: BLE001 - a per-layer plan's runs of layers, not a spec
+            continue
+    if not compiled:
+        return "", None
+    key = min(compiled, key=lambda k: compiled[k][1].total_bytes)
+    try:
+        found = step_peak(work, compiled[key][0], optimizer, target)
+    except Exception:  # noqa: BLE001 - fit's answer must not be lost to it
+        return "", None
+    chunks, chunked = vocab_chunks_for(found), None
+    if chunks is not None and remade is not None:
+        try:
+            chunked = compile_step(remade(chunks), Policy(), optimizer, target).total_bytes
+        except Exception:  # noqa: BLE001 - the line stands without the figure
+            chunked = None
+    which = "full remat" if key == "full" else key
+    return held_line(found, f"at {vary} {size}, {which}'s step memory", chunked), found
 

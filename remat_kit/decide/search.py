@@ -11,13 +11,14 @@ policy is a candidate; `frontier` makes a list of budgets' plans monotone. The
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
 from remat_kit.decide.plan_cache import Plan, _write_cache, cached_plan, layers_summary
 from remat_kit.errors import BudgetError
-from remat_kit.measure.peak import summary
+from remat_kit.measure.measure import measure
+from remat_kit.measure.peak import held_line, vocab_chunks_for
 from remat_kit.measure.record import MEMORY_LABELS, memory_kind
 from remat_kit.policy.budget import parse_budget
 from remat_kit.policy.policy import Policy
@@ -28,14 +29,17 @@ from remat_kit.policy.policy import Policy
 FLOP_RESOLUTION = 1e-4
 
 
-def what_holds(planner) -> tuple[str, dict | None]:
+def what_holds(planner, rechunk: "Callable[[int], object] | None" = None
+               ) -> tuple[str, dict | None]:
     """What holds the least memory any compiled policy reaches (normally full
     remat's), for a budget below it: ("full remat's peak 3.38 GiB: logits and
     their gradient 2.30 GiB, ...; no layer policy lowers the logits and their
-    gradient", `Planner.peak`'s breakdown). The last clause is said where the
-    largest part is none a layer policy changes (not a residual, nor a
-    recomputed value). ("", None) where the breakdown cannot be had. One more
-    compile."""
+    gradient; --vocab-chunks 29 ...", `Planner.peak`'s breakdown), the line as
+    `peak.held_line` says it. ("", None) where the breakdown cannot be had. One
+    more compile; where the line names a vocabulary chunk count and `rechunk`
+    is given (rechunk(n) -> the planner's workload with its loss over n
+    vocabulary chunks), one more, of full remat with that loss, whose figure
+    the line gives."""
     full = planner.measure(Policy())
     least = min(planner._compiled(), key=lambda r: r.memory_bytes)
     try:
@@ -45,10 +49,15 @@ def what_holds(planner) -> tuple[str, dict | None]:
     if not found:
         return "", None
     which = "full remat" if least is full else least.policy
-    top = next(iter(found["parts"]))
-    fixed = not top.startswith(("residual", "recomputed"))
-    return (f"{which}'s {MEMORY_LABELS[found['figure']]} {summary(found)}"
-            + (f"; no layer policy lowers the {top}" if fixed else "")), found
+    chunks = vocab_chunks_for(found)
+    chunked = None
+    if chunks is not None and rechunk is not None:
+        try:
+            [record] = measure(rechunk(chunks), policies=[Policy()], target=planner.target)
+            chunked = record.memory_bytes
+        except Exception:  # noqa: BLE001 - the line stands without the figure
+            chunked = None
+    return held_line(found, f"{which}'s {MEMORY_LABELS[found['figure']]}", chunked), found
 
 
 def plan(planner, budget: "str | int | float") -> Plan:

@@ -18,14 +18,18 @@ step as a function to run (`benchmarks/gpu_truth.py` times it on a GPU).
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from collections.abc import Callable
 
 import jax
 import optax
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh
 
 from remat_kit.measure import targets
-from remat_kit.measure import lowering
+from remat_kit.measure import lowering, peak
+from remat_kit.measure.residuals import _stage
 from remat_kit.errors import RematSpecError, check_positive
 from remat_kit.decide.floor import train_state, tree_bytes
 from remat_kit.policy.policy import Policy
@@ -240,16 +244,19 @@ def train_step(model, batch: int, seq: int, policy: "str | Policy", *,
     return workload_step(resizer(model, mesh)[0](batch, seq), policy, optimizer)
 
 
-def workload_step(workload: Workload, policy: Policy, optimizer) -> TrainStep:
+def workload_step(workload: Workload, policy: Policy, optimizer,
+                  value_grad: Callable | None = None) -> TrainStep:
+    """The `TrainStep` of `workload` under `policy`; value_grad(params, *rest) ->
+    (loss, grads), default `jax.value_and_grad` of the policy's loss."""
     from remat_kit.measure.measure import _random_like  # measure's random data, for timed runs
 
     params, opt_state, rest = train_state(workload, optimizer)
-    loss_fn = workload.loss_for_policy(policy)
+    value_grad = value_grad or jax.value_and_grad(workload.loss_for_policy(policy))
     mesh = workload.mesh
     state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
 
     def step(params, opt_state, *rest):
-        loss, grads = jax.value_and_grad(loss_fn)(params, *rest)
+        loss, grads = value_grad(params, *rest)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         state = optax.apply_updates(params, updates), opt_state
         if mesh is not None:  # where the donated inputs live, so their buffers are reused
@@ -263,6 +270,41 @@ def workload_step(workload: Workload, policy: Policy, optimizer) -> TrainStep:
         return params, optimizer.init(params), *rest
 
     return TrainStep(step, (params, opt_state, *rest), make_args)
+
+
+def step_peak(workload: Workload, policy: Policy, optimizer, target) -> dict:
+    """What holds a train step's memory (`StepMemory.total_bytes`): the
+    `remat_kit.measure.peak.breakdown` of one compile of the step that writes
+    XLA's dump, with "parameters" and "optimizer state" as groups of their own
+    and each saved residual by its tag. "figure" is `StepMemory.source`.
+
+    Raises: whatever tracing or compiling the step raises.
+    """
+    params, _, rest = train_state(workload, optimizer)
+    staged = _stage(workload.loss_for_policy(policy), (params, *rest))
+    # The value-and-grad program with its residuals named, so the dump says which is which.
+    marked = jaxpr_as_fun(peak.marked(staged.program, staged.residual_vars, staged.residuals))
+    tree = jax.tree.structure(params)
+
+    def value_grad(params, *rest):
+        loss, *grads = marked(*jax.tree.leaves((params, *rest)))
+        return loss, jax.tree.unflatten(tree, grads)
+
+    made = workload_step(workload, policy, optimizer, value_grad)
+    folder = tempfile.mkdtemp(prefix="remat_kit_peak_")
+    try:
+        c = lowering.compile_for(made.step, *made.args, target=target,
+                                 donate=TrainStep.DONATED, count_flops=False, dump=folder)
+        total, source = in_use_bytes(c.memory, c.target.platform)
+        code = getattr(c.compiled.memory_analysis(), "generated_code_size_in_bytes", 0) or 0
+        return peak.breakdown(
+            folder, c.memory, figure=source, total=None if source == PEAK else total,
+            arg_groups=(("parameters", tree.num_leaves),
+                        ("optimizer state", len(jax.tree.leaves(made.args[1])))),
+            logits_shape=peak.logits_shape(staged.program), residuals=staged.residuals,
+            code_bytes=code)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def step_figures(c: "lowering.Compiled", args: tuple) -> StepMemory:
@@ -279,4 +321,4 @@ def step_figures(c: "lowering.Compiled", args: tuple) -> StepMemory:
 
 
 __all__ = ["StepMemory", "TrainStep", "compile_step", "default_optimizer", "in_use_bytes",
-           "step_figures", "step_memory", "train_step"]
+           "step_figures", "step_memory", "step_peak", "train_step"]

@@ -30,8 +30,9 @@ class LayerRow:
 
     decision: "saved" (kept in device memory), "offloaded" (kept in host
     memory), "recomputed" (the policy recomputes this tag in the backward
-    pass) or "not needed" (the policy would keep it, but the backward pass
-    never reads it, e.g. the layer's own output). nbytes: bytes per layer.
+    pass), "not needed" (the policy would keep it, but the backward pass
+    never reads it, e.g. the layer's own output) or "constant" (a
+    `LayerBreakdown.constants` row). nbytes: bytes per layer.
     aliases: the value's other tags: on a model not ours, a role tag's path
     tag (e.g. qkv_proj's "h_0/attn/c_attn"), listed once, under its role.
     """
@@ -62,6 +63,14 @@ class LayerBreakdown:
         rows are the first block's and L x them is no figure; else "".
       compiled: with a `target`, the layer's value-and-grad compiled for it
         (`lowering.Compiled`: temp bytes, FLOPs, compile seconds), else None.
+      constants: values the backward pass reads that depend on none of the
+        layer's parameters or activations (`Residual.constant`: a rotary
+        sin/cos table, a causal mask and its fill, a literal, position ids or
+        a mask passed to every layer), decision "constant": not residuals a
+        policy chooses, and the same in every layer, which the compiled
+        program computes once or folds into its consumers (XLA CPU, tiny_llama
+        under none: no temp buffer of their shapes at 2 or 4 layers). They are
+        not in `rows` nor in any per-layer sum.
     """
 
     policy: str
@@ -70,6 +79,7 @@ class LayerBreakdown:
     num_layers: int
     compiled: "lowering.Compiled | None" = None
     blocks_differ: str = ""
+    constants: tuple[LayerRow, ...] = ()
 
     def _sum(self, decision: str) -> int:
         return sum(r.nbytes for r in self.rows if r.decision == decision)
@@ -90,6 +100,11 @@ class LayerBreakdown:
         return self._sum("recomputed")
 
     @property
+    def constant_bytes(self) -> int:
+        """Bytes of `constants`, once for the whole model, not per layer."""
+        return sum(r.nbytes for r in self.constants)
+
+    @property
     def stored_bytes(self) -> int:
         """saved + offloaded bytes of one layer."""
         return self.saved_bytes + self.offloaded_bytes
@@ -100,8 +115,10 @@ def _is_param(r: Residual) -> bool:
 
 
 def _block_stored_bytes(workload: Workload, policy: Policy) -> int:
+    """One block's stored bytes: its residuals, less parameters and constants (the
+    same in every block: `LayerBreakdown.constants`)."""
     fn, args = workload.block(policy)
-    return sum(r.nbytes for r in residuals(fn, *args) if not _is_param(r))
+    return sum(r.nbytes for r in residuals(fn, *args) if not _is_param(r) and not r.constant)
 
 
 def _block_regions(jaxpr):
@@ -170,11 +187,16 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
     found = residuals(f, *args)
     aliases = tag_aliases(f, *args)
     listed = [r for r in found if r.kind != "argument" or keep_argument(r)]
-    rows = [LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes,
-                     "offloaded" if r.memory == "host" else "saved",
-                     aliases.get(r.name, ()) if r.kind == "tag" else ()) for r in listed]
+
+    def row(r: Residual, decision: str) -> LayerRow:
+        return LayerRow(r.name, r.kind, r.shape, r.dtype, r.nbytes, decision,
+                        aliases.get(r.name, ()) if r.kind == "tag" else ())
+
+    rows = [row(r, "offloaded" if r.memory == "host" else "saved")
+            for r in listed if not r.constant]
+    constants = tuple(row(r, "constant") for r in listed if r.constant)
     # A value with two tags (role and path) is one row, under the tag listed first.
-    shown = {t for r in rows if r.kind == "tag" for t in (r.name, *r.aliases)}
+    shown = {t for r in (*rows, *constants) if r.kind == "tag" for t in (r.name, *r.aliases)}
     order = {t: i for i, t in enumerate(TAGS)}
     for t, aval in sorted(emitted_tags(f, *args).items(),
                           key=lambda kv: order.get(kv[0], len(order))):
@@ -188,7 +210,8 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
     unlisted = sum(r.nbytes for r in found if r not in listed)
     compiled = (None if target is None
                 else lowering.compile_for(jax.value_and_grad(f), *args, target=target))
-    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers, compiled)
+    return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers, compiled,
+                          constants=constants)
 
 
 def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
@@ -213,8 +236,9 @@ def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
       A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape,
       dtype, bytes, decision) for every stored residual, then a row for each
       emitted tag the policy recomputes ("recomputed") or keeps but the
-      backward pass never reads ("not needed"). Arguments are not rows: they
-      are kept by reference, and their bytes are `parameter_bytes`.
+      backward pass never reads ("not needed"); values that depend on no
+      parameter or activation are `constants`, apart. Arguments are not rows:
+      they are kept by reference, and their bytes are `parameter_bytes`.
     Raises:
       RematSpecError: the policy does not parse.
       TargetError: a bad target, or libtpu / the CUDA plugin missing.

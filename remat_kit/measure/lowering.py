@@ -19,7 +19,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit.measure import figure_cache
+from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
+from remat_kit.measure.peak import dump_options
 from remat_kit.measure.targets import Target, TargetError, devices, parse_target
 from remat_kit.trace import retarget
 from remat_kit.mesh import local_shape as _local
@@ -151,7 +153,7 @@ def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence
 
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                 compile_only: bool = True, donate: tuple[int, ...] = (),
-                count_flops: bool = True) -> Compiled:
+                count_flops: bool = True, dump: str | None = None) -> Compiled:
     """Compiles `jax.jit(fn)` at `args` for `target`; nothing is allocated.
 
     Args:
@@ -166,6 +168,9 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
       count_flops: also count FLOPs (`costs`); False skips it, and with it
         the XLA CPU compile that a compiler without cost analysis needs
         (flops and transcendentals are then None).
+      dump: a folder for XLA's dump (`peak.dump_options`, read by
+        `peak.breakdown`): the program is then compiled, never read back from
+        the figure cache or JAX's compilation cache (which would write none).
     Returns:
       A `Compiled`.
     Raises:
@@ -188,10 +193,14 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     program_key, kept = figure_cache.lookup(lowered.as_text(), target, options,
                                             f"compile_for count_flops={count_flops}",
                                             runs=not compile_only, schema=figure_cache.COMPILED)
-    if kept is not None:  # a program that will not run: kept figures, nothing compiled
+    if kept is not None and dump is None:  # a program that will not run: kept figures
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
                         time.perf_counter() - start, tuple(kept["notes"]))
-    compiled = lowered.compile(options)
+    if dump is None:
+        compiled = lowered.compile(options)
+    else:
+        with without_compilation_cache():
+            compiled = lowered.compile(dump_options(options, dump))
     seconds = time.perf_counter() - start
     found, notes = (costs(compiled, target, flat, [_local(x) for x in leaves]) if count_flops
                     else ({}, ()))

@@ -37,6 +37,12 @@ from jax.extend.core import ClosedJaxpr, Literal
 from remat_kit.measure.residuals import call_body
 from remat_kit.units import fmt_bytes
 
+LOGITS = "logits and their gradient"
+# A vocabulary chunk narrower than this makes the chunked loss's scan long for little
+# memory: `vocab_chunks_for` suggests no count above vocab / MIN_CHUNK_WIDTH.
+MIN_CHUNK_WIDTH = 128
+# A chunk count is named only where it lowers the figure by at least this fraction.
+CHUNKS_WORTH = 0.05
 _MARK = "rk_res:"  # name-stack entry of a residual's producer: rk_res:<kind>:<name>
 _ALLOCATION = re.compile(r"allocation (\d+): size (\d+),(.*)")
 _VALUE = re.compile(r"\s*value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=\d+\): (\S+)")
@@ -168,8 +174,13 @@ class _Program:
     def __init__(self, hlo: str, arg_groups, logits_shape, residuals):
         self.instrs, self.comps, self.roots = _instructions(hlo)
         self.arg_groups = arg_groups
-        self.logits = None if logits_shape is None else (math.prod(logits_shape),
-                                                         logits_shape[-1])
+        # (rows of the loss's logits, the most rows a value holding them has, vocab): a
+        # model's own logits [batch, seq, vocab] have a row per sequence more than the
+        # next-token loss's slice [batch, seq - 1, vocab] (`from_model.next_token_loss`).
+        self.logits = None if logits_shape is None else (
+            math.prod(logits_shape[:-1]),
+            math.prod(logits_shape[:-1]) + (logits_shape[0] if len(logits_shape) > 2 else 0),
+            logits_shape[-1])
         self.tagged = [r for r in residuals if r.kind == "tag"]
 
     def marks(self, instr: str, index: int) -> list[str]:
@@ -207,9 +218,10 @@ class _Program:
             return f"residual {marks[0][4:]}"
         found = _DIMS.search(shape)
         dims = tuple(int(d) for d in found.group(1).split(",") if d) if found else ()
-        # The logits may be reshaped ([batch * seq, vocab]): same elements, same last axis.
-        if self.logits is not None and dims and (math.prod(dims), dims[-1]) == self.logits:
-            return "logits and their gradient"
+        # The logits may be reshaped ([batch * seq, vocab]): same rows, same last axis.
+        if self.logits is not None and dims and dims[-1] == self.logits[2] and (
+                self.logits[0] <= math.prod(dims[:-1]) <= self.logits[1]):
+            return LOGITS
         if marks:
             return "residuals, untagged"
         if (tag := self.loop_tag(instr, index, size, dims)) is not None:
@@ -223,7 +235,8 @@ class _Program:
 
 
 def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
-              logits_shape: tuple | None = None, residuals=(), code_bytes: int = 0) -> dict:
+              logits_shape: tuple | None = None, residuals=(), code_bytes: int = 0,
+              total: int | None = None) -> dict:
     """The device buffers live at the peak of the program XLA dumped into `folder`.
 
     Args:
@@ -240,11 +253,16 @@ def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
         state that no op computes is named by its shape among them.
       code_bytes: the program's own size (`generated_code_size_in_bytes`),
         which the TPU peak counts; "program code" where figure is the peak.
+      total: the figure's bytes where `memory` has none of that name, e.g. a
+        CPU train step's argument + temp + output - alias
+        (`decide.step.in_use_bytes`); every device buffer is then counted,
+        as for a peak.
     Returns:
       {"figure": figure, "bytes": its value, "step": the schedule step of the
-      peak, "parts": {group: bytes}, largest first} (JSON-ready), the parts
-      summing to the figure: "program code" and "compiler's own" (packing,
-      padding, what the dump does not show) are parts too.
+      peak, "parts": {group: bytes}, largest first, "logits_shape":
+      logits_shape as a list or None} (JSON-ready), the parts summing to the
+      figure: "program code" and "compiler's own" (packing, padding, what the
+      dump does not show) are parts too.
     Raises:
       FileNotFoundError: the folder holds no dump.
     """
@@ -253,7 +271,8 @@ def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
         _read(folder, "after_optimizations-live-range.txt"))]
     program = _Program(_read(folder, "after_optimizations.txt"), arg_groups, logits_shape,
                        residuals)
-    counted = ("temp",) if figure == "temp_size_in_bytes" else ("temp", "parameter", "output")
+    temp_only = figure == "temp_size_in_bytes" and total is None
+    counted = ("temp",) if temp_only else ("temp", "parameter", "output")
     live = [(n, a, b) for n, a, b in ranges
             if n in values and values[n][0] == 0 and values[n][1] in counted]
     # Device bytes live at each step: a value from its definition up to its last use
@@ -262,22 +281,23 @@ def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
     for n, a, b in live:
         delta[a] = delta.get(a, 0) + values[n][3]
         delta[b] = delta.get(b, 0) - values[n][3]
-    total, best, step = 0, -1, 0
+    live_now, best, step = 0, -1, 0
     for t in sorted(delta):
-        total += delta[t]
-        if total > best:
-            best, step = total, t
+        live_now += delta[t]
+        if live_now > best:
+            best, step = live_now, t
     parts: dict[str, int] = {}
     for n, a, b in live:
         if a <= step < b:
             g = program.group(n, values[n])
             parts[g] = parts.get(g, 0) + values[n][3]
-    whole = memory.get(figure) or 0
-    if figure != "temp_size_in_bytes" and code_bytes:
+    whole = total if total is not None else memory.get(figure) or 0
+    if not temp_only and code_bytes:
         parts["program code"] = code_bytes
     parts["compiler's own"] = whole - sum(parts.values())
     return {"figure": figure, "bytes": whole, "step": step,
-            "parts": dict(sorted(parts.items(), key=lambda kv: -kv[1]))}
+            "parts": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+            "logits_shape": None if logits_shape is None else list(logits_shape)}
 
 
 def summary(found: dict, top: int = 4) -> str:
@@ -288,6 +308,54 @@ def summary(found: dict, top: int = 4) -> str:
     shown = ", ".join(f"{g} {fmt_bytes(b)}" for g, b in parts[:top])
     rest = sum(b for _, b in parts[top:])
     return f"{fmt_bytes(found['bytes'])}: {shown}" + (f", other {fmt_bytes(rest)}" if rest else "")
+
+
+def vocab_chunks_for(found: dict) -> int | None:
+    """The vocabulary chunk count (`remat_kit.flax.chunked_loss`) that lowers a
+    `breakdown` whose largest part is the logits and their gradient: the
+    smallest count dividing the vocabulary that leaves the logits' share at most
+    an eighth of the rest of the figure, else the largest count at most
+    vocab / `MIN_CHUNK_WIDTH`; None where the logits are not the largest part,
+    their shape is unknown, or no count from 2 to vocab / `MIN_CHUNK_WIDTH`
+    divides the vocabulary (e.g. GPT-2's 50257 = 29 x 1733 gives 29)."""
+    shape, parts = found.get("logits_shape"), found["parts"]
+    if not shape or next(iter(parts), None) != LOGITS:
+        return None
+    vocab, held = shape[-1], parts[LOGITS]
+    counts = [d for d in range(2, vocab // MIN_CHUNK_WIDTH + 1) if vocab % d == 0]
+    if not counts:
+        return None
+    return next((d for d in counts if 8 * held <= d * (found["bytes"] - held)), counts[-1])
+
+
+def held_line(found: dict, what: str, chunked_bytes: "int | None" = None) -> str:
+    """What holds a figure no layer policy goes below, in one line: "full remat's
+    peak 3.38 GiB: logits and their gradient 2.30 GiB, ...; no layer policy lowers
+    the logits and their gradient; --vocab-chunks 29 (the loss over 29 vocabulary
+    chunks) lowers them, to 1.02 GiB".
+
+    Args:
+      found: a `breakdown`.
+      what: what it breaks down, e.g. "full remat's peak".
+      chunked_bytes: the same figure compiled with `vocab_chunks_for(found)`
+        chunks, where that was compiled; else the line names the count only.
+    The "no layer policy" clause is said where the largest part is none a layer
+    policy changes (not a residual, nor a recomputed value); the chunk count
+    where the logits are that part (`vocab_chunks_for`), unless its compile
+    lowers the figure by less than `CHUNKS_WORTH` of it (on a small vocabulary
+    the chunked loss's own temporaries take what the logits gave back)."""
+    top = next(iter(found["parts"]))
+    line = f"{what} {summary(found)}"
+    if not top.startswith(("residual", "recomputed")):
+        line += f"; no layer policy lowers the {top}"
+    chunks = vocab_chunks_for(found)
+    if chunked_bytes is not None and chunked_bytes > (1 - CHUNKS_WORTH) * found["bytes"]:
+        chunks = None
+    if chunks is not None:
+        line += (f"; --vocab-chunks {chunks} (the loss over {chunks} vocabulary chunks) "
+                 f"lowers them" + (f", to {fmt_bytes(chunked_bytes)}"
+                                   if chunked_bytes is not None else ""))
+    return line
 
 
 def logits_shape(program: ClosedJaxpr) -> tuple | None:

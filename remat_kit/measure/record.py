@@ -66,7 +66,8 @@ class Record:
         program, a fusion one op); None where it could not be predicted.
       step_time: timed mode only (`StepTime`), else None.
       layer_residual_bytes: residual bytes of one decoder layer measured
-        alone (`layer_residuals`), excluding parameters; `measure_config`
+        alone (`layer_residuals`), excluding parameters and constants (the
+        same in every layer, `LayerBreakdown.constants`); `measure_config`
         only, and None for a layer schedule (its layers differ).
       layers_residual_bytes: what the decoder stack stores, each layer
         measured alone under its own policy and summed: L x one layer for a

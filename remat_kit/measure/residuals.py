@@ -41,6 +41,11 @@ class Residual:
       dtype: its dtype name.
       nbytes: bytes, prod(shape) * itemsize.
       memory: "device", or "host" for an offloaded residual.
+      constant: the value depends on no float input of the function (neither
+        its parameters nor its activations, nor a PRNG key): a literal, an
+        iota-derived table (a rotary sin/cos, a causal mask), or a value of
+        its signed-integer and boolean inputs alone (position ids, a mask
+        passed in), the same for every layer that computes it (`_dependent`).
     """
 
     kind: str
@@ -49,6 +54,7 @@ class Residual:
     dtype: str
     nbytes: int
     memory: str
+    constant: bool = False
 
 
 def call_body(eqn, keys=("jaxpr", "call_jaxpr")):
@@ -111,6 +117,33 @@ class _Sources:
             var = eqn.invars[found]
 
 
+def _varies(aval) -> bool:
+    """Whether an input of this type can differ from layer to layer: not a signed
+    integer or boolean array (ids, positions, masks; unsigned ints may be raw PRNG keys)."""
+    dtype = getattr(aval, "dtype", None)
+    return not (dtype is not None and (dtype == jnp.bool_
+                                       or jnp.issubdtype(dtype, jnp.signedinteger)))
+
+
+def _dependent(jaxpr, live: Sequence[bool]) -> set:
+    """The vars of `jaxpr` computed from its inputs flagged in `live`, through its
+    equations: a call-like equation (jit, remat, custom_jvp/vjp; `call_body`) output
+    by output, any other (scan, while, cond) as a whole."""
+    found = {v for v, d in zip(jaxpr.invars, live) if d}
+    for eqn in jaxpr.eqns:
+        ins = [not isinstance(v, Literal) and v in found for v in eqn.invars]
+        if not any(ins):
+            continue
+        body = call_body(eqn)
+        if body is None:
+            found.update(eqn.outvars)
+            continue
+        inner = _dependent(body, ins)
+        found.update(v for v, o in zip(eqn.outvars, body.outvars)
+                     if not isinstance(o, Literal) and o in inner)
+    return found
+
+
 def _aval_bytes(aval) -> int:
     return math.prod(aval.shape) * aval.dtype.itemsize
 
@@ -168,6 +201,7 @@ def _stage(f, args) -> _Staged:
     program = ClosedJaxpr(jaxpr.replace(outvars=jaxpr.outvars[:len(jaxpr.outvars) - n_res]),
                           closed.consts)
     names, sources, seen, found, kept = _leaf_names(f, args), _Sources(), set(), [], []
+    varying = _dependent(jaxpr, [_varies(v.aval) for v in jaxpr.invars])
     for var in res_vars:
         if not isinstance(var, Literal):
             if var in seen:  # one buffer saved twice is stored once
@@ -176,7 +210,8 @@ def _stage(f, args) -> _Staged:
         src = sources.source(var, jaxpr)
         kind, name = ("argument", names[src]) if isinstance(src, int) else src
         found.append(Residual(kind, name, tuple(var.aval.shape), str(var.aval.dtype),
-                              _aval_bytes(var.aval), _memory(var.aval)))
+                              _aval_bytes(var.aval), _memory(var.aval),
+                              isinstance(var, Literal) or var not in varying))
         kept.append(var)
     return _Staged(program, tuple(found), leaves, tuple(kept))
 

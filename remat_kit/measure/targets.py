@@ -20,8 +20,8 @@ a report can give an accelerator's figures on a machine that has none:
                     ``gpu:h100`` (H100 SXM 80 GB), ``gpu:h200`` (H200 SXM
                     141 GB), all shipped, or
                     ``gpu:/path/to/spec.txtpb``; runs on a
-                    machine without a GPU (``pip install remat-kit[cuda]``,
-                    about 5.6 GB). The GPU compiler gives no cost analysis,
+                    machine without a GPU (``pip install remat-kit[cuda]``:
+                    jax-cuda12-plugin and jax-cuda12-pjrt, about 200 MB). The GPU compiler gives no cost analysis,
                     so FLOPs come from the CPU compile of the same program.
 ==================  ========================================================
 
@@ -316,7 +316,7 @@ def _topology_devices(topology: str) -> tuple:
 def _need_cuda_plugin() -> None:
     if not _cuda_plugin_installed():
         raise TargetError("GPU targets compiled ahead of time need the CUDA plugin: pip install "
-                          "'remat-kit[cuda]' (jax[cuda12], about 5.6 GB)")
+                          "'remat-kit[cuda]' (jax-cuda12-plugin and jax-cuda12-pjrt, about 200 MB)")
 
 
 def _gpu_config_text(name: str) -> str:

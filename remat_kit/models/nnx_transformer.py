@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
+from remat_kit.flax.chunked_loss import chunked_head_loss
 from remat_kit.models.config import TransformerConfig
 from remat_kit.models.transformer import attention, decoder_layer, lm_loss, mlp
 from remat_kit.policy.policy import Policy
@@ -98,7 +99,11 @@ class Transformer(nnx.Module):
     """Decoder-only language model in NNX, the twin of the linen `Transformer`.
 
     __call__(tokens int32 [batch, seq], deterministic=True) -> float32 logits
-    [batch, seq, vocab]. `rngs` (construction) initializes the parameters.
+    [batch, seq, vocab]; __call__(tokens, deterministic, targets=int32 [batch,
+    seq]) -> the mean next-token cross-entropy, a float32 scalar, as in linen:
+    with config.vocab_chunks > 1 computed a vocabulary slice at a time
+    (`remat_kit.flax.chunked_loss.chunked_head_loss`), the logits never whole.
+    `rngs` (construction) initializes the parameters.
     Dropout layers hold no rng stream: this twin runs deterministic (the
     forward and gradient checks); train with dropout on the linen model.
 
@@ -134,7 +139,7 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
                                       dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
-    def __call__(self, tokens, deterministic: bool = True):
+    def __call__(self, tokens, deterministic: bool = True, targets=None):
         cfg = self.cfg
         if not deterministic and cfg.dropout_rate:
             raise ValueError(f"the NNX twin runs deterministic only (dropout_rate="
@@ -157,11 +162,15 @@ class Transformer(nnx.Module):
                     self.layers[lo:lo + size], policies[lo:lo + size])]
                 x = _run_group(group, x, deterministic, nested=size > 1)
         x = self.final_norm(x)
-        if cfg.family == "gpt2":
-            logits = self.embed.attend(x)
-        else:
-            logits = self.lm_head(x)
-        return logits.astype(jnp.float32)
+        if targets is not None and cfg.vocab_chunks > 1:
+            # The tied embedding is [vocab, d_model], the untied head's kernel [d_model, vocab].
+            kernel, axis = ((self.embed.embedding[...], 0) if cfg.family == "gpt2"
+                            else (self.lm_head.kernel[...], -1))
+            return chunked_head_loss(x, kernel, targets, cfg.vocab_chunks, vocab_axis=axis,
+                                     dtype=cfg.activation_dtype)
+        logits = (self.embed.attend(x) if cfg.family == "gpt2" else self.lm_head(x))
+        logits = logits.astype(jnp.float32)
+        return logits if targets is None else lm_loss(logits, targets)
 
 
 def _run_group(group, x, deterministic: bool, nested: bool):
@@ -183,13 +192,15 @@ def make_loss_fn(model: Transformer, deterministic: bool = True):
     params: the model's `nnx.Param` state (`nnx.split(model, nnx.Param, ...)`),
     the argument to differentiate; inputs, targets int32 [batch, seq]. Other
     state (dropout rng streams) is closed over as of this call, so a
-    non-deterministic loss draws the same masks on every call.
+    non-deterministic loss draws the same masks on every call. With the model's
+    config.vocab_chunks > 1 the loss is computed over vocabulary chunks
+    (`Transformer`), equal to the plain one.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, inputs, targets):
-        logits = nnx.merge(graphdef, params, rest)(inputs, deterministic=deterministic)
-        return lm_loss(logits, targets)
+        return nnx.merge(graphdef, params, rest)(inputs, deterministic=deterministic,
+                                                 targets=targets)
     return loss, params
 
 

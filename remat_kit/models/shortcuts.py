@@ -136,7 +136,11 @@ def fit(model, budget: "int | str", *, mesh=None, seq: int | None = None,
         **kwargs) -> "fitting.FitResult":
     """`remat_kit.decide.fit.fit` (see it for every argument and error), where
     `model` may also be a `TransformerConfig`, built on `mesh`; its search is
-    bounded by the config's attention scores (`remat_kit.models.bounds`)."""
+    bounded by the config's attention scores (`remat_kit.models.bounds`); a
+    config's `rechunk` is itself with that many `vocab_chunks`."""
+    if isinstance(model, TransformerConfig) and kwargs.get("rechunk") is None:
+        kwargs["rechunk"] = lambda n, cfg=model, mesh=mesh: _as_workload(
+            cfg.replace(vocab_chunks=n), mesh, seq)[0]
     model, mesh = _as_workload(model, mesh, seq)
     return fitting.fit(model, budget, mesh=mesh, seq=seq, **kwargs)
 
