@@ -174,7 +174,9 @@ def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args,
         jax_policy = jax_policy.policy.to_jax()  # parameters made inside have no roles
     if isinstance(jax_policy, wrapping.RoleCall):
         try:
-            key = (cls or type(module), module.path, method, jax_policy,
+            # Path tags differ per layer; the program does only where a pattern names a path.
+            paths = any("/" in p for p in jax_policy.policy.patterns())
+            key = (cls or type(module), module.path if paths else None, method, jax_policy,
                    tuple(_init_fields(module, "parent", "name").items()),
                    repr(rebuild([None] * len(arrays))))
             hash(key)
