@@ -453,7 +453,9 @@ def _plan(args) -> int:
                "devices": devices, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
-               "block": work.block_name, "num_layers": work.num_layers}
+               "block": work.block_name, "num_layers": work.num_layers,
+               "offload_probe": (probe := planner.offload_probe) and {
+                   **dataclasses.asdict(probe), "figure": probe.figure}}
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": 1, "context": context, "budgets": out,
