@@ -2,6 +2,7 @@
 
     python benchmarks/plan_tpu_budgets.py [--config gpt2_small] [--layers N] [--batch 8]
         [--seq 1024] [--budgets 0.5,0.6,0.7,0.8] [--target tpu:v5e:1x1] [--presets a,b]
+        [--vocab-chunks N]
 
 Issue 27's performance check: the planner on a TPU target never returns
 `full` where a cheaper preset fits (before the time model's fix, docs/plan.md,
@@ -86,13 +87,17 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", default=BUDGETS)
     parser.add_argument("--target", default="tpu:v5e:1x1")
     parser.add_argument("--presets", default=PRESETS)
+    parser.add_argument("--vocab-chunks", type=int, default=None,
+                        help="the loss over this many vocabulary chunks (docs/models.md)")
     args = parser.parse_args(argv)
     cli.use_compile_cache()
     cfg = get_config(args.config)
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
+    if args.vocab_chunks is not None:
+        cfg = cfg.replace(vocab_chunks=args.vocab_chunks)
     print(f"{args.config} ({cfg.num_layers} layers, d_model {cfg.d_model}, vocab "
-          f"{cfg.vocab_size}), batch {args.batch}, seq {args.seq}, bf16, {args.target}")
+          f"{cfg.vocab_size} in {cfg.vocab_chunks or 1} loss chunk(s)), batch {args.batch}, seq {args.seq}, bf16, {args.target}")
     budgets = [float(b) for b in args.budgets.split(",")]
     failures = []
     for objective in ("flops", "time"):
