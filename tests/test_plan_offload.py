@@ -86,24 +86,78 @@ def test_cli_offload_without_host_memory(capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_cpu_offloads_when_asked():
-    """On the CPU a plan offloads only with offload=True (default off, above); the
-    budget then counts the offloaded residuals as host memory, and the plan says the
-    CPU cannot show their effect."""
-    p = config_planner(get_config("tiny"), 2, 32, cache=None, groups=1, offload=True,
-                       decide={"mlpwi", "mlp_act"}, max_iterations=2)
-    full, _ = p.minimum()
-    plan = p.plan(full + 1)  # the compiled temp, offloaded residuals in it, does not fit
-    record = p.records[plan.spec]
-    assert plan.offloaded_bytes == record.offloaded_bytes > 0
-    assert plan.offloaded_bytes % (2 * 32 * get_config("tiny").mlp_dim * 4) == 0
-    assert CPU_OFFLOAD_NOTE in plan.offload_notes
-    # The device figure: the same policy with the offloaded tags recomputed (temp less
-    # the offloaded bytes went below zero where XLA reuses their buffers).
-    kept = p.record_of(dataclasses.replace(plan.policy, offload=frozenset()))
-    assert plan.measured_bytes == kept.temp_size_in_bytes
-    assert plan.measured_bytes <= plan.budget_bytes < record.temp_size_in_bytes
-    assert any("below saving them" in n for n in plan.offload_notes)
+MLP = frozenset({"mlpwi", "mlp_act"})
+
+
+@pytest.fixture(scope="module")
+def cpu_planner():
+    """The tiny GPT-2 (2 layers, unrolled), batch 2, seq 32, offload asked for on the
+    CPU, deciding mlpwi and mlp_act (8 KiB each per layer, f32)."""
+    return config_planner(get_config("tiny"), 2, 32, cache=None, groups=1, offload=True,
+                          decide=MLP, max_iterations=2)
+
+
+def _probe_predicts_the_plan(planner, extra):
+    """The probe's figure against the compile of another plan than its own: `extra`
+    saved beside the offloaded MLP tags, predicted from saving all of them."""
+    probe = planner.offload_probe
+    saving, plan = planner.measure_all([rk.Policy(save=MLP | extra),
+                                        rk.Policy(save=extra, offload=MLP)])
+    assert plan.offloaded_bytes == probe.offloaded_bytes  # the same residuals move
+    return probe.predict(saving.memory_bytes, plan.offloaded_bytes), plan.memory_bytes
+
+
+def test_cpu_probe_finds_no_device_bytes_removed(cpu_planner):
+    """On the CPU host memory is device memory: offloading the MLP tags gives the
+    compile saving them gives (temp 434,176 bytes both), figure 0, and the probe's
+    prediction for a plan that also saves attn_norm is that plan's compile."""
+    probe = cpu_planner.offload_probe
+    cfg = get_config("tiny")
+    assert probe.tags == ("mlpwi", "mlp_act") and probe.stack == "unrolled"
+    assert probe.offloaded_bytes == 2 * cfg.num_layers * 2 * 32 * cfg.mlp_dim * 4
+    assert probe.offloaded_device_bytes == probe.saved_bytes
+    assert probe.figure == 0.0 and not probe.pays and not cpu_planner.plans_offload
+    predicted, compiled = _probe_predicts_the_plan(cpu_planner, frozenset({"attn_norm"}))
+    assert predicted == compiled
+
+
+def test_plan_does_not_offload_where_the_probe_says_no(cpu_planner):
+    """Figure 0: the cost model has no offload choice, the plan at the least budget
+    offloads nothing, and its notes give the probe's line and the CPU's reason."""
+    assert cpu_planner.model_for("nothing", 1).transfer == {}
+    full, _ = cpu_planner.minimum()
+    plan = cpu_planner.plan(full)
+    assert plan.offloaded_bytes == 0 and not any(p.offload for p in
+                                                 (plan.policy if isinstance(plan.policy, tuple)
+                                                  else (plan.policy,)))
+    assert plan.offload_notes == (cpu_planner.offload_probe.note,)
+    assert "0.000 removed per byte offloaded; offload does not pay here and is not " \
+        "planned" in plan.offload_notes[0]
+    # A compiled preset that offloads is no candidate either (it would be budgeted as saving).
+    cpu_planner.measure_all(["minimal_offloaded"])
+    assert all(not r.offloaded_bytes for r in cpu_planner._compiled())
+
+
+def test_cost_model_charges_offload_its_share():
+    """offload_share s: an offloaded item takes s of its bytes in the memory row, so
+    with room for one item at s = 0.5 offloading both MLP tags fits (2 x 4 bytes)."""
+    model = dataclasses.replace(_model(compute=2.0), offload_share=0.5)
+    assert model.cost(frozenset(), MLP) == (8, 0.0)
+    assert model.cost({"mlpwi"}, {"mlp_act"}) == (12, 0.0)
+    saved, offloaded, _ = model.solve(8)
+    assert (saved, offloaded) == (frozenset(), MLP)
+    saved, offloaded, _ = model.solve(7)  # no room for both halves: recompute mlp_act
+    assert model.cost(saved, offloaded)[0] <= 7 and "mlp_act" not in saved | offloaded
+
+
+def test_probe_figure_is_kept_in_the_figure_cache(cpu_planner):
+    """A second planner of the same loss reads the probe back from the figure cache
+    (the suite's, tests/conftest.py): neither probe policy is compiled again."""
+    first = cpu_planner.offload_probe
+    again = config_planner(get_config("tiny"), 2, 32, cache=None, groups=1, offload=True,
+                           decide=MLP)
+    assert again.offload_probe == dataclasses.replace(first, cached=True)
+    assert set(again.records) == {"full"}  # the cost model's free tags; no probe compile
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +171,44 @@ def tpu_planner():
 
 
 @needs_libtpu
-def test_tpu_offload_plan_lowers_device_memory(tpu_planner):
-    """The solver's answer with no device room offloads both tags; compiled for TPU v5e,
-    its device memory is below saving them, and the host temp holds the offloaded bytes."""
-    model = tpu_planner.model_for("nothing", 1)
-    saved, offloaded, _ = model.solve(0)
-    assert saved == frozenset() and offloaded == {"mlpwi", "mlp_act"}
-    policy = rk.Policy(offload=offloaded)
-    twin = rk.Policy(save=offloaded)
-    off, kept = tpu_planner.measure_all([policy, twin])  # two TPU compiles
+def test_tpu_probe_figure_predicts_the_plan(tpu_planner):
+    """Scanned on TPU v5e, offloading the MLP tags removes 1,964,032 device bytes of
+    the 4 MiB offloaded (0.468, libtpu 0.0.52): the probe's figure; the same bytes
+    are removed where attn_norm is saved beside them, so the probe predicts that
+    plan's compile to the byte."""
+    probe = tpu_planner.offload_probe
     cfg = get_config("tiny")
-    assert off.offloaded_bytes == sum(model.nbytes[t] for t in offloaded) == \
-        2 * cfg.num_layers * 8 * 128 * cfg.mlp_dim * 4
-    assert off.host_temp_size_in_bytes == off.offloaded_bytes
-    assert kept.host_temp_size_in_bytes == 0
-    fall = kept.peak_memory_in_bytes - off.peak_memory_in_bytes
-    # XLA:TPU keeps some of the transfers' device buffers: measured 47% with libtpu 0.0.52.
-    assert fall >= 0.4 * off.offloaded_bytes, fall
-    assert tpu_planner.transfer_seconds(policy) == 0.0  # hidden at 1e15 bytes/s
+    assert probe.stack == "scanned" and probe.tags == ("mlpwi", "mlp_act")
+    assert probe.offloaded_bytes == 2 * cfg.num_layers * 8 * 128 * cfg.mlp_dim * 4
+    assert probe.figure == pytest.approx(0.468, abs=0.01) and tpu_planner.plans_offload
+    predicted, compiled = _probe_predicts_the_plan(tpu_planner, frozenset({"attn_norm"}))
+    assert predicted == compiled
+    model = tpu_planner.model_for("nothing", 1)
+    assert model.offload_share == 1 - probe.figure
+    assert model.cost(frozenset(), MLP)[0] == round((1 - probe.figure) * probe.offloaded_bytes)
+
+
+@needs_libtpu
+def test_tpu_plan_offloads_where_the_probe_pays_and_fits(tpu_planner):
+    """At the budget of offloading both MLP tags' compile (below saving either), the
+    plan offloads (mlpwi: its dot is not recomputed), and its own compile fits."""
+    off, save = tpu_planner.measure_all([rk.Policy(offload=MLP), rk.Policy(save={"mlpwi"})])
+    assert save.memory_bytes > off.memory_bytes
+    plan = tpu_planner.plan(off.memory_bytes)
+    assert plan.policy.offload and plan.offloaded_bytes > 0
+    assert plan.measured_bytes <= plan.budget_bytes
+    assert plan.measured_flops < tpu_planner.measure("full").flops
+    assert plan.offload_notes[0] == tpu_planner.offload_probe.note
+    assert any("the probe predicted 0.468" in n for n in plan.offload_notes)
+
+
+@needs_libtpu
+def test_tpu_unrolled_probe_does_not_pay():
+    """Unrolled on TPU v5e the device peak rose by offloading (figure < 0): no offload."""
+    planner = config_planner(get_config("tiny"), 8, 128, cache=None, target="tpu:v5e:1x1",
+                             groups=1, offload=1e15, decide=MLP)
+    probe = planner.offload_probe
+    assert probe.stack == "unrolled" and probe.figure < 0 and not planner.plans_offload
+    assert planner.model_for("nothing", 1).transfer == {}
+
+

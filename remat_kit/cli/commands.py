@@ -429,15 +429,16 @@ def _plan(args) -> int:
     console.print(t)
     on_cpu = planner.target.platform == "cpu"
     if planner.host_bandwidth is not None:
-        console.print(f"offload planned: host transfers at {planner.host_bandwidth / 1e9:.1f} GB/s "
+        console.print(f"offload asked for: host transfers at {planner.host_bandwidth / 1e9:.1f} GB/s "
                       f"each way ({'this CPU' if on_cpu else planner.roofline.source}),"
                       " hidden behind each layer's predicted compute, the excess charged",
                       markup=False)
+        console.print(planner.offload_probe.note, markup=False)
         if on_cpu:
             console.print(CPU_OFFLOAD_NOTE, markup=False)
     for b, p in plans.items():
         for note in p.offload_notes:
-            if note != CPU_OFFLOAD_NOTE:
+            if note not in (CPU_OFFLOAD_NOTE, planner.offload_probe.note):
                 console.print(f"budget {b}: {note}", markup=False)
     if held:
         console.print(f"below the minimum: {held}", markup=False, soft_wrap=True)
@@ -452,7 +453,9 @@ def _plan(args) -> int:
                "devices": devices, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
-               "block": work.block_name, "num_layers": work.num_layers}
+               "block": work.block_name, "num_layers": work.num_layers,
+               "offload_probe": (probe := planner.offload_probe) and {
+                   **dataclasses.asdict(probe), "figure": probe.figure}}
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": 1, "context": context, "budgets": out,
@@ -664,8 +667,8 @@ def _parser() -> argparse.ArgumentParser:
     offload.add_argument("--offload", dest="offload", action="store_const", const=True,
                          default=None, help="also plan offload to host memory, at the target's "
                          "host bandwidth (tpu:v5e, tpu:v5p, gpu:h100, gpu:h200; cpu: its memory "
-                         "bandwidth). Off by default: XLA's TPU and GPU compiles kept device "
-                         "memory for offloaded residuals (docs/plan.md)")
+                         "bandwidth), where a probe compile of this model shows offload lowers "
+                         "device memory (docs/plan.md)")
     offload.add_argument("--no-offload", dest="offload", action="store_const", const=False,
                          help="plan save and recompute only")
     plan.set_defaults(run=_plan)

@@ -76,6 +76,8 @@ class CostModel:
       flop_rate: FLOP/s that converts a transfer's excess seconds to FLOPs for
         objective "flops" (the target's peak: what the device could have run).
       fixed: items always recomputed (never saved or offloaded), `narrowed`.
+      offload_share: device bytes an offloaded byte still takes, 1 - the offload
+        probe's figure (`remat_kit.decide.offload_probe`); 0 is offload's ideal.
     """
 
     tags: tuple
@@ -90,6 +92,7 @@ class CostModel:
     compute: dict = dataclasses.field(default_factory=dict)
     flop_rate: float = 0.0
     fixed: frozenset = frozenset()
+    offload_share: float = 0.0
 
     def narrowed(self, keep: Callable) -> "CostModel":
         """This model with the items `keep(item)` rejects always recomputed."""
@@ -110,8 +113,9 @@ class CostModel:
 
     def cost(self, saved, offloaded=frozenset()) -> tuple[int, float]:
         """(device bytes, recompute FLOPs) of saving `saved` and offloading
-        `offloaded`; offloaded items take no device bytes."""
-        return (sum(self.nbytes[t] for t in saved),
+        `offloaded`; an offloaded item takes `offload_share` of its bytes."""
+        return (sum(self.nbytes[t] for t in saved)
+                + round(self.offload_share * sum(self.nbytes[t] for t in offloaded)),
                 sum(self.flops[t] for t in self.recomputed(saved, offloaded)))
 
     def excess(self, offloaded) -> float:
@@ -150,9 +154,9 @@ class CostModel:
                         s_p + o_p + r_p >= r_t       p a parent of t
                         s_t + o_t <= 1
                         e_g >= sum_{t in g} transfer_t o_t - compute_g
-                        sum_t bytes_t s_t <= room
+                        sum_t bytes_t (s_t + share o_t) <= room
 
-        (w: 1 for "time", `flop_rate` for "flops"), then again for the fewest
+        (share: `offload_share`; w: 1 for "time", `flop_rate` for "flops"), then again for the fewest
         stored bytes (saved, and a little more for offloaded: saving is preferred
         where both fit; a little more in earlier layer groups) among solutions
         within the tolerance.
@@ -207,7 +211,8 @@ class CostModel:
         per_second = 1.0 if objective == "time" else self.flop_rate
         cost_row = np.concatenate([np.zeros(n), f / f_scale, np.zeros(n),
                                    np.full(len(groups), 2 * per_second * t_scale / f_scale)])
-        memory = np.concatenate([b / b_scale, np.zeros(width - n)])
+        memory = np.concatenate([b / b_scale, np.zeros(n), self.offload_share * b / b_scale,
+                                 np.zeros(len(groups))])
         # Ties go to later layers: their residuals are read back first, so XLA often
         # reuses their buffers before the peak (the last layer's can cost nothing).
         layer = [t[1] if isinstance(t, tuple) else 0 for t in self.tags]

@@ -9,11 +9,10 @@ seconds a policy's offloads leave unhidden behind its layers' compute
 of a plan that offloads: compiled against the same policy with those tags saved
 on the device (`verify`), with the compiler's host memory figure.
 
-Measured with libtpu 0.0.52 (tests/test_plan_offload.py): XLA:TPU lowers device
-memory for offloaded residuals of a scanned layer stack (the stacked residuals
-live in host memory), by about half the offloaded bytes on the tiny GPT-2; for
-unrolled layers it lowered it little or even raised it (device copies stay
-live), so a plan that offloads is kept only where its own compile fits.
+How far the device memory falls is measured before planning, on the model
+itself (`remat_kit.decide.offload_probe`): the cost model charges an offloaded
+byte 1 - the probe's figure, and offload is planned only where the figure is
+above 0. `verify` shows the plan's own fall beside the probe's prediction.
 """
 
 from __future__ import annotations
@@ -23,22 +22,19 @@ import dataclasses
 from remat_kit.measure import targets
 from remat_kit.measure import time_model
 from remat_kit.decide.cost_model import PLANNED_BASES
-
-CPU_OFFLOAD_NOTE = ("on the CPU host memory is device memory: its compile counts offloaded "
-                    "residuals in temp, so it cannot show offload's effect; they are budgeted "
-                    "as host memory, as a TPU or GPU would hold them")
+from remat_kit.decide.offload_probe import CPU_OFFLOAD_NOTE
 
 
 def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
     """Bytes/s each way of offload's transfers on `target`, or None where offload is
     not planned (`Planner`'s offload argument: None, True, False or bytes/s).
 
-    None and False: offload is not planned. Measured on gpt2_small (docs/plan.md),
-    XLA's TPU and GPU compiles keep much of an offloaded residual on the device
-    as well, so the plans that offloaded went over their budgets (all 8 tried on
-    tpu:v5e:1x1, 2 of 3 on gpu:h100) and cost a compile each. True asks for it:
-    at the target's listed host bandwidth (TPU v5e / v5p, H100, H200), or on
-    the CPU at this machine's measured memory bandwidth (a transfer is a copy).
+    None and False: offload is not planned. True asks for it, at the target's
+    listed host bandwidth (TPU v5e / v5p, H100, H200), or on the CPU at this
+    machine's measured memory bandwidth (a transfer is a copy); the planner then
+    plans it only where the offload probe shows it lowers device memory
+    (`remat_kit.decide.offload_probe`: XLA's TPU and GPU compiles keep part of an
+    offloaded residual on the device, and on unrolled TPU stacks the peak rose).
 
     Raises:
       TargetError: offload=True on a target that lists no host bandwidth.
@@ -87,7 +83,8 @@ def transfer_seconds(planner, policy) -> float:
 def verify(planner, policy, record) -> list[str]:
     """Notes on what offloading did to the compiled device memory: `record` (of
     `policy`) against the same policy with its offloaded tags saved instead, compiled
-    by `planner` (one more compile); [] for a record that offloads nothing."""
+    by `planner` (one more compile), beside what the offload probe predicted
+    (`Probe.predict`); [] for a record that offloads nothing."""
     if not record.offloaded_bytes:
         return []
     layered = isinstance(policy, tuple)
@@ -100,8 +97,12 @@ def verify(planner, policy, record) -> list[str]:
     if saving.error or saving.memory_bytes is None:
         return notes + [f"saving them instead did not compile ({saving.error})"]
     fall = saving.memory_bytes - record.memory_bytes
+    probe = planner.offload_probe
     notes.append(f"device memory {fall:,} bytes below saving them "
-                 f"({fall / record.offloaded_bytes:.0%} of the offloaded bytes)")
+                 f"({fall / record.offloaded_bytes:.3f} of the offloaded bytes"
+                 + (f"; the probe predicted {probe.figure:.3f}: "
+                    f"{probe.predict(saving.memory_bytes, record.offloaded_bytes):,} bytes, "
+                    f"compiled {record.memory_bytes:,})" if probe else ")"))
     if planner.target.platform == "cpu":
         notes.append(CPU_OFFLOAD_NOTE)
     return notes

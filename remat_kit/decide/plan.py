@@ -30,8 +30,11 @@ memory?" in three steps:
 
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `search.FLOP_RESOLUTION` of the cheapest, so nothing
-   useless is saved. Where the target has host memory (`offload`), a third
-   binary o_t offloads t: it takes no device bytes, and its transfer (bytes
+   useless is saved. Where offload is asked for (`offload`), a third
+   binary o_t offloads t where the offload probe (`remat_kit.decide.offload_probe`:
+   two compiles of the loss, its tags offloaded and saved) shows that offload
+   lowers device memory: it takes 1 - the probe's figure of its bytes on the
+   device, and its transfer (bytes
    over the target's host bandwidth, each way) hides behind its layers'
    predicted forward compute; only the excess is charged (as seconds, or for
    objective "flops" as the FLOPs the device could have run meanwhile), see
@@ -48,8 +51,9 @@ memory?" in three steps:
    `max_iterations` policies are compiled; the one with the fewest measured
    FLOPs (or least predicted time) that fits is returned, and `full` always fits.
    A plan that offloads is compiled once more with those tags saved instead:
-   its notes give how far device memory fell and the compiler's host temp
-   memory (`Plan.offload_notes`, `Plan.host_bytes`). Every other policy
+   its notes give the probe's figure, how far device memory fell beside what
+   the probe predicted, and the compiler's host temp memory
+   (`Plan.offload_notes`, `Plan.host_bytes`). Every other policy
    the `Planner` has compiled for this loss (e.g. the presets `remat-kit plan`
    compares) is a candidate too. A budget that holds no remat returns `none`.
 
@@ -79,6 +83,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit.decide import offload as host_offload
+from remat_kit.decide import offload_probe
 from remat_kit.decide import search
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
@@ -166,14 +171,14 @@ class Planner:
       predict_time: also predict each plan's step time (`Plan.predicted_seconds`);
         always on for objective "time" and where offload is planned.
       offload: plan offload to host memory as a third decision per tag (see
-        the module docstring): None (default) or False for none (XLA's TPU and
-        GPU compiles keep much of an offloaded residual on the device,
-        `offload.offload_bandwidth`), True to ask for it at the target's host
-        bandwidth (`targets.PEAKS`: TPU v5e / v5p, H100, H200; on the CPU too,
-        where host memory is device memory: the plan is then checked against
-        the compiled memory less the offloaded bytes, and says so); or a host
-        bandwidth in bytes/s to plan offload with in place of the target's (a
-        what-if for a faster link).
+        the module docstring): None (default) or False for none, True to ask
+        for it at the target's host bandwidth (`targets.PEAKS`: TPU v5e / v5p,
+        H100, H200; on the CPU at its memory bandwidth), or a host bandwidth in
+        bytes/s in place of the target's (a what-if for a faster link). Asked
+        for, it is planned only where the offload probe's figure is above 0
+        (`offload_probe`, `plans_offload`): XLA's TPU and GPU compiles keep part
+        of an offloaded residual on the device, and on the CPU, where host
+        memory is device memory, the figure is what its compile shows (0).
       decide: tag names the plan may save or offload; the others are always
         recomputed. Default every tag (the optimality benchmark narrows it).
 
@@ -231,6 +236,7 @@ class Planner:
         self._roofline = None
         self._fingerprint: str | None = None
         self._staged = None
+        self._probe = None
         self.host_bandwidth = offload_bandwidth(self.target, offload)
         self.predict_time = (predict_time or self.objective == "time"
                              or self.host_bandwidth is not None)
@@ -340,20 +346,51 @@ class Planner:
         return self._roofline
 
     def model_for(self, base: str = "nothing", groups: int = 1) -> CostModel:
-        """The `CostModel` under base rule `base` with tags decided in `groups` layer groups."""
+        """The `CostModel` under base rule `base` with tags decided in `groups` layer
+        groups. Where offload is asked for, the offload probe decides: an offloaded
+        byte is charged 1 - its figure in device bytes where it pays
+        (`plans_offload`), else offload is not among the choices."""
         if (base, groups) not in self._models:
-            free = set(self.measure(Policy()).residual_bytes_by_tag)
-            staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
-                      if self.per_device is not None else self.staged)
-            needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-            model = self.program.model(
-                free=free, needed=needed, base=base, groups=groups,
-                roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache,
-                host_bandwidth=self.host_bandwidth)
-            if self.decide is not None:
-                model = model.narrowed(lambda t: (t if groups == 1 else t[0]) in self.decide)
+            bandwidth = self.host_bandwidth if self.plans_offload else None
+            model = self._build_model(base, groups, bandwidth)
+            if bandwidth is not None:
+                model = dataclasses.replace(model, offload_share=1 - self.offload_probe.figure)
             self._models[(base, groups)] = model
         return self._models[(base, groups)]
+
+    def offload_free_model(self) -> CostModel:
+        """The uniform `CostModel` (base nothing, one decision per tag) without offload:
+        what the offload probe reads its tag set from."""
+        if "offload-free" not in self._models:
+            self._models["offload-free"] = self._build_model("nothing", 1, None)
+        return self._models["offload-free"]
+
+    @property
+    def offload_probe(self) -> "offload_probe.Probe | None":
+        """The offload probe of this loss on this target (`remat_kit.decide.offload_probe`,
+        two compiles or a figure cache hit, made once); None where offload is not asked for."""
+        if self.host_bandwidth is not None and self._probe is None:
+            self._probe = offload_probe.probe(self)
+        return self._probe
+
+    @property
+    def plans_offload(self) -> bool:
+        """Offload is asked for and the probe's compiles show it lowers device memory."""
+        return self.host_bandwidth is not None and self.offload_probe.pays
+
+    def _build_model(self, base: str, groups: int, host_bandwidth) -> CostModel:
+        """The `CostModel` as measured from the program, offload at `host_bandwidth`."""
+        free = set(self.measure(Policy()).residual_bytes_by_tag)
+        staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
+                  if self.per_device is not None else self.staged)
+        needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
+        model = self.program.model(
+            free=free, needed=needed, base=base, groups=groups,
+            roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache,
+            host_bandwidth=host_bandwidth)
+        if self.decide is not None:
+            model = model.narrowed(lambda t: (t if groups == 1 else t[0]) in self.decide)
+        return model
 
     @property
     def model(self) -> CostModel:
@@ -438,7 +475,7 @@ class Planner:
         `TIME_RESOLUTION` of no remat's are a tie, broken by FLOPs: the time
         model is not that accurate, and fewer FLOPs never cost time."""
         policy = self._policy_of(record)
-        stored = self.device_bytes(record) + record.offloaded_bytes  # saving beats offloading
+        stored = record.memory_bytes + record.offloaded_bytes  # saving beats offloading
         if self.objective == "time":
             step = TIME_RESOLUTION * self.seconds(Policy(remat=False))
             return (round(self.seconds(policy) / step), record.flops, stored)
@@ -506,30 +543,14 @@ class Planner:
         compiled memory fits `budget`: `remat_kit.decide.search.plan`."""
         return search.plan(self, budget)
 
-    def device_bytes(self, record: Record) -> int:
-        """The device memory `record` is budgeted by: its `memory_bytes`; on the CPU
-        target with offload planned, for a record that offloads, the memory of the
-        same policy with the offloaded tags recomputed instead (one more compile,
-        memoized). Host memory is device memory on the CPU, so its compile counts
-        offloaded residuals, and less their bytes is no device figure: XLA reuses
-        their buffers, so that went below zero (-8,128 bytes on tests/zoo/gpt_linen)."""
-        if (self.target.platform != "cpu" or self.host_bandwidth is None
-                or not record.offloaded_bytes):
-            return record.memory_bytes
-        policy = self._policy_of(record)
-        kept = tuple(dataclasses.replace(p, offload=frozenset())
-                     for p in (policy if isinstance(policy, tuple) else (policy,)))
-        twin = self.record_of(kept if isinstance(policy, tuple) else kept[0])
-        return record.memory_bytes if twin.error or twin.memory_bytes is None \
-            else twin.memory_bytes
-
     def _compiled(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures and,
-        where offload is not planned, offloads nothing (a preset such as
-        minimal_offloaded is then never a plan)."""
+        where offload is not planned (not asked for, or the offload probe shows it
+        does not pay), offloads nothing (a preset such as minimal_offloaded is then
+        never a plan)."""
         return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
                 if r.error is None and r.flops is not None and r.memory_bytes is not None
-                and (self.host_bandwidth is not None or not r.offloaded_bytes)]
+                and (not r.offloaded_bytes or self.plans_offload)]
 
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: `remat_kit.decide.search.frontier`."""
@@ -556,8 +577,8 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       target: whose compiler to plan for (`remat_kit.measure.targets`, e.g.
         "tpu:v5e:1x1"); default JAX's default backend.
       groups, objective, offload: see `Planner` (default: each layer its own
-        group, for stacks up to `MAX_DEFAULT_GROUPS` layers; offload where the
-        target has host memory).
+        group, for stacks up to `MAX_DEFAULT_GROUPS` layers; offload only when
+        asked for, and then only where the offload probe shows it pays).
     Returns:
       A `Plan` with measured_bytes <= budget_bytes.
     Raises:

@@ -33,13 +33,13 @@ class Plan:
       policy: the chosen `Policy` (a tuple of one per layer for a per-layer
         plan, see `layer_specs`); spec: its canonical spec string.
       predicted_bytes, predicted_flops: the cost model's memory (`full`'s
-        figure plus the saved tags' bytes) and FLOPs of the step (value and
+        figure plus the saved tags' bytes and 1 - the offload probe's figure
+        of the offloaded tags') and FLOPs of the step (value and
         grad) under the policy.
       measured_bytes, measured_flops: the compiled step's memory
         (`Record.memory_bytes`: `temp_size_in_bytes` on CPU,
-        `peak_memory_in_bytes` on TPU and GPU; on the CPU with offload planned,
-        less the offloaded bytes, which its compile counts) and FLOPs (loops
-        counted per trip), from `measure`.
+        `peak_memory_in_bytes` on TPU and GPU) and FLOPs (loops counted per
+        trip), from `measure`.
       none_bytes, none_flops: the same for no remat (`none`). Where no
         remat's compile runs out of the target's memory (`none_out_of_memory`),
         none_bytes is None and none_flops is the cost model's: `full`'s

@@ -153,13 +153,13 @@ def plan(planner, budget: "str | int | float") -> Plan:
             tried.add((saved, offloaded))
             policy = planner._policy(saved, base, groups, offloaded)
             record = planner.record_of(policy)
-            tag_bytes = model.cost(saved)[0]
+            tag_bytes = model.cost(saved, offloaded)[0]
             name = record.policy
             if record.error or record.memory_bytes is None or record.flops is None:
                 notes.append(f"{name}: no figures ({record.error}), skipped")
                 hi, room = tag_bytes, max(0, tag_bytes - 1)
                 continue
-            used = planner.device_bytes(record)
+            used = record.memory_bytes
             fit = used <= limit
             notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
             if fit:
@@ -177,7 +177,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
     # Any other policy compiled for this loss (the base rules alone, the presets
     # remat-kit plan compares) that fits and scores better wins: it is verified
     # just the same.
-    other = min((r for r in planner._compiled() if planner.device_bytes(r) <= limit),
+    other = min((r for r in planner._compiled() if r.memory_bytes <= limit),
                 key=planner.score)  # `least` fits
     if best is None or planner.score(other) < best[0]:
         policy, record = planner._policy_of(other), other
@@ -187,7 +187,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     else:
         _, policy, record, predicted = best
         predicted = predicted[:2]
-    offload_notes = host_offload.verify(planner, policy, record)
+    probe = planner.offload_probe  # the figure offload was planned with, or why not
+    offload_notes = ([probe.note] if probe else []) + host_offload.verify(planner, policy, record)
     return _finish(planner, key, budget, limit, policy, record, *predicted,
                         "; ".join([status, *notes, "chose " + (
                             layers_summary(policy) if isinstance(policy, tuple)
@@ -217,7 +218,7 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
         budget=str(budget), budget_bytes=limit, policy=policy,
         spec=layers_summary(policy) if layered else str(policy),
         predicted_bytes=predicted_bytes,
-        predicted_flops=predicted_flops, measured_bytes=planner.device_bytes(record),
+        predicted_flops=predicted_flops, measured_bytes=record.memory_bytes,
         measured_flops=record.flops, none_bytes=none, none_flops=planner.none_flops(),
         minimum_bytes=least, status=status, iterations=iterations,
         platform=record.platform, memory_kind=planner.memory_kind,

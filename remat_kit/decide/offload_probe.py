@@ -1,0 +1,149 @@
+"""The offload probe: what the compiler really does with an offloaded residual, on this model.
+
+The cost model's ideal is that an offloaded residual leaves the device. XLA's
+TPU and GPU compiles keep part of it there (the transfer's device buffers stay
+live), and for an unrolled stack XLA:TPU's device peak often rose above saving
+the same values. So before the planner trusts offload on a target it compiles
+the user's own loss twice: the tag set the plan decides offloaded, and the same
+set saved (`probe`). Its figure, device bytes removed per byte offloaded,
+
+    figure = (device memory saving S - device memory offloading S) / bytes offloaded,
+
+is 1 where offload frees all it moves, 0 where it frees nothing, and negative
+where the peak rose. The cost model then charges (1 - figure) of an offloaded
+item's bytes to the device (`CostModel.offload_share`), and offload is planned
+only where the figure is above 0 (`Probe.pays`).
+
+Measured on the tiny GPT-2 (2 layers, batch 8, seq 128, f32; libtpu 0.0.52),
+offloading {mlpwi, mlp_act}: tpu:v5e:1x1 scanned 0.468, unrolled -0.319; the
+CPU 0.0 either way (tests/test_plan_offload.py). A scanned stack and an unrolled
+one are compiled differently (XLA:TPU keeps a scan's stacked residuals in host
+memory), so the figure is kept per stack kind: the figure cache holds it under
+the traced program (`Planner.fingerprint`, which holds the target and the
+compiler), the stack kind and the tag set (`figure_cache`).
+
+On the CPU host memory is device memory (`CPU_OFFLOAD_NOTE`): its compile counts
+the offloaded residuals in temp just as saved ones, so the figure there is what
+the compile says: 0.000 for the tiny GPT-2's MLP tags, 0.098 for all its tags at
+batch 2, seq 32 (where XLA's CPU buffer assignment differs between the two
+compiles by 64,512 bytes), and offload is planned by that figure like any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from remat_kit.measure import figure_cache
+from remat_kit.measure import sealed
+from remat_kit.measure.lowering import compile_options
+from remat_kit.policy.policy import Policy
+from remat_kit.trace.validate import tag_of
+
+CPU_OFFLOAD_NOTE = ("on the CPU host memory is device memory: its compile counts offloaded "
+                    "residuals in temp as it counts saved ones, so the offload probe's figure "
+                    "there is only how XLA's CPU buffer assignment differs between the two "
+                    "compiles (0.000 to 0.098 on the tiny GPT-2), not what a TPU or GPU does")
+
+# What a probe keeps: the two compiles' device memory and the bytes offloaded.
+SCHEMA: sealed.Schema = {"saved_bytes": sealed.count, "offloaded_device_bytes": sealed.count,
+                         "offloaded_bytes": sealed.count}
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One offload probe's compiles.
+
+    Attributes:
+      target: the target compiled for (e.g. "tpu:v5e:1x1").
+      stack: "scanned" (the tags are in a scan body) or "unrolled".
+      tags: the tag set offloaded, and saved in the twin.
+      saved_bytes: device memory (the planner's `memory_kind`, bytes) saving `tags`.
+      offloaded_device_bytes: device memory offloading them instead.
+      offloaded_bytes: residual bytes the offload compile placed in host memory.
+      cached: the figures came from the figure cache (no compile).
+    """
+
+    target: str
+    stack: str
+    tags: tuple
+    saved_bytes: int
+    offloaded_device_bytes: int
+    offloaded_bytes: int
+    cached: bool = False
+
+    @property
+    def figure(self) -> float:
+        """Device bytes removed per byte offloaded (1 ideal, 0 none, < 0 the peak rose);
+        0 where nothing was offloaded."""
+        if not self.offloaded_bytes:
+            return 0.0
+        return (self.saved_bytes - self.offloaded_device_bytes) / self.offloaded_bytes
+
+    @property
+    def pays(self) -> bool:
+        """Whether offload lowers device memory at all (figure > 0): else not planned."""
+        return self.figure > 0
+
+    def predict(self, saving_bytes: int, offloaded_bytes: int) -> int:
+        """Device memory (bytes) of a plan that offloads `offloaded_bytes` of residuals,
+        from the compiled memory of the same plan with them saved (`saving_bytes`)."""
+        return saving_bytes - round(self.figure * offloaded_bytes)
+
+    @property
+    def note(self) -> str:
+        """One line: the figure, the compiles behind it, and what the planner does with it."""
+        verdict = (f"each offloaded byte is charged {1 - self.figure:.3f} device bytes"
+                   if self.pays else "offload does not pay here and is not planned")
+        return (f"offload probe ({self.target}, {self.stack} stack, {', '.join(self.tags)}): "
+                f"offloading {self.offloaded_bytes:,} bytes gave {self.offloaded_device_bytes:,}"
+                f" device bytes against {self.saved_bytes:,} saving them: {self.figure:.3f} "
+                f"removed per byte offloaded; {verdict}"
+                + (" (cached)" if self.cached else ""))
+
+
+def stack_kind(program) -> str:
+    """"scanned" where a tag of `program` (`cost_model.Program`) is inside a scan
+    body's remat region, else "unrolled"."""
+    inside = any(n.region is not None and program.regions[n.region]
+                 for n in program.nodes if tag_of(n.eqn) is not None)
+    return "scanned" if inside else "unrolled"
+
+
+def probe_tags(model) -> tuple:
+    """The tag set a probe offloads: the items of `model` (a uniform `CostModel`)
+    the backward pass reads, the plan may decide, and that have bytes."""
+    return tuple(t for t in model.tags
+                 if t in model.needed and t not in model.fixed and model.nbytes[t])
+
+
+def probe(planner) -> Probe:
+    """Compiles `planner`'s loss with its decided tags offloaded and saved (two
+    compiles, or none on a figure cache hit) and returns the `Probe`.
+
+    planner: a `remat_kit.decide.plan.Planner` (its `target`, `fingerprint`,
+      `record_of`, and its offload-free uniform cost model for the tags).
+    Raises:
+      RuntimeError: either compile gives no memory figure (its error named).
+    """
+    tags = probe_tags(planner.offload_free_model())
+    stack = stack_kind(planner.program)
+    target = planner.target
+    program_key, kept = figure_cache.lookup(
+        f"{planner.fingerprint()}|{stack}|{','.join(tags)}", target,
+        compile_options(target, True), "offload_probe", schema=SCHEMA)
+    if kept is not None:
+        return Probe(str(target), stack, tags, cached=True, **{k: kept[k] for k in SCHEMA})
+    saved, offloaded = (planner.record_of(Policy(save=frozenset(tags))),
+                        planner.record_of(Policy(offload=frozenset(tags))))
+    for record in (saved, offloaded):
+        if record.error or record.memory_bytes is None:
+            raise RuntimeError(f"the offload probe's compile of {record.policy!r} gave no "
+                               f"memory figure: {record.error or 'the backend reports none'}")
+    figures = {"saved_bytes": saved.memory_bytes,
+               "offloaded_device_bytes": offloaded.memory_bytes,
+               "offloaded_bytes": offloaded.offloaded_bytes}
+    figure_cache.store(program_key, figures)
+    return Probe(str(target), stack, tags, **figures)
+
+
+__all__ = ["CPU_OFFLOAD_NOTE", "Probe", "SCHEMA", "probe", "probe_tags", "stack_kind"]
