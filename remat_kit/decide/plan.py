@@ -128,6 +128,10 @@ def _check_differentiable(args) -> None:
                          "rk.plan(loss_fn, params, *batch, budget=...)")
 
 
+# Bumped where the planner's answers change for the same program (the offload probe's
+# device share), so plans cached by an older planner are planned again.
+_PLANNER_REVISION = "offload-probe"
+
 class Planner:
     """Plans one loss for any number of budgets, sharing the measurements.
 
@@ -501,7 +505,7 @@ class Planner:
             compiler = figure_cache.compiler_parts(
                 self.target, compile_options(self.target, True))
             blob = "\n".join([text, *shardings, jax.__version__, repr(compiler),
-                              str(jax.device_count())])
+                              str(jax.device_count()), _PLANNER_REVISION])
             self._fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:32]
         return self._fingerprint
 
