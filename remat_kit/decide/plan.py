@@ -132,6 +132,7 @@ def _check_differentiable(args) -> None:
 # device share), so plans cached by an older planner are planned again.
 _PLANNER_REVISION = "offload-probe"
 
+
 class Planner:
     """Plans one loss for any number of budgets, sharing the measurements.
 
