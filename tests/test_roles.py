@@ -124,7 +124,7 @@ def test_projections_are_param_matmuls(zoo, name):
         if tag in ("query_proj", "key_proj") and name != "gpt_linen":  # rope: the rotated
             assert prim == "concatenate", tag  # halves joined (MaxText names them after it)
         elif tag.endswith("_proj") or tag.startswith("mlpw"):  # or its bias add (GPT, Conv1D)
-            biased = tag == "qkv_proj" and name in ("gpt_linen", "hf_llama_linen")
+            biased = name == "gpt_linen" or (name, tag) == ("hf_llama_linen", "qkv_proj")
             assert prim == "dot_general" or (prim == "add" and biased), tag
         if tag in ("attn_probs", "mlp_act", "attn_norm", "mlp_norm"):
             assert producers[var].primitive.name != "dot_general", tag
