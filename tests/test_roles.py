@@ -74,6 +74,16 @@ def prims_of(jaxpr) -> set:
     return out
 
 
+def producers_of(jaxpr) -> dict:
+    """Var -> the eqn that computes it, in the jaxpr and its sub-jaxprs."""
+    out = {}
+    for eqn in jaxpr.eqns:
+        out.update(dict.fromkeys(eqn.outvars, eqn))
+        for sub in _subs(eqn):
+            out.update(producers_of(sub))
+    return out
+
+
 def trace(fwd, params):
     tokens = jnp.zeros((B, T), jnp.int32)
     jaxpr = jax.make_jaxpr(fwd)(params, tokens)
@@ -110,15 +120,7 @@ def test_projections_are_param_matmuls(zoo, name):
     """Each projection role sits on a dot_general (or its bias add); a rotated query or
     key on its rotary embedding's output."""
     jaxpr, roles = zoo[name]
-    producers = {}
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            for v in eqn.outvars:
-                producers[v] = eqn
-            for sub in _subs(eqn):
-                walk(sub)
-    walk(jaxpr.jaxpr)
+    producers = producers_of(jaxpr.jaxpr)
     for var, tag in roles.of.items():
         prim = producers[var].primitive.name
         if tag in ("query_proj", "key_proj") and name != "gpt_linen":  # rope: the rotated
@@ -168,6 +170,25 @@ def test_the_rotary_table_mask_and_position_ids_have_no_role():
     assert all(vals[v] in from_tokens for v in roles.of)
     assert collections.Counter(roles.of.values()) == collections.Counter(
         {t: n for t, (n, _) in EXPECTED["hf_llama_linen"].items()})
+
+
+def test_hf_rotary_names_query_and_key_after_it():
+    """HF's rotary form, x * cos + rotate_half(x) * sin, on separate q/k/v projections:
+    query_proj and key_proj are its sums (before the head repeat: 2 key heads)."""
+    _, params, fwd = hf_llama_linen.make(B, T, abstract=True, fused_qkv=False)
+    jaxpr, roles = trace(fwd, params)
+    want = {**{t: (n, s) for t, (n, s) in EXPECTED["hf_llama_linen"].items()
+               if t != "qkv_proj"},
+            "query_proj": (2, (B, T, 4, 8)), "key_proj": (2, (B, T, 2, 8)),
+            "value_proj": (2, (B, T, 16))}
+    assert dict(collections.Counter(roles.of.values())) == {t: n for t, (n, _) in want.items()}
+    producers = producers_of(jaxpr.jaxpr)
+    for var, tag in roles.of.items():
+        if want[tag][1] is not None:
+            assert tuple(var.aval.shape) == want[tag][1], tag
+        if tag in ("query_proj", "key_proj", "value_proj"):
+            assert producers[var].primitive.name == ("dot_general" if tag == "value_proj"
+                                                     else "add"), tag
 
 
 def test_projection_role_goes_where_a_name_follows_its_layout_ops():

@@ -45,6 +45,7 @@ class LlamaConfig:
     rope_theta: float = 10_000.0
     attention_dropout: float = 0.1
     initializer_range: float = 0.02
+    fused_qkv: bool = True  # False: q_proj, k_proj, v_proj (nn.Dense), as their Llama has
 
     @property
     def head_dim(self) -> int:
@@ -104,7 +105,12 @@ class LlamaAttention(nn.Module):
         c = self.config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
-        self.qkv_proj = Conv1D(self.q_size + 2 * self.kv_size)
+        if c.fused_qkv:
+            self.qkv_proj = Conv1D(self.q_size + 2 * self.kv_size)
+        else:
+            dense = lambda n: nn.Dense(n, use_bias=False)  # noqa: E731
+            self.q_proj, self.k_proj, self.v_proj = (dense(self.q_size), dense(self.kv_size),
+                                                     dense(self.kv_size))
         self.o_proj = nn.Dense(c.hidden_size, use_bias=False,
                                kernel_init=nn.initializers.normal(c.initializer_range))
         self.embed_positions = sincos_table(c.max_position_embeddings, c.head_dim, c.rope_theta)
@@ -116,8 +122,12 @@ class LlamaAttention(nn.Module):
 
     def __call__(self, hidden_states, attention_mask, position_ids, deterministic=True):
         c = self.config
-        qkv = self.qkv_proj(hidden_states)
-        query, key, value = jnp.split(qkv, [self.q_size, self.q_size + self.kv_size], axis=-1)
+        if c.fused_qkv:
+            query, key, value = jnp.split(self.qkv_proj(hidden_states),
+                                          [self.q_size, self.q_size + self.kv_size], axis=-1)
+        else:
+            query, key, value = (f(hidden_states) for f in (self.q_proj, self.k_proj,
+                                                            self.v_proj))
         query = self._heads(query, c.num_attention_heads)
         key = self._heads(key, c.num_key_value_heads)
         value = self._heads(value, c.num_key_value_heads)
@@ -233,10 +243,11 @@ class LlamaForCausalLM(nn.Module):
         return CausalLMOutput(logits=self.lm_head(hidden_states))
 
 
-def make(batch: int, seq: int, abstract: bool = False):
+def make(batch: int, seq: int, abstract: bool = False, fused_qkv: bool = True):
     """(model, params, forward(params, tokens) -> logits) at tiny size, random init;
-    abstract: params as ShapeDtypeStructs (for tracing only)."""
-    model = LlamaForCausalLM()
+    abstract: params as ShapeDtypeStructs (for tracing only); fused_qkv: one Conv1D
+    (else three nn.Dense)."""
+    model = LlamaForCausalLM(LlamaConfig(fused_qkv=fused_qkv))
     tokens = jnp.zeros((batch, seq), jnp.int32)
     init = lambda key: model.init(key, tokens)["params"]  # noqa: E731
     params = jax.eval_shape(init, jax.random.key(0)) if abstract else jax.jit(init)(
