@@ -20,6 +20,7 @@ from remat_kit.models.shortcuts import layer_residuals
 from remat_kit.policy.spec import parse
 
 GEMMA = importlib.import_module("tests.zoo.gemma_linen")  # rotary from position ids, a mask
+HF_LLAMA = importlib.import_module("tests.zoo.hf_llama_linen")  # a numpy rotary table
 SIN_COS = [("cos", (2, 16, 1, 4), "float32"), ("sin", (2, 16, 1, 4), "float32")] * 2
 MASK = [("broadcast_in_dim", (2, 16, 4, 16), "bool"),  # the causal mask per head
         ("broadcast_in_dim", (2, 16, 4, 16), "float32")]  # and its fill
@@ -54,6 +55,21 @@ def test_gemma_constants_are_apart_from_the_saved_residuals():
         "one_minus_square", "rsqrt", "slice", "unstack")}
     assert none.constant_bytes == 4 * 512 + 2048 + 8192
     assert none.saved_bytes == sum(r.nbytes for r in none.rows if r.decision == "saved")
+
+
+def test_a_numpy_rotary_table_is_a_constant():
+    """HF's Flax Llama builds its sin/cos table in numpy in each attention layer's setup:
+    a constant of the traced loss, closed over by the block explain runs alone (not one
+    of its inputs, which would make it a per-layer residual). 4 KiB a layer before."""
+    work = model_workload(HF_LLAMA.model(), 2, 16)
+    minimal = explain("minimal", work)
+    assert _constants(minimal) == [("inputs[1]", (2, 16), "int32"),  # the mask
+                                   ("inputs[2]", (2, 16), "int32"),  # position ids
+                                   ("constant", (64, 16), "float32")]  # the table
+    assert _saved(minimal) == {("tag", t) for t in (
+        "decoder_layer_input", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1")}
+    assert minimal.saved_bytes == 32 * 1024  # 36.00 KiB with the table counted
+    assert minimal.constant_bytes == 2 * 2 * 16 * 4 + 64 * 16 * 4
 
 
 def test_reference_llama_rotary_table_is_a_constant():

@@ -22,7 +22,7 @@ from remat_kit.policy.spec import PRESET_TABLE
 from tests.test_remat import _design_saved
 
 B, T = 2, 8
-ZOO = ("gemma_linen", "gpt_linen", "llama_nnx", "fused_nnx", "nano_moe")
+ZOO = ("gemma_linen", "gpt_linen", "llama_nnx", "fused_nnx", "nano_moe", "hf_llama_linen")
 # Presets that save by name (no offload, which the CPU cannot show): every MaxText one.
 PRESETS = tuple(f"maxtext:{name}" for cb, name, *_ in PRESET_TABLE
                 if cb == "maxtext" and "offload" not in name) + ("selective",
@@ -262,3 +262,61 @@ def test_a_workload_function_takes_a_one_chip_target(capsys, tmp_path):
     assert cli.main(["compare", "--model", spec, "--batch", "2", "--seq", "4",
                      "--mesh", "data:2"]) == 2
     assert "--mesh is for a model" in capsys.readouterr().err
+
+
+HF_LLAMA = "tests/zoo/hf_llama_linen.py:model"
+# Presets whose roles the HF-style Llama emits: each compiles to a program of its own.
+HF_PRESETS = ("none", "full", "minimal", "selective", "save_qkv_proj")
+
+
+def test_cli_compare_gives_each_preset_its_own_row_on_an_hf_style_model(tmp_path):
+    assert cli.main(["compare", "--model", HF_LLAMA, "--batch", "2", "--seq", "16",
+                     "--policies", ",".join(HF_PRESETS), "--json", str(tmp_path / "c.json")]) == 0
+    records = {r["names"][0]: r for r in json.loads((tmp_path / "c.json").read_text())["records"]}
+    assert sorted(records) == sorted(HF_PRESETS)
+    assert all(r["names"] == [n] and r["error"] is None for n, r in records.items())
+    figures = {(r["temp_size_in_bytes"], r["flops"]) for r in records.values()}
+    assert len(figures) == len(HF_PRESETS), figures  # no preset collapses into another
+    temp = {n: r["temp_size_in_bytes"] for n, r in records.items()}
+    flops = {n: r["flops"] for n, r in records.items()}
+    assert max(temp, key=temp.get) == "none" and temp["minimal"] < temp["selective"]
+    assert flops["none"] < flops["minimal"] < flops["save_qkv_proj"] < flops["full"]
+
+
+def test_cli_plan_on_an_hf_style_model(capsys, tmp_path):
+    assert cli.main(["plan", "--model", HF_LLAMA, "--batch", "2", "--seq", "16",
+                     "--budgets", "0.6", "--presets", "full,minimal,selective", "--cache", "",
+                     "--json", str(tmp_path / "p.json")]) == 0
+    assert "planned 1 budget" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert sorted(r["names"] for r in doc["presets"]) == [["full"], ["minimal"], ["selective"]]
+    (budget,) = doc["budgets"]
+    plan = budget["plan"]
+    assert plan["measured_bytes"] <= budget["budget_bytes"] == int(0.6 * plan["none_bytes"])
+    assert plan["measured_flops"] < next(r["flops"] for r in doc["presets"]
+                                         if r["names"] == ["full"])
+
+
+def test_grads_with_a_padding_mask_under_apply_remat():
+    """rk.linen.apply_remat(model, {"LlamaDecoderLayer": "minimal"}) on the HF-style
+    Llama, called as that library's users call it (attention_mask as a keyword): its
+    gradients are the plain model's, with the last 3 tokens of one row padded."""
+    module = importlib.import_module("tests.zoo.hf_llama_linen")
+    model, params, _ = module.make(B, T)
+    wrapped = rk.linen.apply_remat(model, {"LlamaDecoderLayer": "minimal"})
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 64, jnp.int32)
+    mask = jnp.ones((B, T), jnp.int32).at[1, -3:].set(0)
+
+    def logits(m, p, attention_mask):
+        return m.apply({"params": p}, tokens, attention_mask=attention_mask).logits
+
+    def grad(m):
+        return jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+            logits(m, p, mask)[:, :-1], tokens[:, 1:]).mean())(params)
+
+    got, want, padded, plain = jax.jit(lambda: (grad(wrapped), grad(model),
+                                                logits(model, params, mask),
+                                                logits(model, params, None)))()
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+    # The mask changes the padded row's logits (its padded queries), not the other row's.
+    assert jnp.array_equal(padded[0], plain[0]) and not jnp.allclose(padded[1], plain[1])

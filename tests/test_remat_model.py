@@ -24,7 +24,7 @@ from remat_kit.measure import lowering
 
 B, T = 2, 8
 ZOO = ("gpt_linen", "llama_nnx", "gemma_linen", "fused_nnx", "nano_moe", "scan_linen",
-       "scan_nnx", "mesh_linen")
+       "scan_nnx", "mesh_linen", "hf_llama_linen")
 
 
 def _make(name):

@@ -23,7 +23,7 @@ from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.trace import dataflow as df
 from remat_kit.trace.roles import ROLES, _proj, infer_roles
 from remat_kit.trace.validate import tag_of
-from tests.zoo import fused_nnx
+from tests.zoo import fused_nnx, hf_llama_linen
 
 B, T = 2, 8
 BLOCK = ("attn_norm", "attn_logits", "attn_probs", "context", "out_proj", "mlp_norm", "mlp_act",
@@ -44,6 +44,11 @@ EXPECTED = {
     "fused_nnx": {**{t: (2, None) for t in BLOCK}, "query_proj": (2, (B, T, 32)),
                   "key_proj": (2, (B, T, 32)), "value_proj": (2, (B, T, 32)),
                   "mlpwi": (2, (B, T, 96)), "context": (2, (B, T, 32))},
+    # One fused Conv1D qkv [B, T, q + 2 kv] (split and rotated after it, as MaxText tags
+    # a fused projection), a gated MLP, scores [B, heads, T, T] (keys repeated per group).
+    "hf_llama_linen": {**{t: (2, None) for t in BLOCK}, "qkv_proj": (2, (B, T, 64)),
+                       "mlpwi_0": (2, (B, T, 64)), "mlpwi_1": (2, (B, T, 64)),
+                       "attn_logits": (2, (B, 4, T, T)), "attn_probs": (2, (B, 4, T, T))},
     # Two experts per MoE layer: each expert's MLP has its own roles.
     "nano_moe": {**{t: (2, None) for t in BLOCK}, "qkv_proj": (2, (B, T, 96)),
                  "mlpwi": (4, (B, T, 64)), "mlp_act": (4, (B, T, 64)),
@@ -51,7 +56,8 @@ EXPECTED = {
 }
 # Primitives each model's jaxpr must contain, so the walk through them is tested.
 PRIMS = {"gemma_linen": {"jit", "unstack", "tanh", "split"}, "gpt_linen": {"split"},
-         "llama_nnx": {"jit", "concatenate"}, "fused_nnx": {"split"}, "nano_moe": {"gather"}}
+         "llama_nnx": {"jit", "concatenate"}, "fused_nnx": {"split"}, "nano_moe": {"gather"},
+         "hf_llama_linen": {"split", "gather", "select_n", "and", "stop_gradient"}}
 
 
 def _subs(eqn):
@@ -65,6 +71,16 @@ def prims_of(jaxpr) -> set:
         out.add(eqn.primitive.name)
         for sub in _subs(eqn):
             out |= prims_of(sub)
+    return out
+
+
+def producers_of(jaxpr) -> dict:
+    """Var -> the eqn that computes it, in the jaxpr and its sub-jaxprs."""
+    out = {}
+    for eqn in jaxpr.eqns:
+        out.update(dict.fromkeys(eqn.outvars, eqn))
+        for sub in _subs(eqn):
+            out.update(producers_of(sub))
     return out
 
 
@@ -99,28 +115,80 @@ def test_zoo_roles_per_block(zoo, name):
     assert PRIMS[name] <= prims_of(jaxpr.jaxpr)
 
 
-@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx", "gemma_linen"])
+@pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx", "gemma_linen", "hf_llama_linen"])
 def test_projections_are_param_matmuls(zoo, name):
     """Each projection role sits on a dot_general (or its bias add); a rotated query or
     key on its rotary embedding's output."""
     jaxpr, roles = zoo[name]
-    producers = {}
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            for v in eqn.outvars:
-                producers[v] = eqn
-            for sub in _subs(eqn):
-                walk(sub)
-    walk(jaxpr.jaxpr)
+    producers = producers_of(jaxpr.jaxpr)
     for var, tag in roles.of.items():
         prim = producers[var].primitive.name
         if tag in ("query_proj", "key_proj") and name != "gpt_linen":  # rope: the rotated
             assert prim == "concatenate", tag  # halves joined (MaxText names them after it)
-        elif tag.endswith("_proj") or tag.startswith("mlpw"):
-            assert prim == "dot_general" or (prim == "add" and name == "gpt_linen"), tag
+        elif tag.endswith("_proj") or tag.startswith("mlpw"):  # or its bias add (GPT, Conv1D)
+            biased = name == "gpt_linen" or (name, tag) == ("hf_llama_linen", "qkv_proj")
+            assert prim == "dot_general" or (prim == "add" and biased), tag
         if tag in ("attn_probs", "mlp_act", "attn_norm", "mlp_norm"):
             assert producers[var].primitive.name != "dot_general", tag
+
+
+def _downstream(val) -> set:
+    """The values computed from `val` (itself included), through every op."""
+    out, todo = set(), [val]
+    while todo:
+        v = todo.pop()
+        if v not in out:
+            out.add(v)
+            todo.extend(o for n in v.consumers for o in n.outs)
+    return out
+
+
+def test_the_rotary_table_mask_and_position_ids_have_no_role():
+    """The HF-style Llama with attention_mask and position_ids as inputs: every role is
+    on a value computed from the tokens, none on the numpy sin/cos table (a jaxpr
+    constant), the combined causal and padding mask, its additive bias, or the
+    position ids and the sin/cos gathered by them; the roles are those it gets when
+    it builds the mask and ids itself."""
+    model, params, _ = hf_llama_linen.make(B, T, abstract=True)
+    ints = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, ids, mask, pos: model.apply(
+        {"params": p}, ids, attention_mask=mask, position_ids=pos).logits)(
+            params, ints, ints, ints)
+    is_param = [True] * len(jax.tree.leaves(params)) + [False] * 3
+    graph = df.Graph(jaxpr, is_param)
+    roles = infer_roles(jaxpr, is_param)
+    assert jaxpr.consts and {c.shape for c in jaxpr.consts} == {(64, 16)}  # the table
+    vals = {v.var: v for n in graph.nodes for v in n.ins + n.outs}
+    ids, mask, pos = (vals[v] for v in jaxpr.jaxpr.invars[-3:])
+    from_tokens = _downstream(ids)
+    # The mask and the positions reach the scores, so exclude only what tokens do not.
+    side = (_downstream(mask) | _downstream(pos)) - from_tokens
+    table = {v for v in vals.values() if v.var in set(jaxpr.jaxpr.constvars)}
+    assert len(table) == 2  # one per layer (each layer's setup builds it)
+    side |= set().union(*map(_downstream, table)) - from_tokens
+    assert {v.shape for v in side} >= {(B, 1, T, T), (B, T, 1, 16), (B, T, 1, 8)}
+    assert all(vals[v] in from_tokens for v in roles.of)
+    assert collections.Counter(roles.of.values()) == collections.Counter(
+        {t: n for t, (n, _) in EXPECTED["hf_llama_linen"].items()})
+
+
+def test_hf_rotary_names_query_and_key_after_it():
+    """HF's rotary form, x * cos + rotate_half(x) * sin, on separate q/k/v projections:
+    query_proj and key_proj are its sums (before the head repeat: 2 key heads)."""
+    _, params, fwd = hf_llama_linen.make(B, T, abstract=True, fused_qkv=False)
+    jaxpr, roles = trace(fwd, params)
+    want = {**{t: (n, s) for t, (n, s) in EXPECTED["hf_llama_linen"].items()
+               if t != "qkv_proj"},
+            "query_proj": (2, (B, T, 4, 8)), "key_proj": (2, (B, T, 2, 8)),
+            "value_proj": (2, (B, T, 16))}
+    assert dict(collections.Counter(roles.of.values())) == {t: n for t, (n, _) in want.items()}
+    producers = producers_of(jaxpr.jaxpr)
+    for var, tag in roles.of.items():
+        if want[tag][1] is not None:
+            assert tuple(var.aval.shape) == want[tag][1], tag
+        if tag in ("query_proj", "key_proj", "value_proj"):
+            assert producers[var].primitive.name == ("dot_general" if tag == "value_proj"
+                                                     else "add"), tag
 
 
 def test_projection_role_goes_where_a_name_follows_its_layout_ops():

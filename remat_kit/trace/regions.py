@@ -22,6 +22,7 @@ policies, so flax's trace caches (which ignore interceptors) play no part.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -243,13 +244,24 @@ def _flag(flags: Mapping, v) -> bool:
     return not isinstance(v, Literal) and flags.get(v, False)
 
 
-def _first_block(jaxpr, key: str, flags: dict):
-    """(inner jaxpr, consts, is-parameter per inner input) of the first marked
-    region, looking into jit-ed calls and scan bodies; None if there is none."""
+def _value(known: Mapping, v):
+    """The concrete value of `v` where it is a literal or one of the loss's constants
+    (a jaxpr const: an array the model built in numpy, e.g. a rotary table), else None.
+    Values computed from constants (a table built with jnp) are not evaluated here."""
+    return v.val if isinstance(v, Literal) else known.get(v)
+
+
+def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
+    """(inner jaxpr, consts, is-parameter per inner input, constant value or None per
+    inner input) of the first marked region, looking into jit-ed calls and scan bodies;
+    None if there is none. `known`: the concrete values of `jaxpr`'s constants (its
+    constvars), passed on into calls."""
+    known = {} if known is None else known
     for eqn in jaxpr.eqns:
         r = region(eqn)
         if r is not None and isinstance(r[2], wrapping.Marker) and r[2].key == key:
-            return r[0], r[1], [_flag(flags, v) for v in eqn.invars]
+            return (r[0], r[1], [_flag(flags, v) for v in eqn.invars],
+                    [_value(known, v) for v in eqn.invars])
         for v in eqn.outvars:
             flags[v] = derives_from_params(eqn, flags)
         if eqn.primitive.name in _CALLS or r is not None:
@@ -257,7 +269,10 @@ def _first_block(jaxpr, key: str, flags: dict):
                                                                eqn.params.get("call_jaxpr"))
             inner = getattr(closed, "jaxpr", closed)
             sub = {iv: _flag(flags, ov) for iv, ov in zip(inner.invars, eqn.invars)}
-            found = _first_block(inner, key, sub)
+            sub_known = {iv: x for iv, ov in zip(inner.invars, eqn.invars)
+                         if (x := _value(known, ov)) is not None}
+            sub_known.update(zip(inner.constvars, getattr(closed, "consts", ())))
+            found = _first_block(inner, key, sub, sub_known)
         elif eqn.primitive.name == "scan":  # a carry is never a parameter
             body, _, nc, ncarry = scan_parts(eqn)
             sub = {iv: _flag(flags, ov) and not nc <= i < nc + ncarry
@@ -336,28 +351,41 @@ class Regions:
     emitted: tuple[str, ...]
     num_params: int = 0
 
+    @functools.cached_property
+    def _first_block(self):
+        """`_first_block` of the loss, its constants evaluated once."""
+        flags = {v: i < self.num_params for i, v in enumerate(self.closed.jaxpr.invars)}
+        return _first_block(self.closed.jaxpr, self.key, flags,
+                            dict(zip(self.closed.jaxpr.constvars, self.closed.consts)))
+
     def block(self, policy: Policy) -> tuple[Callable, tuple]:
         """The first block alone under `policy`, for `explain`: (fn(params, inputs)
         -> the sum of its float outputs, (params, inputs) as tuples of
         ShapeDtypeStructs). params are the block's inputs that derive from the
-        loss's parameters (`args[0]`), inputs the rest (activations, keys).
+        loss's parameters (`args[0]`), inputs the rest (activations, keys, masks),
+        apart from float inputs that are constants of the loss (a rotary sin/cos
+        table built in numpy, a jaxpr const): those the block closes over, constants
+        as in the loss, so `explain` counts them as no layer's residuals.
 
         Raises:
           ValueError: no marked block is found outside scans and conds.
         """
-        flags = {v: i < self.num_params for i, v in enumerate(self.closed.jaxpr.invars)}
-        found = _first_block(self.closed.jaxpr, self.key, flags)
+        found = self._first_block
         if found is None:
             raise ValueError("no block region found to explain")
-        inner, consts, is_param = found
+        inner, consts, is_param, values = found
+        fixed = [None if p or x is None or not jnp.issubdtype(v.aval.dtype, jnp.floating)
+                 else x for v, p, x in zip(inner.invars, is_param, values)]
         struct = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
         params = tuple(struct(v) for v, p in zip(inner.invars, is_param) if p)
-        inputs = tuple(struct(v) for v, p in zip(inner.invars, is_param) if not p)
+        inputs = tuple(struct(v) for v, p, c in zip(inner.invars, is_param, fixed)
+                       if not p and c is None)
         memo: dict = {}
 
         def run_block(params, inputs):
             ps, xs = iter(params), iter(inputs)
-            flat = [next(ps) if p else next(xs) for p in is_param]
+            flat = [next(ps) if p else next(xs) if c is None else c
+                    for p, c in zip(is_param, fixed)]
             run = _Run(self.key, self.roles, (policy,), self.emitted, memo)
             body = run.block_body(inner, consts)
             if policy.remat:
