@@ -22,6 +22,7 @@ memory equals `remat_kit.decide.step`'s prediction for the same policy and shape
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 
 import flax.linen as nn
@@ -148,9 +149,12 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
     own = OwnModel(label, model, workload, *_policy(config.remat, workload, cache), vocab)
     if isinstance(own.policy, Mapping) and own.policy.get("context"):
         # A plan file names the model it was made for: checked on one trace, before compiling.
-        tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+        # At the run's shape; its notes are the run's to give, when the step is traced.
+        tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
         try:
-            jax.eval_shape(own.loss_fn(), workload.params, tokens, tokens, None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                jax.eval_shape(own.loss_fn(), workload.params, tokens, tokens, None)
         except RematSpecError as e:
             raise BadInput(f"config.remat={config.remat!r}: {e}") from None
     return own
@@ -223,16 +227,18 @@ def describe(own: OwnModel, remat: str) -> str:
             f"blocks, vocab {own.vocab}); remat={remat} (policy {own.spec})")
 
 
-def check_line(compiled: dict, predicted: stepping.StepMemory) -> tuple[str, dict]:
+def check_line(compiled: dict, predicted: stepping.StepMemory, step: int = 0
+               ) -> tuple[str, dict]:
     """The step-0 line comparing the compiled train step with the prediction,
-    and the summary's entry. `compiled`: train's `_compiled_stats`. The run's
+    and the summary's entry. `compiled`: train's `_compiled_stats`; `step`: the
+    step the run starts at (a resumed run's checkpoint step). The run's
     step also holds its step counter and PRNG key, which the predicted step
     has not: in-use bytes differ by those, temp bytes do not."""
     entry = {"temp_size_in_bytes": predicted.temp_size_in_bytes,
              "step_bytes": predicted.total_bytes, "flops": predicted.flops,
              "temp_equal": compiled["temp_size_in_bytes"] == predicted.temp_size_in_bytes}
     mib = lambda n: "n/a" if n is None else f"{n / 2**20:,.3f} MiB"  # noqa: E731
-    line = (f"step 0: compiled train step temp {mib(compiled['temp_size_in_bytes'])}, in use "
+    line = (f"step {step}: compiled train step temp {mib(compiled['temp_size_in_bytes'])}, in use "
             f"{mib(compiled['step_bytes'])}; predicted (remat_kit.decide.step, same policy "
             f"and shape) temp {mib(predicted.temp_size_in_bytes)}, in use "
             f"{mib(predicted.total_bytes)}: "

@@ -495,7 +495,8 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     step_fn = compile_step(model)
     stats = {"label": platform_label(), "policy": _compiled_stats(step_fn)}
     if own:  # the prediction for this policy and shape, beside the compiled step
-        line, stats["predicted"] = own_model.check_line(stats["policy"], cfg.predicted(tx))
+        line, stats["predicted"] = own_model.check_line(stats["policy"], cfg.predicted(tx),
+                                                   start_step)
         console.print(line)
     if own and cfg.spec != "none":
         stats["none"] = _compiled_stats(compile_step(cfg.loss_fn("none")))
@@ -661,8 +662,8 @@ def _check_budget(config: ml_collections.ConfigDict, budget: int, stats: dict) -
         f"({_format_bytes(used['step_bytes'])}; {used['step_bytes_source']}, "
         f"{stats['label']}), over the budget. `remat-kit fit "
         f"{'--model' if own_model.is_own(config.model) else '--config'} {config.model} "
-        f"--budget {config.memory_budget} --batch {config.batch_size}` lists the largest "
-        f"seq_len each policy fits")
+        f"--budget {config.memory_budget} --vary batch --seq {config.seq_len}` lists the "
+        f"largest batch each policy fits at this seq_len")
 
 
 def _mesh(config: ml_collections.ConfigDict):

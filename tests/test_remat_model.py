@@ -151,7 +151,8 @@ def test_a_plan_applies_as_it_was_verified(tmp_path):
 
 
 @pytest.mark.parametrize("policy, message", [
-    (("full", "minimal", "none"), "3 per-layer policies for a model of 2 Block blocks"),
+    (("full", "minimal", "none"),
+     r"3 per-layer policies for a model of 2 blocks \(Block\): give one per block"),
     ({"spec": "full", "layer_specs": ["full"] * 4}, "4 per-layer policies"),
 ])
 def test_a_plan_for_another_model_is_refused_before_compiling(policy, message):

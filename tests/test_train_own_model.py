@@ -229,7 +229,7 @@ def test_nnx_model_trains_a_per_layer_plan_file(files, tmp_path):
                "{plan}@BUDGET"),
     ("{plan}@0.3", "config.remat: budget '0.3' is not in plan file '{plan}'"),
     ("{other}@0.8", "config.remat='{other}@0.8': the plan was made for a model of 3 "
-                    "TransformerBlocks; this model runs 2 TransformerBlock blocks")])
+                    "blocks (TransformerBlock); this model runs 2 TransformerBlock blocks")])
 def test_a_plan_file_that_does_not_fit_is_refused_in_one_line(files, tmp_path, remat,
                                                               message):
     names = {"plan": _plan_file(tmp_path), "other": _plan_file(tmp_path / "x", layers=3)}

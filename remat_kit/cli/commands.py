@@ -637,7 +637,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")
     common(plan)
     plan.add_argument("--budgets", required=True,
-                      help="comma-separated budgets: sizes (6GiB, 512MiB, bytes) or fractions "
+                      help="comma-separated budgets: sizes (6GiB, 512MiB, 8e9B for bytes) or fractions "
                            "0 < f <= 1 of no remat's memory (temp on CPU, the compiler's "
                            "peak on TPU and GPU)")
     presets = plan.add_mutually_exclusive_group()
@@ -677,7 +677,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "in a memory budget")
     common(fit)
     fit.add_argument("--budget", required=True,
-                     help="device memory per device, e.g. 16GiB, 512MiB, 8e9 bytes (also the "
+                     help="device memory per device, e.g. 16GiB, 512MiB, 8e9B for bytes (also the "
                           "budget of an auto row)")
     fit.add_argument("--vary", choices=("seq", "batch"), default="seq",
                      help="search the sequence length (global batch fixed, default 1, or "

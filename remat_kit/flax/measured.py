@@ -102,11 +102,12 @@ def _layers(spec, context: dict, n: int, cls: type) -> tuple[Policy, ...]:
         raise RematSpecError(f"the plan was made for blocks of class {made_for}; this model's "
                              f"blocks are {cls.__name__}", token=made_for)
     if layers and layers != n:
-        raise RematSpecError(f"the plan was made for a model of {layers} {made_for or 'block'}s; "
-                             f"this model runs {n} {cls.__name__} blocks", token=str(layers))
+        raise RematSpecError(f"the plan was made for a model of {layers} blocks"
+                             f"{f' ({made_for})' if made_for else ''}; this model runs {n} "
+                             f"{cls.__name__} blocks")
     if isinstance(spec, tuple) and len(spec) != n:
-        raise RematSpecError(f"{len(spec)} per-layer policies for a model of {n} {cls.__name__} "
-                             "blocks: give one per block", token=str(len(spec)))
+        raise RematSpecError(f"{len(spec)} per-layer policies for a model of {n} blocks "
+                             f"({cls.__name__}): give one per block")
     return layer_policies(spec, n)
 
 

@@ -109,7 +109,7 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1) -> tuple[st
         found = sorted(n for n, v in vars(module).items()
                        if callable(v) and not n.startswith("_")
                        and getattr(v, "__module__", None) == module.__name__)
-        raise ModelError(f"--model {spec!r}: {path} has no {name!r}; its functions: "
+        raise ModelError(f"--model {spec!r}: {path} has no {name!r}; its names: "
                          f"{', '.join(found) or 'none'}")
     if not callable(fn):
         raise ModelError(f"--model {spec!r}: {name} is a {type(fn).__name__}, not a function")
