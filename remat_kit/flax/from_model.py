@@ -395,7 +395,7 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
         return traced_regions.loss(layer_policies(policy, n))
 
     label = name or type(model).__name__
-    notes = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
+    notes = found.notes()
     own = regions.own_remat(traced.jaxpr, KEY)
     if own:  # the model's own remat stays in every program: say so where `none` shows
         notes += (f"already rematerialized: the model runs {own} remat region"

@@ -173,15 +173,11 @@ def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args,
     if isinstance(jax_policy, wrapping.RoleCall) and module.is_initializing():
         jax_policy = jax_policy.policy.to_jax()  # parameters made inside have no roles
     if isinstance(jax_policy, wrapping.RoleCall):
-        try:
-            # Path tags differ per layer; the program does only where a pattern names a path.
-            paths = any("/" in p for p in jax_policy.policy.patterns())
-            key = (cls or type(module), module.path if paths else None, method, jax_policy,
-                   tuple(_init_fields(module, "parent", "name").items()),
-                   repr(rebuild([None] * len(arrays))))
-            hash(key)
-        except TypeError:
-            key = (object(),)  # unhashable fields: traced at each call
+        # Path tags differ per layer; the program does only where a pattern names a path.
+        paths = any("/" in p for p in jax_policy.policy.patterns())
+        key = call_region.key_of(cls or type(module), module.path if paths else None, method,
+                                 jax_policy, tuple(_init_fields(module, "parent", "name").items()),
+                                 repr(rebuild([None] * len(arrays))))
         outs = nn.transforms.lift_transform(
             _role_checkpoint, body, jax_policy, key,
             f"rk.linen ({(cls or type(module)).__name__})", output)(module, *arrays)
@@ -207,7 +203,7 @@ def _role_checkpoint(fn, call, key, where: str, output: dict):
     (parameters first), RNG streams and arrays go in, so dropout masks and mutable
     collections are the plain model's, and its values carry their dataflow roles and
     path tags (`auto_tag()`, as compare's program has them) under `call.policy`.
-    Traced once per `key` and argument structure; `output` (filled by `fn` while it
+    Traced once per `key` (None: at each call) and argument structure; `output` (filled by `fn` while it
     is traced) is kept with the program and restored when a kept one runs."""
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
         # pack's groups: one tuple per filter of one dict per scope, {collection: tree}
@@ -227,11 +223,8 @@ def _role_checkpoint(fn, call, key, where: str, output: dict):
                 y = fn(scope, *a)
             return y, repack_fn(scope)
 
-        try:
-            full = (*key, tree, tuple((x.shape, str(x.dtype)) for x in leaves))
-            hash(full)
-        except TypeError:
-            full = None
+        full = key and call_region.key_of(*key, tree, tuple((x.shape, str(x.dtype))
+                                                             for x in leaves))
 
         def make():
             made = call_region.build(block, leaves, sum(_is_param(p) for p, _ in paths), call,

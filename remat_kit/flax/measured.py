@@ -35,8 +35,7 @@ from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, layer_policies, parse
-from remat_kit.trace import regions, wrapping
-from remat_kit.trace.validate import policy_notes
+from remat_kit.trace import call_region, regions, wrapping
 
 
 def read_plan(path: "str | os.PathLike", budget=None) -> dict:
@@ -113,11 +112,10 @@ def _layers(spec, context: dict, n: int, cls: type) -> tuple[Policy, ...]:
 
 def _warn(layers, program, found, cls) -> None:
     """The notes `compare` prints for these policies on this model, as warnings."""
-    missing = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
     for policy in dict.fromkeys(layers):
-        notes = policy_notes(policy, program.emitted, missing)
-        if notes:
-            warnings.warn(f"rk.remat_model: {policy}: {'; '.join(notes)}", stacklevel=4)
+        line = call_region.policy_line("rk.remat_model", policy, program, found)
+        if line:
+            warnings.warn(line, stacklevel=4)
     own = regions.own_remat(program.closed.jaxpr, from_model.KEY)
     if own:
         warnings.warn(f"rk.remat_model: the model already runs {own} remat region"
@@ -143,21 +141,8 @@ def _program(fn, arrays, num_params: int, cls: type, spec, context):
 
 def _signature(arrays, rebuild, *extra):
     """The program's cache key: shapes, static arguments, `extra`; None if unhashable."""
-    key = (flax_linen._cache_key(arrays, rebuild), *extra)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return None if key[0] is None else key
-
-
-def _once(built: dict, key, make):
-    """`make()`, kept in `built` under `key` (None: an unhashable call, made each time)."""
-    if key is None:
-        return make()
-    if key not in built:
-        built[key] = make()
-    return built[key]
+    shapes = flax_linen._cache_key(arrays, rebuild)
+    return None if shapes is None else call_region.key_of(shapes, *extra)
 
 
 def _linen(model: nn.Module, spec, context, block) -> nn.Module:
@@ -185,7 +170,7 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
             num_params = sum(map(wrapping.is_array, jax.tree.leaves(params)))
             return _program(marked, arrays, num_params, cls, spec, context)
 
-        run, tree = _once(built, _signature(arrays, rebuild, method), make)
+        run, tree = call_region.once(built, _signature(arrays, rebuild, method), make)
         return jax.tree.unflatten(tree, run(*arrays))
 
     sub = flax_nnx._subclass(base, {"apply": apply})
@@ -224,7 +209,7 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
                 num_params = len(jax.tree.leaves(state[0]))
                 return _program(forward, (*leaves, *arrays), num_params, cls, spec, context)
 
-            run, out_tree = _once(built, _signature(arrays, rebuild), make)
+            run, out_tree = call_region.once(built, _signature(arrays, rebuild), make)
             out, new_state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
             nnx.update(self, *new_state)
         return out

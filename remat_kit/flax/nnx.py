@@ -152,12 +152,9 @@ def _role_call(module: nnx.Module, orig: Callable, call, args, kwargs):
                                    call, f"rk.nnx ({type(module).__name__})")
         return region, output
 
-    try:
-        key = (nnx.split(module)[0], tree, tuple((a.shape, str(a.dtype)) for a in arrays),
-               repr(rebuild([None] * len(arrays))), call)
-        hash(key)
-    except TypeError:
-        key = None
+    key = call_region.key_of(nnx.split(module)[0], tree,
+                             tuple((a.shape, str(a.dtype)) for a in arrays),
+                             repr(rebuild([None] * len(arrays))), call)
     region, out = call_region.once(_ROLE_RUNS, key, make)
     region.warn()
     outs, new_state = region.run(*leaves, *arrays)

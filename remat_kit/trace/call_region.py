@@ -61,9 +61,7 @@ def build(fn: Callable, leaves: Sequence, num_params: int, call: wrapping.RoleCa
     program, found = regions.build(closed, None, KEY, num_params)
     if call.validate:
         check_names(call.policy, program.emitted, where=where)
-    missing = tuple(f"{tag}: {why}" for tag, why in sorted(found.missing.items()))
-    notes = policy_notes(call.policy, program.emitted, missing)
-    out = (f"{where}: {call.policy}: {'; '.join(notes)}",) if notes else ()
+    out = tuple(filter(None, [policy_line(where, call.policy, program, found)]))
     own = regions.own_remat(closed.jaxpr, KEY)
     if own:
         out += (f"{where}: the block already runs {own} remat region"
@@ -71,6 +69,22 @@ def build(fn: Callable, leaves: Sequence, num_params: int, call: wrapping.RoleCa
                 "policy's region",)
     run, tree = program.function((call.policy,)), jax.tree.structure(shape)
     return Region(lambda *xs: jax.tree.unflatten(tree, run(*xs)), out)
+
+
+def policy_line(where: str, policy, program: regions.Regions, found) -> str | None:
+    """compare's notes on what `policy` selects in `program` (roles `found`), in one
+    line naming `where`; None where it selects what it names."""
+    notes = policy_notes(policy, program.emitted, found.notes())
+    return f"{where}: {policy}: {'; '.join(notes)}" if notes else None
+
+
+def key_of(*parts):
+    """`parts` as a cache key, or None where one is unhashable (then made each time)."""
+    try:
+        hash(parts)
+    except TypeError:
+        return None
+    return parts
 
 
 def once(built: dict, key, make):
@@ -82,4 +96,4 @@ def once(built: dict, key, make):
     return built[key]
 
 
-__all__ = ["KEY", "Region", "build", "once"]
+__all__ = ["KEY", "Region", "build", "key_of", "once", "policy_line"]

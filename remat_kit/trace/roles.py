@@ -79,6 +79,10 @@ class Roles:
     of: dict
     missing: dict
 
+    def notes(self) -> tuple[str, ...]:
+        """One line per missing tag, sorted: "attn_logits: fused attention ..."."""
+        return tuple(f"{tag}: {why}" for tag, why in sorted(self.missing.items()))
+
 
 def _is_dot(node) -> bool:
     return node is not None and node.prim == "dot_general"
