@@ -8,6 +8,7 @@ gradients equal the plain model's; a Plan, a per-layer list and a plan file appl
 way, and a plan for another model is refused before anything compiles.
 """
 
+import dataclasses
 import importlib
 import json
 import warnings
@@ -181,6 +182,58 @@ def test_a_plan_file_for_another_block_class_is_refused(tmp_path):
                        jax.ShapeDtypeStruct((B, T), "int32"))
 
 
+def _plan_of(work, spec: str) -> dict:
+    """A plan file's contents as `remat-kit plan --json` writes them for `work`."""
+    return {"context": {"block": work.block_name, "num_layers": work.num_layers,
+                        "parameters": work.parameter_count},
+            "budgets": [{"budget": "0.5", "plan": {"spec": spec}}]}
+
+
+def test_a_plan_file_for_the_same_blocks_of_another_width_is_refused(tmp_path):
+    gpt = importlib.import_module("zoo.gpt_linen")
+    wide = gpt.GPT(dataclasses.replace(gpt.GPTConfig(), embed=64))
+    model, params, _ = _make("gpt_linen")
+    work = rk.from_model.workload(wide, B, T)
+    assert (work.block_name, work.num_layers) == ("Block", 2)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan_of(work, "full")))
+    narrow = sum(x.size for x in jax.tree.leaves(params))
+    wrapped = rk.remat_model(model, str(path))
+    with pytest.raises(RematSpecError) as e:
+        jax.eval_shape(lambda p, t: wrapped.apply({"params": p}, t), params,
+                       jax.ShapeDtypeStruct((B, T), "int32"))
+    assert str(e.value) == (f"the plan was made for a model of {work.parameter_count:,} "
+                            f"parameters; this model has {narrow:,} (its 2 Block blocks are "
+                            "another size): plan this model")
+
+
+@pytest.mark.parametrize("spec, lacking", [("save:mlpwi_0,mlpwo", "mlpwi_0"),
+                                           ("save:mlpwi,attn_probs,query_proj", "query_proj")])
+def test_a_plan_file_keeping_tags_the_model_lacks_is_refused(tmp_path, spec, lacking):
+    """GPT-2's MLP is not gated (no mlpwi_0) and its q, k, v are one fused qkv_proj."""
+    model, params, _ = _make("gpt_linen")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan_of(rk.from_model.workload(model, B, T), spec)))
+    wrapped = rk.remat_model(model, str(path))
+    with pytest.raises(RematSpecError) as e:
+        jax.eval_shape(lambda p, t: wrapped.apply({"params": p}, t), params,
+                       jax.ShapeDtypeStruct((B, T), "int32"))
+    assert str(e.value) == (f"the plan keeps tags this model does not emit ({lacking}): it "
+                            "was made for another model; plan this one")
+
+
+def test_a_plan_file_of_presets_on_its_own_model_applies():
+    """`minimal` names kv_proj, qkv_proj and mlpwi_0 beside GPT-2's query/key/value
+    and mlpwi: alternatives, not tags lacking."""
+    model, params, _ = _make("gpt_linen")
+    work = rk.from_model.workload(model, B, T)
+    plan = _plan_of(work, "minimal")
+    loss, args = _wrapped_loss(rk.remat_model(model, plan["budgets"][0]["plan"]
+                                              | {"context": plan["context"]}), work)
+    want, _ = _wrapped_loss(rk.remat_model(model, "minimal"), work)
+    assert _figures(loss, args) == _figures(want, args)
+
+
 @pytest.mark.parametrize("text, message", [
     ("{not json", "is not remat-kit plan --json output"),
     ('{"budgets": [{"budget": "0.5", "plan": {"spec": "full"}}, '
@@ -229,13 +282,24 @@ def test_user_text_in_a_title_is_not_markup(capsys):
     assert ":llama" in out and ":smile:" in out and "[bold]" in out
 
 
-def test_plan_prints_a_preset_s_note_not_only_in_json(capsys):
+def test_plan_json_round_trips_to_the_model_and_prints_a_preset_s_note(capsys, tmp_path):
     from remat_kit.cli import commands as cli
-    assert cli.main(["plan", "--model", "tests/zoo/gpt_linen.py:model", "--batch", "2",
-                     "--seq", "8", "--budgets", "0.9", "--cache", "",
+    path = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", "tests/zoo/gpt_linen.py:model", "--batch", str(B),
+                     "--seq", str(T), "--budgets", "0.9", "--cache", "", "--json", str(path),
                      "--presets", "none,full,save:mlpwi_0"]) == 0
     err = capsys.readouterr().err
     assert "note: save:mlpwi_0: none of the tags this policy keeps (mlpwi_0)" in err
+    model, params, _ = _make("gpt_linen")
+    work = rk.from_model.workload(model, B, T)
+    doc = json.loads(path.read_text())
+    assert {k: doc["context"][k] for k in ("block", "num_layers", "parameters")} == {
+        "block": "Block", "num_layers": 2,
+        "parameters": sum(x.size for x in jax.tree.leaves(params))}
+    [entry] = doc["budgets"]
+    loss, args = _wrapped_loss(rk.remat_model(model, str(path)), work)
+    assert _figures(loss, args) == (entry["plan"]["measured_bytes"],
+                                    entry["plan"]["measured_flops"])
 
 
 @pytest.mark.remat_modes

@@ -454,6 +454,7 @@ def _plan(args) -> int:
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
                "block": work.block_name, "num_layers": work.num_layers,
+               "parameters": work.parameter_count,
                "offload_probe": (probe := planner.offload_probe) and {
                    **dataclasses.asdict(probe), "figure": probe.figure}}
     if args.json is not None:

@@ -411,7 +411,7 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                     resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh,
                                                  vocab_chunks=vocab_chunks),
                     per_device=local, mesh=mesh, num_layers=n, notes=notes,
-                    block_name=cls.__name__,
+                    block_name=cls.__name__, parameter_count=traced_regions.parameter_count,
                     block=traced_regions.block)
 
 

@@ -35,7 +35,7 @@ from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, layer_policies, parse
-from remat_kit.trace import call_region, regions, wrapping
+from remat_kit.trace import call_region, regions, validate, wrapping
 
 
 def read_plan(path: "str | os.PathLike", budget=None) -> dict:
@@ -93,9 +93,10 @@ def _spec_of(policy, budget):
                     f"JSON file, got {type(policy).__name__} {policy!r:.80}")
 
 
-def _layers(spec, context: dict, n: int, cls: type) -> tuple[Policy, ...]:
+def _layers(spec, context: dict, program: regions.Regions, cls: type) -> tuple[Policy, ...]:
     """One Policy per block; RematSpecError, naming what differs, where a plan or list
-    was made for another model (layer count, block class)."""
+    was made for another model (layer count, block class, parameters, tags)."""
+    n = program.num_layers
     made_for, layers = context.get("block"), context.get("num_layers")
     if made_for and made_for != cls.__name__:
         raise RematSpecError(f"the plan was made for blocks of class {made_for}; this model's "
@@ -104,10 +105,22 @@ def _layers(spec, context: dict, n: int, cls: type) -> tuple[Policy, ...]:
         raise RematSpecError(f"the plan was made for a model of {layers} blocks"
                              f"{f' ({made_for})' if made_for else ''}; this model runs {n} "
                              f"{cls.__name__} blocks")
+    count = context.get("parameters")
+    if count and count != program.parameter_count:
+        raise RematSpecError(f"the plan was made for a model of {count:,} parameters; this "
+                             f"model has {program.parameter_count:,} (its {n} {cls.__name__} "
+                             "blocks are another size): plan this model")
     if isinstance(spec, tuple) and len(spec) != n:
         raise RematSpecError(f"{len(spec)} per-layer policies for a model of {n} blocks "
                              f"({cls.__name__}): give one per block")
-    return layer_policies(spec, n)
+    policies = layer_policies(spec, n)
+    # A plan keeps only tags its model emitted: one this model lacks means another model.
+    lacking = sorted({p for policy in policies for p in validate.lacking(policy, program.emitted)})
+    if context and lacking:
+        raise RematSpecError(f"the plan keeps tags this model does not emit "
+                             f"({', '.join(lacking)}): it was made for another model; "
+                             "plan this one")
+    return policies
 
 
 def _warn(layers, program, found, cls) -> None:
@@ -134,7 +147,7 @@ def _program(fn, arrays, num_params: int, cls: type, spec, context):
         raise UnknownModuleError(cls.__name__, [cls.__name__],
                                  message="the block class is instantiated but never called "
                                          "by the model's __call__; name another with block=")
-    layers = _layers(spec, context, program.num_layers, cls)
+    layers = _layers(spec, context, program, cls)
     _warn(layers, program, found, cls)
     return program.function(layers), jax.tree.structure(shape)
 

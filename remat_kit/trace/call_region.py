@@ -87,13 +87,23 @@ def key_of(*parts):
     return parts
 
 
+# Programs kept per cache: a long-lived process (a notebook, a sweep over shapes) keeps the
+# most recently used ones, not every traced jaxpr it ever made.
+KEPT = 64
+
+
 def once(built: dict, key, make):
-    """`make()`, kept in `built` under `key` (None: an unhashable call, made each time)."""
+    """`make()`, kept in `built` under `key` (None: an unhashable call, made each time);
+    past `KEPT` entries the least recently used one is dropped."""
     if key is None:
         return make()
-    if key not in built:
-        built[key] = make()
-    return built[key]
+    if key in built:
+        built[key] = built.pop(key)  # now the most recently used
+        return built[key]
+    built[key] = made = make()
+    if len(built) > KEPT:
+        del built[next(iter(built))]
+    return made
 
 
 __all__ = ["KEY", "Region", "build", "key_of", "once", "policy_line"]

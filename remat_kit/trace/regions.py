@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -341,6 +342,8 @@ class Regions:
         to resolve globs against.
       num_params: how many of the jaxpr's inputs are parameter leaves (the
         first ones).
+      parameter_count: the scalars in those leaves, e.g. 1,234,688: a plan
+        records it, so it is refused on another model of the same blocks.
     """
 
     closed: ClosedJaxpr
@@ -350,6 +353,10 @@ class Regions:
     roles: Mapping
     emitted: tuple[str, ...]
     num_params: int = 0
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(math.prod(a.shape) for a in self.closed.in_avals[:self.num_params])
 
     @functools.cached_property
     def _first_block(self):

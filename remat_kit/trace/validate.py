@@ -172,6 +172,17 @@ _ALTERNATIVES = ({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"}
                  {"mlpwi", "mlpwi_0", "mlpwi_1"})
 
 
+def lacking(policy: Policy, emitted: Sequence[str]) -> list[str]:
+    """The patterns `policy` saves or offloads that match no tag in `emitted`,
+    sorted, leaving out those the policy names an emitted alternative of
+    (`minimal`'s kv_proj beside key_proj/value_proj, mlpwi_0 beside mlpwi): what
+    the model lacks of what the policy means to keep."""
+    kept = {*policy.save, *policy.offload}
+    matched = {p for p in kept if any(fnmatch.fnmatchcase(t, p) for t in emitted)}
+    return sorted(p for p in kept - matched
+                  if not next((f for f in _ALTERNATIVES if p in f), set()) & matched)
+
+
 def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str]) -> tuple:
     """Lines saying where a policy's names select nothing the loss emits.
 
@@ -200,4 +211,4 @@ def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str])
     return tuple(out)
 
 
-__all__ = ["check_names", "emitted_tags", "policy_notes", "tag_aliases", "tag_of", "validate"]
+__all__ = ["check_names", "emitted_tags", "lacking", "policy_notes", "tag_aliases", "tag_of", "validate"]

@@ -59,6 +59,9 @@ class Workload:
       block_name: the class name of the blocks (`num_layers` of them), e.g.
         "DecoderLayer"; a plan made on this workload names it, so it is refused
         on a model of other blocks (`rk.remat_model`).
+      parameter_count: the scalars in the parameters the blocks were found in,
+        e.g. 1,234,688; a plan made on this workload records it, so it is
+        refused on another model of the same blocks and layer count.
       size_bound: (vary, fixed, budget_bytes, floor_bytes, platform) ->
         (size, exact): the largest batch (vary="batch") or seq whose train
         step might fit budget_bytes per device and compile, exact when the
@@ -80,6 +83,7 @@ class Workload:
     notes: tuple[str, ...] = ()
     size_bound: Callable[[str, int, int, int, str], tuple[int, bool]] | None = None
     block_name: str | None = None
+    parameter_count: int | None = None
 
     @property
     def params(self):
