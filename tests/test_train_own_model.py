@@ -90,6 +90,22 @@ def minimal(files, tmp_path_factory):
     return workdir, train.train_and_evaluate(_config(files), str(workdir))
 
 
+def test_the_step_0_line_says_the_figure_is_fits_with_the_optimizer_update():
+    predicted = stepping.StepMemory(
+        total_bytes=3 << 20, source="peak_memory_in_bytes", params_bytes=1 << 20,
+        grads_bytes=1 << 20, opt_state_bytes=0, other_bytes=1 << 20, temp_size_in_bytes=1 << 20,
+        argument_size_in_bytes=None, output_size_in_bytes=None, alias_size_in_bytes=None,
+        peak_memory_in_bytes=None, flops=7.0, compile_seconds=0.1)
+    line, entry = own_model.check_line({"temp_size_in_bytes": 1 << 20,
+                                        "step_bytes": (3 << 20) + 12}, predicted, step=4)
+    assert line == ("step 4: compiled train step (value, grad and optimizer update) temp "
+                    "1.000 MiB, in use 3.000 MiB; predicted (remat_kit.decide.step, as fit "
+                    "prices it: same policy, shape and optimizer) temp 1.000 MiB, in use "
+                    "3.000 MiB: temp equal")
+    assert entry == {"temp_size_in_bytes": 1 << 20, "step_bytes": 3 << 20, "flops": 7.0,
+                     "temp_equal": True}
+
+
 def test_compiled_step_equals_step_memory_prediction(files, minimal):
     _, summary = minimal
     predicted = _prediction(_config(files))
