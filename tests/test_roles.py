@@ -115,6 +115,19 @@ def test_zoo_roles_per_block(zoo, name):
     assert PRIMS[name] <= prims_of(jaxpr.jaxpr)
 
 
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_a_batch_of_one_has_the_same_roles(name):
+    """At batch 1 jnp.matmul squeezes the batch axis and broadcasts it back (a
+    broadcast_in_dim adding a size-1 axis before the output projection): out_proj
+    must still be found, and every other role, in the same count."""
+    if name == "nano_moe":
+        pytest.importorskip("nano_moe", reason="nano-moe-jax (requirements.txt) not installed")
+    _, params, fwd = importlib.import_module(f"tests.zoo.{name}").make(1, T, abstract=True)
+    jaxpr = jax.make_jaxpr(fwd)(params, jnp.zeros((1, T), jnp.int32))
+    roles = infer_roles(jaxpr, [True] * len(jax.tree.leaves(params)) + [False])
+    assert collections.Counter(roles.of.values()) == {t: n for t, (n, _) in EXPECTED[name].items()}
+
+
 @pytest.mark.parametrize("name", ["gpt_linen", "llama_nnx", "gemma_linen", "hf_llama_linen"])
 def test_projections_are_param_matmuls(zoo, name):
     """Each projection role sits on a dot_general (or its bias add); a rotated query or

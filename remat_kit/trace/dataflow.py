@@ -15,6 +15,8 @@ parameter is a parameter; carries are new values.
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -95,6 +97,8 @@ class Graph:
             tag = tag_of(eqn)
             if tag is not None:  # checkpoint_name, a hi-primitive under jax_remat3 too
                 name, params = "name", {"name": tag}
+            if name == "broadcast_in_dim" and _adds_unit_axes(eqn):
+                name = "reshape"  # jnp.matmul's re-broadcast of a size-1 batch: the same values
             sub = params.get(CALLS.get(name, ""))
             inner = getattr(sub, "jaxpr", sub)
             if (isinstance(inner, jcore.Jaxpr) and len(inner.invars) == len(ins)
@@ -210,6 +214,16 @@ def _reshape_axes(in_shape, out_shape, axes: set) -> set:
         found |= {j for j, (l2, h2) in enumerate(ib)
                   if in_shape[j] > 1 and l2 >= lo and h2 <= hi}
     return found
+
+
+def _adds_unit_axes(eqn) -> bool:
+    """Whether a broadcast_in_dim only inserts size-1 axes (a reshape: the same values
+    in the same order), as jnp.matmul does after squeezing a batch of 1."""
+    (x,), (out,) = eqn.invars, eqn.outvars
+    dims = eqn.params["broadcast_dimensions"]
+    return (math.prod(x.aval.shape) == math.prod(out.aval.shape)
+            and list(dims) == sorted(dims)
+            and all(out.aval.shape[d] == n for d, n in zip(dims, x.aval.shape)))
 
 
 def axes_back(node, out_val, in_val, axes: set) -> set:
