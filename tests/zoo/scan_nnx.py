@@ -3,7 +3,8 @@
 The blocks are made by `nnx.vmap` under `nnx.split_rngs` (one module, each
 parameter stacked on a leading layer axis) and run by `nnx.scan` with the
 residual stream as its carry; one fused qkv projection. `scan=False` keeps the
-same blocks in an `nnx.List` run by a Python loop.
+same blocks in an `nnx.List` run by a Python loop; `remat=True` runs each scanned
+layer under `nnx.remat` (nothing saved), as the Flax guide's scan-over-layers does.
 
 tokens int32 [batch, seq] -> logits float32 [batch, seq, vocab].
 """
@@ -37,8 +38,8 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(self, scan: bool = True, *, rngs: nnx.Rngs):
-        self.scan = scan
+    def __init__(self, scan: bool = True, *, remat: bool = False, rngs: nnx.Rngs):
+        self.scan, self.remat = scan, remat
         self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
         if scan:
             @nnx.split_rngs(splits=LAYERS)
@@ -53,9 +54,13 @@ class GPT(nnx.Module):
     def __call__(self, tokens):
         x = self.embed(tokens)
         if self.scan:
+            call = lambda x, block: block(x)  # noqa: E731
+            if self.remat:
+                call = nnx.remat(call, policy=jax.checkpoint_policies.nothing_saveable)
+
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def run(x, block):
-                return block(x)
+                return call(x, block)
             x = run(x, self.blocks)
         else:
             for block in self.blocks:
@@ -63,6 +68,6 @@ class GPT(nnx.Module):
         return self.head(x)
 
 
-def model(scan: bool = True) -> GPT:
+def model(scan: bool = True, remat: bool = False) -> GPT:
     """Abstract (ShapeDtypeStruct parameters), for `--model tests/zoo/scan_nnx.py:model`."""
-    return nnx.eval_shape(lambda: GPT(scan, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: GPT(scan, remat=remat, rngs=nnx.Rngs(0)))
