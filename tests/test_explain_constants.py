@@ -21,6 +21,7 @@ from remat_kit.policy.spec import parse
 
 GEMMA = importlib.import_module("tests.zoo.gemma_linen")  # rotary from position ids, a mask
 HF_LLAMA = importlib.import_module("tests.zoo.hf_llama_linen")  # a numpy rotary table
+TABLE = importlib.import_module("tests.zoo.table_linen")  # a table passed to each block
 SIN_COS = [("cos", (2, 16, 1, 4), "float32"), ("sin", (2, 16, 1, 4), "float32")] * 2
 MASK = [("broadcast_in_dim", (2, 16, 4, 16), "bool"),  # the causal mask per head
         ("broadcast_in_dim", (2, 16, 4, 16), "float32")]  # and its fill
@@ -70,6 +71,20 @@ def test_a_numpy_rotary_table_is_a_constant():
         "decoder_layer_input", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1")}
     assert minimal.saved_bytes == 32 * 1024  # 36.00 KiB with the table counted
     assert minimal.constant_bytes == 2 * 2 * 16 * 4 + 64 * 16 * 4
+
+
+@pytest.mark.parametrize("table", ["jnp", "numpy"])
+def test_a_table_built_before_the_blocks_is_a_constant(table):
+    """A sin/cos table the model builds once with jnp from an iota and passes to each
+    block is a constant of the loss, as the same table built in numpy is: no layer's
+    input, so neither it nor the halves of q and k its cotangent would need are
+    counted per layer (154.00 KiB a layer before, with jnp)."""
+    work = model_workload(TABLE.LM(table=table), 2, 16)
+    none = explain("none", work)
+    assert [c for c in _constants(none) if c[1] == (1, 16, 1, 4)] == [
+        ("constant", (1, 16, 1, 4), "float32")] * 2
+    assert not [r for r in none.rows if r.kind == "argument" and r.decision == "saved"]
+    assert none.saved_bytes == 145.5 * 1024
 
 
 def test_reference_llama_rotary_table_is_a_constant():

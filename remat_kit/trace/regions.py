@@ -247,9 +247,29 @@ def _flag(flags: Mapping, v) -> bool:
 
 def _value(known: Mapping, v):
     """The concrete value of `v` where it is a literal or one of the loss's constants
-    (a jaxpr const: an array the model built in numpy, e.g. a rotary table), else None.
-    Values computed from constants (a table built with jnp) are not evaluated here."""
+    (a jaxpr const: an array the model built in numpy, e.g. a rotary table, or one
+    `_fold` computed), else None."""
     return v.val if isinstance(v, Literal) else known.get(v)
+
+
+# Tables up to this many values are folded (16 MiB of float32): a rotary sin/cos table,
+# a causal mask at a training length. Bigger ones stay inputs of each layer.
+_FOLD_VALUES = 1 << 22
+
+
+def _fold(eqn, known: dict) -> None:
+    """Puts `eqn`'s outputs in `known`, evaluated, where every input is known: a table
+    the model builds with jnp from an iota (`jnp.arange`, sin, cos, jit-ed helpers
+    included) before its blocks is a constant of the loss, as a numpy one is."""
+    if (eqn.effects or region(eqn) is not None or eqn.primitive.name == "scan"
+            or sum(math.prod(v.aval.shape) for v in eqn.outvars) > _FOLD_VALUES):
+        return
+    values = [_value(known, v) for v in eqn.invars]
+    if any(x is None for x in values):
+        return
+    with jax.ensure_compile_time_eval():
+        outs = eqn.primitive.bind(*values, **eqn.params)
+    known.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
 
 
 def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
@@ -265,6 +285,7 @@ def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
                     [_value(known, v) for v in eqn.invars])
         for v in eqn.outvars:
             flags[v] = derives_from_params(eqn, flags)
+        _fold(eqn, known)
         if eqn.primitive.name in _CALLS or r is not None:
             closed = r[0] if r is not None else eqn.params.get("jaxpr",
                                                                eqn.params.get("call_jaxpr"))
