@@ -73,13 +73,15 @@ def test_a_numpy_rotary_table_is_a_constant():
     assert minimal.constant_bytes == 2 * 2 * 16 * 4 + 64 * 16 * 4
 
 
+@pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("table", ["jnp", "numpy"])
-def test_a_table_built_before_the_blocks_is_a_constant(table):
+def test_a_table_built_before_the_blocks_is_a_constant(table, scan):
     """A sin/cos table the model builds once with jnp from an iota and passes to each
-    block is a constant of the loss, as the same table built in numpy is: no layer's
-    input, so neither it nor the halves of q and k its cotangent would need are
-    counted per layer (154.00 KiB a layer before, with jnp)."""
-    work = model_workload(TABLE.LM(table=table), 2, 16)
+    block (or nn.scan broadcasts to each trip) is a constant of the loss, as the same
+    table built in numpy is: no layer's input, so neither it nor the halves of q and k
+    its cotangent would need are counted per layer (154.00 KiB a layer before, with jnp,
+    and scanned with either table)."""
+    work = model_workload(TABLE.LM(table=table, scan=scan), 2, 16)
     none = explain("none", work)
     assert [c for c in _constants(none) if c[1] == (1, 16, 1, 4)] == [
         ("constant", (1, 16, 1, 4), "float32")] * 2

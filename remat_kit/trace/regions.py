@@ -276,7 +276,8 @@ def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
     """(inner jaxpr, consts, is-parameter per inner input, constant value or None per
     inner input) of the first marked region, looking into jit-ed calls and scan bodies;
     None if there is none. `known`: the concrete values of `jaxpr`'s constants (its
-    constvars), passed on into calls."""
+    constvars) and of what `_fold` computes from them, passed on into calls and into
+    scans' broadcast inputs."""
     known = {} if known is None else known
     for eqn in jaxpr.eqns:
         r = region(eqn)
@@ -296,10 +297,14 @@ def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
             sub_known.update(zip(inner.constvars, getattr(closed, "consts", ())))
             found = _first_block(inner, key, sub, sub_known)
         elif eqn.primitive.name == "scan":  # a carry is never a parameter
-            body, _, nc, ncarry = scan_parts(eqn)
+            body, consts, nc, ncarry = scan_parts(eqn)
             sub = {iv: _flag(flags, ov) and not nc <= i < nc + ncarry
                    for i, (iv, ov) in enumerate(zip(body.invars, eqn.invars))}
-            found = _first_block(body, key, sub)
+            # What the scan broadcasts to every trip (its consts) keeps a known value.
+            sub_known = {iv: x for iv, ov in zip(body.invars[:nc], eqn.invars[:nc])
+                         if (x := _value(known, ov)) is not None}
+            sub_known.update(zip(body.constvars, consts))
+            found = _first_block(body, key, sub, sub_known)
         else:
             continue
         if found is not None:

@@ -1,7 +1,8 @@
 """A linen LM whose rotary sin/cos table is built once before its blocks and passed to each.
 
 `LM(table="jnp")` builds it with jnp from an iota in `__call__` (a computed value of
-the traced loss); `LM(table="numpy")` in numpy (a constant of it). The same model
+the traced loss); `LM(table="numpy")` in numpy (a constant of it); `scan=True` runs
+the blocks as one `nn.scan`, the table broadcast to every layer. The same model
 otherwise: tokens int32 [batch, seq] -> logits float32 [batch, seq, vocab].
 """
 
@@ -32,8 +33,17 @@ class Block(nn.Module):
         y = nn.RMSNorm()(x)
         return x + nn.Dense(d, name="wo")(nn.gelu(nn.Dense(4 * d, name="wi")(y)))
 
+class Scanned(nn.Module):
+    """The block as nn.scan runs it: (carry, broadcast inputs) -> (carry, None)."""
+
+    @nn.compact
+    def __call__(self, x, sin, cos):
+        return Block(name="block")(x, sin, cos), None
+
+
 class LM(nn.Module):
     table: str = "jnp"
+    scan: bool = False
 
     @nn.compact
     def __call__(self, tokens):
@@ -44,7 +54,11 @@ class LM(nn.Module):
         sin, cos = xp.sin(ang), xp.cos(ang)
         emb = nn.Embed(V, D)
         x = emb(tokens)
-        for i in range(L):
+        if self.scan:
+            stack = nn.scan(Scanned, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=L, in_axes=(nn.broadcast, nn.broadcast))
+            x, _ = stack(name="b")(x, sin, cos)
+        for i in range(0 if self.scan else L):
             x = Block(name=f"b{i}")(x, sin, cos)
         return emb.attend(x)
 
