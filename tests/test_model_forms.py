@@ -17,7 +17,7 @@ from remat_kit.flax.from_model import logits_of, next_token_loss
 from remat_kit.measure import lowering
 from remat_kit.trace import regions
 from remat_kit.trace.roles import ROLES
-from tests.zoo import scan_linen, scan_nnx, softmax_linen
+from tests.zoo import encdec_linen, scan_linen, scan_nnx, softmax_linen
 
 B, T = 2, 8
 
@@ -145,6 +145,29 @@ def test_a_scanned_nnx_stack_that_remats_each_layer_runs_what_compare_measured()
     # (the wrapper) is inside them and cannot (docs/wrappers.md).
     assert [m for m in said["remat_model"] if "already runs 2 remat regions" in m]
     assert said["apply_remat"] == []
+
+
+def test_a_second_repeated_block_class_left_without_remat_is_named():
+    """An encoder-decoder: the decoder layers are the block; the encoder layers run
+    without remat under every policy, and every report and rk.remat_model say so."""
+    model = encdec_linen.model()
+    work = rk.from_model.workload(model, B, T)
+    assert (work.block_name, work.num_layers) == ("DecoderLayer", 2)
+    line = ("EncoderLayer x2: another repeated block class, outside the DecoderLayer blocks: "
+            "it runs without remat under every policy here; measure it with --block "
+            "EncoderLayer (block=)")
+    assert line in work.notes
+    other = rk.from_model.workload(model, B, T, block="EncoderLayer")
+    assert other.num_layers == 2 and [n for n in other.notes if "repeated block" in n] == [
+        line.replace("Encoder", "@").replace("Decoder", "Encoder").replace("@", "Decoder")]
+    params = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((B, T), "int32"))
+    wrapped = rk.remat_model(model, "minimal")
+    with pytest.warns(UserWarning) as caught:
+        jax.eval_shape(wrapped.apply, params, jax.ShapeDtypeStruct((B, T), "int32"))
+    assert f"rk.remat_model: {line}" in [str(w.message) for w in caught]
+    # A model of one block class (and its submodules inside it) gets no such note.
+    assert not [n for n in rk.from_model.workload(scan_linen.GPT(), B, T).notes
+                if "repeated block" in n]
 
 
 def _named_after(work, tags=("query_proj", "key_proj")) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+from typing import NamedTuple
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -89,17 +90,34 @@ def next_token_loss(logits, tokens, vocab_chunks: int = 1):
         raise ModelError(str(e)) from None
 
 
-def pick_block(instances: dict[tuple, list], block,
-               copies: dict | None = None) -> tuple[type, int]:
+class Pick(NamedTuple):
+    """The block class `pick_block` found, how many layers run it, and the other
+    repeated block classes outside its blocks ("EncoderLayer x2"): those run without
+    remat under every policy, so the reports say so."""
+
+    cls: type
+    count: int
+    others: tuple[str, ...]
+
+
+def pick_block(instances: dict[tuple, list], block, copies: dict | None = None) -> Pick:
     """The block class and its count, from {(class, structure, size): [instance ids]}
     and {instance id: layers it runs} (`copies`: a scanned stack's one instance runs
-    its scan's length of layers; default 1 each).
+    its scan's length of layers; default 1 each), and the other block classes.
 
     Raises:
       UnknownModuleError: `block` names no class of the model, or no class that
         holds submodules (layers of its own) is instantiated twice with one structure.
     """
     classes = {cls.__name__: cls for cls, _, _ in instances}
+    paths = {tuple(p) for ids in instances.values() for p in ids}
+
+    def composite(path) -> bool:  # holds modules of its own: a block, not a Dense or a norm
+        return any(_inside(q, path) for q in paths)
+
+    def count(ids) -> int:
+        return sum((copies or {}).get(tuple(i), 1) for i in ids)
+
     if block is not None:
         name = block if isinstance(block, str) else getattr(block, "__name__", str(block))
         hits = [(len(ids), cls) for (cls, _, _), ids in instances.items()
@@ -107,21 +125,16 @@ def pick_block(instances: dict[tuple, list], block,
         if not hits:
             raise UnknownModuleError(name, sorted(classes),
                                      message="the block class matches no module of the model")
-        count, cls = max(hits, key=lambda h: h[0])
-        return cls, count
-    paths = {tuple(p) for ids in instances.values() for p in ids}
-
-    def composite(path) -> bool:  # holds modules of its own: a block, not a Dense or a norm
-        return any(len(q) > len(path) and q[:len(path)] == path for q in paths)
-
+        n, cls = max(hits, key=lambda h: h[0])
+        return Pick(cls, n, _others(instances, cls, composite, count))
     best = None
     for (cls, _, size), ids in instances.items():
-        count = sum((copies or {}).get(tuple(i), 1) for i in ids)
-        if count < 2 or not composite(tuple(ids[0])):
+        n = count(ids)
+        if n < 2 or not composite(tuple(ids[0])):
             continue
-        rank = (len(ids) * size, -count)  # most parameters covered, then the outermost
+        rank = (len(ids) * size, -n)  # most parameters covered, then the outermost
         if best is None or rank > best[0]:
-            best = (rank, cls, count)
+            best = (rank, cls, n)
     if best is None:
         raise UnknownModuleError(
             None, sorted(classes),
@@ -129,7 +142,37 @@ def pick_block(instances: dict[tuple, list], block,
                     "parameter structure, so there is no repeated block (a one-layer model?); "
                     "name the block with --block NAME (block=) or give a function "
                     "(batch, seq) -> rk.Workload")
-    return best[1], best[2]
+    return Pick(best[1], best[2], _others(instances, best[1], composite, count))
+
+
+def unremat_note(others: tuple[str, ...], cls: type) -> tuple[str, ...]:
+    """The reports' note on the repeated blocks of other classes (`Pick.others`)."""
+    if not others:
+        return ()
+    one = len(others) == 1
+    return (f"{', '.join(others)}: {'another repeated block class' if one else 'other repeated '
+            'block classes'}, outside the {cls.__name__} blocks: {'it runs' if one else 'they '
+            'run'} without remat under every policy here; measure {'it' if one else 'one'} "
+            f"with --block {others[0].split()[0]} (block=)",)
+
+
+def _inside(path: tuple, outer: tuple) -> bool:
+    return len(path) > len(outer) and path[:len(outer)] == outer
+
+
+def _others(instances, cls, composite, count) -> tuple[str, ...]:
+    """"NAME xN" of each other repeated block class with instances neither inside nor
+    around a `cls` block, outermost ones only (an encoder's layers beside a decoder's)."""
+    chosen = [tuple(p) for (c, _, _), ids in instances.items() if c is cls for p in ids]
+    apart = {}
+    for (c, _, _), ids in instances.items():
+        out = [tuple(p) for p in ids if c is not cls and not any(
+            _inside(tuple(p), q) or _inside(q, tuple(p)) for q in chosen)]
+        if count(out) >= 2 and composite(out[0]):
+            apart.setdefault(c, []).extend(out)
+    outer = [p for ps in apart.values() for p in ps]
+    return tuple(f"{c.__name__} x{count(ps)}" for c, ps in apart.items()
+                 if not any(_inside(p, q) for p in ps for q in outer))
 
 
 def _structure(tree) -> tuple[object, int]:
@@ -207,7 +250,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     instances, copies, variables = _linen_instances(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens)
-    cls, _ = pick_block(instances, block, copies)
+    cls, _, others = pick_block(instances, block, copies)
     params = variables["params"]  # boxed with logical axes where the model names them
     rest = {k: v for k, v in variables.items() if k != "params"}
 
@@ -217,7 +260,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return cls, marked, (params, tokens, nn.unbox(rest))
+    return cls, marked, (params, tokens, nn.unbox(rest)), others
 
 
 def _on_mesh(args, mesh):
@@ -284,7 +327,7 @@ def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
     return {tuple(p): _stacked(w, seen.get(tuple(p), w)) for p, w in whole.items()}
 
 
-def nnx_block(model: nnx.Module, block, *args, **kwargs) -> type:
+def nnx_block(model: nnx.Module, block, *args, **kwargs) -> Pick:
     """The block class of `model` (`pick_block`); a stack held by one module (a scan)
     is counted by one abstract forward `model(*args, **kwargs)`."""
     instances = collections.defaultdict(list)
@@ -297,7 +340,7 @@ def nnx_block(model: nnx.Module, block, *args, **kwargs) -> type:
     singles = {ids[0] for ids in instances.values() if len(ids) == 1  # composite ones
                and any(len(q) > len(ids[0]) and q[:len(ids[0])] == ids[0] for q in every)}
     copies = _nnx_copies(model, singles, *args, **kwargs) if singles else {}
-    return pick_block(instances, block, copies)[0]
+    return pick_block(instances, block, copies)
 
 
 def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
@@ -312,7 +355,7 @@ def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
 
 def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    cls = nnx_block(model, block, tokens)
+    cls, _, others = nnx_block(model, block, tokens)
     graphdef, params, rest = nnx.split(nnx_marked(model, cls), nnx.Param, ...)
     abstract = lambda s: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s)
@@ -321,7 +364,7 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) 
         out = nnx.merge(graphdef, params, rest)(tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
-    return cls, marked, (abstract(params), tokens, abstract(rest))
+    return cls, marked, (abstract(params), tokens, abstract(rest)), others
 
 
 # ---------------------------------------------------------------------------
@@ -367,9 +410,9 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                          f"{rk_mesh.axis_size(mesh, 'batch')} data x fsdp devices of mesh "
                          f"{rk_mesh.spec_text(mesh)}")
     if isinstance(model, nnx.Module):
-        cls, marked, args = _nnx(model, batch, seq, block, vocab_chunks)
+        cls, marked, args, others = _nnx(model, batch, seq, block, vocab_chunks)
     elif isinstance(model, nn.Module) and not isinstance(model, type):
-        cls, marked, args = _linen(model, batch, seq, block, vocab_chunks)
+        cls, marked, args, others = _linen(model, batch, seq, block, vocab_chunks)
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
@@ -402,6 +445,7 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                   f"{'s' if own > 1 else ''} of its own (nn.remat / nnx.remat / "
                   f"jax.checkpoint) in or around its {n} {cls.__name__} blocks, and they stay "
                   "under every policy: `none` here is not no remat",)
+    notes += unremat_note(others, cls)
     local = None
     if sharded is not None:  # what one device runs: its share of the batch, whole parameters
         one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls,
@@ -432,4 +476,5 @@ def trace(fn: Callable, args, mesh=None):
     return traced, shape
 
 
-__all__ = ["ModelError", "logits_of", "next_token_loss", "pick_block", "workload"]
+__all__ = ["ModelError", "Pick", "logits_of", "next_token_loss", "pick_block", "unremat_note",
+           "workload"]

@@ -137,7 +137,7 @@ def _warn(layers, program, found, cls) -> None:
                       "remat here", stacklevel=4)
 
 
-def _program(fn, arrays, num_params: int, cls: type, spec, context):
+def _program(fn, arrays, num_params: int, cls: type, spec, context, others=()):
     """(run(*arrays) -> flat outputs, output tree) of `fn(*arrays)` with its `cls`
     blocks under the policy; `fn` marks the blocks."""
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
@@ -149,6 +149,8 @@ def _program(fn, arrays, num_params: int, cls: type, spec, context):
                                          "by the model's __call__; name another with block=")
     layers = _layers(spec, context, program, cls)
     _warn(layers, program, found, cls)
+    for note in from_model.unremat_note(others, cls):
+        warnings.warn(f"rk.remat_model: {note}", stacklevel=3)
     return program.function(layers), jax.tree.structure(shape)
 
 
@@ -174,14 +176,14 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
         def make():
             instances, copies, _ = from_model._linen_instances(self, call, *arrays,
                                                                   params=params)
-            cls, _ = from_model.pick_block(instances, block, copies)
+            cls, _, others = from_model.pick_block(instances, block, copies)
 
             def marked(*xs):
                 with from_model.marking_linen(cls):
                     return call(*xs)
 
             num_params = sum(map(wrapping.is_array, jax.tree.leaves(params)))
-            return _program(marked, arrays, num_params, cls, spec, context)
+            return _program(marked, arrays, num_params, cls, spec, context, others)
 
         run, tree = call_region.once(built, _signature(arrays, rebuild, method), make)
         return jax.tree.unflatten(tree, run(*arrays))
@@ -211,7 +213,7 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
             leaves, tree = jax.tree.flatten(state)
 
             def make():
-                cls = from_model.nnx_block(self, block, *args, **kwargs)
+                cls, _, others = from_model.nnx_block(self, block, *args, **kwargs)
                 graphdef = nnx.split(from_model.nnx_marked(self, cls))[0]
 
                 def forward(*xs):  # state leaves, then the call's arrays
@@ -220,7 +222,8 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
                     return module(*a, **kw), nnx.state(module, nnx.Param, ...)
 
                 num_params = len(jax.tree.leaves(state[0]))
-                return _program(forward, (*leaves, *arrays), num_params, cls, spec, context)
+                return _program(forward, (*leaves, *arrays), num_params, cls, spec, context,
+                                others)
 
             run, out_tree = call_region.once(built, _signature(arrays, rebuild), make)
             out, new_state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
