@@ -150,6 +150,17 @@ def test_a_plan_applies_as_it_was_verified(tmp_path):
     plan = rk.Planner(work, cache=None).plan(0.85)
     loss, args = _wrapped_loss(rk.remat_model(model, plan), work)
     assert _figures(loss, args) == (plan.measured_bytes, plan.measured_flops)
+    assert plan.model == {"block": "Block", "num_layers": 2,
+                          "parameters": work.parameter_count}
+    # The same blocks, wider: the Plan object is refused as its file would be.
+    gpt = importlib.import_module("zoo.gpt_linen")
+    wide = gpt.GPT(dataclasses.replace(gpt.GPTConfig(), embed=64))
+    wide_params = jax.eval_shape(wide.init, jax.random.key(0), jax.ShapeDtypeStruct((B, T),
+                                                                                   "int32"))
+    with pytest.raises(RematSpecError, match=f"made for a model of {work.parameter_count:,} "
+                                             "parameters; this model has"):
+        jax.eval_shape(rk.remat_model(wide, plan).apply, wide_params,
+                       jax.ShapeDtypeStruct((B, T), "int32"))
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"context": {"block": "Block"},
                                 "budgets": [{"budget": "0.85", "plan": plan.to_dict()}]}))

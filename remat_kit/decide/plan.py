@@ -212,10 +212,15 @@ class Planner:
                 and math.isfinite(offload) and offload > 0):
             raise ValueError(f"offload must be None, True, False or a host bandwidth in "
                              f"bytes/s > 0, got {offload!r}")
+        self.made_for = {}  # a model's: its plans name it (Plan.model)
         if isinstance(loss_fn, Workload):
             if args:
                 raise TypeError("Planner takes a Workload or a loss and its args, not both")
             per_device = per_device or loss_fn.per_device
+            self.made_for = {k: v for k, v in (("block", loss_fn.block_name),
+                                               ("num_layers", loss_fn.num_layers),
+                                               ("parameters", loss_fn.parameter_count))
+                             if v is not None}
             loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
         _check_differentiable(args)
         self.loss_fn, self.args = _as_factory(loss_fn, len(args)), args

@@ -70,6 +70,9 @@ class Plan:
         `offloaded_bytes`); host_bytes: the compiler's host temp memory
         (`host_temp_size_in_bytes`), None where it gives none; offload_notes:
         what verification found offloading did to the device memory.
+      model: what the plan was made for, where the planner was given a model's
+        `Workload`: {"block": class name, "num_layers": int, "parameters": int};
+        `rk.remat_model` refuses the plan on a model that differs. {} for a loss.
     """
 
     budget: str
@@ -97,6 +100,7 @@ class Plan:
     offloaded_bytes: int = 0
     host_bytes: int | None = None
     offload_notes: tuple[str, ...] = ()
+    model: dict = dataclasses.field(default_factory=dict)
 
     @property
     def memory_fraction(self) -> float | None:
@@ -197,7 +201,8 @@ _PLAN: sealed.Schema = {
     "groups": _count, "objective": sealed.text,
     "predicted_seconds": sealed.optional(_amount), "none_seconds": sealed.optional(_amount),
     "offloaded_bytes": _count, "host_bytes": sealed.optional(_count),
-    "offload_notes": sealed.texts}
+    "offload_notes": sealed.texts,
+    "model": sealed.mapping(lambda v: sealed.text(v) or sealed.count(v))}
 
 
 def cached_plan(path: str, key: str) -> Plan | None:

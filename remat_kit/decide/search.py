@@ -228,7 +228,7 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
         predicted_seconds=planner.seconds(policy) if planner.predict_time else None,
         none_seconds=planner.seconds(Policy(remat=False)) if planner.predict_time else None,
         offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
-        offload_notes=tuple(offload_notes))
+        offload_notes=tuple(offload_notes), model=dict(planner.made_for))
     if planner.cache:
         _write_cache(planner.cache, key, result)
     return result

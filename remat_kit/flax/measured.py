@@ -80,7 +80,7 @@ def _spec_of(policy, budget):
                                  f"per-layer plan), got keys {sorted(policy)}")
         return tuple(policy.get("layer_specs") or ()) or policy["spec"], policy.get("context", {})
     if hasattr(policy, "layer_specs") and hasattr(policy, "spec"):  # a remat_kit Plan
-        return tuple(policy.layer_specs) or policy.spec, {}
+        return tuple(policy.layer_specs) or policy.spec, dict(getattr(policy, "model", {}))
     if isinstance(policy, (str, Policy)):
         if isinstance(parse(policy), AutoSpec):
             raise RematSpecError(f"{policy} is planned for a model at its shapes: plan it "
