@@ -164,7 +164,8 @@ class _Run:
                 if inner is not None:
                     ends = self.placed(inner)
                     found.update((o, ends[i]) for i, o in zip(inner.outvars, eqn.outvars)
-                                 if i in ends and o not in found)
+                                 if not isinstance(i, Literal) and i in ends
+                                 and o not in found)  # a constant output has no role
             out = {}
             for v, role in found.items():
                 while v in named:
@@ -418,7 +419,7 @@ class Regions:
             body = run.block_body(inner, consts)
             if policy.remat:
                 body = jax.checkpoint(body, policy=wrapping.to_jax(policy, self.emitted))
-            outs = body(*flat)
+            outs = map(jnp.asarray, body(*flat))  # a constant output is a Python scalar
             return sum(o.astype(jnp.float32).sum() for o in outs
                        if jnp.issubdtype(o.dtype, jnp.floating))
 
