@@ -138,8 +138,9 @@ def _warn(layers, program, found, cls) -> None:
 
 
 def _program(fn, arrays, num_params: int, cls: type, spec, context):
-    """(run(*arrays) -> flat outputs, output tree) of `fn(*arrays)` with its `cls`
-    blocks under the policy; `fn` marks the blocks."""
+    """(run(*arrays) -> flat outputs, output tree, which outputs pass an input through
+    (`regions.passed_through`)) of `fn(*arrays)` with its `cls` blocks under the
+    policy; `fn` marks the blocks."""
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     closed, shape = from_model.trace(fn, structs)
     program, found = regions.build(closed, None, from_model.KEY, num_params)
@@ -149,7 +150,8 @@ def _program(fn, arrays, num_params: int, cls: type, spec, context):
                                          "by the model's __call__; name another with block=")
     layers = _layers(spec, context, program, cls)
     _warn(layers, program, found, cls)
-    return program.function(layers), jax.tree.structure(shape)
+    return (program.function(layers), jax.tree.structure(shape),
+            regions.passed_through(closed.jaxpr))
 
 
 def _signature(arrays, rebuild, *extra):
@@ -183,7 +185,7 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
             num_params = sum(map(wrapping.is_array, jax.tree.leaves(params)))
             return _program(marked, arrays, num_params, cls, spec, context)
 
-        run, tree = call_region.once(built, _signature(arrays, rebuild, method), make)
+        run, tree, _ = call_region.once(built, _signature(arrays, rebuild, method), make)
         return jax.tree.unflatten(tree, run(*arrays))
 
     sub = flax_nnx._subclass(base, {"apply": apply})
@@ -222,9 +224,9 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
                 num_params = len(jax.tree.leaves(state[0]))
                 return _program(forward, (*leaves, *arrays), num_params, cls, spec, context)
 
-            run, out_tree = call_region.once(built, _signature(arrays, rebuild), make)
+            run, out_tree, passed = call_region.once(built, _signature(arrays, rebuild), make)
             out, new_state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
-            nnx.update(self, *new_state)
+            flax_nnx.update_changed(self, new_state, passed[len(passed) - len(leaves):])
         return out
 
     out = flax_nnx._copy(model)

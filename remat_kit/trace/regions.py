@@ -319,6 +319,33 @@ def _call_body(eqn):
     return None
 
 
+def passed_through(jaxpr) -> tuple[bool, ...]:
+    """Per output of `jaxpr`: whether it is one of its inputs, passed through calls
+    and remat regions unchanged (an NNX module's state that the call left alone)."""
+    return tuple(i is not None for i in _sources(jaxpr, {}))
+
+
+def _sources(jaxpr, memo: dict) -> tuple[int | None, ...]:
+    """Per output of `jaxpr`: the index of the input it passes through, or None."""
+    if id(jaxpr) not in memo:
+        index = {v: i for i, v in enumerate(jaxpr.invars)}
+        made = {o: (e, i) for e in jaxpr.eqns for i, o in enumerate(e.outvars)}
+
+        def source(v) -> int | None:
+            while not isinstance(v, Literal) and v not in index and v in made:
+                eqn, i = made[v]
+                inner = _call_body(eqn)
+                if inner is None or len(inner.invars) != len(eqn.invars):
+                    return None
+                j = _sources(inner, memo)[i]
+                if j is None:
+                    return None
+                v = eqn.invars[j]
+            return None if isinstance(v, Literal) else index.get(v)
+        memo[id(jaxpr)] = tuple(map(source, jaxpr.outvars))
+    return memo[id(jaxpr)]
+
+
 def _stream_input(block) -> int | None:
     """The index of the block's residual-stream input: the first float input shaped
     like one of its computed outputs ([batch, seq, embed] in, the same out), or None.
