@@ -10,6 +10,7 @@ flax's TraceContextError under `jax.jit(jax.grad(...))`.
 """
 
 import chex
+import flax
 import jax
 import jax.numpy as jnp
 import pytest
@@ -114,3 +115,18 @@ def test_state_a_call_changes_still_lands_on_the_module():
         wrapped(tokens)
         wrapped(tokens)
         assert [int(b.calls[...]) for b in wrapped.blocks] == [2, 2]
+
+
+def test_a_policy_jax_expresses_runs_flax_nnx_remat_which_wants_nnx_grad():
+    """`full` goes through flax's own nnx.remat, which writes every leaf back: in the
+    merge-inside-jax.grad pattern flax refuses (docs/wrappers.md); nnx.grad works."""
+    model = graph_nnx.model()
+    wrapped = rk.nnx.apply_remat(model, {"Block": "full"})
+    loss, params, rest = _loss(wrapped)
+    tokens = _tokens()
+    with pytest.raises(flax.errors.TraceContextError):
+        jax.jit(jax.grad(loss))(params, tokens, rest)
+    of = lambda m: next_token_loss(logits_of(m(tokens), B, T), tokens)  # noqa: E731
+    chex.assert_trees_all_close(nnx.state(nnx.jit(nnx.grad(of))(wrapped), nnx.Param),
+                                nnx.state(nnx.jit(nnx.grad(of))(model), nnx.Param),
+                                rtol=1e-5, atol=1e-6)
