@@ -42,6 +42,7 @@ def _tokens():
     return jax.random.randint(jax.random.key(1), (B, T), 0, graph_nnx.VOCAB)
 
 
+@pytest.mark.remat_modes
 def test_a_block_with_a_constant_output_measures_and_names_its_roles():
     work = rk.from_model.workload(graph_nnx.model(), B, T)
     (rec,) = rk.measure(work, policies=["minimal"], per_layer=True)
@@ -52,6 +53,7 @@ def test_a_block_with_a_constant_output_measures_and_names_its_roles():
         "qkv_proj", "out_proj", "mlpwi"}
 
 
+@pytest.mark.remat_modes
 def test_remat_model_on_a_pytree_false_model_is_the_measured_program():
     model = graph_nnx.model()
     work = rk.from_model.workload(model, B, T)
@@ -69,6 +71,7 @@ def test_remat_model_on_a_pytree_false_model_is_the_measured_program():
                                 rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.remat_modes
 def test_apply_remat_leaves_state_from_outside_the_grad_alone():
     """The Dropouts' RngCount is merged in outside jax.grad's trace: writing it back
     is refused by flax, and the call never changed it."""
@@ -117,6 +120,7 @@ def test_state_a_call_changes_still_lands_on_the_module():
         assert [int(b.calls[...]) for b in wrapped.blocks] == [2, 2]
 
 
+@pytest.mark.remat_modes
 def test_a_policy_jax_expresses_runs_flax_nnx_remat_which_wants_nnx_grad():
     """`full` goes through flax's own nnx.remat, which writes every leaf back: in the
     merge-inside-jax.grad pattern flax refuses (docs/wrappers.md); nnx.grad works."""
