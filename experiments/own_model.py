@@ -39,6 +39,7 @@ from remat_kit.flax import from_model, user_model
 from remat_kit.flax.measured import read_plan
 from remat_kit.measure import targets
 from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.trace import regions
 from remat_kit.trace.workload import Workload
 
 # Fields that size our reference transformer; a user's model brings its own sizes.
@@ -114,8 +115,8 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
     Raises:
       BadInput: everything `--model` refuses (`user_model.load`, the same one
         line), a model with variables besides its parameters (linen
-        collections besides params, NNX state besides `nnx.Param`: not
-        trained here yet), an abstract NNX model (`nnx.eval_shape`: no arrays
+        collections besides params, NNX state besides `nnx.Param` that its
+        call updates: not trained here yet), an abstract NNX model (`nnx.eval_shape`: no arrays
         to train), a vocab below `vocab_size` bytes, config fields that size
         our reference model, an `auto:budget=` that cannot be planned, a plan
         file that cannot be read or was made for another model (its layer
@@ -186,38 +187,50 @@ def _policy(remat: str, workload: Workload, cache: str | None) -> tuple[object, 
 
 def _applier(run) -> Callable:
     """(params, tokens) -> the output of `run` (`rk.remat_model`'s model) on
-    those parameters: linen's `apply`; NNX's `nnx.merge` of its graph with them."""
+    those parameters: linen's `apply`; NNX's `nnx.merge` of its graph with them
+    and its other state, which the call leaves alone (`_output`), held fixed."""
     if isinstance(run, nnx.Module):
-        graphdef = nnx.graphdef(run)
-        return lambda params, tokens: nnx.merge(graphdef, params)(tokens)
+        graphdef, _, rest = nnx.split(run, nnx.Param, ...)
+        return lambda params, tokens: nnx.merge(graphdef, params, rest)(tokens)
     return lambda params, tokens: run.apply({"params": params}, tokens)
 
 
 def _output(model, seq: int, spec: str):
     """The model's output on int32 tokens [1, seq] as ShapeDtypeStructs
     (`jax.eval_shape`). BadInput where it holds variables besides its
-    parameters (not trained here yet) or, NNX, its parameters are abstract."""
+    parameters (linen) or NNX state besides `nnx.Param` that the call changes
+    (batch statistics, the count of an RNG stream in use: not trained here
+    yet), or, NNX, its parameters are abstract. NNX state the call leaves alone
+    (the RNG stream of a dropout at rate 0, a table held as an array) trains
+    held fixed."""
     tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     if isinstance(model, nn.Module):
         variables, out = jax.eval_shape(
             lambda t: model.init_with_output(jax.random.key(0), t)[::-1], tokens)
-        other = f"its variables {sorted(set(variables) - {'params'})}"
-        held = len(variables) > 1
+        if len(variables) > 1:
+            raise BadInput(f"--model {spec!r}: its variables "
+                           f"{sorted(set(variables) - {'params'})} besides its parameters are "
+                           "not trained here yet; give a model with parameters only")
     else:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
             raise BadInput(f"--model {spec!r}: its parameters are abstract (nnx.eval_shape); "
                            "experiments.train trains the model's arrays: return the built "
                            "model")
-        named = (f"{type(v).__name__} {'/'.join(map(str, path))}"
-                 for path, v in nnx.to_flat_state(rest))
-        other = f"its NNX state {sorted(named)}"
-        held = bool(jax.tree.leaves(rest))
-        out = None if held else jax.eval_shape(lambda p, t: nnx.merge(graphdef, p)(t),
-                                               params, tokens)
-    if held:
-        raise BadInput(f"--model {spec!r}: {other} besides its parameters are not trained "
-                       "here yet; give a model with parameters only")
+        def call(p, r, t):
+            module = nnx.merge(graphdef, p, r)
+            return module(t), nnx.state(module, nnx.Param, ...)[1]
+
+        closed, (out, _) = jax.make_jaxpr(call, return_shape=True)(params, rest, tokens)
+        passed = regions.passed_through(closed.jaxpr)
+        changed = [f"{type(v).__name__} {'/'.join(map(str, path))}"
+                   for (path, v), alone in zip(nnx.to_flat_state(rest),
+                                               passed[len(passed) - len(jax.tree.leaves(rest)):])
+                   if not alone]
+        if changed:
+            raise BadInput(f"--model {spec!r}: its call updates its NNX state {sorted(changed)}: "
+                           "state besides the parameters that changes as the model runs is not "
+                           "trained here yet; give a model whose other state stays as built")
     return out
 
 

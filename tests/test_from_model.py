@@ -172,6 +172,15 @@ def test_no_repeated_block_and_bad_block_are_one_line():
     with pytest.raises(rk.from_model.ModelError, match="expected logits"):
         rk.from_model.workload(NoLogits(), B, T)
 
+    class Encoder(nn.Module):  # needs a mask beside the tokens, as ablanx's encoder does
+        @nn.compact
+        def __call__(self, tokens, mask):
+            return NoLogits()(tokens) * mask
+
+    with pytest.raises(rk.from_model.ModelError, match=r"^Encoder.__call__ does not take the "
+                       r"tokens alone \(missing a required argument: 'mask'\); .*Workload"):
+        rk.from_model.workload(Encoder(), B, T)
+
     class OneLayer(nn.Module):  # one block whose four Dense share a shape: not blocks
         @nn.compact
         def __call__(self, tokens):

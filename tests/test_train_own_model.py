@@ -35,8 +35,13 @@ MODELS = {
               "def model():\n    return GPT(GPTConfig(vocab=256, max_len=16))\n",
     "llama256": "from flax import nnx\nfrom llama_nnx import Llama, LlamaConfig\n\n\n"
                 "def model():\n    return Llama(LlamaConfig(vocab=256), rngs=nnx.Rngs(0))\n\n\n"
-                "def with_stat():\n    m = model()\n"
+                "class Counted(Llama):\n    def __call__(self, tokens):\n"
+                "        self.seen[...] += 1\n        return super().__call__(tokens)\n\n\n"
+                "def with_stat():\n    m = Counted(LlamaConfig(vocab=256), rngs=nnx.Rngs(0))\n"
                 "    m.seen = nnx.BatchStat(jnp.zeros(()))\n    return m\n",
+    # Dropouts at rate 0 holding nnx.Rngs, pytree=False modules (dantinox's way).
+    "graph256": "import graph_nnx\n\ngraph_nnx.VOCAB = 256\n\n\n"
+                "def model():\n    return graph_nnx.model()\n",
     "scan256": "from flax import nnx\nimport scan_nnx\n\nscan_nnx.VOCAB = 256\n\n\n"
                "def model():\n    return scan_nnx.GPT(True, rngs=nnx.Rngs(0))\n",
 }
@@ -275,9 +280,25 @@ def test_nnx_model_trains_on_a_mesh_as_predicted(files, tmp_path):
     assert summary["compiled"]["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
 
 
+def test_nnx_state_the_call_leaves_alone_trains_held_fixed(files, tmp_path):
+    """graph_nnx's Dropouts (rate 0) hold RNG streams its call never draws from: they
+    stay as built, and the step is the program predicted."""
+    config = _nnx(files, "graph256.py:model", num_steps=1)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    predicted = _prediction(config)
+    assert summary["compiled"]["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
+    assert summary["compiled"]["predicted"]["temp_equal"] is True
+    model = user_model.load(config.model)[1].model
+    inputs, _ = data.train_batches(data.load_corpus(config.data).train, BATCH, SEQ,
+                                   config.seed)(0)
+    own = next_token_loss(model(jnp.asarray(inputs)), jnp.asarray(inputs))
+    assert _losses(tmp_path) == [(1, pytest.approx(float(own), rel=1e-6))]
+
+
 @pytest.mark.parametrize("function, message", [
-    ("llama256.py:with_stat", "its NNX state ['BatchStat seen'] besides its parameters are not "
-                              "trained here yet; give a model with parameters only"),
+    ("llama256.py:with_stat", "its call updates its NNX state ['BatchStat seen']: state "
+                              "besides the parameters that changes as the model runs is not "
+                              "trained here yet; give a model whose other state stays as built"),
     (None, "its parameters are abstract (nnx.eval_shape); experiments.train trains the "
            "model's arrays: return the built model")])
 def test_nnx_models_it_cannot_train_are_refused_in_one_line(files, tmp_path, function,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import math
 from typing import NamedTuple
 from collections.abc import Callable
@@ -66,6 +67,21 @@ def logits_of(out, batch: int, seq: int):
             f"seq={seq}, vocab], or a dict or object with a 'logits' entry. For another "
             "output or loss, give a function (batch, seq) -> rk.Workload")
     return found
+
+
+def _check_takes_tokens(model) -> None:
+    """Refuses, in one line, a model whose `__call__` needs more than the tokens (an
+    encoder's mask, an image): calling it would fail at remat_kit's call site."""
+    try:
+        signature = inspect.signature(type(model).__call__)
+    except (TypeError, ValueError):  # a builtin or C callable: let the trace tell
+        return
+    try:
+        signature.bind(model, None)
+    except TypeError as e:
+        raise ModelError(f"{type(model).__name__}.__call__ does not take the tokens alone "
+                         f"({e}); for a model with other inputs give a function (batch, seq) "
+                         "-> rk.Workload (docs/models.md)") from None
 
 
 def _describe(out) -> str:
@@ -393,7 +409,8 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
       ShapeDtypeStructs; `loss_for_policy` takes a policy, a layer schedule
       or one policy per block. Resizing re-traces the model.
     Raises:
-      ModelError: not a linen/NNX module, the output has no logits, a mesh
+      ModelError: not a linen/NNX module, its `__call__` needs more than the
+        tokens, the output has no logits, a mesh
         with a tensor axis, or vocab_chunks below 1 or not dividing the vocabulary.
       UnknownModuleError: no repeated block class, or `block` matches none.
       RematSpecError: (from loss_for_policy) a policy does not parse.
@@ -409,6 +426,8 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
         raise ModelError(f"batch {batch} does not split over the "
                          f"{rk_mesh.axis_size(mesh, 'batch')} data x fsdp devices of mesh "
                          f"{rk_mesh.spec_text(mesh)}")
+    if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
+        _check_takes_tokens(model)
     if isinstance(model, nnx.Module):
         cls, marked, args, others = _nnx(model, batch, seq, block, vocab_chunks)
     elif isinstance(model, nn.Module) and not isinstance(model, type):

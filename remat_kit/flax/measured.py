@@ -138,8 +138,9 @@ def _warn(layers, program, found, cls) -> None:
 
 
 def _program(fn, arrays, num_params: int, cls: type, spec, context, others=()):
-    """(run(*arrays) -> flat outputs, output tree) of `fn(*arrays)` with its `cls`
-    blocks under the policy; `fn` marks the blocks."""
+    """(run(*arrays) -> flat outputs, output tree, which outputs pass an input through
+    (`regions.passed_through`)) of `fn(*arrays)` with its `cls` blocks under the
+    policy; `fn` marks the blocks; `others` the repeated block classes left out."""
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     closed, shape = from_model.trace(fn, structs)
     program, found = regions.build(closed, None, from_model.KEY, num_params)
@@ -151,7 +152,8 @@ def _program(fn, arrays, num_params: int, cls: type, spec, context, others=()):
     _warn(layers, program, found, cls)
     for note in from_model.unremat_note(others, cls):
         warnings.warn(f"rk.remat_model: {note}", stacklevel=3)
-    return program.function(layers), jax.tree.structure(shape)
+    return (program.function(layers), jax.tree.structure(shape),
+            regions.passed_through(closed.jaxpr))
 
 
 def _signature(arrays, rebuild, *extra):
@@ -185,7 +187,7 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
             num_params = sum(map(wrapping.is_array, jax.tree.leaves(params)))
             return _program(marked, arrays, num_params, cls, spec, context, others)
 
-        run, tree = call_region.once(built, _signature(arrays, rebuild, method), make)
+        run, tree, _ = call_region.once(built, _signature(arrays, rebuild, method), make)
         return jax.tree.unflatten(tree, run(*arrays))
 
     sub = flax_nnx._subclass(base, {"apply": apply})
@@ -225,9 +227,9 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
                 return _program(forward, (*leaves, *arrays), num_params, cls, spec, context,
                                 others)
 
-            run, out_tree = call_region.once(built, _signature(arrays, rebuild), make)
+            run, out_tree, passed = call_region.once(built, _signature(arrays, rebuild), make)
             out, new_state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
-            nnx.update(self, *new_state)
+            flax_nnx.update_changed(self, new_state, passed[len(passed) - len(leaves):])
         return out
 
     out = flax_nnx._copy(model)

@@ -31,13 +31,28 @@ AUTO_TAG_CLASSES: tuple[type, ...] = (
 
 
 def _subclass(cls: type, namespace: dict) -> type:
-    """A subclass of `cls` that prints and pickles by the same name."""
+    """A subclass of `cls` that prints and pickles by the same name; an nnx class
+    keeps its `pytree=` setting (flax reads it per class, not from the base: a
+    `pytree=False` model's plain lists of blocks would become static)."""
+    kwargs = ({"pytree": cls._pytree__is_pytree} if hasattr(cls, "_pytree__is_pytree")
+              else {})
     return type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__,
-                                       "__module__": cls.__module__, **namespace})
+                                       "__module__": cls.__module__, **namespace}, **kwargs)
 
 
 def _copy(model: nnx.Module) -> nnx.Module:
     return nnx.merge(*nnx.split(model))
+
+
+def update_changed(module: nnx.Module, new_state, passed: Sequence[bool]) -> None:
+    """`nnx.update(module, *new_state)` but for the leaves the call passed through
+    unchanged (`passed`, per leaf of `new_state`: `regions.passed_through`): a
+    Variable left alone may belong to an outer trace (state merged in under
+    `jax.jit(jax.grad(...))`), where flax refuses any write to it."""
+    marks = iter(passed)
+    kept = [nnx.from_flat_state([(path, var) for path, var in nnx.to_flat_state(part)
+                                 if not next(marks)]) for part in new_state]
+    nnx.update(module, *kept)
 
 
 def _check_module(model, where: str) -> None:
@@ -158,7 +173,7 @@ def _role_call(module: nnx.Module, orig: Callable, call, args, kwargs):
     region, out = call_region.once(_ROLE_RUNS, key, make)
     region.warn()
     outs, new_state = region.run(*leaves, *arrays)
-    nnx.update(module, *new_state)
+    update_changed(module, new_state, region.passed[len(region.passed) - len(leaves):])
     return out["rebuild"](outs)
 
 

@@ -29,10 +29,12 @@ KEY = "remat_kit_call"
 @dataclasses.dataclass(frozen=True)
 class Region:
     """A block's call made by `build`: `run(*leaves)` gives its output; `notes` are
-    compare's notes on what the policy selects there, which `warn` raises."""
+    compare's notes on what the policy selects there, which `warn` raises; `passed`
+    per flat output, whether it is an input passed through (`regions.passed_through`)."""
 
     run: Callable
     notes: tuple[str, ...]
+    passed: tuple[bool, ...] = ()
 
     def warn(self) -> None:
         """Warns each note (Python's filters show each once per place), at every use of
@@ -68,7 +70,8 @@ def build(fn: Callable, leaves: Sequence, num_params: int, call: wrapping.RoleCa
                 f"{'s' if own > 1 else ''} of its own; they stay, nested inside the "
                 "policy's region",)
     run, tree = program.function((call.policy,)), jax.tree.structure(shape)
-    return Region(lambda *xs: jax.tree.unflatten(tree, run(*xs)), out)
+    return Region(lambda *xs: jax.tree.unflatten(tree, run(*xs)), out,
+                  regions.passed_through(closed.jaxpr))
 
 
 def policy_line(where: str, policy, program: regions.Regions, found) -> str | None:

@@ -164,7 +164,8 @@ class _Run:
                 if inner is not None:
                     ends = self.placed(inner)
                     found.update((o, ends[i]) for i, o in zip(inner.outvars, eqn.outvars)
-                                 if i in ends and o not in found)
+                                 if not isinstance(i, Literal) and i in ends
+                                 and o not in found)  # a constant output has no role
             out = {}
             for v, role in found.items():
                 while v in named:
@@ -323,6 +324,33 @@ def _call_body(eqn):
     return None
 
 
+def passed_through(jaxpr) -> tuple[bool, ...]:
+    """Per output of `jaxpr`: whether it is one of its inputs, passed through calls
+    and remat regions unchanged (an NNX module's state that the call left alone)."""
+    return tuple(i is not None for i in _sources(jaxpr, {}))
+
+
+def _sources(jaxpr, memo: dict) -> tuple[int | None, ...]:
+    """Per output of `jaxpr`: the index of the input it passes through, or None."""
+    if id(jaxpr) not in memo:
+        index = {v: i for i, v in enumerate(jaxpr.invars)}
+        made = {o: (e, i) for e in jaxpr.eqns for i, o in enumerate(e.outvars)}
+
+        def source(v) -> int | None:
+            while not isinstance(v, Literal) and v not in index and v in made:
+                eqn, i = made[v]
+                inner = _call_body(eqn)
+                if inner is None or len(inner.invars) != len(eqn.invars):
+                    return None
+                j = _sources(inner, memo)[i]
+                if j is None:
+                    return None
+                v = eqn.invars[j]
+            return None if isinstance(v, Literal) else index.get(v)
+        memo[id(jaxpr)] = tuple(map(source, jaxpr.outvars))
+    return memo[id(jaxpr)]
+
+
 def _stream_input(block) -> int | None:
     """The index of the block's residual-stream input: the first float input shaped
     like one of its computed outputs ([batch, seq, embed] in, the same out), or None.
@@ -423,7 +451,7 @@ class Regions:
             body = run.block_body(inner, consts)
             if policy.remat:
                 body = jax.checkpoint(body, policy=wrapping.to_jax(policy, self.emitted))
-            outs = body(*flat)
+            outs = map(jnp.asarray, body(*flat))  # a constant output is a Python scalar
             return sum(o.astype(jnp.float32).sum() for o in outs
                        if jnp.issubdtype(o.dtype, jnp.floating))
 

@@ -55,9 +55,11 @@ _ELEMENTWISE = _NONLIN | {
     "expm1", "cbrt", "floor", "ceil", "round", "atan2", "erf_inv", "and", "or", "not",
     "ge", "gt", "le", "lt", "eq", "ne", "is_finite", "nextafter"}
 # Ops a value is looked through on its way between two matmuls (rope, head
-# repeats for grouped-query attention, splits of a fused projection).
+# repeats for grouped-query attention, splits of a fused projection; scatter:
+# a rope that writes its halves with `out.at[..., 0::2].set(...)`).
 _THROUGH = _ELEMENTWISE | df.LAYOUT | {"broadcast_in_dim", "slice", "dynamic_slice",
-                                        "concatenate", "split", "unstack", "gather"}
+                                        "concatenate", "split", "unstack", "gather",
+                                        "scatter"}
 # Ops between an MLP's input matmuls and its activation (a fused gate/up split in two).
 _MLP_THROUGH = df.LAYOUT | {"broadcast_in_dim", "slice", "split", "unstack", "concatenate"}
 _FUSED_ATTENTION = re.compile(r"attention|attn|flash|fmha|\bmha|splash", re.IGNORECASE)
