@@ -7,8 +7,11 @@ arguments) is one line on stderr and exit code 2, before any compiling.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import NoReturn
 
 from absl import flags, logging
@@ -28,6 +31,15 @@ def fail(message: str, code: int = 2, label: str = "error") -> NoReturn:
 def warn_line(message: str) -> None:
     """Prints `warning: message` as one line on stderr."""
     print("warning: " + " ".join(message.splitlines()), file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Inside, Python warnings (remat_kit's notes on the policy, a library's) print as
+    `warn_line` does, not with the file and line that raised them."""
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *_, **__: warn_line(str(message))
+        yield
 
 
 def _config_argument(argv: list[str]) -> str | None:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import remat_kit as rk
 from remat_kit.cli.inputs import BadInput
@@ -74,6 +75,16 @@ class OwnModel:
     policy: object
     spec: str
     vocab: int
+
+    @property
+    def whole(self) -> NamedSharding | None:
+        """Replicated on the mesh the model builds itself, where it does and the run
+        names none (`from_model` places the prediction's arguments so): the run's
+        state, batches and key are placed alike, so its step is the one predicted."""
+        sharding = getattr(jax.tree.leaves(self.workload.params)[0], "sharding", None)
+        if self.workload.mesh is None and isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+        return None
 
     @property
     def layers(self):

@@ -29,7 +29,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.common import fail, parse_flags
+from experiments.common import fail, one_line_warnings, parse_flags
 from remat_kit.cli import report
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            config_from_dict, preset_policies, split_policies)
@@ -123,7 +123,8 @@ def main(argv: list[str]) -> None:
     if f.model is not None:
         f.config.model = f.model
     try:
-        rows = sweep(f.config, f.workdir, f.policies, f.steps)
+        with one_line_warnings():
+            rows = sweep(f.config, f.workdir, f.policies, f.steps)
     except (BadInput, RematSpecError) as e:
         fail(str(e))
     failed = [r for r in rows if r["error"] is not None]

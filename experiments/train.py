@@ -57,7 +57,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from experiments import checkpoint, data, guards, own_model, runlog
-from experiments.common import fail, parse_flags, warn_line
+from experiments.common import fail, one_line_warnings, parse_flags, warn_line
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
 from remat_kit import mesh as rk_mesh
@@ -452,15 +452,21 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         # Boxed parameters give boxed optimizer moments: one logical spec for both.
         return train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
 
-    # The state, batches and PRNG key, sharded by the model's logical axes on the mesh.
-    sharded = mesh is not None
+    # The state, batches and PRNG key, sharded by the model's logical axes on the mesh;
+    # a model that builds its own mesh gets them whole on it, as its prediction has them.
+    whole = cfg.whole if own and mesh is None else None
+    sharded = mesh is not None or whole is not None
 
     def on(*shardings) -> dict:  # jit's in/out shardings on a mesh, else none
         return dict(zip(("in_shardings", "out_shardings"), shardings)) if sharded else {}
 
-    state_sh = rk_mesh.shardings(jax.eval_shape(init_state), mesh) if sharded else None
-    batch_sh = rk_mesh.batch_sharding(mesh) if sharded else None
-    key_sh = rk_mesh.replicated(mesh) if sharded else None
+    if whole is not None:
+        state_sh = jax.tree.map(lambda _: whole, jax.eval_shape(init_state))
+        batch_sh = key_sh = whole
+    else:
+        state_sh = rk_mesh.shardings(jax.eval_shape(init_state), mesh) if sharded else None
+        batch_sh = rk_mesh.batch_sharding(mesh) if sharded else None
+        key_sh = rk_mesh.replicated(mesh) if sharded else None
     put = (lambda x: rk_mesh.put(x, batch_sh)) if sharded else (lambda x: x)
     with rk_mesh.use(mesh):
         state = jax.jit(lambda: nn.unbox(init_state()), **on((), state_sh))()
@@ -683,7 +689,8 @@ def main(argv: list[str]) -> None:
     if _MODEL.value is not None:
         config.model = _MODEL.value
     try:
-        train_and_evaluate(config, _WORKDIR.value)
+        with one_line_warnings():
+            train_and_evaluate(config, _WORKDIR.value)
     except (BadInput, guards.RunStopped) as e:
         code, label = (2, "error") if isinstance(e, BadInput) else (e.exit_code, "stopped")
         try:

@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from flax import nnx
 
 import remat_kit as rk
 from experiments import data, own_model, train
+from experiments.common import one_line_warnings
 from experiments.configs import tiny
 from remat_kit.cli.inputs import BadInput
 from remat_kit.flax import user_model
@@ -44,6 +46,7 @@ MODELS = {
                 "def model():\n    return graph_nnx.model()\n",
     "scan256": "from flax import nnx\nimport scan_nnx\n\nscan_nnx.VOCAB = 256\n\n\n"
                "def model():\n    return scan_nnx.GPT(True, rngs=nnx.Rngs(0))\n",
+    "mesh256": "import mesh_linen\n\n\ndef model():\n    return mesh_linen.Model(vocab=256)\n",
 }
 
 
@@ -268,6 +271,21 @@ def test_scanned_nnx_model_trains_the_program_predicted(files, tmp_path):
         _prediction(config).temp_size_in_bytes
 
 
+def test_a_model_with_its_own_mesh_trains_the_program_predicted(files, tmp_path):
+    """tests/zoo/mesh_linen.py constrains its activations to a mesh of its own over the
+    8 host devices: the run places its state and batches whole on that mesh, as the
+    prediction's arguments are, so the compiled step is the one predicted (it was 64
+    temp bytes and 9 FLOPs apart with the state on one device)."""
+    config = _config(files, model=f"{files[2] / 'mesh256.py'}:model", batch_size=8,
+                     num_steps=1)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    compiled = summary["compiled"]
+    assert compiled["predicted"]["temp_equal"] is True
+    # As on one device: the run's step counter (one add) and its PRNG key (12 bytes).
+    assert compiled["policy"]["flops"] == compiled["predicted"]["flops"] + 1
+    assert compiled["policy"]["step_bytes"] == compiled["predicted"]["step_bytes"] + 12
+
+
 def test_nnx_model_trains_on_a_mesh_as_predicted(files, tmp_path):
     # The tests' 8 host devices (conftest): the batch split over all of them.
     config = _nnx(files, mesh="data:8", batch_size=8, num_steps=1)
@@ -362,3 +380,9 @@ def test_sweep_refuses_a_bad_model_in_one_line(files, tmp_path):
     with pytest.raises(BadInput, match=r"^--model 'nowhere.py:model': file 'nowhere.py' "
                                         r"not found$"):
         sweep.sweep(_config(files, model="nowhere.py:model"), str(tmp_path), "none", steps=1)
+
+
+def test_warnings_print_as_one_line_under_the_scripts(capsys):
+    with one_line_warnings():
+        warnings.warn("rk.remat_model: a note\nover two lines")
+    assert capsys.readouterr().err == "warning: rk.remat_model: a note over two lines\n"
