@@ -147,27 +147,50 @@ def test_a_scanned_nnx_stack_that_remats_each_layer_runs_what_compare_measured()
     assert said["apply_remat"] == []
 
 
-def test_a_second_repeated_block_class_left_without_remat_is_named():
-    """An encoder-decoder: the decoder layers are the block; the encoder layers run
-    without remat under every policy, and every report and rk.remat_model say so."""
+def test_an_encoder_and_a_decoder_are_both_the_blocks():
+    """An encoder-decoder: its encoder layers and its decoder layers are two block
+    classes, both rematerialized, in the model's order; compare's rows are what
+    rk.remat_model and rk.linen.apply_remat compile."""
     model = encdec_linen.model()
     work = rk.from_model.workload(model, B, T)
-    assert (work.block_name, work.num_layers) == ("DecoderLayer", 2)
-    line = ("EncoderLayer x2: another repeated block class, outside the DecoderLayer blocks: "
-            "it runs without remat under every policy here; measure it with --block "
-            "EncoderLayer (block=)")
-    assert line in work.notes
-    other = rk.from_model.workload(model, B, T, block="EncoderLayer")
-    assert other.num_layers == 2 and [n for n in other.notes if "repeated block" in n] == [
-        line.replace("Encoder", "@").replace("Decoder", "Encoder").replace("@", "Decoder")]
+    assert (work.block_name, work.num_layers) == ("EncoderLayer+DecoderLayer", 4)
+    assert not [n for n in work.notes if "repeated block" in n]
+    rows = _figures(work, ("full", "minimal"))
     params = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((B, T), "int32"))
-    wrapped = rk.remat_model(model, "minimal")
+    for policy in ("full", "minimal"):
+        for wrapped in (rk.remat_model(model, policy), rk.linen.apply_remat(
+                model, {"EncoderLayer": policy, "DecoderLayer": policy})):
+            def loss(p, tokens, wrapped=wrapped):
+                logits = wrapped.apply(p, tokens)
+                return next_token_loss(logits_of(logits, B, T), tokens)
+            compiled = lowering.compile_for(lambda *a: jax.value_and_grad(loss)(*a), params,
+                                            jax.ShapeDtypeStruct((B, T), "int32"))
+            assert (compiled.memory["temp_size_in_bytes"], compiled.flops) == (
+                rows[policy].memory_bytes, rows[policy].flops), policy
+    # A per-layer list counts the four in the model's order: encoder, then decoder.
+    assert rk.from_model.workload(model, B, T, block="EncoderLayer,DecoderLayer").num_layers == 4
+
+
+def test_a_block_class_left_out_is_named():
+    """Naming one of the two: the other runs without remat, and every report and
+    rk.remat_model say so, with the --block that names both."""
+    model = encdec_linen.model()
+    work = rk.from_model.workload(model, B, T, block="EncoderLayer")
+    assert (work.block_name, work.num_layers) == ("EncoderLayer", 2)
+    line = ("DecoderLayer x2: another repeated block class, outside the EncoderLayer blocks: "
+            "it runs without remat under every policy here; name it too with --block "
+            "EncoderLayer,DecoderLayer (block=)")
+    assert line in work.notes
+    params = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((B, T), "int32"))
+    wrapped = rk.remat_model(model, "minimal", block="EncoderLayer")
     with pytest.warns(UserWarning) as caught:
         jax.eval_shape(wrapped.apply, params, jax.ShapeDtypeStruct((B, T), "int32"))
     assert f"rk.remat_model: {line}" in [str(w.message) for w in caught]
     # A model of one block class (and its submodules inside it) gets no such note.
     assert not [n for n in rk.from_model.workload(scan_linen.GPT(), B, T).notes
                 if "repeated block" in n]
+    with pytest.raises(rk.UnknownModuleError, match="Decoder"):
+        rk.from_model.workload(model, B, T, block="EncoderLayer,Decoder")
 
 
 def _named_after(work, tags=("query_proj", "key_proj")) -> dict:

@@ -587,9 +587,10 @@ def _parser() -> argparse.ArgumentParser:
                             help="your own model: FUNCTION() returns a linen or NNX model "
                                  "(int32 tokens [batch, seq] -> logits), or FUNCTION(batch, "
                                  "seq) returns a remat_kit.Workload; also package.module:FUNCTION")
-        p.add_argument("--block", default=None, metavar="NAME",
-                       help="with --model: the repeated block class to remat (default: the "
-                            "class instantiated most often with one structure)")
+        p.add_argument("--block", default=None, metavar="NAME[,NAME]",
+                       help="with --model: the repeated block class(es) to remat (default: the "
+                            "class whose instances hold the most parameters, and any other "
+                            "repeated one apart from it, e.g. an encoder's layers)")
         p.add_argument("--batch", type=_positive_int, default=None,
                        help="global batch size (default: the config file's batch_size, or 8)")
         p.add_argument("--seq", type=_positive_int, default=None,

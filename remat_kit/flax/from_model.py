@@ -106,20 +106,36 @@ def next_token_loss(logits, tokens, vocab_chunks: int = 1):
         raise ModelError(str(e)) from None
 
 
-class Pick(NamedTuple):
-    """The block class `pick_block` found, how many layers run it, and the other
-    repeated block classes outside its blocks ("EncoderLayer x2"): those run without
-    remat under every policy, so the reports say so."""
+class Blocks(tuple):
+    """The block classes of a model: one, or several whose layers lie apart (an
+    encoder's layers and a decoder's). A tuple of classes, so `isinstance(m, blocks)`
+    holds for a layer of any; `__name__` joins their names ("EncoderLayer+DecoderLayer")."""
 
-    cls: type
+    @property
+    def __name__(self) -> str:
+        return "+".join(c.__name__ for c in self)
+
+
+class Pick(NamedTuple):
+    """The block classes `pick_block` found, how many layers run them, and the
+    repeated block classes left out where the user named the blocks ("EncoderLayer
+    x2"): those run without remat under every policy, so the reports say so."""
+
+    cls: Blocks
     count: int
     others: tuple[str, ...]
 
 
 def pick_block(instances: dict[tuple, list], block, copies: dict | None = None) -> Pick:
-    """The block class and its count, from {(class, structure, size): [instance ids]}
-    and {instance id: layers it runs} (`copies`: a scanned stack's one instance runs
-    its scan's length of layers; default 1 each), and the other block classes.
+    """The block classes and their count, from {(class, structure, size): [instance
+    ids]} and {instance id: layers it runs} (`copies`: a scanned stack's one instance
+    runs its scan's length of layers; default 1 each).
+
+    Found: the module class holding submodules, instantiated at least twice with one
+    structure, whose instances hold the most parameters (ties: the outermost), and
+    with it every other such class whose instances lie apart from its blocks, the
+    outermost ones (an encoder's layers beside a decoder's). `block`: a class, a name,
+    several as a tuple or "A,B", instead.
 
     Raises:
       UnknownModuleError: `block` names no class of the model, or no class that
@@ -135,14 +151,22 @@ def pick_block(instances: dict[tuple, list], block, copies: dict | None = None) 
         return sum((copies or {}).get(tuple(i), 1) for i in ids)
 
     if block is not None:
-        name = block if isinstance(block, str) else getattr(block, "__name__", str(block))
-        hits = [(len(ids), cls) for (cls, _, _), ids in instances.items()
-                if cls.__name__ == name or cls is block]
-        if not hits:
-            raise UnknownModuleError(name, sorted(classes),
-                                     message="the block class matches no module of the model")
-        n, cls = max(hits, key=lambda h: h[0])
-        return Pick(cls, n, _others(instances, cls, composite, count))
+        wanted = (block.split(",") if isinstance(block, str)
+                  else tuple(block) if isinstance(block, (tuple, list)) else (block,))
+        picked = {}
+        for want in wanted:
+            name = want.strip() if isinstance(want, str) else getattr(want, "__name__", str(want))
+            hits = [(len(ids), cls) for (cls, _, _), ids in instances.items()
+                    if cls.__name__ == name or cls is want]
+            if not hits:
+                raise UnknownModuleError(name, sorted(classes),
+                                         message="the block class matches no module of the "
+                                                 "model")
+            n, cls = max(hits, key=lambda h: h[0])
+            picked[cls] = n
+        blocks = Blocks(picked)
+        return Pick(blocks, sum(picked.values()), tuple(
+            f"{c.__name__} x{n}" for c, n in _apart(instances, blocks, composite, count)))
     best = None
     for (cls, _, size), ids in instances.items():
         n = count(ids)
@@ -158,37 +182,41 @@ def pick_block(instances: dict[tuple, list], block, copies: dict | None = None) 
                     "parameter structure, so there is no repeated block (a one-layer model?); "
                     "name the block with --block NAME (block=) or give a function "
                     "(batch, seq) -> rk.Workload")
-    return Pick(best[1], best[2], _others(instances, best[1], composite, count))
+    apart = dict(_apart(instances, Blocks((best[1],)), composite, count))
+    order = [c for c, _, _ in instances if c is best[1] or c in apart]  # the model's order
+    return Pick(Blocks(dict.fromkeys(order)), best[2] + sum(apart.values()), ())
 
 
 def unremat_note(others: tuple[str, ...], cls: type) -> tuple[str, ...]:
-    """The reports' note on the repeated blocks of other classes (`Pick.others`)."""
+    """The reports' note on the repeated blocks left out (`Pick.others`)."""
     if not others:
         return ()
     one = len(others) == 1
-    return (f"{', '.join(others)}: {'another repeated block class' if one else 'other repeated '
-            'block classes'}, outside the {cls.__name__} blocks: {'it runs' if one else 'they '
-            'run'} without remat under every policy here; measure {'it' if one else 'one'} "
-            f"with --block {others[0].split()[0]} (block=)",)
+    what = "another repeated block class" if one else "other repeated block classes"
+    names = ",".join([cls.__name__.replace("+", ","), *(o.split()[0] for o in others)])
+    return (f"{', '.join(others)}: {what}, outside the {cls.__name__} blocks: "
+            f"{'it runs' if one else 'they run'} without remat under every policy here; "
+            f"name {'it' if one else 'them'} too with --block {names} (block=)",)
 
 
 def _inside(path: tuple, outer: tuple) -> bool:
     return len(path) > len(outer) and path[:len(outer)] == outer
 
 
-def _others(instances, cls, composite, count) -> tuple[str, ...]:
-    """"NAME xN" of each other repeated block class with instances neither inside nor
-    around a `cls` block, outermost ones only (an encoder's layers beside a decoder's)."""
-    chosen = [tuple(p) for (c, _, _), ids in instances.items() if c is cls for p in ids]
+def _apart(instances, blocks: Blocks, composite, count) -> list[tuple[type, int]]:
+    """(class, layers) of each other repeated block class with instances neither
+    inside nor around a `blocks` block, outermost ones only (an encoder's layers
+    beside a decoder's; not the attention inside either)."""
+    chosen = [tuple(p) for (c, _, _), ids in instances.items() if c in blocks for p in ids]
     apart = {}
     for (c, _, _), ids in instances.items():
-        out = [tuple(p) for p in ids if c is not cls and not any(
+        out = [tuple(p) for p in ids if c not in blocks and not any(
             _inside(tuple(p), q) or _inside(q, tuple(p)) for q in chosen)]
         if count(out) >= 2 and composite(out[0]):
             apart.setdefault(c, []).extend(out)
     outer = [p for ps in apart.values() for p in ps]
-    return tuple(f"{c.__name__} x{count(ps)}" for c, ps in apart.items()
-                 if not any(_inside(p, q) for p in ps for q in outer))
+    return [(c, count(ps)) for c, ps in apart.items()
+            if not any(_inside(p, q) for p in ps for q in outer)]
 
 
 def _structure(tree) -> tuple[object, int]:
@@ -255,7 +283,7 @@ def _linen_instances(model: nn.Module, fn: Callable, *args,
 def marking_linen(cls: type):
     """Inside: every call of a `cls` submodule runs as a remat region marked for
     `remat_kit.trace.regions`, and every submodule output is tagged by its path."""
-    plan = wrapping.Plan.of({cls: "full"}, nn.Module, "remat_kit.flax.from_model")
+    plan = wrapping.Plan.of({c: "full" for c in cls}, nn.Module, "remat_kit.flax.from_model")
     markers = {k: wrapping.Marker(KEY) for k in plan.keys}
     with flax_linen._intercepting(plan, markers, True, ("__call__",), check=False), \
             flax_linen.auto_tag():
@@ -396,7 +424,8 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
         mapping int32 tokens [batch, seq] to logits [batch, seq, vocab] (or a
         dict / object with `logits`).
       batch, seq: positive ints.
-      block: the block class or its name; default the repeated class found.
+      block: the block class or its name, or several (a tuple, or "A,B"); default
+        the repeated classes found (`pick_block`).
       name: the report's name for the model; default its class name.
       mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) with data and fsdp
         axes: tokens split over them, parameters sharded by their logical
@@ -495,5 +524,5 @@ def trace(fn: Callable, args, mesh=None):
     return traced, shape
 
 
-__all__ = ["ModelError", "Pick", "logits_of", "next_token_loss", "pick_block", "unremat_note",
+__all__ = ["Blocks", "ModelError", "Pick", "logits_of", "next_token_loss", "pick_block", "unremat_note",
            "workload"]

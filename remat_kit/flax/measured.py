@@ -246,8 +246,9 @@ def remat_model(model, policy, *, block=None, budget=None):
         sequence of one spec or Policy per block, a `Plan` (`rk.plan`; per
         layer or not), its `to_dict()`, or the path of a `remat-kit plan --json`
         file (with `budget=` where it holds several plans).
-      block: the block class or its name; default the repeated class
-        `from_model` finds (the one `compare` measured).
+      block: the block class or its name, or several (a tuple, or "A,B");
+        default the repeated classes `from_model` finds (those `compare`
+        measured).
       budget: with a plan file, which budget's plan ("0.5", "6GiB").
     Returns:
       linen: a module of a subclass of `type(model)` with the same fields,
