@@ -141,7 +141,8 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
         raise BadInput(f"{', '.join(set_fields)} size the reference model; --model "
                        f"{config.model} brings its own sizes: drop them")
     try:
-        label, make = user_model.load(config.model, config.get("block") or None)
+        label, make = user_model.load(config.model, config.get("block") or None,
+                                      sizes="config.batch_size and config.seq_len")
         workload = make(config.batch_size, config.seq_len, mesh)
     except from_model.ModelError as e:
         raise BadInput(str(e)) from None

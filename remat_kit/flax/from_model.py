@@ -25,6 +25,7 @@ import math
 from typing import NamedTuple
 from collections.abc import Callable
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -85,8 +86,36 @@ def _check_takes_tokens(model) -> None:
 
 
 def _describe(out) -> str:
-    shapes = jax.tree.map(lambda x: getattr(x, "shape", type(x).__name__), out)
-    return f"{type(out).__name__} {shapes}"
+    """'an array float32[2, 8]', or the container with each leaf so (not a tracer's type)."""
+    def one(x):
+        return f"{x.dtype}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"an array {one(out)}"
+    return f"{type(out).__name__} {jax.tree.map(one, out)}"
+
+
+@contextlib.contextmanager
+def _applied_plainly():
+    """Inside: a linen model that needs more than its variables at apply (an rng
+    stream, a collection it writes) is a ModelError saying so, in one line: the
+    loss applies it as `model.apply(variables, tokens)`, no rngs, nothing mutable."""
+    try:
+        yield
+    except flax.errors.InvalidRngError as e:
+        raise ModelError(f"the model asks for a PRNG stream ({_first_line(e)}): remat_kit "
+                         "applies it to tokens with no rngs, as its loss has no dropout; "
+                         "build it deterministic (e.g. deterministic=True), or give a "
+                         "function (batch, seq) -> rk.Workload whose loss passes rngs") from None
+    except flax.errors.ModifyScopeVariableError as e:
+        raise ModelError(f"the model updates its variables ({_first_line(e)}): remat_kit "
+                         "applies it with every collection read-only; build it not to update "
+                         "them (e.g. BatchNorm(use_running_average=True)), or give a function "
+                         "(batch, seq) -> rk.Workload") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """flax's message without its documentation link."""
+    return str(e).split(" (https://")[0].rstrip(". ")
 
 
 def next_token_loss(logits, tokens, vocab_chunks: int = 1):
@@ -299,7 +328,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
     rest = {k: v for k, v in variables.items() if k != "params"}
 
     def marked(params, tokens, rest):
-        with marking_linen(cls):
+        with marking_linen(cls), _applied_plainly():
             out = model.apply({"params": params, **rest}, tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 

@@ -85,13 +85,15 @@ def _module(path: str, spec: str):
     return module if module is not None else loaded
 
 
-def load(spec: str, block: str | None = None, vocab_chunks: int = 1) -> tuple[str, Callable]:
+def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
+         sizes: str = "--batch and --seq") -> tuple[str, Callable]:
     """(label, make) for a --model spec: make(batch, seq, mesh) -> Workload.
 
     Where FUNCTION returns a module, `make.model` is that module.
     vocab_chunks: the built loss over that many vocabulary slices
     (`from_model.next_token_loss`); a FUNCTION(batch, seq) builds its own loss,
-    so it takes none.
+    so it takes none. sizes: what the caller's user sets the batch and
+    sequence length with, for the line of a model that fails at these shapes.
 
     Raises:
       ModelError: a malformed spec, a module that does not import, FUNCTION
@@ -153,8 +155,8 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1) -> tuple[st
                                  "report it") from None
             raise ModelError(f"--model {spec!r}: tracing the model on int32 tokens [{batch}, "
                              f"{seq}] failed: {type(e).__name__}: {e}; if the model takes "
-                             f"other shapes (e.g. fewer positions), give them with --batch "
-                             f"and --seq") from None
+                             f"other shapes (e.g. fewer positions), give them with {sizes}") \
+                from None
 
     make.model = model  # the module itself, for callers that train it (experiments.train)
     return label, make

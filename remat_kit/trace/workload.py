@@ -20,6 +20,8 @@ import inspect
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Literal
 
 from remat_kit.policy.policy import Policy
@@ -147,6 +149,9 @@ def has_gradient_path(loss: Callable, *args) -> bool:
     params, rest = args[0], args[1:]
 
     def tangent(p, t, *rest):
+        # An integer leaf (a step counter) has no tangent space: JAX wants float0 there.
+        t = jax.tree.map(lambda x, u: u if jnp.issubdtype(x.dtype, jnp.inexact) else
+                         np.zeros(np.shape(x), jax.dtypes.float0), p, t)
         return jax.jvp(lambda q: loss(q, *rest), (p,), (t,))[1]
 
     jaxpr = jax.make_jaxpr(tangent)(params, params, *rest).jaxpr

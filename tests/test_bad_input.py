@@ -1,0 +1,126 @@
+"""Issue 26, "Bad input", found by trying to break remat_kit as a user would: each
+test failed on the tree before its fix. A model with an integer parameter (a step
+count) was a bare jax.jvp traceback; a linen model with dropout or batch
+statistics was called "a remat_kit bug"; a scalar output was described as a
+DynamicJaxprTracer; training told a user to fix their shapes with `--batch` and
+`--seq`, flags it does not have.
+"""
+
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import own_model
+from experiments.configs import tiny
+from remat_kit.cli import commands as cli
+from remat_kit.cli.inputs import BadInput
+from remat_kit.trace.workload import has_gradient_path
+from zoo import gpt_linen
+
+# A 2-block linen model; OUT picks what it does besides: an integer parameter, a
+# dropout or batch-norm layer after each block, a scalar output.
+MODEL = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return h + nn.Dense(8)(nn.relu(nn.Dense(16)(h)))
+
+
+class Model(nn.Module):
+    kind: str = "plain"
+
+    @nn.compact
+    def __call__(self, tokens):
+        h = nn.Embed(64, 8)(tokens)
+        for _ in range(2):
+            h = Block()(h)
+            if self.kind == "dropout":
+                h = nn.Dropout(0.5, deterministic=False)(h)
+            if self.kind == "batchnorm":
+                h = nn.BatchNorm(use_running_average=False)(h)
+        if self.kind == "scalar":
+            return h.sum()
+        logits = nn.Dense(64)(h)
+        if self.kind == "counter":
+            return logits + self.param("count", lambda key: jnp.zeros((), jnp.int32))
+        return logits
+
+
+def counter():
+    return Model("counter")
+
+
+def dropout():
+    return Model("dropout")
+
+
+def batchnorm():
+    return Model("batchnorm")
+
+
+def scalar():
+    return Model("scalar")
+"""
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad") / "odd.py"
+    path.write_text(MODEL)
+    return path
+
+
+def _compare(path, function, capsys):
+    code = cli.main(["compare", "--model", f"{path}:{function}", "--batch", "2", "--seq", "8",
+                     "--policies", "none"])
+    return code, capsys.readouterr()
+
+
+def test_an_integer_parameter_has_no_tangent_but_the_rest_do():
+    w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    count = jax.ShapeDtypeStruct((), jnp.int32)
+    x = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+    assert has_gradient_path(lambda p, x: jnp.sum(x @ p["w"]) + p["n"], {"w": w, "n": count}, x)
+    assert not has_gradient_path(lambda p, x: jnp.sum(x) + p["n"], {"w": w, "n": count}, x)
+
+
+def test_a_model_with_an_integer_parameter_is_measured(model_file, capsys):
+    code, out = _compare(model_file, "counter", capsys)
+    assert code == 0, out.err
+    assert "Traceback" not in out.err and "│ * │ none" in out.out
+
+
+@pytest.mark.parametrize("function, line", [
+    ("dropout", "the model asks for a PRNG stream (Dropout_0 needs PRNG for \"dropout\"): "
+                "remat_kit applies it to tokens with no rngs, as its loss has no dropout; build "
+                "it deterministic (e.g. deterministic=True), or give a function (batch, seq) -> "
+                "rk.Workload whose loss passes rngs"),
+    ("batchnorm", "the model updates its variables (Cannot update variable \"mean\" in "
+                  "\"/BatchNorm_0\" because collection \"batch_stats\" is immutable): remat_kit "
+                  "applies it with every collection read-only; build it not to update them "
+                  "(e.g. BatchNorm(use_running_average=True)), or give a function (batch, seq) "
+                  "-> rk.Workload"),
+    ("scalar", "the model's output is an array float32[]; expected logits [batch=2, seq=8, "
+               "vocab], or a dict or object with a 'logits' entry. For another output or loss, "
+               "give a function (batch, seq) -> rk.Workload"),
+])
+def test_a_model_it_cannot_apply_plainly_is_named_not_called_our_bug(model_file, capsys,
+                                                                      function, line):
+    code, out = _compare(model_file, function, capsys)
+    assert code == 2
+    assert out.err.splitlines() == [
+        f"remat-kit compare: error: --model '{model_file}:{function}': {line}"]
+
+
+def test_training_names_its_own_size_fields():
+    config = tiny.get_config()
+    config.update(model=f"{gpt_linen.__file__}:model", batch_size=2, seq_len=64)
+    with pytest.raises(BadInput) as e:
+        own_model.load(config, None, None)
+    assert str(e.value).endswith("if the model takes other shapes (e.g. fewer positions), "
+                                 "give them with config.batch_size and config.seq_len")
