@@ -2,15 +2,19 @@
 test failed on the tree before its fix. A model with an integer parameter (a step
 count) was a bare jax.jvp traceback; a linen model with dropout or batch
 statistics was called "a remat_kit bug"; a scalar output was described as a
-DynamicJaxprTracer; training told a user to fix their shapes with `--batch` and
-`--seq`, flags it does not have.
+DynamicJaxprTracer; `rk.remat_model(model, spec, budget=...)` dropped the budget
+silently; a hand-edited plan file (a field of the wrong type, an auto spec) was a
+TypeError or a wrong count; training told a user to fix their shapes with `--batch`
+and `--seq`, flags it does not have.
 """
 
+import json
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import remat_kit as rk
 from experiments import own_model
 from experiments.configs import tiny
 from remat_kit.cli import commands as cli
@@ -124,3 +128,52 @@ def test_training_names_its_own_size_fields():
         own_model.load(config, None, None)
     assert str(e.value).endswith("if the model takes other shapes (e.g. fewer positions), "
                                  "give them with config.batch_size and config.seq_len")
+
+
+def test_a_budget_without_a_plan_file_is_refused():
+    with pytest.raises(rk.RematSpecError) as e:
+        rk.remat_model(gpt_linen.model(), "full", budget="0.5")
+    assert str(e.value) == ("budget= picks one plan of a remat-kit plan --json file; 'full' "
+                            "is not one: drop budget=; got '0.5'")
+
+
+GOOD_PLAN = {"context": {"block": "Block", "num_layers": 2},
+             "budgets": [{"budget": "0.5", "plan": {"spec": "full", "layer_specs": []}}]}
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda d: d["context"].update(num_layers="2"),
+     "context 'num_layers' must be a positive int, got '2'"),
+    (lambda d: d["context"].update(num_layers=-1),
+     "context 'num_layers' must be a positive int, got -1"),
+    (lambda d: d["context"].update(block=123), "context 'block' must be a class name, got 123"),
+    (lambda d: d.update(context=[1]), "'context' must be an object, got list"),
+    (lambda d: d["budgets"][0]["plan"].update(layer_specs="full"),
+     "'layer_specs' must be a list of spec strings, one per layer, got 'full'"),
+    (lambda d: d["budgets"][0]["plan"].update(layer_specs=[1, 2]),
+     "'layer_specs' must be a list of spec strings, one per layer, got [1, 2]"),
+    (lambda d: d["budgets"][0]["plan"].update(spec=5), "'spec' must be a spec string, got int 5"),
+    (lambda d: d["budgets"][0].update(plan=["full"]),
+     "is not remat-kit plan --json output: its plan is list, not an object"),
+])
+def test_a_hand_edited_plan_file_names_the_field(tmp_path, edit, why):
+    good, path = tmp_path / "good.json", tmp_path / "plan.json"
+    good.write_text(json.dumps(GOOD_PLAN))
+    rk.remat_model(gpt_linen.model(), str(good))  # the file as written is taken
+    data = json.loads(json.dumps(GOOD_PLAN))
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(rk.RematSpecError) as e:
+        rk.remat_model(gpt_linen.model(), str(path))
+    sep = " " if why.startswith("is not") else ": "
+    assert str(e.value).startswith(f"plan file {str(path)!r}{sep}{why}")
+
+
+def test_an_auto_spec_in_a_plan_file_is_refused_as_a_spec_is(tmp_path):
+    data = json.loads(json.dumps(GOOD_PLAN))
+    data["budgets"][0]["plan"]["spec"] = "auto:budget=0.5"
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(rk.RematSpecError, match=r"^auto:budget=0.5 is planned for a model at "
+                                                r"its shapes: plan it first"):
+        rk.remat_model(gpt_linen.model(), str(path))

@@ -46,51 +46,97 @@ def read_plan(path: "str | os.PathLike", budget=None) -> dict:
       budget: which budget's plan, as written on the command line ("0.5",
         "6GiB"); default the file's only plan.
     Raises:
-      RematSpecError: the file cannot be read or is not plan JSON, `budget`
-        is not one of its budgets, or it holds several plans and no budget.
+      RematSpecError: the file cannot be read or is not plan JSON (its
+        plans, their `spec` and `layer_specs`, its context's `block` and
+        `num_layers` of the wrong type: named), `budget` is not one of its
+        budgets, or it holds several plans and no budget.
     """
+    name = os.fspath(path)
+
+    def refuse(why: str):
+        return RematSpecError(f"plan file {name!r} is not remat-kit plan --json output: {why}",
+                              token=name)
     try:
         with open(path) as f:
             data = json.load(f)
         entries = [e for e in data["budgets"] if e.get("plan")]
         context = data.get("context", {})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise RematSpecError(f"plan file {os.fspath(path)!r} is not remat-kit plan --json "
-                             f"output: {type(e).__name__}: {e}", token=os.fspath(path)) from None
+        raise refuse(f"{type(e).__name__}: {e}") from None
     budgets = [str(e["budget"]) for e in entries]
     if budget is None and len(entries) != 1:
-        raise RematSpecError(f"plan file {os.fspath(path)!r} holds {len(entries)} plans "
+        raise RematSpecError(f"plan file {name!r} holds {len(entries)} plans "
                              f"(budgets {', '.join(budgets) or 'none'}); pick one with budget=",
-                             token=os.fspath(path), choices=budgets)
+                             token=name, choices=budgets)
     found = [e for e in entries if budget is None or str(e["budget"]) == str(budget)]
     if not found:
-        raise RematSpecError(f"budget {budget!r} is not in plan file {os.fspath(path)!r}",
+        raise RematSpecError(f"budget {budget!r} is not in plan file {name!r}",
                              token=str(budget), choices=budgets)
-    return found[0]["plan"] | {"context": context}
+    if not isinstance(found[0]["plan"], Mapping):
+        raise refuse(f"its plan is {type(found[0]['plan']).__name__}, not an object")
+    plan = found[0]["plan"] | {"context": context}
+    _checked(plan, f"plan file {name!r}")
+    return plan
+
+
+def _checked(plan: Mapping, where: str = "the plan") -> tuple:
+    """(spec or per-layer tuple, context) of a plan dict, every field of the type
+    `Plan.to_dict` and `remat-kit plan --json` write it: a hand-edited file
+    gets a line naming the field, not a TypeError from deep inside."""
+    def refuse(why: str):
+        return RematSpecError(f"{where}: {why}")
+    spec, layers = plan.get("spec"), plan.get("layer_specs") or ()
+    context = plan.get("context", {})
+    if not isinstance(spec, str):
+        raise refuse(f"'spec' must be a spec string, got {type(spec).__name__} {spec!r:.80}")
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(s, str) for s in layers):
+        raise refuse(f"'layer_specs' must be a list of spec strings, one per layer, got "
+                     f"{layers!r:.80}")
+    if not isinstance(context, Mapping):
+        raise refuse(f"'context' must be an object, got {type(context).__name__}")
+    block, n = context.get("block"), context.get("num_layers")
+    if block is not None and not isinstance(block, str):
+        raise refuse(f"context 'block' must be a class name, got {block!r:.80}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise refuse(f"context 'num_layers' must be a positive int, got {n!r:.80}")
+    return tuple(layers) or spec, context
+
+
+def _planned_first(spec) -> None:
+    """RematSpecError for an `auto:budget=` spec: it is planned for a model, not run."""
+    if isinstance(spec, (str, Policy)) and isinstance(parse(spec), AutoSpec):
+        raise RematSpecError(f"{spec} is planned for a model at its shapes: plan it "
+                             "first (rk.plan, remat-kit plan --json) and give the plan",
+                             token=str(spec))
 
 
 def _spec_of(policy, budget):
     """The policy as a spec, Policy or per-layer tuple, and the plan's context
     ({} where it is not a plan)."""
-    if isinstance(policy, (str, os.PathLike)) and os.fspath(policy).endswith(".json"):
+    is_file = isinstance(policy, (str, os.PathLike)) and os.fspath(policy).endswith(".json")
+    if budget is not None and not is_file:
+        raise RematSpecError(f"budget= picks one plan of a remat-kit plan --json file; "
+                             f"{policy!r:.80} is not one: drop budget=", token=str(budget))
+    if is_file:
         policy = read_plan(policy, budget)
     if isinstance(policy, Mapping):
         if "spec" not in policy:
             raise RematSpecError(f"a plan given as a dict needs 'spec' (and 'layer_specs' for a "
                                  f"per-layer plan), got keys {sorted(policy)}")
-        return tuple(policy.get("layer_specs") or ()) or policy["spec"], policy.get("context", {})
-    if hasattr(policy, "layer_specs") and hasattr(policy, "spec"):  # a remat_kit Plan
-        return tuple(policy.layer_specs) or policy.spec, dict(getattr(policy, "model", {}))
-    if isinstance(policy, (str, Policy)):
-        if isinstance(parse(policy), AutoSpec):
-            raise RematSpecError(f"{policy} is planned for a model at its shapes: plan it "
-                                 "first (rk.plan, remat-kit plan --json) and give the plan",
-                                 token=str(policy))
-        return policy, {}
-    if isinstance(policy, Sequence):
-        return tuple(policy), {}
-    raise TypeError(f"rk.remat_model takes a spec, a Policy, one per block, a Plan or a plan "
-                    f"JSON file, got {type(policy).__name__} {policy!r:.80}")
+        spec, context = _checked(policy)
+    elif hasattr(policy, "layer_specs") and hasattr(policy, "spec"):  # a remat_kit Plan
+        spec = tuple(policy.layer_specs) or policy.spec
+        context = dict(getattr(policy, "model", {}))  # the model it was planned for
+    elif isinstance(policy, (str, Policy)):
+        spec, context = policy, {}
+    elif isinstance(policy, Sequence):
+        spec, context = tuple(policy), {}
+    else:
+        raise TypeError(f"rk.remat_model takes a spec, a Policy, one per block, a Plan or a "
+                        f"plan JSON file, got {type(policy).__name__} {policy!r:.80}")
+    for one in spec if isinstance(spec, tuple) else (spec,):
+        _planned_first(one)
+    return spec, context
 
 
 def _layers(spec, context: dict, program: regions.Regions, cls: type) -> tuple[Policy, ...]:
