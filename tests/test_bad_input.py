@@ -4,8 +4,10 @@ count) was a bare jax.jvp traceback; a linen model with dropout or batch
 statistics was called "a remat_kit bug"; a scalar output was described as a
 DynamicJaxprTracer; `rk.remat_model(model, spec, budget=...)` dropped the budget
 silently; a hand-edited plan file (a field of the wrong type, an auto spec) was a
-TypeError or a wrong count; training told a user to fix their shapes with `--batch`
-and `--seq`, flags it does not have.
+TypeError or a wrong count; `rk.measure(work, policies="full")` measured "f";
+`rk.explain(workload, policy)` printed a 20,000-character repr; `explain` said
+nothing where `compare` notes a policy that selects nothing; training told a user
+to fix their shapes with `--batch` and `--seq`, flags it does not have.
 """
 
 import json
@@ -177,3 +179,31 @@ def test_an_auto_spec_in_a_plan_file_is_refused_as_a_spec_is(tmp_path):
     with pytest.raises(rk.RematSpecError, match=r"^auto:budget=0.5 is planned for a model at "
                                                 r"its shapes: plan it first"):
         rk.remat_model(gpt_linen.model(), str(path))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return rk.from_model.workload(gpt_linen.model(), 2, 8)
+
+
+def test_measure_takes_one_spec_as_fit_does(gpt):
+    [record] = rk.measure(gpt, policies="full")
+    assert record.names == ("full",) and record.error is None
+
+
+def test_explain_with_the_workload_first_says_the_order(gpt):
+    with pytest.raises(TypeError) as e:
+        rk.explain(gpt, "full")
+    assert str(e.value) == ("rk.explain takes (policy, workload): got the workload 'GPT' "
+                            "first; write rk.explain('full', workload)")
+
+
+def test_explain_notes_a_policy_that_selects_nothing_as_compare_does(gpt, capsys):
+    assert rk.explain("save:zz/*", gpt).notes == (
+        "none of the tags this policy keeps (zz/*) is emitted by the model: it compiles as "
+        "its base rule 'nothing'",)
+    assert rk.explain("minimal", gpt).notes == ()
+    assert cli.main(["explain", "--config", "tiny", "--batch", "1", "--seq", "8",
+                     "--policy", "save:zz/*"]) == 0
+    assert ("note: save:zz/*: none of the tags this policy keeps (zz/*) is emitted by the "
+            "model: it compiles as its base rule 'nothing'") in capsys.readouterr().out

@@ -270,6 +270,8 @@ def _explain(args) -> int:
         console.print(_constants_line(layer.constants), markup=False)
     if layer.blocks_differ:
         console.print(layer.blocks_differ)
+    for note in layer.notes:  # a name that selects nothing: compare's note, never silence
+        console.print(f"note: {args.policy or policy}: {note}", markup=False, soft_wrap=True)
     console.print(f"parameters read by the backward pass (not extra memory): "
                   f"{fmt_bytes(layer.parameter_bytes)} per layer")
     if layer.compiled is not None:

@@ -38,13 +38,16 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             target: "str | targets.Target | None" = None, **kwargs) -> list[Record]:
     """`remat_kit.measure.measure.measure` (see it for every argument), with each
     "auto:budget=..." spec planned first (`resolve`, the plan cache on) and its
-    record named by the auto spec.
+    record named by the auto spec. `policies` is a list of specs or Policies,
+    or one of them (one record).
 
     Raises:
       RematSpecError: a spec does not parse (before anything is traced).
       BudgetError: an auto budget below full remat's memory.
       TypeError: a workload and args both given.
     """
+    if isinstance(policies, (str, Policy)):  # one spec, as rk.fit takes it: not its letters
+        policies = [policies]
     parsed = [parse(p) for p in policies]
     if not any(isinstance(p, AutoSpec) for p in parsed):
         return measuring.measure(workload, *args, policies=policies, names=names, target=target,

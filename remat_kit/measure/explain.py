@@ -21,7 +21,7 @@ from remat_kit.measure.residuals import Residual, _aval_bytes, residuals
 from remat_kit.policy.spec import layer_policies
 from remat_kit.policy.spec import parse
 from remat_kit.trace import regions
-from remat_kit.trace.validate import emitted_tags, tag_aliases
+from remat_kit.trace.validate import emitted_tags, policy_notes, tag_aliases
 from remat_kit.trace.workload import Workload, checkpointed
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,9 @@ class LayerBreakdown:
         program computes once or folds into its consumers (XLA CPU, tiny_llama
         under none: no temp buffer of their shapes at 2 or 4 layers). They are
         not in `rows` nor in any per-layer sum.
+      notes: where the policy's names select nothing the layer emits (a path
+        glob matching no path, a role the model lacks), the lines `compare`
+        notes for it (`validate.policy_notes`); else ().
     """
 
     policy: str
@@ -80,6 +83,7 @@ class LayerBreakdown:
     compiled: "lowering.Compiled | None" = None
     blocks_differ: str = ""
     constants: tuple[LayerRow, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def _sum(self, decision: str) -> int:
         return sum(r.nbytes for r in self.rows if r.decision == decision)
@@ -181,9 +185,10 @@ def stack_stored_bytes(workload: Workload, policy: Policy,
 
 
 def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residual], bool],
-               num_layers: int, target) -> LayerBreakdown:
+               num_layers: int, target, missing: tuple[str, ...] = ()) -> LayerBreakdown:
     """Rows for `f`'s residuals, then for the tags it emits but does not store; with a
-    `target`, `f`'s value-and-grad compiled for it."""
+    `target`, `f`'s value-and-grad compiled for it. missing: the workload's notes on
+    roles it lacks, for the notes."""
     found = residuals(f, *args)
     aliases = tag_aliases(f, *args)
     listed = [r for r in found if r.kind != "argument" or keep_argument(r)]
@@ -198,8 +203,8 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
     # A value with two tags (role and path) is one row, under the tag listed first.
     shown = {t for r in (*rows, *constants) if r.kind == "tag" for t in (r.name, *r.aliases)}
     order = {t: i for i, t in enumerate(TAGS)}
-    for t, aval in sorted(emitted_tags(f, *args).items(),
-                          key=lambda kv: order.get(kv[0], len(order))):
+    emitted = emitted_tags(f, *args)
+    for t, aval in sorted(emitted.items(), key=lambda kv: order.get(kv[0], len(order))):
         if t not in shown:
             names = (t, *aliases.get(t, ()))
             shown.update(names)
@@ -211,7 +216,8 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
     compiled = (None if target is None
                 else lowering.compile_for(jax.value_and_grad(f), *args, target=target))
     return LayerBreakdown(str(policy), tuple(rows), unlisted, num_layers, compiled,
-                          constants=constants)
+                          constants=constants,
+                          notes=policy_notes(policy, tuple(emitted), missing))
 
 
 def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
@@ -245,6 +251,9 @@ def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
       TypeError: `fn` does not return a scalar.
       ValueError: a workload without blocks.
     """
+    if isinstance(policy, Workload):  # rk.measure takes the workload first; explain does not
+        raise TypeError(f"rk.explain takes (policy, workload): got the workload "
+                        f"{policy.name!r} first; write rk.explain({fn!r:.40}, workload)")
     policy = parse(policy)
     if isinstance(fn, Workload):
         if fn.block is None:
@@ -253,7 +262,7 @@ def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
         block, block_args = fn.block(layer_policies(policy, fn.num_layers)[0])
         return dataclasses.replace(
             breakdown(policy, block, block_args, lambda r: not _is_param(r), fn.num_layers,
-                      target), blocks_differ=blocks_differ(fn))
+                      target, fn.notes), blocks_differ=blocks_differ(fn))
     return breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
 
 
