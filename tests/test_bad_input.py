@@ -207,3 +207,15 @@ def test_explain_notes_a_policy_that_selects_nothing_as_compare_does(gpt, capsys
                      "--policy", "save:zz/*"]) == 0
     assert ("note: save:zz/*: none of the tags this policy keeps (zz/*) is emitted by the "
             "model: it compiles as its base rule 'nothing'") in capsys.readouterr().out
+
+
+def test_fit_names_the_flags_of_its_search_where_the_first_size_fails(capsys):
+    # The zoo GPT learns 32 positions; fit --vary seq starts at its --multiple, 128.
+    code = cli.main(["fit", "--model", f"{gpt_linen.__file__}:model", "--batch", "2",
+                     "--budget", "64MiB", "--policies", "none"])
+    [line] = capsys.readouterr().err.splitlines()
+    assert code == 2 and line.startswith("remat-kit fit: error: --model ")
+    assert line.endswith("tokens [2, 128] failed: ValueError: Incompatible shapes for "
+                         "broadcasting: shapes=[(1, 128, 32), (32, 32)]; if the model takes "
+                         "other shapes (e.g. fewer positions), give them with --batch and "
+                         "--multiple (fit --vary seq tries multiples of it)")

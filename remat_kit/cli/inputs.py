@@ -233,8 +233,12 @@ def load_source(args) -> Source:
         if args.dtype:
             raise BadInput(f"--dtype is for --config; a --model keeps its own dtypes (set "
                            f"them where {args.model} builds the model)")
+        # fit searches one size from --multiple up: --seq or --batch would be refused there.
+        fixed = {"seq": "batch", "batch": "seq"}.get(getattr(args, "vary", None))
+        sizes = (f"--{fixed} and --multiple (fit --vary {args.vary} tries multiples of it)"
+                 if fixed else "--batch and --seq")
         try:
-            label, make = user_model.load(args.model, args.block, chunks)
+            label, make = user_model.load(args.model, args.block, chunks, sizes=sizes)
         except ModelError as e:
             raise BadInput(str(e)) from None
         return Source(label, None, {}, make)
