@@ -219,3 +219,15 @@ def test_fit_names_the_flags_of_its_search_where_the_first_size_fails(capsys):
                          "broadcasting: shapes=[(1, 128, 32), (32, 32)]; if the model takes "
                          "other shapes (e.g. fewer positions), give them with --batch and "
                          "--multiple (fit --vary seq tries multiples of it)")
+
+
+def test_a_training_config_of_the_users_model_is_told_to_use_model(tmp_path, capsys):
+    path = tmp_path / "mine.py"
+    path.write_text("import ml_collections\n\n\ndef get_config():\n"
+                    "    c = ml_collections.ConfigDict()\n    c.model = 'my_gpt.py:model'\n"
+                    "    c.batch_size, c.seq_len = 4, 32\n    return c\n")
+    assert cli.main(["compare", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: config file {str(path)!r}: config.model 'my_gpt.py:model' "
+        "is your own model, which --config does not build; give it as --model "
+        "my_gpt.py:model --batch 4 --seq 32"]

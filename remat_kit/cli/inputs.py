@@ -162,6 +162,12 @@ def load_config(spec: str) -> tuple[TransformerConfig, str, dict]:
             raise BadInput(f"{names}, or a .py config file with get_config()"
                            + (f"; did you mean{hint}" if hint else "")) from None
     config = load_config_file(spec)
+    own = config.get("model")
+    if isinstance(own, str) and ":" in own:  # a training config of the user's own model
+        sizes = "".join(f" --{flag} {config[key]}" for flag, key in
+                        (("batch", "batch_size"), ("seq", "seq_len")) if key in config)
+        raise BadInput(f"config file {spec!r}: config.model {own!r} is your own model, which "
+                       f"--config does not build; give it as --model {own}{sizes}")
     cfg, defaults = config_from_dict(config, where=f"config file {spec!r}")
     return cfg, os.path.basename(spec), defaults
 
