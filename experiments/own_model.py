@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import remat_kit as rk
+from experiments.common import SIZE_FIELDS
 from remat_kit.cli.inputs import BadInput
 from remat_kit.decide import step as stepping
 from remat_kit.errors import RematSpecError
@@ -142,7 +143,7 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
                        f"{config.model} brings its own sizes: drop them")
     try:
         label, make = user_model.load(config.model, config.get("block") or None,
-                                      sizes="config.batch_size and config.seq_len")
+                                      sizes=SIZE_FIELDS)
         workload = make(config.batch_size, config.seq_len, mesh)
     except from_model.ModelError as e:
         raise BadInput(str(e)) from None

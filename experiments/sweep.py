@@ -29,7 +29,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments.common import fail, one_line_warnings, parse_flags
+from experiments.common import SIZE_FIELDS, fail, one_line_warnings, parse_flags
 from remat_kit.cli import report
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            config_from_dict, preset_policies, split_policies)
@@ -89,7 +89,8 @@ def _sweep_own(config, workdir: str, policies: str | None, steps: int) -> list[d
     specs = split_policies(policies) if policies is not None else preset_policies()
     check_folder(workdir, "--workdir", create=True)
     try:
-        _, make = user_model.load(config.model, config.get("block") or None)
+        _, make = user_model.load(config.model, config.get("block") or None,
+                                  sizes=SIZE_FIELDS)
         work = make(batch, seq)
     except ModelError as e:
         raise BadInput(str(e)) from None

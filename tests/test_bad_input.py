@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import remat_kit as rk
-from experiments import own_model
+from experiments import own_model, sweep
 from experiments.configs import tiny
 from remat_kit.cli import commands as cli
 from remat_kit.cli.inputs import BadInput
@@ -231,3 +231,11 @@ def test_a_training_config_of_the_users_model_is_told_to_use_model(tmp_path, cap
         f"remat-kit compare: error: config file {str(path)!r}: config.model 'my_gpt.py:model' "
         "is your own model, which --config does not build; give it as --model "
         "my_gpt.py:model --batch 4 --seq 32"]
+
+
+def test_sweep_names_its_own_size_fields(tmp_path):
+    config = tiny.get_config()
+    config.update(model=f"{gpt_linen.__file__}:model", batch_size=2, seq_len=64)
+    with pytest.raises(BadInput) as e:
+        sweep.sweep(config, str(tmp_path), policies="none", steps=1)
+    assert str(e.value).endswith("give them with config.batch_size and config.seq_len")
