@@ -47,8 +47,8 @@ def read_plan(path: "str | os.PathLike", budget=None) -> dict:
         "6GiB"); default the file's only plan.
     Raises:
       RematSpecError: the file cannot be read or is not plan JSON (its
-        plans, their `spec` and `layer_specs`, its context's `block` and
-        `num_layers` of the wrong type: named), `budget` is not one of its
+        plans, their `spec` and `layer_specs`, its context's `block`,
+        `num_layers` and `parameters` of the wrong type: named), `budget` is not one of its
         budgets, or it holds several plans and no budget.
     """
     name = os.fspath(path)
@@ -94,11 +94,13 @@ def _checked(plan: Mapping, where: str = "the plan") -> tuple:
                      f"{layers!r:.80}")
     if not isinstance(context, Mapping):
         raise refuse(f"'context' must be an object, got {type(context).__name__}")
-    block, n = context.get("block"), context.get("num_layers")
+    block = context.get("block")
     if block is not None and not isinstance(block, str):
         raise refuse(f"context 'block' must be a class name, got {block!r:.80}")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise refuse(f"context 'num_layers' must be a positive int, got {n!r:.80}")
+    for field in ("num_layers", "parameters"):
+        n = context.get(field)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise refuse(f"context {field!r} must be a positive int, got {n!r:.80}")
     return tuple(layers) or spec, context
 
 
