@@ -26,8 +26,8 @@ from remat_kit.cli.inputs import BadInput
 from remat_kit.trace.workload import has_gradient_path
 from zoo import gpt_linen
 
-# A 2-block linen model; OUT picks what it does besides: an integer parameter, a
-# dropout or batch-norm layer after each block, a scalar output.
+# A 2-block linen model; `kind` picks what it does besides: an integer parameter, a
+# dropout or batch-norm layer after each block, a scalar output; Masked needs a mask.
 MODEL = """
 import flax.linen as nn
 import jax.numpy as jnp
