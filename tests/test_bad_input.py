@@ -243,3 +243,23 @@ def test_sweep_names_its_own_size_fields(tmp_path):
     with pytest.raises(BadInput) as e:
         sweep.sweep(config, str(tmp_path), policies="none", steps=1)
     assert str(e.value).endswith("give them with config.batch_size and config.seq_len")
+
+
+def test_a_budget_plan_could_not_meet_is_said_to_have_no_plan(tmp_path):
+    # remat-kit plan --json writes a budget no policy fit with "plan": null.
+    data = json.loads(json.dumps(GOOD_PLAN))
+    data["budgets"].append({"budget": "0.1", "plan": None})
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(rk.RematSpecError) as e:
+        rk.remat_model(gpt_linen.model(), str(path), budget="0.1")
+    assert str(e.value) == (f"plan file {str(path)!r} has no plan for budget 0.1: no policy "
+                            "fit it when it was planned; give a budget that was met; got "
+                            "'0.1'; did you mean '0.5'?; valid choices: 0.5")
+    data["budgets"] = data["budgets"][1:]
+    path.write_text(json.dumps(data))
+    with pytest.raises(rk.RematSpecError) as e:
+        rk.remat_model(gpt_linen.model(), str(path))
+    assert str(e.value) == (f"plan file {str(path)!r} holds no plan: no policy fit its budgets "
+                            f"(0.1) when they were planned; plan a larger budget; got "
+                            f"{str(path)!r}")

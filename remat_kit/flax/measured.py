@@ -60,10 +60,20 @@ def read_plan(path: "str | os.PathLike", budget=None) -> dict:
         with open(path) as f:
             data = json.load(f)
         entries = [e for e in data["budgets"] if e.get("plan")]
+        unmet = [str(e["budget"]) for e in data["budgets"] if not e.get("plan")]
         context = data.get("context", {})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise refuse(f"{type(e).__name__}: {e}") from None
     budgets = [str(e["budget"]) for e in entries]
+    # plan --json writes a budget no policy fit with no plan: say so, not "not in the file".
+    if budget is None and unmet and not entries:
+        raise RematSpecError(f"plan file {name!r} holds no plan: no policy fit its budgets "
+                             f"({', '.join(unmet)}) when they were planned; plan a larger "
+                             "budget", token=name)
+    if str(budget) in unmet:
+        raise RematSpecError(f"plan file {name!r} has no plan for budget {budget}: no policy "
+                             "fit it when it was planned; give a budget that was met",
+                             token=str(budget), choices=budgets)
     if budget is None and len(entries) != 1:
         raise RematSpecError(f"plan file {name!r} holds {len(entries)} plans "
                              f"(budgets {', '.join(budgets) or 'none'}); pick one with budget=",
