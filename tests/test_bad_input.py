@@ -263,3 +263,13 @@ def test_a_budget_plan_could_not_meet_is_said_to_have_no_plan(tmp_path):
     assert str(e.value) == (f"plan file {str(path)!r} holds no plan: no policy fit its budgets "
                             f"(0.1) when they were planned; plan a larger budget; got "
                             f"{str(path)!r}")
+
+
+@pytest.mark.parametrize("name, call", [
+    ("measure_config", lambda cfg: rk.measure_config(cfg, 1, 8, ["full"])),
+    ("layer_residuals", lambda cfg: rk.layer_residuals(cfg, 1, 8, "full"))])
+def test_the_config_shortcuts_refuse_a_name_as_step_memory_does(name, call):
+    with pytest.raises(TypeError) as e:
+        call("tiny")
+    assert str(e.value) == (f"{name} takes a TransformerConfig (rk.models.get_config('tiny')), "
+                            "got str 'tiny'")

@@ -28,6 +28,16 @@ from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, parse
 
 
+def _config(cfg, where: str) -> TransformerConfig:
+    """`cfg`, or a TypeError naming how to make one (a name such as "tiny" is
+    `get_config`'s, as fit and step_memory say): not an AttributeError inside."""
+    if not isinstance(cfg, TransformerConfig):
+        made = f"get_config({cfg!r})" if isinstance(cfg, str) else "get_config('tiny')"
+        raise TypeError(f"{where} takes a TransformerConfig (rk.models.{made}), got "
+                        f"{type(cfg).__name__} {cfg!r:.80}")
+    return cfg
+
+
 def _aot_mesh(target, mesh):
     """The mesh a config is measured on: for a target compiled ahead of time with no
     mesh given, data parallel over its chips."""
@@ -66,11 +76,13 @@ def measure_config(cfg: TransformerConfig, batch: int, seq: int, policies: Seque
         (`targets.make_mesh`); default a data mesh over all of them.
       per_layer: also measure each decoder layer alone (see `measure`).
     Raises:
+      TypeError: cfg is not a TransformerConfig (a name: `get_config` it).
       ValueError: batch or seq not a positive int, seq above a GPT-2
         config's max_len, a bad dtype.
       MeshError: the mesh does not split the batch or the heads.
       RematSpecError, TargetError: see `measure`.
     """
+    cfg = _config(cfg, "measure_config")
     target = targets.parse_target(target)
     mesh = _aot_mesh(target, mesh)
     work = config_workload(cfg, batch, seq, dtype=dtype, mesh=mesh)
@@ -97,10 +109,12 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
       target: if given, also compile the layer's value-and-grad for it
         (`LayerBreakdown.compiled`), see `explain`.
     Raises:
+      TypeError: cfg is not a TransformerConfig (a name: `get_config` it).
       ValueError: batch or seq not a positive int.
       RematSpecError: the policy does not parse.
       TargetError: see `explain`.
     """
+    cfg = _config(cfg, "layer_residuals")
     policy = parse(cfg.remat if policy is None else policy)
     apply, args = layer_program(cfg, batch, seq, policy)
     return breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers, target)
@@ -111,6 +125,7 @@ def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=
     """A `Planner` for a reference transformer's loss (`remat_kit.models.workload`);
     for a target compiled ahead of time with no mesh, data parallel over its chips, as
     `measure_config` measures it."""
+    cfg = _config(cfg, "config_planner")
     target = targets.parse_target(target)
     mesh = _aot_mesh(target, mesh)
     return Planner(config_workload(cfg, batch, seq, dtype=dtype, mesh=mesh), cache=cache,
@@ -123,6 +138,7 @@ def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool |
     or for a per-layer plan by remat="none" and its `layer_remat`; any other cfg
     unchanged. batch, seq: the global shapes the model will train at. kwargs:
     `Planner`'s (groups, objective)."""
+    cfg = _config(cfg, "resolve_config")
     if not isinstance(parse(cfg.remat), AutoSpec):
         return cfg
     planner = config_planner(cfg.replace(remat="none"), batch, seq, mesh=mesh, cache=cache,
