@@ -48,8 +48,9 @@ def read_plan(path: "str | os.PathLike", budget=None) -> dict:
     Raises:
       RematSpecError: the file cannot be read or is not plan JSON (its
         plans, their `spec` and `layer_specs`, its context's `block`,
-        `num_layers` and `parameters` of the wrong type: named), `budget` is not one of its
-        budgets, or it holds several plans and no budget.
+        `num_layers` and `parameters` of the wrong type: named), `budget` is
+        not one of its budgets or one no policy met, or it holds several
+        plans (or none) and no budget.
     """
     name = os.fspath(path)
 
