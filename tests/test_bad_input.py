@@ -1,15 +1,16 @@
 """Issue 26, "Bad input", found by trying to break remat_kit as a user would: each
 test failed on the tree before its fix. A model with an integer parameter (a step
 count) was a bare jax.jvp traceback; a linen model with dropout or batch
-statistics was called "a remat_kit bug"; a
-scalar output was described as a DynamicJaxprTracer; `rk.remat_model(model,
-spec, budget=...)` dropped the budget silently; a hand-edited plan file (a field
-of the wrong type, an auto spec) was a TypeError or a wrong count;
-`rk.measure(work, policies="full")` measured "f"; `rk.explain(workload, policy)`
-printed a 20,000-character repr; `explain` said nothing where `compare` notes a
-policy that selects nothing; training, the sweep and fit told a user to fix
-their shapes with flags they do not take; `--config` with a training config of
-the user's own model said "unknown model config".
+statistics was called "a remat_kit bug"; a scalar output was described as a
+DynamicJaxprTracer; `rk.remat_model(model, spec, budget=...)` dropped the budget
+silently; a hand-edited plan file (a field of the wrong type, an auto spec) was a
+TypeError or a wrong count, and a budget plan could not meet was "not in the
+file"; `rk.measure(work, policies="full")` measured "f"; `rk.explain(workload,
+policy)` printed a 20,000-character repr; `explain` said nothing where `compare`
+notes a policy that selects nothing; training, the sweep and fit told a user to
+fix their shapes with flags they do not take; `--config` with a training config
+of the user's own model said "unknown model config"; `rk.measure_config("tiny",
+...)` was an AttributeError.
 """
 
 import json
@@ -27,7 +28,7 @@ from remat_kit.trace.workload import has_gradient_path
 from zoo import gpt_linen
 
 # A 2-block linen model; `kind` picks what it does besides: an integer parameter, a
-# dropout or batch-norm layer after each block, a scalar output; Masked needs a mask.
+# dropout or batch-norm layer after each block, a scalar output.
 MODEL = """
 import flax.linen as nn
 import jax.numpy as jnp
