@@ -16,10 +16,10 @@ from typing import NoReturn
 
 from absl import flags, logging
 
+from remat_kit.cli.inputs import BadInput, load_config_file
+
 # What the scripts' user sets the shape with, for a --model that fails at it.
 SIZE_FIELDS = "config.batch_size and config.seq_len"
-
-from remat_kit.cli.inputs import BadInput, load_config_file
 
 
 def fail(message: str, code: int = 2, label: str = "error") -> NoReturn:
