@@ -1,0 +1,44 @@
+"""Flag values every command reads alike: --batch and --seq with a config file's
+defaults, the --target list (libtpu and each TPU topology checked before anything
+is measured), and a plot's path per target."""
+
+from __future__ import annotations
+
+import os
+
+from remat_kit.cli.inputs import Source, check_seq
+
+
+def batch_and_seq(args, src: Source) -> tuple[int, int]:
+    """(batch, seq) from the flags, else the config file's, else the defaults (8,
+    min(max_len, 1024)); BadInput if a config's model cannot take seq (`check_seq`)."""
+    cfg = src.cfg
+    batch = args.batch or src.defaults.get("batch", 8)
+    seq = args.seq or src.defaults.get("seq", min(cfg.max_len, 1024) if cfg else 1024)
+    if cfg is not None:
+        check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
+    return batch, seq
+
+
+def targets_of(text: str | None) -> list:
+    """The --target list, [None] (JAX's default backend) if not given. Checks that
+    libtpu is there and accepts each TPU topology, before anything is measured."""
+    from remat_kit.measure import targets
+    if text is None:
+        return [None]
+    found = targets.parse_targets(text)
+    for target in found:
+        if target.aot:
+            targets.devices(target)
+    return found
+
+
+def plot_path(path: str, target, several: bool) -> str:
+    """`path`, or with several targets one file per target: pareto_tpu_v5e_1x1.png."""
+    if not several:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}_{str(target).replace(':', '_')}{ext}"
+
+
+__all__ = ["batch_and_seq", "plot_path", "targets_of"]

@@ -1,0 +1,104 @@
+"""`remat-kit compare`: every policy measured compile-only (`remat_kit.decide.resolve.measure`),
+one table per target sorted by memory (`remat_kit.cli.report`), with --json, --csv and
+--plot."""
+
+from __future__ import annotations
+
+import sys
+
+from remat_kit import mesh as rk_mesh
+from remat_kit.cli.common import batch_and_seq, plot_path, targets_of
+from remat_kit.cli.inputs import (
+    BadInput,
+    check_memory,
+    check_output_file,
+    check_planner_floor,
+    check_schedules,
+    device_mesh,
+    load_source,
+    preset_policies,
+    split_policies,
+)
+from remat_kit.policy.spec import AutoSpec, parse
+
+
+def run(args) -> int:
+    """`remat-kit compare` on the parsed flags (`commands._parser`); returns the exit status.
+    BadInput, RematSpecError and ValueError reach `commands.main`, which prints them
+    in one line and returns 2."""
+    from remat_kit.cli import report
+    from remat_kit.decide.resolve import measure
+    from remat_kit.measure import targets
+
+    # Every check comes before JAX starts measuring, so bad input costs nothing.
+    src = load_source(args)
+    cfg, label = src.cfg, src.label
+    batch, seq = batch_and_seq(args, src)
+    specs = split_policies(args.policies) if args.policies is not None else preset_policies()
+    check_schedules(cfg, specs, "--policies")
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    if args.plot is not None:
+        check_output_file(args.plot, "--plot", suffix=".png")
+    target_list = targets_of(args.target)
+    if args.time and any(t is not None and t.aot for t in target_list):
+        raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
+                       "of time (tpu:<topology>) cannot be timed")
+    meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
+    works = [src.workload(batch, seq, mesh) for mesh in meshes]  # traced, not compiled
+    if cfg is None:
+        check_schedules(works[0].num_layers, specs, "--policies")
+    auto = [p.budget for p in map(parse, specs) if isinstance(p, AutoSpec)]
+    for target, mesh, work in zip(target_list, meshes, works):
+        check_planner_floor(work, auto, target, mesh, "--policies auto:budget=")
+
+    def progress(i, n, record):
+        status = "error" if record.error else f"{record.compile_seconds:.1f} s"
+        print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}",
+              file=sys.stderr, flush=True)
+
+    sections, contexts = [], []
+    dtype = src.dtype(works[0])
+    for target, mesh, work in zip(target_list, meshes, works):
+        devices = 1 if mesh is None else mesh.size
+        batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
+        tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
+        if args.time and cfg is not None:
+            check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
+        records = measure(work, policies=specs, names=specs, time_steps=args.time,
+                          progress=progress, target=target, per_layer=True, peak=args.peak)
+        target = targets.parse_target(target)
+        found = targets.versions(target)
+        mesh_text = rk_mesh.spec_text(mesh)
+        per_device = f", per device of {devices} ({mesh_text})" if devices > 1 else ""
+        title = f"{label}: batch {batch}, seq {seq}, {dtype} ({target.label}{per_device})"
+        sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,
+                                                    tensor=tensor)))
+        contexts.append({"target": str(target), "platform": target.label, "devices": devices,
+                         "mesh": mesh_text if devices > 1 else args.mesh,
+                         "jax_version": found["jax"], "compiler_version": found["compiler"]})
+    if len(sections) == 1:
+        report.print_table(sections[0][2], sections[0][1])
+    else:
+        report.print_side_by_side(
+            [(str(t), rows) for t, _, rows in sections],
+            f"{label}: batch {batch}, seq {seq}, {dtype}, per device")
+    for target, _, rows in sections:
+        if len(sections) > 1 and args.peak:
+            print(f"{target}:")
+        report.print_peaks(rows)
+    for note in dict.fromkeys(n for _, _, rows in sections for d in rows for n in d["notes"]
+                              if cfg is None):
+        print(f"note: {note}", file=sys.stderr)
+    if args.json is not None:
+        # The first target's fields stay at the top level (schema 1); "targets" has them all.
+        context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
+                   **contexts[0], "targets": contexts}
+        report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
+    if args.plot is not None:
+        for target, title, rows in sections:
+            report.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
+    return 0
+
+
+__all__ = ["run"]

@@ -1,0 +1,154 @@
+"""`remat-kit explain`: what one decoder layer saves, offloads and recomputes under one
+policy (`remat_kit.measure.explain`), its constants on one line apart, and the whole
+step's peak where asked."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+from remat_kit import mesh as rk_mesh
+from remat_kit.cli.common import batch_and_seq, targets_of
+from remat_kit.cli.inputs import BadInput, load_source
+from remat_kit.errors import RematSpecError
+from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.units import fmt_bytes
+
+
+def _parses(spec: str) -> bool:
+    try:
+        parse(spec)
+    except RematSpecError:
+        return False
+    return True
+
+
+def run(args) -> int:
+    """`remat-kit explain` on the parsed flags (`commands._parser`); returns the exit status.
+    BadInput, RematSpecError and ValueError reach `commands.main`, which prints them
+    in one line and returns 2."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from remat_kit.decide.resolve import measure
+    from remat_kit.measure import peak, targets
+    from remat_kit.measure.explain import explain
+    from remat_kit.measure.record import MEMORY_LABELS
+    from remat_kit.models.shortcuts import layer_residuals
+
+    src = load_source(args)
+    cfg, label = src.cfg, src.label
+    batch, seq = batch_and_seq(args, src)
+    if args.policy is None and cfg is None:
+        raise BadInput("explain --model needs --policy (a --model has no default policy)")
+    if args.policy is not None and "," in args.policy and all(
+            _parses(p) for p in args.policy.split(",")):
+        raise BadInput(f"explain shows one policy, got {args.policy!r}; compare takes several "
+                       f"(remat-kit compare --policies {args.policy})")
+    policy = parse(args.policy if args.policy is not None else cfg.remat)
+    if isinstance(policy, AutoSpec):
+        raise BadInput(f"explain shows one policy; {policy} is planned per model: run "
+                       f"remat-kit plan --budgets {policy.budget} to see what it chooses")
+    if policy.schedule.kind != "uniform":
+        raise BadInput(f"explain shows one layer under one policy; {policy} runs its layers "
+                       f"under different policies (schedule {policy.schedule}): explain the "
+                       f"policy without '@{policy.schedule}', or compare the whole model")
+    if args.peak and args.mesh is not None:
+        raise BadInput("explain --peak compiles the whole model on one device; drop --mesh "
+                       "(compare --mesh ... --peak measures it sharded)")
+    where = ""
+    if args.mesh is not None and cfg is None:  # the block one device runs: its batch share
+        try:
+            sizes = rk_mesh.parse_spec(args.mesh)
+            rk_mesh.check_fits(sizes, None, batch)
+        except rk_mesh.MeshError as e:
+            raise BadInput(f"--mesh: {e}") from None
+        if rk_mesh.axis_size(sizes, "heads") > 1:
+            raise BadInput(f"--mesh {args.mesh}: a tensor axis splits a --model's own layers, "
+                           "which remat_kit cannot do; use data and fsdp axes")
+        batch //= rk_mesh.axis_size(sizes, "batch")
+        where = f", per device of mesh {args.mesh}"
+    elif args.mesh is not None:  # the layer one device runs; no devices needed
+        try:
+            sizes = rk_mesh.parse_spec(args.mesh)
+            rk_mesh.check_fits(sizes, cfg, batch)
+            cfg = rk_mesh.per_device_config(cfg, sizes)
+        except rk_mesh.MeshError as e:
+            raise BadInput(f"--mesh: {e}") from None
+        batch //= rk_mesh.axis_size(sizes, "batch")
+        where = f", per device of mesh {args.mesh} (heads {cfg.num_heads}, mlp {cfg.mlp_dim})"
+    target = None
+    if args.target is not None:
+        found = targets_of(args.target)
+        if len(found) > 1:
+            raise BadInput(f"explain takes one --target, got {args.target!r}")
+        target = found[0]
+    if cfg is not None:
+        layer, what, dtype = layer_residuals(cfg, batch, seq, policy, target=target), \
+            "one decoder layer", cfg.dtype
+    else:
+        work = src.workload(batch, seq)
+        layer, what, dtype = explain(policy, work, target=target), "one block", src.dtype(work)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console.print(f"{label}, {what} under {args.policy or str(policy)!r} "
+                  f"({policy}): batch {batch}, seq {seq}, {dtype}{where}")
+    t = Table()
+    for name, justify in (("value", "left"), ("kind", "left"), ("shape", "left"),
+                          ("dtype", "left"), ("bytes", "right"), ("decision", "left")):
+        t.add_column(name, justify=justify)
+    for r in layer.rows:
+        t.add_row(r.name + (f" ({', '.join(r.aliases)})" if r.aliases else ""), r.kind, str(list(r.shape)), r.dtype, fmt_bytes(r.nbytes),
+                  r.decision)
+    console.print(t)
+    n = layer.num_layers
+    totals = Table(title="totals")
+    for name in ("", "saved", "offloaded", "recomputed (not stored)"):
+        totals.add_column(name, justify="right" if name else "left")
+    totals.add_row("per layer", fmt_bytes(layer.saved_bytes),
+                   fmt_bytes(layer.offloaded_bytes), fmt_bytes(layer.recomputed_bytes))
+    if not layer.blocks_differ:  # else n x the first block is no figure
+        totals.add_row(f"model ({n} layer{'' if n == 1 else 's'})",
+                       fmt_bytes(n * layer.saved_bytes), fmt_bytes(n * layer.offloaded_bytes),
+                       fmt_bytes(n * layer.recomputed_bytes))
+    console.print(totals)
+    if layer.constants:
+        console.print(_constants_line(layer.constants), markup=False)
+    if layer.blocks_differ:
+        console.print(layer.blocks_differ)
+    for note in layer.notes:  # a name that selects nothing: compare's note, never silence
+        console.print(f"note: {args.policy or policy}: {note}", markup=False, soft_wrap=True)
+    console.print(f"parameters read by the backward pass (not extra memory): "
+                  f"{fmt_bytes(layer.parameter_bytes)} per layer")
+    if layer.compiled is not None:
+        c, found = layer.compiled, targets.versions(layer.compiled.target)
+        flops = "-" if c.flops is None else f"{c.flops / 1e9:.3g} GFLOP"
+        temp = fmt_bytes(c.memory.get("temp_size_in_bytes"))
+        console.print(f"one layer's value-and-grad, {c.target.label} (jax {found['jax']}, "
+                      f"{found['compiler']}): temp {temp}, {flops}, compiled in "
+                      f"{c.seconds:.1f} s", markup=False)
+        for note in c.notes:
+            console.print(note, style="dim", markup=False)
+    if args.peak:
+        [record] = measure(src.workload(batch, seq), policies=[policy], target=target,
+                           peak=True)
+        if record.error:
+            raise BadInput(f"--peak: the whole model under {policy} did not compile: "
+                           f"{record.error.splitlines()[0]}")
+        console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
+                      f"({record.platform}): {peak.summary(record.peak)}", markup=False)
+    return 0
+
+
+def _constants_line(constants) -> str:
+    """explain's line for `LayerBreakdown.constants`, equal values counted once each:
+    'constants, the same in every layer (not per-layer residuals, in no sum above):
+    broadcast_in_dim [1, 16, 1, 8] float32 512 B x4, ...; 12.50 KiB'."""
+    counts = Counter((r.name, r.shape, r.dtype, r.nbytes) for r in constants)
+    shown = ", ".join(f"{name} {list(shape)} {dtype} {fmt_bytes(nbytes)}"
+                      + (f" x{n}" if n > 1 else "") for (name, shape, dtype, nbytes), n
+                      in counts.items())
+    return (f"constants, the same in every layer (not per-layer residuals, in no sum above): "
+            f"{shown}; {fmt_bytes(sum(r.nbytes for r in constants))}")
+
+
+__all__ = ["run"]

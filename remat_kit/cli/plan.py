@@ -1,0 +1,203 @@
+"""`remat-kit plan`: the budget planner (`remat_kit.decide.plan`) for each budget, set
+against the best fixed preset that fits, with what holds a budget below the minimum,
+the offload probe's figure, --json (for `rk.remat_model` and training) and --plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+from remat_kit import files as outputs
+from remat_kit.cli.common import batch_and_seq, targets_of
+from remat_kit.cli.inputs import (
+    BadInput,
+    check_output_file,
+    check_planner_floor,
+    check_schedules,
+    device_mesh,
+    load_source,
+    plan_groups,
+    preset_policies,
+    rechunked,
+    split_budgets,
+    split_policies,
+)
+from remat_kit.policy.spec import parse
+from remat_kit.units import fmt_bytes
+
+
+def run(args) -> int:
+    """`remat-kit plan` on the parsed flags (`commands._parser`); returns the exit status.
+    BadInput, RematSpecError and ValueError reach `commands.main`, which prints them
+    in one line and returns 2."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from remat_kit.cli import report
+    from remat_kit.decide.plan import CPU_OFFLOAD_NOTE, Planner, offload_bandwidth, read_cache
+    from remat_kit.decide.plan_cache import CACHE_LIMIT
+    from remat_kit.decide.search import what_holds
+    from remat_kit.measure.record import MEMORY_LABELS
+    from remat_kit.measure.time_model import OBJECTIVES
+    from remat_kit.policy.budget import parse_budget
+
+    src = load_source(args)
+    cfg, label = src.cfg, src.label
+    batch, seq = batch_and_seq(args, src)
+    budgets = split_budgets(args.budgets)
+    presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
+               if args.presets is not None else preset_policies())
+    check_schedules(cfg, presets, "--presets")
+    auto = [p for p in presets if p.strip().startswith("auto")]
+    if auto:
+        raise BadInput(f"--presets: {auto[0]!r} is a budget for the planner, not a preset; "
+                       "give its budget in --budgets")
+    for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
+        if path is not None:
+            check_output_file(path, flag, suffix=suffix)
+    # A cache in a folder not made yet is fine: the first plan makes it.
+    if args.cache and os.path.isdir(os.path.dirname(os.path.abspath(args.cache))) \
+            and (why := outputs.problem(args.cache)):
+        raise BadInput(f"--cache: {why}; give a plan cache file, or '' for none")
+    if args.cache and read_cache(args.cache) is None:
+        raise BadInput(f"--cache {args.cache!r} is not a plan cache (a JSON object written by "
+                       f"remat-kit plan, at most {CACHE_LIMIT >> 20} MiB); give a new file, "
+                       "or '' for none")
+    target_list = targets_of(args.target)
+    if len(target_list) > 1:
+        raise BadInput(f"plan takes one --target, got {args.target!r}")
+    if args.offload:
+        offload_bandwidth(target_list[0], True)  # no host memory: one line, before any work
+    mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
+    devices = 1 if mesh is None else mesh.size
+    if args.objective is not None and args.objective not in OBJECTIVES:
+        raise BadInput(f"--objective {args.objective!r}: use one of {', '.join(OBJECTIVES)}")
+    work = src.workload(batch, seq, mesh)
+    check_planner_floor(work, budgets, target_list[0], mesh, "--budgets")
+    if cfg is None:
+        check_schedules(work.num_layers, presets, "--presets")
+    groups = plan_groups(args.groups, work.num_layers or 1)
+    dtype = src.dtype(work)
+
+    def progress(message):
+        print(message, file=sys.stderr, flush=True)
+
+    planner = Planner(work, progress=progress,
+                      cache=args.cache if args.cache is not None else True,
+                      target=target_list[0], groups=groups, objective=args.objective,
+                      offload=args.offload)
+    if planner.objective == "time":  # how far this target's time model was checked
+        print(planner.time_check, file=sys.stderr, flush=True)
+    # Presets first: the planner takes any compiled policy that beats its own plan.
+    named: dict[int, tuple] = {}
+    for spec, r in zip(presets, planner.measure_all(presets)):
+        named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
+    records = [dataclasses.replace(r, names=names) for r, names in named.values()]
+    start = time.perf_counter()
+    full, none = planner.minimum()
+    if none is None and any(parse_budget(b).bytes is None for b in budgets):
+        raise BadInput(f"--budgets: no remat runs out of {target_list[0]}'s memory at these "
+                       "shapes, so a fraction of it means nothing; give budgets in bytes")
+    fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
+    plans = dict(zip(fits, planner.frontier(fits)))
+    plan_seconds = time.perf_counter() - start
+    held, held_parts = (what_holds(planner, lambda n: rechunked(args, n).workload(batch, seq, mesh))
+                        if len(fits) < len(budgets) else ("", None))
+    kind = planner.memory_kind
+    memory = MEMORY_LABELS[kind]
+    ok = [r for r in records if r.error is None and r.memory_bytes is not None
+          and r.memory_kind == kind]
+    title = (f"{label}: batch {batch}, seq {seq}, {dtype} ({planner.measure('full').platform}"
+             f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
+             f"{fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
+             f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
+    t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
+              f"FLOPs: over no remat; time: predicted step time over no remat "
+              f"({planner.roofline.source}); objective: {planner.objective}",
+              caption_justify="left")
+    for name in ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
+                 "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +"):
+        words = "polic" in name or "preset" in name  # a long spec folds, it is not cut
+        t.add_column(name, justify="left" if words else "right",
+                     overflow="fold" if words else "ellipsis")
+    out = []
+    none_seconds = planner.seconds(parse("none"))
+    for b in budgets:
+        limit = parse_budget(b).resolve(none)
+        fitting = [r for r in ok if r.memory_bytes <= limit]
+        # The best preset by the planner's objective: fewest FLOPs or least predicted time.
+        best = min(fitting, key=planner.score, default=None)
+        best_time = best and planner.seconds(parse(best.policy)) / none_seconds - 1
+        p = plans.get(b)
+        preset_cells = ([", ".join(best.names), fmt_bytes(best.memory_bytes),
+                         f"{best.flops / planner.none_flops() - 1:+.2%}", f"{best_time:+.2%}"]
+                        if best else ["no preset fits" if presets else "not compared", "-", "-",
+                                      "-"])
+        if p is None:
+            t.add_row(b, fmt_bytes(limit), "below the minimum"
+                      + (f" ({full / none:.3f})" if none else f" ({fmt_bytes(full)})"),
+                      "-", "-", "-", "-", "-", *preset_cells)
+        else:
+            t.add_row(b, fmt_bytes(limit), p.spec, fmt_bytes(p.measured_bytes),
+                      "-" if p.memory_fraction is None else f"{p.memory_fraction:.3f}",
+                      f"{p.flops_overhead:+.2%}",
+                      "-" if p.time_overhead is None else f"{p.time_overhead:+.2%}",
+                      "cached" if p.cached else str(p.iterations), *preset_cells)
+        out.append({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
+                    "best_preset": best and (best.to_dict() | {
+                        "predicted_seconds": planner.seconds(parse(best.policy)),
+                        "time_overhead": best_time})})
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(t)
+    on_cpu = planner.target.platform == "cpu"
+    if planner.host_bandwidth is not None:
+        console.print(f"offload asked for: host transfers at {planner.host_bandwidth / 1e9:.1f} GB/s "
+                      f"each way ({'this CPU' if on_cpu else planner.roofline.source}),"
+                      " hidden behind each layer's predicted compute, the excess charged",
+                      markup=False)
+        console.print(planner.offload_probe.note, markup=False)
+        if on_cpu:
+            console.print(CPU_OFFLOAD_NOTE, markup=False)
+    for b, p in plans.items():
+        for note in p.offload_notes:
+            if note not in (CPU_OFFLOAD_NOTE, planner.offload_probe.note):
+                console.print(f"budget {b}: {note}", markup=False)
+    if held:
+        console.print(f"below the minimum: {held}", markup=False, soft_wrap=True)
+    # The presets' notes (a preset that compiles as its base rule on this model), as compare
+    # prints them: never in the JSON only.
+    for note in dict.fromkeys(n for r in records for n in r.notes):
+        print(f"note: {note}", file=sys.stderr)
+    console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
+                  f"{plan_seconds:.1f} s"
+                  + (" (the presets compiled before, not counted)" if presets else ""))
+    context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
+               "devices": devices, "platform": planner.measure("full").platform,
+               "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
+               "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
+               "block": work.block_name, "num_layers": work.num_layers,
+               "parameters": work.parameter_count,
+               "offload_probe": (probe := planner.offload_probe) and {
+                   **dataclasses.asdict(probe), "figure": probe.figure}}
+    if args.json is not None:
+        with outputs.atomic_write(args.json) as f:
+            json.dump({"schema_version": 1, "context": context, "budgets": out,
+                       "presets": [r.to_dict() for r in records]}, f, indent=2)
+            f.write("\n")
+    if args.plot is not None:
+        planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
+                   for b, p in plans.items()]
+        report.plot(args.plot, report.rows(records + planned), title)
+    if not fits:
+        print(f"error: no budget can be met: each is below the least compiled memory, "
+              f"{fmt_bytes(full)} {memory}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["run"]
