@@ -155,12 +155,12 @@ def test_too_few_devices_for_the_mesh(capsys):
 
 
 def test_split_policies_keeps_tag_lists_together():
-    assert cli.split_policies("minimal,save:query_proj,key_proj,mlp*,full") == [
+    assert inputs.split_policies("minimal,save:query_proj,key_proj,mlp*,full") == [
         "minimal", "save:query_proj,key_proj,mlp*", "full"]
-    assert cli.split_policies("recompute:core_attn,mlp,none") == ["recompute:core_attn,mlp", "none"]
+    assert inputs.split_policies("recompute:core_attn,mlp,none") == ["recompute:core_attn,mlp", "none"]
     # A tag after a spec with no tag list starts a policy of its own.
     with pytest.raises(cli.BadInput, match="item 2 of 'full,mlp'"):
-        cli.split_policies("full,mlp")
+        inputs.split_policies("full,mlp")
 
 
 def test_out_of_memory_names_the_sizes():
@@ -173,7 +173,7 @@ def test_out_of_memory_names_the_sizes():
 
 def test_default_policies_cover_every_preset():
     from remat_kit.policy.spec import PRESET_TABLE, parse
-    specs = cli.preset_policies()
+    specs = inputs.preset_policies()
     assert len(specs) == len(PRESET_TABLE)
     assert "minimal" in specs and "maxtext:full" in specs and "megatron:selective" in specs
     assert [str(parse(s)) for s in specs] == [str(parse(row[2])) for row in PRESET_TABLE]
@@ -359,5 +359,5 @@ def test_split_policies_keeps_every_spec_parse_accepts(spec):
     from remat_kit.policy.spec import parse
 
     parse(spec)
-    assert cli.split_policies(spec) == [spec]
-    assert cli.split_policies(f"minimal,{spec},full") == ["minimal", spec, "full"]
+    assert inputs.split_policies(spec) == [spec]
+    assert inputs.split_policies(f"minimal,{spec},full") == ["minimal", spec, "full"]
