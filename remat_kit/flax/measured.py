@@ -4,7 +4,7 @@
 `init`/`apply` and parameter tree; NNX: a copy with the same arrays and state
 paths) whose forward pass is made the way `remat_kit.flax.from_model` makes the
 program `compare`, `plan` and `fit` measure: the call is traced once per
-argument signature with each block (the repeated class, `from_model.pick_block`)
+argument signature with each block (the repeated class, `blocks.pick_block`)
 marked and every submodule output tagged by path, the dataflow roles are inferred
 (`query_proj`, `attn_probs`, ...), and `remat_kit.trace.regions` runs each block
 under its layer's policy (`regions.build`: one code path for both). So the
@@ -30,7 +30,7 @@ import jax
 from flax import nnx
 
 from remat_kit.errors import RematSpecError, UnknownModuleError
-from remat_kit.flax import from_model
+from remat_kit.flax import blocks, from_model
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.policy.policy import Policy
@@ -209,7 +209,7 @@ def _program(fn, arrays, num_params: int, cls: type, spec, context, others=()):
                                          "by the model's __call__; name another with block=")
     layers = _layers(spec, context, program, cls)
     _warn(layers, program, found, cls)
-    for note in from_model.unremat_note(others, cls):
+    for note in blocks.unremat_note(others, cls):
         warnings.warn(f"rk.remat_model: {note}", stacklevel=3)
     return (program.function(layers), jax.tree.structure(shape),
             regions.passed_through(closed.jaxpr))
@@ -237,7 +237,7 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
         def make():
             instances, copies, _ = from_model._linen_instances(self, call, *arrays,
                                                                   params=params)
-            cls, _, others = from_model.pick_block(instances, block, copies)
+            cls, _, others = blocks.pick_block(instances, block, copies)
 
             def marked(*xs):
                 with from_model.marking_linen(cls):
