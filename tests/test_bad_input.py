@@ -274,3 +274,15 @@ def test_the_config_shortcuts_refuse_a_name_as_step_memory_does(name, call):
         call("tiny")
     assert str(e.value) == (f"{name} takes a TransformerConfig (rk.models.get_config('tiny')), "
                             "got str 'tiny'")
+
+
+@pytest.mark.parametrize("command", ["compare", "plan"])
+def test_a_plan_file_given_as_a_policy_says_where_plan_files_go(capsys, command):
+    flag = "--policies" if command == "compare" else "--presets"
+    assert cli.main([command, "--config", "tiny", "--batch", "2", "--seq", "8", flag,
+                     "full,plan.json", *(["--budgets", "0.5"] if command == "plan" else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"remat-kit {command}: error: ") and len(err.splitlines()) == 1
+    assert ("'plan.json' is a plan file, not a policy spec: apply it with "
+            "rk.remat_model(model, PATH.json) or train with --config.remat=PATH.json "
+            "(docs/models.md)") in err

@@ -412,6 +412,11 @@ def _parse_decision_clause(clause: str, spec: str, at: int):
     if m and head not in DECISIONS and (head in BARE_NAMES or head in BASES):
         raise RematSpecError(f"preset {head!r} takes no ':' arguments; write {head!r} alone",
                              spec=spec, token=clause, position=at)
+    if not m and clause.strip().endswith(".json"):  # a plan file is a model's, not a spec
+        raise RematSpecError(f"{clause.strip()!r} is a plan file, not a policy spec: apply it "
+                             "with rk.remat_model(model, PATH.json) or train with "
+                             "--config.remat=PATH.json (docs/models.md)", spec=spec,
+                             token=clause, position=at)
     if not m or head not in DECISIONS:
         raise RematSpecError("unknown policy name or clause", spec=spec, token=head or clause,
                              position=at, choices=valid_words())
