@@ -1,23 +1,25 @@
-"""Flag values every command reads alike: --batch and --seq with a config file's
-defaults, the --target list (libtpu and each TPU topology checked before anything
-is measured), and a plot's path per target."""
+"""Flag values every command reads alike: the model's source with --batch and --seq (a
+config file's defaults otherwise), the --target list (libtpu and each TPU topology
+checked before anything is measured), and a plot's path per target."""
 
 from __future__ import annotations
 
 import os
 
-from remat_kit.cli.inputs import Source, check_seq
+from remat_kit.cli.inputs import Source, check_seq, load_source
 
 
-def batch_and_seq(args, src: Source) -> tuple[int, int]:
-    """(batch, seq) from the flags, else the config file's, else the defaults (8,
-    min(max_len, 1024)); BadInput if a config's model cannot take seq (`check_seq`)."""
+def source_and_sizes(args) -> tuple[Source, int, int]:
+    """(the --config or --model source, batch, seq): the sizes from the flags, else the
+    config file's, else the defaults (8, min(max_len, 1024)). BadInput as `load_source`,
+    or where a config's model cannot take seq (`check_seq`)."""
+    src = load_source(args)
     cfg = src.cfg
     batch = args.batch or src.defaults.get("batch", 8)
     seq = args.seq or src.defaults.get("seq", min(cfg.max_len, 1024) if cfg else 1024)
     if cfg is not None:
         check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
-    return batch, seq
+    return src, batch, seq
 
 
 def targets_of(text: str | None) -> list:
@@ -41,4 +43,4 @@ def plot_path(path: str, target, several: bool) -> str:
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
 
 
-__all__ = ["batch_and_seq", "plot_path", "targets_of"]
+__all__ = ["source_and_sizes", "plot_path", "targets_of"]

@@ -7,33 +7,22 @@ from __future__ import annotations
 import sys
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import batch_and_seq, plot_path, targets_of
-from remat_kit.cli.inputs import (
-    BadInput,
-    check_memory,
-    check_output_file,
-    check_planner_floor,
-    check_schedules,
-    device_mesh,
-    load_source,
-    preset_policies,
-    split_policies,
-)
+from remat_kit.cli.common import plot_path, source_and_sizes, targets_of
+from remat_kit.cli.inputs import (BadInput, check_memory, check_output_file, check_planner_floor,
+                                  check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
 
 
 def run(args) -> int:
-    """`remat-kit compare` on the parsed flags (`commands._parser`); returns the exit status.
-    BadInput, RematSpecError and ValueError reach `commands.main`, which prints them
-    in one line and returns 2."""
+    """`remat-kit compare` on the parsed flags; returns the exit status (`commands.main`
+    turns bad input into one line and 2)."""
     from remat_kit.cli import report
     from remat_kit.decide.resolve import measure
     from remat_kit.measure import targets
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
-    src = load_source(args)
+    src, batch, seq = source_and_sizes(args)
     cfg, label = src.cfg, src.label
-    batch, seq = batch_and_seq(args, src)
     specs = split_policies(args.policies) if args.policies is not None else preset_policies()
     check_schedules(cfg, specs, "--policies")
     if args.json is not None:

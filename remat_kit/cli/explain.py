@@ -8,8 +8,8 @@ import sys
 from collections import Counter
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import batch_and_seq, targets_of
-from remat_kit.cli.inputs import BadInput, load_source
+from remat_kit.cli.common import source_and_sizes, targets_of
+from remat_kit.cli.inputs import BadInput
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
 from remat_kit.units import fmt_bytes
@@ -24,9 +24,8 @@ def _parses(spec: str) -> bool:
 
 
 def run(args) -> int:
-    """`remat-kit explain` on the parsed flags (`commands._parser`); returns the exit status.
-    BadInput, RematSpecError and ValueError reach `commands.main`, which prints them
-    in one line and returns 2."""
+    """`remat-kit explain` on the parsed flags; returns the exit status (`commands.main`
+    turns bad input into one line and 2)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -36,9 +35,8 @@ def run(args) -> int:
     from remat_kit.measure.record import MEMORY_LABELS
     from remat_kit.models.shortcuts import layer_residuals
 
-    src = load_source(args)
+    src, batch, seq = source_and_sizes(args)
     cfg, label = src.cfg, src.label
-    batch, seq = batch_and_seq(args, src)
     if args.policy is None and cfg is None:
         raise BadInput("explain --model needs --policy (a --model has no default policy)")
     if args.policy is not None and "," in args.policy and all(

@@ -10,23 +10,14 @@ import sys
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import targets_of
-from remat_kit.cli.inputs import (
-    BadInput,
-    check_output_file,
-    check_schedules,
-    check_seq,
-    device_mesh,
-    load_source,
-    rechunked,
-    split_policies,
-)
+from remat_kit.cli.inputs import (BadInput, check_output_file, check_schedules, check_seq,
+                                  device_mesh, load_source, rechunked, split_policies)
 from remat_kit.units import fmt_bytes
 
 
 def run(args) -> int:
-    """`remat-kit fit` on the parsed flags (`commands._parser`); returns the exit status.
-    BadInput, RematSpecError and ValueError reach `commands.main`, which prints them
-    in one line and returns 2."""
+    """`remat-kit fit` on the parsed flags; returns the exit status (`commands.main`
+    turns bad input into one line and 2)."""
     from rich.console import Console
 
     from remat_kit.cli import report

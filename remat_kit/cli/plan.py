@@ -10,28 +10,17 @@ import sys
 import time
 
 from remat_kit import files as outputs
-from remat_kit.cli.common import batch_and_seq, targets_of
-from remat_kit.cli.inputs import (
-    BadInput,
-    check_output_file,
-    check_planner_floor,
-    check_schedules,
-    device_mesh,
-    load_source,
-    plan_groups,
-    preset_policies,
-    rechunked,
-    split_budgets,
-    split_policies,
-)
+from remat_kit.cli.common import source_and_sizes, targets_of
+from remat_kit.cli.inputs import (BadInput, check_output_file, check_planner_floor, check_schedules,
+                                  device_mesh, plan_groups, preset_policies, rechunked,
+                                  split_budgets, split_policies)
 from remat_kit.policy.spec import parse
 from remat_kit.units import fmt_bytes
 
 
 def run(args) -> int:
-    """`remat-kit plan` on the parsed flags (`commands._parser`); returns the exit status.
-    BadInput, RematSpecError and ValueError reach `commands.main`, which prints them
-    in one line and returns 2."""
+    """`remat-kit plan` on the parsed flags; returns the exit status (`commands.main`
+    turns bad input into one line and 2)."""
     import json
 
     from rich.console import Console
@@ -46,9 +35,8 @@ def run(args) -> int:
     from remat_kit.measure.time_model import OBJECTIVES
     from remat_kit.policy.budget import parse_budget
 
-    src = load_source(args)
+    src, batch, seq = source_and_sizes(args)
     cfg, label = src.cfg, src.label
-    batch, seq = batch_and_seq(args, src)
     budgets = split_budgets(args.budgets)
     presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
                if args.presets is not None else preset_policies())
