@@ -281,20 +281,30 @@ def test_explain_compiles_one_layer_for_the_target():
 
 
 @needs_libtpu
-def test_scanned_layers_take_flops_from_the_cpu_compile():
-    """The TPU compiler drops the while loop's trip count, so FLOPs come from the CPU
-    compile of the same program, counted per trip, and a note says so."""
-    def loss(w, x):
-        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=4)
-        return jnp.sum(y)
+def test_scanned_layers_count_every_trip_on_tpu():
+    """The TPU compiler drops the while loop's known_trip_count; the loop's condition
+    (i < 4, i from 0 by 1) still gives it, so TPU FLOPs count all 4 trips, as
+    the TPU compile of the same layers unrolled does, with no note."""
+    def loss(w, x, scanned=True):
+        if scanned:
+            x, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=4)
+        else:
+            for _ in range(4):
+                x = jnp.tanh(x @ w)
+        return jnp.sum(x)
 
     w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
     x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
-    tpu = lowering.compile_for(jax.value_and_grad(loss), w, x, target="tpu:v5e:1x1")
-    cpu = lowering.compile_for(jax.value_and_grad(loss), w, x, target="cpu")
-    assert tpu.flops == cpu.flops
-    assert cpu.flops >= 4 * 3 * 2 * 8 * 64 * 64  # 4 trips of a matmul and its two grads
-    assert any("FLOPs from the XLA CPU compile" in n for n in tpu.notes)
+    # Both gradients: a scan computes the carry's cotangent, which unrolled layers
+    # would drop for x alone.
+    scanned = lowering.compile_for(jax.value_and_grad(loss, (0, 1)), w, x, target="tpu:v5e:1x1")
+    unrolled = lowering.compile_for(jax.value_and_grad(lambda w, x: loss(w, x, False), (0, 1)),
+                                    w, x, target="tpu:v5e:1x1")
+    matmuls = 4 * 3 * 2 * 8 * 64 * 64  # 4 trips of a matmul and its two grads
+    # XLA's own count of the scanned program gives the body once: 211,973 FLOPs. The
+    # loop's own work (slicing and stacking per trip) adds 3% on these small layers.
+    assert matmuls <= scanned.flops == pytest.approx(unrolled.flops, rel=0.05)
+    assert scanned.notes == ()
 
 
 # -- the command ------------------------------------------------------------------

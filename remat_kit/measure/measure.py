@@ -48,11 +48,11 @@ from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
 from remat_kit.measure import peak as peak_of
-from remat_kit.measure import time_model
+from remat_kit.measure import time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import Record, StepTime, memory_kind
-from remat_kit.measure.costs import memory_fields
+from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.residuals import _stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
@@ -255,7 +255,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
                     figures = compiled
                 else:
-                    figures = _figures(compiled, target, local)
+                    figures = _figures(compiled, target)
                     if dump is not None:
                         figures["peak"] = peak_of.breakdown(
                             dump, figures["memory"], figure=memory_kind(target.platform),
@@ -300,15 +300,22 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     return records
 
 
-def _figures(compiled, target, local) -> dict:
+def _figures(compiled, target) -> dict:
     """What a record reads from a compile, JSON-ready (`figure_cache` keeps it):
-    {"memory": `memory_fields`, "flops", "transcendentals" (`lowering.costs`, at
-    the per-device program `local`), "predicted_seconds", "cost_notes",
-    "time_notes"}."""
-    costs, cost_notes = lowering.costs(compiled, target, jaxpr_as_fun(local.program),
-                                      local.leaves)
+    {"memory": `memory_fields`, "flops", "transcendentals" (`loop_scaled_costs`),
+    "predicted_seconds", "cost_notes", "time_notes"}.
+
+    Raises:
+      time_checks.BelowFloor: a predicted step faster than the target's peaks.
+    """
+    costs, cost_notes = loop_scaled_costs(compiled)
     predicted, time_notes = _predicted_seconds(compiled, target)
-    return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
+    memory = memory_fields(compiled)
+    if predicted is not None and costs.get("flops") is not None:  # outputs are written once
+        written = (memory.get("output_size_in_bytes") or 0) - (memory.get("alias_size_in_bytes")
+                                                              or 0)
+        time_checks.check_floor(predicted, time_model.roofline(target), costs["flops"], written)
+    return {"memory": memory, "flops": costs.get("flops"),
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
             "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
 

@@ -1,4 +1,5 @@
-"""How far each target's time model was checked against measured step times.
+"""How far each target's time model was checked against measured step times, and
+the floor no predicted step may beat.
 
 The planner minimizes predicted step time by default only on a target whose
 predictions came within `REACH` of measured step-time ratios (`time_check`);
@@ -8,11 +9,18 @@ come from `benchmarks/time_model_cpu.py` (the CPU, measured here) and
 `benchmarks/published_ratios.py` (deviceless compiles at the shapes of
 published A100 measurements: Korthikanti et al. 2022, Table 4; torchtitan's
 docs/performance.md), tabled in docs/plan.md.
+
+Whatever its accuracy, a prediction obeys physics: no step runs faster than
+its FLOPs at the chip's peak FLOP/s, nor than the bytes it must write at its
+memory bandwidth (`check_floor`). A prediction below that floor is a bug in
+the time model (a loop priced once instead of once per trip, as XLA:TPU's
+dropped trip counts once caused), and raises.
 """
 
 from __future__ import annotations
 
 from remat_kit.measure import targets
+from remat_kit.units import fmt_bytes
 
 # A prediction is within reach of a measured ratio (a policy's step time over no
 # remat's) when it is within this much of it: 0.05 is a third of the gap between
@@ -45,4 +53,48 @@ def time_check(target) -> tuple[bool, str]:
                                     f"step time: predicted times are an unchecked roofline"))
 
 
-__all__ = ["CHECKS", "REACH", "time_check"]
+# The time model's FLOPs (`time_model.compiled_ops`) and XLA's cost analysis count
+# element-wise ops apart by up to 0.7% (tiny_llama on TPU v5e, every preset): a
+# prediction may sit this far below a floor of XLA's FLOPs before it is a bug.
+FLOOR_SLACK = 0.02
+
+
+class BelowFloor(AssertionError):
+    """A predicted step faster than the target's peaks allow: a time-model bug."""
+
+
+def floor_seconds(line, flops: float, nbytes: float) -> float:
+    """max(flops / peak FLOP/s, nbytes / bandwidth): the least time a step can take.
+
+    Args:
+      line: the target's `time_model.Roofline`; its faster peak (bf16's) is used,
+        so the floor holds whatever the dtypes.
+      flops: the step's FLOPs per device (every loop trip counted).
+      nbytes: bytes the step must move per device at least once, e.g. its
+        outputs written.
+    Returns:
+      Seconds.
+    """
+    return max(flops / max(line.bf16_flops, line.f32_flops), nbytes / line.bandwidth)
+
+
+def check_floor(seconds: float, line, flops: float, nbytes: float) -> float:
+    """`seconds`, checked against `floor_seconds(line, flops, nbytes)`.
+
+    Raises:
+      BelowFloor: seconds below the floor by more than `FLOOR_SLACK`, naming
+        both and the FLOPs, bytes and peaks behind the floor.
+    """
+    floor = floor_seconds(line, flops, nbytes)
+    if seconds < floor * (1 - FLOOR_SLACK):
+        peak = max(line.bf16_flops, line.f32_flops)
+        raise BelowFloor(
+            f"predicted step {seconds * 1e3:.4g} ms is below the physical floor "
+            f"{floor * 1e3:.4g} ms: {flops:.4g} FLOPs at {peak / 1e12:.4g} TFLOP/s, "
+            f"{fmt_bytes(nbytes)} at {line.bandwidth / 1e9:.4g} GB/s ({line.source}); "
+            "the time model has priced part of the program too low")
+    return seconds
+
+
+__all__ = ["BelowFloor", "CHECKS", "FLOOR_SLACK", "REACH", "check_floor", "floor_seconds",
+           "time_check"]

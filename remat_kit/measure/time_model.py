@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
+from remat_kit.measure import loops
 from remat_kit.measure import sealed
 from remat_kit.measure import targets
 from remat_kit._jax_private import hlo_module
@@ -234,7 +235,6 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([^_\s]+)_([^-\s]+)->(\S+?)[,}\s]")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ENTRY = re.compile(r"^ENTRY %([\w.\-]+) ", re.M)
 
 
@@ -408,8 +408,10 @@ def compiled_ops(compiled) -> list[OpCost]:
     the text of `compiled.as_text()` where there is no runtime executable, as
     for a target compiled ahead of time) from its entry computation: a fusion
     is one op (what XLA emits as one kernel), while loop bodies are walked
-    with their `known_trip_count` (once where none is known), calls walked
-    into, and every branch of a conditional counted (an upper bound: one runs).
+    once per trip (`loops.trip_count`: XLA:TPU drops `known_trip_count`, so
+    the condition's bound is read; once where no count is found), calls
+    walked into, and every branch of a conditional counted (an upper bound:
+    one runs).
     On the programs checked (a matmul and a softmax exactly; the tiny and
     tiny_llama value-and-grad under every preset within 0.02% of FLOPs and 0.6%
     of bytes) the figures add up to XLA's own `cost_analysis()` of the module.
@@ -433,8 +435,8 @@ def compiled_ops(compiled) -> list[OpCost]:
             if op in ("kWhile", "kCall", "kConditional") or (
                     op == "kAsyncStart" and _CALLED.search(instr.to_string())):
                 text = instr.to_string()
-                n = trips * (int(m.group(1)) if op == "kWhile" and (m := _TRIPS.search(text))
-                             else 1)
+                found = loops.trip_count(instr, comps) if op == "kWhile" else 1
+                n = trips * (1 if found is None else found)
                 names = _CALLED.findall(text)
                 if (b := _BRANCHES.search(text)):
                     names += [s.strip().lstrip("%") for s in b.group(1).split(",")]
