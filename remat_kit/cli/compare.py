@@ -36,7 +36,7 @@ def run(args) -> int:
     meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
     works = [src.workload(batch, seq, mesh) for mesh in meshes]  # traced, not compiled
     if cfg is None:
-        check_schedules(works[0].num_layers, specs, "--policies")
+        check_schedules(works[0], specs, "--policies")
     auto = [p.budget for p in map(parse, specs) if isinstance(p, AutoSpec)]
     for target, mesh, work in zip(target_list, meshes, works):
         check_planner_floor(work, auto, target, mesh, "--policies auto:budget=")

@@ -83,7 +83,7 @@ def run(args) -> int:
         target = found[0]
     if cfg is not None:
         layer, what, dtype = layer_residuals(cfg, batch, seq, policy, target=target), \
-            "one decoder layer", cfg.dtype
+            "one decoder layer", src.dtype()
     else:
         work = src.workload(batch, seq)
         layer, what, dtype = explain(policy, work, target=target), "one block", src.dtype(work)

@@ -84,14 +84,14 @@ def run(args) -> int:
                                   if row.limit else ""))
         print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
 
-    model, dtype = cfg, cfg and cfg.dtype
+    model, dtype = cfg, cfg and src.dtype()
     # The model with its loss over n vocabulary chunks, should the logits hold fit's floor.
     rechunk = None if cfg is not None else (
         lambda n, built=mesh: lambda b, s: rechunked(args, n).workload(b, s, built))
     if cfg is None:  # traced once at the smallest size: bad models fail before compiling
         first = src.workload(*((batch, multiple) if args.vary == "seq" else (multiple, seq)),
                              mesh)
-        check_schedules(first.num_layers, specs, "--policies")
+        check_schedules(first, specs, "--policies")
         model, dtype = (lambda b, s: src.workload(b, s, mesh)), src.dtype(first)
         mesh = None  # the workloads carry it
     try:

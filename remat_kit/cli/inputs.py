@@ -209,12 +209,15 @@ class Source:
         return work
 
     def dtype(self, workload=None) -> str:
-        """The activation dtype for titles: the config's, else the parameters'."""
+        """The dtype for titles (`labels.dtype_label`): the activations' and, where
+        they differ, the parameters'; of the config, else of the model's workload."""
+        from remat_kit.cli import labels
         if self.cfg is not None:
-            return self.cfg.dtype
-        import jax
-        leaves = jax.tree.leaves(workload.params) if workload is not None else []
-        return str(leaves[0].dtype) if leaves else "-"
+            return labels.dtype_label(self.cfg.param_dtype, self.cfg.dtype)
+        if workload is None:
+            return "-"
+        return labels.dtype_label(labels.params_dtype(workload.params),
+                                  labels.activation_dtype(workload))
 
     @property
     def num_layers(self) -> int | None:
@@ -388,21 +391,25 @@ def split_policies(text: str, flag: str = "--policies") -> list[str]:
     return [spec for _, spec in items]
 
 
-def check_schedules(cfg: "TransformerConfig | int | None", specs: Sequence[str],
-                    flag: str) -> None:
+def check_schedules(cfg, specs: Sequence[str], flag: str) -> None:
     """BadInput, before anything compiles, for a spec the model cannot take: the
     config's own checks (`TransformerConfig`), e.g. a layer schedule that does not
     fit its layers (full@every:99 on 2 layers, nested:7) or needs a looped stack;
-    for a model of the user's (cfg its block count), the schedule's own check."""
+    for a model of the user's (cfg its Workload, or its block count), the
+    schedule's own check, and with the Workload its loss built under the policy
+    (a scanned stack refuses a policy per layer: one scan body takes one)."""
+    from remat_kit.trace.workload import Workload
     for spec in specs:
         try:
             if isinstance(cfg, TransformerConfig):
                 cfg.replace(remat=spec)
-            elif cfg is not None:
-                policy = parse(spec)
-                if not isinstance(policy, AutoSpec):
-                    policy.schedule.check(cfg)
-        except ValueError as e:
+            elif cfg is not None and not isinstance(policy := parse(spec), AutoSpec):
+                layers = cfg.num_layers if isinstance(cfg, Workload) else cfg
+                if layers is not None:
+                    policy.schedule.check(layers)
+                if isinstance(cfg, Workload):
+                    cfg.loss_for_policy(policy)
+        except ValueError as e:  # RematSpecError is a ValueError
             raise BadInput(f"{flag} {shorten(spec)!r}: {e}") from None
 
 

@@ -68,7 +68,7 @@ def run(args) -> int:
     work = src.workload(batch, seq, mesh)
     check_planner_floor(work, budgets, target_list[0], mesh, "--budgets")
     if cfg is None:
-        check_schedules(work.num_layers, presets, "--presets")
+        check_schedules(work, presets, "--presets")
     groups = plan_groups(args.groups, work.num_layers or 1)
     dtype = src.dtype(work)
 
@@ -79,6 +79,9 @@ def run(args) -> int:
                       cache=args.cache if args.cache is not None else True,
                       target=target_list[0], groups=groups, objective=args.objective,
                       offload=args.offload)
+    if isinstance(groups, int) and groups > 1 and planner.program.per_layer:
+        raise BadInput(f"--groups {groups}: not possible, {planner.program.per_layer}; "
+                       "give --groups 1 or leave it out")
     if planner.objective == "time":  # how far this target's time model was checked
         print(planner.time_check, file=sys.stderr, flush=True)
     # Presets first: the planner takes any compiled policy that beats its own plan.

@@ -94,8 +94,9 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
+from remat_kit.cli import labels
 from remat_kit.measure import estimate, peak
-from remat_kit.measure.record import MEMORY_LABELS, PEAK, TEMP, Record
+from remat_kit.measure.record import MEMORY_LABELS, PEAK, TEMP, Record, memory_kind
 from remat_kit.models import TransformerConfig
 from remat_kit.files import atomic_write
 from remat_kit.units import fmt_bytes, fmt_flops, fmt_seconds
@@ -209,10 +210,14 @@ def compiled_by(report_rows: Sequence[dict]) -> str:
 
 def memory_kind_of(report_rows: Sequence[dict]) -> str:
     """The `memory_kind` `report_rows` (of one target) are compared by: that of
-    their `none` row, else of their first row that compiled; TEMP for none."""
+    their `none` row, else of their first row that compiled; where none
+    compiled, their target's (`record.memory_kind`: peak on TPU and GPU)."""
     measured = [d for d in report_rows if d["memory_bytes"] is not None]
     found = next((d for d in measured if d["policy"] == "none"), measured[0] if measured else None)
-    return found["memory_kind"] if found else TEMP
+    if found is None:
+        target = report_rows[0].get("target") if report_rows else None
+        return memory_kind(target.split(":", 1)[0]) if target else TEMP
+    return found["memory_kind"]
 
 
 _MEMORY_NOTES = {
@@ -235,11 +240,12 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
     kind = memory_kind_of(report_rows)
     other = TEMP if kind == PEAK else PEAK if sharded else None
     label = MEMORY_LABELS[kind]
-    t = Table(title=Text(title), caption="* Pareto-optimal (no row has less memory and fewer FLOPs)"
-              f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}"
-              + ("; pred.: the time model's step time (a roofline per compiled op, "
-                 "remat_kit.measure.time_model)" if predicted else ""),
-              caption_justify="left")
+    failed = labels.failed_caption(report_rows, compiled_by(report_rows))
+    t = Table(title=Text(title), caption=escape(failed) if failed else (
+        "* Pareto-optimal (no row has less memory and fewer FLOPs)"
+        f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}"
+        + ("; pred.: the time model's step time (a roofline per compiled op, "
+           "remat_kit.measure.time_model)" if predicted else "")), caption_justify="left")
     for name, justify in (("", "left"), ("policy", "left"), (label, "right"),
                           (f"{label} x none", "right"), ("residuals", "right"),
                           ("layer x L", "right"), ("Korthikanti x L", "right"),
@@ -308,9 +314,12 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
     """
     kinds = [memory_kind_of(rows) for _, rows in sections]
     peaks = [k == PEAK for k in kinds]
+    failed = [labels.failed_caption(rows, compiled_by(rows)) for _, rows in sections]
     t = Table(title=Text(title), caption="; ".join(
-        [*(f"{name}: {escape(compiled_by(rows))}" for name, rows in sections),
-         *(_MEMORY_NOTES[k] for k in dict.fromkeys(kinds))]), caption_justify="left")
+        [*(f"{name}: {escape(why or compiled_by(rows))}"
+           for (name, rows), why in zip(sections, failed)),
+         *(_MEMORY_NOTES[k] for k in dict.fromkeys(
+             k for k, why in zip(kinds, failed) if why is None))]), caption_justify="left")
     t.add_column("policy", justify="left")
     for (name, _), peak in zip(sections, peaks):
         label = MEMORY_LABELS[PEAK if peak else TEMP]

@@ -420,7 +420,8 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                                                  vocab_chunks=vocab_chunks),
                     per_device=local, mesh=mesh, num_layers=n, notes=notes,
                     block_name=cls.__name__, parameter_count=traced_regions.parameter_count,
-                    block=traced_regions.block)
+                    # per chip, as every figure is: one device's share of the batch
+                    block=traced_regions.block if local is None else one.block)
 
 
 def trace(fn: Callable, args, mesh=None):
