@@ -403,3 +403,27 @@ def test_train_step_runs_the_step_that_step_memory_compiles():
     assert math.log(CFG.vocab_size) * 0.9 < state["none"][0] < math.log(CFG.vocab_size) * 1.2
     for a, b in zip(jax.tree.leaves(state["none"][1]), jax.tree.leaves(state["full"][1])):
         assert jnp.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("target, mesh", [
+    (None, "fsdp:4"),
+    pytest.param("tpu:v5e:2x2", "fsdp:4", marks=pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")),
+    pytest.param("tpu:v5e:2x2", "data:4", marks=pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")),
+])
+def test_a_scanned_config_fits_on_a_mesh(target, mesh):
+    """tiny_llama scanned, its step sharded over 4 devices (host CPUs, or a TPU slice
+    compiled ahead of time): every trip's FLOPs counted from the compile itself,
+    where the TPU compile once fell back to a CPU compile of the whole model at the
+    parameters' shard shapes (ScopeParamShapeError) or on the wrong devices."""
+    from remat_kit.measure import targets
+    cfg = get_config("tiny_llama", scan_layers=True, num_layers=4)
+    shape = rk.mesh.parse_spec(mesh)
+    m = (rk.mesh.make(mesh, jax.devices()[:4]) if target is None
+         else targets.make_mesh(target, shape))
+    (row,) = fit(cfg, 48 * 2**20, policies=["full"], batch=4, mesh=m, target=target,
+                 max_size=128).rows
+    assert row.error is None and row.size == 128 and row.capped
+    looped = step_memory(cfg.replace(scan_layers=False), 4, 128, "full", mesh=m, target=target)
+    assert row.memory.flops == pytest.approx(looped.flops, rel=0.02)
