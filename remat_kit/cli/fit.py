@@ -20,7 +20,7 @@ def run(args) -> int:
     turns bad input into one line and 2)."""
     from rich.console import Console
 
-    from remat_kit.cli import report
+    from remat_kit.cli import fit_report
     from remat_kit.decide.fit import DEFAULT_MAX_SIZE, DEFAULT_MULTIPLE, FIT_POLICIES, _is_auto
     from remat_kit.errors import BudgetError
     from remat_kit.models.shortcuts import fit
@@ -106,15 +106,15 @@ def run(args) -> int:
     title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "
              f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
-    console.print(report.fit_table(result, title))
+    console.print(fit_report.fit_table(result, title))
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
-            json.dump(report.fit_to_dict(result) | {"config": label}, f, indent=2)
+            json.dump(fit_report.fit_to_dict(result) | {"config": label}, f, indent=2)
             f.write("\n")
     if args.plot is not None:
-        report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")
+        fit_report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")
     return 0
 
 

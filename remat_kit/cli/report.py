@@ -193,7 +193,8 @@ def rows(records: Sequence[Record], cfg: TransformerConfig | None = None,
     return sorted(out, key=lambda d: (d["memory_bytes"] is None, d["memory_bytes"] or 0))
 
 
-def _fmt_ratio(x) -> str:
+def fmt_ratio(x) -> str:
+    """A ratio to 3 decimals; '-' for None."""
     return "-" if x is None else f"{x:.3f}"
 
 
@@ -270,14 +271,14 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
             t.add_row(*cells)
             continue
         cells = ["*" if d["pareto"] else "", names, fmt_bytes(d["memory_bytes"]),
-                 _fmt_ratio(d["memory_ratio_to_none"]),
+                 fmt_ratio(d["memory_ratio_to_none"]),
                  fmt_bytes(d["activation_residual_bytes"]),
                  fmt_bytes(d["layers_residual_bytes"]),
                  fmt_bytes(d["formula_bytes"]), fmt_flops(d["flops"]),
-                 _fmt_ratio(d["flops_ratio_to_none"])]
+                 fmt_ratio(d["flops_ratio_to_none"])]
         if predicted:
             cells += [fmt_seconds(d.get("predicted_seconds")),
-                      _fmt_ratio(d.get("predicted_ratio_to_none"))]
+                      fmt_ratio(d.get("predicted_ratio_to_none"))]
         if sharded:
             cells.append(fmt_bytes(d["formula_sp_bytes"]))
         if other:
@@ -285,7 +286,7 @@ def table(report_rows: Sequence[dict], title: str = "") -> Table:
         if timed:
             st = d["step_time"]
             cells += [f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-",
-                      _fmt_ratio(st and st["ratio_to_none"])]
+                      fmt_ratio(st and st["ratio_to_none"])]
         cells.append("-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}")
         t.add_row(*cells)
     return t
@@ -339,10 +340,10 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
                 error = d["error"].splitlines()[0][:60] if d else "not measured"
                 cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (4 + peak)
                 continue
-            cells += [fmt_bytes(d["memory_bytes"]), _fmt_ratio(d["memory_ratio_to_none"]),
+            cells += [fmt_bytes(d["memory_bytes"]), fmt_ratio(d["memory_ratio_to_none"]),
                       *((fmt_bytes(d["temp_size_in_bytes"]),) if peak else ()),
-                      _fmt_ratio(d["flops_ratio_to_none"]),
-                      _fmt_ratio(d.get("predicted_ratio_to_none")),
+                      fmt_ratio(d["flops_ratio_to_none"]),
+                      fmt_ratio(d.get("predicted_ratio_to_none")),
                       "-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}"]
         t.add_row(*cells)
     return t
@@ -460,83 +461,10 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
 
 
 
-def fit_table(result, title: str = "") -> Table:
-    """A rich Table of a `remat_kit.decide.fit.FitResult`: one line per policy with the
-    largest size, the step memory there (per device) and its parts, and the FLOP
-    overhead; a "picked" column with the auto row's policy where there is one."""
-    vary = result.vary
-    where = (f"per device of mesh {result.mesh} ({result.devices} devices); sizes and "
-             f"FLOPs/token global" if result.mesh else "per device")
-    t = Table(title=Text(title), caption=(
-        f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = "
-        f"{result.rows[0].memory.source if result.rows and result.rows[0].memory else 'n/a'}; "
-        f"x none = step FLOPs / no remat's at the same {vary}"), caption_justify="left")
-    auto = any(r.picked for r in result.rows)
-    for name in ("policy", *(("picked",) if auto else ()), f"max {vary}", "step memory",
-                 "params", "grads", "opt state", "activations+other", "FLOPs/token", "x none",
-                 "compiles"):
-        t.add_column(name, justify="left" if name in ("policy", "picked") else "right")
-    for r in result.rows:
-        picked = (escape(r.picked or "-"),) if auto else ()
-        if r.error and r.memory is None:
-            t.add_row(escape(r.policy), *picked,
-                      f"[red]error: {escape(r.error.splitlines()[0])}[/red]", *["-"] * 7,
-                      str(r.compiles))
-            continue
-        m = r.memory
-        cap = " (model's limit)" if r.limit else " (cap)"
-        size = str(r.size) + (cap if r.capped else "") if r.size else "no size fits"
-        overhead = _fmt_ratio(r.flop_overhead)
-        if r.none_fits is False:
-            overhead += " (none over budget)"
-        if r.none_flops == "extrapolated":
-            overhead += " extrap."
-        cells = [fmt_bytes(x) for x in (m.total_bytes, m.params_bytes, m.grads_bytes,
-                                        m.opt_state_bytes, m.other_bytes)] if m else ["-"] * 5
-        t.add_row(escape(r.policy), *picked, size, *cells,
-                  "-" if r.flops_per_token is None else f"{r.flops_per_token:.4g}", overhead,
-                  str(r.compiles))
-    return t
-
-
-def fit_to_dict(result) -> dict:
-    """A JSON-ready dict of a `remat_kit.decide.fit.FitResult` (every field; bytes, FLOPs, seconds)."""
-    import dataclasses
-    return {"schema_version": SCHEMA_VERSION, **dataclasses.asdict(result)}
-
-
-def plot_fit(path, result, title: str = "") -> None:
-    """PNG: the largest size per policy as bars, the FLOP overhead (x no remat at
-    that size) as points on a second axis. Rows without a size are left out."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result.rows if r.size]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 5), dpi=120)
-    x = range(len(rows))
-    ax.bar(x, [r.size for r in rows], color="tab:blue", alpha=0.8)
-    # An auto row names what it picked (cut short: a planned spec lists many tags).
-    labels = [r.policy + (f"\n{r.picked[:28]}{'...' * (len(r.picked) > 28)}" if r.picked else "")
-              for r in rows]
-    ax.set_xticks(list(x), labels, rotation=20, ha="right", fontsize=8)
-    mesh = f" of mesh {result.mesh}" if result.mesh else ""
-    ax.set_ylabel(f"max {result.vary} within {fmt_bytes(result.budget_bytes)} per device{mesh}")
-    twin = ax.twinx()
-    twin.plot(x, [r.flop_overhead for r in rows], "o", color="tab:red")
-    twin.set_ylabel("FLOP overhead (x no remat at that size)", color="tab:red")
-    ax.set_title(f"{title}\n{result.platform}" if title else result.platform)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
-__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fit_table",
-           "fit_to_dict", "fmt_bytes", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
-           "plot_fit",
-           "print_side_by_side", "print_table", "rows", "save_figure", "side_by_side", "table",
-           "write_csv",
-           "write_json"]
+__all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fmt_bytes",
+           "fmt_ratio", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
+           "print_peaks", "print_side_by_side", "print_table", "rows", "save_figure",
+           "side_by_side", "table", "write_csv", "write_json"]
 
 
 def print_peaks(report_rows: Sequence[dict], console: Console | None = None) -> None:
