@@ -9,7 +9,6 @@ import jax
 
 from remat_kit._jax_private import hlo_module, hlo_text_cost_analysis
 from remat_kit.measure import loops
-from remat_kit.measure.time_model import compiled_ops
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+) \(", re.M)
 _BODY = re.compile(r"body=%([\w.\-]+)")
@@ -53,23 +52,17 @@ def loop_scaled_costs(compiled) -> tuple[dict[str, float], tuple[str, ...]]:
     that, as XLA:TPU does), runs XLA's HloCostAnalysis on the loop body alone
     (`_jax_private.hlo_text_cost_analysis`) and adds (trip count - 1) x the
     body's cost; nested loops are scaled the same way, inside every trip of
-    the loop around them. A backend with no cost analysis (the deviceless GPU
-    compile) is counted op by op (`time_model.compiled_ops`, within 1% of
-    XLA's cost analysis where both exist).
+    the loop around them.
 
     Returns:
-      ({"flops": FLOPs, "transcendentals": count}, notes). notes say which
-      loops could not be scaled (no trip count found), which leaves their
-      bodies counted once, and where the figures were counted op by op.
+      ({"flops": FLOPs, "transcendentals": count}, notes). An empty dict if
+      the backend gives no cost analysis. notes say which loops could not be
+      scaled (no trip count found), which leaves their bodies counted once.
     """
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs
     if not costs:
-        ops = compiled_ops(compiled)
-        return ({"flops": sum(o.trips * o.flops for o in ops),
-                 "transcendentals": sum(o.trips * o.transcendentals for o in ops)},
-                ("the compiler gives no cost analysis: FLOPs counted op by op from its "
-                 "optimized HLO",))
+        return {}, ("the backend gives no cost analysis",)
     total = {k: float(costs.get(k, 0.0)) for k in _COST_KEYS}
     found = _while_loops(compiled)
     if not any(found.values()):

@@ -24,6 +24,7 @@ from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.peak import dump_options
 from remat_kit.measure.targets import Target, TargetError, devices, parse_target
 from remat_kit.trace import retarget
+from remat_kit.mesh import local_shape as _local
 
 # XLA CPU: LLVM optimization only changes the speed of the generated code,
 # not buffer assignment or cost analysis (checked on every gpt2_small preset),
@@ -123,6 +124,33 @@ class Compiled:
     notes: tuple[str, ...] = ()
 
 
+def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence):
+    """FLOPs and transcendentals of `compiled`, loops counted per trip, with notes.
+
+    If the target's compiler leaves a while loop whose trip count cannot be
+    read (`loops.trip_count`) or gives no cost analysis (the deviceless GPU
+    compiler does not), the figures come from
+    the XLA CPU compile of the same program at the per-device shapes
+    `local_leaves`, and a note says so.
+
+    Returns:
+      ({"flops": float, "transcendentals": float} or {}, notes).
+    """
+    found, notes = loop_scaled_costs(compiled)
+    if parse_target(target).platform == "cpu" or (found and not notes):
+        return found, notes
+    cpu = jax.devices("cpu")[0]
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(cpu))
+               for x in local_leaves]
+    on_cpu = jax.jit(fn).lower(*structs).compile(_CPU_COMPILE_ONLY_OPTIONS)
+    found, cpu_notes = loop_scaled_costs(on_cpu)
+    why = ("has while loops without a known trip count" if found
+           else "gives no cost analysis")
+    return found, cpu_notes + (f"FLOPs from the XLA CPU compile of the same program (the "
+                               f"{target} compile {why})",)
+
+
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                 compile_only: bool = True, donate: tuple[int, ...] = (),
                 count_flops: bool = True, dump: str | None = None) -> Compiled:
@@ -137,8 +165,9 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
       compile_only: the program will not be run (faster CPU compiles).
       donate: indices of `args` whose buffers the program may reuse
         (`jax.jit`'s donate_argnums), e.g. the parameters of a train step.
-      count_flops: also count FLOPs (`costs.loop_scaled_costs`); False skips
-        it (flops and transcendentals are then None).
+      count_flops: also count FLOPs (`costs`); False skips it, and with it
+        the XLA CPU compile that a compiler without cost analysis needs
+        (flops and transcendentals are then None).
       dump: a folder for XLA's dump (`peak.dump_options`, read by
         `peak.breakdown`): the program is then compiled, never read back from
         the figure cache or JAX's compilation cache (which would write none).
@@ -173,7 +202,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         with without_compilation_cache():
             compiled = lowered.compile(dump_options(options, dump))
     seconds = time.perf_counter() - start
-    found, notes = loop_scaled_costs(compiled) if count_flops else ({}, ())
+    found, notes = (costs(compiled, target, flat, [_local(x) for x in leaves]) if count_flops
+                    else ({}, ()))
     memory = memory_fields(compiled)
     figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
                                      "transcendentals": found.get("transcendentals"),
@@ -182,4 +212,4 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                     found.get("transcendentals"), seconds, notes)
 
 
-__all__ = ["Compiled", "compile_for", "compile_options", "lower", "on_target", "place"]
+__all__ = ["Compiled", "compile_for", "compile_options", "costs", "lower", "on_target", "place"]

@@ -52,7 +52,7 @@ from remat_kit.measure import time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import Record, StepTime, memory_kind
-from remat_kit.measure.costs import loop_scaled_costs, memory_fields
+from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import _stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
@@ -255,7 +255,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
                     figures = compiled
                 else:
-                    figures = _figures(compiled, target)
+                    figures = _figures(compiled, target, local)
                     if dump is not None:
                         figures["peak"] = peak_of.breakdown(
                             dump, figures["memory"], figure=memory_kind(target.platform),
@@ -300,15 +300,17 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     return records
 
 
-def _figures(compiled, target) -> dict:
+def _figures(compiled, target, local) -> dict:
     """What a record reads from a compile, JSON-ready (`figure_cache` keeps it):
-    {"memory": `memory_fields`, "flops", "transcendentals" (`loop_scaled_costs`),
-    "predicted_seconds", "cost_notes", "time_notes"}.
+    {"memory": `memory_fields`, "flops", "transcendentals" (`lowering.costs`, at
+    the per-device program `local`), "predicted_seconds", "cost_notes",
+    "time_notes"}.
 
     Raises:
       time_checks.BelowFloor: a predicted step faster than the target's peaks.
     """
-    costs, cost_notes = loop_scaled_costs(compiled)
+    costs, cost_notes = lowering.costs(compiled, target, jaxpr_as_fun(local.program),
+                                      local.leaves)
     predicted, time_notes = _predicted_seconds(compiled, target)
     memory = memory_fields(compiled)
     if predicted is not None and costs.get("flops") is not None:  # outputs are written once
