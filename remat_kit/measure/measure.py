@@ -312,12 +312,10 @@ def _figures(compiled, target, local) -> dict:
     costs, cost_notes = lowering.costs(compiled, target, jaxpr_as_fun(local.program),
                                       local.leaves)
     predicted, time_notes = _predicted_seconds(compiled, target)
-    memory = memory_fields(compiled)
-    if predicted is not None and costs.get("flops") is not None:  # outputs are written once
-        written = (memory.get("output_size_in_bytes") or 0) - (memory.get("alias_size_in_bytes")
-                                                              or 0)
-        time_checks.check_floor(predicted, time_model.roofline(target), costs["flops"], written)
-    return {"memory": memory, "flops": costs.get("flops"),
+    if predicted is not None and costs.get("flops") is not None:
+        time_checks.check_floor(predicted, time_model.roofline(target), costs["flops"],
+                                time_checks.written_bytes(compiled))
+    return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
             "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
 

@@ -19,6 +19,10 @@ dropped trip counts once caused), and raises.
 
 from __future__ import annotations
 
+import math
+
+import jax
+
 from remat_kit.measure import targets
 from remat_kit.units import fmt_bytes
 
@@ -71,11 +75,22 @@ def floor_seconds(line, flops: float, nbytes: float) -> float:
         so the floor holds whatever the dtypes.
       flops: the step's FLOPs per device (every loop trip counted).
       nbytes: bytes the step must move per device at least once, e.g. its
-        outputs written.
+        outputs written (`written_bytes`).
     Returns:
       Seconds.
     """
     return max(flops / max(line.bf16_flops, line.f32_flops), nbytes / line.bandwidth)
+
+
+def written_bytes(compiled) -> int:
+    """Bytes of a compiled program's outputs on one device, each element once (its
+    shard's shape; no tile padding, which the time model does not price either):
+    what the program writes at least once.
+
+    Args: compiled: a JAX `Compiled`.
+    """
+    return sum(math.prod(o.sharding.shard_shape(o.shape)) * o.dtype.itemsize
+               for o in jax.tree.leaves(compiled.out_info))
 
 
 def check_floor(seconds: float, line, flops: float, nbytes: float) -> float:
@@ -97,4 +112,4 @@ def check_floor(seconds: float, line, flops: float, nbytes: float) -> float:
 
 
 __all__ = ["BelowFloor", "CHECKS", "FLOOR_SLACK", "REACH", "check_floor", "floor_seconds",
-           "time_check"]
+           "time_check", "written_bytes"]
