@@ -180,7 +180,8 @@ class Source:
     Attributes:
       label: the report's name, e.g. "gpt2_small" or "models.py:build".
       cfg: the TransformerConfig for --config (dtype applied), None for --model.
-      defaults: {"batch", "seq"} from a config file's batch_size / seq_len.
+      defaults: {"batch", "seq"} from a config file's batch_size / seq_len, or a
+        (model, batch) FUNCTION's batch (seq None: it has no sequence axis).
       make: (batch, seq, mesh) -> Workload; raises BadInput for a bad model.
     """
 
@@ -247,7 +248,9 @@ def load_source(args) -> Source:
             label, make = user_model.load(args.model, args.block, chunks, sizes=sizes)
         except ModelError as e:
             raise BadInput(str(e)) from None
-        return Source(label, None, {}, make)
+        defaults = getattr(make, "defaults", {})  # a (model, batch) FUNCTION's own sizes
+        _check_batch_axes(args, defaults, getattr(make, "batch", None))
+        return Source(label, None, defaults, make)
     if args.block is not None:
         raise BadInput("--block names the repeated block class of a --model; --config models "
                        "know theirs")
@@ -261,6 +264,29 @@ def load_source(args) -> Source:
             raise BadInput(f"--vocab-chunks {chunks}: {str(e).partition(': ')[2]}") from None
     return Source(label, cfg, defaults,
                   lambda batch, seq, mesh=None: config_workload(cfg, batch, seq, mesh=mesh))
+
+
+def _check_batch_axes(args, defaults: dict, batch) -> None:
+    """BadInput, in one line, where a (model, batch) FUNCTION's batch lacks the axis a
+    flag sets: --seq or fit --vary seq without a sequence axis (images, latents),
+    --vary batch where the leaves share no leading axis."""
+    if batch is None:
+        return
+    import jax
+
+    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in jax.tree.leaves(batch))
+    vary = getattr(args, "vary", None)
+    if defaults.get("seq") is None and (args.seq is not None or vary == "seq"):
+        flag = "--vary seq" if vary == "seq" else f"--seq {args.seq}"
+        raise BadInput(f"{flag}: the batch of --model {args.model} has no sequence axis (no "
+                       f"int leaf [batch, seq]; its leaves: {shapes}); "
+                       + ("search the batch with --vary batch" if vary == "seq"
+                          else "leave --seq out"))
+    if defaults.get("batch") is None and (vary == "batch" or args.batch is not None):
+        flag = "--vary batch" if vary == "batch" else f"--batch {args.batch}"
+        raise BadInput(f"{flag}: the leaves of the batch of --model {args.model} share no "
+                       f"leading (batch) axis ({shapes}), so it cannot be resized; make every "
+                       "leaf [batch, ...]")
 
 
 def rechunked(args, chunks: int) -> Source:

@@ -75,6 +75,13 @@ def leading(batch) -> int:
     return heads.pop()
 
 
+def declared(batch) -> tuple[int | None, int | None]:
+    """(batch size, sequence length) of a batch as declared: its common leading axis
+    (`leading`) and `seq_length`, each None where it has none."""
+    heads = {x.shape[:1] for x in jax.tree.leaves(batch)}
+    return (leading(batch) if len(heads) == 1 and () not in heads else None), seq_length(batch)
+
+
 def _is_seq_leaf(x, seq: int) -> bool:
     kind = jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.bool_)
     return kind and len(x.shape) >= 2 and x.shape[1] == seq
@@ -211,7 +218,7 @@ def is_tokens(batch) -> bool:
 
 def workload(model, batch, loss: Callable | None = None, *, size: int | None = None,
              seq: int | None = None, block=None, name: str | None = None,
-             mesh: jax.sharding.Mesh | None = None) -> Workload:
+             mesh: jax.sharding.Mesh | None = None, vocab_chunks: int = 1) -> Workload:
     """The `Workload` of `loss(model(...batch...), batch)` for a linen or NNX model.
 
     Args:
@@ -226,6 +233,7 @@ def workload(model, batch, loss: Callable | None = None, *, size: int | None = N
         batch's own; `resized`); seq is for a batch with a sequence axis.
       block, name, mesh: as `from_model.workload` (the batch split over the
         mesh's data axes along its leading axis).
+      vocab_chunks: for a batch of tokens and no loss, as `from_model.workload`.
     Returns:
       A `Workload` with args (params, batch, other variables) as
       ShapeDtypeStructs, `batch` the leading axis and `seq` the sequence
@@ -245,18 +253,18 @@ def workload(model, batch, loss: Callable | None = None, *, size: int | None = N
                              "give loss(output, batch) -> scalar (return (model, batch, loss))")
         b, s = shaped.shape
         return from_model.workload(model, size or b, seq or s, block=block, name=name,
-                                   mesh=mesh)
+                                   mesh=mesh, vocab_chunks=vocab_chunks)
+    if vocab_chunks != 1:
+        raise ModelError(f"vocab chunks ({vocab_chunks}) are for the next-token loss remat_kit "
+                         "builds; this model's loss is its own")
     if not callable(loss):
         raise ModelError(f"loss must be a function loss(output, batch) -> scalar, got "
                          f"{type(loss).__name__} {loss!r:.60}")
-    inputs = BatchInputs(shaped, loss)
-    if size is None:
-        size = leading(shaped) if len({x.shape[:1] for x in jax.tree.leaves(shaped)}) == 1 \
-            else None
-    return from_model.workload(model, size, seq if seq is not None else seq_length(shaped),
-                               block=block, name=name or type(model).__name__, mesh=mesh,
-                               inputs=inputs)
+    first, length = declared(shaped)
+    return from_model.workload(model, size or first, seq or length, block=block,
+                               name=name or type(model).__name__, mesh=mesh,
+                               inputs=BatchInputs(shaped, loss))
 
 
-__all__ = ["BatchInputs", "FORMS", "abstract", "call_args", "is_tokens", "leading", "resized",
-           "seq_length", "workload"]
+__all__ = ["BatchInputs", "FORMS", "abstract", "call_args", "declared", "is_tokens", "leading",
+           "resized", "seq_length", "workload"]
