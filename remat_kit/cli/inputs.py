@@ -272,9 +272,9 @@ def _check_batch_axes(args, defaults: dict, batch) -> None:
     --vary batch where the leaves share no leading axis."""
     if batch is None:
         return
-    import jax
+    from remat_kit.flax.batch_model import describe
 
-    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in jax.tree.leaves(batch))
+    shapes = describe(batch)
     vary = getattr(args, "vary", None)
     if defaults.get("seq") is None and (args.seq is not None or vary == "seq"):
         flag = "--vary seq" if vary == "seq" else f"--seq {args.seq}"

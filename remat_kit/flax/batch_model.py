@@ -57,21 +57,24 @@ def abstract(batch, where: str = "batch"):
                          "jax.ShapeDtypeStructs (images, a dict of token ids, ...)")
     for path, x in leaves:
         if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-            raise ModelError(f"{where}{jax.tree_util.keystr(path)} is a {type(x).__name__} "
+            raise ModelError(f"{where}{jax.tree_util.keystr(path)} is {type(x).__name__} "
                              f"{x!r:.40}, not an array or jax.ShapeDtypeStruct")
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+
+
+def describe(batch) -> str:
+    """'float32[2, 8, 8, 4], int32[2]': each leaf's dtype and shape, in tree order."""
+    return ", ".join(f"{x.dtype}{list(x.shape)}" for x in jax.tree.leaves(batch))
 
 
 def leading(batch) -> int:
     """The batch size: the leading axis every leaf shares. ModelError naming the
     leaves' shapes where they share none (a scalar leaf, or leading axes that
     differ), so the batch cannot be resized."""
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(batch)]
-    heads = {s[0] if s else None for s in shapes}
+    heads = {x.shape[0] if x.shape else None for x in jax.tree.leaves(batch)}
     if len(heads) != 1 or None in heads:
-        raise ModelError(f"the batch's leaves have no common leading (batch) axis: shapes "
-                         f"{shapes}; every leaf must be [batch, ...] for the batch to be "
-                         "resized (--batch, fit --vary batch)")
+        raise ModelError(f"the batch's leaves share no leading (batch) axis ({describe(batch)}), "
+                         "so it cannot be resized; make every leaf [batch, ...]")
     return heads.pop()
 
 
@@ -107,8 +110,8 @@ def resized(batch, size: int, seq: int | None):
     now = seq_length(batch)
     if seq is not None and now is None:
         raise ModelError(f"the batch has no sequence axis (no int leaf [batch, seq]; its "
-                         f"shapes {[list(x.shape) for x in jax.tree.leaves(batch)]}): the "
-                         "sequence length cannot be set; vary the batch instead")
+                         f"leaves: {describe(batch)}): the sequence length cannot be set; "
+                         "vary the batch instead")
     grow = size != leading(batch) if size is not None else False
 
     def one(x):
@@ -248,9 +251,9 @@ def workload(model, batch, loss: Callable | None = None, *, size: int | None = N
     shaped = abstract(batch)
     if loss is None:
         if not is_tokens(batch):
-            raise ModelError(f"a batch {jax.tree.map(lambda x: f'{x.dtype}{list(x.shape)}', shaped)} "
-                             "that is not one int array of tokens [batch, seq] needs a loss: "
-                             "give loss(output, batch) -> scalar (return (model, batch, loss))")
+            raise ModelError(f"the batch ({describe(shaped)}) is not one int array of tokens "
+                             "[batch, seq], so there is no default loss: give loss(output, "
+                             "batch) -> scalar")
         b, s = shaped.shape
         return from_model.workload(model, size or b, seq or s, block=block, name=name,
                                    mesh=mesh, vocab_chunks=vocab_chunks)
@@ -266,5 +269,6 @@ def workload(model, batch, loss: Callable | None = None, *, size: int | None = N
                                inputs=BatchInputs(shaped, loss))
 
 
-__all__ = ["BatchInputs", "FORMS", "abstract", "call_args", "declared", "is_tokens", "leading",
+__all__ = ["BatchInputs", "FORMS", "abstract", "call_args", "declared", "describe", "is_tokens",
+           "leading",
            "resized", "seq_length", "workload"]

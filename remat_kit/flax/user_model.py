@@ -21,8 +21,6 @@ import os
 import sys
 from collections.abc import Callable
 
-import jax
-
 from remat_kit.errors import RematSpecError
 from remat_kit.flax import batch_model
 from remat_kit.flax.from_model import ModelError
@@ -195,8 +193,8 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
         if loss is None and not batch_model.is_tokens(shaped):
             batch_model.workload(model, shaped)  # refuses in its own words
     except ModelError as e:
-        raise ModelError(f"--model {spec!r}: {name}() returned {e}") from None
-    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in jax.tree.leaves(shaped))
+        raise ModelError(f"--model {spec!r}: {name}(): {e}") from None
+    shapes = batch_model.describe(shaped)
     first, seq_axis = batch_model.declared(shaped)
 
     def make(size: int, seq: int, mesh=None) -> Workload:

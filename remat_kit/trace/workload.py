@@ -93,14 +93,15 @@ class Workload:
         return self.args[0]
 
     def at(self, batch: int | None = None, seq: int | None = None) -> "Workload":
-        """The same workload at another batch and/or sequence length.
+        """The same workload at another batch and/or sequence length (seq is
+        ignored where the workload has none: `seq` None, a batch of images).
 
         Raises:
           ValueError: the workload cannot be resized (no `resize`), or a size
             is not a positive int.
         """
         batch = self.batch if batch is None else batch
-        seq = self.seq if seq is None else seq
+        seq = self.seq if seq is None or self.seq is None else seq
         if batch == self.batch and seq == self.seq:
             return self
         if self.resize is None:
