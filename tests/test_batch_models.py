@@ -10,6 +10,9 @@ the batch, and bad input is one line.
 """
 
 import importlib
+import json
+import math
+import pathlib
 
 import chex
 import jax
@@ -232,3 +235,19 @@ def test_the_library_refuses_alike():
         rk.batch_model.workload(model, batch, loss, seq=8)
     with pytest.raises(ModelError, match=r"^batch\['label'\] is int 3, not an array"):
         rk.batch_model.workload(model, {**batch, "label": 3}, loss)
+
+
+def test_train_runs_the_vit_on_synthetic_batches(tmp_path):
+    """experiments.train --model: batches of the declared shapes, dropout keyed per step."""
+    from experiments import train
+    from experiments.configs import tiny
+
+    config = tiny.get_config()
+    config.update(dict(model=f"{pathlib.Path(__file__).parent}/zoo/vit_nnx.py:build",
+                       num_steps=3, batch_size=4, warmup_steps=1, log_every=1, eval_every=3,
+                       eval_batches=1, checkpoint_every=3, remat="minimal"))
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all(math.isfinite(line["train_loss"]) for line in lines)
+    assert math.isfinite(summary["eval_loss"]) and summary["policy"] == str(rk.parse("minimal"))

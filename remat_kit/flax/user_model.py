@@ -177,7 +177,7 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
                  sizes: str) -> Callable:
     """make(batch, seq, mesh) for a FUNCTION that returned (model, batch[, loss])
     (`batch_model.workload`), with `make.model`, `make.batch` (ShapeDtypeStructs),
-    `make.loss` and `make.defaults` ({"batch": its leading axis or None, "seq":
+    `make.values` (the batch as returned), `make.loss` and `make.defaults` ({"batch": its leading axis or None, "seq":
     its sequence length or None})."""
     import flax.linen as nn
     from flax import nnx
@@ -204,7 +204,7 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
                            model, shaped, loss, size=size, seq=seq if seq_axis else None,
                            block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks))
 
-    make.model, make.batch, make.loss = model, shaped, loss
+    make.model, make.batch, make.loss, make.values = model, shaped, loss, batch
     make.defaults = {"batch": first, "seq": seq_axis}
     return make
 
