@@ -4,7 +4,8 @@ A vision transformer on images, a diffusion transformer on latents and
 timesteps, an encoder on a dict of token ids and masks: `workload(model, batch,
 loss)` measures `loss(model(...batch...), batch)` as `from_model` measures a
 language model's next-token loss, with the same block finding
-(`blocks.pick_block`), tagging and dataflow roles (`remat_kit.trace.roles`).
+(`from_model.linen_block`, `from_model.nnx_block`), tagging and dataflow roles
+(`remat_kit.trace.roles`).
 
 The model is called on the batch by one rule (`call_args`):
 
@@ -39,7 +40,6 @@ import numpy as np
 from flax import nnx
 
 from remat_kit.flax import from_model
-from remat_kit.flax.blocks import pick_block
 from remat_kit.flax.from_model import ModelError
 from remat_kit.trace.workload import Workload
 
@@ -200,8 +200,7 @@ class BatchInputs:
         def init(b):
             args, kwargs = call_args(model, b)
             return model.init(jax.random.key(0), *args, **kwargs)
-        instances, copies, variables = from_model._linen_instances(model, init, shaped)
-        cls, _, others = pick_block(instances, block, copies)
+        (cls, _, others), variables = from_model.linen_block(model, init, shaped, block=block)
         rest = {k: v for k, v in variables.items() if k != "params"}
 
         def marked(params, b, rest):

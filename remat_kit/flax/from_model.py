@@ -206,11 +206,18 @@ def marking_linen(cls: type):
         yield
 
 
+def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pick, dict]:
+    """(the block classes of `model`, `pick_block`; its variables as ShapeDtypeStructs),
+    from one abstract `init(*args)` (`model.init` on the inputs): the one way a linen
+    model's blocks are found, for its tokens or any batch (`batch_model`)."""
+    instances, copies, variables = _linen_instances(model, init, *args)
+    return pick_block(instances, block, copies), variables
+
+
 def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-    instances, copies, variables = _linen_instances(
-        model, lambda t: model.init(jax.random.key(0), t), init_tokens)
-    cls, _, others = pick_block(instances, block, copies)
+    (cls, _, others), variables = linen_block(
+        model, lambda t: model.init(jax.random.key(0), t), init_tokens, block=block)
     params = variables["params"]  # boxed with logical axes where the model names them
     rest = {k: v for k, v in variables.items() if k != "params"}
 
