@@ -69,6 +69,18 @@ def test_the_blocks_and_their_roles(zoo):
         ROLES) == MINIMAL_SAVES[name]
 
 
+def test_the_dit_s_adaln_matmul_is_no_mlp_of_its_block():
+    """c = MLP(timestep embedding) is made outside the blocks; each block's Dense of
+    silu(c) into shift, scale and gate is not its MLP: the MLP is fc1 -> gelu -> fc2
+    (before the fix, silu(c) [2, 32] was mlp_act and adaLN's output mlpwo)."""
+    module = importlib.import_module("tests.zoo.dit_linen")
+    rows = rk.explain("minimal", rk.batch_model.workload(*module.build())).rows
+    shapes = {(r.name, r.shape) for r in rows if r.kind == "tag"}
+    assert {s for s in shapes if s[0] in ("mlp_act", "mlpwo", "mlpwi")} == {
+        ("mlpwi", (2, 16, 128)), ("mlp_act", (2, 16, 128)), ("mlpwo", (2, 16, 32))}
+    assert ("blocks_0/adaLN_modulation", (2, 192)) in shapes
+
+
 def test_the_rows_mean_what_their_names_say(zoo):
     _, _, _, _, _, _, records = zoo
     none, full = records["none"], records["full"]
