@@ -21,7 +21,7 @@ memory equals `remat_kit.decide.step`'s prediction for the same policy and shape
 FUNCTION may also return `(model, batch, loss)`, a model that is not a token LM
 (`remat_kit.flax.batch_model`): it trains on synthetic batches of the declared
 shapes (`experiments.synthetic`) under its own loss. An NNX model's RNG streams
-(dropout) are keyed from the step's PRNG key, so each step draws new masks.
+(dropout) are keyed per batch (`rng_state`), so each step draws new masks.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ class OwnModel:
         """loss(params, inputs, targets, rng) -> float32 scalar, under `policy`
         (default the run's): `compare`'s next-token loss of `inputs` alone
         (targets and rng unused: the loss `compare` measured, no dropout).
-        A model of other inputs: its own loss of the batch `inputs` (targets
-        unused), its NNX RNG streams keyed from `rng` (`_batch_loss`)."""
+        A model of other inputs: its own loss of the batch `inputs`, `targets`
+        its NNX state (`rng_state`; `_batch_loss`)."""
         run = rk.remat_model(self.model, self.policy if policy is None else policy)
         if self.user_loss is not None:
             return _batch_loss(self.model, run, self.user_loss)
@@ -208,38 +208,43 @@ def _batch_model(config, label: str, make, workload: Workload, cache: str | None
         try:  # a plan file names the model it was made for: checked on one trace
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                jax.eval_shape(own.loss_fn(), workload.params, workload.args[1], None,
-                               jax.random.key(0))
+                jax.eval_shape(own.loss_fn(), workload.params, workload.args[1],
+                               rng_state(own, 0, 0), jax.random.key(0))
         except RematSpecError as e:
             raise BadInput(f"config.remat={config.remat!r}: {e}") from None
     return own
 
 
+def rng_state(own: OwnModel, seed: int, i: int):
+    """What stands where a token LM's targets do for batch `i` of a model of other
+    inputs (the loss reads its labels from the batch): an NNX model's state besides
+    its parameters with every `nnx.RngKey` drawn from (seed, i), so dropout draws
+    new masks each step and the step is the program `compare` measured (that state
+    an argument, as in `batch_model`'s loss); None for a linen model."""
+    if not isinstance(own.model, nnx.Module):
+        return None
+    rest = nnx.state(own.model, nnx.Not(nnx.Param))
+    # i < 0 for the eval batches (`synthetic.batches`): folded in as an unsigned 32-bit int.
+    key, seeds = jax.random.fold_in(jax.random.key(seed), i & 0xFFFFFFFF), iter(range(len(
+        jax.tree.leaves(rest))))
+    return jax.tree.map(lambda v: v.replace(value=jax.random.fold_in(key, next(seeds)))
+                        if isinstance(v, nnx.RngKey) else v, rest,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
 def _batch_loss(model, run, loss: Callable) -> Callable:
-    """loss(params, batch, targets, rng) of `run` (`rk.remat_model(model, ...)`) on a
+    """loss(params, batch, state, rng) of `run` (`rk.remat_model(model, ...)`) on a
     batch, called as `model` takes it (`batch_model.call_args`). NNX: merged with a
-    copy of its other state, every `nnx.RngKey` replaced by a key folded from `rng`
-    (the step's), so dropout draws new masks each step; the counts the call
-    advances are dropped with the copy."""
-    if isinstance(run, nnx.Module):
-        graphdef, _, rest = nnx.split(run, nnx.Param, ...)
+    copy of `state` (`rng_state`), whose RNG counts the call advances are dropped
+    with the copy; linen: `state` and `rng` unused."""
+    graphdef = nnx.split(run, nnx.Param, ...)[0] if isinstance(run, nnx.Module) else None
 
-        def apply(params, batch, rng):
-            seeds = iter(range(len(jax.tree.leaves(rest))))
-            keyed = jax.tree.map(lambda v: v.replace(value=jax.random.fold_in(rng, next(seeds)))
-                                 if isinstance(v, nnx.RngKey) else v, rest,
-                                 is_leaf=lambda v: isinstance(v, nnx.Variable))
-            args, kwargs = batch_model.call_args(model, batch)
-            return nnx.merge(graphdef, params, keyed, copy=True)(*args, **kwargs)
-    else:
-        def apply(params, batch, rng):
-            del rng
-            args, kwargs = batch_model.call_args(model, batch)
-            return run.apply({"params": params}, *args, **kwargs)
-
-    def batch_loss(params, batch, targets, rng):
-        del targets  # the loss reads its labels from the batch
-        return loss(apply(params, batch, rng), batch)
+    def batch_loss(params, batch, state, rng):
+        del rng
+        args, kwargs = batch_model.call_args(model, batch)
+        if graphdef is None:
+            return loss(run.apply({"params": params}, *args, **kwargs), batch)
+        return loss(nnx.merge(graphdef, params, state, copy=True)(*args, **kwargs), batch)
     return batch_loss
 
 
@@ -346,4 +351,4 @@ def check_line(compiled: dict, predicted: stepping.StepMemory, step: int = 0
     return line, entry
 
 
-__all__ = ["OwnModel", "check_line", "describe", "is_own", "load"]
+__all__ = ["OwnModel", "check_line", "describe", "is_own", "load", "rng_state"]

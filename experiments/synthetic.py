@@ -29,19 +29,22 @@ def _draw(key, shape, leaf):
     return jax.random.choice(key, jnp.ravel(jnp.asarray(leaf)), shape)
 
 
-def batches(declared, size: int, seq: int | None, seed: int, num_evals: int
+def batches(declared, size: int, seq: int | None, seed: int, num_evals: int,
+            second: Callable[[int], object] = lambda i: None
             ) -> tuple[Callable[[int], tuple], list[tuple]]:
-    """(train batch(i) -> (batch, None), eval batches [(batch, None)] * num_evals).
+    """(train batch(i) -> (batch, second(i)), eval batches [(batch, second(-k - 1))]).
 
     Batch i is a pure function of (seed, i), as `experiments.data.train_batches`'
     are, so a resumed run sees the batches an uninterrupted one would; the eval
-    batches are drawn from another stream of the same seed. The second element
-    stands where a token LM's targets do: the loss reads its labels from the batch.
+    batches are drawn from another stream of the same seed.
 
     Args:
       declared: the batch FUNCTION returned (arrays or ShapeDtypeStructs).
       size, seq: the run's batch size and sequence length (seq unused where the
         batch has no sequence axis; `batch_model.resized`).
+      second: what stands where a token LM's targets do, per batch number (the
+        loss reads its labels from the batch; an NNX model's RNG state there,
+        `own_model.rng_state`).
     """
     shaped = batch_model.resized(batch_model.abstract(declared), size,
                                  seq if batch_model.seq_length(declared) else None)
@@ -57,9 +60,9 @@ def batches(declared, size: int, seq: int | None, seed: int, num_evals: int
     train_key, eval_key = jax.random.split(jax.random.key(seed))
 
     def train(i: int) -> tuple:
-        return jax.tree.map(np.asarray, draw(jax.random.fold_in(train_key, i))), None
+        return jax.tree.map(np.asarray, draw(jax.random.fold_in(train_key, i))), second(i)
 
-    evals = [(jax.tree.map(np.asarray, draw(jax.random.fold_in(eval_key, i))), None)
+    evals = [(jax.tree.map(np.asarray, draw(jax.random.fold_in(eval_key, i))), second(-i - 1))
              for i in range(num_evals)]
     return train, evals
 

@@ -208,9 +208,9 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.Ex
         if own:  # the user's model: loaded, checked and planned as --model is
             model = own_model.load(config, _mesh(config), os.path.join(workdir, "plans.json"))
             if model.batch is not None:  # (model, batch, loss): batches of its shapes
-                return model, None, *synthetic.batches(model.batch, config.batch_size,
-                                                       config.seq_len, config.seed,
-                                                       config.eval_batches)
+                return model, None, *synthetic.batches(
+                    model.batch, config.batch_size, config.seq_len, config.seed,
+                    config.eval_batches, lambda i: own_model.rng_state(model, config.seed, i))
             corpus = data.load_corpus(config.data)
             return model, corpus, *_batches(config, corpus)
         if cfg.vocab_size < data.VOCAB_SIZE:

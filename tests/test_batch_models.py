@@ -250,8 +250,11 @@ def test_the_library_refuses_alike():
 
 
 def test_train_runs_the_vit_on_synthetic_batches(tmp_path):
-    """experiments.train --model: batches of the declared shapes, dropout keyed per step."""
-    from experiments import train
+    """experiments.train --model: batches of the declared shapes, dropout keyed per step,
+    and the compiled step is the one fit prices (equal temp bytes)."""
+    import types
+
+    from experiments import own_model, train
     from experiments.configs import tiny
 
     config = tiny.get_config()
@@ -263,3 +266,25 @@ def test_train_runs_the_vit_on_synthetic_batches(tmp_path):
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert all(math.isfinite(line["train_loss"]) for line in lines)
     assert math.isfinite(summary["eval_loss"]) and summary["policy"] == str(rk.parse("minimal"))
+    assert summary["compiled"]["predicted"]["temp_equal"] is True
+    vit = types.SimpleNamespace(model=importlib.import_module("tests.zoo.vit_nnx").build()[0])
+    keys = [jax.random.key_data(v.value) for s in (0, 1) for v in jax.tree.leaves(
+        own_model.rng_state(vit, 0, s), is_leaf=lambda v: isinstance(v, nnx.RngKey))
+            if isinstance(v, nnx.RngKey)]
+    assert len(keys) == 4 and len({tuple(k.tolist()) for k in keys}) == 4
+
+
+def test_a_batch_of_tokens_without_a_loss_is_the_next_token_workload():
+    """(model, tokens) keeps a token LM's default: from_model's next-token loss, the same
+    program."""
+    from tests.zoo import gpt_linen
+
+    model = gpt_linen.model()
+    tokens = jax.ShapeDtypeStruct((2, 16), jax.numpy.int32)
+    work, want = rk.batch_model.workload(model, tokens), rk.from_model.workload(model, 2, 16)
+    assert (work.batch, work.seq, work.block_name) == (2, 16, want.block_name)
+    assert jax.tree.map(lambda x: x.shape, work.args) == jax.tree.map(lambda x: x.shape,
+                                                                      want.args)
+    with pytest.raises(ModelError, match="vocab chunks"):
+        rk.batch_model.workload(model, {"tokens": tokens}, lambda out, b: out.logits.mean(),
+                                vocab_chunks=2)
