@@ -288,3 +288,16 @@ def test_a_batch_of_tokens_without_a_loss_is_the_next_token_workload():
     with pytest.raises(ModelError, match="vocab chunks"):
         rk.batch_model.workload(model, {"tokens": tokens}, lambda out, b: out.logits.mean(),
                                 vocab_chunks=2)
+
+
+def test_compare_and_explain_on_the_command_line(tmp_path, capsys):
+    """The declared shapes are measured with no flag; a batch of images has no seq."""
+    out = tmp_path / "vit.json"
+    assert cli.main(["compare", "--model", "tests/zoo/vit_nnx.py:build", "--policies",
+                     "none,minimal", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["context"]["batch"], data["context"]["seq"]) == (2, None)
+    assert "vit_nnx.py:build: batch 2, float32 (XLA CPU compile)" in capsys.readouterr().out
+    assert cli.main(["explain", "--model", "tests/zoo/dit_linen.py:build", "--policy",
+                     "minimal"]) == 0
+    assert "qkv_proj (blocks_0/attn/qkv)" in capsys.readouterr().out

@@ -92,7 +92,8 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
          sizes: str = "--batch and --seq") -> tuple[str, Callable]:
     """(label, make) for a --model spec: make(batch, seq, mesh) -> Workload.
 
-    Where FUNCTION returns a module, `make.model` is that module.
+    Where FUNCTION returns a module, `make.model` is that module; where it
+    returns (model, batch[, loss]), see `_batch_maker` for what make carries.
     vocab_chunks: the built loss over that many vocabulary slices
     (`from_model.next_token_loss`); a FUNCTION(batch, seq) builds its own loss,
     so it takes none. sizes: what the caller's user sets the batch and
@@ -101,9 +102,12 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
     Raises:
       ModelError: a malformed spec, a module that does not import, FUNCTION
         missing or not callable, taking other arguments, or returning
-        neither a Flax module nor (for (batch, seq)) a Workload, vocab_chunks
-        other than 1 for a Workload function. Model
-        problems show at the first make() (`remat_kit.flax.from_model.workload`).
+        neither a Flax module, (model, batch) nor (model, batch, loss) (one
+        line naming the forms), nor (for (batch, seq)) a Workload; a batch
+        leaf that is not an array, a batch that is not tokens without a
+        loss; vocab_chunks other than 1 for a Workload function. Model
+        problems show at the first make() (`remat_kit.flax.from_model.workload`,
+        `remat_kit.flax.batch_model.workload`).
     """
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name.isidentifier():
