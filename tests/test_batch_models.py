@@ -301,3 +301,12 @@ def test_compare_and_explain_on_the_command_line(tmp_path, capsys):
     assert cli.main(["explain", "--model", "tests/zoo/dit_linen.py:build", "--policy",
                      "minimal"]) == 0
     assert "qkv_proj (blocks_0/attn/qkv)" in capsys.readouterr().out
+
+
+def test_a_call_that_cannot_take_the_batch():
+    module = importlib.import_module("tests.zoo.dit_linen")
+    model, (latents, _, _), loss = module.build()
+    with pytest.raises(ModelError, match=r"^DiT.__call__ cannot take the batch \(missing a "
+                                         r"required argument: 'timesteps'\): a tuple is passed "
+                                         r"as model\(\*batch\)"):
+        rk.batch_model.workload(model, (latents,), loss)

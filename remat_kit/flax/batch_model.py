@@ -81,8 +81,11 @@ def leading(batch) -> int:
 def declared(batch) -> tuple[int | None, int | None]:
     """(batch size, sequence length) of a batch as declared: its common leading axis
     (`leading`) and `seq_length`, each None where it has none."""
-    heads = {x.shape[:1] for x in jax.tree.leaves(batch)}
-    return (leading(batch) if len(heads) == 1 and () not in heads else None), seq_length(batch)
+    try:
+        size = leading(batch)
+    except ModelError:  # nothing to resize: measured as declared
+        size = None
+    return size, seq_length(batch)
 
 
 def _is_seq_leaf(x, seq: int) -> bool:
@@ -170,13 +173,15 @@ class BatchInputs:
         by `call_args`' rule (a missing or an unknown argument)."""
         args, kwargs = call_args(model, self.batch)
         try:
-            inspect.signature(type(model).__call__).bind(model, *args, **kwargs)
-        except (TypeError, ValueError) as e:
-            if isinstance(e, TypeError):
-                raise ModelError(f"{type(model).__name__}.__call__ cannot take the batch "
-                                 f"({e}): a tuple is passed as model(*batch), a dict as "
-                                 "model(**entries it names), anything else as model(batch)") \
-                    from None
+            signature = inspect.signature(type(model).__call__)
+        except (TypeError, ValueError):  # no signature to read: the trace tells
+            return
+        try:
+            signature.bind(model, *args, **kwargs)
+        except TypeError as e:
+            raise ModelError(f"{type(model).__name__}.__call__ cannot take the batch ({e}): "
+                             "a tuple is passed as model(*batch), a dict as model(**entries "
+                             "it names), anything else as model(batch)") from None
 
     def build(self, model, batch: int, seq: int | None, block) -> tuple:
         """(block classes, loss(params, batch, other variables), its args, the repeated
