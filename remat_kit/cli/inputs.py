@@ -246,11 +246,12 @@ def load_source(args) -> Source:
                  if fixed else "--batch and --seq")
         try:
             label, make = user_model.load(args.model, args.block, chunks, sizes=sizes)
+            user_model.check_axes(args.model, make, seq=args.seq, batch=args.batch,
+                                  vary=getattr(args, "vary", None))
         except ModelError as e:
             raise BadInput(str(e)) from None
-        defaults = getattr(make, "defaults", {})  # a (model, batch) FUNCTION's own sizes
-        _check_batch_axes(args, defaults, getattr(make, "batch", None))
-        return Source(label, None, defaults, make)
+        # a (model, batch) FUNCTION's own sizes
+        return Source(label, None, getattr(make, "defaults", {}), make)
     if args.block is not None:
         raise BadInput("--block names the repeated block class of a --model; --config models "
                        "know theirs")
@@ -264,29 +265,6 @@ def load_source(args) -> Source:
             raise BadInput(f"--vocab-chunks {chunks}: {str(e).partition(': ')[2]}") from None
     return Source(label, cfg, defaults,
                   lambda batch, seq, mesh=None: config_workload(cfg, batch, seq, mesh=mesh))
-
-
-def _check_batch_axes(args, defaults: dict, batch) -> None:
-    """BadInput, in one line, where a (model, batch) FUNCTION's batch lacks the axis a
-    flag sets: --seq or fit --vary seq without a sequence axis (images, latents),
-    --vary batch where the leaves share no leading axis."""
-    if batch is None:
-        return
-    from remat_kit.flax.batch_model import describe
-
-    shapes = describe(batch)
-    vary = getattr(args, "vary", None)
-    if defaults.get("seq") is None and (args.seq is not None or vary == "seq"):
-        flag = "--vary seq" if vary == "seq" else f"--seq {args.seq}"
-        raise BadInput(f"{flag}: the batch of --model {args.model} has no sequence axis (no "
-                       f"int leaf [batch, seq]; its leaves: {shapes}); "
-                       + ("search the batch with --vary batch" if vary == "seq"
-                          else "leave --seq out"))
-    if defaults.get("batch") is None and (vary == "batch" or args.batch is not None):
-        flag = "--vary batch" if vary == "batch" else f"--batch {args.batch}"
-        raise BadInput(f"{flag}: the leaves of the batch of --model {args.model} share no "
-                       f"leading (batch) axis ({shapes}), so it cannot be resized; make every "
-                       "leaf [batch, ...]")
 
 
 def rechunked(args, chunks: int) -> Source:

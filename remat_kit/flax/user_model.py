@@ -156,6 +156,28 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
     return label, make
 
 
+def check_axes(spec: str, make: Callable, *, seq=None, batch=None, vary=None) -> None:
+    """ModelError, in one line, where a (model, batch) FUNCTION's batch (`make` of
+    `load`) lacks the axis a flag sets: --seq or fit --vary seq without a sequence
+    axis (images, latents), --batch or --vary batch where the leaves share no
+    leading axis. Nothing for another FUNCTION."""
+    declared = getattr(make, "batch", None)
+    if declared is None:
+        return
+    shapes, sizes = batch_model.describe(declared), make.defaults
+    if sizes["seq"] is None and (seq is not None or vary == "seq"):
+        flag = "--vary seq" if vary == "seq" else f"--seq {seq}"
+        raise ModelError(f"{flag}: the batch of --model {spec} has no sequence axis (no int "
+                         f"leaf [batch, seq]; its leaves: {shapes}); "
+                         + ("search the batch with --vary batch" if vary == "seq"
+                            else "leave --seq out"))
+    if sizes["batch"] is None and (vary == "batch" or batch is not None):
+        flag = "--vary batch" if vary == "batch" else f"--batch {batch}"
+        raise ModelError(f"{flag}: the leaves of the batch of --model {spec} share no "
+                         f"leading (batch) axis ({shapes}), so it cannot be resized; make "
+                         "every leaf [batch, ...]")
+
+
 def _traced(spec: str, inputs: str, sizes: str, build: Callable) -> Workload:
     """`build()`, the model's workload, with every failure a ModelError in one line:
     the model's own (it failed on `inputs`; other shapes are set with `sizes`), or
@@ -275,4 +297,4 @@ def _named(workload: Workload, label: str) -> Workload:
     return dataclasses.replace(workload, name=label)
 
 
-__all__ = ["FORMS", "load"]
+__all__ = ["FORMS", "check_axes", "load"]
