@@ -17,6 +17,11 @@ its only plan; PATH.json@BUDGET: the plan of that budget, as written on plan's
 --budgets), per layer or not. The loss is `compare`'s: next-token cross-entropy
 within each window (`from_model.next_token_loss`), so the compiled step's temp
 memory equals `remat_kit.decide.step`'s prediction for the same policy and shape.
+
+FUNCTION may also return `(model, batch, loss)`, a model that is not a token LM
+(`remat_kit.flax.batch_model`): it trains on synthetic batches of the declared
+shapes (`experiments.synthetic`) under its own loss. An NNX model's RNG streams
+(dropout) are keyed per batch (`rng_state`), so each step draws new masks.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from experiments.common import SIZE_FIELDS
 from remat_kit.cli.inputs import BadInput
 from remat_kit.decide import step as stepping
 from remat_kit.errors import RematSpecError
-from remat_kit.flax import from_model, user_model
+from remat_kit.flax import batch_model, from_model, user_model
 from remat_kit.flax.measured import read_plan
 from remat_kit.measure import targets
 from remat_kit.policy.spec import AutoSpec, parse
@@ -67,7 +72,10 @@ class OwnModel:
         a plan file's entry with its context).
       spec: the policy as printed and recorded (the plan's spec, or its
         per-layer specs joined by ' | ').
-      vocab: the logits' last dimension.
+      vocab: the logits' last dimension; None for a model of other inputs.
+      batch: the batch FUNCTION declared, for a model that is not a token LM
+        (`(model, batch, loss)`); else None.
+      user_loss: that model's loss(output, batch) -> scalar; else None.
     """
 
     label: str
@@ -75,7 +83,9 @@ class OwnModel:
     workload: Workload
     policy: object
     spec: str
-    vocab: int
+    vocab: int | None
+    batch: object = None
+    user_loss: Callable | None = None
 
     @property
     def whole(self) -> NamedSharding | None:
@@ -96,17 +106,27 @@ class OwnModel:
 
     def init(self, rng, tokens):
         """The parameters to train: linen's `init` from `rng` (boxed where the
-        model names logical axes); NNX's `nnx.Param` state, the arrays the
-        model holds (`rng` and `tokens` unused)."""
+        model names logical axes) on `tokens`, or on the workload's batch for a
+        model of other inputs; NNX's `nnx.Param` state, the arrays the model
+        holds (`rng` and `tokens` unused)."""
         if isinstance(self.model, nnx.Module):
             return nnx.state(self.model, nnx.Param)
-        return self.model.init(rng, tokens)["params"]
+        if self.batch is None:
+            return self.model.init(rng, tokens)["params"]
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.workload.args[1])
+        args, kwargs = batch_model.call_args(self.model, zeros)
+        return self.model.init(rng, *args, **kwargs)["params"]
 
     def loss_fn(self, policy=None) -> Callable:
         """loss(params, inputs, targets, rng) -> float32 scalar, under `policy`
         (default the run's): `compare`'s next-token loss of `inputs` alone
-        (targets and rng unused: the loss `compare` measured, no dropout)."""
-        apply = _applier(rk.remat_model(self.model, self.policy if policy is None else policy))
+        (targets and rng unused: the loss `compare` measured, no dropout).
+        A model of other inputs: its own loss of the batch `inputs`, `targets`
+        its NNX state (`rng_state`; `_batch_loss`)."""
+        run = rk.remat_model(self.model, self.policy if policy is None else policy)
+        if self.user_loss is not None:
+            return _batch_loss(self.model, run, self.user_loss)
+        apply = _applier(run)
 
         def loss(params, inputs, targets, rng):
             del targets, rng
@@ -150,6 +170,8 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
     except rk.UnknownModuleError as e:
         raise BadInput(f"--model {config.model!r}: {e}") from None
     model = getattr(make, "model", None)
+    if getattr(make, "loss", None) is not None:  # (model, batch, loss): not a token LM
+        return _batch_model(config, label, make, workload, cache)
     if model is None:
         raise BadInput(f"--model {config.model!r}: experiments.train trains a model; "
                        f"{label}(batch, seq) builds a Workload: give a function that "
@@ -172,6 +194,58 @@ def load(config: ml_collections.ConfigDict, mesh, cache: str | None) -> OwnModel
         except RematSpecError as e:
             raise BadInput(f"config.remat={config.remat!r}: {e}") from None
     return own
+
+
+def _batch_model(config, label: str, make, workload: Workload, cache: str | None) -> OwnModel:
+    """The OwnModel of a FUNCTION that returned (model, batch, loss). BadInput for a
+    mesh (not trained here yet) or a plan file made for another model."""
+    if config.get("mesh"):
+        raise BadInput(f"--model {config.model!r}: a model of a batch and a loss trains on one "
+                       "device here; drop config.mesh")
+    own = OwnModel(label, make.model, workload, *_policy(config.remat, workload, cache), None,
+                   make.values, make.loss)
+    if isinstance(own.policy, Mapping) and own.policy.get("context"):
+        try:  # a plan file names the model it was made for: checked on one trace
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                jax.eval_shape(own.loss_fn(), workload.params, workload.args[1],
+                               rng_state(own, 0, 0), jax.random.key(0))
+        except RematSpecError as e:
+            raise BadInput(f"config.remat={config.remat!r}: {e}") from None
+    return own
+
+
+def rng_state(own: OwnModel, seed: int, i: int):
+    """What stands where a token LM's targets do for batch `i` of a model of other
+    inputs (the loss reads its labels from the batch): an NNX model's state besides
+    its parameters with every `nnx.RngKey` drawn from (seed, i), so dropout draws
+    new masks each step and the step is the program `compare` measured (that state
+    an argument, as in `batch_model`'s loss); None for a linen model."""
+    if not isinstance(own.model, nnx.Module):
+        return None
+    rest = nnx.state(own.model, nnx.Not(nnx.Param))
+    # i < 0 for the eval batches (`synthetic.batches`): folded in as an unsigned 32-bit int.
+    key, seeds = jax.random.fold_in(jax.random.key(seed), i & 0xFFFFFFFF), iter(range(len(
+        jax.tree.leaves(rest))))
+    return jax.tree.map(lambda v: v.replace(value=jax.random.fold_in(key, next(seeds)))
+                        if isinstance(v, nnx.RngKey) else v, rest,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _batch_loss(model, run, loss: Callable) -> Callable:
+    """loss(params, batch, state, rng) of `run` (`rk.remat_model(model, ...)`) on a
+    batch, called as `model` takes it (`batch_model.call_args`). NNX: merged with a
+    copy of `state` (`rng_state`), whose RNG counts the call advances are dropped
+    with the copy; linen: `state` and `rng` unused."""
+    graphdef = nnx.split(run, nnx.Param, ...)[0] if isinstance(run, nnx.Module) else None
+
+    def batch_loss(params, batch, state, rng):
+        del rng
+        args, kwargs = batch_model.call_args(model, batch)
+        if graphdef is None:
+            return loss(run.apply({"params": params}, *args, **kwargs), batch)
+        return loss(nnx.merge(graphdef, params, state, copy=True)(*args, **kwargs), batch)
+    return batch_loss
 
 
 def _policy(remat: str, workload: Workload, cache: str | None) -> tuple[object, str]:
@@ -249,8 +323,10 @@ def _output(model, seq: int, spec: str):
 
 def describe(own: OwnModel, remat: str) -> str:
     """The run's "model:" line."""
+    inputs = (f"vocab {own.vocab}" if own.batch is None
+              else f"batch {batch_model.describe(own.workload.args[1])}")
     return (f"model: {own.label} ({type(own.model).__name__}, {own.workload.num_layers} "
-            f"blocks, vocab {own.vocab}); remat={remat} (policy {own.spec})")
+            f"blocks, {inputs}); remat={remat} (policy {own.spec})")
 
 
 def check_line(compiled: dict, predicted: stepping.StepMemory, step: int = 0
@@ -275,4 +351,4 @@ def check_line(compiled: dict, predicted: stepping.StepMemory, step: int = 0
     return line, entry
 
 
-__all__ = ["OwnModel", "check_line", "describe", "is_own", "load"]
+__all__ = ["OwnModel", "check_line", "describe", "is_own", "load", "rng_state"]

@@ -56,7 +56,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 from rich.table import Table
 
-from experiments import checkpoint, data, guards, own_model, runlog
+from experiments import checkpoint, data, guards, own_model, runlog, synthetic
 from experiments.common import fail, one_line_warnings, parse_flags, warn_line
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            out_of_memory)
@@ -206,8 +206,12 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.Ex
         stack.enter_context(guards.workdir_lock(pathlib.Path(workdir), jax.process_index()))
         stack.enter_context(runlog.library_log(pathlib.Path(workdir)))
         if own:  # the user's model: loaded, checked and planned as --model is
-            corpus = data.load_corpus(config.data)
             model = own_model.load(config, _mesh(config), os.path.join(workdir, "plans.json"))
+            if model.batch is not None:  # (model, batch, loss): batches of its shapes
+                return model, None, *synthetic.batches(
+                    model.batch, config.batch_size, config.seq_len, config.seed,
+                    config.eval_batches, lambda i: own_model.rng_state(model, config.seed, i))
+            corpus = data.load_corpus(config.data)
             return model, corpus, *_batches(config, corpus)
         if cfg.vocab_size < data.VOCAB_SIZE:
             raise ValueError(f"config.vocab_size must be at least {data.VOCAB_SIZE} (one token "
@@ -428,8 +432,11 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     # alone prints and writes metrics, the config history and the summary.
     lead = jax.process_index() == 0
     console = Console(soft_wrap=True, quiet=not lead)  # long paths stay on one line in logs
-    console.print(f"data: {corpus.source}: {corpus.files} files, "
-                  f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
+    if corpus is None:  # a model of a batch and a loss (experiments.synthetic)
+        console.print("data: synthetic batches of the declared shapes")
+    else:
+        console.print(f"data: {corpus.source}: {corpus.files} files, "
+                      f"{len(corpus.train):,} train / {len(corpus.eval):,} eval bytes")
     own = isinstance(cfg, own_model.OwnModel)
     if own:
         console.print(own_model.describe(cfg, config.remat))
@@ -474,6 +481,9 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     train_rng = jax.jit(lambda: jax.random.split(jax.random.key(config.seed))[1],
                         **on((), key_sh))()
     sample = put(np.zeros((config.batch_size, config.seq_len), np.int32))
+    sample_targets = sample
+    if own and cfg.batch is not None:  # the batch itself; the loss reads its labels there
+        sample, sample_targets = batches(0)
     num_params = sum(p.size for p in jax.tree.leaves(state.params))
     warn = warn_line if lead else (lambda message: None)
     state, train_rng, start_step = _resume(ckpt, config, state, train_rng, warn)
@@ -496,7 +506,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         step = jax.jit(make_train_step(step_model, deterministic), donate_argnums=0,
                        **on((state_sh, batch_sh, batch_sh, key_sh), (state_sh, key_sh)))
         with rk_mesh.use(mesh):
-            return step.lower(state, sample, sample, train_rng).compile()
+            return step.lower(state, sample, sample_targets, train_rng).compile()
 
     step_fn = compile_step(model)
     stats = {"label": platform_label(), "policy": _compiled_stats(step_fn)}
@@ -517,7 +527,8 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     with rk_mesh.use(mesh):
         eval_fn = jax.jit(model if own else make_loss_fn(model, deterministic=True),
                           **on((state_sh.params if sharded else None, batch_sh, batch_sh, key_sh),
-                               key_sh)).lower(state.params, sample, sample, train_rng).compile()
+                               key_sh)).lower(state.params, sample, sample_targets,
+                                              train_rng).compile()
     console.print(f"{num_params:,} parameters; compiled in {time.perf_counter() - start:.1f} s")
 
     def evaluate(params) -> float:

@@ -8,7 +8,9 @@
 Every answer (`measure`, `explain`, `plan`, `fit`) takes a `Workload`, the
 value that says what to measure: `rk.models.workload(cfg, batch, seq)` for
 the reference transformers, `rk.from_model.workload(model, batch, seq)` for
-any linen or NNX language model, or one of the user's own.
+any linen or NNX language model, `rk.batch_model.workload(model, batch, loss)` for
+a model of other inputs (images, latents and timesteps, a dict batch), or one of
+the user's own.
 
 `rk.plan` is the planner function; its module is `remat_kit.decide.plan` (import
 `Planner` and friends with `from remat_kit.decide.plan import ...`).
@@ -16,7 +18,7 @@ any linen or NNX language model, or one of the user's own.
 
 from remat_kit import mesh, models
 from remat_kit.measure import estimate
-from remat_kit.flax import from_model
+from remat_kit.flax import batch_model, from_model
 from remat_kit.flax.measured import remat_model
 from remat_kit.trace import roles
 from remat_kit.cli import report
@@ -40,7 +42,7 @@ from remat_kit.trace.workload import Workload, checkpointed
 __all__ = [
     "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
     "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError", "Workload",
-    "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom", "from_model",
+    "batch_model", "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom", "from_model",
     "layer_residuals", "linen", "measure", "measure_config", "mesh", "models", "nnx", "parse",
     "plan", "register_tag", "remat_model", "report", "residuals", "roles", "step_memory", "tag", "targets", "validate",
 ]

@@ -11,7 +11,8 @@ from remat_kit.cli.inputs import Source, check_seq, load_source
 
 def source_and_sizes(args) -> tuple[Source, int, int]:
     """(the --config or --model source, batch, seq): the sizes from the flags, else the
-    config file's, else the defaults (8, min(max_len, 1024)). BadInput as `load_source`,
+    config file's or a (model, batch) FUNCTION's (seq None where its batch has no
+    sequence axis), else the defaults (8, min(max_len, 1024)). BadInput as `load_source`,
     or where a config's model cannot take seq (`check_seq`)."""
     src = load_source(args)
     cfg = src.cfg
@@ -20,6 +21,12 @@ def source_and_sizes(args) -> tuple[Source, int, int]:
     if cfg is not None:
         check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
     return src, batch, seq
+
+
+def sizes_text(batch, seq) -> str:
+    """"batch 8, seq 1024" for a title; "batch 8" where the batch has no sequence axis
+    (seq None: a --model's images or latents)."""
+    return f"batch {batch}" + (f", seq {seq}" if seq is not None else "")
 
 
 def targets_of(text: str | None) -> list:
@@ -43,4 +50,4 @@ def plot_path(path: str, target, several: bool) -> str:
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
 
 
-__all__ = ["source_and_sizes", "plot_path", "targets_of"]
+__all__ = ["source_and_sizes", "plot_path", "sizes_text", "targets_of"]

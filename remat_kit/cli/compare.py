@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import plot_path, source_and_sizes, targets_of
+from remat_kit.cli.common import plot_path, sizes_text, source_and_sizes, targets_of
 from remat_kit.cli.inputs import (BadInput, check_memory, check_output_file, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
@@ -60,7 +60,7 @@ def run(args) -> int:
         found = targets.versions(target)
         mesh_text = rk_mesh.spec_text(mesh)
         per_device = f", per device of {devices} ({mesh_text})" if devices > 1 else ""
-        title = f"{label}: batch {batch}, seq {seq}, {dtype} ({target.label}{per_device})"
+        title = f"{label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
         sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,
                                                     tensor=tensor)))
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
@@ -71,7 +71,7 @@ def run(args) -> int:
     else:
         report.print_side_by_side(
             [(str(t), rows) for t, _, rows in sections],
-            f"{label}: batch {batch}, seq {seq}, {dtype}, per device")
+            f"{label}: {sizes_text(batch, seq)}, {dtype}, per device")
     for target, _, rows in sections:
         if len(sections) > 1 and args.peak:
             print(f"{target}:")

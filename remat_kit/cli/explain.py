@@ -8,7 +8,7 @@ import sys
 from collections import Counter
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import source_and_sizes, targets_of
+from remat_kit.cli.common import sizes_text, source_and_sizes, targets_of
 from remat_kit.cli.inputs import BadInput
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
@@ -89,7 +89,7 @@ def run(args) -> int:
         layer, what, dtype = explain(policy, work, target=target), "one block", src.dtype(work)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, {what} under {args.policy or str(policy)!r} "
-                  f"({policy}): batch {batch}, seq {seq}, {dtype}{where}")
+                  f"({policy}): {sizes_text(batch, seq)}, {dtype}{where}")
     t = Table()
     for name, justify in (("value", "left"), ("kind", "left"), ("shape", "left"),
                           ("dtype", "left"), ("bytes", "right"), ("decision", "left")):

@@ -49,6 +49,8 @@ def run(args) -> int:
         raise BadInput(f"--mesh: {e}") from None
     batch = args.batch or (split if args.vary == "seq" else defaults.get("batch", 8))
     seq = args.seq or defaults.get("seq", min(cfg.max_len, 1024) if cfg else 1024)
+    per_example = seq is None  # a --model batch without a sequence axis: images, latents
+    seq = seq or 1  # so fit's FLOPs per token are FLOPs per example there
     if args.vary == "batch" and cfg is not None:
         check_seq(cfg, seq, "--seq" if args.seq else "seq_len")
     multiple = args.multiple or DEFAULT_MULTIPLE[args.vary] * (split if args.vary == "batch"
@@ -100,7 +102,8 @@ def run(args) -> int:
                      rechunk=rechunk)
     except BudgetError as e:
         raise BadInput(f"--budget: {e}") from None
-    fixed = f"batch {batch}" if args.vary == "seq" else f"seq {seq}"
+    fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
+             "example)" if per_example else f"seq {seq}")
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
     title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "

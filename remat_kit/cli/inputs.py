@@ -180,7 +180,8 @@ class Source:
     Attributes:
       label: the report's name, e.g. "gpt2_small" or "models.py:build".
       cfg: the TransformerConfig for --config (dtype applied), None for --model.
-      defaults: {"batch", "seq"} from a config file's batch_size / seq_len.
+      defaults: {"batch", "seq"} from a config file's batch_size / seq_len, or a
+        (model, batch) FUNCTION's batch (seq None: it has no sequence axis).
       make: (batch, seq, mesh) -> Workload; raises BadInput for a bad model.
     """
 
@@ -248,9 +249,12 @@ def load_source(args) -> Source:
                  if fixed else "--batch and --seq")
         try:
             label, make = user_model.load(args.model, args.block, chunks, sizes=sizes)
+            user_model.check_axes(args.model, make, seq=args.seq, batch=args.batch,
+                                  vary=getattr(args, "vary", None))
         except ModelError as e:
             raise BadInput(str(e)) from None
-        return Source(label, None, {}, make)
+        # a (model, batch) FUNCTION's own sizes
+        return Source(label, None, getattr(make, "defaults", {}), make)
     if args.block is not None:
         raise BadInput("--block names the repeated block class of a --model; --config models "
                        "know theirs")

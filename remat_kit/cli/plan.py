@@ -10,7 +10,7 @@ import sys
 import time
 
 from remat_kit import files as outputs
-from remat_kit.cli.common import source_and_sizes, targets_of
+from remat_kit.cli.common import sizes_text, source_and_sizes, targets_of
 from remat_kit.cli.inputs import (BadInput, check_output_file, check_planner_floor, check_schedules,
                                   device_mesh, plan_groups, preset_policies, rechunked,
                                   split_budgets, split_policies)
@@ -103,7 +103,7 @@ def run(args) -> int:
     memory = MEMORY_LABELS[kind]
     ok = [r for r in records if r.error is None and r.memory_bytes is not None
           and r.memory_kind == kind]
-    title = (f"{label}: batch {batch}, seq {seq}, {dtype} ({planner.measure('full').platform}"
+    title = (f"{label}: {sizes_text(batch, seq)}, {dtype} ({planner.measure('full').platform}"
              f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
              f"{fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
              f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")

@@ -183,7 +183,8 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
       TypeError: model not one of the above, optimizer not an optax
         transformation, mesh not a `jax.sharding.Mesh`.
       ValueError: vary not in VARY; batch, seq, multiple or max_size not a
-        positive int; a layer schedule that does not fit the model.
+        positive int; a layer schedule that does not fit the model; vary "seq"
+        for a workload without a sequence axis (`Workload.seq` None).
       MeshError: the mesh does not split the batch or the heads, or (vary
         "batch") a multiple that its data x fsdp size does not divide.
       BudgetError: a budget that is not a size in bytes, one below the
@@ -198,13 +199,16 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     if isinstance(policies, (str, Policy)):
         policies = [policies]
     make, given = resizer(model, mesh)
+    if vary == "seq" and given is not None and given.seq is None and given.batch is not None:
+        raise ValueError(f"workload {given.name!r} has no sequence axis (a batch of images?): "
+                         "vary='seq' has nothing to search; use vary='batch'")
     mesh = mesh if given is None else given.mesh
     split = rk_mesh.axis_size(mesh, "batch")
     multiple = (DEFAULT_MULTIPLE[vary] * (split if vary == "batch" else 1) if multiple is None
                 else multiple)
     batch = split if batch is None else batch
-    if seq is None:
-        seq = given.seq if given is not None and given.seq else 1024
+    if seq is None:  # a batch without a sequence axis (images): FLOPs "per token" per example
+        seq = 1024 if given is None else given.seq or (1 if given.batch else 1024)
     max_size = DEFAULT_MAX_SIZE[vary] if max_size is None else max_size
     check_args(optimizer, batch=batch, seq=seq, multiple=multiple, max_size=max_size)
     if max_size < multiple:

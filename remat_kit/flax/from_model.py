@@ -206,11 +206,18 @@ def marking_linen(cls: type):
         yield
 
 
+def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pick, dict]:
+    """(the block classes of `model`, `pick_block`; its variables as ShapeDtypeStructs),
+    from one abstract `init(*args)` (`model.init` on the inputs): the one way a linen
+    model's blocks are found, for its tokens or any batch (`batch_model`)."""
+    instances, copies, variables = _linen_instances(model, init, *args)
+    return pick_block(instances, block, copies), variables
+
+
 def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-    instances, copies, variables = _linen_instances(
-        model, lambda t: model.init(jax.random.key(0), t), init_tokens)
-    cls, _, others = pick_block(instances, block, copies)
+    (cls, _, others), variables = linen_block(
+        model, lambda t: model.init(jax.random.key(0), t), init_tokens, block=block)
     params = variables["params"]  # boxed with logical axes where the model names them
     rest = {k: v for k, v in variables.items() if k != "params"}
 
@@ -232,9 +239,9 @@ def _on_mesh(args, mesh):
         return nn.unbox(params), tokens, rest
     shardings = rk_mesh.shardings(params, mesh)
     place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    whole = rk_mesh.replicated(mesh)
+    whole, split = rk_mesh.replicated(mesh), rk_mesh.batch_sharding(mesh)
     return (jax.tree.map(place, nn.unbox(params), shardings),
-            place(tokens, rk_mesh.batch_sharding(mesh)),
+            jax.tree.map(lambda x: place(x, split), tokens),  # a batch of several inputs too
             jax.tree.map(lambda x: place(x, whole), rest))
 
 
@@ -331,8 +338,9 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) 
 # the provider
 # ---------------------------------------------------------------------------
 
-def workload(model, batch: int, seq: int, *, block=None, name: str | None = None,
-             mesh: jax.sharding.Mesh | None = None, vocab_chunks: int = 1) -> Workload:
+def workload(model, batch: int, seq: int | None, *, block=None, name: str | None = None,
+             mesh: jax.sharding.Mesh | None = None, vocab_chunks: int = 1,
+             inputs=None) -> Workload:
     """The `Workload` of a linen or NNX language model's next-token loss.
 
     Args:
@@ -349,6 +357,11 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
         A tensor axis needs the model's own tensor parallelism: refused.
       vocab_chunks: compute the loss over this many vocabulary slices of the
         logits (`next_token_loss`); 1, the default, the plain loss.
+      inputs: what the model is called on and the loss of its output, where
+        the model is not a token LM: an object with `check(model)` and
+        `build(model, batch, seq, block) -> (block classes, marked loss, args,
+        others)` (`remat_kit.flax.batch_model.BatchInputs`; seq None where its
+        batch has no sequence axis); default the tokens and next-token loss.
     Returns:
       A `Workload` with args (params, tokens, other variables) as
       ShapeDtypeStructs; `loss_for_policy` takes a policy, a layer schedule
@@ -361,6 +374,8 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
     for label, value in (("batch", batch), ("seq", seq)):
+        if inputs is not None and value is None:  # a batch without that axis
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
     if mesh is not None and rk_mesh.axis_size(mesh, "heads") > 1:
@@ -372,8 +387,10 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                          f"{rk_mesh.axis_size(mesh, 'batch')} data x fsdp devices of mesh "
                          f"{rk_mesh.spec_text(mesh)}")
     if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
-        _check_takes_tokens(model)
-    if isinstance(model, nnx.Module):
+        (_check_takes_tokens if inputs is None else inputs.check)(model)
+    if inputs is not None and isinstance(model, (nn.Module, nnx.Module)):
+        cls, marked, args, others = inputs.build(model, batch, seq, block)
+    elif isinstance(model, nnx.Module):
         cls, marked, args, others = _nnx(model, batch, seq, block, vocab_chunks)
     elif isinstance(model, nn.Module) and not isinstance(model, type):
         cls, marked, args, others = _linen(model, batch, seq, block, vocab_chunks)
@@ -413,11 +430,11 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
     local = None
     if sharded is not None:  # what one device runs: its share of the batch, whole parameters
         one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls,
-                       vocab_chunks=vocab_chunks)
+                       vocab_chunks=vocab_chunks, inputs=inputs)
         local = (one.loss_for_policy, one.args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,
                     resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh,
-                                                 vocab_chunks=vocab_chunks),
+                                                 vocab_chunks=vocab_chunks, inputs=inputs),
                     per_device=local, mesh=mesh, num_layers=n, notes=notes,
                     block_name=cls.__name__, parameter_count=traced_regions.parameter_count,
                     # per chip, as every figure is: one device's share of the batch

@@ -1,7 +1,9 @@
 """The user's model for `--model FILE.py:FUNCTION` or `--model package.module:FUNCTION`.
 
 FUNCTION either takes no arguments and returns a linen or NNX language model
-(tokens [batch, seq] -> logits; `remat_kit.flax.from_model`), or takes
+(tokens [batch, seq] -> logits; `remat_kit.flax.from_model`), or `(model, batch)`
+or `(model, batch, loss)` for a model of other inputs (images, latents and
+timesteps, a dict of token ids and masks; `remat_kit.flax.batch_model`), or takes
 (batch, seq) and returns a `remat_kit.Workload`. Every failure (the file or
 module does not import, FUNCTION is missing or returns the wrong type, the
 model's output has no logits, no repeated block, a --block that matches
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Callable
 
 from remat_kit.errors import RematSpecError
+from remat_kit.flax import batch_model
 from remat_kit.flax.from_model import ModelError
 from remat_kit.flax.from_model import workload as model_workload
 from remat_kit.mesh import spanning
@@ -89,7 +92,8 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
          sizes: str = "--batch and --seq") -> tuple[str, Callable]:
     """(label, make) for a --model spec: make(batch, seq, mesh) -> Workload.
 
-    Where FUNCTION returns a module, `make.model` is that module.
+    Where FUNCTION returns a module, `make.model` is that module; where it
+    returns (model, batch[, loss]), see `_batch_maker` for what make carries.
     vocab_chunks: the built loss over that many vocabulary slices
     (`from_model.next_token_loss`); a FUNCTION(batch, seq) builds its own loss,
     so it takes none. sizes: what the caller's user sets the batch and
@@ -98,9 +102,12 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
     Raises:
       ModelError: a malformed spec, a module that does not import, FUNCTION
         missing or not callable, taking other arguments, or returning
-        neither a Flax module nor (for (batch, seq)) a Workload, vocab_chunks
-        other than 1 for a Workload function. Model
-        problems show at the first make() (`remat_kit.flax.from_model.workload`).
+        neither a Flax module, (model, batch) nor (model, batch, loss) (one
+        line naming the forms), nor (for (batch, seq)) a Workload; a batch
+        leaf that is not an array, a batch that is not tokens without a
+        loss; vocab_chunks other than 1 for a Workload function. Model
+        problems show at the first make() (`remat_kit.flax.from_model.workload`,
+        `remat_kit.flax.batch_model.workload`).
     """
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name.isidentifier():
@@ -137,29 +144,95 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
     except (Exception, SystemExit) as e:  # noqa: BLE001
         raise ModelError(f"--model {spec!r}: {name}() raised {type(e).__name__}: {e}") \
             from None
+    if isinstance(model, tuple):
+        return label, _batch_maker(model, spec, name, label, block, vocab_chunks, sizes)
     _check_module(model, spec, name)
 
     def make(batch: int, seq: int, mesh=None) -> Workload:
-        try:
-            with _no_exit():
-                return model_workload(model, batch, seq, block=block, name=label, mesh=mesh,
-                                      vocab_chunks=vocab_chunks)
-        except (ModelError, RematSpecError) as e:
-            raise ModelError(f"--model {spec!r}: {e}") from None
-        except (Exception, ExitCalled) as e:  # noqa: BLE001 - the model failed to trace
-            where = _our_frame(e)
-            if where is not None:  # remat_kit's own fault: never the user's shapes
-                raise ModelError(f"--model {spec!r}: remat_kit failed on this model at "
-                                 f"{where} ({type(e).__name__}: {e}); this is a remat_kit "
-                                 "bug, not a fault of the model or its input shapes: please "
-                                 "report it") from None
-            raise ModelError(f"--model {spec!r}: tracing the model on int32 tokens [{batch}, "
-                             f"{seq}] failed: {type(e).__name__}: {e}; if the model takes "
-                             f"other shapes (e.g. fewer positions), give them with {sizes}") \
-                from None
+        return _traced(spec, f"int32 tokens [{batch}, {seq}]", sizes, lambda: model_workload(
+            model, batch, seq, block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks))
 
     make.model = model  # the module itself, for callers that train it (experiments.train)
     return label, make
+
+
+def check_axes(spec: str, make: Callable, *, seq=None, batch=None, vary=None) -> None:
+    """ModelError, in one line, where a (model, batch) FUNCTION's batch (`make` of
+    `load`) lacks the axis a flag sets: --seq or fit --vary seq without a sequence
+    axis (images, latents), --batch or --vary batch where the leaves share no
+    leading axis. Nothing for another FUNCTION."""
+    declared = getattr(make, "batch", None)
+    if declared is None:
+        return
+    shapes, sizes = batch_model.describe(declared), make.defaults
+    if sizes["seq"] is None and (seq is not None or vary == "seq"):
+        flag = "--vary seq" if vary == "seq" else f"--seq {seq}"
+        raise ModelError(f"{flag}: the batch of --model {spec} has no sequence axis (no int "
+                         f"leaf [batch, seq]; its leaves: {shapes}); "
+                         + ("search the batch with --vary batch" if vary == "seq"
+                            else "leave --seq out"))
+    if sizes["batch"] is None and (vary == "batch" or batch is not None):
+        flag = "--vary batch" if vary == "batch" else f"--batch {batch}"
+        raise ModelError(f"{flag}: the leaves of the batch of --model {spec} share no "
+                         f"leading (batch) axis ({shapes}), so it cannot be resized; make "
+                         "every leaf [batch, ...]")
+
+
+def _traced(spec: str, inputs: str, sizes: str, build: Callable) -> Workload:
+    """`build()`, the model's workload, with every failure a ModelError in one line:
+    the model's own (it failed on `inputs`; other shapes are set with `sizes`), or
+    remat_kit's, said to be a remat_kit bug."""
+    try:
+        with _no_exit():
+            return build()
+    except (ModelError, RematSpecError) as e:
+        raise ModelError(f"--model {spec!r}: {e}") from None
+    except (Exception, ExitCalled) as e:  # noqa: BLE001 - the model failed to trace
+        where = _our_frame(e)
+        if where is not None:  # remat_kit's own fault: never the user's shapes
+            raise ModelError(f"--model {spec!r}: remat_kit failed on this model at "
+                             f"{where} ({type(e).__name__}: {e}); this is a remat_kit "
+                             "bug, not a fault of the model or its input shapes: please "
+                             "report it") from None
+        raise ModelError(f"--model {spec!r}: tracing the model on {inputs} failed: "
+                         f"{type(e).__name__}: {e}; if the model takes other shapes (e.g. "
+                         f"fewer positions), give them with {sizes}") from None
+
+
+def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chunks: int,
+                 sizes: str) -> Callable:
+    """make(batch, seq, mesh) for a FUNCTION that returned (model, batch[, loss])
+    (`batch_model.workload`), with `make.model`, `make.batch` (ShapeDtypeStructs),
+    `make.values` (the batch as returned), `make.loss` and `make.defaults` ({"batch": its leading axis or None, "seq":
+    its sequence length or None})."""
+    import flax.linen as nn
+    from flax import nnx
+
+    if not (len(got) in (2, 3) and isinstance(got[0], (nn.Module, nnx.Module))
+            and not isinstance(got[0], type) and (len(got) == 2 or callable(got[2]))):
+        kinds = ", ".join(type(x).__name__ for x in got)
+        raise ModelError(f"--model {spec!r}: {name}() must return {batch_model.FORMS}; it "
+                         f"returned a tuple ({kinds})")
+    model, batch, loss = (*got, None)[:3]
+    try:
+        shaped = batch_model.abstract(batch, "the batch")
+        if loss is None and not batch_model.is_tokens(shaped):
+            batch_model.workload(model, shaped)  # refuses in its own words
+    except ModelError as e:
+        raise ModelError(f"--model {spec!r}: {name}(): {e}") from None
+    shapes = batch_model.describe(shaped)
+    first, seq_axis = batch_model.declared(shaped)
+
+    def make(size: int, seq: int, mesh=None) -> Workload:
+        return _traced(spec, f"the batch ({shapes}) at batch {size}"
+                       + (f", seq {seq}" if seq_axis else ""), sizes,
+                       lambda: batch_model.workload(
+                           model, shaped, loss, size=size, seq=seq if seq_axis else None,
+                           block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks))
+
+    make.model, make.batch, make.loss, make.values = model, shaped, loss, batch
+    make.defaults = {"batch": first, "seq": seq_axis}
+    return make
 
 
 # Libraries a model's code calls into: a failure raised there is the caller's.
@@ -194,8 +267,8 @@ def _check_module(model, spec: str, name: str) -> None:
                          "return an instance")
     if not isinstance(model, (nn.Module, nnx.Module)):
         got = "None (a missing return?)" if model is None else type(model).__name__
-        raise ModelError(f"--model {spec!r}: {name}() must return a flax.linen or flax.nnx "
-                         f"Module (tokens [batch, seq] -> logits), it returned {got}")
+        raise ModelError(f"--model {spec!r}: {name}() must return {batch_model.FORMS}; it "
+                         f"returned {got}")
 
 
 def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
@@ -224,4 +297,4 @@ def _named(workload: Workload, label: str) -> Workload:
     return dataclasses.replace(workload, name=label)
 
 
-__all__ = ["FORMS", "load"]
+__all__ = ["FORMS", "check_axes", "load"]

@@ -334,6 +334,11 @@ def _mlp(g: df.Graph, a: _Assign, skip: set) -> list[df.Node]:
                 ok = False  # the input is not made from matmuls alone
         if not ok or not leaves or any(id(n) in skip for n in leaves):
             continue
+        if any(n.outs[0].depth != wo.outs[0].depth for n in leaves):
+            # An MLP lies within one call: a DiT's conditioning vector, made by an MLP
+            # outside the blocks and turned into adaLN's shift and scale by a matmul
+            # of silu(c) inside each block, is no MLP of the block.
+            continue
         sources = {id(df.back_end(n.ins[_param_dot(n)[1]], df.LAYOUT | {"convert_element_type"}))
                    for n in leaves}
         nonlin = [n for n in region if n.prim in _NONLIN and _not_relu_guard(n)]

@@ -42,7 +42,7 @@ class Workload:
       name: what the reports call the model, e.g. "gpt2_small" or
         "models.py:build".
       batch, seq: the sizes `args` were built for (None where they mean
-        nothing, e.g. a plain loss).
+        nothing, e.g. a plain loss, or a batch of images has no sequence axis).
       resize: (batch, seq) -> the same workload at those sizes; None if it
         cannot be resized (`fit` needs it).
       sample_args: PRNG key -> concrete arrays shaped like `args`, for timed
@@ -93,14 +93,15 @@ class Workload:
         return self.args[0]
 
     def at(self, batch: int | None = None, seq: int | None = None) -> "Workload":
-        """The same workload at another batch and/or sequence length.
+        """The same workload at another batch and/or sequence length (seq is
+        ignored where the workload has none: `seq` None, a batch of images).
 
         Raises:
           ValueError: the workload cannot be resized (no `resize`), or a size
             is not a positive int.
         """
         batch = self.batch if batch is None else batch
-        seq = self.seq if seq is None else seq
+        seq = self.seq if seq is None or self.seq is None else seq
         if batch == self.batch and seq == self.seq:
             return self
         if self.resize is None:
@@ -108,6 +109,8 @@ class Workload:
                              f"batch {self.batch}, seq {self.seq}); give a function "
                              "(batch, seq) -> Workload to resize it")
         for label, value in (("batch", batch), ("seq", seq)):
+            if value is None and getattr(self, label) is None:  # a batch without that axis
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{label} must be a positive int, got {value!r}")
         return self.resize(batch, seq)
