@@ -1,0 +1,98 @@
+"""The model map (issue 34): every stack, layer, structure and own remat of a model written
+the way model libraries write them (tests/zoo: a BERT with `gradient_checkpointing`, a
+Griffin-like hybrid of recurrent and local-attention blocks, a MaxText-like scanned decoder
+under its own `jax.checkpoint`, a T5-like encoder-decoder whose first layers hold a relative
+position bias), asserted exactly; a model's own remat of whole layers taken over, so `none`
+is no remat and `full` full remat; `rk.remat_model` compiles to compare's rows."""
+
+import chex
+import jax
+import pytest
+
+import remat_kit as rk
+from remat_kit.flax.from_model import logits_of, next_token_loss
+from remat_kit.measure import lowering
+from tests.zoo import bert_linen, hybrid_linen, maxtext_scan_linen, t5_linen
+
+B, T = 2, 8
+MODELS = {"bert": bert_linen.model, "hybrid": hybrid_linen.model,
+          "hybrid_remat": hybrid_linen.remat_model, "maxtext": maxtext_scan_linen.model,
+          "t5": t5_linen.model}
+TAKEN = "2 x jax.checkpoint({}) around each layer, taken over"
+LINES = {
+    "bert": "2 x BertLayer, scanned: no; own remat: " + TAKEN.format("nothing_saveable")
+            + "; outside: word_embeddings, position_embeddings, embeddings_LayerNorm, "
+              "predictions_LayerNorm, predictions_transform, loss",
+    "hybrid": "2 x ResidualBlock (recurrent_block, attention_block: 2 structures), scanned: "
+              "no; own remat: none; outside: embedder, final_norm, loss",
+    "hybrid_remat": "2 x ResidualBlock (recurrent_block, attention_block: 2 structures), "
+                    "scanned: no; own remat: " + TAKEN.format("nothing_saveable")
+                    + "; outside: embedder, final_norm, loss",
+    "maxtext": "2 x DecoderLayer, scanned: yes; own remat: "
+               + TAKEN.format("save_only_these_names")
+               + "; outside: token_embedder, decoder_norm, logits_dense, loss",
+    "t5": "encoder: 2 x T5Block (relative_attention_bias, no relative_attention_bias: 2 "
+          "structures), decoder: 2 x T5Block (relative_attention_bias, no "
+          "relative_attention_bias: 2 structures), scanned: no; own remat: none; outside: "
+          "shared, encoder/final_layer_norm, decoder/final_layer_norm, loss",
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def zoo(request):
+    model = MODELS[request.param]()
+    return request.param, model, rk.from_model.workload(model, B, T)
+
+
+def test_the_map_of_each_model(zoo):
+    name, _, work = zoo
+    assert work.model_map.line() == LINES[name]
+    layers = [(x.path, x.cls, x.structure, x.copies) for x in work.model_map.layers]
+    assert layers == {
+        "bert": [("encoder/0", "BertLayer", 0, 1), ("encoder/1", "BertLayer", 0, 1)],
+        "hybrid": [("blocks_0", "ResidualBlock", 0, 1), ("blocks_1", "ResidualBlock", 1, 1)],
+        "hybrid_remat": [("blocks_0", "ResidualBlock", 0, 1),
+                         ("blocks_1", "ResidualBlock", 1, 1)],
+        "maxtext": [("layers", "DecoderLayer", 0, 2)],
+        "t5": [("encoder/0", "T5Block", 0, 1), ("encoder/1", "T5Block", 1, 1),
+               ("decoder/0", "T5Block", 2, 1), ("decoder/1", "T5Block", 3, 1)],
+    }[name]
+    assert work.num_layers == work.model_map.num_layers
+    assert not [n for n in work.notes if "own remat" in n or "already" in n]
+
+
+def _loss(wrapped):
+    def loss(p, tokens, rest):
+        return next_token_loss(logits_of(wrapped.apply({"params": p, **rest}, tokens), B, T),
+                               tokens)
+    return loss
+
+
+def _compiled(loss, args):
+    compiled = lowering.compile_for(lambda *a: jax.value_and_grad(loss)(*a), *args)
+    return compiled.memory["temp_size_in_bytes"], compiled.flops
+
+
+def test_every_row_means_its_name_and_rk_remat_model_runs_it(zoo):
+    """Where the model had its own remat, `none` is no remat (fewer FLOPs and more temp
+    than `full`); each row is what rk.remat_model compiles."""
+    name, model, work = zoo
+    policies = ("none", "full", "minimal", "selective") if name in (
+        "bert", "maxtext") else ("none", "full")
+    rows = {r.names[0]: r for r in rk.measure(work, policies=list(policies))}
+    assert rows["none"].flops < rows["full"].flops
+    assert rows["full"].memory_bytes < rows["none"].memory_bytes
+    for policy in policies:
+        assert _compiled(_loss(rk.remat_model(model, policy)), work.args) == (
+            rows[policy].memory_bytes, rows[policy].flops), policy
+
+
+@pytest.mark.parametrize("name", ["bert", "hybrid_remat", "maxtext"])
+def test_gradients_equal_the_plain_model(name):
+    model = MODELS[name]()
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 64)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    want = jax.grad(_loss(model))(params, tokens, {})
+    for policy in ("none", "minimal"):
+        got = jax.grad(_loss(rk.remat_model(model, policy)))(params, tokens, {})
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
