@@ -248,9 +248,11 @@ def _output(model, seq: int, spec: str):
 
 
 def describe(own: OwnModel, remat: str) -> str:
-    """The run's "model:" line."""
+    """The run's "model:" line, and its model map's (`remat_kit.trace.model_map`)."""
+    the_map = own.workload.model_map
     return (f"model: {own.label} ({type(own.model).__name__}, {own.workload.num_layers} "
-            f"blocks, vocab {own.vocab}); remat={remat} (policy {own.spec})")
+            f"blocks, vocab {own.vocab}); remat={remat} (policy {own.spec})"
+            + ("" if the_map is None else f"\nmodel map: {the_map.line()}"))
 
 
 def check_line(compiled: dict, predicted: stepping.StepMemory, step: int = 0

@@ -176,10 +176,14 @@ def _indexed(names: list, cls: type) -> bool:
 
 
 def _container(candidates: dict, cls: type) -> bool:
-    """Whether `cls`'s instances each hold a stack of another candidate's layers."""
+    """Whether `cls`'s instances each hold a stack of another candidate's layers: two or
+    more of them with no other candidate between (an MoE layer's experts are its stack,
+    not its block's)."""
+    every = [i.path for ins in candidates.values() for i in ins]
     for outer in candidates[cls]:
         for other, ins in candidates.items():
-            inner = [i for i in ins if other is not cls and _inside(i.path, outer.path)]
+            inner = [i for i in ins if other is not cls and _inside(i.path, outer.path)
+                     and not any(_inside(i.path, q) and _inside(q, outer.path) for q in every)]
             if len(inner) >= 2 and (
                     _indexed([i.path[-1] for i in inner], other)
                     or sum(i.size for i in inner) >= _STACK_SHARE * outer.size):
