@@ -96,3 +96,78 @@ def test_gradients_equal_the_plain_model(name):
     for policy in ("none", "minimal"):
         got = jax.grad(_loss(rk.remat_model(model, policy)))(params, tokens, {})
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+BAD = '''import flax.linen as nn
+from flax import nnx
+
+
+class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+        return nn.Dense(4)(x) * mask
+
+
+class Missing(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(8, 4)(tokens)
+        x = Layer()(x)
+        return nn.Dense(8)(Layer()(x))
+
+
+class NLayer(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x, mask):
+        return self.w(x) * mask
+
+
+class NMissing(nnx.Module):
+    def __init__(self, rngs=nnx.Rngs(0)):
+        self.e = nnx.Embed(8, 4, rngs=rngs)
+        self.blocks = nnx.List([NLayer(rngs), NLayer(rngs)])
+
+    def __call__(self, tokens):
+        x = self.e(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def linen():
+    return Missing()
+
+
+def nnx_model():
+    return NMissing()
+
+
+def raises():
+    return {}["no such key"]
+'''
+
+
+@pytest.mark.parametrize("function, what", [
+    ("linen", "TypeError at {}:{} on int32 tokens [2, 8]: Layer.__call__() missing 1 "
+                  "required positional argument: 'mask'"),
+    ("nnx_model", "TypeError at {}:{} on int32 tokens [2, 8]: NLayer.__call__() missing "
+                      "1 required positional argument: 'mask'"),
+])
+def test_the_user_s_exception_is_the_user_s(tmp_path, capsys, function, what):
+    """An error raised in the model's own code names its file and line, in one line; no
+    "remat_kit bug" (the call passed through remat_kit's interceptors)."""
+    from remat_kit.cli.commands import main
+    path = tmp_path / "bad.py"
+    path.write_text(BAD)
+    assert main(["compare", "--model", f"{path}:{function}", "--batch", "2", "--seq", "8",
+                 "--policies", "none"]) == 2
+    [err] = capsys.readouterr().err.splitlines()
+    calls = {"linen": "        x = Layer()(x)", "nnx_model": "            x = b(x)"}[function]
+    where = BAD.splitlines().index(calls) + 1  # the model's own call that failed
+    assert f"the model raised {what.format(path, where)}" in err and "remat_kit bug" not in err
+    assert main(["compare", "--model", f"{path}:raises"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:raises': raises() raised KeyError at "
+        f"{path}:{BAD.splitlines().index('    return {}[\"no such key\"]') + 1}: 'no such key'"]
