@@ -171,3 +171,42 @@ def test_the_user_s_exception_is_the_user_s(tmp_path, capsys, function, what):
     assert capsys.readouterr().err.splitlines() == [
         f"remat-kit compare: error: --model '{path}:raises': raises() raised KeyError at "
         f"{path}:{BAD.splitlines().index('    return {}[\"no such key\"]') + 1}: 'no such key'"]
+
+
+def test_own_remat_of_part_of_a_layer_is_kept_and_said_on_every_row():
+    """nn.remat around the MLP alone (not a whole layer) cannot be taken over: the map
+    line and every row's notes say it stays, never a warning alone."""
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.gelu(nn.Dense(32)(x)))
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = x + nn.Dense(8, name="attn")(nn.LayerNorm()(x))
+            return x + nn.remat(MLP)(name="mlp")(nn.LayerNorm()(x))
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(16, 8, name="wte")(tokens)
+            for i in range(2):
+                x = Block(name=f"h_{i}")(x)
+            return nn.Dense(16, name="head")(x)
+
+    work = rk.from_model.workload(LM(), B, T)
+    kept = ("2 x jax.checkpoint(nothing_saveable) inside a layer, kept under every policy "
+            "(not a whole layer)")
+    assert work.model_map.line() == (f"2 x Block, scanned: no; own remat: {kept}; outside: "
+                                     "wte, head, loss")
+    note = f"own remat kept: the model runs {kept}, so `none` here is not no remat"
+    for row in rk.measure(work, policies=["none", "full"]):
+        assert note in row.notes, row.notes
+    with pytest.warns(UserWarning, match="own remat kept"):
+        jax.eval_shape(rk.remat_model(LM(), "full").apply,
+                       jax.eval_shape(LM().init, jax.random.key(0),
+                                      jax.ShapeDtypeStruct((B, T), "int32")),
+                       jax.ShapeDtypeStruct((B, T), "int32"))

@@ -5,15 +5,15 @@ a dict or object with a `logits` entry. `workload(model, batch, seq)`
 
 1. builds the next-token loss: mean cross-entropy of logits[:, :-1] against
    tokens[:, 1:] (`optax.softmax_cross_entropy_with_integer_labels`);
-2. finds the repeated block: of the module classes holding submodules of their
-   own (not a Dense or a norm), the one instantiated at least twice with one
-   parameter structure whose instances together hold the most parameters
-   (ties: the outermost); `block=` names it instead;
-3. traces the loss once with each block call wrapped in a marked remat region
+2. finds its layers (`blocks.pick_block`): the unit its own library would remat,
+   layers of one class differing in structure included; `block=` names them;
+3. traces the loss once with each layer call wrapped in a marked remat region
    and every submodule output tagged by its path (`rk.linen.auto_tag`,
-   `rk.nnx.auto_tag`), infers each value's role (`remat_kit.trace.roles`), and
-4. returns a workload whose loss runs each block under the policy
-   (`remat_kit.trace.regions`).
+   `rk.nnx.auto_tag`), infers each value's role (`remat_kit.trace.roles`), finds
+   the model's own remat (`remat_kit.trace.own_remat`: a whole layer's is taken
+   over by the policy), and
+4. returns a workload whose loss runs each layer under the policy
+   (`remat_kit.trace.regions`), with its model map (`Workload.model_map`).
 """
 
 from __future__ import annotations
@@ -349,8 +349,9 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
         mapping int32 tokens [batch, seq] to logits [batch, seq, vocab] (or a
         dict / object with `logits`).
       batch, seq: positive ints.
-      block: the block class or its name, or several (a tuple, or "A,B"); default
-        the repeated classes found (`pick_block`).
+      block: the layer class or its name, or several (a tuple, or "A,B"); default
+        the layers found (`pick_block`; none found: nothing to remat, every policy
+        runs as none, and the map says so).
       name: the report's name for the model; default its class name.
       mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) with data and fsdp
         axes: tokens split over them, parameters sharded by their logical
@@ -366,7 +367,7 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
       ModelError: not a linen/NNX module, its `__call__` needs more than the
         tokens, the output has no logits, a mesh
         with a tensor axis, or vocab_chunks below 1 or not dividing the vocabulary.
-      UnknownModuleError: no repeated block class, or `block` matches none.
+      UnknownModuleError: `block` matches no class, or one never called.
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
     for label, value in (("batch", batch), ("seq", seq)):

@@ -4,10 +4,10 @@
 `init`/`apply` and parameter tree; NNX: a copy with the same arrays and state
 paths) whose forward pass is made the way `remat_kit.flax.from_model` makes the
 program `compare`, `plan` and `fit` measure: the call is traced once per
-argument signature with each block (the repeated class, `blocks.pick_block`)
-marked and every submodule output tagged by path, the dataflow roles are inferred
+argument signature with each layer (`blocks.pick_block`) marked and every submodule output tagged by path, the dataflow roles are inferred
 (`query_proj`, `attn_probs`, ...), and `remat_kit.trace.regions` runs each block
-under its layer's policy (`regions.build`: one code path for both). So the
+under its layer's policy, the model's own remat of whole layers taken over
+(`regions.build`, `own_remat.find`: one code path for both). So the
 gradients of a loss of its output compile to the program measured for that
 policy: equal temp memory and FLOPs.
 
@@ -313,16 +313,15 @@ def remat_model(model, policy, *, block=None, budget=None):
       program; its state updates (RNG counts, statistics) land on the copy.
       Each new argument signature traces the model once (no FLOPs) before
       its first run. A policy naming a role or tag the model does not emit
-      warns, as `compare` notes it; a model that rematerializes its own
-      blocks warns that those regions stay.
+      warns, as `compare` notes it; the model's own remat of whole layers is
+      replaced by the policy; its other remat regions stay, and warn.
     Raises:
       TypeError: not a linen or NNX module; a policy of another type.
       RematSpecError: a spec that does not parse, an `auto:budget=` spec (plan
         it first), a plan file that cannot be read, or (at the first call,
         before anything compiles) a plan or list for another layer count or
         block class.
-      UnknownModuleError: (at the first call) no repeated block, or `block`
-        matches none.
+      UnknownModuleError: (at the first call) `block` matches none.
     """
     spec, context = _spec_of(policy, budget)
     if isinstance(model, nnx.Module):
