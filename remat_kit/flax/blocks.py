@@ -46,23 +46,22 @@ class Instance(NamedTuple):
 
 
 class Pick(NamedTuple):
-    """The layer classes `pick_block` found, how many layers run them, the repeated
-    classes left out where the user named the layers ("EncoderLayer x2": those run
+    """The layer classes `pick_block` found, the repeated classes left out where the user named the layers ("EncoderLayer x2": those run
     without remat under every policy, so the reports say so), the layers, in the
     model's order, as the model map lists them, and the outermost modules holding
     parameters outside every layer ("wte", "encoder/final_layer_norm")."""
 
     cls: Blocks
-    count: int
     others: tuple[str, ...]
     layers: tuple[Layer, ...] = ()
     outside: tuple[str, ...] = ()
 
 
-def pick_block(instances: list[Instance], block=None) -> Pick:
+def pick_block(instances: list[Instance], block=None, loose: tuple = ()) -> Pick:
     """The layer classes of a model from its module instances, in the order the model
     calls them (see the module docstring); `block`: a class, a name, several as a tuple
-    or "A,B", instead.
+    or "A,B", instead. `loose`: the model's own parameters held by no submodule
+    (a position table of the root's), outside every layer too.
 
     Raises:
       UnknownModuleError: `block` names no class of the model, or no class that holds
@@ -80,17 +79,17 @@ def pick_block(instances: list[Instance], block=None) -> Pick:
     if block is not None:
         picked = _named(by_class, block, classes)
         apart = _apart(by_class, picked, composite)
-        return _pick(by_class, picked, tuple(f"{c.__name__} x{n}" for c, n in apart))
+        return _pick(by_class, picked, tuple(f"{c.__name__} x{n}" for c, n in apart), loose)
     candidates = {c: ins for c, ins in by_class.items()
                   if sum(i.copies for i in ins) >= 2 and composite(ins[0].path)}
     ranked = sorted((c for c in candidates if not _container(candidates, c)),
                     key=lambda c: (sum(i.size for i in candidates[c]),
                                    -sum(i.copies for i in candidates[c])), reverse=True)
     if not ranked:
-        return _pick(by_class, Blocks(), ())
+        return _pick(by_class, Blocks(), (), loose)
     best = ranked[0]
     apart = dict(_apart(by_class, Blocks((best,)), composite))
-    return _pick(by_class, Blocks(c for c in by_class if c is best or c in apart), ())
+    return _pick(by_class, Blocks(c for c in by_class if c is best or c in apart), (), loose)
 
 
 def _named(by_class, block, classes) -> Blocks:
@@ -107,7 +106,7 @@ def _named(by_class, block, classes) -> Blocks:
     return Blocks(dict.fromkeys(picked))
 
 
-def _pick(by_class, blocks: Blocks, others: tuple) -> Pick:
+def _pick(by_class, blocks: Blocks, others: tuple, loose: tuple) -> Pick:
     """The Pick of `blocks`: every instance of theirs not inside another, in call order."""
     chosen = [i for c in blocks for i in by_class[c]]
     chosen = [i for i in chosen if not any(_inside(i.path, o.path) for o in chosen)]
@@ -116,8 +115,8 @@ def _pick(by_class, blocks: Blocks, others: tuple) -> Pick:
     rest = [p for p in order if not any(_inside(p, i.path) or _inside(i.path, p) or p == i.path
                                         for i in chosen)]
     outside = tuple("/".join(map(str, p)) for p in rest
-                    if not any(_inside(p, q) for q in rest))
-    return Pick(blocks, sum(i.copies for i in chosen), others, _layers(chosen), outside)
+                    if not any(_inside(p, q) for q in rest)) + tuple(map(str, loose))
+    return Pick(blocks, others, _layers(chosen), outside)
 
 
 def _layers(chosen: list[Instance]) -> tuple[Layer, ...]:

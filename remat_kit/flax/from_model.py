@@ -157,6 +157,13 @@ def _stacked(whole, seen) -> int:
     return math.prod(lead.pop()) if len(lead) == 1 else 1
 
 
+def _loose(params, instances) -> tuple:
+    """The top-level names of `params` no submodule holds: parameters of the model's own
+    (a learned position table), which run outside every layer."""
+    held = {i[0][0] for i in instances}
+    return tuple(k for k in params if k not in held)
+
+
 # ---------------------------------------------------------------------------
 # linen
 # ---------------------------------------------------------------------------
@@ -217,7 +224,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     instances, variables = _linen_instances(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens)
-    pick = pick_block(instances, block)
+    pick = pick_block(instances, block, _loose(variables["params"], instances))
     cls = pick.cls
     params = variables["params"]  # boxed with logical axes where the model names them
     rest = {k: v for k, v in variables.items() if k != "params"}
@@ -309,7 +316,8 @@ def nnx_block(model: nnx.Module, block, *args, **kwargs) -> Pick:
     singles = {p for p, c, s, _ in found if repeated[(c, s)] == 1  # composite ones
                and any(len(q) > len(p) and q[:len(p)] == p for q in every)}
     copies = _nnx_copies(model, singles, *args, **kwargs) if singles else {}
-    return pick_block([Instance(p, c, s, n, copies.get(p, 1)) for p, c, s, n in found], block)
+    return pick_block([Instance(p, c, s, n, copies.get(p, 1)) for p, c, s, n in found], block,
+                      _loose(nnx.state(model, nnx.Param), found))
 
 
 def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
