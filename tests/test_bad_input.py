@@ -131,7 +131,7 @@ def test_training_names_its_own_size_fields():
     config.update(model=f"{gpt_linen.__file__}:model", batch_size=2, seq_len=64)
     with pytest.raises(BadInput) as e:
         own_model.load(config, None, None)
-    assert str(e.value).endswith("if the model takes other shapes (e.g. fewer positions), "
+    assert str(e.value).endswith("if it takes other shapes (e.g. fewer positions), "
                                  "give them with config.batch_size and config.seq_len")
 
 

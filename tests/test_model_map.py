@@ -210,3 +210,41 @@ def test_own_remat_of_part_of_a_layer_is_kept_and_said_on_every_row():
                        jax.eval_shape(LM().init, jax.random.key(0),
                                       jax.ShapeDtypeStruct((B, T), "int32")),
                        jax.ShapeDtypeStruct((B, T), "int32"))
+
+
+def test_every_report_opens_with_the_map_line_and_json_carries_the_map(capsys, tmp_path):
+    from remat_kit.cli.commands import main
+    model = "tests/zoo/hybrid_linen.py:remat_model"
+    sizes = ["--batch", "2", "--seq", "8"]
+    assert main(["compare", "--model", model, *sizes, "--policies", "none",
+                 "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"model map: {LINES['hybrid_remat']}"
+    import json
+    the_map = json.loads((tmp_path / "c.json").read_text())["context"]["model_map"]
+    assert the_map["line"] == LINES["hybrid_remat"] and the_map["num_layers"] == 2
+    assert the_map["own_remat"] == [{"policy": "nothing_saveable", "count": 2,
+                                     "where": "each layer", "taken_over": True}]
+    assert main(["explain", "--model", model, *sizes, "--map"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        LINES["hybrid_remat"],
+        "  layer 0: blocks_0 ResidualBlock, structure 0 (recurrent_block), 11,840 parameters",
+        "  layer 1: blocks_1 ResidualBlock, structure 1 (attention_block), 10,496 parameters"]
+    assert main(["explain", "--model", model, *sizes, "--policy", "full"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"model map: {LINES['hybrid_remat']}"
+
+
+def test_our_reference_configs_have_a_map():
+    work = rk.models.workload(rk.models.get_config("tiny"), 2, 8)
+    assert work.model_map.line() == ("2 x DecoderLayer, scanned: no; own remat: none; outside: "
+                                     "embed, final_norm, pos_embed, logits, loss")
+    assert [x.path for x in work.model_map.layers] == ["layers_0", "layers_1"]
+
+
+def test_a_per_layer_plan_on_a_scanned_stack_is_refused_in_one_line():
+    model = maxtext_scan_linen.model()
+    params = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((B, T), "int32"))
+    wrapped = rk.remat_model(model, ("full", "minimal"))
+    with pytest.raises(rk.RematSpecError, match=r"^the model runs its 2 blocks as 1 scan body, "
+                                                r"which takes one policy for every layer"):
+        jax.eval_shape(wrapped.apply, params, jax.ShapeDtypeStruct((B, T), "int32"))
