@@ -63,9 +63,10 @@ def pick_block(instances: list[Instance], block=None, loose: tuple = ()) -> Pick
     or "A,B", instead. `loose`: the model's own parameters held by no submodule
     (a position table of the root's), outside every layer too.
 
+    No such class: a Pick of no layers (nothing to remat; the map says so).
+
     Raises:
-      UnknownModuleError: `block` names no class of the model, or no class that holds
-        submodules runs two layers or more.
+      UnknownModuleError: `block` names no class of the model.
     """
     classes = {i.cls.__name__: i.cls for i in instances}
     paths = [i.path for i in instances]
@@ -76,20 +77,22 @@ def pick_block(instances: list[Instance], block=None, loose: tuple = ()) -> Pick
     by_class: dict[type, list[Instance]] = {}
     for i in instances:
         by_class.setdefault(i.cls, []).append(i)
+    order = {i.path: n for n, i in enumerate(instances)}  # the model's call order
+    pick = lambda blocks, others: _pick(by_class, order, blocks, others, loose)  # noqa: E731
     if block is not None:
         picked = _named(by_class, block, classes)
         apart = _apart(by_class, picked, composite)
-        return _pick(by_class, picked, tuple(f"{c.__name__} x{n}" for c, n in apart), loose)
+        return pick(picked, tuple(f"{c.__name__} x{n}" for c, n in apart))
     candidates = {c: ins for c, ins in by_class.items()
                   if sum(i.copies for i in ins) >= 2 and composite(ins[0].path)}
     ranked = sorted((c for c in candidates if not _container(candidates, c)),
                     key=lambda c: (sum(i.size for i in candidates[c]),
                                    -sum(i.copies for i in candidates[c])), reverse=True)
     if not ranked:
-        return _pick(by_class, Blocks(), (), loose)
+        return pick(Blocks(), ())
     best = ranked[0]
     apart = dict(_apart(by_class, Blocks((best,)), composite))
-    return _pick(by_class, Blocks(c for c in by_class if c is best or c in apart), (), loose)
+    return pick(Blocks(c for c in by_class if c is best or c in apart), ())
 
 
 def _named(by_class, block, classes) -> Blocks:
@@ -106,11 +109,11 @@ def _named(by_class, block, classes) -> Blocks:
     return Blocks(dict.fromkeys(picked))
 
 
-def _pick(by_class, blocks: Blocks, others: tuple, loose: tuple) -> Pick:
-    """The Pick of `blocks`: every instance of theirs not inside another, in call order."""
+def _pick(by_class, order: dict, blocks: Blocks, others: tuple, loose: tuple) -> Pick:
+    """The Pick of `blocks`: every instance of theirs not inside another, in call order
+    (`order`: {path: position})."""
     chosen = [i for c in blocks for i in by_class[c]]
     chosen = [i for i in chosen if not any(_inside(i.path, o.path) for o in chosen)]
-    order = {i.path: n for n, i in enumerate(i for ins in by_class.values() for i in ins)}
     chosen.sort(key=lambda i: order[i.path])
     rest = [p for p in order if not any(_inside(p, i.path) or _inside(i.path, p) or p == i.path
                                         for i in chosen)]
