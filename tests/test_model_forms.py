@@ -128,7 +128,7 @@ def test_a_scanned_nnx_stack_that_remats_each_layer_runs_what_compare_measured()
     work = rk.from_model.workload(model, B, T)
     assert work.model_map.line() == (
         "2 x Block, scanned: yes; own remat: 2 x jax.checkpoint(nothing_saveable) around "
-        "each layer, taken over; outside: head, embed, loss")
+        "each layer, taken over; outside: embed, head, loss")
     rows = _figures(work, ("full", "minimal"))
     got = {}
     for form, wrapped in (("remat_model", rk.remat_model(model, "minimal")),

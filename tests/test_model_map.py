@@ -22,7 +22,7 @@ TAKEN = "2 x jax.checkpoint({}) around each layer, taken over"
 LINES = {
     "bert": "2 x BertLayer, scanned: no; own remat: " + TAKEN.format("nothing_saveable")
             + "; outside: word_embeddings, position_embeddings, embeddings_LayerNorm, "
-              "predictions_LayerNorm, predictions_transform, loss",
+              "predictions_transform, predictions_LayerNorm, loss",
     "hybrid": "2 x ResidualBlock (recurrent_block, attention_block: 2 structures), scanned: "
               "no; own remat: none; outside: embedder, final_norm, loss",
     "hybrid_remat": "2 x ResidualBlock (recurrent_block, attention_block: 2 structures), "
@@ -248,3 +248,14 @@ def test_a_per_layer_plan_on_a_scanned_stack_is_refused_in_one_line():
     with pytest.raises(rk.RematSpecError, match=r"^the model runs its 2 blocks as 1 scan body, "
                                                 r"which takes one policy for every layer"):
         jax.eval_shape(wrapped.apply, params, jax.ShapeDtypeStruct((B, T), "int32"))
+
+
+@pytest.mark.remat_modes
+def test_own_remat_is_taken_over_under_either_remat_mode():
+    """jax_remat3 stages the model's nn.remat as a hi-primitive: found and taken over all
+    the same."""
+    work = rk.from_model.workload(bert_linen.model(), B, T)
+    assert work.model_map.line() == LINES["bert"]
+    rows = {r.names[0]: r for r in rk.measure(work, policies=["none", "full"])}
+    assert rows["none"].flops < rows["full"].flops
+    assert rows["full"].memory_bytes < rows["none"].memory_bytes
