@@ -131,13 +131,14 @@ def workload(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None 
         loss_for_policy, args, name=label, batch=batch, seq=seq,
         resize=lambda b, s: workload(sized(cfg, s), b, s, mesh=mesh, name=label),
         sample_args=sample_args, per_device=per_device, mesh=mesh,
-        num_layers=cfg.num_layers, block_name="DecoderLayer", model_map=_model_map(cfg, args[0]),
+        num_layers=cfg.num_layers, block_name="DecoderLayer", model_map=model_map_of(cfg, args[0]),
         block=lambda policy: layer_program(local_cfg, local_batch, seq, policy),
         size_bound=lambda *bound: bounds.size_bound(cfg, *bound, mesh=mesh))
 
 
-def _model_map(cfg, params) -> model_map.ModelMap:
-    """The map of our reference transformer: its DecoderLayers (`layers_i`, or one
+def model_map_of(cfg: TransformerConfig, params) -> model_map.ModelMap:
+    """The map of our reference transformer of `params` (arrays or ShapeDtypeStructs,
+    as `Transformer(cfg).init` makes them): its DecoderLayers (`layers_i`, or one
     scanned `layers`), the rest of its parameters and the logits and loss outside."""
     def size(tree) -> int:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
@@ -149,4 +150,4 @@ def _model_map(cfg, params) -> model_map.ModelMap:
     return model_map.ModelMap(model_map.stacks_of(layers), (), (*outside, "logits", "loss"))
 
 
-__all__ = ["layer_program", "sized", "workload"]
+__all__ = ["layer_program", "model_map_of", "sized", "workload"]
