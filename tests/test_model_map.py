@@ -259,3 +259,37 @@ def test_own_remat_is_taken_over_under_either_remat_mode():
     rows = {r.names[0]: r for r in rk.measure(work, policies=["none", "full"])}
     assert rows["none"].flops < rows["full"].flops
     assert rows["full"].memory_bytes < rows["none"].memory_bytes
+
+
+def test_a_stack_run_by_jax_lax_scan_under_jax_checkpoint_is_found_and_taken_over():
+    """NNX layers made by nnx.vmap, run by a plain jax.lax.scan whose body is under
+    jax.checkpoint: one scanned stack, its own remat taken over, no --block."""
+    from flax import nnx
+
+    from tests.zoo import scan_nnx
+
+    class GPT(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(scan_nnx.VOCAB, scan_nnx.DIM, rngs=rngs)
+
+            @nnx.split_rngs(splits=scan_nnx.LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def blocks(rngs):
+                return scan_nnx.Block(rngs)
+            self.blocks = blocks(rngs)
+            self.head = nnx.Linear(scan_nnx.DIM, scan_nnx.VOCAB, rngs=rngs)
+
+        def __call__(self, tokens):
+            graphdef, state = nnx.split(self.blocks)
+
+            def step(x, s):
+                return jax.checkpoint(lambda x, s: nnx.merge(graphdef, s)(x))(x, s), None
+            return self.head(jax.lax.scan(step, self.embed(tokens), state)[0])
+
+    work = rk.from_model.workload(nnx.eval_shape(lambda: GPT(nnx.Rngs(0))), B, T)
+    assert work.model_map.line() == (
+        "2 x Block, scanned: yes; own remat: 2 x jax.checkpoint(nothing_saveable) around "
+        "each layer, taken over; outside: embed, head, loss")
+    rows = {r.names[0]: r for r in rk.measure(work, policies=["none", "full"])}
+    assert rows["none"].flops < rows["full"].flops
+    assert rows["full"].memory_bytes < rows["none"].memory_bytes
