@@ -46,10 +46,11 @@ class Instance(NamedTuple):
 
 
 class Pick(NamedTuple):
-    """The layer classes `pick_block` found, the repeated classes left out where the user named the layers ("EncoderLayer x2": those run
-    without remat under every policy, so the reports say so), the layers, in the
-    model's order, as the model map lists them, and the outermost modules holding
-    parameters outside every layer ("wte", "encoder/final_layer_norm")."""
+    """The layer classes `pick_block` found; the repeated classes left out where the
+    user named the layers ("EncoderLayer x2": those run without remat under every
+    policy, so the reports say so); the layers, in the model's order, as the model map
+    lists them; and what holds parameters outside every layer ("wte",
+    "encoder/final_layer_norm")."""
 
     cls: Blocks
     others: tuple[str, ...]

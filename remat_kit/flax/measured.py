@@ -4,7 +4,8 @@
 `init`/`apply` and parameter tree; NNX: a copy with the same arrays and state
 paths) whose forward pass is made the way `remat_kit.flax.from_model` makes the
 program `compare`, `plan` and `fit` measure: the call is traced once per
-argument signature with each layer (`blocks.pick_block`) marked and every submodule output tagged by path, the dataflow roles are inferred
+argument signature with each layer (`blocks.pick_block`) marked and every
+submodule output tagged by path, the dataflow roles are inferred
 (`query_proj`, `attn_probs`, ...), and `remat_kit.trace.regions` runs each block
 under its layer's policy, the model's own remat of whole layers taken over
 (`regions.build`, `own_remat.find`: one code path for both). So the
