@@ -293,3 +293,34 @@ def test_a_stack_run_by_jax_lax_scan_under_jax_checkpoint_is_found_and_taken_ove
     rows = {r.names[0]: r for r in rk.measure(work, policies=["none", "full"])}
     assert rows["none"].flops < rows["full"].flops
     assert rows["full"].memory_bytes < rows["none"].memory_bytes
+
+
+def _pick(tree: dict) -> list[str]:
+    """The layer paths `blocks.pick_block` finds in {path: (class name, size)}."""
+    from remat_kit.flax.blocks import Instance, pick_block
+    classes: dict = {}
+    found = [Instance(tuple(p.split("/")), classes.setdefault(c, type(c, (), {})), (), n)
+             for p, (c, n) in tree.items()]
+    return [x.path for x in pick_block(found).layers]
+
+
+def test_a_stack_around_a_block_collection_is_no_layer_and_experts_are_no_stack():
+    """HF's T5: each stack holds a block collection holding the blocks: the blocks are
+    the layers. A block holding its experts beside its attention: the block is."""
+    t5 = {}
+    for stack in ("encoder", "decoder"):
+        for b in ("0", "1"):
+            base = f"{stack}/block/{b}"
+            t5 |= {f"{base}/attn/q": ("Dense", 10), f"{base}/attn": ("Attn", 10),
+                   f"{base}/w": ("Dense", 10), base: ("Block", 20)}
+        t5 |= {f"{stack}/block": ("Collection", 40), f"{stack}/norm": ("Norm", 1),
+               stack: ("Stack", 41)}
+    assert _pick(t5) == ["encoder/block/0", "encoder/block/1", "decoder/block/0",
+                         "decoder/block/1"]
+    moe = {}
+    for b in ("layers_0", "layers_1"):
+        moe |= {f"{b}/attn/q": ("Dense", 10), f"{b}/attn": ("Attn", 10), f"{b}/n": ("Norm", 1)}
+        for e in range(4):
+            moe |= {f"{b}/expert_{e}/w": ("Dense", 10), f"{b}/expert_{e}": ("Expert", 10)}
+        moe |= {b: ("Block", 51)}
+    assert _pick(moe) == ["layers_0", "layers_1"]

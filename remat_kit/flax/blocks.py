@@ -86,7 +86,8 @@ def pick_block(instances: list[Instance], block=None, loose: tuple = ()) -> Pick
         return pick(picked, tuple(f"{c.__name__} x{n}" for c, n in apart))
     candidates = {c: ins for c, ins in by_class.items()
                   if sum(i.copies for i in ins) >= 2 and composite(ins[0].path)}
-    ranked = sorted((c for c in candidates if not _container(candidates, c)),
+    containers = _containers(candidates, composite)
+    ranked = sorted((c for c in candidates if c not in containers),
                     key=lambda c: (sum(i.size for i in candidates[c]),
                                    -sum(i.copies for i in candidates[c])), reverse=True)
     if not ranked:
@@ -178,16 +179,36 @@ def _indexed(names: list, cls: type) -> bool:
     return len(heads) == 1
 
 
-def _container(candidates: dict, cls: type) -> bool:
-    """Whether `cls`'s instances each hold a stack of another candidate's layers: two or
-    more of them with no other candidate between (an MoE layer's experts are its stack,
-    not its block's)."""
+def _containers(candidates: dict, composite) -> set:
+    """The candidate classes that hold stacks of layers, not layers: those whose every
+    composite child is one of two or more layers of another candidate (named as a
+    sequence, or holding nine tenths of its parameters: `_holds_stack`), and those
+    whose instances hold an instance of such a class (a T5 stack around its block
+    collection)."""
+    found = {c for c in candidates if _holds_stack(candidates, c, composite)}
+    grew = True
+    while grew:
+        grew = False
+        for c, ins in candidates.items():
+            if c not in found and any(_inside(i.path, o.path) for o in ins for d in found
+                                      for i in candidates[d]):
+                found.add(c)
+                grew = True
+    return found
+
+
+def _holds_stack(candidates: dict, cls: type, composite) -> bool:
+    """Whether `cls`'s instances hold a stack of another candidate's layers: two or more
+    with no other candidate between, and no composite child beside them (an MoE's
+    experts beside its block's attention are not a stack)."""
     every = [i.path for ins in candidates.values() for i in ins]
     for outer in candidates[cls]:
         for other, ins in candidates.items():
             inner = [i for i in ins if other is not cls and _inside(i.path, outer.path)
                      and not any(_inside(i.path, q) and _inside(q, outer.path) for q in every)]
-            if len(inner) >= 2 and (
+            beside = [q for q in every if q[:-1] == outer.path and composite(q)
+                      and q not in {i.path for i in inner}]
+            if len(inner) >= 2 and not beside and (
                     _indexed([i.path[-1] for i in inner], other)
                     or sum(i.size for i in inner) >= _STACK_SHARE * outer.size):
                 return True
