@@ -322,11 +322,13 @@ def _output(model, seq: int, spec: str):
 
 
 def describe(own: OwnModel, remat: str) -> str:
-    """The run's "model:" line."""
+    """The run's "model:" line, and its model map's (`remat_kit.trace.model_map`)."""
     inputs = (f"vocab {own.vocab}" if own.batch is None
               else f"batch {batch_model.describe(own.workload.args[1])}")
+    the_map = own.workload.model_map
     return (f"model: {own.label} ({type(own.model).__name__}, {own.workload.num_layers} "
-            f"blocks, {inputs}); remat={remat} (policy {own.spec})")
+            f"blocks, {inputs}); remat={remat} (policy {own.spec})"
+            + ("" if the_map is None else f"\nmodel map: {the_map.line()}"))
 
 
 def check_line(compiled: dict, predicted: stepping.StepMemory, step: int = 0

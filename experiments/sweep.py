@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from experiments.common import SIZE_FIELDS, fail, one_line_warnings, parse_flags
 from remat_kit.cli import report
+from remat_kit.cli.common import map_context, print_map
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                            config_from_dict, preset_policies, split_policies)
 from remat_kit.errors import RematSpecError, UnknownModuleError
@@ -100,20 +101,24 @@ def _sweep_own(config, workdir: str, policies: str | None, steps: int) -> list[d
     leaves = jax.tree.leaves(work.params)
     dtype = str(leaves[0].dtype) if leaves else "-"  # the parameters', as compare titles it
     return _write(config, workdir, report.rows(records, None, batch, seq), batch, seq, dtype,
-                  steps)
+                  steps, work)
 
 
 def _write(config, workdir: str, rows: list[dict], batch: int, seq: int, dtype: str,
-           steps: int) -> list[dict]:
-    """Writes records.json, records.csv and pareto.png, prints the table; returns rows."""
+           steps: int, work=None) -> list[dict]:
+    """Writes records.json, records.csv and pareto.png, prints the table (after the model
+    map's line, where `work` has a map); returns rows."""
     out = pathlib.Path(workdir)
     platform = platform_label()
     title = f"{config.model}: batch {batch}, seq {seq}, {dtype} ({platform}, {steps} steps)"
     report.write_json(out / "records.json", rows,
                       {"config": config.model, "batch": batch, "seq": seq, "dtype": dtype,
-                       "devices": 1, "platform": platform})
+                       "devices": 1, "platform": platform,
+                       **({} if work is None else map_context(work))})
     report.write_csv(out / "records.csv", rows)
     report.plot(out / "pareto.png", rows, title)
+    if work is not None:
+        print_map(work)
     report.print_table(rows, title)
     return rows
 

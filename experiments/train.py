@@ -69,6 +69,7 @@ from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.record import platform_label
 from remat_kit.models import Transformer, from_config_dict, make_loss_fn
 from remat_kit.models import workload as config_workload
+from remat_kit.models.program import model_map_of
 from remat_kit.models.shortcuts import resolve_config
 from remat_kit.policy.spec import AutoSpec, parse
 
@@ -485,6 +486,8 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     if own and cfg.batch is not None:  # the batch itself; the loss reads its labels there
         sample, sample_targets = batches(0)
     num_params = sum(p.size for p in jax.tree.leaves(state.params))
+    if not own:  # the user's model printed its map with its "model:" line
+        console.print(f"model map: {model_map_of(cfg, state.params).line()}")
     warn = warn_line if lead else (lambda message: None)
     state, train_rng, start_step = _resume(ckpt, config, state, train_rng, warn)
     done = workdir / "summary.json"

@@ -131,7 +131,7 @@ def test_training_names_its_own_size_fields():
     config.update(model=f"{gpt_linen.__file__}:model", batch_size=2, seq_len=64)
     with pytest.raises(BadInput) as e:
         own_model.load(config, None, None)
-    assert str(e.value).endswith("if the model takes other shapes (e.g. fewer positions), "
+    assert str(e.value).endswith("if it takes other shapes (e.g. fewer positions), "
                                  "give them with config.batch_size and config.seq_len")
 
 
@@ -220,10 +220,13 @@ def test_fit_names_the_flags_of_its_search_where_the_first_size_fails(capsys):
                      "--budget", "64MiB", "--policies", "none"])
     [line] = capsys.readouterr().err.splitlines()
     assert code == 2 and line.startswith("remat-kit fit: error: --model ")
-    assert line.endswith("tokens [2, 128] failed: ValueError: Incompatible shapes for "
-                         "broadcasting: shapes=[(1, 128, 32), (32, 32)]; if the model takes "
-                         "other shapes (e.g. fewer positions), give them with --batch and "
-                         "--multiple (fit --vary seq tries multiples of it)")
+    # The model's own failure, at its own line (issue 34 item 6).
+    where = f"{gpt_linen.__file__}:"
+    assert f"the model raised ValueError at {where}" in line
+    assert line.endswith(" on int32 tokens [2, 128]: Incompatible shapes for broadcasting: "
+                         "shapes=[(1, 128, 32), (32, 32)]; if it takes other shapes (e.g. "
+                         "fewer positions), give them with --batch and --multiple (fit --vary "
+                         "seq tries multiples of it)")
 
 
 def test_a_training_config_of_the_users_model_is_told_to_use_model(tmp_path, capsys):

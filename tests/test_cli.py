@@ -212,6 +212,10 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     assert doc["schema_version"] == SCHEMA_VERSION
     cpu = {"target": "cpu", "platform": "XLA CPU compile", "devices": 1,
            "jax_version": jax.__version__, "compiler_version": f"jaxlib {jax.__version__}"}
+    the_map = doc["context"].pop("model_map")  # what the layers are (issue 34)
+    assert the_map["line"] == ("2 x DecoderLayer, scanned: no; own remat: none; outside: "
+                               "embed, final_norm, pos_embed, logits, loss")
+    assert out.splitlines()[0] == f"model map: {the_map['line']}"
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
                               "mesh": None, **cpu, "targets": [{**cpu, "mesh": None}]}
     # Saving the layer output changes nothing (the next layer keeps it anyway):

@@ -93,9 +93,10 @@ def test_os_exit_in_a_model_file_is_an_error(tmp_path, capsys, where):
     body = "os._exit(0)\n" if where == "import" else ""
     path.write_text(f"import os\n{body}\ndef model():\n    os._exit(0)\n")
     assert cli.main(["compare", "--model", f"{path}:model"]) == 2
-    said = {"import": f"{path} does not import:", "function": "model() raised"}[where]
+    said = {"import": f"{path} does not import: ExitCalled:",
+            "function": f"model() raised ExitCalled at {path}:4:"}[where]  # the user's line
     assert capsys.readouterr().err.splitlines() == [
-        f"remat-kit compare: error: --model '{path}:model': {said} ExitCalled: it called "
+        f"remat-kit compare: error: --model '{path}:model': {said} it called "
         "os._exit(0), which would end remat-kit with no report"]
 
 

@@ -372,8 +372,10 @@ def test_sweep_measures_the_users_model_as_compare_does(files, tmp_path, spec):
     records = rk.measure(rk.from_model.workload(model, BATCH, SEQ), policies=["none", "minimal"])
     assert {r["policy"]: r["temp_size_in_bytes"] for r in rows} == {
         r.policy: r.temp_size_in_bytes for r in records}
-    assert json.loads((tmp_path / "records.json").read_text())["context"]["config"] == \
-        config.model
+    context = json.loads((tmp_path / "records.json").read_text())["context"]
+    assert context["config"] == config.model
+    assert context["model_map"]["line"] == rk.from_model.workload(model, BATCH,
+                                                                  SEQ).model_map.line()
 
 
 def test_sweep_refuses_a_bad_model_in_one_line(files, tmp_path):

@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--target", default=None,
                          help="also compile the layer for this target (cpu, tpu:v5e:1x1, "
                               "gpu:h100, ...) and print its temp memory and FLOPs")
+    explain.add_argument("--map", action="store_true",
+                         help="print the model map in full, one line per layer, and stop")
     explain.add_argument("--peak", action="store_true",
                          help="also compile the whole model under the policy and say what "
                               "holds its peak (XLA's buffer assignment, grouped)")

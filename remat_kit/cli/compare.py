@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import plot_path, sizes_text, source_and_sizes, targets_of
+from remat_kit.cli.common import (map_context, plot_path, print_map, sizes_text,
+                                  source_and_sizes, targets_of)
 from remat_kit.cli.inputs import (BadInput, check_memory, check_output_file, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
@@ -66,6 +67,7 @@ def run(args) -> int:
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
                          "mesh": mesh_text if devices > 1 else args.mesh,
                          "jax_version": found["jax"], "compiler_version": found["compiler"]})
+    print_map(works[0])
     if len(sections) == 1:
         report.print_table(sections[0][2], sections[0][1])
     else:
@@ -82,7 +84,7 @@ def run(args) -> int:
     if args.json is not None:
         # The first target's fields stay at the top level (schema 1); "targets" has them all.
         context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
-                   **contexts[0], "targets": contexts}
+                   **contexts[0], "targets": contexts, **map_context(works[0])}
         report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
     if args.plot is not None:
         for target, title, rows in sections:

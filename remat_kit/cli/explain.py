@@ -8,7 +8,7 @@ import sys
 from collections import Counter
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import sizes_text, source_and_sizes, targets_of
+from remat_kit.cli.common import print_map, sizes_text, source_and_sizes, targets_of
 from remat_kit.cli.inputs import BadInput
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
@@ -37,6 +37,9 @@ def run(args) -> int:
 
     src, batch, seq = source_and_sizes(args)
     cfg, label = src.cfg, src.label
+    if args.map:  # the map alone: the one trace, no compile
+        print("\n".join(src.workload(batch, seq).model_map.lines()))
+        return 0
     if args.policy is None and cfg is None:
         raise BadInput("explain --model needs --policy (a --model has no default policy)")
     if args.policy is not None and "," in args.policy and all(
@@ -86,6 +89,10 @@ def run(args) -> int:
             "one decoder layer", src.dtype()
     else:
         work = src.workload(batch, seq)
+        print_map(work)
+        if work.block is None:
+            raise BadInput(f"explain shows one layer; {label} has none: "
+                           f"{work.model_map.line()}")
         layer, what, dtype = explain(policy, work, target=target), "one block", src.dtype(work)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(f"{label}, {what} under {args.policy or str(policy)!r} "

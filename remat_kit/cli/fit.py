@@ -9,7 +9,7 @@ import sys
 
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import targets_of
+from remat_kit.cli.common import map_context, print_map, targets_of
 from remat_kit.cli.inputs import (BadInput, check_output_file, check_schedules, check_seq,
                                   device_mesh, load_source, rechunked, split_policies)
 from remat_kit.units import fmt_bytes
@@ -86,7 +86,7 @@ def run(args) -> int:
                                   if row.limit else ""))
         print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
 
-    model, dtype = cfg, cfg and src.dtype()
+    model, dtype, first = cfg, cfg and src.dtype(), None
     # The model with its loss over n vocabulary chunks, should the logits hold fit's floor.
     rechunk = None if cfg is not None else (
         lambda n, built=mesh: lambda b, s: rechunked(args, n).workload(b, s, built))
@@ -109,12 +109,15 @@ def run(args) -> int:
     title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "
              f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
+    if first is not None:
+        print_map(first)
     console.print(fit_report.fit_table(result, title))
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
-            json.dump(fit_report.fit_to_dict(result) | {"config": label}, f, indent=2)
+            json.dump(fit_report.fit_to_dict(result) | {"config": label}
+                      | ({} if first is None else map_context(first)), f, indent=2)
             f.write("\n")
     if args.plot is not None:
         fit_report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")

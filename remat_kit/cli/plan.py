@@ -10,7 +10,8 @@ import sys
 import time
 
 from remat_kit import files as outputs
-from remat_kit.cli.common import sizes_text, source_and_sizes, targets_of
+from remat_kit.cli.common import (map_context, print_map, sizes_text, source_and_sizes,
+                                  targets_of)
 from remat_kit.cli.inputs import (BadInput, check_output_file, check_planner_floor, check_schedules,
                                   device_mesh, plan_groups, preset_policies, rechunked,
                                   split_budgets, split_policies)
@@ -144,6 +145,7 @@ def run(args) -> int:
                         "predicted_seconds": planner.seconds(parse(best.policy)),
                         "time_overhead": best_time})})
     console = Console(width=None if sys.stdout.isatty() else 200)
+    print_map(work)
     console.print(t)
     on_cpu = planner.target.platform == "cpu"
     if planner.host_bandwidth is not None:
@@ -167,7 +169,7 @@ def run(args) -> int:
     console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
                   f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))
-    context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
+    context = {**map_context(work), "config": label, "batch": batch, "seq": seq, "dtype": dtype,
                "devices": devices, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,

@@ -184,15 +184,16 @@ class BatchInputs:
                              "it names), anything else as model(batch)") from None
 
     def build(self, model, batch: int, seq: int | None, block) -> tuple:
-        """(block classes, loss(params, batch, other variables), its args, the repeated
-        classes left out) at these sizes: `from_model`'s tokens and next-token loss,
+        """(the layers found, `blocks.Pick`; loss(params, batch, other variables); its
+        args) at these sizes: `from_model`'s tokens and next-token loss,
         for this batch and loss."""
         shaped = resized(self.batch, batch, seq)
         loss = self.loss
         if isinstance(model, nnx.Module):
             args, kwargs = call_args(model, shaped)
-            cls, _, others = from_model.nnx_block(model, block, *args, **kwargs)
-            graphdef, params, rest = nnx.split(from_model.nnx_marked(model, cls), nnx.Param, ...)
+            pick = from_model.nnx_block(model, block, *args, **kwargs)
+            graphdef, params, rest = nnx.split(from_model.nnx_marked(model, pick.cls),
+                                               nnx.Param, ...)
 
             def marked(params, b, rest):
                 args, kwargs = call_args(model, b)
@@ -200,21 +201,21 @@ class BatchInputs:
 
             shapes = lambda s: jax.tree.map(  # noqa: E731
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s)
-            return cls, marked, (shapes(params), shaped, shapes(rest)), others
+            return pick, marked, (shapes(params), shaped, shapes(rest))
 
         def init(b):
             args, kwargs = call_args(model, b)
             return model.init(jax.random.key(0), *args, **kwargs)
-        (cls, _, others), variables = from_model.linen_block(model, init, shaped, block=block)
+        pick, variables = from_model.linen_block(model, init, shaped, block=block)
         rest = {k: v for k, v in variables.items() if k != "params"}
 
         def marked(params, b, rest):
             args, kwargs = call_args(model, b)
-            with from_model.marking_linen(cls), from_model._applied_plainly():
+            with from_model.marking_linen(pick.cls), from_model._applied_plainly():
                 out = model.apply({"params": params, **rest}, *args, **kwargs)
             return _scalar(loss(out, b), loss)
 
-        return cls, marked, (variables["params"], shaped, nn.unbox(rest)), others
+        return pick, marked, (variables["params"], shaped, nn.unbox(rest))
 
 
 def is_tokens(batch) -> bool:

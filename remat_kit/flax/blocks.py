@@ -1,17 +1,31 @@
-"""Which module classes of a model not ours are its blocks (the layers each remat region
-wraps), from its module instances: the class holding submodules instantiated at least twice
-with one parameter structure whose instances hold the most parameters, and every other such
-class whose instances lie apart from those (an encoder's layers beside a decoder's)."""
+"""Which modules of a model not ours are its layers (the units each remat region wraps), from
+its module instances: the unit its own library would remat, the outermost module called once
+per layer, even where the layers of one class differ in structure.
+
+Found: of the module classes holding submodules of their own (not a Dense or a norm) and
+running at least two layers (a scanned instance runs its scan's length), the one whose
+instances hold the most parameters (ties: the outermost), unless it is a container of
+stacks (each instance holds two or more layers of another such class, named as a sequence
+or holding nine tenths of its parameters: a T5 stack class used for the encoder and the
+decoder); with it every other such class whose instances lie apart from its layers (an
+encoder's layers beside a decoder's).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import NamedTuple
 
 from remat_kit.errors import UnknownModuleError
+from remat_kit.trace.model_map import Layer, stacks_of
+
+# Of a container's parameters, the share its inner layers hold that makes it a stack.
+_STACK_SHARE = 0.9
 
 
 class Blocks(tuple):
-    """The block classes of a model: one, or several whose layers lie apart (an
+    """The layer classes of a model: one, or several whose layers lie apart (an
     encoder's layers and a decoder's). A tuple of classes, so `isinstance(m, blocks)`
     holds for a layer of any; `__name__` joins their names ("EncoderLayer+DecoderLayer")."""
 
@@ -20,75 +34,185 @@ class Blocks(tuple):
         return "+".join(c.__name__ for c in self)
 
 
+class Instance(NamedTuple):
+    """One module instance: its path, class, parameter structure ((key path, shape,
+    dtype) per leaf), its scalars, and the layers it runs (a scan's length, else 1)."""
+
+    path: tuple
+    cls: type
+    structure: tuple
+    size: int
+    copies: int = 1
+
+
 class Pick(NamedTuple):
-    """The block classes `pick_block` found, how many layers run them, and the
-    repeated block classes left out where the user named the blocks ("EncoderLayer
-    x2"): those run without remat under every policy, so the reports say so."""
+    """The layer classes `pick_block` found; the repeated classes left out where the
+    user named the layers ("EncoderLayer x2": those run without remat under every
+    policy, so the reports say so); the layers, in the model's order, as the model map
+    lists them; and what holds parameters outside every layer ("wte",
+    "encoder/final_layer_norm")."""
 
     cls: Blocks
-    count: int
     others: tuple[str, ...]
+    layers: tuple[Layer, ...] = ()
+    outside: tuple[str, ...] = ()
 
 
-def pick_block(instances: dict[tuple, list], block, copies: dict | None = None) -> Pick:
-    """The block classes and their count, from {(class, structure, size): [instance
-    ids]} and {instance id: layers it runs} (`copies`: a scanned stack's one instance
-    runs its scan's length of layers; default 1 each).
+def pick_block(instances: list[Instance], block=None, loose: tuple = ()) -> Pick:
+    """The layer classes of a model from its module instances, in the order the model
+    calls them (see the module docstring); `block`: a class, a name, several as a tuple
+    or "A,B", instead. `loose`: the model's own parameters held by no submodule
+    (a position table of the root's), outside every layer too.
 
-    Found: the module class holding submodules, instantiated at least twice with one
-    structure, whose instances hold the most parameters (ties: the outermost), and
-    with it every other such class whose instances lie apart from its blocks, the
-    outermost ones (an encoder's layers beside a decoder's). `block`: a class, a name,
-    several as a tuple or "A,B", instead.
+    No such class: a Pick of no layers (nothing to remat; the map says so).
 
     Raises:
-      UnknownModuleError: `block` names no class of the model, or no class that
-        holds submodules (layers of its own) is instantiated twice with one structure.
+      UnknownModuleError: `block` names no class of the model.
     """
-    classes = {cls.__name__: cls for cls, _, _ in instances}
-    paths = {tuple(p) for ids in instances.values() for p in ids}
+    classes = {i.cls.__name__: i.cls for i in instances}
+    paths = [i.path for i in instances]
 
-    def composite(path) -> bool:  # holds modules of its own: a block, not a Dense or a norm
+    def composite(path) -> bool:  # holds modules of its own: a layer, not a Dense or a norm
         return any(_inside(q, path) for q in paths)
 
-    def count(ids) -> int:
-        return sum((copies or {}).get(tuple(i), 1) for i in ids)
-
+    by_class: dict[type, list[Instance]] = {}
+    for i in instances:
+        by_class.setdefault(i.cls, []).append(i)
+    order = {i.path: n for n, i in enumerate(instances)}  # the model's call order
+    pick = lambda blocks, others: _pick(by_class, order, blocks, others, loose)  # noqa: E731
     if block is not None:
-        wanted = (block.split(",") if isinstance(block, str)
-                  else tuple(block) if isinstance(block, (tuple, list)) else (block,))
-        picked = {}
-        for want in wanted:
-            name = want.strip() if isinstance(want, str) else getattr(want, "__name__", str(want))
-            hits = [(len(ids), cls) for (cls, _, _), ids in instances.items()
-                    if cls.__name__ == name or cls is want]
-            if not hits:
-                raise UnknownModuleError(name, sorted(classes),
-                                         message="the block class matches no module of the "
-                                                 "model")
-            n, cls = max(hits, key=lambda h: h[0])
-            picked[cls] = n
-        blocks = Blocks(picked)
-        return Pick(blocks, sum(picked.values()), tuple(
-            f"{c.__name__} x{n}" for c, n in _apart(instances, blocks, composite, count)))
-    best = None
-    for (cls, _, size), ids in instances.items():
-        n = count(ids)
-        if n < 2 or not composite(tuple(ids[0])):
+        picked = _named(by_class, block, classes)
+        apart = _apart(by_class, picked, composite)
+        return pick(picked, tuple(f"{c.__name__} x{n}" for c, n in apart))
+    candidates = {c: ins for c, ins in by_class.items()
+                  if sum(i.copies for i in ins) >= 2 and composite(ins[0].path)}
+    containers = _containers(candidates, composite)
+    ranked = sorted((c for c in candidates if c not in containers),
+                    key=lambda c: (sum(i.size for i in candidates[c]),
+                                   -sum(i.copies for i in candidates[c])), reverse=True)
+    if not ranked:
+        return pick(Blocks(), ())
+    best = ranked[0]
+    apart = dict(_apart(by_class, Blocks((best,)), composite))
+    return pick(Blocks(c for c in by_class if c is best or c in apart), ())
+
+
+def _named(by_class, block, classes) -> Blocks:
+    wanted = (block.split(",") if isinstance(block, str)
+              else tuple(block) if isinstance(block, (tuple, list)) else (block,))
+    picked = []
+    for want in wanted:
+        name = want.strip() if isinstance(want, str) else getattr(want, "__name__", str(want))
+        hits = [c for c in by_class if c.__name__ == name or c is want]
+        if not hits:
+            raise UnknownModuleError(name, sorted(classes),
+                                     message="the block class matches no module of the model")
+        picked.append(max(hits, key=lambda c: len(by_class[c])))
+    return Blocks(dict.fromkeys(picked))
+
+
+def _pick(by_class, order: dict, blocks: Blocks, others: tuple, loose: tuple) -> Pick:
+    """The Pick of `blocks`: every instance of theirs not inside another, in call order
+    (`order`: {path: position})."""
+    chosen = [i for c in blocks for i in by_class[c]]
+    chosen = [i for i in chosen if not any(_inside(i.path, o.path) for o in chosen)]
+    chosen.sort(key=lambda i: order[i.path])
+    rest = [p for p in order if not any(_inside(p, i.path) or _inside(i.path, p) or p == i.path
+                                        for i in chosen)]
+    outside = tuple("/".join(map(str, p)) for p in rest
+                    if not any(_inside(p, q) for q in rest)) + tuple(map(str, loose))
+    return Pick(blocks, others, _layers(chosen), outside)
+
+
+def _layers(chosen: list[Instance]) -> tuple[Layer, ...]:
+    """The map's layers: each structure numbered per class, labelled by what sets it
+    apart from the class's other structures in the same stack."""
+    numbers: dict[tuple, int] = {}
+    for i in chosen:
+        numbers.setdefault((i.cls, i.structure), sum(c is i.cls for c, _ in numbers))
+    plain = [Layer("/".join(map(str, i.path)), i.cls.__name__, numbers[(i.cls, i.structure)],
+                   "", i.size, i.copies) for i in chosen]
+    out = []
+    for stack in stacks_of(plain):
+        for layer in stack.layers:
+            kin = {x.structure: x for x in stack.layers if x.cls == layer.cls}
+            structures = {n: _keys(chosen, x.path) for n, x in kin.items()}
+            label = _label(structures.pop(layer.structure), list(structures.values()))
+            out.append(dataclasses.replace(layer, label=label))
+    return tuple(out)
+
+
+def _keys(chosen: list[Instance], path: str) -> set:
+    inst = next(i for i in chosen if "/".join(map(str, i.path)) == path)
+    return {(k, shape) for k, shape, _ in inst.structure}
+
+
+def _label(mine: set, others: list[set]) -> str:
+    """What `mine` (a structure's (key path, shape) leaves) holds that no other has, by
+    its shallowest unshared module or parameter name; else what it lacks; "" alone."""
+    if not others:
+        return ""
+
+    def prefixes(leaves):
+        return {k[:n] for k, _ in leaves for n in range(1, len(k) + 1)}
+
+    theirs, own = set.union(*map(prefixes, others)), prefixes(mine)
+    only = sorted({p for p in own - theirs if p[:-1] in theirs or len(p) == 1}, key=len)
+    if only:
+        return "+".join(dict.fromkeys(p[-1] for p in only[:2]))
+    lacks = sorted({p for p in theirs - own if p[:-1] in own or len(p) == 1}, key=len)
+    return f"no {lacks[0][-1]}" if lacks else "other shapes"
+
+
+def _indexed(names: list, cls: type) -> bool:
+    """Whether sibling module names form a sequence (an NNX list's 0, 1; linen's
+    "0", "layers_1"), not flax's automatic ClassName_0 names."""
+    heads = set()
+    for name in names:
+        if isinstance(name, int) or str(name).isdigit():
+            heads.add("")
             continue
-        rank = (len(ids) * size, -n)  # most parameters covered, then the outermost
-        if best is None or rank > best[0]:
-            best = (rank, cls, n)
-    if best is None:
-        raise UnknownModuleError(
-            None, sorted(classes),
-            message="no module class holding submodules is instantiated twice with one "
-                    "parameter structure, so there is no repeated block (a one-layer model?); "
-                    "name the block with --block NAME (block=) or give a function "
-                    "(batch, seq) -> rk.Workload")
-    apart = dict(_apart(instances, Blocks((best[1],)), composite, count))
-    order = [c for c, _, _ in instances if c is best[1] or c in apart]  # the model's order
-    return Pick(Blocks(dict.fromkeys(order)), best[2] + sum(apart.values()), ())
+        m = re.fullmatch(r"(.*?)_?(\d+)", str(name))
+        if m is None or m.group(1) == cls.__name__:
+            return False
+        heads.add(m.group(1))
+    return len(heads) == 1
+
+
+def _containers(candidates: dict, composite) -> set:
+    """The candidate classes that hold stacks of layers, not layers: those whose every
+    composite child is one of two or more layers of another candidate (named as a
+    sequence, or holding nine tenths of its parameters: `_holds_stack`), and those
+    whose instances hold an instance of such a class (a T5 stack around its block
+    collection)."""
+    found = {c for c in candidates if _holds_stack(candidates, c, composite)}
+    grew = True
+    while grew:
+        grew = False
+        for c, ins in candidates.items():
+            if c not in found and any(_inside(i.path, o.path) for o in ins for d in found
+                                      for i in candidates[d]):
+                found.add(c)
+                grew = True
+    return found
+
+
+def _holds_stack(candidates: dict, cls: type, composite) -> bool:
+    """Whether `cls`'s instances hold a stack of another candidate's layers: two or more
+    with no other candidate between, and no composite child beside them (an MoE's
+    experts beside its block's attention are not a stack)."""
+    every = [i.path for ins in candidates.values() for i in ins]
+    for outer in candidates[cls]:
+        for other, ins in candidates.items():
+            inner = [i for i in ins if other is not cls and _inside(i.path, outer.path)
+                     and not any(_inside(i.path, q) and _inside(q, outer.path) for q in every)]
+            beside = [q for q in every if q[:-1] == outer.path and composite(q)
+                      and q not in {i.path for i in inner}]
+            if len(inner) >= 2 and not beside and (
+                    _indexed([i.path[-1] for i in inner], other)
+                    or sum(i.size for i in inner) >= _STACK_SHARE * outer.size):
+                return True
+    return False
 
 
 def unremat_note(others: tuple[str, ...], cls: type) -> tuple[str, ...]:
@@ -107,20 +231,20 @@ def _inside(path: tuple, outer: tuple) -> bool:
     return len(path) > len(outer) and path[:len(outer)] == outer
 
 
-def _apart(instances, blocks: Blocks, composite, count) -> list[tuple[type, int]]:
-    """(class, layers) of each other repeated block class with instances neither
-    inside nor around a `blocks` block, outermost ones only (an encoder's layers
-    beside a decoder's; not the attention inside either)."""
-    chosen = [tuple(p) for (c, _, _), ids in instances.items() if c in blocks for p in ids]
+def _apart(by_class: dict, blocks: Blocks, composite) -> list[tuple[type, int]]:
+    """(class, layers) of each other class running two layers or more with instances
+    neither inside nor around a `blocks` layer, outermost ones only (an encoder's
+    layers beside a decoder's; not the attention inside either)."""
+    chosen = [i.path for c in blocks for i in by_class[c]]
     apart = {}
-    for (c, _, _), ids in instances.items():
-        out = [tuple(p) for p in ids if c not in blocks and not any(
-            _inside(tuple(p), q) or _inside(q, tuple(p)) for q in chosen)]
-        if count(out) >= 2 and composite(out[0]):
-            apart.setdefault(c, []).extend(out)
-    outer = [p for ps in apart.values() for p in ps]
-    return [(c, count(ps)) for c, ps in apart.items()
-            if not any(_inside(p, q) for p in ps for q in outer)]
+    for c, ins in by_class.items():
+        out = [i for i in ins if c not in blocks and not any(
+            _inside(i.path, q) or _inside(q, i.path) for q in chosen)]
+        if sum(i.copies for i in out) >= 2 and composite(out[0].path):
+            apart[c] = out
+    outer = [i.path for ins in apart.values() for i in ins]
+    return [(c, sum(i.copies for i in ins)) for c, ins in apart.items()
+            if not any(_inside(i.path, q) for i in ins for q in outer)]
 
 
-__all__ = ["Blocks", "Pick", "pick_block", "unremat_note"]
+__all__ = ["Blocks", "Instance", "Pick", "pick_block", "unremat_note"]

@@ -5,15 +5,15 @@ a dict or object with a `logits` entry. `workload(model, batch, seq)`
 
 1. builds the next-token loss: mean cross-entropy of logits[:, :-1] against
    tokens[:, 1:] (`optax.softmax_cross_entropy_with_integer_labels`);
-2. finds the repeated block: of the module classes holding submodules of their
-   own (not a Dense or a norm), the one instantiated at least twice with one
-   parameter structure whose instances together hold the most parameters
-   (ties: the outermost); `block=` names it instead;
-3. traces the loss once with each block call wrapped in a marked remat region
+2. finds its layers (`blocks.pick_block`): the unit its own library would remat,
+   layers of one class differing in structure included; `block=` names them;
+3. traces the loss once with each layer call wrapped in a marked remat region
    and every submodule output tagged by its path (`rk.linen.auto_tag`,
-   `rk.nnx.auto_tag`), infers each value's role (`remat_kit.trace.roles`), and
-4. returns a workload whose loss runs each block under the policy
-   (`remat_kit.trace.regions`).
+   `rk.nnx.auto_tag`), infers each value's role (`remat_kit.trace.roles`), finds
+   the model's own remat (`remat_kit.trace.own_remat`: a whole layer's is taken
+   over by the policy), and
+4. returns a workload whose loss runs each layer under the policy
+   (`remat_kit.trace.regions`), with its model map (`Workload.model_map`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from remat_kit.flax import linen as flax_linen
-from remat_kit.flax.blocks import Pick, pick_block, unremat_note
+from remat_kit.flax.blocks import Instance, Pick, pick_block, unremat_note
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
-from remat_kit.trace import regions, retarget
+from remat_kit.trace import model_map, own_remat, regions, retarget
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import UnknownModuleError
@@ -135,10 +135,12 @@ def next_token_loss(logits, tokens, vocab_chunks: int = 1):
         raise ModelError(str(e)) from None
 
 
-def _structure(tree) -> tuple[object, int]:
-    leaves, treedef = jax.tree.flatten(tree)
-    shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
-    return (treedef, shapes), sum(math.prod(s) for s, _ in shapes)
+def _structure(tree) -> tuple[tuple, int]:
+    """((key path, shape, dtype) per leaf, the scalars in them) of a parameter tree."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    shapes = tuple((tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                          for k in path), tuple(x.shape), str(x.dtype)) for path, x in leaves)
+    return shapes, sum(math.prod(s) for _, s, _ in shapes)
 
 
 def _stacked(whole, seen) -> int:
@@ -146,13 +148,20 @@ def _stacked(whole, seen) -> int:
     holds them) against `seen` (as its call sees them). A scanned stack
     (`nn.scan`, `nnx.scan` over `nnx.vmap`-made blocks) holds each parameter with
     leading layer axes its call does not see: their product; else 1."""
-    (tree, shapes), _ = _structure(whole)
-    (tree_seen, inner), _ = _structure(seen)
-    if tree != tree_seen or not shapes:
+    shapes, _ = _structure(whole)
+    inner, _ = _structure(seen)
+    if [k for k, _, _ in shapes] != [k for k, _, _ in inner] or not shapes:
         return 1
-    lead = {s[:len(s) - len(i)] for (s, _), (i, _) in zip(shapes, inner)
+    lead = {s[:len(s) - len(i)] for (_, s, _), (_, i, _) in zip(shapes, inner)
             if len(s) >= len(i) and s[len(s) - len(i):] == i}
-    return math.prod(lead.pop()) if len(lead) == 1 and len(shapes) == len(inner) else 1
+    return math.prod(lead.pop()) if len(lead) == 1 else 1
+
+
+def _loose(params, instances) -> tuple:
+    """The top-level names of `params` no submodule holds: parameters of the model's own
+    (a learned position table), which run outside every layer."""
+    held = {i[0][0] for i in instances}
+    return tuple(k for k in params if k not in held)
 
 
 # ---------------------------------------------------------------------------
@@ -160,10 +169,11 @@ def _stacked(whole, seen) -> int:
 # ---------------------------------------------------------------------------
 
 def _linen_instances(model: nn.Module, fn: Callable, *args,
-                     params=None) -> tuple[dict, dict, dict]:
-    """Every submodule's class by path, from one abstract run of `fn(*args)` (an
-    `init`, whose output's "params" are read, or an `apply` of `params`); the
-    layers each instance runs (`_stacked`); and what `fn` returned."""
+                     params=None) -> tuple[list[Instance], dict]:
+    """Every submodule holding parameters (`blocks.Instance`: path, class, structure,
+    the layers it runs by `_stacked`), in call order, from one abstract run of
+    `fn(*args)` (an `init`, whose output's "params" are read, or an `apply` of
+    `params`); and what `fn` returned."""
     paths: dict[tuple, type] = {}
     seen: dict[tuple, object] = {}
 
@@ -180,7 +190,7 @@ def _linen_instances(model: nn.Module, fn: Callable, *args,
     with nn.intercept_methods(record), jax.disable_jit():
         out = jax.eval_shape(fn, *args)
     params = nn.unbox(out.get("params", {}) if params is None else params)
-    instances, copies = collections.defaultdict(list), {}
+    instances = []
     for path, cls in paths.items():
         if not path:
             continue
@@ -190,15 +200,19 @@ def _linen_instances(model: nn.Module, fn: Callable, *args,
         if not sub:
             continue
         structure, size = _structure(sub)
-        instances[(cls, structure, size)].append(path)
-        copies[path] = _stacked(sub, seen.get(path, sub))
-    return instances, copies, out
+        instances.append(Instance(path, cls, structure, size,
+                                  _stacked(sub, seen.get(path, sub))))
+    return instances, out
 
 
 @contextlib.contextmanager
 def marking_linen(cls: type):
     """Inside: every call of a `cls` submodule runs as a remat region marked for
     `remat_kit.trace.regions`, and every submodule output is tagged by its path."""
+    if not cls:  # no layers: tagged, nothing marked
+        with flax_linen.auto_tag():
+            yield
+        return
     plan = wrapping.Plan.of({c: "full" for c in cls}, nn.Module, "remat_kit.flax.from_model")
     markers = {k: wrapping.Marker(KEY) for k in plan.keys}
     with flax_linen._intercepting(plan, markers, True, ("__call__",), check=False), \
@@ -210,14 +224,15 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
     """(the block classes of `model`, `pick_block`; its variables as ShapeDtypeStructs),
     from one abstract `init(*args)` (`model.init` on the inputs): the one way a linen
     model's blocks are found, for its tokens or any batch (`batch_model`)."""
-    instances, copies, variables = _linen_instances(model, init, *args)
-    return pick_block(instances, block, copies), variables
+    instances, variables = _linen_instances(model, init, *args)
+    return pick_block(instances, block, _loose(variables["params"], instances)), variables
 
 
 def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-    (cls, _, others), variables = linen_block(
+    pick, variables = linen_block(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens, block=block)
+    cls = pick.cls
     params = variables["params"]  # boxed with logical axes where the model names them
     rest = {k: v for k, v in variables.items() if k != "params"}
 
@@ -227,7 +242,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return cls, marked, (params, tokens, nn.unbox(rest)), others
+    return pick, marked, (params, tokens, nn.unbox(rest))
 
 
 def _on_mesh(args, mesh):
@@ -295,19 +310,21 @@ def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
 
 
 def nnx_block(model: nnx.Module, block, *args, **kwargs) -> Pick:
-    """The block class of `model` (`pick_block`); a stack held by one module (a scan)
+    """The layers of `model` (`pick_block`); a stack held by one module (a scan)
     is counted by one abstract forward `model(*args, **kwargs)`."""
-    instances = collections.defaultdict(list)
+    found = []
     for path, node in nnx.iter_graph(model):
         if path and isinstance(node, nnx.Module):
             structure, size = _structure(nnx.state(node, nnx.Param))
             if size:
-                instances[(type(node), structure, size)].append(tuple(path))
-    every = [p for ids in instances.values() for p in ids]
-    singles = {ids[0] for ids in instances.values() if len(ids) == 1  # composite ones
-               and any(len(q) > len(ids[0]) and q[:len(ids[0])] == ids[0] for q in every)}
+                found.append((tuple(path), type(node), structure, size))
+    every = [p for p, *_ in found]
+    repeated = collections.Counter((c, s) for _, c, s, _ in found)
+    singles = {p for p, c, s, _ in found if repeated[(c, s)] == 1  # composite ones
+               and any(len(q) > len(p) and q[:len(p)] == p for q in every)}
     copies = _nnx_copies(model, singles, *args, **kwargs) if singles else {}
-    return pick_block(instances, block, copies)
+    return pick_block([Instance(p, c, s, n, copies.get(p, 1)) for p, c, s, n in found], block,
+                      _loose(nnx.state(model, nnx.Param), found))
 
 
 def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
@@ -322,8 +339,8 @@ def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
 
 def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    cls, _, others = nnx_block(model, block, tokens)
-    graphdef, params, rest = nnx.split(nnx_marked(model, cls), nnx.Param, ...)
+    pick = nnx_block(model, block, tokens)
+    graphdef, params, rest = nnx.split(nnx_marked(model, pick.cls), nnx.Param, ...)
     abstract = lambda s: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s)
 
@@ -331,7 +348,7 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) 
         out = nnx.merge(graphdef, params, rest)(tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
-    return cls, marked, (abstract(params), tokens, abstract(rest)), others
+    return pick, marked, (abstract(params), tokens, abstract(rest))
 
 
 # ---------------------------------------------------------------------------
@@ -348,8 +365,9 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
         mapping int32 tokens [batch, seq] to logits [batch, seq, vocab] (or a
         dict / object with `logits`).
       batch, seq: positive ints.
-      block: the block class or its name, or several (a tuple, or "A,B"); default
-        the repeated classes found (`pick_block`).
+      block: the layer class or its name, or several (a tuple, or "A,B"); default
+        the layers found (`pick_block`; none found: nothing to remat, every policy
+        runs as none, and the map says so).
       name: the report's name for the model; default its class name.
       mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) with data and fsdp
         axes: tokens split over them, parameters sharded by their logical
@@ -370,7 +388,7 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
       ModelError: not a linen/NNX module, its `__call__` needs more than the
         tokens, the output has no logits, a mesh
         with a tensor axis, or vocab_chunks below 1 or not dividing the vocabulary.
-      UnknownModuleError: no repeated block class, or `block` matches none.
+      UnknownModuleError: `block` matches no class, or one never called.
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
     for label, value in (("batch", batch), ("seq", seq)):
@@ -389,68 +407,68 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
     if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
         (_check_takes_tokens if inputs is None else inputs.check)(model)
     if inputs is not None and isinstance(model, (nn.Module, nnx.Module)):
-        cls, marked, args, others = inputs.build(model, batch, seq, block)
+        pick, marked, args = inputs.build(model, batch, seq, block)
     elif isinstance(model, nnx.Module):
-        cls, marked, args, others = _nnx(model, batch, seq, block, vocab_chunks)
+        pick, marked, args = _nnx(model, batch, seq, block, vocab_chunks)
     elif isinstance(model, nn.Module) and not isinstance(model, type):
-        cls, marked, args, others = _linen(model, batch, seq, block, vocab_chunks)
+        pick, marked, args = _linen(model, batch, seq, block, vocab_chunks)
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
     sharded = rk_mesh.spanning(mesh)  # a one-device mesh: its program is the per-device one
     args = _on_mesh(args, sharded)
-    traced, _ = trace(marked, args, sharded)
+    traced, _ = trace(marked, args, sharded, pick.cls)
     own_mesh = retarget.meshes(traced.jaxpr)
     if own_mesh and sharded is None:  # a mesh of the model's own: its devices hold the args
         whole = NamedSharding(own_mesh[0], PartitionSpec())
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
                             args)
-        traced, _ = trace(marked, args)
-    n = regions.count_marked(traced.jaxpr, KEY)
-    if n == 0:
+        traced, _ = trace(marked, args, None, pick.cls)
+    cls, n = pick.cls, regions.count_marked(traced.jaxpr, KEY)
+    if n == 0 and cls:
         raise UnknownModuleError(
             cls.__name__, [cls.__name__],
             message="the block class is instantiated but never called by the model's "
                     "__call__; name another block with --block")
+    own = own_remat.find(traced.jaxpr, KEY)
     traced_regions, found = regions.build(traced, jax.tree.structure(args), KEY,
-                                          len(jax.tree.leaves(args[0])))
+                                          len(jax.tree.leaves(args[0])), own.taken)
 
     def loss_for_policy(policy):
-        return traced_regions.loss(layer_policies(policy, n))
+        return traced_regions.loss(layer_policies(policy, n) if n else ())
 
     label = name or type(model).__name__
-    notes = found.notes()
-    own = regions.own_remat(traced.jaxpr, KEY)
-    if own:  # the model's own remat stays in every program: say so where `none` shows
-        notes += (f"already rematerialized: the model runs {own} remat region"
-                  f"{'s' if own > 1 else ''} of its own (nn.remat / nnx.remat / "
-                  f"jax.checkpoint) in or around its {n} {cls.__name__} blocks, and they stay "
-                  "under every policy: `none` here is not no remat",)
-    notes += unremat_note(others, cls)
+    the_map = model_map.ModelMap(model_map.stacks_of(list(pick.layers)), own.regions,
+                                 (*pick.outside, "loss"))
+    notes = found.notes() + model_map.notes(the_map) + unremat_note(pick.others, cls)
     local = None
     if sharded is not None:  # what one device runs: its share of the batch, whole parameters
-        one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls,
+        one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=block,
                        vocab_chunks=vocab_chunks, inputs=inputs)
         local = (one.loss_for_policy, one.args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,
-                    resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh,
-                                                 vocab_chunks=vocab_chunks, inputs=inputs),
-                    per_device=local, mesh=mesh, num_layers=n, notes=notes,
-                    block_name=cls.__name__, parameter_count=traced_regions.parameter_count,
+                    resize=lambda b, s: workload(model, b, s, block=block, name=label,
+                                                 mesh=mesh, vocab_chunks=vocab_chunks,
+                                                 inputs=inputs),
+                    per_device=local, mesh=mesh, num_layers=n or None, notes=notes,
+                    block_name=cls.__name__ if n else None,
+                    parameter_count=traced_regions.parameter_count,
                     # per chip, as every figure is: one device's share of the batch
-                    block=traced_regions.block if local is None else one.block)
+                    block=(traced_regions.block if local is None else one.block) if n else None,
+                    model_map=the_map)
 
 
-def trace(fn: Callable, args, mesh=None):
+def trace(fn: Callable, args, mesh=None, marks: tuple = (None,)):
     """(the ClosedJaxpr of fn(*args) on `mesh`, its output as ShapeDtypeStructs), with
     its block regions marked (fn marks them): jax's trace caches are cleared and
-    fn traced again where a cached jit-ed call hid the marks."""
+    fn traced again where a cached jit-ed call hid the marks (`marks`: the classes
+    marked; none, nothing to look for)."""
     def traced_fn(*xs):
         with rk_mesh.use(mesh):
             return fn(*xs)
 
     traced, shape = jax.make_jaxpr(traced_fn, return_shape=True)(*args)
-    if regions.count_marked(traced.jaxpr, KEY) == 0:
+    if marks and regions.count_marked(traced.jaxpr, KEY) == 0:
         # A jit-ed call traced before (by the user, at these shapes) comes from
         # jax's trace cache, without our interceptors: trace it afresh.
         jax.clear_caches()

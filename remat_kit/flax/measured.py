@@ -4,10 +4,11 @@
 `init`/`apply` and parameter tree; NNX: a copy with the same arrays and state
 paths) whose forward pass is made the way `remat_kit.flax.from_model` makes the
 program `compare`, `plan` and `fit` measure: the call is traced once per
-argument signature with each block (the repeated class, `blocks.pick_block`)
-marked and every submodule output tagged by path, the dataflow roles are inferred
+argument signature with each layer (`blocks.pick_block`) marked and every
+submodule output tagged by path, the dataflow roles are inferred
 (`query_proj`, `attn_probs`, ...), and `remat_kit.trace.regions` runs each block
-under its layer's policy (`regions.build`: one code path for both). So the
+under its layer's policy, the model's own remat of whole layers taken over
+(`regions.build`, `own_remat.find`: one code path for both). So the
 gradients of a loss of its output compile to the program measured for that
 policy: equal temp memory and FLOPs.
 
@@ -35,7 +36,7 @@ from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, layer_policies, parse
-from remat_kit.trace import call_region, regions, validate, wrapping
+from remat_kit.trace import call_region, model_map, own_remat, regions, validate, wrapping
 
 
 def read_plan(path: "str | os.PathLike", budget=None) -> dict:
@@ -182,35 +183,33 @@ def _layers(spec, context: dict, program: regions.Regions, cls: type) -> tuple[P
     return policies
 
 
-def _warn(layers, program, found, cls) -> None:
+def _warn(layers, program, found, notes) -> None:
     """The notes `compare` prints for these policies on this model, as warnings."""
     for policy in dict.fromkeys(layers):
         line = call_region.policy_line("rk.remat_model", policy, program, found)
         if line:
             warnings.warn(line, stacklevel=4)
-    own = regions.own_remat(program.closed.jaxpr, from_model.KEY)
-    if own:
-        warnings.warn(f"rk.remat_model: the model already runs {own} remat region"
-                      f"{'s' if own > 1 else ''} of its own in or around its {cls.__name__} "
-                      "blocks; they stay inside the policy's regions, so `none` is not no "
-                      "remat here", stacklevel=4)
+    for note in notes:
+        warnings.warn(f"rk.remat_model: {note}", stacklevel=4)
 
 
-def _program(fn, arrays, num_params: int, cls: type, spec, context, others=()):
+def _program(fn, arrays, num_params: int, pick: blocks.Pick, spec, context):
     """(run(*arrays) -> flat outputs, output tree, which outputs pass an input through
-    (`regions.passed_through`)) of `fn(*arrays)` with its `cls` blocks under the
-    policy; `fn` marks the blocks; `others` the repeated block classes left out."""
+    (`regions.passed_through`)) of `fn(*arrays)` with its layers (`pick`) under the
+    policy, the model's own remat of whole layers taken over (`own_remat`), as
+    `from_model.workload` builds it; `fn` marks the layers."""
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    closed, shape = from_model.trace(fn, structs)
-    program, found = regions.build(closed, None, from_model.KEY, num_params)
-    if program.num_layers == 0:
-        raise UnknownModuleError(cls.__name__, [cls.__name__],
+    closed, shape = from_model.trace(fn, structs, None, pick.cls)
+    own = own_remat.find(closed.jaxpr, from_model.KEY)
+    program, found = regions.build(closed, None, from_model.KEY, num_params, own.taken)
+    if program.num_layers == 0 and pick.cls:
+        raise UnknownModuleError(pick.cls.__name__, [pick.cls.__name__],
                                  message="the block class is instantiated but never called "
                                          "by the model's __call__; name another with block=")
-    layers = _layers(spec, context, program, cls)
-    _warn(layers, program, found, cls)
-    for note in blocks.unremat_note(others, cls):
-        warnings.warn(f"rk.remat_model: {note}", stacklevel=3)
+    layers = _layers(spec, context, program, pick.cls) if program.num_layers else ()
+    the_map = model_map.ModelMap(model_map.stacks_of(list(pick.layers)), own.regions)
+    _warn(layers, program, found,
+          model_map.notes(the_map) + blocks.unremat_note(pick.others, pick.cls))
     return (program.function(layers), jax.tree.structure(shape),
             regions.passed_through(closed.jaxpr))
 
@@ -235,16 +234,15 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
             return base.apply(self, {"params": p, **r}, *a, method=method, **kw)
 
         def make():
-            instances, copies, _ = from_model._linen_instances(self, call, *arrays,
-                                                                  params=params)
-            cls, _, others = blocks.pick_block(instances, block, copies)
+            instances, _ = from_model._linen_instances(self, call, *arrays, params=params)
+            pick = blocks.pick_block(instances, block)
 
             def marked(*xs):
-                with from_model.marking_linen(cls):
+                with from_model.marking_linen(pick.cls):
                     return call(*xs)
 
             num_params = sum(map(wrapping.is_array, jax.tree.leaves(params)))
-            return _program(marked, arrays, num_params, cls, spec, context, others)
+            return _program(marked, arrays, num_params, pick, spec, context)
 
         run, tree, _ = call_region.once(built, _signature(arrays, rebuild, method), make)
         return jax.tree.unflatten(tree, run(*arrays))
@@ -274,8 +272,8 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
             leaves, tree = jax.tree.flatten(state)
 
             def make():
-                cls, _, others = from_model.nnx_block(self, block, *args, **kwargs)
-                graphdef = nnx.split(from_model.nnx_marked(self, cls))[0]
+                pick = from_model.nnx_block(self, block, *args, **kwargs)
+                graphdef = nnx.split(from_model.nnx_marked(self, pick.cls))[0]
 
                 def forward(*xs):  # state leaves, then the call's arrays
                     a, kw = rebuild(xs[len(leaves):])
@@ -283,8 +281,7 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
                     return module(*a, **kw), nnx.state(module, nnx.Param, ...)
 
                 num_params = len(jax.tree.leaves(state[0]))
-                return _program(forward, (*leaves, *arrays), num_params, cls, spec, context,
-                                others)
+                return _program(forward, (*leaves, *arrays), num_params, pick, spec, context)
 
             run, out_tree, passed = call_region.once(built, _signature(arrays, rebuild), make)
             out, new_state = jax.tree.unflatten(out_tree, run(*leaves, *arrays))
@@ -317,16 +314,15 @@ def remat_model(model, policy, *, block=None, budget=None):
       program; its state updates (RNG counts, statistics) land on the copy.
       Each new argument signature traces the model once (no FLOPs) before
       its first run. A policy naming a role or tag the model does not emit
-      warns, as `compare` notes it; a model that rematerializes its own
-      blocks warns that those regions stay.
+      warns, as `compare` notes it; the model's own remat of whole layers is
+      replaced by the policy; its other remat regions stay, and warn.
     Raises:
       TypeError: not a linen or NNX module; a policy of another type.
       RematSpecError: a spec that does not parse, an `auto:budget=` spec (plan
         it first), a plan file that cannot be read, or (at the first call,
         before anything compiles) a plan or list for another layer count or
         block class.
-      UnknownModuleError: (at the first call) no repeated block, or `block`
-        matches none.
+      UnknownModuleError: (at the first call) `block` matches none.
     """
     spec, context = _spec_of(policy, budget)
     if isinstance(model, nnx.Module):

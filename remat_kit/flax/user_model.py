@@ -17,7 +17,9 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import linecache
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -142,8 +144,8 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
         with _no_exit():
             model = fn()
     except (Exception, SystemExit) as e:  # noqa: BLE001
-        raise ModelError(f"--model {spec!r}: {name}() raised {type(e).__name__}: {e}") \
-            from None
+        raise ModelError(f"--model {spec!r}: {name}() raised {type(e).__name__}"
+                         f"{_user_frame(e)}: {e}") from None
     if isinstance(model, tuple):
         return label, _batch_maker(model, spec, name, label, block, vocab_chunks, sizes)
     _check_module(model, spec, name)
@@ -194,8 +196,8 @@ def _traced(spec: str, inputs: str, sizes: str, build: Callable) -> Workload:
                              f"{where} ({type(e).__name__}: {e}); this is a remat_kit "
                              "bug, not a fault of the model or its input shapes: please "
                              "report it") from None
-        raise ModelError(f"--model {spec!r}: tracing the model on {inputs} failed: "
-                         f"{type(e).__name__}: {e}; if the model takes other shapes (e.g. "
+        raise ModelError(f"--model {spec!r}: the model raised {type(e).__name__}"
+                         f"{_user_frame(e)} on {inputs}: {e}; if it takes other shapes (e.g. "
                          f"fewer positions), give them with {sizes}") from None
 
 
@@ -243,19 +245,41 @@ _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def _our_frame(e: BaseException) -> str | None:
-    """"FILE:LINE" of remat_kit's code where `e` was raised, when the last frame
-    outside the libraries (jax, flax, optax, numpy, the standard library) is
-    remat_kit's own and not the model's; else None."""
-    tb, last = e.__traceback__, None
+def _frames(e: BaseException) -> list[tuple[str, int]]:
+    """(path, line) of each frame of `e`'s traceback outside the libraries (jax, flax,
+    optax, numpy, the standard library), outermost first, less remat_kit's frames that
+    only pass a call of the model's on (an interceptor's `next_fun(...)`, a wrapped
+    class's `orig(...)`): a failure raised there is the caller's."""
+    out, tb = [], e.__traceback__
     while tb is not None:
         path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not path.startswith(_LIBRARIES):
-            last = (path, tb.tb_lineno)
+        line = linecache.getline(path, tb.tb_lineno)
+        if not path.startswith(_LIBRARIES) and not (
+                path.startswith(_OURS) and _PASSES.search(line)):
+            out.append((path, tb.tb_lineno))
         tb = tb.tb_next
-    if last is None or not last[0].startswith(_OURS):
+    return out
+
+
+# A line of remat_kit's that calls the model's own code on.
+_PASSES = re.compile(r"\b(next_fun|orig)\(")
+
+
+def _our_frame(e: BaseException) -> str | None:
+    """"FILE:LINE" of remat_kit's code where `e` was raised, when the last frame
+    outside the libraries is remat_kit's own and not the model's (`_frames`); else None."""
+    frames = _frames(e)
+    if not frames or not frames[-1][0].startswith(_OURS):
         return None
-    return f"{os.path.relpath(last[0], os.path.dirname(_OURS.rstrip(os.sep)))}:{last[1]}"
+    path, line = frames[-1]
+    return f"{os.path.relpath(path, os.path.dirname(_OURS.rstrip(os.sep)))}:{line}"
+
+
+def _user_frame(e: BaseException) -> str:
+    """" at FILE:LINE" of the model's code where `e` was raised (the last frame that is
+    neither remat_kit's nor a library's), or ""."""
+    mine = [f for f in _frames(e) if not f[0].startswith(_OURS)]
+    return f" at {mine[-1][0]}:{mine[-1][1]}" if mine else ""
 
 
 def _check_module(model, spec: str, name: str) -> None:
@@ -284,7 +308,7 @@ def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
                 got = fn(batch, seq)
         except (Exception, SystemExit) as e:  # noqa: BLE001
             raise ModelError(f"--model {spec!r}: {name}({batch}, {seq}) raised "
-                             f"{type(e).__name__}: {e}") from None
+                             f"{type(e).__name__}{_user_frame(e)}: {e}") from None
         if not isinstance(got, Workload):
             raise ModelError(f"--model {spec!r}: {name}(batch, seq) must return a "
                              f"remat_kit.Workload, it returned {type(got).__name__}")

@@ -56,6 +56,7 @@ from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import _stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.trace import model_map
 from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
 
@@ -277,6 +278,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
                 notes += tuple(f"{name}: {line}" for line in policy_notes(
                     by_name.get(name, policy), emitted, workload.notes))
             notes += (differ,) if differ else ()
+            if workload.model_map is not None:  # kept own remat, no layers: on every row
+                notes += model_map.notes(workload.model_map)
             record = dataclasses.replace(
                 record, **found, **figures["memory"], flops=figures["flops"],
                 transcendentals=figures["transcendentals"], compile_seconds=seconds,

@@ -9,6 +9,8 @@ program one device runs, for per-device residuals on a mesh.
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from remat_kit.models import bounds
 from remat_kit.models.config import TransformerConfig
 from remat_kit.models.transformer import DecoderLayer, Transformer, make_loss_fn, remat_layer
 from remat_kit.policy.policy import Policy
+from remat_kit.trace import model_map
 from remat_kit.trace.workload import Workload
 
 
@@ -128,9 +131,23 @@ def workload(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None 
         loss_for_policy, args, name=label, batch=batch, seq=seq,
         resize=lambda b, s: workload(sized(cfg, s), b, s, mesh=mesh, name=label),
         sample_args=sample_args, per_device=per_device, mesh=mesh,
-        num_layers=cfg.num_layers, block_name="DecoderLayer",
+        num_layers=cfg.num_layers, block_name="DecoderLayer", model_map=model_map_of(cfg, args[0]),
         block=lambda policy: layer_program(local_cfg, local_batch, seq, policy),
         size_bound=lambda *bound: bounds.size_bound(cfg, *bound, mesh=mesh))
 
 
-__all__ = ["layer_program", "sized", "workload"]
+def model_map_of(cfg: TransformerConfig, params) -> model_map.ModelMap:
+    """The map of our reference transformer of `params` (arrays or ShapeDtypeStructs,
+    as `Transformer(cfg).init` makes them): its DecoderLayers (`layers_i`, or one
+    scanned `layers`), the rest of its parameters and the logits and loss outside."""
+    def size(tree) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    params = dict(params)
+    layers = [model_map.Layer(k, "DecoderLayer", parameters=size(v),
+                              copies=cfg.num_layers if k == "layers" else 1)
+              for k, v in params.items() if k == "layers" or k.startswith("layers_")]
+    outside = tuple(k for k in params if k != "layers" and not k.startswith("layers_"))
+    return model_map.ModelMap(model_map.stacks_of(layers), (), (*outside, "logits", "loss"))
+
+
+__all__ = ["layer_program", "model_map_of", "sized", "workload"]

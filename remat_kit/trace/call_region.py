@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from remat_kit.trace import regions, wrapping
+from remat_kit.trace import own_remat, regions, wrapping
 from remat_kit.trace.validate import check_names, policy_notes
 
 KEY = "remat_kit_call"
@@ -64,7 +64,7 @@ def build(fn: Callable, leaves: Sequence, num_params: int, call: wrapping.RoleCa
     if call.validate:
         check_names(call.policy, program.emitted, where=where)
     out = tuple(filter(None, [policy_line(where, call.policy, program, found)]))
-    own = regions.own_remat(closed.jaxpr, KEY)
+    own = own_remat.count(closed.jaxpr, KEY)
     if own:
         out += (f"{where}: the block already runs {own} remat region"
                 f"{'s' if own > 1 else ''} of its own; they stay, nested inside the "

@@ -83,20 +83,6 @@ def count_marked(jaxpr, key: str, trips: bool = True) -> int:
     return n
 
 
-def own_remat(jaxpr, key: str) -> int:
-    """Remat regions of the model's own (`nn.remat`, `nnx.remat`, `jax.checkpoint`
-    in its code: a policy that is not `Marker(key)`) the forward pass enters, a
-    scan's body counted once per trip."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        r = region(eqn)
-        if r is not None and not (isinstance(r[2], wrapping.Marker) and r[2].key == key):
-            n += 1
-        k = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        n += k * sum(own_remat(sub, key) for sub in _subs(eqn))
-    return n
-
-
 def _needs(jaxpr, key: str, roles: Mapping, memo: dict) -> bool:
     """Whether evaluating `jaxpr` must go through the interpreter: it holds a
     marked region or a value with a role, at any depth."""
@@ -123,6 +109,7 @@ class _Run:
     policies: Sequence[Policy]
     emitted: tuple[str, ...]
     memo: dict
+    taken: frozenset = frozenset()  # the model's own remat of whole layers (`own_remat`)
     next_layer: int = 0
 
     def layer_policy(self) -> Policy:
@@ -196,6 +183,8 @@ class _Run:
                 return body(*invals)
             jax_policy = wrapping.to_jax(policy, self.emitted)
             return jax.checkpoint(body, policy=jax_policy, prevent_cse=prevent_cse)(*invals)
+        if r is not None and id(r[0]) in self.taken:  # a layer's own remat: the policy's
+            return self.eval(r[0], r[1], invals)     # region (or none) stands for it
         if not any(_needs(sub, self.key, self.roles, self.memo) for sub in _subs(eqn)):
             return _bind(eqn, invals)
         if r is not None:  # the model's own remat region, with tags inside
@@ -398,6 +387,8 @@ class Regions:
         first ones).
       parameter_count: the scalars in those leaves, e.g. 1,234,688: a plan
         records it, so it is refused on another model of the same blocks.
+      taken: ids of the model's own remat regions that are a whole layer's
+        (`own_remat.find`): run inline, the policy's region standing for them.
     """
 
     closed: ClosedJaxpr
@@ -407,6 +398,7 @@ class Regions:
     roles: Mapping
     emitted: tuple[str, ...]
     num_params: int = 0
+    taken: frozenset = frozenset()
 
     @property
     def parameter_count(self) -> int:
@@ -447,7 +439,7 @@ class Regions:
             ps, xs = iter(params), iter(inputs)
             flat = [next(ps) if p else next(xs) if c is None else c
                     for p, c in zip(is_param, fixed)]
-            run = _Run(self.key, self.roles, (policy,), self.emitted, memo)
+            run = _Run(self.key, self.roles, (policy,), self.emitted, memo, self.taken)
             body = run.block_body(inner, consts)
             if policy.remat:
                 body = jax.checkpoint(body, policy=wrapping.to_jax(policy, self.emitted))
@@ -490,16 +482,21 @@ class Regions:
         memo: dict = {}
 
         def run(*leaves):
-            return _Run(self.key, self.roles, tuple(policies), self.emitted, memo).eval(
+            return _Run(self.key, self.roles, tuple(policies), self.emitted, memo,
+                        self.taken).eval(
                 self.closed.jaxpr, self.closed.consts, list(leaves))
         return run
 
 
-def build(closed: ClosedJaxpr, in_tree, key: str, num_params: int):
+def build(closed: ClosedJaxpr, in_tree, key: str, num_params: int,
+          taken: frozenset = frozenset()):
     """The `Regions` of a function traced with its blocks marked `Marker(key)`, and
     the roles inferred on it (`roles.infer_roles`, its first `num_params` inputs the
     parameters), the one way every program of a model not ours is made: `compare
     --model`'s and the wrappers' (`rk.remat_model`) alike.
+
+    taken: the ids of the model's own remat regions the policy replaces
+    (`remat_kit.trace.own_remat.find`).
 
     Returns:
       (Regions, Roles). Regions.emitted holds the path tags, the tags inside the
@@ -510,7 +507,7 @@ def build(closed: ClosedJaxpr, in_tree, key: str, num_params: int):
         jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals)),
                                    *block_tags(closed.jaxpr, key), *found.of.values())))
     return Regions(closed, in_tree, key, count_marked(closed.jaxpr, key), found.of, emitted,
-                   num_params=num_params), found
+                   num_params=num_params, taken=taken), found
 
 
-__all__ = ["Regions", "block_tags", "build", "count_marked", "is_marked", "own_remat", "region"]
+__all__ = ["Regions", "block_tags", "build", "count_marked", "is_marked", "region"]

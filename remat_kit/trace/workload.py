@@ -25,6 +25,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from remat_kit.policy.policy import Policy
+from remat_kit.trace.model_map import ModelMap
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -69,6 +70,10 @@ class Workload:
         step might fit budget_bytes per device and compile, exact when the
         budget set it; None where the provider cannot tell (`fit` then
         searches up to its max_size).
+      model_map: what the loss's layers are (`remat_kit.trace.model_map.ModelMap`):
+        its stacks, their layers' classes and structures, the model's own remat and
+        what lies outside every layer; every report prints its line. None where the
+        provider has none (a hand-written loss).
     """
 
     loss_for_policy: Callable
@@ -86,6 +91,7 @@ class Workload:
     size_bound: Callable[[str, int, int, int, str], tuple[int, bool]] | None = None
     block_name: str | None = None
     parameter_count: int | None = None
+    model_map: "ModelMap | None" = None
 
     @property
     def params(self):
