@@ -59,12 +59,13 @@ def run(args) -> int:
         target = targets.parse_target(target)
         found = targets.versions(target)
         mesh_text = rk_mesh.spec_text(mesh)
-        per_device = f", per device of {devices} ({mesh_text})" if devices > 1 else ""
+        step = rk_mesh.compiled_step("value-and-grad", work.mesh)
+        per_device = f", per device of {devices} ({mesh_text}); {step}" if devices > 1 else ""
         title = f"{label}: batch {batch}, seq {seq}, {dtype} ({target.label}{per_device})"
         sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,
                                                     tensor=tensor)))
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
-                         "mesh": mesh_text if devices > 1 else args.mesh,
+                         "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
                          "jax_version": found["jax"], "compiler_version": found["compiler"]})
     if len(sections) == 1:
         report.print_table(sections[0][2], sections[0][1])

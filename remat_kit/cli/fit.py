@@ -101,17 +101,19 @@ def run(args) -> int:
     except BudgetError as e:
         raise BadInput(f"--budget: {e}") from None
     fixed = f"batch {batch}" if args.vary == "seq" else f"seq {seq}"
+    step = rk_mesh.compiled_step("train step", result.mesh)
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
     title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "
              f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
     console.print(report.fit_table(result, title))
+    console.print(f"compiled: {step}", markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
-            json.dump(report.fit_to_dict(result) | {"config": label}, f, indent=2)
+            json.dump(report.fit_to_dict(result) | {"config": label, "step": step}, f, indent=2)
             f.write("\n")
     if args.plot is not None:
         report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")
