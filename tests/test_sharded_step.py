@@ -17,6 +17,7 @@ import remat_kit as rk
 from remat_kit import cli
 from remat_kit import mesh as rk_mesh
 from remat_kit.decide import step as rk_step
+from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.models import get_config
 
 BATCH, SEQ = 8, 32
@@ -61,7 +62,7 @@ def check_value_and_grad(work, whole_flops: float) -> None:
         rk_mesh.replicated(work.mesh), jax.tree.map(lambda x: x.sharding, params)))
     compiled = hand.lower(*work.args).compile()
     assert {k: getattr(rec, k) for k in memory(compiled)} == memory(compiled)
-    assert rec.flops == compiled.cost_analysis()["flops"]
+    assert rec.flops == loop_scaled_costs(compiled)[0]["flops"]  # a scan counted per trip
 
 
 @pytest.mark.parametrize("spec", MESHES)
@@ -86,7 +87,7 @@ def hand_train_step(work, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    in_sh = (p_sh, opt_sh, *(x.sharding for x in rest))
+    in_sh = (p_sh, opt_sh, *jax.tree.map(lambda x: x.sharding, rest))
     return jax.jit(train_step, in_shardings=in_sh,
                    out_shardings=(p_sh, opt_sh, rk_mesh.replicated(work.mesh)),
                    donate_argnums=(0, 1))

@@ -48,7 +48,8 @@ def run(args) -> int:
 
     sections, contexts = [], []
     dtype = src.dtype(works[0])
-    for target, mesh, work in zip(target_list, meshes, works):
+    for target, asked, work in zip(target_list, meshes, works):
+        mesh = work.mesh if work.mesh is not None else asked  # a model's own mesh first
         devices = 1 if mesh is None else mesh.size
         batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
         tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")

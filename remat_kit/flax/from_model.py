@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax.blocks import Pick, pick_block, unremat_note
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
+from remat_kit.flax import placement
 from remat_kit.trace import regions, retarget
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
@@ -179,7 +179,7 @@ def _linen_instances(model: nn.Module, fn: Callable, *args,
     # trace cache, which runs no interceptor, so its submodules would go unseen.
     with nn.intercept_methods(record), jax.disable_jit():
         out = jax.eval_shape(fn, *args)
-    params = nn.unbox(out.get("params", {}) if params is None else params)
+    params = placement.unboxed(out.get("params", {}) if params is None else params)
     instances, copies = collections.defaultdict(list), {}
     for path, cls in paths.items():
         if not path:
@@ -220,22 +220,13 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return cls, marked, (params, tokens, nn.unbox(rest)), others
+    return cls, marked, (params, tokens, placement.unboxed(rest)), others
 
 
-def _on_mesh(args, mesh):
-    """args as ShapeDtypeStructs placed on `mesh`: parameters by their logical axes
-    where they are boxed (linen `nn.with_logical_partitioning`), else whole; the
-    tokens split over the batch axes; other variables whole."""
-    params, tokens, rest = args
-    if mesh is None:
-        return nn.unbox(params), tokens, rest
-    shardings = rk_mesh.shardings(params, mesh)
-    place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    whole = rk_mesh.replicated(mesh)
-    return (jax.tree.map(place, nn.unbox(params), shardings),
-            place(tokens, rk_mesh.batch_sharding(mesh)),
-            jax.tree.map(lambda x: place(x, whole), rest))
+def _plain(params):
+    """Parameters as ShapeDtypeStructs, their partitioning boxes (linen) taken off."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        placement.unboxed(params))
 
 
 # ---------------------------------------------------------------------------
@@ -317,14 +308,12 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     cls, _, others = nnx_block(model, block, tokens)
     graphdef, params, rest = nnx.split(nnx_marked(model, cls), nnx.Param, ...)
-    abstract = lambda s: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s)
 
     def marked(params, tokens, rest):
         out = nnx.merge(graphdef, params, rest)(tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
-    return cls, marked, (abstract(params), tokens, abstract(rest)), others
+    return cls, marked, (params, tokens, _plain(rest)), others
 
 
 # ---------------------------------------------------------------------------
@@ -343,10 +332,13 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
       block: the block class or its name, or several (a tuple, or "A,B"); default
         the repeated classes found (`pick_block`).
       name: the report's name for the model; default its class name.
-      mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) with data and fsdp
-        axes: tokens split over them, parameters sharded by their logical
-        axes where the model names them (linen), else whole on every device.
-        A tensor axis needs the model's own tensor parallelism: refused.
+      mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) for a model that
+        builds none of its own: the model placed as its own partitioning says
+        (`remat_kit.flax.placement`: parameters by their names and the
+        model's logical-axis rules, else `remat_kit.mesh.RULES`; the tokens
+        over the batch axes). A model with a mesh of its own is placed on it,
+        in its own device order, without `mesh`. A tensor axis needs the
+        model's own tensor parallelism (named parameters): else refused.
       vocab_chunks: compute the loss over this many vocabulary slices of the
         logits (`next_token_loss`); 1, the default, the plain loss.
     Returns:
@@ -355,22 +347,25 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
       or one policy per block. Resizing re-traces the model.
     Raises:
       ModelError: not a linen/NNX module, its `__call__` needs more than the
-        tokens, the output has no logits, a mesh
-        with a tensor axis, or vocab_chunks below 1 or not dividing the vocabulary.
+        tokens, the output has no logits, a mesh with a tensor axis for a model
+        that names no partitioning, or vocab_chunks below 1 or not dividing the
+        vocabulary.
+      MeshError: a mesh other than the model's own, a mesh axis the model's
+        rules do not know, or a batch its batch axes do not split (one line,
+        `placement.resolve`).
       UnknownModuleError: no repeated block class, or `block` matches none.
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
     for label, value in (("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
-    if mesh is not None and rk_mesh.axis_size(mesh, "heads") > 1:
-        raise ModelError(f"mesh {rk_mesh.spec_text(mesh)}: a tensor axis splits heads and MLP "
-                         "inside the model's own layers, which remat_kit cannot do for a model "
-                         "that is not its own; use data and fsdp axes")
-    if mesh is not None and batch % rk_mesh.axis_size(mesh, "batch"):
-        raise ModelError(f"batch {batch} does not split over the "
-                         f"{rk_mesh.axis_size(mesh, 'batch')} data x fsdp devices of mesh "
-                         f"{rk_mesh.spec_text(mesh)}")
+    return _workload(model, batch, seq, block, name, mesh, vocab_chunks, placed=True)
+
+
+def _workload(model, batch: int, seq: int, block, name, mesh, vocab_chunks: int,
+              placed: bool) -> Workload:
+    """`workload`; placed=False: the program one device runs (off any mesh, the
+    model's own too), whose residuals a sharded workload reports."""
     if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
         _check_takes_tokens(model)
     if isinstance(model, nnx.Module):
@@ -380,15 +375,20 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
-    sharded = rk_mesh.spanning(mesh)  # a one-device mesh: its program is the per-device one
-    args = _on_mesh(args, sharded)
-    traced, _ = trace(marked, args, sharded)
+    named = placement.annotations(args[0])
+    if mesh is not None and rk_mesh.axis_size(mesh, "heads") > 1 and not named.any:
+        raise ModelError(f"mesh {rk_mesh.spec_text(mesh)}: a tensor axis splits heads and MLP "
+                         "inside the model's own layers, and the model names no partitioning "
+                         "of its parameters (nn.with_logical_partitioning, nnx.with_partitioning"
+                         "); name it, or use data and fsdp axes")
+    args = (_plain(args[0]), *args[1:])
+    traced, _ = trace(marked, args)  # where a mesh of the model's own shows
     own_mesh = retarget.meshes(traced.jaxpr)
-    if own_mesh and sharded is None:  # a mesh of the model's own: its devices hold the args
-        whole = NamedSharding(own_mesh[0], PartitionSpec())
-        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
-                            args)
-        traced, _ = trace(marked, args)
+    where = placement.resolve(named, own_mesh[0] if own_mesh else None, mesh,
+                              batch) if placed else None
+    if where is not None:  # the model's partitioning, on its mesh or `mesh`
+        args = placement.place(named, where, args)
+        traced, _ = trace(marked, args, where)
     n = regions.count_marked(traced.jaxpr, KEY)
     if n == 0:
         raise UnknownModuleError(
@@ -410,33 +410,37 @@ def workload(model, batch: int, seq: int, *, block=None, name: str | None = None
                   f"jax.checkpoint) in or around its {n} {cls.__name__} blocks, and they stay "
                   "under every policy: `none` here is not no remat",)
     notes += unremat_note(others, cls)
+    notes += (where.note,) if where is not None and where.note else ()
+
+    def again(b, s, *, mesh=mesh, placed=placed, name=label):  # under the rules found now
+        with nn.logical_axis_rules(named.rules or nn.get_logical_axis_rules()):
+            return _workload(model, b, s, cls, name, mesh, vocab_chunks, placed)
+
     local = None
-    if sharded is not None:  # what one device runs: its share of the batch, whole parameters
-        one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=cls,
-                       vocab_chunks=vocab_chunks)
+    if where is not None:  # what one device runs: its share of the batch, whole parameters
+        one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
         local = (one.loss_for_policy, one.args)
-    return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,
-                    resize=lambda b, s: workload(model, b, s, block=cls, name=label, mesh=mesh,
-                                                 vocab_chunks=vocab_chunks),
-                    per_device=local, mesh=mesh, num_layers=n, notes=notes,
+    return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,
+                    per_device=local, mesh=where and where.mesh, num_layers=n, notes=notes,
                     block_name=cls.__name__, parameter_count=traced_regions.parameter_count,
                     block=traced_regions.block)
 
 
-def trace(fn: Callable, args, mesh=None):
-    """(the ClosedJaxpr of fn(*args) on `mesh`, its output as ShapeDtypeStructs), with
-    its block regions marked (fn marks them): jax's trace caches are cleared and
-    fn traced again where a cached jit-ed call hid the marks."""
-    def traced_fn(*xs):
-        with rk_mesh.use(mesh):
-            return fn(*xs)
+def trace(fn: Callable, args, where: "placement.Placement | None" = None):
+    """(the ClosedJaxpr of fn(*args) placed at `where`, its output as ShapeDtypeStructs),
+    with its block regions marked (fn marks them): jax's trace caches are cleared and
+    fn traced again where a cached jit-ed call hid the marks. Off a mesh, with no
+    logical-axis rules: the model's `nn.with_logical_constraint`s constrain nothing."""
+    def make():
+        with placement.tracing(where) if where is not None else nn.logical_axis_rules(()):
+            return jax.make_jaxpr(fn, return_shape=True)(*args)
 
-    traced, shape = jax.make_jaxpr(traced_fn, return_shape=True)(*args)
+    traced, shape = make()
     if regions.count_marked(traced.jaxpr, KEY) == 0:
         # A jit-ed call traced before (by the user, at these shapes) comes from
         # jax's trace cache, without our interceptors: trace it afresh.
         jax.clear_caches()
-        traced, shape = jax.make_jaxpr(traced_fn, return_shape=True)(*args)
+        traced, shape = make()
     return traced, shape
 
 

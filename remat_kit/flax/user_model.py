@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from remat_kit.errors import RematSpecError
+from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.flax.from_model import ModelError
 from remat_kit.flax.from_model import workload as model_workload
 from remat_kit.mesh import spanning
@@ -144,7 +144,7 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
             with _no_exit():
                 return model_workload(model, batch, seq, block=block, name=label, mesh=mesh,
                                       vocab_chunks=vocab_chunks)
-        except (ModelError, RematSpecError) as e:
+        except (ModelError, RematSpecError, MeshError) as e:  # MeshError: placing it
             raise ModelError(f"--model {spec!r}: {e}") from None
         except (Exception, ExitCalled) as e:  # noqa: BLE001 - the model failed to trace
             where = _our_frame(e)
