@@ -9,8 +9,8 @@ logical axes) at Llama-2-7B width (Touvron et al. 2023: d_model 4096, 32 heads, 
 For each (layers, scanned, policy):
 
 * remat_kit: the train step `fit` and `rk.step_memory(cfg, ..., target=tpu:v5p:2x2x1,
-  mesh=fsdp:4)` compile (`rk.train_step`, `lowering.compile_for`): value_and_grad, AdamW,
-  parameters and optimizer state donated, gradients and optimizer state sharded like the
+  mesh=fsdp:4)` compile (`models.shortcuts.train_step`, `lowering.compile_for`):
+  value_and_grad, AdamW, parameters and optimizer state donated, gradients and optimizer state sharded like the
   parameters. Its FLOPs here are the TPU compile's own (`loop_scaled_costs`): the XLA CPU
   recount `step_memory` makes for a scan fails at shard shapes on an FSDP mesh (issue 33
   item 3, ScopeParamShapeError), and the TPU compiler drops a scan's trip count (n/a);
@@ -43,6 +43,7 @@ from remat_kit.decide import step as stepping
 from remat_kit.measure import lowering, targets
 from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.models import Transformer, TransformerConfig, make_loss_fn
+from remat_kit.models.shortcuts import train_step
 
 TARGET = "tpu:v5p:2x2x1"
 BATCH, SEQ = 4, 4096
@@ -58,7 +59,7 @@ def config(layers: int, scan: bool, policy: str) -> TransformerConfig:
 
 def ours(cfg: TransformerConfig, policy: str, mesh) -> tuple:
     """(StepMemory, FLOPs per chip or None) of remat_kit's train step."""
-    made = rk.train_step(cfg, BATCH, SEQ, policy, mesh=mesh)
+    made = train_step(cfg, BATCH, SEQ, policy, mesh=mesh)
     c = lowering.compile_for(made.step, *made.args, target=TARGET,
                              donate=stepping.TrainStep.DONATED, count_flops=False)
     found, notes = loop_scaled_costs(c.compiled)

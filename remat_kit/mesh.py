@@ -435,5 +435,6 @@ def is_sharded(leaf) -> bool:
     return sharding is not None and len(sharding.device_set) > 1
 
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
-           "check_fits", "compiled_step", "host_devices", "is_sharded", "local_shape", "constrain", "initialize", "make", "parse_spec", "per_device_config",
-           "put", "replicated", "rules", "shardings", "spanning", "spec_text", "use"]
+           "check_fits", "compiled_step", "constrain", "host_devices", "initialize",
+           "is_sharded", "local_shape", "make", "parse_spec", "per_device_config", "put",
+           "replicated", "rules", "shardings", "spanning", "spec_text", "use"]
