@@ -98,9 +98,9 @@ def annotations(params) -> Annotations:
       MeshError: the boxes carry different meshes.
     """
     found = jax.tree.map(_leaf, params, is_leaf=_is_box)
-    leaves = jax.tree.leaves(found, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4
-                             and isinstance(x[1], bool))
-    is_found = lambda x: isinstance(x, tuple) and len(x) == 4  # noqa: E731
+    is_found = lambda x: (isinstance(x, tuple) and len(x) == 4  # noqa: E731
+                          and isinstance(x[1], bool))
+    leaves = jax.tree.leaves(found, is_leaf=is_found)
     names = jax.tree.map(lambda f: f[0], found, is_leaf=is_found)
     logical = jax.tree.map(lambda f: f[1], found, is_leaf=is_found)
     rules = next((tuple(f[2]) for f in leaves if f[2]), None) or (
@@ -125,14 +125,12 @@ def unboxed(tree):
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where a model's arguments go: `mesh`, `rules` (restricted to the mesh's
-    axes), the mesh axes that split the batch, whether the model named its
-    own partitioning (`own`), and a note for the report where the batch stays
-    whole."""
+    axes), the mesh axes that split the batch, and a note for the report where
+    the batch stays whole."""
 
     mesh: Mesh
     rules: tuple
     batch_axes: tuple[str, ...]
-    own: bool
     note: str = ""
 
     def batch_size(self) -> int:
@@ -200,15 +198,15 @@ def resolve(found: Annotations, own_mesh: Mesh | None, mesh: Mesh | None,
         raise MeshError(f"{where}: mesh axis {unknown[0]!r} is not in the model's "
                         f"logical-axis rules, which map to mesh axes {names}; build the mesh "
                         f"from those axes (e.g. --mesh {names[0]}:{use.size})")
-    split = Placement(use, rules, batch_axes, found.any).batch_size()
+    split = Placement(use, rules, batch_axes).batch_size()
     if batch % split == 0:
-        return Placement(use, rules, batch_axes, found.any)
+        return Placement(use, rules, batch_axes)
     text = (f"batch {batch} does not split over the {split} devices of mesh axes "
             f"{list(batch_axes)} ({rk_mesh.spec_text(use)})")
     if own is None:
         raise MeshError(f"{text}; give a batch that is a multiple of {split}")
     # The model's own mesh is as it built it: the tokens go whole, as its code takes them.
-    return Placement(use, rules, (), found.any,
+    return Placement(use, rules, (),
                      note=f"{text}: the tokens are whole on every device of the model's mesh")
 
 
