@@ -26,6 +26,7 @@ shapes (`experiments.synthetic`) under its own loss. An NNX model's RNG streams
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
@@ -34,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -87,15 +89,31 @@ class OwnModel:
     batch: object = None
     user_loss: Callable | None = None
 
-    @property
-    def whole(self) -> NamedSharding | None:
-        """Replicated on the mesh the model builds itself, where it does and the run
-        names none (`from_model` places the prediction's arguments so): the run's
-        state, batches and key are placed alike, so its step is the one predicted."""
-        sharding = getattr(jax.tree.leaves(self.workload.params)[0], "sharding", None)
-        if self.workload.mesh is None and isinstance(sharding, NamedSharding):
-            return NamedSharding(sharding.mesh, PartitionSpec())
-        return None
+    def shardings(self, state, tx) -> tuple | None:
+        """(state, batch, key) shardings of the run, as the prediction places its
+        arguments (`remat_kit.flax.placement`: the model's own partitioning on its
+        own mesh or the run's): the parameters as the workload's, each optimizer
+        moment like its parameter, the tokens over the batch axes, the rest whole;
+        so the step compiled is the one predicted. None off a mesh.
+
+        state: the run's TrainState, unboxed (`jax.eval_shape`); tx: its optimizer.
+        """
+        mesh = self.workload.mesh
+        if mesh is None:
+            return None
+        whole = NamedSharding(mesh, PartitionSpec())
+        params = jax.tree.unflatten(jax.tree.structure(state.params),
+                                    [x.sharding for x in jax.tree.leaves(self.workload.params)])
+        opt = optax.tree_map_params(tx, lambda _, s: s, state.opt_state, params,
+                                    transform_non_params=lambda _: whole)
+        return (state.replace(step=whole, params=params, opt_state=opt),
+                self.workload.args[1].sharding, whole)
+
+    def tracing(self):
+        """Context to trace the run's step in: the workload's mesh as JAX's context
+        mesh (`jax.set_mesh`), so the model's own constraints apply as predicted."""
+        mesh = self.workload.mesh
+        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
     @property
     def layers(self):

@@ -461,22 +461,23 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         return train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
 
     # The state, batches and PRNG key, sharded by the model's logical axes on the mesh;
-    # a model that builds its own mesh gets them whole on it, as its prediction has them.
-    whole = cfg.whole if own and mesh is None else None
-    sharded = mesh is not None or whole is not None
+    # a user's model as its own partitioning says, on its own mesh or the run's, as its
+    # prediction places them (`OwnModel.shardings`).
+    placed = cfg.shardings(jax.eval_shape(lambda: nn.unbox(init_state())), tx) if own else None
+    sharded = mesh is not None or placed is not None
+    tracing = cfg.tracing if own else (lambda: rk_mesh.use(mesh))
 
     def on(*shardings) -> dict:  # jit's in/out shardings on a mesh, else none
         return dict(zip(("in_shardings", "out_shardings"), shardings)) if sharded else {}
 
-    if whole is not None:
-        state_sh = jax.tree.map(lambda _: whole, jax.eval_shape(init_state))
-        batch_sh = key_sh = whole
+    if placed is not None:
+        state_sh, batch_sh, key_sh = placed
     else:
         state_sh = rk_mesh.shardings(jax.eval_shape(init_state), mesh) if sharded else None
         batch_sh = rk_mesh.batch_sharding(mesh) if sharded else None
         key_sh = rk_mesh.replicated(mesh) if sharded else None
     put = (lambda x: rk_mesh.put(x, batch_sh)) if sharded else (lambda x: x)
-    with rk_mesh.use(mesh):
+    with tracing():
         state = jax.jit(lambda: nn.unbox(init_state()), **on((), state_sh))()
     # Made inside jit: a process cannot device_put onto another's devices.
     train_rng = jax.jit(lambda: jax.random.split(jax.random.key(config.seed))[1],
@@ -508,7 +509,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     def compile_step(step_model):
         step = jax.jit(make_train_step(step_model, deterministic), donate_argnums=0,
                        **on((state_sh, batch_sh, batch_sh, key_sh), (state_sh, key_sh)))
-        with rk_mesh.use(mesh):
+        with tracing():
             return step.lower(state, sample, sample_targets, train_rng).compile()
 
     step_fn = compile_step(model)
@@ -527,7 +528,7 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
     budget = _budget_bytes(config)
     if budget is not None:
         _check_budget(config, budget, stats)
-    with rk_mesh.use(mesh):
+    with tracing():
         eval_fn = jax.jit(model if own else make_loss_fn(model, deterministic=True),
                           **on((state_sh.params if sharded else None, batch_sh, batch_sh, key_sh),
                                key_sh)).lower(state.params, sample, sample_targets,

@@ -351,6 +351,21 @@ def per_device_config(cfg, mesh: "Mesh | Mapping[str, int] | None"):
                        head_dim=cfg.heads_dim, mlp_dim=cfg.mlp_dim // t)
 
 
+def compiled_step(step: str, mesh: "Mesh | Mapping[str, int] | str | None") -> str:
+    """What a report says was compiled, e.g. 'value-and-grad; gradients sharded like the
+    parameters over fsdp:4'.
+
+    step: "value-and-grad" (`measure`: the loss and its gradients) or "train step"
+    (`decide.step`: with the optimizer update). mesh: a Mesh, {axis: size} or spec
+    string; None or one device: the step alone.
+    """
+    spec = mesh if isinstance(mesh, str) else spec_text(mesh)
+    if spec is None or all(n == "1" for n in re.findall(r":(\d+)", spec)):
+        return step
+    held = ("gradients and optimizer state" if step == "train step" else "gradients")
+    return f"{step}; {held} sharded like the parameters over {spec}"
+
+
 def _wait_for(address: str, timeout_s: float) -> bool:
     """Whether a TCP connection to HOST:PORT opens within timeout_s seconds."""
     host, port = address.rsplit(":", 1)
@@ -420,5 +435,6 @@ def is_sharded(leaf) -> bool:
     return sharding is not None and len(sharding.device_set) > 1
 
 __all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
-           "check_fits", "host_devices", "is_sharded", "local_shape", "constrain", "initialize", "make", "parse_spec", "per_device_config",
-           "put", "replicated", "rules", "shardings", "spanning", "spec_text", "use"]
+           "check_fits", "compiled_step", "constrain", "host_devices", "initialize",
+           "is_sharded", "local_shape", "make", "parse_spec", "per_device_config", "put",
+           "replicated", "rules", "shardings", "spanning", "spec_text", "use"]

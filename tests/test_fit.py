@@ -156,9 +156,12 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
     assert code == 0
     assert "max seq" in stdout and "none" in stdout
     assert "per device of mesh fsdp:2 (2 devices; sizes global), batch 2" in stdout
+    assert ("compiled: train step; gradients and optimizer state sharded like the parameters "
+            "over fsdp:2") in stdout
     doc = json.loads(out.read_text())
     assert doc["budget_bytes"] == 2 * 10**6 and doc["vary"] == "seq"
     assert doc["mesh"] == "fsdp:2" and doc["devices"] == 2 and doc["fixed"] == 2
+    assert doc["step"].startswith("train step; gradients and optimizer state sharded")
     assert [r["size"] for r in doc["rows"]] == [4992, 4992]  # 1e6 + 100 * 2 * 4992 <= 2e6
     assert [r["picked"] for r in doc["rows"]] == [None, None]
 

@@ -50,6 +50,10 @@ MODELS = {
     "mesh256": "import jax\nimport numpy as np\nfrom jax.sharding import Mesh\nimport mesh_linen\n\n"
                "mesh_linen.MESH = Mesh(np.array(jax.devices()[:2]), ('data',))\n\n\n"
                "def model():\n    return mesh_linen.Model(vocab=256)\n",
+    # Logical axes and rules on its boxes, over its own mesh in device order [0, 2, 1, 3].
+    "ordered256": "import dataclasses\nimport logical_linen\n\n\n"
+                  "def model():\n    m = logical_linen.ordered()\n"
+                  "    return m.clone(cfg=dataclasses.replace(m.cfg, vocab=256))\n",
 }
 
 
@@ -276,9 +280,10 @@ def test_scanned_nnx_model_trains_the_program_predicted(files, tmp_path):
 
 def test_a_model_with_its_own_mesh_trains_the_program_predicted(files, tmp_path):
     """tests/zoo/mesh_linen.py constrains its activations to a mesh of its own (here over
-    2 host devices): the run places its state and batches whole on that mesh, as the
-    prediction's arguments are, so the compiled step is the one predicted (it was 64
-    temp bytes and 9 FLOPs apart with the state on one device)."""
+    2 host devices): the run places its state and batches on that mesh as the
+    prediction's arguments are (parameters whole, tokens over its data axis), so the
+    compiled step is the one predicted (it was 64 temp bytes and 9 FLOPs apart with the
+    state on one device)."""
     config = _config(files, model=f"{files[2] / 'mesh256.py'}:model", num_steps=1)
     summary = train.train_and_evaluate(config, str(tmp_path))
     compiled = summary["compiled"]
@@ -286,6 +291,24 @@ def test_a_model_with_its_own_mesh_trains_the_program_predicted(files, tmp_path)
     # As on one device: the run's step counter (one add) and its PRNG key (12 bytes).
     assert compiled["policy"]["flops"] == compiled["predicted"]["flops"] + 1
     assert compiled["policy"]["step_bytes"] == compiled["predicted"]["step_bytes"] + 12
+
+
+def test_a_model_s_own_partitioning_trains_as_predicted(files, tmp_path):
+    """tests/zoo/logical_linen.py's `ordered` names its parameters' logical axes and rules
+    and builds its own mesh (data:2 x fsdp:2 over devices [0, 2, 1, 3]): the run shards
+    its parameters, AdamW moments and batch as the prediction's arguments are."""
+    config = _config(files, model=f"{files[2] / 'ordered256.py'}:model", num_steps=1,
+                     batch_size=4)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    work = rk.from_model.workload(user_model.load(config.model)[1].model, 4, SEQ)
+    predicted = rk.step_memory(work, 4, SEQ, "minimal",
+                               optimizer=train.make_optimizer(config)[0])
+    compiled = summary["compiled"]
+    assert compiled["predicted"]["temp_equal"] is True
+    assert compiled["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
+    leaves = jax.tree.leaves(work.params)
+    shard = sum(rk.mesh.local_shape(x).size * x.dtype.itemsize for x in leaves)
+    assert predicted.params_bytes == shard < sum(x.size * x.dtype.itemsize for x in leaves)
 
 
 def test_nnx_model_trains_on_a_mesh_as_predicted(files, tmp_path):

@@ -49,7 +49,8 @@ def run(args) -> int:
 
     sections, contexts = [], []
     dtype = src.dtype(works[0])
-    for target, mesh, work in zip(target_list, meshes, works):
+    for target, asked, work in zip(target_list, meshes, works):
+        mesh = work.mesh if work.mesh is not None else asked  # a model's own mesh first
         devices = 1 if mesh is None else mesh.size
         batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
         tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
@@ -60,12 +61,13 @@ def run(args) -> int:
         target = targets.parse_target(target)
         found = targets.versions(target)
         mesh_text = rk_mesh.spec_text(mesh)
-        per_device = f", per device of {devices} ({mesh_text})" if devices > 1 else ""
+        step = rk_mesh.compiled_step("value-and-grad", work.mesh)
+        per_device = f", per device of {devices} ({mesh_text}); {step}" if devices > 1 else ""
         title = f"{label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
         sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,
                                                     tensor=tensor)))
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
-                         "mesh": mesh_text if devices > 1 else args.mesh,
+                         "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
                          "jax_version": found["jax"], "compiler_version": found["compiler"]})
     print_map(works[0])
     if len(sections) == 1:

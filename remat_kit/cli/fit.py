@@ -104,6 +104,7 @@ def run(args) -> int:
         raise BadInput(f"--budget: {e}") from None
     fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
              "example)" if per_example else f"seq {seq}")
+    step = rk_mesh.compiled_step("train step", result.mesh)
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
     title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "
@@ -112,11 +113,12 @@ def run(args) -> int:
     if first is not None:
         print_map(first)
     console.print(fit_report.fit_table(result, title))
+    console.print(f"compiled: {step}", markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
-            json.dump(fit_report.fit_to_dict(result) | {"config": label}
+            json.dump(fit_report.fit_to_dict(result) | {"config": label, "step": step}
                       | ({} if first is None else map_context(first)), f, indent=2)
             f.write("\n")
     if args.plot is not None:

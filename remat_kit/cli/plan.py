@@ -10,6 +10,7 @@ import sys
 import time
 
 from remat_kit import files as outputs
+from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import (map_context, print_map, sizes_text, source_and_sizes,
                                   targets_of)
 from remat_kit.cli.inputs import (BadInput, check_output_file, check_planner_floor, check_schedules,
@@ -101,11 +102,12 @@ def run(args) -> int:
     held, held_parts = (what_holds(planner, lambda n: rechunked(args, n).workload(batch, seq, mesh))
                         if len(fits) < len(budgets) else ("", None))
     kind = planner.memory_kind
+    step = rk_mesh.compiled_step("value-and-grad", work.mesh)
     memory = MEMORY_LABELS[kind]
     ok = [r for r in records if r.error is None and r.memory_bytes is not None
           and r.memory_kind == kind]
     title = (f"{label}: {sizes_text(batch, seq)}, {dtype} ({planner.measure('full').platform}"
-             f"{f', per device of {devices}' if devices > 1 else ''}); no remat: "
+             f"{f', per device of {devices}; {step}' if devices > 1 else ''}); no remat: "
              f"{fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
              f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
     t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
@@ -170,7 +172,7 @@ def run(args) -> int:
                   f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))
     context = {**map_context(work), "config": label, "batch": batch, "seq": seq, "dtype": dtype,
-               "devices": devices, "platform": planner.measure("full").platform,
+               "devices": devices, "step": step, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
                "block": work.block_name, "num_layers": work.num_layers,

@@ -257,6 +257,8 @@ def workload_step(workload: Workload, policy: Policy, optimizer,
 
     def step(params, opt_state, *rest):
         loss, grads = value_grad(params, *rest)
+        if mesh is not None:  # reduce-scattered (FSDP) or all-reduced (data) to the params'
+            grads = jax.lax.with_sharding_constraint(grads, state_shardings[0])
         updates, opt_state = optimizer.update(grads, opt_state, params)
         state = optax.apply_updates(params, updates), opt_state
         if mesh is not None:  # where the donated inputs live, so their buffers are reused

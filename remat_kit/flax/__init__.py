@@ -1,8 +1,8 @@
 """flax: the ways in. A policy applied to a user's linen or NNX model without editing it
 (`linen`, `nnx`: class and instance forms, auto-tagging), and a user's Flax model read
-into a `Workload` (`from_model`, its blocks found by `blocks`; a model of other inputs
-than tokens, with a batch and a loss, by `batch_model`; a `FILE.py:FUNCTION` loaded by
-`user_model`).
+into a `Workload` (`from_model`, its blocks found by `blocks`, placed on a mesh as its own
+partitioning says by `placement`; a model of other inputs than tokens, with a batch and a
+loss, by `batch_model`; a `FILE.py:FUNCTION` loaded by `user_model`).
 
 May import: `remat_kit.trace`, `remat_kit.policy` and the bottom modules.
 

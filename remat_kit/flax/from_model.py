@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax.blocks import Instance, Pick, pick_block, unremat_note
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
+from remat_kit.flax import placement
 from remat_kit.trace import model_map, own_remat, regions, retarget
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
@@ -189,7 +189,7 @@ def _linen_instances(model: nn.Module, fn: Callable, *args,
     # trace cache, which runs no interceptor, so its submodules would go unseen.
     with nn.intercept_methods(record), jax.disable_jit():
         out = jax.eval_shape(fn, *args)
-    params = nn.unbox(out.get("params", {}) if params is None else params)
+    params = placement.unboxed(out.get("params", {}) if params is None else params)
     instances = []
     for path, cls in paths.items():
         if not path:
@@ -242,22 +242,13 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return pick, marked, (params, tokens, nn.unbox(rest))
+    return pick, marked, (params, tokens, placement.unboxed(rest))
 
 
-def _on_mesh(args, mesh):
-    """args as ShapeDtypeStructs placed on `mesh`: parameters by their logical axes
-    where they are boxed (linen `nn.with_logical_partitioning`), else whole; the
-    tokens split over the batch axes; other variables whole."""
-    params, tokens, rest = args
-    if mesh is None:
-        return nn.unbox(params), tokens, rest
-    shardings = rk_mesh.shardings(params, mesh)
-    place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    whole, split = rk_mesh.replicated(mesh), rk_mesh.batch_sharding(mesh)
-    return (jax.tree.map(place, nn.unbox(params), shardings),
-            jax.tree.map(lambda x: place(x, split), tokens),  # a batch of several inputs too
-            jax.tree.map(lambda x: place(x, whole), rest))
+def _plain(params):
+    """Parameters as ShapeDtypeStructs, their partitioning boxes (linen) taken off."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        placement.unboxed(params))
 
 
 # ---------------------------------------------------------------------------
@@ -341,14 +332,12 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) 
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     pick = nnx_block(model, block, tokens)
     graphdef, params, rest = nnx.split(nnx_marked(model, pick.cls), nnx.Param, ...)
-    abstract = lambda s: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s)
 
     def marked(params, tokens, rest):
         out = nnx.merge(graphdef, params, rest)(tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
-    return pick, marked, (abstract(params), tokens, abstract(rest))
+    return pick, marked, (params, tokens, _plain(rest))
 
 
 # ---------------------------------------------------------------------------
@@ -369,10 +358,13 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
         the layers found (`pick_block`; none found: nothing to remat, every policy
         runs as none, and the map says so).
       name: the report's name for the model; default its class name.
-      mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) with data and fsdp
-        axes: tokens split over them, parameters sharded by their logical
-        axes where the model names them (linen), else whole on every device.
-        A tensor axis needs the model's own tensor parallelism: refused.
+      mesh: a `jax.sharding.Mesh` (`remat_kit.mesh.make`) for a model that
+        builds none of its own: the model placed as its own partitioning says
+        (`remat_kit.flax.placement`: parameters by their names and the
+        model's logical-axis rules, else `remat_kit.mesh.RULES`; the batch
+        over the batch axes). A model with a mesh of its own is placed on it,
+        in its own device order, without `mesh`. A tensor axis needs the
+        model's own tensor parallelism (named parameters): else refused.
       vocab_chunks: compute the loss over this many vocabulary slices of the
         logits (`next_token_loss`); 1, the default, the plain loss.
       inputs: what the model is called on and the loss of its output, where
@@ -386,8 +378,12 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
       or one policy per block. Resizing re-traces the model.
     Raises:
       ModelError: not a linen/NNX module, its `__call__` needs more than the
-        tokens, the output has no logits, a mesh
-        with a tensor axis, or vocab_chunks below 1 or not dividing the vocabulary.
+        tokens, the output has no logits, a mesh with a tensor axis for a model
+        that names no partitioning, or vocab_chunks below 1 or not dividing the
+        vocabulary.
+      MeshError: a mesh other than the model's own, a mesh axis the model's
+        rules do not know, or a batch its batch axes do not split (one line,
+        `placement.resolve`).
       UnknownModuleError: `block` matches no class, or one never called.
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
@@ -396,14 +392,13 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
-    if mesh is not None and rk_mesh.axis_size(mesh, "heads") > 1:
-        raise ModelError(f"mesh {rk_mesh.spec_text(mesh)}: a tensor axis splits heads and MLP "
-                         "inside the model's own layers, which remat_kit cannot do for a model "
-                         "that is not its own; use data and fsdp axes")
-    if mesh is not None and batch % rk_mesh.axis_size(mesh, "batch"):
-        raise ModelError(f"batch {batch} does not split over the "
-                         f"{rk_mesh.axis_size(mesh, 'batch')} data x fsdp devices of mesh "
-                         f"{rk_mesh.spec_text(mesh)}")
+    return _workload(model, batch, seq, block, name, mesh, vocab_chunks, inputs, placed=True)
+
+
+def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunks: int,
+              inputs, placed: bool) -> Workload:
+    """`workload`; placed=False: the program one device runs (off any mesh, the
+    model's own too), whose residuals a sharded workload reports."""
     if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
         (_check_takes_tokens if inputs is None else inputs.check)(model)
     if inputs is not None and isinstance(model, (nn.Module, nnx.Module)):
@@ -415,15 +410,20 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
-    sharded = rk_mesh.spanning(mesh)  # a one-device mesh: its program is the per-device one
-    args = _on_mesh(args, sharded)
-    traced, _ = trace(marked, args, sharded, pick.cls)
+    named = placement.annotations(args[0])
+    if mesh is not None and rk_mesh.axis_size(mesh, "heads") > 1 and not named.any:
+        raise ModelError(f"mesh {rk_mesh.spec_text(mesh)}: a tensor axis splits heads and MLP "
+                         "inside the model's own layers, and the model names no partitioning "
+                         "of its parameters (nn.with_logical_partitioning, nnx.with_partitioning"
+                         "); name it, or use data and fsdp axes")
+    args = (_plain(args[0]), *args[1:])
+    traced, _ = trace(marked, args, None, pick.cls)  # where a mesh of the model's own shows
     own_mesh = retarget.meshes(traced.jaxpr)
-    if own_mesh and sharded is None:  # a mesh of the model's own: its devices hold the args
-        whole = NamedSharding(own_mesh[0], PartitionSpec())
-        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
-                            args)
-        traced, _ = trace(marked, args, None, pick.cls)
+    where = placement.resolve(named, own_mesh[0] if own_mesh else None, mesh,
+                              batch) if placed else None
+    if where is not None:  # the model's partitioning, on its mesh or `mesh`
+        args = placement.place(named, where, args)
+        traced, _ = trace(marked, args, where, pick.cls)
     cls, n = pick.cls, regions.count_marked(traced.jaxpr, KEY)
     if n == 0 and cls:
         raise UnknownModuleError(
@@ -441,39 +441,41 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
     the_map = model_map.ModelMap(model_map.stacks_of(list(pick.layers)), own.regions,
                                  (*pick.outside, "loss"))
     notes = found.notes() + model_map.notes(the_map) + unremat_note(pick.others, cls)
+    notes += (where.note,) if where is not None and where.note else ()
+
+    def again(b, s, *, mesh=mesh, placed=placed, name=label):  # under the rules found now
+        with nn.logical_axis_rules(named.rules or nn.get_logical_axis_rules()):
+            return _workload(model, b, s, block, name, mesh, vocab_chunks, inputs, placed)
+
     local = None
-    if sharded is not None:  # what one device runs: its share of the batch, whole parameters
-        one = workload(model, batch // rk_mesh.axis_size(mesh, "batch"), seq, block=block,
-                       vocab_chunks=vocab_chunks, inputs=inputs)
+    if where is not None:  # what one device runs: its share of the batch, whole parameters
+        one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
         local = (one.loss_for_policy, one.args)
-    return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq,
-                    resize=lambda b, s: workload(model, b, s, block=block, name=label,
-                                                 mesh=mesh, vocab_chunks=vocab_chunks,
-                                                 inputs=inputs),
-                    per_device=local, mesh=mesh, num_layers=n or None, notes=notes,
-                    block_name=cls.__name__ if n else None,
+    return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,
+                    per_device=local, mesh=where and where.mesh, num_layers=n or None,
+                    notes=notes, block_name=cls.__name__ if n else None,
                     parameter_count=traced_regions.parameter_count,
                     # per chip, as every figure is: one device's share of the batch
                     block=(traced_regions.block if local is None else one.block) if n else None,
                     model_map=the_map)
 
-
-def trace(fn: Callable, args, mesh=None, marks: tuple = (None,)):
-    """(the ClosedJaxpr of fn(*args) on `mesh`, its output as ShapeDtypeStructs), with
-    its block regions marked (fn marks them): jax's trace caches are cleared and
+def trace(fn: Callable, args, where: "placement.Placement | None" = None,
+          marks: tuple = (None,)):
+    """(the ClosedJaxpr of fn(*args) placed at `where`, its output as ShapeDtypeStructs),
+    with its block regions marked (fn marks them): jax's trace caches are cleared and
     fn traced again where a cached jit-ed call hid the marks (`marks`: the classes
-    marked; none, nothing to look for)."""
-    def traced_fn(*xs):
-        with rk_mesh.use(mesh):
-            return fn(*xs)
+    marked; none, nothing to look for). Off a mesh, with no logical-axis rules: the
+    model's `nn.with_logical_constraint`s constrain nothing."""
+    def make():
+        with placement.tracing(where) if where is not None else nn.logical_axis_rules(()):
+            return jax.make_jaxpr(fn, return_shape=True)(*args)
 
-    traced, shape = jax.make_jaxpr(traced_fn, return_shape=True)(*args)
+    traced, shape = make()
     if marks and regions.count_marked(traced.jaxpr, KEY) == 0:
         # A jit-ed call traced before (by the user, at these shapes) comes from
         # jax's trace cache, without our interceptors: trace it afresh.
         jax.clear_caches()
-        traced, shape = jax.make_jaxpr(traced_fn, return_shape=True)(*args)
+        traced, shape = make()
     return traced, shape
-
 
 __all__ = ["ModelError", "logits_of", "next_token_loss", "workload"]

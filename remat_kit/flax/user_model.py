@@ -23,7 +23,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from remat_kit.errors import RematSpecError
+from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.flax import batch_model
 from remat_kit.flax.from_model import ModelError
 from remat_kit.flax.from_model import workload as model_workload
@@ -187,7 +187,7 @@ def _traced(spec: str, inputs: str, sizes: str, build: Callable) -> Workload:
     try:
         with _no_exit():
             return build()
-    except (ModelError, RematSpecError) as e:
+    except (ModelError, RematSpecError, MeshError) as e:  # MeshError: placing it
         raise ModelError(f"--model {spec!r}: {e}") from None
     except (Exception, ExitCalled) as e:  # noqa: BLE001 - the model failed to trace
         where = _our_frame(e)

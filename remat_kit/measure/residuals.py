@@ -18,6 +18,9 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Literal
 from jax.extend.core.primitives import (copy_p, device_put_p, reduce_precision_p,
                                         reshape_p, scan_p, squeeze_p, transpose_p)
+from jax.sharding import NamedSharding
+
+from remat_kit import mesh as rk_mesh
 
 from remat_kit.trace.validate import tag_of
 
@@ -180,8 +183,26 @@ class _Staged:
     residual_vars: tuple = ()  # program vars (or literals) saved for backward, as `residuals`
 
 
+def _held_like_params(grads, params):
+    """The gradients as a training step holds them on a mesh: each constrained to
+    its parameter's sharding (`jax.lax.with_sharding_constraint`), so FSDP's
+    gradient is reduce-scattered to the parameter's shard and pure data
+    parallelism's all-reduced to a replica, as `jax.jit(value_and_grad,
+    out_shardings=<the parameters'>)` compiles it. Off a mesh (no parameter
+    sharded over several devices), as they are."""
+    if not any(rk_mesh.is_sharded(p) for p in params):
+        return grads
+    return [jax.lax.with_sharding_constraint(g, p.sharding)
+            if isinstance(getattr(p, "sharding", None), NamedSharding) else g
+            for g, p in zip(grads, params)]
+
+
 def _stage(f, args) -> _Staged:
-    """Traces f's forward and backward pass once: the program and its residuals."""
+    """Traces f's forward and backward pass once: the program and its residuals.
+
+    The program's outputs are the loss and the gradients with respect to args[0],
+    each gradient sharded like its parameter where args carry a mesh
+    (`_held_like_params`)."""
     leaves, tree = jax.tree.flatten(args)
     n_grads = len(jax.tree.leaves(args[0]))
 
@@ -193,7 +214,8 @@ def _stage(f, args) -> _Staged:
         if jnp.shape(out) != ():
             raise TypeError(f"the loss must return a scalar, got shape {jnp.shape(out)}")
         grads = vjp_fn(jnp.ones_like(out))
-        return (out, grads[:n_grads]), jax.tree.leaves(vjp_fn)
+        return (out, _held_like_params(grads[:n_grads], leaves[:n_grads])), \
+            jax.tree.leaves(vjp_fn)
 
     closed, (_, res_shapes) = jax.make_jaxpr(value_grad_residuals, return_shape=True)(*leaves)
     jaxpr, n_res = closed.jaxpr, len(res_shapes)

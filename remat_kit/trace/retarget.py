@@ -7,7 +7,8 @@ in the jaxpr's equations. Compiled for another target (`--target tpu:v5e:2x4`,
 deviceless), they name devices the target has not, and JAX refuses the program.
 Inside `retargeting(devices)` (the compile functions enter it), every equation
 `remat_kit.trace.regions` binds has each such mesh replaced by one with the same
-axis names, shape and axis types over the target's first devices, inner jaxprs
+axis names, shape and axis types over the target's devices (those of the same
+index where the mesh's device ids fit, so its device order is kept), inner jaxprs
 (jit-ed calls bound whole) included; a mesh larger than the target is refused.
 """
 
@@ -53,7 +54,11 @@ def _mesh(mesh: Mesh, devices: tuple, label: str, memo: dict) -> Mesh:
                 f"the model builds its own mesh ({describe(mesh)}) and target {label} has "
                 f"{len(devices)} device{'s' if len(devices) != 1 else ''}: name a target with "
                 f"at least {mesh.size}, or build the model's mesh over at most {len(devices)}")
-        grid = np.array(devices[:mesh.size], dtype=object).reshape(mesh.devices.shape)
+        ids = [d.id for d in mesh.devices.flat]
+        # The model's own device order ([0, 2, 1, 3]) kept on the target's devices.
+        chosen = ([devices[i] for i in ids] if max(ids) < len(devices)
+                  else list(devices[:mesh.size]))
+        grid = np.array(chosen, dtype=object).reshape(mesh.devices.shape)
         memo[id(mesh)] = (mesh, Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types))
     return memo[id(mesh)][1]
 
