@@ -211,7 +211,8 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     doc = json.loads(out_json.read_text())
     assert doc["schema_version"] == SCHEMA_VERSION
     cpu = {"target": "cpu", "platform": "XLA CPU compile", "devices": 1,
-           "jax_version": jax.__version__, "compiler_version": f"jaxlib {jax.__version__}"}
+           "jax_version": jax.__version__, "compiler_version": f"jaxlib {jax.__version__}",
+           "step": "value-and-grad"}  # what was compiled: one device, no optimizer (issue 33)
     the_map = doc["context"].pop("model_map")  # what the layers are (issue 34)
     assert the_map["line"] == ("2 x DecoderLayer, scanned: no; own remat: none; outside: "
                                "embed, final_norm, pos_embed, logits, loss")
