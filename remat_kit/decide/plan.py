@@ -85,6 +85,8 @@ import jax.numpy as jnp
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide import offload_probe
 from remat_kit.decide import search
+from remat_kit.decide.step import default_optimizer, step_peak
+from remat_kit.decide.step_records import check_step, default_step, train_record
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import time_model
@@ -95,6 +97,7 @@ from remat_kit.measure.lowering import compile_options
 from remat_kit.measure.measure import measure
 from remat_kit.decide.plan_cache import Plan, default_cache_path, layers_summary, \
     read_cache
+from remat_kit.policy.names import TAGS, is_path, register_emitted
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import Record
 from remat_kit.measure.residuals import _stage
@@ -102,7 +105,7 @@ from remat_kit.policy.spec import parse
 from remat_kit.decide.offload import CPU_OFFLOAD_NOTE, offload_bandwidth
 from remat_kit.measure.time_checks import time_check
 from remat_kit.measure.time_model import OBJECTIVES
-from remat_kit.trace.workload import Workload, _as_factory
+from remat_kit.trace.workload import Workload, _as_factory, from_loss
 
 # Predicted step times closer than this fraction of no remat's are ranked by FLOPs.
 TIME_RESOLUTION = 5e-3
@@ -186,6 +189,13 @@ class Planner:
         memory is device memory, the figure is what its compile shows (0).
       decide: tag names the plan may save or offload; the others are always
         recomputed. Default every tag (the optimality benchmark narrows it).
+      step: the step a budget covers: "grad" (the default), the value-and-grad
+        step `compare` measures, or "train", the whole train step as `fit`
+        measures it (parameters, gradients, optimizer state and update, the
+        batch: `remat_kit.decide.step_records`); every record is then that
+        step's, so a budget can be the device's memory as it is.
+      optimizer: with step "train", the optax optimizer of the step; default
+        AdamW (`step.default_optimizer`).
 
     Raises:
       ValueError: max_iterations not a positive int, groups not a positive int
@@ -199,7 +209,8 @@ class Planner:
                  target=None, per_device: tuple[Callable, tuple] | None = None,
                  groups: "int | str" = "layers", objective: str | None = None,
                  predict_time: bool = True, offload: "bool | float | None" = None,
-                 decide: "Collection[str] | None" = None):
+                 decide: "Collection[str] | None" = None, step: str = "grad",
+                 optimizer=None):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
@@ -221,8 +232,12 @@ class Planner:
                                                ("num_layers", loss_fn.num_layers),
                                                ("parameters", loss_fn.parameter_count))
                              if v is not None}
+            self.workload = loss_fn
             loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
+        else:
+            self.workload = from_loss(loss_fn, *args)
         _check_differentiable(args)
+        self.step, self.optimizer = check_step(step), optimizer
         self.loss_fn, self.args = _as_factory(loss_fn, len(args)), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
@@ -261,7 +276,14 @@ class Planner:
         policies that compile alike compile once). Records may carry errors."""
         keys = [str(parse(p)) for p in policies]
         todo = [p for p, k in zip(policies, keys) if k not in self.records]
-        if todo:
+        if todo and self.step == "train":
+            for k in dict.fromkeys(str(parse(p)) for p in todo):  # each policy once
+                policy = parse(k)
+                local = self.per_device and (lambda _: self.per_device[0](policy),
+                                             self.per_device[1])
+                self.records[k] = self._train_record(self.loss_fn(policy), k, k, local)
+                self._policies[k] = policy
+        elif todo:
             for record in measure(self.loss_fn, *self.args, policies=todo,
                                   progress=self._progress, target=self.target,
                                   per_device=self.per_device):
@@ -274,6 +296,9 @@ class Planner:
         """What holds `policy`'s compiled figure (`Record.peak`,
         `remat_kit.measure.peak.breakdown`): one more compile, which writes
         XLA's buffer assignment; None where it fails."""
+        if self.step == "train":  # the whole step's, parameters and optimizer state named
+            return step_peak(self.workload, parse(policy), self.optimizer or default_optimizer(),
+                             self.target)
         [record] = measure(self.loss_fn, *self.args, policies=[policy], target=self.target,
                            per_device=self.per_device, peak=True)
         return record.peak
@@ -305,7 +330,11 @@ class Planner:
         """The compiled record of one policy per layer (the model's program with
         each layer's remat region under its policy, `cost_model.with_region_policies`)."""
         key = layers_summary(policies)
-        if key not in self.records:
+        if key not in self.records and self.step == "train":
+            loss, per_device = self._layer_program(policies)
+            self.records[key] = self._train_record(loss, key, key, per_device)
+            self._policies[key] = policies
+        elif key not in self.records:
             loss, per_device = self._layer_program(policies)
             [record] = measure(lambda _: loss, *self.args, policies=[Policy()], names=[key],
                                progress=self._progress, target=self.target,
@@ -313,6 +342,32 @@ class Planner:
             self.records[key] = dataclasses.replace(record, policy=key)
             self._policies[key] = policies
         return self.records[key]
+
+    def optimizer_key(self) -> str:
+        """What the plan cache keys a train-step plan's optimizer by: its state's
+        shapes and dtypes, which are all its memory depends on; "" for step "grad"."""
+        if self.step != "train":
+            return ""
+        state = jax.eval_shape((self.optimizer or default_optimizer()).init, self.args[0])
+        return f"|optimizer={jax.tree.map(lambda x: (x.shape, str(x.dtype)), state)}"
+
+    def aliases_of(self, policy) -> dict[str, list[str]]:
+        """Tag -> the other names the program gives its values (`CostModel.aliases`),
+        for each tag `policy` (a Policy or a per-layer tuple) saves or offloads."""
+        kept = {t for p in (policy if isinstance(policy, tuple) else (policy,))
+                for t in (*p.save, *p.offload)}
+        found = {}
+        for model in self._models.values():
+            found |= model.aliases
+        return {t: list(found.get(t, ())) for t in sorted(kept)
+                if found.get(t) or not (t in TAGS or is_path(t) or t == "*")}
+
+    def _train_record(self, loss, name: str, key: str, per_device) -> Record:
+        """The train step's record of `loss` (`step_records.train_record`), with progress."""
+        record = train_record(self.workload, loss, name, key, target=self.target,
+                              optimizer=self.optimizer, per_device=per_device)
+        self._progress(1, 1, record)
+        return record
 
     def _forward(self, which: str):
         """The forward jaxpr under `full` of the loss ("global") or of the per-device program."""
@@ -398,8 +453,14 @@ class Planner:
             free=free, needed=needed, base=base, groups=groups,
             roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache,
             host_bandwidth=host_bandwidth)
+        # The model's own names outside the vocabulary (attention_out) are tags a plan
+        # may keep; those a spec cannot hold are always recomputed.
+        own = register_emitted(names := {t if groups == 1 else t[0] for t in model.tags})
+        keep = {n for n in names if n in own or n in TAGS or is_path(n)}
         if self.decide is not None:
-            model = model.narrowed(lambda t: (t if groups == 1 else t[0]) in self.decide)
+            keep &= self.decide
+        if keep != names:
+            model = model.narrowed(lambda t: (t if groups == 1 else t[0]) in keep)
         return model
 
     @property
@@ -569,7 +630,8 @@ class Planner:
 
 def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
          max_iterations: int = 3, target=None, groups: "int | str" = "layers",
-         objective: str | None = None, offload: "bool | float | None" = None) -> Plan:
+         objective: str | None = None, offload: "bool | float | None" = None,
+         step: str | None = None, optimizer=None) -> Plan:
     """The cheapest policy (fewest FLOPs) whose compiled memory fits `budget`.
 
     `rk.plan(loss_fn, *args, budget="6GiB")`: a mixed-integer program over the
@@ -589,6 +651,10 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       groups, objective, offload: see `Planner` (default: each layer its own
         group, for stacks up to `MAX_DEFAULT_GROUPS` layers; offload only when
         asked for, and then only where the offload probe shows it pays).
+      step, optimizer: the step the budget covers, "grad" or "train" (see
+        `Planner`); default "train" where the budget is a size on a TPU or GPU
+        target (the device's memory as it is), else "grad"
+        (`step_records.default_step`).
     Returns:
       A `Plan` with measured_bytes <= budget_bytes.
     Raises:
@@ -599,8 +665,9 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
         is nothing to differentiate; a group count outside 1..layers.
     """
     return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
-                   target=target, groups=groups, objective=objective,
-                   offload=offload).plan(budget)
+                   target=target, groups=groups, objective=objective, offload=offload,
+                   step=step or default_step(target, [budget]),
+                   optimizer=optimizer).plan(budget)
 
 
 __all__ = ["CPU_OFFLOAD_NOTE", "CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner",

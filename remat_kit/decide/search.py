@@ -90,6 +90,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
     # The figure budgeted is in the key: a temp plan never answers a peak budget.
     key = (f"{planner.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
            f"|groups={groups}|{planner.objective}|offload={planner.host_bandwidth}"
+           f"|step={planner.step}{planner.optimizer_key()}"
            + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None else ""))
     if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
         return kept
@@ -228,7 +229,8 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
         predicted_seconds=planner.seconds(policy) if planner.predict_time else None,
         none_seconds=planner.seconds(Policy(remat=False)) if planner.predict_time else None,
         offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
-        offload_notes=tuple(offload_notes), model=dict(planner.made_for))
+        offload_notes=tuple(offload_notes), model=dict(planner.made_for), step=planner.step,
+        aliases=planner.aliases_of(policy))
     if planner.cache:
         _write_cache(planner.cache, key, result)
     return result
