@@ -90,7 +90,7 @@ from remat_kit.decide.step_records import check_step, default_step, train_record
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import time_model
-from remat_kit.decide.cost_model import (SAVE_TAGS, CostModel, Program, cost_model,
+from remat_kit.decide.cost_model import (PLANNED_BASES, SAVE_TAGS, CostModel, Program, cost_model,
                                   forward_jaxpr, with_region_policies)
 from remat_kit.errors import BudgetError
 from remat_kit.measure.lowering import compile_options
@@ -196,6 +196,10 @@ class Planner:
         step's, so a budget can be the device's memory as it is.
       optimizer: with step "train", the optax optimizer of the step; default
         AdamW (`step.default_optimizer`).
+      bases: the base rules for untagged values a plan may take (default
+        `cost_model.PLANNED_BASES`); ("nothing",) for a framework that names
+        every value it keeps (`remat_kit.decide.emit`). With `decide`, it also
+        narrows which compiled policies (presets) may be the plan.
 
     Raises:
       ValueError: max_iterations not a positive int, groups not a positive int
@@ -210,7 +214,7 @@ class Planner:
                  groups: "int | str" = "layers", objective: str | None = None,
                  predict_time: bool = True, offload: "bool | float | None" = None,
                  decide: "Collection[str] | None" = None, step: str = "grad",
-                 optimizer=None):
+                 optimizer=None, bases: Sequence[str] = PLANNED_BASES):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
@@ -250,6 +254,9 @@ class Planner:
                              f"{objective!r}")
         self.groups = groups
         self.decide = None if decide is None else frozenset(decide)
+        if not bases or set(bases) - set(PLANNED_BASES):
+            raise ValueError(f"bases must be some of {', '.join(PLANNED_BASES)}, got {bases!r}")
+        self.bases = tuple(b for b in PLANNED_BASES if b in bases)
         self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
@@ -621,7 +628,17 @@ class Planner:
         never a plan)."""
         return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
                 if r.error is None and r.flops is not None and r.memory_bytes is not None
-                and (not r.offloaded_bytes or self.plans_offload)]
+                and (not r.offloaded_bytes or self.plans_offload) and self._allowed(r)]
+
+    def _allowed(self, record: Record) -> bool:
+        """Whether a compiled policy keeps to `bases` and `decide` (full always does)."""
+        policy = self._policy_of(record)
+        for p in policy if isinstance(policy, tuple) else (policy,):
+            if p.remat and p.base not in self.bases:
+                return False
+            if self.decide is not None and p.remat and not (p.save | p.offload) <= self.decide:
+                return False
+        return True
 
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: `remat_kit.decide.search.frontier`."""

@@ -64,8 +64,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     """The policy with the fewest FLOPs (or least predicted time) whose
     compiled memory fits `budget`.
 
-    Each base rule for untagged values (`cost_model.PLANNED_BASES`: nothing,
-    dots_no_batch, dots) whose own compile fits is a starting point: the
+    Each base rule for untagged values (`Planner.bases`, default
+    `cost_model.PLANNED_BASES`: nothing, dots_no_batch, dots) whose own compile fits is a starting point: the
     MILP fills the room the budget leaves above it, with the segments that
     base rule implies. The base with the best predicted objective is
     verified by compiling (and re-solved with the room corrected, up to
@@ -91,7 +91,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     key = (f"{planner.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
            f"|groups={groups}|{planner.objective}|offload={planner.host_bandwidth}"
            f"|step={planner.step}{planner.optimizer_key()}"
-           + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None else ""))
+           + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None else "")
+           + (f"|bases={','.join(planner.bases)}" if planner.bases != PLANNED_BASES else ""))
     if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
         return kept
     full, none = planner.measure(Policy()), planner.none()
@@ -121,8 +122,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     unit = FLOP_RESOLUTION * (planner.seconds(Policy(remat=False)) if time_objective
                               else planner.none_flops())
     # Each base rule alone is compiled: its memory is the floor the MILP fills above.
-    floors = dict(zip(PLANNED_BASES, planner.measure_all([Policy(base=b)
-                                                       for b in PLANNED_BASES])))
+    floors = dict(zip(planner.bases, planner.measure_all([Policy(base=b)
+                                                       for b in planner.bases])))
     starts = []
     for base, floor in floors.items():
         if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
