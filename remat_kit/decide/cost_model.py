@@ -83,7 +83,11 @@ class Program:
         tagged = [n for n in self.nodes if tag_of(n.eqn) is not None]
         self.layers = tuple(dict.fromkeys(n.region for n in tagged if n.region is not None
                                           and not self.regions[n.region]))
-        self._loose = [n for n in tagged if n.region is None or self.regions[n.region]]
+        # Tags in a scanned region share one policy. Tags outside every remat region
+        # (a model's embedding or final norm, named by path) are kept by plain autodiff
+        # whatever the policy: they are not decided (`model`) and do not stop per-layer plans.
+        self._loose = [n for n in tagged if n.region is not None and self.regions[n.region]]
+        self._outside = bool(self.regions) and any(n.region is None for n in tagged)
 
     def _context(self) -> int:
         self._contexts += 1
@@ -125,9 +129,7 @@ class Program:
     def per_layer(self) -> str | None:
         """None where tags can be decided per layer; else why not."""
         if self._loose:
-            inside = any(n.region is not None for n in self._loose)
-            return ("the layers are one scan body, which takes one policy for every layer"
-                    if inside else "some tags are outside any per-layer remat region")
+            return "the layers are one scan body, which takes one policy for every layer"
         if len(self.layers) < 2:
             return "the program has one remat region"
         return None
@@ -217,8 +219,9 @@ class Program:
         for node in self.nodes:
             tag = planned(node)
             below = self._source(node.ins[0]) if node.ins else None
-            if tag is None or tag in free or (below is not None and planned(below) == tag):
-                continue  # untagged, kept anyway, or a second name of a value already counted
+            if tag is None or tag in free or (below is not None and planned(below) == tag) \
+                    or (node.region is None and self._outside):
+                continue  # untagged, kept anyway, a value's second name, or outside every remat
             it = item(node)
             order.setdefault(it, None)
             aval = node.eqn.outvars[0].aval
