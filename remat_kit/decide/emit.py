@@ -148,10 +148,12 @@ def jax_policy(plan) -> str:
              f"offload_dst=\"{policy.offload_dst}\")")
     if policy.base == "nothing":
         return names
+    base = {"dots": "dots_saveable", "dots_no_batch": "dots_with_no_batch_dims_saveable"}
+    if not lists["save"] and not lists["offload"]:
+        return f"{cp}.{base[policy.base]}"
     if lists["offload"]:
         raise EmitError(f"--emit jax: the plan offloads above base rule {policy.base}, which "
                         "no jax.checkpoint_policies built-in combines: --emit remat_kit runs it")
-    base = {"dots": "dots_saveable", "dots_no_batch": "dots_with_no_batch_dims_saveable"}
     return f"{cp}.save_from_both_policies({cp}.{base[policy.base]}, {names})"
 
 
