@@ -15,8 +15,9 @@ from remat_kit.decide.milp import CostModel
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.plan_cache import Plan
 from remat_kit.decide.step import compile_step, default_optimizer
+from remat_kit.decide.step_records import default_step
 from remat_kit.flax import from_model
-from remat_kit.measure import targets
+from remat_kit.measure import figure_cache, targets
 from remat_kit.policy.spec import parse
 from remat_kit.trace.workload import from_loss
 from tests.zoo import own_tags_linen
@@ -131,7 +132,9 @@ def test_uniform_plan_and_what_it_costs(tmp_path):
     assert settings["attention_out"] == settings["context"]
 
 
-def test_train_step_plan_fits_the_train_step_compile():
+def test_train_step_plan_fits_the_train_step_compile(monkeypatch):
+    # Compiled, not read back from kept figures: the time model reads the executable.
+    monkeypatch.setattr(figure_cache, "folder", lambda: None)
     work = from_loss(_loss_for, _WS, _X)
     planner = Planner(work, cache=None, step="train", groups=1)
     full = compile_step(work, parse("full"), default_optimizer(), targets.parse_target(None))
@@ -142,6 +145,16 @@ def test_train_step_plan_fits_the_train_step_compile():
     assert p.measured_bytes == step.total_bytes <= budget  # fit's figure, at the budget
     assert p.measured_flops == step.flops
     assert p.spec != "full"
+    # The time column is the compiled train step's prediction, not the value-and-grad roofline.
+    predicted = planner.record_of(p.policy).predicted_seconds
+    assert predicted is not None and p.predicted_seconds == predicted > 0
+
+
+def test_default_step_is_train_where_any_budget_is_a_size_on_an_accelerator():
+    assert default_step("tpu:v5e:1x1", ["15.75GiB"]) == "train"
+    assert default_step("tpu:v5e:1x1", ["0.5", "15.75GiB"]) == "train"  # 0.5 of none's train step
+    assert default_step("tpu:v5e:1x1", ["0.5", "0.8"]) == "grad"
+    assert default_step("cpu", ["6GiB"]) == "grad"
 
 
 def _plan(spec, layer_specs=(), aliases=None):

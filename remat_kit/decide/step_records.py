@@ -9,8 +9,10 @@ keeps for the backward pass. So a budget can be the device's memory as it is
 `train_record` compiles that step under one policy (or one per layer) and
 returns a `Record` whose memory (`Record.train_step_bytes`, `fit`'s
 `StepMemory.total_bytes`: the compiler's peak on TPU and GPU, argument + temp +
-output - alias on the XLA CPU backend) and FLOPs are the step's; its residuals
-are those of the value-and-grad program, traced (nothing compiled for them).
+output - alias on the XLA CPU backend), FLOPs and predicted seconds (the time
+model read from the compiled step, where its executable is at hand) are the
+step's; its residuals are those of the value-and-grad program, traced (nothing
+compiled for them).
 
 The cost model is unchanged: what a saved tag adds to the value-and-grad step
 it adds to the train step (the optimizer's memory is the same under every
@@ -23,7 +25,7 @@ import dataclasses
 from collections.abc import Callable
 
 from remat_kit.decide.step import TrainStep, default_optimizer, step_figures, workload_step
-from remat_kit.measure import lowering, targets
+from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.record import Record
 from remat_kit.measure.residuals import _stage, split
 from remat_kit.policy.policy import Policy
@@ -38,9 +40,11 @@ STEP_WORDS = {"grad": "the value-and-grad step (compare's figure: activations an
 
 
 def default_step(target, budgets) -> str:
-    """"train" where `target` is an accelerator (TPU, GPU) and every budget is a size
-    in bytes (the device's memory as it is); else "grad" (a fraction of no remat's
-    value-and-grad memory, or the XLA CPU compile's temp figure).
+    """"train" where `target` is an accelerator (TPU, GPU) and any budget is a size in
+    bytes (the device's memory as it is: a fraction beside it is then of no remat's
+    train-step figure, as every figure of the run is that step's); else "grad" (only
+    fractions, of no remat's value-and-grad memory, or the XLA CPU compile's temp
+    figure).
 
     Args:
       target: a `targets.Target` or target string, None for JAX's default backend.
@@ -48,8 +52,8 @@ def default_step(target, budgets) -> str:
     """
     from remat_kit.policy.budget import parse_budget
     platform = targets.parse_target(target).platform
-    sized = all(parse_budget(b).bytes is not None for b in budgets)
-    return "train" if platform != "cpu" and sized and budgets else "grad"
+    sized = any(parse_budget(b).bytes is not None for b in budgets)
+    return "train" if platform != "cpu" and sized else "grad"
 
 
 def check_step(step: str) -> str:
@@ -94,9 +98,22 @@ def train_record(workload: Workload, loss: Callable, name: str, key: str, *, tar
         return dataclasses.replace(
             record, **split(staged.residuals), **fields, flops=c.flops,
             transcendentals=c.transcendentals, compile_seconds=c.seconds,
-            train_step_bytes=memory.total_bytes, notes=tuple(c.notes))
+            train_step_bytes=memory.total_bytes, notes=tuple(c.notes),
+            predicted_seconds=_predicted_seconds(c))
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
         return dataclasses.replace(record, error=f"{type(e).__name__}: {e}")
+
+
+def _predicted_seconds(c: lowering.Compiled) -> float | None:
+    """The time model's seconds of the compiled train step (`time_model.compiled_seconds`);
+    None where its figures were kept from an earlier compile (no executable to read) or
+    its HLO cannot be read: the planner then predicts from the value-and-grad roofline."""
+    if c.compiled is None:
+        return None
+    try:
+        return time_model.compiled_seconds(c.compiled, time_model.roofline(c.target))
+    except Exception:  # noqa: BLE001 - a prediction must not lose the measurement
+        return None
 
 
 __all__ = ["STEPS", "STEP_WORDS", "check_step", "default_step", "train_record"]
