@@ -2,9 +2,16 @@
 
     python benchmarks/vs_estimator.py [--hbm 15.75GiB] [--topology v5e-1] [--out runs/vs_estimator]
 
-Needs `maxtext` (pip install maxtext, a scratch environment: it pins its own jax)
-and libtpu, which compile TPU programs ahead of time: no TPU is needed. Not
-in CI. Where either is missing the script says which, in one line, and exits 2.
+Needs `maxtext` and libtpu, which compile TPU programs ahead of time: no TPU is
+needed. Not in CI. Where either is missing the script says which, in one line,
+and exits 2. maxtext 0.2.5's wheel lists its requirements only under extras
+(`[tpu]` and others, pinning many packages); with our jax it installs in a
+scratch environment as `pip install --no-deps maxtext==0.2.5` beside this
+project's packages (a .pth file naming its venv's site-packages), plus what
+its train step and estimator import: omegaconf, pathwaysutils, jinja2, qwix,
+aqtp, tokamax, huggingface_hub, transformers, grain, drjax, tiktoken,
+sentencepiece, sympy. Each MaxText compile at these sizes is one to several
+minutes of CPU (docs/plan.md, "Against MaxText's own search").
 
 The setting is issue 37's: MaxText's llama2 decoder at 2 layers, emb 2048, MLP 8192,
 8 heads of 256, vocab 8192, seq 2048, per-device batch 52, bf16 activations, f32
@@ -32,7 +39,8 @@ import subprocess
 import sys
 import time
 
-SHAPES = ["model_name=llama2-7b", "base_num_decoder_layers=2", "base_emb_dim=2048",
+# override_model_config: MaxText 0.2.5 refuses CLI values that differ from the model's own.
+SHAPES = ["model_name=llama2-7b", "override_model_config=True", "base_num_decoder_layers=2", "base_emb_dim=2048",
           "base_mlp_dim=8192", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=256",
           "vocab_size=8192", "max_target_length=2048", "per_device_batch_size=52",
           "dtype=bfloat16", "weight_dtype=float32", "scan_layers=false", "attention=dot_product",

@@ -47,6 +47,10 @@ class CostModel:
       aliases: tag -> the other names the program gives the same values (a
         module path, the model's own `checkpoint_name`), which the tag stands for
         (`Program.model`); tags with none are left out.
+      byte_share: what a saved byte adds to the compiled figure, measured on the
+        program (`remat_kit.decide.planner_costs.PlannerCosts.byte_share`): XLA
+        reuses buffers, and a layer's saved tags stand in for values its
+        recompute would hold anyway, so a kept byte costs less than a byte.
     """
 
     tags: tuple
@@ -63,6 +67,7 @@ class CostModel:
     fixed: frozenset = frozenset()
     offload_share: float = 0.0
     aliases: dict = dataclasses.field(default_factory=dict)
+    byte_share: float = 1.0
 
     def narrowed(self, keep: Callable) -> "CostModel":
         """This model with the items `keep(item)` rejects always recomputed."""
@@ -83,8 +88,9 @@ class CostModel:
 
     def cost(self, saved, offloaded=frozenset()) -> tuple[int, float]:
         """(device bytes, recompute FLOPs) of saving `saved` and offloading
-        `offloaded`; an offloaded item takes `offload_share` of its bytes."""
-        return (sum(self.nbytes[t] for t in saved)
+        `offloaded`; a saved item takes `byte_share` of its bytes, an offloaded
+        one `offload_share`."""
+        return (round(self.byte_share * sum(self.nbytes[t] for t in saved))
                 + round(self.offload_share * sum(self.nbytes[t] for t in offloaded)),
                 sum(self.flops[t] for t in self.recomputed(saved, offloaded)))
 
@@ -109,45 +115,11 @@ class CostModel:
             return self.time(saved, offloaded)
         return self.cost(saved, offloaded)[1] + self.excess(offloaded) * self.flop_rate
 
-    def solve(self, room: float, flop_tolerance: float = 0.0,
-              objective: str = "flops") -> tuple[frozenset, frozenset, str]:
-        """The cheapest items to save within `room` bytes, and to offload.
-
-        Binary s_t (save t), o_t (offload t; only items in `transfer`) and r_t
-        (recompute t), continuous e_g >= 0 (group g's unhidden transfer), after
-        Checkmate (Jain et al. 2020) with one recompute stage and offload as in
-        Beaumont et al. 2021 ("Efficient combination of rematerialization and
-        offloading"), the transfers overlapping compute:
-
-            minimize    sum_t cost_t r_t + 2 w sum_g e_g
-            subject to  s_t + o_t + r_t >= 1         t needed by the backward pass
-                        s_p + o_p + r_p >= r_t       p a parent of t
-                        s_t + o_t <= 1
-                        e_g >= sum_{t in g} transfer_t o_t - compute_g
-                        sum_t bytes_t (s_t + share o_t) <= room
-
-        (share: `offload_share`; w: 1 for "time", `flop_rate` for "flops"), then again for the fewest
-        stored bytes (saved, and a little more for offloaded: saving is preferred
-        where both fit; a little more in earlier layer groups) among solutions
-        within the tolerance, then a third time among those for the items first
-        by `tie_rank` (roles before the model's own names before module paths,
-        then by name; earlier groups first): the tie rule, so equal costs give the
-        same plan in every run.
-
-        Args:
-          room: device bytes the saved items may take.
-          flop_tolerance: cost the second solve may give up for fewer bytes, in
-            the objective's unit (FLOPs, or seconds for "time").
-          objective: "flops" (cost_t = flops) or "time" (cost_t = seconds).
-        Returns:
-          (saved items, offloaded items, HiGHS status message).
-        """
-        # Imported here: scipy.optimize is half a second of every command's start-up.
-        from scipy.optimize import Bounds, LinearConstraint, milp
+    def _rows(self, groups: list) -> tuple[list, list, list, float]:
+        """`solve`'s constraint rows, columns s_t, r_t, o_t for each item in `tags`
+        order, then e_g for each of `groups`: (rows, lower bounds, upper bounds, the
+        scale of the transfer seconds)."""
         n = len(self.tags)
-        if n == 0:
-            return frozenset(), frozenset(), "no tags to decide"
-        groups = sorted(set(self.hide[t] for t in self.transfer), key=str)
         gi = {g: 3 * n + i for i, g in enumerate(groups)}
         width = 3 * n + len(groups)
         index = {t: i for i, t in enumerate(self.tags)}
@@ -177,6 +149,55 @@ class CostModel:
         for g in groups:
             row((gi[g], 1), *((o(t), -self.transfer[t] / t_scale) for t in self.transfer
                               if self.hide[t] == g), low=-self.compute.get(g, 0.0) / t_scale)
+        return rows, lower, upper, t_scale
+
+    def _tie_rank_row(self, width: int) -> np.ndarray:
+        """The third solve's objective: keeping an item earlier by `_item_rank` costs
+        less (columns as `_rows`)."""
+        n, rank = len(self.tags), np.zeros(width)
+        order = sorted(range(n), key=lambda i: _item_rank(self.tags[i]))
+        for place, i in enumerate(order):
+            rank[i] = rank[2 * n + i] = 1 + place / n
+        return rank
+
+    def solve(self, room: float, flop_tolerance: float = 0.0,
+              objective: str = "flops") -> tuple[frozenset, frozenset, str]:
+        """The cheapest items to save within `room` bytes, and to offload.
+
+        Binary s_t (save t), o_t (offload t; only items in `transfer`) and r_t
+        (recompute t), continuous e_g >= 0 (group g's unhidden transfer), after
+        Checkmate (Jain et al. 2020) with one recompute stage and offload as in
+        Beaumont et al. 2021 ("Efficient combination of rematerialization and
+        offloading"), the transfers overlapping compute:
+
+            minimize    sum_t cost_t r_t + 2 w sum_g e_g
+            subject to  s_t + o_t + r_t >= 1         t needed by the backward pass
+                        s_p + o_p + r_p >= r_t       p a parent of t
+                        s_t + o_t <= 1
+                        e_g >= sum_{t in g} transfer_t o_t - compute_g
+                        sum_t bytes_t (k s_t + share o_t) <= room
+
+        (k: `byte_share`; share: `offload_share`; w: 1 for "time", `flop_rate` for
+        "flops"), then for the fewest stored bytes (offloaded a little more: saving is
+        preferred; a little more in earlier layer groups) within the tolerance, then
+        a third time for the items first by `tie_rank` (roles, the model's own names,
+        module paths, each by name; earlier groups first): the tie rule.
+
+        Args:
+          room: device bytes the saved items may take.
+          flop_tolerance: cost the second solve may give up for fewer bytes (FLOPs or s).
+          objective: "flops" (cost_t = flops) or "time" (cost_t = seconds).
+        Returns:
+          (saved items, offloaded items, HiGHS status message).
+        """
+        # Imported here: scipy.optimize is half a second of every command's start-up.
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        n = len(self.tags)
+        if n == 0:
+            return frozenset(), frozenset(), "no tags to decide"
+        groups = sorted(set(self.hide[t] for t in self.transfer), key=str)
+        width = 3 * n + len(groups)
+        rows, lower, upper, t_scale = self._rows(groups)
         weights = self.seconds if objective == "time" else self.flops
         # Scaled to ~1 so HiGHS's tolerances mean the same at any model size.
         b = np.array([self.nbytes[t] for t in self.tags], float)
@@ -185,7 +206,8 @@ class CostModel:
         per_second = 1.0 if objective == "time" else self.flop_rate
         cost_row = np.concatenate([np.zeros(n), f / f_scale, np.zeros(n),
                                    np.full(len(groups), 2 * per_second * t_scale / f_scale)])
-        memory = np.concatenate([b / b_scale, np.zeros(n), self.offload_share * b / b_scale,
+        memory = np.concatenate([self.byte_share * b / b_scale, np.zeros(n),
+                                 self.offload_share * b / b_scale,
                                  np.zeros(len(groups))])
         # Ties go to later layers: their residuals are read back first, so XLA often
         # reuses their buffers before the peak (the last layer's can cost nothing).
@@ -212,14 +234,10 @@ class CostModel:
         x = second.x if second.x is not None else first.x
         if second.x is not None:  # the tie rule: among equal FLOPs and bytes, by name
             cons.append(LinearConstraint(stored[None], -np.inf, second.fun + 1e-9))
-            rank = np.zeros(width)
-            order = sorted(range(n), key=lambda i: _item_rank(self.tags[i]))
-            for place, i in enumerate(order):  # keeping an earlier-ranked item costs less
-                rank[i] = rank[2 * n + i] = 1 + place / n
-            third = milp(rank, constraints=cons, **opts)
+            third = milp(self._tie_rank_row(width), constraints=cons, **opts)
             x = third.x if third.x is not None else x
-        saved = frozenset(t for t in self.tags if x[s(t)] > 0.5)
-        offloaded = frozenset(t for t in self.tags if x[o(t)] > 0.5)
+        saved = frozenset(t for i, t in enumerate(self.tags) if x[i] > 0.5)
+        offloaded = frozenset(t for i, t in enumerate(self.tags) if x[2 * n + i] > 0.5)
         return saved, offloaded, \
             f"HiGHS: {second.message if second.x is not None else first.message}"
 

@@ -26,8 +26,10 @@ memory?" in three steps:
        minimize    sum_t cost_t r_t           cost: FLOPs, or predicted seconds
        subject to  s_t + r_t >= 1              t needed by the backward pass
                    s_p + r_p >= r_t            p a parent of t (recomputing t reads p)
-                   sum_t bytes_t s_t <= room   room = budget - memory of the base alone
+                   sum_t k bytes_t s_t <= room room = budget - memory of the base alone
 
+   where k, what a saved byte adds to the compiled figure, is measured on the
+   program by one compile (every tag saved, against `full`: `Planner.byte_share`);
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `search.FLOP_RESOLUTION` of the cheapest, so nothing
    useless is saved. Where offload is asked for (`offload`), a third
@@ -243,6 +245,7 @@ class Planner(PlannerCompiles, PlannerCosts):
         self._fingerprint: str | None = None
         self._staged = None
         self._probe = None
+        self._byte_share: float | None = None
         self.host_bandwidth = offload_bandwidth(self.target, offload)
         self.predict_time = (predict_time or self.objective == "time"
                              or self.host_bandwidth is not None)

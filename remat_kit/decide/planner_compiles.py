@@ -32,9 +32,9 @@ from remat_kit.decide.cost_model import SAVE_TAGS
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import parse
 
-# Bumped where the planner's answers change for the same program (the offload probe's
-# device share), so plans cached by an older planner are planned again.
-_PLANNER_REVISION = "offload-probe"
+# Bumped where the planner's answers change for the same program (the measured share of
+# a saved byte), so plans cached by an older planner are planned again.
+_PLANNER_REVISION = "byte-share"
 
 
 class PlannerCompiles:

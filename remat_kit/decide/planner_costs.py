@@ -27,12 +27,17 @@ from remat_kit.policy.spec import parse
 TIME_RESOLUTION = 5e-3
 # Stacks up to this many layers get one group per layer by default (`groups="layers"`).
 MAX_DEFAULT_GROUPS = 64
+# The least share of its bytes a saved tag is taken to add (`PlannerCosts.byte_share`): a
+# compile where saving every tag grew the figure by less (XLA's CPU temp can shrink) must
+# not make saving look free to the MILP.
+MIN_BYTE_SHARE = 0.1
 
 
 class PlannerCosts:
     """The cost model and scores of a `Planner` (a mixin: `Planner` sets the attributes
     it reads: per_device, loss_fn, args, groups, decide, host_bandwidth, predict_time,
-    objective, target, _program, _roofline, _models, _seconds, _eqn_cache, _probe)."""
+    objective, target, _program, _roofline, _models, _seconds, _eqn_cache, _probe,
+    _byte_share)."""
 
     @property
     def program(self) -> Program:
@@ -57,10 +62,41 @@ class PlannerCosts:
         if (base, groups) not in self._models:
             bandwidth = self.host_bandwidth if self.plans_offload else None
             model = self._build_model(base, groups, bandwidth)
+            if base == "nothing":  # where the share was measured; above dots it is not
+                model = dataclasses.replace(model, byte_share=self.byte_share)
             if bandwidth is not None:
                 model = dataclasses.replace(model, offload_share=1 - self.offload_probe.figure)
             self._models[(base, groups)] = model
         return self._models[(base, groups)]
+
+    @property
+    def byte_share(self) -> float:
+        """What a saved byte adds to the compiled figure, measured on this program:
+        (memory of every decidable tag saved, base nothing - `full`'s) / those tags'
+        bytes, within [`MIN_BYTE_SHARE`, 1]; 1 where that policy does not compile.
+        One more compile, made once (it is a candidate plan like any other).
+
+        A layer's saved tags stand in for values its recompute would hold anyway (at
+        the peak, the backward pass entering the last layer, that layer's kept tags
+        cost nothing: about (L-1)/L of a uniform plan's bytes count), and XLA
+        reuses buffers besides; the share measures both at once. On the zoo's
+        own-tags decoder and the reference configs tiny and tiny_llama (2 layers,
+        batch 8) it is 0.28 to 0.45 on the XLA CPU compile (temp) and 0.7 to 0.85 on
+        `tpu:v5e:1x1` (peak): docs/plan.md, "The first estimate". Only the models of
+        base nothing take it: above a base rule that saves dots, the kept tags were
+        measured to add more (a tiny scanned stack's dots_no_batch plan went over).
+        """
+        if self._byte_share is None:
+            model = self.offload_free_model()
+            kept = frozenset(t for t in model.tags if t not in model.fixed)
+            total = sum(model.nbytes[t] for t in kept)
+            every = self.measure_all([Policy(save=kept)])[0] if total else None
+            if every is None or every.error or every.memory_bytes is None:
+                self._byte_share = 1.0
+            else:
+                grown = (every.memory_bytes - self.measure(Policy()).memory_bytes) / total
+                self._byte_share = min(1.0, max(MIN_BYTE_SHARE, grown))
+        return self._byte_share
 
     def offload_free_model(self) -> CostModel:
         """The uniform `CostModel` (base nothing, one decision per tag) without offload:
@@ -196,4 +232,4 @@ class PlannerCosts:
                 if found.get(t) or not (t in TAGS or is_path(t) or t == "*")}
 
 
-__all__ = ["MAX_DEFAULT_GROUPS", "PlannerCosts", "TIME_RESOLUTION"]
+__all__ = ["MAX_DEFAULT_GROUPS", "MIN_BYTE_SHARE", "PlannerCosts", "TIME_RESOLUTION"]
