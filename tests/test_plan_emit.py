@@ -15,6 +15,7 @@ from remat_kit.decide.milp import CostModel
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.plan_cache import Plan
 from remat_kit.decide.step import compile_step, default_optimizer
+from remat_kit.cli.inputs import device_mesh
 from remat_kit.decide.step_records import default_step
 from remat_kit.flax import from_model
 from remat_kit.measure import figure_cache, targets
@@ -220,3 +221,16 @@ def test_emit_remat_kit_call():
     assert emit.emit(_plan("save:mlpwi"), "remat_kit") == "rk.remat_model(model, 'save:mlpwi')"
     assert emit.emit(_plan("0 save:mlpwo / 1 full", ["save:mlpwo", "full"]), "remat_kit") == \
         "rk.remat_model(model, ('save:mlpwo', 'full',))"
+
+
+def test_train_step_plan_of_a_model_on_a_tpu_target():
+    # A --model on an AOT target gets a data-parallel mesh whose parameters carry no
+    # placement; the train step compiled (it raised in with_sharding_constraint).
+    tpu = targets.parse_target("tpu:v5e:1x1")
+    work = from_model.workload(own_tags_linen.model(), 2, 16, mesh=device_mesh(None, 2, None, tpu))
+    planner = Planner(work, cache=None, target=tpu, step="train", groups=1)
+    full = planner.measure("full")
+    assert full.error is None and full.memory_kind == "train_step_bytes"
+    assert full.train_step_bytes == full.peak_memory_in_bytes > 0
+    p = planner.plan(f"{full.train_step_bytes}B")
+    assert p.step == "train" and p.measured_bytes <= full.train_step_bytes

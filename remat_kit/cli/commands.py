@@ -155,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--step", default=None, metavar="grad|train",
                       help="the step a budget covers: train (the whole train step as fit "
                            "measures it: parameters, gradients, AdamW state and update, the "
-                           "batch; the default for budgets in bytes on a TPU or GPU target) or "
+                           "batch; the default on a TPU or GPU target where any budget is a size, "
+                           "a fraction then being of no remat's train step) or "
                            "grad (value and grad, compare's figure; the default elsewhere)")
     plan.add_argument("--uniform", action="store_true",
                       help="one decision per tag for every layer (--groups 1), and what that "
