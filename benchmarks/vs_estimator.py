@@ -20,8 +20,8 @@ train step and full remat does. It runs
 
 1. MaxText's estimator (`python -m maxtext.utils.estimator`, batch size given: its
    policy search alone), timed;
-2. `remat-kit plan --step train --uniform --emit maxtext` on tests/zoo/own_tags_linen.py
-   at the same sizes (a llama2-like decoder that names its values as MaxText's does),
+2. `remat-kit plan --step train --uniform --emit maxtext` on tests/zoo/own_tags_linen.py's
+   `issue_37` (the same sizes and dtypes) (a llama2-like decoder that names its values as MaxText's does),
    budget the chip's HBM, timed;
 3. MaxText's train step compiled (`maxtext.trainers.pre_train.train_compile`) under
    each policy and under full remat: fits, peak, FLOPs over full remat's.
@@ -32,9 +32,11 @@ Exit status 0 with the table printed, 1 if a step failed, 2 if a dependency is m
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,12 +72,35 @@ def run(argv: list[str]) -> tuple[str, float]:
 
 
 def compile_maxtext(topology: str, overrides: list[str]) -> dict:
-    """MaxText's train step compiled for `topology` under `overrides`: {"fits", "stdout"}."""
+    """MaxText's train step compiled for `topology` under `overrides`: {"fits", "flops",
+    "bytes" (argument + output - alias + temp, from its printed memory analysis),
+    "seconds", "stdout", "stderr"}."""
     argv = [sys.executable, "-m", "maxtext.trainers.pre_train.train_compile", base_yml(),
             f"compile_topology={topology}", "compile_topology_num_slices=1", *SHAPES, *overrides]
+    start = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True)
-    return {"fits": done.returncode == 0, "stdout": done.stdout[-4000:],
-            "stderr": done.stderr[-4000:]}
+    text = done.stdout + done.stderr
+    flops = re.search(r"'flops': ([0-9.e+]+)", text)
+    stats = dict(re.findall(r"(argument|output|alias|temp)_size_in_bytes=([0-9]+)", text))
+    total = (int(stats["argument"]) + int(stats["output"]) - int(stats["alias"])
+             + int(stats["temp"])) if len(stats) == 4 else None
+    return {"fits": done.returncode == 0, "flops": flops and float(flops.group(1)),
+            "bytes": total, "seconds": time.perf_counter() - start,
+            "stdout": done.stdout[-3000:], "stderr": done.stderr[-3000:]}
+
+
+def estimator_policy(output: str) -> list[str] | None:
+    """The overrides of the last policy MaxText's estimator found not OOM, from its output."""
+    checked = re.findall(r"policy=(\{.*?\}) is OOM\s*\nIs OOM: (True|False)", output)
+    fits = [p for p, oom in checked if oom == "False"]
+    if not fits:
+        return None
+    return ["remat_policy=custom", *(f"{k}={v}" for k, v in ast.literal_eval(fits[-1]).items())]
+
+
+def _save(out: str, found: dict) -> None:
+    with open(os.path.join(out, "vs_estimator.json"), "w") as f:
+        json.dump(found, f, indent=2)
 
 
 def main() -> int:
@@ -93,11 +118,13 @@ def main() -> int:
         out, found["estimator_seconds"] = run(
             [sys.executable, "-m", "maxtext.utils.estimator", base_yml(),
              f"compile_topology={args.topology}", "compile_topology_num_slices=1", *SHAPES])
-        found["estimator_output"] = out[-4000:]
+        found["estimator_output"] = out[-6000:]
+        found["estimator_policy"] = estimator_policy(out)
+        _save(args.out, found)
         plan_json = os.path.join(args.out, "plan.json")
         _, found["remat_kit_seconds"] = run(
             [sys.executable, "-m", "remat_kit.cli", "plan", "--model",
-             "tests/zoo/own_tags_linen.py:model", "--batch", "52", "--seq", "2048",
+             "tests/zoo/own_tags_linen.py:issue_37", "--batch", "52", "--seq", "2048",
              "--target", "tpu:v5e:1x1", "--budgets", args.hbm, "--step", "train", "--uniform",
              "--emit", "maxtext", "--no-presets", "--cache", "", "--json", plan_json])
         with open(plan_json) as f:
@@ -109,11 +136,13 @@ def main() -> int:
         print(f"vs_estimator: remat-kit gave no MaxText policy: {emitted}", file=sys.stderr)
         return 1
     found["remat_kit_policy"] = emitted["text"]
+    _save(args.out, found)
     found["compiles"] = {
         "remat_kit": compile_maxtext(args.topology, emitted["text"].split()),
         "full": compile_maxtext(args.topology, ["remat_policy=full"])}
-    with open(os.path.join(args.out, "vs_estimator.json"), "w") as f:
-        json.dump(found, f, indent=2)
+    if found["estimator_policy"]:
+        found["compiles"]["estimator"] = compile_maxtext(args.topology, found["estimator_policy"])
+    _save(args.out, found)
     print(f"estimator: {found['estimator_seconds']:.0f} s; remat-kit plan: "
           f"{found['remat_kit_seconds']:.0f} s; remat-kit's policy fits MaxText's train step: "
           f"{found['compiles']['remat_kit']['fits']}; figures in {args.out}/vs_estimator.json")

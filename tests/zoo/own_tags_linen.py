@@ -29,6 +29,7 @@ class DecoderConfig:
     emb: int = 32
     mlp: int = 64
     heads: int = 4
+    dtype: str = "float32"  # activations; parameters stay float32, as MaxText's weight_dtype
 
 
 class Attention(nn.Module):
@@ -38,13 +39,14 @@ class Attention(nn.Module):
     def __call__(self, x):
         c, (b, t, _) = self.cfg, x.shape
         hd = c.emb // c.heads
-        q, k, v = (nn.DenseGeneral((c.heads, hd), use_bias=False, name=n)(x)
+        q, k, v = (nn.DenseGeneral((c.heads, hd), use_bias=False, dtype=c.dtype, name=n)(x)
                    for n in ("query", "key", "value"))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(x.dtype)
         logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
         out = checkpoint_name(out, "attention_out")
-        out = nn.DenseGeneral(c.emb, axis=(-2, -1), use_bias=False, name="out")(out)
+        out = nn.DenseGeneral(c.emb, axis=(-2, -1), use_bias=False, dtype=c.dtype,
+                              name="out")(out)
         return checkpoint_name(out, "out_proj")
 
 
@@ -53,9 +55,10 @@ class Mlp(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        gate = nn.Dense(self.cfg.mlp, use_bias=False, name="wi_0")(x)
-        up = nn.Dense(self.cfg.mlp, use_bias=False, name="wi_1")(x)
-        out = nn.Dense(self.cfg.emb, use_bias=False, name="wo")(nn.silu(gate) * up)
+        c = self.cfg
+        gate = nn.Dense(c.mlp, use_bias=False, dtype=c.dtype, name="wi_0")(x)
+        up = nn.Dense(c.mlp, use_bias=False, dtype=c.dtype, name="wi_1")(x)
+        out = nn.Dense(c.emb, use_bias=False, dtype=c.dtype, name="wo")(nn.silu(gate) * up)
         return checkpoint_name(out, "mlpwo")
 
 
@@ -65,8 +68,9 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = checkpoint_name(x, "decoder_layer_input")
-        x = x + Attention(self.cfg, name="self_attention")(nn.RMSNorm(name="pre_attn_norm")(x))
-        return x + Mlp(self.cfg, name="mlp")(nn.RMSNorm(name="post_attn_norm")(x))
+        norm = lambda name: nn.RMSNorm(dtype=self.cfg.dtype, name=name)  # noqa: E731
+        x = x + Attention(self.cfg, name="self_attention")(norm("pre_attn_norm")(x))
+        return x + Mlp(self.cfg, name="mlp")(norm("post_attn_norm")(x))
 
 
 class Decoder(nn.Module):
@@ -75,11 +79,11 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         c = self.cfg
-        x = nn.Embed(c.vocab, c.emb, name="token_embedder")(tokens)
+        x = nn.Embed(c.vocab, c.emb, dtype=c.dtype, name="token_embedder")(tokens)
         for i in range(c.layers):
             x = DecoderLayer(c, name=f"layers_{i}")(x)
-        return nn.Dense(c.vocab, use_bias=False, name="logits_dense")(
-            nn.RMSNorm(name="decoder_norm")(x))
+        return nn.Dense(c.vocab, use_bias=False, dtype=c.dtype, name="logits_dense")(
+            nn.RMSNorm(dtype=c.dtype, name="decoder_norm")(x)).astype(jnp.float32)
 
 
 def make(batch: int, seq: int, abstract: bool = False):
@@ -96,3 +100,11 @@ def make(batch: int, seq: int, abstract: bool = False):
 def model() -> Decoder:
     """The model alone, for `remat-kit --model tests/zoo/own_tags_linen.py:model`."""
     return Decoder()
+
+
+def issue_37() -> Decoder:
+    """At issue 37's sizes (MaxText's llama2 decoder there: 2 layers, emb 2048, MLP 8192, 8
+    heads of 256, vocab 8192, bf16 activations, float32 weights), for
+    benchmarks/vs_estimator.py: `--model tests/zoo/own_tags_linen.py:issue_37`."""
+    return Decoder(DecoderConfig(vocab=8192, layers=2, emb=2048, mlp=8192, heads=8,
+                                 dtype="bfloat16"))
