@@ -81,7 +81,8 @@ def compile_maxtext(topology: str, overrides: list[str]) -> dict:
     done = subprocess.run(argv, capture_output=True, text=True)
     text = done.stdout + done.stderr
     flops = re.search(r"'flops': ([0-9.e+]+)", text)
-    stats = dict(re.findall(r"(argument|output|alias|temp)_size_in_bytes=([0-9]+)", text))
+    stats = dict(re.findall(r"(?<![a-z_])(argument|output|alias|temp)_size_in_bytes=([0-9]+)",
+                            text))  # not the host_ figures
     total = (int(stats["argument"]) + int(stats["output"]) - int(stats["alias"])
              + int(stats["temp"])) if len(stats) == 4 else None
     return {"fits": done.returncode == 0, "flops": flops and float(flops.group(1)),
