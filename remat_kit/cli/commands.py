@@ -154,6 +154,20 @@ def _parser() -> argparse.ArgumentParser:
                          "device memory (docs/plan.md)")
     offload.add_argument("--no-offload", dest="offload", action="store_const", const=False,
                          help="plan save and recompute only")
+    plan.add_argument("--step", default=None, metavar="grad|train",
+                      help="the step a budget covers: train (the whole train step as fit "
+                           "measures it: parameters, gradients, AdamW state and update, the "
+                           "batch; the default on a TPU or GPU target where any budget is a size, "
+                           "a fraction then being of no remat's train step) or "
+                           "grad (value and grad, compare's figure; the default elsewhere)")
+    plan.add_argument("--uniform", action="store_true",
+                      help="one decision per tag for every layer (--groups 1), and what that "
+                           "costs against the per-layer plan")
+    plan.add_argument("--emit", default=None, metavar="maxtext|jax|remat_kit",
+                      help="also write each plan out for the framework that runs it: MaxText's "
+                           "overrides (remat_policy=custom ...; the plan keeps to MaxText's "
+                           "tensors), the jax.checkpoint_policies expression, or the "
+                           "rk.remat_model call")
     plan.set_defaults(run=plan_command.run)
 
     fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "

@@ -4,6 +4,7 @@ the offload probe's figure, --json (for `rk.remat_model` and training) and --plo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import sys
@@ -30,7 +31,10 @@ def run(args) -> int:
     from rich.text import Text
 
     from remat_kit.cli import report
+    from remat_kit.decide.cost_model import PLANNED_BASES
+    from remat_kit.decide.emit import maxtext_taggable
     from remat_kit.decide.plan import CPU_OFFLOAD_NOTE, Planner, offload_bandwidth, read_cache
+    from remat_kit.decide.step_records import STEP_WORDS
     from remat_kit.decide.plan_cache import CACHE_LIMIT
     from remat_kit.decide.search import what_holds
     from remat_kit.measure.record import MEMORY_LABELS
@@ -72,6 +76,9 @@ def run(args) -> int:
     if cfg is None:
         check_schedules(work, presets, "--presets")
     groups = plan_groups(args.groups, work.num_layers or 1)
+    step, emit_to = checked_step_and_emit(args, target_list[0], budgets)
+    if args.uniform:
+        groups = 1
     dtype = src.dtype(work)
 
     def progress(message):
@@ -80,10 +87,13 @@ def run(args) -> int:
     planner = Planner(work, progress=progress,
                       cache=args.cache if args.cache is not None else True,
                       target=target_list[0], groups=groups, objective=args.objective,
-                      offload=args.offload)
+                      offload=args.offload, step=step,
+                      bases=("nothing",) if emit_to == "maxtext" else PLANNED_BASES)
     if isinstance(groups, int) and groups > 1 and planner.program.per_layer:
         raise BadInput(f"--groups {groups}: not possible, {planner.program.per_layer}; "
                        "give --groups 1 or leave it out")
+    if emit_to == "maxtext":  # the plan keeps to the tensors MaxText's custom policy names
+        planner.decide = maxtext_taggable(planner.program.planned_names())
     if planner.objective == "time":  # how far this target's time model was checked
         print(planner.time_check, file=sys.stderr, flush=True)
     # Presets first: the planner takes any compiled policy that beats its own plan.
@@ -99,15 +109,17 @@ def run(args) -> int:
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
     plan_seconds = time.perf_counter() - start
+    per_layer = dict(zip(fits, layered(planner).frontier(fits))) if args.uniform else {}
     held, held_parts = (what_holds(planner, lambda n: rechunked(args, n).workload(batch, seq, mesh))
                         if len(fits) < len(budgets) else ("", None))
     kind = planner.memory_kind
-    step = rk_mesh.compiled_step("value-and-grad", work.mesh)
+    compiled = rk_mesh.compiled_step(
+        "train step" if planner.step == "train" else "value-and-grad", work.mesh)
     memory = MEMORY_LABELS[kind]
     ok = [r for r in records if r.error is None and r.memory_bytes is not None
           and r.memory_kind == kind]
     title = (f"{label}: {sizes_text(batch, seq)}, {dtype} ({planner.measure('full').platform}"
-             f"{f', per device of {devices}; {step}' if devices > 1 else ''}); no remat: "
+             f"{f', per device of {devices}; {compiled}' if devices > 1 else ''}); no remat: "
              f"{fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
              f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
     t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
@@ -145,7 +157,8 @@ def run(args) -> int:
         out.append({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
                     "best_preset": best and (best.to_dict() | {
                         "predicted_seconds": planner.seconds(parse(best.policy)),
-                        "time_overhead": best_time})})
+                        "time_overhead": best_time})}
+                   | extras(p, per_layer.get(b), emit_to))
     console = Console(width=None if sys.stdout.isatty() else 200)
     print_map(work)
     console.print(t)
@@ -162,6 +175,10 @@ def run(args) -> int:
         for note in p.offload_notes:
             if note not in (CPU_OFFLOAD_NOTE, planner.offload_probe.note):
                 console.print(f"budget {b}: {note}", markup=False)
+    console.print(f"budgets cover {STEP_WORDS[planner.step]}", markup=False)
+    for b, p in plans.items():
+        for line in report_lines(b, p, per_layer.get(b), emit_to):
+            console.print(line, markup=False, soft_wrap=True)
     if held:
         console.print(f"below the minimum: {held}", markup=False, soft_wrap=True)
     # The presets' notes (a preset that compiles as its base rule on this model), as compare
@@ -172,7 +189,7 @@ def run(args) -> int:
                   f"{plan_seconds:.1f} s"
                   + (" (the presets compiled before, not counted)" if presets else ""))
     context = {**map_context(work), "config": label, "batch": batch, "seq": seq, "dtype": dtype,
-               "devices": devices, "step": step, "platform": planner.measure("full").platform,
+               "devices": devices, "step": compiled, "platform": planner.measure("full").platform,
                "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
                "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
                "block": work.block_name, "num_layers": work.num_layers,
@@ -193,6 +210,68 @@ def run(args) -> int:
               f"{fmt_bytes(full)} {memory}", file=sys.stderr)
         return 1
     return 0
+
+
+def checked_step_and_emit(args, target, budgets) -> tuple[str, str | None]:
+    """(the step the budgets cover, the --emit framework or None), checked before any
+    work: --step one of grad|train (default `step_records.default_step`), --emit one of
+    `emit.FRAMEWORKS`, and maxtext or jax only with --uniform (or --groups 1): they take
+    one setting per tensor for every layer."""
+    from remat_kit.decide.emit import FRAMEWORKS
+    from remat_kit.decide.step_records import STEPS, default_step
+    if args.step is not None and args.step not in STEPS:
+        raise BadInput(f"--step {args.step!r}: use one of {', '.join(STEPS)}")
+    if args.emit is not None and args.emit not in FRAMEWORKS:
+        raise BadInput(f"--emit {args.emit!r}: use one of {', '.join(FRAMEWORKS)}")
+    if args.emit in ("maxtext", "jax") and not (args.uniform or args.groups == "1"):
+        raise BadInput(f"--emit {args.emit} takes one setting per tensor for every layer; "
+                       "add --uniform (one decision per tag for every layer)")
+    return args.step or default_step(target, budgets), args.emit
+
+
+def layered(planner):
+    """`planner` deciding each tag per layer (its default groups), sharing its compiles:
+    the per-layer plan `--uniform` is set against."""
+    other = copy.copy(planner)
+    other.groups = "layers"
+    return other
+
+
+def _uniformity(p, per_layer) -> dict:
+    """What one decision per tag costs against the per-layer plan: FLOPs (over no
+    remat's) and bytes more."""
+    return {"flops": p.flops_overhead - per_layer.flops_overhead,
+            "bytes": p.measured_bytes - per_layer.measured_bytes}
+
+
+def extras(p, per_layer, emit_to: str | None) -> dict:
+    """A budget's --json entries for --uniform ("per_layer", "uniformity_cost") and
+    --emit ("emit": `emit.emit_entry`)."""
+    from remat_kit.decide.emit import emit_entry
+    out = {}
+    if per_layer is not None and p is not None:
+        out |= {"per_layer": per_layer.to_dict(), "uniformity_cost": _uniformity(p, per_layer)}
+    if emit_to is not None:
+        out["emit"] = p and emit_entry(p, emit_to)
+    return out
+
+
+def report_lines(budget, p, per_layer, emit_to: str | None) -> list[str]:
+    """The lines under the table for one budget: what uniformity costs, and the plan
+    written out for --emit (or the one line saying why it cannot be)."""
+    from remat_kit.decide.emit import emit_entry
+    lines = []
+    if per_layer is not None:
+        cost = _uniformity(p, per_layer)
+        lines.append(f"budget {budget}: one decision per tag costs {cost['flops']:+.2%} of no "
+                     f"remat's FLOPs and {fmt_bytes(cost['bytes'])} against the per-layer plan "
+                     f"({per_layer.spec}: {per_layer.flops_overhead:+.2%}, "
+                     f"{fmt_bytes(per_layer.measured_bytes)})")
+    if emit_to is not None:
+        entry = emit_entry(p, emit_to)
+        lines.append(f"budget {budget}, --emit {emit_to}:")
+        lines.append(entry["text"] if entry["refused"] is None else f"refused: {entry['refused']}")
+    return lines
 
 
 __all__ = ["run"]

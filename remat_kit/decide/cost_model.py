@@ -28,9 +28,9 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
+from remat_kit.decide.milp import CostModel, tie_rank
 from remat_kit.measure import time_model
 from remat_kit.measure.residuals import _COPIES, _stage, call_body
 from remat_kit.trace.workload import _as_factory
@@ -46,200 +46,6 @@ _CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _cp = jax.checkpoint_policies
 _BASE_SAVES = {"nothing": None, "dots": _cp.dots_saveable,
                "dots_no_batch": _cp.dots_with_no_batch_dims_saveable}
-
-
-# ---------------------------------------------------------------------------
-# The MILP over decision items
-# ---------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """What saving, offloading or recomputing each decision item costs, summed over
-    its occurrences.
-
-    An item is a tag (uniform decisions) or a (tag, group) pair (per layer group).
-
-    Attributes:
-      tags: the items the policy decides, in forward order.
-      nbytes: bytes of each item's values (all occurrences), per device.
-      flops: FLOPs of recomputing each item from its parents (its segment).
-      parents: items each item's segment reads (always-available tags left out).
-      needed: items the backward pass reads.
-      seconds: predicted seconds of recomputing each item (`time_model`); empty
-        when no time model was given.
-      base: the base rule the segments assume (`PLANNED_BASES`).
-      transfer: seconds of moving each offloadable item to host memory, one way
-        (its bytes over the host bandwidth); empty where offload is not planned.
-      hide: item -> group whose forward compute hides its transfers.
-      compute: group -> seconds of its layers' forward compute (`time_model`):
-        each way, transfers hide up to this much; only the excess is charged.
-      flop_rate: FLOP/s that converts a transfer's excess seconds to FLOPs for
-        objective "flops" (the target's peak: what the device could have run).
-      fixed: items always recomputed (never saved or offloaded), `narrowed`.
-      offload_share: device bytes an offloaded byte still takes, 1 - the offload
-        probe's figure (`remat_kit.decide.offload_probe`); 0 is offload's ideal.
-    """
-
-    tags: tuple
-    nbytes: dict
-    flops: dict
-    parents: dict
-    needed: frozenset
-    seconds: dict = dataclasses.field(default_factory=dict)
-    base: str = "nothing"
-    transfer: dict = dataclasses.field(default_factory=dict)
-    hide: dict = dataclasses.field(default_factory=dict)
-    compute: dict = dataclasses.field(default_factory=dict)
-    flop_rate: float = 0.0
-    fixed: frozenset = frozenset()
-    offload_share: float = 0.0
-
-    def narrowed(self, keep: Callable) -> "CostModel":
-        """This model with the items `keep(item)` rejects always recomputed."""
-        return dataclasses.replace(self, fixed=frozenset(t for t in self.tags if not keep(t)))
-
-    def recomputed(self, saved, offloaded=frozenset()) -> frozenset:
-        """The items recomputed when `saved` are saved (and `offloaded` offloaded):
-        needed ones not kept, and the unkept parents of every recomputed item,
-        transitively."""
-        kept = set(saved) | set(offloaded)
-        out, stack = set(), [t for t in self.needed if t not in kept]
-        while stack:
-            t = stack.pop()
-            if t not in out:
-                out.add(t)
-                stack += [p for p in self.parents[t] if p not in kept]
-        return frozenset(out)
-
-    def cost(self, saved, offloaded=frozenset()) -> tuple[int, float]:
-        """(device bytes, recompute FLOPs) of saving `saved` and offloading
-        `offloaded`; an offloaded item takes `offload_share` of its bytes."""
-        return (sum(self.nbytes[t] for t in saved)
-                + round(self.offload_share * sum(self.nbytes[t] for t in offloaded)),
-                sum(self.flops[t] for t in self.recomputed(saved, offloaded)))
-
-    def excess(self, offloaded) -> float:
-        """Transfer seconds not hidden behind compute: per group, both ways,
-        max(0, sum of its offloaded items' transfer - its forward compute)."""
-        load: dict = {}
-        for t in offloaded:
-            load[self.hide[t]] = load.get(self.hide[t], 0.0) + self.transfer[t]
-        return sum(2 * max(0.0, x - self.compute.get(g, 0.0)) for g, x in load.items())
-
-    def time(self, saved, offloaded=frozenset()) -> float:
-        """Predicted seconds of recompute and unhidden transfers (0 recompute
-        without a time model)."""
-        return (sum(self.seconds.get(t, 0.0) for t in self.recomputed(saved, offloaded))
-                + self.excess(offloaded))
-
-    def objective(self, saved, offloaded=frozenset(), objective: str = "flops") -> float:
-        """What `solve` minimizes: recompute FLOPs plus unhidden transfer seconds at
-        `flop_rate` ("flops"), or `time` ("time")."""
-        if objective == "time":
-            return self.time(saved, offloaded)
-        return self.cost(saved, offloaded)[1] + self.excess(offloaded) * self.flop_rate
-
-    def solve(self, room: float, flop_tolerance: float = 0.0,
-              objective: str = "flops") -> tuple[frozenset, frozenset, str]:
-        """The cheapest items to save within `room` bytes, and to offload.
-
-        Binary s_t (save t), o_t (offload t; only items in `transfer`) and r_t
-        (recompute t), continuous e_g >= 0 (group g's unhidden transfer), after
-        Checkmate (Jain et al. 2020) with one recompute stage and offload as in
-        Beaumont et al. 2021 ("Efficient combination of rematerialization and
-        offloading"), the transfers overlapping compute:
-
-            minimize    sum_t cost_t r_t + 2 w sum_g e_g
-            subject to  s_t + o_t + r_t >= 1         t needed by the backward pass
-                        s_p + o_p + r_p >= r_t       p a parent of t
-                        s_t + o_t <= 1
-                        e_g >= sum_{t in g} transfer_t o_t - compute_g
-                        sum_t bytes_t (s_t + share o_t) <= room
-
-        (share: `offload_share`; w: 1 for "time", `flop_rate` for "flops"), then again for the fewest
-        stored bytes (saved, and a little more for offloaded: saving is preferred
-        where both fit; a little more in earlier layer groups) among solutions
-        within the tolerance.
-
-        Args:
-          room: device bytes the saved items may take.
-          flop_tolerance: cost the second solve may give up for fewer bytes, in
-            the objective's unit (FLOPs, or seconds for "time").
-          objective: "flops" (cost_t = flops) or "time" (cost_t = seconds).
-        Returns:
-          (saved items, offloaded items, HiGHS status message).
-        """
-        # Imported here: scipy.optimize is half a second of every command's start-up.
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        n = len(self.tags)
-        if n == 0:
-            return frozenset(), frozenset(), "no tags to decide"
-        groups = sorted(set(self.hide[t] for t in self.transfer), key=str)
-        gi = {g: 3 * n + i for i, g in enumerate(groups)}
-        width = 3 * n + len(groups)
-        index = {t: i for i, t in enumerate(self.tags)}
-        rows, lower, upper = [], [], []
-
-        def row(*terms, low=0.0, high=np.inf):
-            a = np.zeros(width)
-            for col, coef in terms:
-                a[col] += coef
-            rows.append(a)
-            lower.append(low)
-            upper.append(high)
-
-        def s(t): return index[t]
-        def r(t): return n + index[t]
-        def o(t): return 2 * n + index[t]
-
-        for t in self.needed:
-            row((s(t), 1), (o(t), 1), (r(t), 1), low=1)
-        for t in self.tags:
-            for p in self.parents[t]:
-                row((s(p), 1), (o(p), 1), (r(p), 1), (r(t), -1))
-            if t in self.transfer:
-                row((s(t), 1), (o(t), 1), low=-np.inf, high=1)
-        t_scale = max([*self.transfer.values(), *self.compute.values(), 1e-30])
-        for g in groups:
-            row((gi[g], 1), *((o(t), -self.transfer[t] / t_scale) for t in self.transfer
-                              if self.hide[t] == g), low=-self.compute.get(g, 0.0) / t_scale)
-        weights = self.seconds if objective == "time" else self.flops
-        # Scaled to ~1 so HiGHS's tolerances mean the same at any model size.
-        b = np.array([self.nbytes[t] for t in self.tags], float)
-        f = np.array([weights.get(t, 0.0) for t in self.tags], float)
-        b_scale, f_scale = max(b.max(), 1.0), max(f.max(), 1e-30)
-        per_second = 1.0 if objective == "time" else self.flop_rate
-        cost_row = np.concatenate([np.zeros(n), f / f_scale, np.zeros(n),
-                                   np.full(len(groups), 2 * per_second * t_scale / f_scale)])
-        memory = np.concatenate([b / b_scale, np.zeros(n), self.offload_share * b / b_scale,
-                                 np.zeros(len(groups))])
-        # Ties go to later layers: their residuals are read back first, so XLA often
-        # reuses their buffers before the peak (the last layer's can cost nothing).
-        layer = [t[1] if isinstance(t, tuple) else 0 for t in self.tags]
-        last = max(max(layer), 1)
-        late = np.array([1 + 1e-4 * (last - g) / last for g in layer])
-        stored = np.concatenate([late * b / b_scale, np.zeros(n), 1.001 * late * b / b_scale,
-                                 np.zeros(len(groups))])
-        cons = [LinearConstraint(np.array(rows), lower, upper)] if rows else []
-        cons.append(LinearConstraint(memory[None], -np.inf, max(room, 0) / b_scale + 1e-9))
-        high = np.ones(width)
-        high[:n] = [float(t not in self.fixed) for t in self.tags]
-        high[2 * n:3 * n] = [float(t in self.transfer and t not in self.fixed)
-                             for t in self.tags]
-        high[3 * n:] = np.inf
-        opts = dict(integrality=np.r_[np.ones(3 * n), np.zeros(len(groups))],
-                    bounds=Bounds(0, high), options={"mip_rel_gap": 0.0})
-        first = milp(cost_row, constraints=cons, **opts)
-        if first.x is None:
-            return frozenset(), frozenset(), f"HiGHS: {first.message}"
-        cons.append(LinearConstraint(cost_row[None], -np.inf,
-                                     first.fun + 1e-7 + flop_tolerance / f_scale))
-        second = milp(stored, constraints=cons, **opts)
-        x = second.x if second.x is not None else first.x
-        saved = frozenset(t for t in self.tags if x[s(t)] > 0.5)
-        offloaded = frozenset(t for t in self.tags if x[o(t)] > 0.5)
-        return saved, offloaded, \
-            f"HiGHS: {second.message if second.x is not None else first.message}"
 
 
 # ---------------------------------------------------------------------------
@@ -277,7 +83,11 @@ class Program:
         tagged = [n for n in self.nodes if tag_of(n.eqn) is not None]
         self.layers = tuple(dict.fromkeys(n.region for n in tagged if n.region is not None
                                           and not self.regions[n.region]))
-        self._loose = [n for n in tagged if n.region is None or self.regions[n.region]]
+        # Tags in a scanned region share one policy. Tags outside every remat region
+        # (a model's embedding or final norm, named by path) are kept by plain autodiff
+        # whatever the policy: they are not decided (`model`) and do not stop per-layer plans.
+        self._loose = [n for n in tagged if n.region is not None and self.regions[n.region]]
+        self._outside = bool(self.regions) and any(n.region is None for n in tagged)
 
     def _context(self) -> int:
         self._contexts += 1
@@ -319,9 +129,7 @@ class Program:
     def per_layer(self) -> str | None:
         """None where tags can be decided per layer; else why not."""
         if self._loose:
-            inside = any(n.region is not None for n in self._loose)
-            return ("the layers are one scan body, which takes one policy for every layer"
-                    if inside else "some tags are outside any per-layer remat region")
+            return "the layers are one scan body, which takes one policy for every layer"
         if len(self.layers) < 2:
             return "the program has one remat region"
         return None
@@ -343,6 +151,29 @@ class Program:
         while node is not None and node.eqn.primitive in _COPIES and node.ins:
             node = self.producers.get(node.ins[0])
         return node
+
+    def planned_names(self) -> dict[str, str]:
+        """Tag name -> the tag it is planned as: names that always sit on one value
+        with another (a role on a module's output path, the model's own
+        `checkpoint_name` beside a role) are one decision, named by the first of
+        the names on every such value in `milp.tie_rank` (a role, then the model's own
+        name, then a module path). Saving that name saves every value the merged
+        name is on, so the merge keeps the policy's meaning. Names on no shared
+        value map to themselves."""
+        chains: dict[int, set] = {}  # bottom tag node -> the names on its value
+        for node in self.nodes:
+            if (tag := tag_of(node.eqn)) is None:
+                continue
+            bottom = node
+            while bottom.ins and (below := self._source(bottom.ins[0])) is not None \
+                    and tag_of(below.eqn) is not None:
+                bottom = below
+            chains.setdefault(id(bottom), set()).add(tag)
+        common: dict[str, set] = {}
+        for names in chains.values():
+            for name in names:
+                common[name] = common[name] & names if name in common else set(names)
+        return {name: min(shared, key=tie_rank) for name, shared in common.items()}
 
     def model(self, *, free: Sequence[str] = (), needed: Sequence[str] = (),
               base: str = "nothing", groups: int = 1,
@@ -373,17 +204,24 @@ class Program:
                              f"{self.per_layer or f'the program has {len(self.layers)} layers'}")
         cache = {} if cache is None else cache
         group = self.groups(groups) if groups > 1 else {}
-        free = set(free)
+        rep = self.planned_names()
+        free = {rep.get(t, t) for t in free}
         nbytes, flops, seconds, parents, order = {}, {}, {}, {}, {}
 
-        def item(node):
+        def planned(node):
             tag = tag_of(node.eqn)
+            return None if tag is None else rep.get(tag, tag)
+
+        def item(node):
+            tag = planned(node)
             return tag if groups == 1 else (tag, group.get(node.region, 0))
 
         for node in self.nodes:
-            tag = tag_of(node.eqn)
-            if tag is None or tag in free:
-                continue
+            tag = planned(node)
+            below = self._source(node.ins[0]) if node.ins else None
+            if tag is None or tag in free or (below is not None and planned(below) == tag) \
+                    or (node.region is None and self._outside):
+                continue  # untagged, kept anyway, a value's second name, or outside every remat
             it = item(node)
             order.setdefault(it, None)
             aval = node.eqn.outvars[0].aval
@@ -398,7 +236,7 @@ class Program:
                 if e is None or id(e) in seen or e.eqn.primitive.name == "scan":
                     continue
                 seen.add(id(e))
-                if (t := tag_of(e.eqn)) is not None:
+                if (t := planned(e)) is not None:
                     if t not in free:
                         reads.add(item(e))
                     continue
@@ -411,7 +249,10 @@ class Program:
                 seconds[it] = seconds.get(it, 0.0) + time_model.segment_seconds(
                     segment, aval, roofline, cache)
         tags = tuple(order)
-        wanted = set(needed)
+        wanted = {rep.get(t, t) for t in needed}
+        names = {t if groups == 1 else t[0] for t in tags}
+        aliases = {r: tuple(sorted(n for n, to in rep.items() if to == r and n != r))
+                   for r in sorted(names)}
         offload = {}
         if host_bandwidth is not None:
             offload = dict(transfer={t: nbytes[t] / host_bandwidth for t in tags if nbytes[t]},
@@ -422,7 +263,7 @@ class Program:
                          {t: frozenset(parents[t] - {t}) for t in tags},
                          frozenset(t for t in tags if (t if groups == 1 else t[0]) in wanted),
                          {t: seconds.get(t, 0.0) for t in tags} if roofline else {}, base,
-                         **offload)
+                         aliases={r: a for r, a in aliases.items() if a}, **offload)
 
     def _compute(self, group: dict, roofline, cache: dict) -> dict:
         """Group -> predicted forward seconds of the remat regions holding tags in it

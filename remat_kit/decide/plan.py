@@ -26,8 +26,10 @@ memory?" in three steps:
        minimize    sum_t cost_t r_t           cost: FLOPs, or predicted seconds
        subject to  s_t + r_t >= 1              t needed by the backward pass
                    s_p + r_p >= r_t            p a parent of t (recomputing t reads p)
-                   sum_t bytes_t s_t <= room   room = budget - memory of the base alone
+                   sum_t k bytes_t s_t <= room room = budget - memory of the base alone
 
+   where k, what a saved byte adds to the compiled figure, is measured on the
+   program by one compile (every tag saved, against `full`: `Planner.byte_share`);
    solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
    among solutions within `search.FLOP_RESOLUTION` of the cheapest, so nothing
    useless is saved. Where offload is asked for (`offload`), a third
@@ -73,42 +75,24 @@ Plans are cached (`remat_kit.decide.plan_cache`), so a restarted run does not pl
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import math
-import re
 from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from remat_kit.decide import offload as host_offload
-from remat_kit.decide import offload_probe
 from remat_kit.decide import search
-from remat_kit.measure import figure_cache
-from remat_kit.measure import targets
-from remat_kit.measure import time_model
-from remat_kit.decide.cost_model import (SAVE_TAGS, CostModel, Program, cost_model,
-                                  forward_jaxpr, with_region_policies)
-from remat_kit.errors import BudgetError
-from remat_kit.measure.lowering import compile_options
-from remat_kit.measure.measure import measure
-from remat_kit.decide.plan_cache import Plan, default_cache_path, layers_summary, \
-    read_cache
-from remat_kit.policy.policy import Policy
-from remat_kit.measure.record import Record
-from remat_kit.measure.residuals import _stage
-from remat_kit.policy.spec import parse
+from remat_kit.decide.cost_model import PLANNED_BASES, CostModel, Program, cost_model
 from remat_kit.decide.offload import CPU_OFFLOAD_NOTE, offload_bandwidth
+from remat_kit.decide.plan_cache import Plan, default_cache_path, layers_summary, read_cache
+from remat_kit.decide.planner_compiles import PlannerCompiles
+from remat_kit.decide.planner_costs import MAX_DEFAULT_GROUPS, TIME_RESOLUTION, PlannerCosts
+from remat_kit.decide.step_records import check_step, default_step
+from remat_kit.measure import targets
+from remat_kit.measure.record import Record
 from remat_kit.measure.time_checks import time_check
 from remat_kit.measure.time_model import OBJECTIVES
-from remat_kit.trace.workload import Workload, _as_factory
-
-# Predicted step times closer than this fraction of no remat's are ranked by FLOPs.
-TIME_RESOLUTION = 5e-3
-# Stacks up to this many layers get one group per layer by default (`groups="layers"`).
-MAX_DEFAULT_GROUPS = 64
-
+from remat_kit.trace.workload import Workload, _as_factory, from_loss
 
 
 def _check_differentiable(args) -> None:
@@ -128,12 +112,7 @@ def _check_differentiable(args) -> None:
                          "rk.plan(loss_fn, params, *batch, budget=...)")
 
 
-# Bumped where the planner's answers change for the same program (the offload probe's
-# device share), so plans cached by an older planner are planned again.
-_PLANNER_REVISION = "offload-probe"
-
-
-class Planner:
+class Planner(PlannerCompiles, PlannerCosts):
     """Plans one loss for any number of budgets, sharing the measurements.
 
     `Planner(loss_fn, *args).plan("6GiB")`; `.frontier([0.1, 0.2])`.
@@ -186,6 +165,17 @@ class Planner:
         memory is device memory, the figure is what its compile shows (0).
       decide: tag names the plan may save or offload; the others are always
         recomputed. Default every tag (the optimality benchmark narrows it).
+      step: the step a budget covers: "grad" (the default), the value-and-grad
+        step `compare` measures, or "train", the whole train step as `fit`
+        measures it (parameters, gradients, optimizer state and update, the
+        batch: `remat_kit.decide.step_records`); every record is then that
+        step's, so a budget can be the device's memory as it is.
+      optimizer: with step "train", the optax optimizer of the step; default
+        AdamW (`step.default_optimizer`).
+      bases: the base rules for untagged values a plan may take (default
+        `cost_model.PLANNED_BASES`); ("nothing",) for a framework that names
+        every value it keeps (`remat_kit.decide.emit`). With `decide`, it also
+        narrows which compiled policies (presets) may be the plan.
 
     Raises:
       ValueError: max_iterations not a positive int, groups not a positive int
@@ -199,7 +189,8 @@ class Planner:
                  target=None, per_device: tuple[Callable, tuple] | None = None,
                  groups: "int | str" = "layers", objective: str | None = None,
                  predict_time: bool = True, offload: "bool | float | None" = None,
-                 decide: "Collection[str] | None" = None):
+                 decide: "Collection[str] | None" = None, step: str = "grad",
+                 optimizer=None, bases: Sequence[str] = PLANNED_BASES):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
@@ -221,8 +212,12 @@ class Planner:
                                                ("num_layers", loss_fn.num_layers),
                                                ("parameters", loss_fn.parameter_count))
                              if v is not None}
+            self.workload = loss_fn
             loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
+        else:
+            self.workload = from_loss(loss_fn, *args)
         _check_differentiable(args)
+        self.step, self.optimizer = check_step(step), optimizer
         self.loss_fn, self.args = _as_factory(loss_fn, len(args)), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
@@ -235,6 +230,9 @@ class Planner:
                              f"{objective!r}")
         self.groups = groups
         self.decide = None if decide is None else frozenset(decide)
+        if not bases or set(bases) - set(PLANNED_BASES):
+            raise ValueError(f"bases must be some of {', '.join(PLANNED_BASES)}, got {bases!r}")
+        self.bases = tuple(b for b in PLANNED_BASES if b in bases)
         self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
@@ -247,320 +245,17 @@ class Planner:
         self._fingerprint: str | None = None
         self._staged = None
         self._probe = None
+        self._byte_share: float | None = None
         self.host_bandwidth = offload_bandwidth(self.target, offload)
         self.predict_time = (predict_time or self.objective == "time"
                              or self.host_bandwidth is not None)
         if groups != "layers":
             self.group_count()  # a group count outside 1..layers fails here, not at plan
 
-    # -- measurements, each made once -------------------------------------
-
-    def measure_all(self, policies: Sequence) -> list[Record]:
-        """Records of `policies` (specs or Policies; auto specs not allowed),
-        compiling only those not measured yet, in one `measure` call (so
-        policies that compile alike compile once). Records may carry errors."""
-        keys = [str(parse(p)) for p in policies]
-        todo = [p for p, k in zip(policies, keys) if k not in self.records]
-        if todo:
-            for record in measure(self.loss_fn, *self.args, policies=todo,
-                                  progress=self._progress, target=self.target,
-                                  per_device=self.per_device):
-                for name in record.names:
-                    self.records.setdefault(str(parse(name)), record)
-                    self._policies.setdefault(str(parse(name)), parse(name))
-        return [self.records[k] for k in keys]
-
-    def peak(self, policy: "Policy | str") -> dict | None:
-        """What holds `policy`'s compiled figure (`Record.peak`,
-        `remat_kit.measure.peak.breakdown`): one more compile, which writes
-        XLA's buffer assignment; None where it fails."""
-        [record] = measure(self.loss_fn, *self.args, policies=[policy], target=self.target,
-                           per_device=self.per_device, peak=True)
-        return record.peak
-
-    def _progress(self, i, n, record):
-        if self.progress:
-            self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
-
-    def measure(self, policy: "Policy | str") -> Record:
-        """The compiled record of `policy` (memoized).
-
-        Raises:
-          BudgetError: `full` runs out of the target's memory when compiled:
-            no policy fits the device at these shapes.
-          RuntimeError: the policy fails to compile for another reason, or
-            the backend gives no memory or FLOP figures.
-        """
-        record = self.measure_all([policy])[0]
-        key = str(parse(policy))
-        if record.error and key == "full" and targets.is_out_of_memory(record.error):
-            raise BudgetError(f"even full remat runs out of {self.target}'s memory at these "
-                              f"shapes, so no policy fits: {record.error.splitlines()[0]}")
-        if record.error or record.memory_bytes is None or record.flops is None:
-            raise RuntimeError(f"cannot plan: policy {key!r} did not compile to memory and "
-                               f"FLOP figures: {record.error or 'the backend reports none'}")
-        return record
-
-    def _measure_layers(self, policies: tuple) -> Record:
-        """The compiled record of one policy per layer (the model's program with
-        each layer's remat region under its policy, `cost_model.with_region_policies`)."""
-        key = layers_summary(policies)
-        if key not in self.records:
-            loss, per_device = self._layer_program(policies)
-            [record] = measure(lambda _: loss, *self.args, policies=[Policy()], names=[key],
-                               progress=self._progress, target=self.target,
-                               per_device=per_device)
-            self.records[key] = dataclasses.replace(record, policy=key)
-            self._policies[key] = policies
-        return self.records[key]
-
-    def _forward(self, which: str):
-        """The forward jaxpr under `full` of the loss ("global") or of the per-device program."""
-        if which not in self._forwards:
-            fn, args = ((self.loss_fn, self.args) if which == "global" else self.per_device)
-            self._forwards[which] = forward_jaxpr(fn(Policy()), args)
-        return self._forwards[which]
-
-    def loss_of(self, policy) -> Callable:
-        """loss(*args) under `policy`: a `Policy`, or a tuple of one per layer
-        (the model's program with each layer's remat region under its own, as
-        a per-layer plan is verified), e.g. to compile a plan inside a train
-        step (`remat_kit.decide.fit`)."""
-        return self._layer_program(policy)[0] if isinstance(policy, tuple) else \
-            self.loss_fn(policy)
-
-    def _layer_program(self, policies: tuple):
-        regions = dict(zip(self.program.layers, policies))
-        loss = with_region_policies(self._forward("global"), regions)
-        per_device = None
-        if self.per_device is not None:
-            local = with_region_policies(self._forward("local"), regions)
-            per_device = (lambda _: local, self.per_device[1])
-        return loss, per_device
-
-    # -- the cost model ----------------------------------------------------
-
-    @property
-    def program(self) -> Program:
-        """The forward program the cost model reads (`cost_model.Program`), per device."""
-        if self._program is None:
-            fn, args = self.per_device or (self.loss_fn, self.args)
-            self._program = Program(forward_jaxpr(fn(SAVE_TAGS), args).jaxpr)
-        return self._program
-
-    @property
-    def roofline(self):
-        """The target's `time_model.Roofline` (on CPU, measured once and cached)."""
-        if self._roofline is None:
-            self._roofline = time_model.roofline(self.target)
-        return self._roofline
-
-    def model_for(self, base: str = "nothing", groups: int = 1) -> CostModel:
-        """The `CostModel` under base rule `base` with tags decided in `groups` layer
-        groups. Where offload is asked for, the offload probe decides: an offloaded
-        byte is charged 1 - its figure in device bytes where it pays
-        (`plans_offload`), else offload is not among the choices."""
-        if (base, groups) not in self._models:
-            bandwidth = self.host_bandwidth if self.plans_offload else None
-            model = self._build_model(base, groups, bandwidth)
-            if bandwidth is not None:
-                model = dataclasses.replace(model, offload_share=1 - self.offload_probe.figure)
-            self._models[(base, groups)] = model
-        return self._models[(base, groups)]
-
-    def offload_free_model(self) -> CostModel:
-        """The uniform `CostModel` (base nothing, one decision per tag) without offload:
-        what the offload probe reads its tag set from."""
-        if "offload-free" not in self._models:
-            self._models["offload-free"] = self._build_model("nothing", 1, None)
-        return self._models["offload-free"]
-
-    @property
-    def offload_probe(self) -> "offload_probe.Probe | None":
-        """The offload probe of this loss on this target (`remat_kit.decide.offload_probe`,
-        two compiles or a figure cache hit, made once); None where offload is not asked for."""
-        if self.host_bandwidth is not None and self._probe is None:
-            self._probe = offload_probe.probe(self)
-        return self._probe
-
-    @property
-    def plans_offload(self) -> bool:
-        """Offload is asked for and the probe's compiles show it lowers device memory."""
-        return self.host_bandwidth is not None and self.offload_probe.pays
-
-    def _build_model(self, base: str, groups: int, host_bandwidth) -> CostModel:
-        """The `CostModel` as measured from the program, offload at `host_bandwidth`."""
-        free = set(self.measure(Policy()).residual_bytes_by_tag)
-        staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
-                  if self.per_device is not None else self.staged)
-        needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-        model = self.program.model(
-            free=free, needed=needed, base=base, groups=groups,
-            roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache,
-            host_bandwidth=host_bandwidth)
-        if self.decide is not None:
-            model = model.narrowed(lambda t: (t if groups == 1 else t[0]) in self.decide)
-        return model
-
-    @property
-    def model(self) -> CostModel:
-        """The measured `CostModel`: one decision per tag, base rule nothing."""
-        return self.model_for()
-
-    def group_count(self) -> tuple[int, str | None]:
-        """(groups the tags are decided in, a note where fewer than asked).
-
-        Raises:
-          ValueError: an int `groups` above the number of layers.
-        """
-        why, layers = self.program.per_layer, len(self.program.layers)
-        if self.groups == "layers":
-            return (1, None) if why else (min(layers, MAX_DEFAULT_GROUPS), None)
-        if self.groups == 1:
-            return 1, None
-        if why and self.groups > 1:
-            return 1, f"groups={self.groups} not possible ({why}): one decision per tag"
-        if not 1 <= self.groups <= layers:
-            raise ValueError(f"groups={self.groups}: give a whole number of layer groups from 1 "
-                             f"to {max(layers, 1)} (the program's layers), or 'layers'")
-        return self.groups, None
-
-    def _policy(self, saved, base: str, groups: int, offloaded=frozenset()):
-        """The policy saving `saved` items and offloading `offloaded`: one Policy, or
-        one per layer where they differ."""
-        if groups == 1:
-            return Policy(save=frozenset(saved), offload=frozenset(offloaded), base=base)
-        group = self.program.groups(groups)
-        layers = tuple(Policy(save=frozenset(t for t, g in saved if g == group[r]),
-                              offload=frozenset(t for t, g in offloaded if g == group[r]),
-                              base=base)
-                       for r in self.program.layers)
-        return layers[0] if len(set(layers)) == 1 else layers
-
-    def transfer_seconds(self, policy) -> float:
-        """Predicted seconds of `policy`'s host transfers not hidden behind its
-        layers' compute (`remat_kit.decide.offload.transfer_seconds`)."""
-        return host_offload.transfer_seconds(self, policy)
-
-    def record_of(self, policy) -> Record:
-        """The compiled record (memoized) of a Policy or of a per-layer tuple of them."""
-        return self._measure_layers(policy) if isinstance(policy, tuple) \
-            else self.measure_all([policy])[0]
-
-    def _record(self, policy) -> Record:
-        return self._measure_layers(policy) if isinstance(policy, tuple) \
-            else self.measure_all([policy])[0]
-
-    def seconds(self, policy) -> float:
-        """Predicted step seconds of `policy` (a Policy, spec or per-layer tuple), per
-        device: its compiled record's (`Record.predicted_seconds`, a roofline per
-        compiled op; compiles it if not yet), else where that has none the
-        roofline of every equation of its value-and-grad program
-        (`time_model.program_seconds`); plus its host transfers not hidden behind
-        compute (`transfer_seconds`)."""
-        key = layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
-        if key not in self._seconds:
-            layered = isinstance(policy, tuple)
-            policy = policy if layered else parse(policy)
-            found = self._record(policy).predicted_seconds
-            if found is None:
-                if layered:
-                    loss, per_device = self._layer_program(policy)
-                    fn, args = per_device or ((lambda _: loss), self.args)
-                else:
-                    fn, args = self.per_device or (self.loss_fn, self.args)
-                program = _stage(fn(None if layered else policy), args).program
-                found = time_model.program_seconds(program.jaxpr, self.roofline,
-                                                   self._eqn_cache)
-            self._seconds[key] = found + self.transfer_seconds(policy)
-        return self._seconds[key]
-
-    def _policy_of(self, record: Record):
-        """The Policy (or per-layer tuple) a compiled record measured."""
-        return self._policies.get(record.policy) or parse(record.policy)
-
-    def score(self, record: Record) -> tuple:
-        """What the objective ranks a compiled record by (measured FLOPs, or
-        predicted seconds), then its memory. Predicted seconds within
-        `TIME_RESOLUTION` of no remat's are a tie, broken by FLOPs: the time
-        model is not that accurate, and fewer FLOPs never cost time."""
-        policy = self._policy_of(record)
-        stored = record.memory_bytes + record.offloaded_bytes  # saving beats offloading
-        if self.objective == "time":
-            step = TIME_RESOLUTION * self.seconds(Policy(remat=False))
-            return (round(self.seconds(policy) / step), record.flops, stored)
-        excess = self.transfer_seconds(policy) * self.roofline.bf16_flops if \
-            self.host_bandwidth is not None else 0.0
-        return (record.flops + excess, stored)
-
-    @property
-    def staged(self):
-        """The loss traced under `SAVE_TAGS` (for the cost model and the fingerprint)."""
-        if self._staged is None:
-            self._staged = _stage(self.loss_fn(SAVE_TAGS), self.args)
-        return self._staged
-
-    def fingerprint(self) -> str:
-        """A hash of the traced program, argument shardings, JAX version, target and
-        compiler (`figure_cache.compiler_parts`)."""
-        if self._fingerprint is None:
-            text = re.sub(r"0x[0-9a-f]+", "", str(self.staged.program))  # object addresses vary
-            shardings = [str(getattr(x, "sharding", None)) for x in jax.tree.leaves(self.args)]
-            # What the figure cache keys by besides the program ($XLA_FLAGS, the
-            # compiler version, ...): a plan compiled under other flags is another plan.
-            compiler = figure_cache.compiler_parts(
-                self.target, compile_options(self.target, True))
-            blob = "\n".join([text, *shardings, jax.__version__, repr(compiler),
-                              str(jax.device_count()), _PLANNER_REVISION])
-            self._fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:32]
-        return self._fingerprint
-
-    # -- planning ---------------------------------------------------------
-
-    @property
-    def memory_kind(self) -> str:
-        """The figure this planner budgets, "temp_size_in_bytes" or
-        "peak_memory_in_bytes": `full`'s `Record.memory_kind` (compiles `full`)."""
-        return self.measure(Policy()).memory_kind
-
-    def none(self) -> Record | None:
-        """No remat's record; None where its compile runs out of the target's
-        memory (it cannot fit any budget on that device)."""
-        record = self.measure_all([Policy(remat=False)])[0]
-        if record.error and targets.is_out_of_memory(record.error):
-            return None
-        return self.measure(Policy(remat=False))
-
-    def none_flops(self) -> float:
-        """No remat's FLOPs: compiled, or where it runs out of memory, the cost
-        model's (`full`'s measured FLOPs less its predicted recompute)."""
-        none = self.none()
-        if none is not None:
-            return none.flops
-        return self.measure(Policy()).flops - self.model.cost(frozenset())[1]
-
-    def minimum(self) -> tuple[int, int | None]:
-        """(least memory of any compiled policy, memory of `none` or None where
-        it runs out of memory), bytes of `memory_kind`, after compiling `full`
-        and `none`. The least is `full`'s except on small models, where XLA
-        can give another policy less."""
-        self.measure(Policy())
-        none = self.none()
-        return min(r.memory_bytes for r in self._compiled()), none and none.memory_bytes
-
     def plan(self, budget: "str | int | float") -> Plan:
         """The policy with the fewest FLOPs (or least predicted time) whose
         compiled memory fits `budget`: `remat_kit.decide.search.plan`."""
         return search.plan(self, budget)
-
-    def _compiled(self) -> list[Record]:
-        """Every policy compiled for this loss that has memory and FLOP figures and,
-        where offload is not planned (not asked for, or the offload probe shows it
-        does not pay), offloads nothing (a preset such as minimal_offloaded is then
-        never a plan)."""
-        return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
-                if r.error is None and r.flops is not None and r.memory_bytes is not None
-                and (not r.offloaded_bytes or self.plans_offload)]
 
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: `remat_kit.decide.search.frontier`."""
@@ -569,7 +264,8 @@ class Planner:
 
 def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
          max_iterations: int = 3, target=None, groups: "int | str" = "layers",
-         objective: str | None = None, offload: "bool | float | None" = None) -> Plan:
+         objective: str | None = None, offload: "bool | float | None" = None,
+         step: str | None = None, optimizer=None) -> Plan:
     """The cheapest policy (fewest FLOPs) whose compiled memory fits `budget`.
 
     `rk.plan(loss_fn, *args, budget="6GiB")`: a mixed-integer program over the
@@ -589,6 +285,10 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       groups, objective, offload: see `Planner` (default: each layer its own
         group, for stacks up to `MAX_DEFAULT_GROUPS` layers; offload only when
         asked for, and then only where the offload probe shows it pays).
+      step, optimizer: the step the budget covers, "grad" or "train" (see
+        `Planner`); default "train" where the budget is a size on a TPU or GPU
+        target (the device's memory as it is), else "grad"
+        (`step_records.default_step`).
     Returns:
       A `Plan` with measured_bytes <= budget_bytes.
     Raises:
@@ -599,10 +299,11 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
         is nothing to differentiate; a group count outside 1..layers.
     """
     return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
-                   target=target, groups=groups, objective=objective,
-                   offload=offload).plan(budget)
+                   target=target, groups=groups, objective=objective, offload=offload,
+                   step=step or default_step(target, [budget]),
+                   optimizer=optimizer).plan(budget)
 
 
 __all__ = ["CPU_OFFLOAD_NOTE", "CostModel", "MAX_DEFAULT_GROUPS", "Plan", "Planner",
-           "cost_model", "default_cache_path", "layers_summary", "offload_bandwidth", "plan",
-           "read_cache"]
+           "TIME_RESOLUTION", "cost_model", "default_cache_path", "layers_summary",
+           "offload_bandwidth", "plan", "read_cache"]

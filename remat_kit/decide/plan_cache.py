@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from remat_kit.files import atomic_write, read_regular
 from remat_kit.measure import sealed
+from remat_kit.policy.names import register_emitted
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import parse
 
@@ -73,6 +74,15 @@ class Plan:
       model: what the plan was made for, where the planner was given a model's
         `Workload`: {"block": class name, "num_layers": int, "parameters": int};
         `rk.remat_model` refuses the plan on a model that differs. {} for a loss.
+      step: what the budget and the memory figures cover: "grad", the
+        value-and-grad step (`compare`'s figure), or "train", the whole train
+        step as `fit` measures it (`memory_kind` is then "train_step_bytes";
+        FLOPs are the train step's too).
+      aliases: tag -> the other names the model gives the same values (its own
+        `checkpoint_name`s, module paths), for each tag the plan keeps that has
+        any (`CostModel.aliases`) or is the model's own name outside the
+        vocabulary (then registered as the plan is read back): `remat_kit.decide.emit` writes a plan out in
+        the names a framework knows.
     """
 
     budget: str
@@ -101,6 +111,8 @@ class Plan:
     host_bytes: int | None = None
     offload_notes: tuple[str, ...] = ()
     model: dict = dataclasses.field(default_factory=dict)
+    step: str = "grad"
+    aliases: dict = dataclasses.field(default_factory=dict)
 
     @property
     def memory_fraction(self) -> float | None:
@@ -132,6 +144,9 @@ class Plan:
         """The inverse of `to_dict`."""
         fields = {f.name for f in dataclasses.fields(cls)}
         layers = tuple(d.get("layer_specs") or ())
+        # A tag of the model's own outside the vocabulary (attention_out) parses once known.
+        register_emitted([t for tag, names in (d.get("aliases") or {}).items()
+                          for t in (tag, *names)])
         policy = tuple(parse(s) for s in layers) if layers else parse(d["spec"])
         return cls(**{k: v for k, v in d.items() if k in fields}
                    | {"policy": policy, "layer_specs": layers,
@@ -202,7 +217,8 @@ _PLAN: sealed.Schema = {
     "predicted_seconds": sealed.optional(_amount), "none_seconds": sealed.optional(_amount),
     "offloaded_bytes": _count, "host_bytes": sealed.optional(_count),
     "offload_notes": sealed.texts,
-    "model": sealed.mapping(lambda v: sealed.text(v) or sealed.count(v))}
+    "model": sealed.mapping(lambda v: sealed.text(v) or sealed.count(v)),
+    "step": sealed.text, "aliases": sealed.mapping(sealed.texts)}
 
 
 def cached_plan(path: str, key: str) -> Plan | None:

@@ -64,10 +64,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     """The policy with the fewest FLOPs (or least predicted time) whose
     compiled memory fits `budget`.
 
-    Each base rule for untagged values (`cost_model.PLANNED_BASES`: nothing,
-    dots_no_batch, dots) whose own compile fits is a starting point: the
-    MILP fills the room the budget leaves above it, with the segments that
-    base rule implies. The base with the best predicted objective is
+    Each base rule (`Planner.bases`, default `cost_model.PLANNED_BASES`) whose own
+    compile fits is a starting point: the MILP fills the room above it. The base with the best predicted objective is
     verified by compiling (and re-solved with the room corrected, up to
     `max_iterations` compiles); every compiled policy, the bases alone
     included, is a candidate, so a plan is never worse than them.
@@ -87,10 +85,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
     """
     parsed = parse_budget(budget)
     groups, group_note = planner.group_count()
-    # The figure budgeted is in the key: a temp plan never answers a peak budget.
-    key = (f"{planner.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
-           f"|groups={groups}|{planner.objective}|offload={planner.host_bandwidth}"
-           + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None else ""))
+    key = _cache_key(planner, parsed, groups)
     if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
         return kept
     full, none = planner.measure(Policy()), planner.none()
@@ -99,18 +94,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
                           f"runs out of {planner.target}'s memory at these shapes; give the "
                           "budget in bytes (e.g. 12GiB)", budget=budget)
     limit = parsed.resolve(none and none.memory_bytes)
-    least = min(planner._compiled(), key=lambda r: r.memory_bytes)
-    if limit < least.memory_bytes:
-        lo = least.memory_bytes
-        which = "full remat" if least is full else f"{least.policy} (below full remat's)"
-        of_none = (f"{lo / none.memory_bytes:.3f} of no remat ({none.memory_bytes:,} bytes)"
-                   if none else f"no remat runs out of {planner.target}'s memory")
-        raise BudgetError(
-            f"budget {budget} ({limit:,} bytes) is below the least "
-            f"{MEMORY_LABELS[full.memory_kind]} memory any policy "
-            f"reaches: {lo:,} bytes under {which}, {of_none}"
-            + ("; " + held if (held := what_holds(planner)[0]) else ""),
-            budget=budget, minimum_bytes=lo, minimum_fraction=none and lo / none.memory_bytes)
+    _check_minimum(planner, budget, limit, full, none)
     if none is not None and limit >= none.memory_bytes:
         return _finish(planner, key, budget, limit, Policy(remat=False), none,
                             none.memory_bytes, none.flops, "the budget holds no remat", 0,
@@ -120,8 +104,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     unit = FLOP_RESOLUTION * (planner.seconds(Policy(remat=False)) if time_objective
                               else planner.none_flops())
     # Each base rule alone is compiled: its memory is the floor the MILP fills above.
-    floors = dict(zip(PLANNED_BASES, planner.measure_all([Policy(base=b)
-                                                       for b in PLANNED_BASES])))
+    floors = dict(zip(planner.bases, planner.measure_all([Policy(base=b)
+                                                       for b in planner.bases])))
     starts = []
     for base, floor in floors.items():
         if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
@@ -134,46 +118,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     tried, status, best = set(), "", None
     if starts:
         base = min(starts)[1]
-        floor, model = floors[base], planner.model_for(base, groups)
         notes.append(f"base {base}")
-        room, hi, fit = limit - floor.memory_bytes, None, False
-        for _ in range(planner.max_iterations):
-            saved, offloaded, status = model.solve(room, unit, planner.objective)
-            if (saved, offloaded) in tried:
-                # The room moved, the answer did not. Where the last compile fit,
-                # the budget may hold more than the model says (XLA reuses buffers:
-                # the last layer's residuals often cost nothing): offer the next
-                # smallest item, below any room already found too much.
-                bump = min((model.nbytes[t] for t in model.tags if model.nbytes[t]
-                            and t not in saved and t not in model.fixed), default=None)
-                if not fit or bump is None or (hi is not None and room + bump >= hi):
-                    break
-                room, fit = room + bump, False
-                continue
-            tried.add((saved, offloaded))
-            policy = planner._policy(saved, base, groups, offloaded)
-            record = planner.record_of(policy)
-            tag_bytes = model.cost(saved, offloaded)[0]
-            name = record.policy
-            if record.error or record.memory_bytes is None or record.flops is None:
-                notes.append(f"{name}: no figures ({record.error}), skipped")
-                hi, room = tag_bytes, max(0, tag_bytes - 1)
-                continue
-            used = record.memory_bytes
-            fit = used <= limit
-            notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
-            if fit:
-                found = (planner.score(record), policy, record,
-                         _predict(planner, base, floor, model, saved, offloaded))
-                best = found if best is None or found[0] < best[0] else best
-                # Fits with bytes to spare: the model over-predicted; offer the slack,
-                # but stay below a room that was already too much.
-                grown = room + limit - used
-                room = grown if hi is None else min(grown, (room + hi) / 2)
-            else:
-                # Over budget: shrink the room by the overshoot, and below this plan's bytes.
-                hi = tag_bytes
-                room = max(0, min(room - (used - limit), tag_bytes - 1))
+        tried, status, best = _verify(planner, base, floors[base], groups, limit, unit, notes)
     # Any other policy compiled for this loss (the base rules alone, the presets
     # remat-kit plan compares) that fits and scores better wins: it is verified
     # just the same.
@@ -194,6 +140,84 @@ def plan(planner, budget: "str | int | float") -> Plan:
                             layers_summary(policy) if isinstance(policy, tuple)
                             else str(policy)), *offload_notes]), len(tried),
                         groups, offload_notes)
+
+def _cache_key(planner, parsed, groups: int) -> str:
+    """What the plan cache keys a budget's plan by: the program, the figure budgeted (a
+    temp plan never answers a peak budget), the budget and every setting of the planner."""
+    return (f"{planner.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
+            f"|groups={groups}|{planner.objective}|offload={planner.host_bandwidth}"
+            f"|step={planner.step}{planner.optimizer_key()}"
+            + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None
+               else "")
+            + (f"|bases={','.join(planner.bases)}" if planner.bases != PLANNED_BASES else ""))
+
+
+def _check_minimum(planner, budget, limit: int, full, none) -> None:
+    """BudgetError where `limit` bytes are below the least memory any compiled policy
+    reaches (normally `full`'s, the records `full` and `none`), saying what holds it."""
+    least = min(planner._compiled(), key=lambda r: r.memory_bytes)
+    if limit < least.memory_bytes:
+        lo = least.memory_bytes
+        which = "full remat" if least is full else f"{least.policy} (below full remat's)"
+        of_none = (f"{lo / none.memory_bytes:.3f} of no remat ({none.memory_bytes:,} bytes)"
+                   if none else f"no remat runs out of {planner.target}'s memory")
+        raise BudgetError(
+            f"budget {budget} ({limit:,} bytes) is below the least "
+            f"{MEMORY_LABELS[full.memory_kind]} memory any policy "
+            f"reaches: {lo:,} bytes under {which}, {of_none}"
+            + ("; " + held if (held := what_holds(planner)[0]) else ""),
+            budget=budget, minimum_bytes=lo, minimum_fraction=none and lo / none.memory_bytes)
+
+
+def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
+            notes: list) -> tuple[set, str, tuple | None]:
+    """The MILP's plans above base rule `base` (its compiled record `floor`), each
+    compiled and the room corrected, up to `max_iterations` compiles: (the
+    (saved, offloaded) pairs tried, HiGHS's last status, the best fitting
+    (score, policy, record, prediction) or None). Appends a note per compile."""
+    model = planner.model_for(base, groups)
+    tried, status, best = set(), "", None
+    room, hi, fit = limit - floor.memory_bytes, None, False
+    for _ in range(planner.max_iterations):
+        saved, offloaded, status = model.solve(room, unit, planner.objective)
+        if (saved, offloaded) in tried:
+            # The room moved, the answer did not. Where the last compile fit,
+            # the budget may hold more than the model says (XLA reuses buffers:
+            # the last layer's residuals often cost nothing): offer the next
+            # smallest item, below any room already found too much.
+            bump = min((model.byte_share * model.nbytes[t] for t in model.tags
+                        if model.nbytes[t] and t not in saved and t not in model.fixed),
+                       default=None)
+            if not fit or bump is None or (hi is not None and room + bump >= hi):
+                break
+            room, fit = room + bump, False
+            continue
+        tried.add((saved, offloaded))
+        policy = planner._policy(saved, base, groups, offloaded)
+        record = planner.record_of(policy)
+        tag_bytes = model.cost(saved, offloaded)[0]
+        name = record.policy
+        if record.error or record.memory_bytes is None or record.flops is None:
+            notes.append(f"{name}: no figures ({record.error}), skipped")
+            hi, room = tag_bytes, max(0, tag_bytes - 1)
+            continue
+        used = record.memory_bytes
+        fit = used <= limit
+        notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
+        if fit:
+            found = (planner.score(record), policy, record,
+                     _predict(planner, base, floor, model, saved, offloaded))
+            best = found if best is None or found[0] < best[0] else best
+            # Fits with bytes to spare: the model over-predicted; offer the slack,
+            # but stay below a room that was already too much.
+            grown = room + limit - used
+            room = grown if hi is None else min(grown, (room + hi) / 2)
+        else:
+            # Over budget: shrink the room by the overshoot, and below this plan's bytes.
+            hi = tag_bytes
+            room = max(0, min(room - (used - limit), tag_bytes - 1))
+    return tried, status, best
+
 
 def _predict(planner, base, floor, model, saved,
              offloaded=frozenset()) -> tuple[int, float, float | None]:
@@ -228,7 +252,8 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
         predicted_seconds=planner.seconds(policy) if planner.predict_time else None,
         none_seconds=planner.seconds(Policy(remat=False)) if planner.predict_time else None,
         offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
-        offload_notes=tuple(offload_notes), model=dict(planner.made_for))
+        offload_notes=tuple(offload_notes), model=dict(planner.made_for), step=planner.step,
+        aliases=planner.aliases_of(policy))
     if planner.cache:
         _write_cache(planner.cache, key, result)
     return result

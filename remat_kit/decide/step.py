@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import optax
 from jax.extend.core import jaxpr_as_fun
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering, peak
@@ -253,7 +253,11 @@ def workload_step(workload: Workload, policy: Policy, optimizer,
     params, opt_state, rest = train_state(workload, optimizer)
     value_grad = value_grad or jax.value_and_grad(workload.loss_for_policy(policy))
     mesh = workload.mesh
-    state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    # A leaf given no placement (a --model's parameters on an AOT target's mesh) is
+    # replicated: with_sharding_constraint takes no None.
+    state_shardings = jax.tree.map(
+        lambda x: x.sharding if x.sharding is not None or mesh is None
+        else NamedSharding(mesh, PartitionSpec()), (params, opt_state))
 
     def step(params, opt_state, *rest):
         loss, grads = value_grad(params, *rest)

@@ -78,6 +78,11 @@ class Record:
         (`measure(..., peak=True)`): `remat_kit.measure.peak.breakdown`'s
         {"figure", "bytes", "step", "parts": {group: bytes}}; else None.
       notes: caveats on these numbers.
+      train_step_bytes: where the record is of the whole train step (a planner
+        with `step="train"`, `remat_kit.decide.step_records`): its device memory
+        at the peak, `StepMemory.total_bytes` as `fit` measures it; its memory
+        figures and FLOPs above are then the train step's, and `memory_kind` is
+        STEP. None for the value-and-grad step `measure` compiles.
       error: why the policy could not be measured ("TypeName: message"); the
         numbers are then None / empty.
     """
@@ -110,6 +115,7 @@ class Record:
     peak: dict | None = None
     notes: tuple[str, ...] = ()
     error: str | None = None
+    train_step_bytes: int | None = None
 
     @property
     def activation_residual_bytes(self) -> int:
@@ -122,6 +128,8 @@ class Record:
         """The figure this policy's memory is ranked and budgeted by: `memory_kind(platform)`
         of the record's target; TEMP where the compiler reported no peak or the
         record names no target."""
+        if self.train_step_bytes is not None:
+            return STEP
         kind = memory_kind(self.target.split(":", 1)[0]) if self.target else TEMP
         return kind if getattr(self, kind) is not None else TEMP
 
@@ -143,7 +151,8 @@ class Record:
 
 
 TEMP, PEAK = "temp_size_in_bytes", "peak_memory_in_bytes"
-MEMORY_LABELS = {TEMP: "temp", PEAK: "peak"}  # short names for table headers and axes
+STEP = "train_step_bytes"  # the whole train step's memory, as fit measures it
+MEMORY_LABELS = {TEMP: "temp", PEAK: "peak", STEP: "train step"}  # table headers and axes
 
 
 def memory_kind(platform: str) -> str:
@@ -178,5 +187,5 @@ def platform_label(platform: str | None = None) -> str:
     return targets.Target(platform or jax.default_backend()).label
 
 
-__all__ = ["MEMORY_LABELS", "PEAK", "TEMP", "Record", "StepTime", "memory_kind",
+__all__ = ["MEMORY_LABELS", "PEAK", "STEP", "TEMP", "Record", "StepTime", "memory_kind",
            "platform_label"]

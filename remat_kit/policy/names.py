@@ -85,6 +85,24 @@ def register_tag(*names: str) -> None:
         _REGISTERED.add(name)
 
 
+def register_emitted(names) -> tuple[str, ...]:
+    """Registers the names a model gives its own values (`checkpoint_name`) that are
+    outside the vocabulary, so a plan may save or offload them: those that are not
+    module paths (`is_path`), aliases, or names `register_tag` refuses.
+
+    Returns:
+      The names outside the vocabulary that are now registered, sorted.
+    """
+    own = sorted({n for n in names if isinstance(n, str) and n not in TAGS
+                  and not is_path(n) and n not in ALIASES})
+    for name in own:
+        try:
+            register_tag(name)
+        except ValueError:  # a name a spec cannot hold (a glob character): never planned
+            continue
+    return tuple(n for n in own if n in _REGISTERED)
+
+
 def known_tags() -> tuple[str, ...]:
     """The canonical vocabulary followed by registered custom tags."""
     return tuple(TAGS) + tuple(sorted(_REGISTERED - set(TAGS)))

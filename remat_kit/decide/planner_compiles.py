@@ -1,0 +1,236 @@
+"""The planner's compiles: each policy's record, made once, and the figures read from them.
+
+`PlannerCompiles` is the part of `remat_kit.decide.plan.Planner` that compiles:
+a policy (or one per layer, the model's program with each layer's remat region
+under its own) is compiled once, as the value-and-grad step `compare` measures
+(`remat_kit.measure.measure`) or, for a planner of step "train", as the whole
+train step (`remat_kit.decide.step_records`), and its `Record` kept; no remat's
+and the least figures, the program's fingerprint (what the plan cache keys by),
+and which compiled policies may be a plan are read from those records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+
+from remat_kit.decide.cost_model import forward_jaxpr, with_region_policies
+from remat_kit.decide.plan_cache import layers_summary
+from remat_kit.decide.step import default_optimizer, step_peak
+from remat_kit.decide.step_records import train_record
+from remat_kit.errors import BudgetError
+from remat_kit.measure import figure_cache, targets
+from remat_kit.measure.lowering import compile_options
+from remat_kit.measure.measure import measure
+from remat_kit.measure.record import Record
+from remat_kit.measure.residuals import _stage
+from remat_kit.decide.cost_model import SAVE_TAGS
+from remat_kit.policy.policy import Policy
+from remat_kit.policy.spec import parse
+
+# Bumped where the planner's answers change for the same program (the measured share of
+# a saved byte), so plans cached by an older planner are planned again.
+_PLANNER_REVISION = "byte-share"
+
+
+class PlannerCompiles:
+    """The compiles of a `Planner` (a mixin: `Planner` sets the attributes it reads:
+    loss_fn, args, per_device, target, step, optimizer, workload, records,
+    _policies, _forwards, _staged, _fingerprint, bases, decide, progress)."""
+
+    def measure_all(self, policies: Sequence) -> list[Record]:
+        """Records of `policies` (specs or Policies; auto specs not allowed),
+        compiling only those not measured yet, in one `measure` call (so
+        policies that compile alike compile once). Records may carry errors."""
+        keys = [str(parse(p)) for p in policies]
+        todo = [p for p, k in zip(policies, keys) if k not in self.records]
+        if todo and self.step == "train":
+            for k in dict.fromkeys(str(parse(p)) for p in todo):  # each policy once
+                policy = parse(k)
+                local = self.per_device and (lambda _: self.per_device[0](policy),
+                                             self.per_device[1])
+                self.records[k] = self._train_record(self.loss_fn(policy), k, k, local)
+                self._policies[k] = policy
+        elif todo:
+            for record in measure(self.loss_fn, *self.args, policies=todo,
+                                  progress=self._progress, target=self.target,
+                                  per_device=self.per_device):
+                for name in record.names:
+                    self.records.setdefault(str(parse(name)), record)
+                    self._policies.setdefault(str(parse(name)), parse(name))
+        return [self.records[k] for k in keys]
+
+    def peak(self, policy: "Policy | str") -> dict | None:
+        """What holds `policy`'s compiled figure (`Record.peak`,
+        `remat_kit.measure.peak.breakdown`): one more compile, which writes
+        XLA's buffer assignment; None where it fails."""
+        if self.step == "train":  # the whole step's, parameters and optimizer state named
+            return step_peak(self.workload, parse(policy), self.optimizer or default_optimizer(),
+                             self.target)
+        [record] = measure(self.loss_fn, *self.args, policies=[policy], target=self.target,
+                           per_device=self.per_device, peak=True)
+        return record.peak
+
+    def _progress(self, i, n, record):
+        if self.progress:
+            self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
+
+    def measure(self, policy: "Policy | str") -> Record:
+        """The compiled record of `policy` (memoized).
+
+        Raises:
+          BudgetError: `full` runs out of the target's memory when compiled:
+            no policy fits the device at these shapes.
+          RuntimeError: the policy fails to compile for another reason, or
+            the backend gives no memory or FLOP figures.
+        """
+        record = self.measure_all([policy])[0]
+        key = str(parse(policy))
+        if record.error and key == "full" and targets.is_out_of_memory(record.error):
+            raise BudgetError(f"even full remat runs out of {self.target}'s memory at these "
+                              f"shapes, so no policy fits: {record.error.splitlines()[0]}")
+        if record.error or record.memory_bytes is None or record.flops is None:
+            raise RuntimeError(f"cannot plan: policy {key!r} did not compile to memory and "
+                               f"FLOP figures: {record.error or 'the backend reports none'}")
+        return record
+
+    def _measure_layers(self, policies: tuple) -> Record:
+        """The compiled record of one policy per layer (the model's program with
+        each layer's remat region under its policy, `cost_model.with_region_policies`)."""
+        key = layers_summary(policies)
+        if key not in self.records and self.step == "train":
+            loss, per_device = self._layer_program(policies)
+            self.records[key] = self._train_record(loss, key, key, per_device)
+            self._policies[key] = policies
+        elif key not in self.records:
+            loss, per_device = self._layer_program(policies)
+            [record] = measure(lambda _: loss, *self.args, policies=[Policy()], names=[key],
+                               progress=self._progress, target=self.target,
+                               per_device=per_device)
+            self.records[key] = dataclasses.replace(record, policy=key)
+            self._policies[key] = policies
+        return self.records[key]
+
+    def optimizer_key(self) -> str:
+        """What the plan cache keys a train-step plan's optimizer by: its state's
+        shapes and dtypes, which are all its memory depends on; "" for step "grad"."""
+        if self.step != "train":
+            return ""
+        state = jax.eval_shape((self.optimizer or default_optimizer()).init, self.args[0])
+        return f"|optimizer={jax.tree.map(lambda x: (x.shape, str(x.dtype)), state)}"
+
+    def _train_record(self, loss, name: str, key: str, per_device) -> Record:
+        """The train step's record of `loss` (`step_records.train_record`), with progress."""
+        record = train_record(self.workload, loss, name, key, target=self.target,
+                              optimizer=self.optimizer, per_device=per_device)
+        self._progress(1, 1, record)
+        return record
+
+    def _forward(self, which: str):
+        """The forward jaxpr under `full` of the loss ("global") or of the per-device program."""
+        if which not in self._forwards:
+            fn, args = ((self.loss_fn, self.args) if which == "global" else self.per_device)
+            self._forwards[which] = forward_jaxpr(fn(Policy()), args)
+        return self._forwards[which]
+
+    def loss_of(self, policy) -> Callable:
+        """loss(*args) under `policy`: a `Policy`, or a tuple of one per layer
+        (the model's program with each layer's remat region under its own, as
+        a per-layer plan is verified), e.g. to compile a plan inside a train
+        step (`remat_kit.decide.fit`)."""
+        return self._layer_program(policy)[0] if isinstance(policy, tuple) else \
+            self.loss_fn(policy)
+
+    def _layer_program(self, policies: tuple):
+        regions = dict(zip(self.program.layers, policies))
+        loss = with_region_policies(self._forward("global"), regions)
+        per_device = None
+        if self.per_device is not None:
+            local = with_region_policies(self._forward("local"), regions)
+            per_device = (lambda _: local, self.per_device[1])
+        return loss, per_device
+
+    def record_of(self, policy) -> Record:
+        """The compiled record (memoized) of a Policy or of a per-layer tuple of them."""
+        return self._measure_layers(policy) if isinstance(policy, tuple) \
+            else self.measure_all([policy])[0]
+
+
+    @property
+    def staged(self):
+        """The loss traced under `SAVE_TAGS` (for the cost model and the fingerprint)."""
+        if self._staged is None:
+            self._staged = _stage(self.loss_fn(SAVE_TAGS), self.args)
+        return self._staged
+
+    def fingerprint(self) -> str:
+        """A hash of the traced program, argument shardings, JAX version, target and
+        compiler (`figure_cache.compiler_parts`)."""
+        if self._fingerprint is None:
+            text = re.sub(r"0x[0-9a-f]+", "", str(self.staged.program))  # object addresses vary
+            shardings = [str(getattr(x, "sharding", None)) for x in jax.tree.leaves(self.args)]
+            # What the figure cache keys by besides the program ($XLA_FLAGS, the
+            # compiler version, ...): a plan compiled under other flags is another plan.
+            compiler = figure_cache.compiler_parts(
+                self.target, compile_options(self.target, True))
+            blob = "\n".join([text, *shardings, jax.__version__, repr(compiler),
+                              str(jax.device_count()), _PLANNER_REVISION])
+            self._fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:32]
+        return self._fingerprint
+
+    @property
+    def memory_kind(self) -> str:
+        """The figure this planner budgets, "temp_size_in_bytes" or
+        "peak_memory_in_bytes": `full`'s `Record.memory_kind` (compiles `full`)."""
+        return self.measure(Policy()).memory_kind
+
+    def none(self) -> Record | None:
+        """No remat's record; None where its compile runs out of the target's
+        memory (it cannot fit any budget on that device)."""
+        record = self.measure_all([Policy(remat=False)])[0]
+        if record.error and targets.is_out_of_memory(record.error):
+            return None
+        return self.measure(Policy(remat=False))
+
+    def none_flops(self) -> float:
+        """No remat's FLOPs: compiled, or where it runs out of memory, the cost
+        model's (`full`'s measured FLOPs less its predicted recompute)."""
+        none = self.none()
+        if none is not None:
+            return none.flops
+        return self.measure(Policy()).flops - self.model.cost(frozenset())[1]
+
+    def minimum(self) -> tuple[int, int | None]:
+        """(least memory of any compiled policy, memory of `none` or None where
+        it runs out of memory), bytes of `memory_kind`, after compiling `full`
+        and `none`. The least is `full`'s except on small models, where XLA
+        can give another policy less."""
+        self.measure(Policy())
+        none = self.none()
+        return min(r.memory_bytes for r in self._compiled()), none and none.memory_bytes
+
+    def _compiled(self) -> list[Record]:
+        """Every policy compiled for this loss that has memory and FLOP figures and,
+        where offload is not planned (not asked for, or the offload probe shows it
+        does not pay), offloads nothing (a preset such as minimal_offloaded is then
+        never a plan)."""
+        return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
+                if r.error is None and r.flops is not None and r.memory_bytes is not None
+                and (not r.offloaded_bytes or self.plans_offload) and self._allowed(r)]
+
+    def _allowed(self, record: Record) -> bool:
+        """Whether a compiled policy keeps to `bases` and `decide` (full always does)."""
+        policy = self._policy_of(record)
+        for p in policy if isinstance(policy, tuple) else (policy,):
+            if p.remat and p.base not in self.bases:
+                return False
+            if self.decide is not None and p.remat and not (p.save | p.offload) <= self.decide:
+                return False
+        return True
+
+
+__all__ = ["PlannerCompiles"]
