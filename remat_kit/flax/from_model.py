@@ -36,7 +36,7 @@ from remat_kit.flax import linen as flax_linen
 from remat_kit.flax.blocks import Instance, Pick, pick_block, unremat_note
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
-from remat_kit.trace import model_map, own_remat, regions, retarget
+from remat_kit.trace import model_map, own_call, own_remat, regions, retarget
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import UnknownModuleError
@@ -438,8 +438,10 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
         return traced_regions.loss(layer_policies(policy, n) if n else ())
 
     label = name or type(model).__name__
+    root = (model.name or type(model).__name__) if isinstance(model, nn.Module) else None
+    mine = own_call.own_call(traced.jaxpr, KEY, root)  # a tied head's bare matmul, say
     the_map = model_map.ModelMap(model_map.stacks_of(list(pick.layers)), own.regions,
-                                 (*pick.outside, "loss"))
+                                 (*pick.outside, *([mine] if mine else []), "loss"))
     notes = found.notes() + model_map.notes(the_map) + unremat_note(pick.others, cls)
     local = None
     if sharded is not None:  # what one device runs: its share of the batch, whole parameters

@@ -69,7 +69,8 @@ def path_name(path: Sequence) -> str:
 @functools.cache
 def _tagging_class(cls: type, name: str) -> type:
     def __call__(self, *args, **kwargs):
-        return wrapping.tag_output(cls.__call__(self, *args, **kwargs), name)
+        with jax.named_scope(name):  # its ops' name stack, as linen's flax_profile gives
+            return wrapping.tag_output(cls.__call__(self, *args, **kwargs), name)
 
     return _subclass(cls, {"__call__": __call__})
 
