@@ -95,17 +95,22 @@ def _describe(out) -> str:
 
 
 @contextlib.contextmanager
-def _applied_plainly():
+def _applied_plainly(batch: bool = False):
     """Inside: a linen model that needs more than its variables at apply (an rng
     stream, a collection it writes) is a ModelError saying so, in one line: the
-    loss applies it as `model.apply(variables, tokens)`, no rngs, nothing mutable."""
+    loss applies it as `model.apply(variables, tokens)` (`batch`: to the batch of a
+    (model, batch, loss) FUNCTION), no rngs, nothing mutable."""
+    applied = "to its batch with no rngs, under the FUNCTION's loss" if batch else (
+        "to tokens with no rngs, as its loss has no dropout")
+    remedy = ("or write it in flax.nnx, whose nnx.Rngs state remat_kit carries (new dropout "
+              "masks each training step)" if batch else
+              "or give a function (batch, seq) -> rk.Workload whose loss passes rngs")
     try:
         yield
     except flax.errors.InvalidRngError as e:
         raise ModelError(f"the model asks for a PRNG stream ({_first_line(e)}): remat_kit "
-                         "applies it to tokens with no rngs, as its loss has no dropout; "
-                         "build it deterministic (e.g. deterministic=True), or give a "
-                         "function (batch, seq) -> rk.Workload whose loss passes rngs") from None
+                         f"applies it {applied}; build it deterministic (e.g. "
+                         f"deterministic=True), {remedy}") from None
     except flax.errors.ModifyScopeVariableError as e:
         raise ModelError(f"the model updates its variables ({_first_line(e)}): remat_kit "
                          "applies it with every collection read-only; build it not to update "
