@@ -272,6 +272,9 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
                 validate: bool = False, methods: Sequence[str] = ("__call__",)) -> nnx.Module:
     """A copy of `model` in which every submodule whose class matches runs under that
     class's policy; the model's source is not edited.
+    A remat the model itself runs around a matched block (`nn.remat(Block)`, `nnx.remat`
+    around a scanned call) is not taken over: it stays around the policy's region
+    (docs/wrappers.md); `rk.remat_model` takes it over.
 
     Args:
       model: an nnx Module instance.
