@@ -340,3 +340,50 @@ def test_what_the_models_own_call_computes_is_named():
     assert linen_map.outside == ("wte", "ln_f", "wpe", "the model's own call: 3 ops (slice, "
                                  "broadcast_in_dim, add)", "loss")
     assert linen_map.to_dict()["outside"] == list(linen_map.outside)
+
+
+def test_the_wrappers_take_over_a_remat_of_the_whole_block_inside_its_call():
+    """A block whose own call runs all its work under `nn.remat` (a remat of the whole
+    block, from inside): `rk.linen.apply_remat` under a role preset compiles to the
+    program of the block without it, with no own-remat note."""
+    import warnings
+
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Inner(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(16)(jnp.tanh(nn.Dense(16)(x)))
+
+    class Block(nn.Module):
+        own: bool
+
+        @nn.compact
+        def __call__(self, x):
+            return (nn.remat(Inner) if self.own else Inner)(name="inner")(x)
+
+    class Net(nn.Module):
+        own: bool
+
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = Block(self.own, name=f"b{i}")(x)
+            return x.sum()
+
+    x = jnp.ones((4, 16))
+    params = Net(False).init(jax.random.key(0), x)["params"]
+
+    def compiled(own):
+        wrapped = rk.linen.apply_remat(Net(own), {"Block": "minimal"})
+        grad = jax.jit(jax.grad(lambda p: wrapped.apply({"params": p}, x)))
+        c = grad.lower(params).compile()
+        return grad(params), c.cost_analysis()["flops"], c.memory_analysis().temp_size_in_bytes
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (g_own, *own), (g_plain, *plain) = compiled(True), compiled(False)
+    assert own == plain
+    chex.assert_trees_all_close(g_own, g_plain)
+    assert not [w for w in caught if "of its own" in str(w.message)]
