@@ -38,6 +38,7 @@ from remat_kit.errors import RematSpecError, UnknownModuleError
 from remat_kit.flax import user_model
 from remat_kit.flax.from_model import ModelError
 from remat_kit.decide.resolve import measure
+from remat_kit.models.program import config_map
 from remat_kit.models.shortcuts import measure_config
 from remat_kit.measure.record import platform_label
 
@@ -79,7 +80,7 @@ def sweep(config, workdir: str, policies: str | None = None, steps: int = 5) -> 
     check_memory(cfg, batch, seq, f"batch_size={batch}, seq_len={seq}")
     records = measure_config(cfg, batch, seq, specs, names=specs, time_steps=steps)
     return _write(config, workdir, report.rows(records, cfg, batch, seq), batch, seq, cfg.dtype,
-                  steps)
+                  steps, config_map(cfg))
 
 
 def _sweep_own(config, workdir: str, policies: str | None, steps: int) -> list[dict]:
@@ -105,20 +106,19 @@ def _sweep_own(config, workdir: str, policies: str | None, steps: int) -> list[d
 
 
 def _write(config, workdir: str, rows: list[dict], batch: int, seq: int, dtype: str,
-           steps: int, work=None) -> list[dict]:
-    """Writes records.json, records.csv and pareto.png, prints the table (after the model
-    map's line, where `work` has a map); returns rows."""
+           steps: int, work) -> list[dict]:
+    """Writes records.json, records.csv and pareto.png, prints the table after the model
+    map's line (`work`: the Workload or the config's ModelMap); returns rows."""
     out = pathlib.Path(workdir)
     platform = platform_label()
     title = f"{config.model}: batch {batch}, seq {seq}, {dtype} ({platform}, {steps} steps)"
     report.write_json(out / "records.json", rows,
                       {"config": config.model, "batch": batch, "seq": seq, "dtype": dtype,
                        "devices": 1, "platform": platform,
-                       **({} if work is None else map_context(work))})
+                       **map_context(work)})
     report.write_csv(out / "records.csv", rows)
     report.plot(out / "pareto.png", rows, title)
-    if work is not None:
-        print_map(work)
+    print_map(work)
     report.print_table(rows, title)
     return rows
 

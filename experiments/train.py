@@ -8,7 +8,8 @@ linen or NNX model instead, as `remat-kit compare --model` measures it
 (experiments/own_model.py, docs/training.md).
 
 Writes `workdir/metrics.jsonl` (one JSON line per logged step) and
-`workdir/summary.json` (eval loss in nats/byte, median step time, and the
+`workdir/summary.json` (eval loss in nats/byte, a (model, batch, loss) FUNCTION's in its
+own loss's units; median step time, and the
 compiled train step's memory and FLOPs under the policy and under no remat).
 Checkpoints go to `workdir/checkpoints` every `checkpoint_every` steps and at
 the end; a second start with the same workdir resumes from the latest one,
@@ -261,11 +262,14 @@ def _print_summary(console: Console, summary: dict) -> None:
     run = Table(title=f"Run: {summary['model']} under remat={summary['remat']}")
     run.add_column("metric")
     run.add_column("value", justify="right")
-    run.add_row("eval loss (nats/byte)", f"{summary['eval_loss']:.4f}")
-    run.add_row("eval bits/byte", f"{summary['eval_bits_per_byte']:.4f}")
-    run.add_row("train loss, last step (nats/byte)", _format(summary['final_train_loss'], ".4f"))
+    text = summary["eval_bits_per_byte"] is not None  # else a (model, batch, loss) FUNCTION's
+    unit, rate = ("nats/byte", "tokens") if text else ("the model's loss", "examples")
+    run.add_row(f"eval loss ({unit})", f"{summary['eval_loss']:.4f}")
+    if text:
+        run.add_row("eval bits/byte", f"{summary['eval_bits_per_byte']:.4f}")
+    run.add_row(f"train loss, last step ({unit})", _format(summary['final_train_loss'], ".4f"))
     run.add_row("median step (s)", _format(summary['median_step_seconds'], ".4f"))
-    run.add_row("median tokens/s", _format(summary['median_tokens_per_second'], ",.0f"))
+    run.add_row(f"median {rate}/s", _format(summary[f"median_{rate}_per_second"], ",.0f"))
     run.add_row("wall time (s)", f"{summary['wall_seconds']:.1f}")
     run.add_row("remat policies", ", ".join(f"{p['remat']} from step {p['from_step']}"
                                             for p in summary["policies"]))
@@ -303,7 +307,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Writes workdir/metrics.jsonl (one line per step that is a multiple of
     log_every or eval_every, and the last: step, train_loss (mean since the
     last line or the resume, nats/byte), lr, tokens_per_second, step_seconds
-    (mean since the last line), and eval_loss (nats/byte) at eval steps),
+    (mean since the last line), and eval_loss (nats/byte) at eval steps; a (model,
+    batch, loss) FUNCTION's losses are its loss's, examples_per_second its rate),
     workdir/summary.json, workdir/config.json and config_history.jsonl (every
     start's config, `runlog.record_start`), and checkpoints in
     workdir/checkpoints (`checkpoint.Checkpoints`) every checkpoint_every
@@ -543,11 +548,14 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
                   {"step": step, "next_batch": step, "seed": config.seed,
                    "model": config.model, "remat": config.remat})
 
-    tokens_per_step = config.batch_size * config.seq_len
+    # A (model, batch, loss) FUNCTION's loss is its own, over examples, not bytes.
+    per_step, rate, unit = ((config.batch_size, "examples", "(the model's loss)")
+                            if corpus is None else
+                            (config.batch_size * config.seq_len, "tokens", "nats/byte"))
     step_seconds, window_loss, window_time, eval_loss, loss = [], [], [], None, None
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]:.3f}"),
-                        TextColumn("{task.fields[tok_s]:,.0f} tok/s"), TimeRemainingColumn(),
+                        TextColumn("{task.fields[tok_s]:,.0f} " + rate[:3] + "/s"), TimeRemainingColumn(),
                         console=console)
     if stop.received:  # during the compile: nothing trained, nothing new to keep
         last = ckpt.latest_step()
@@ -572,17 +580,17 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
             step_seconds.append(seconds)
             window_loss.append(loss)
             window_time.append(seconds)
-            progress.update(task, advance=1, loss=loss, tok_s=tokens_per_step / seconds)
+            progress.update(task, advance=1, loss=loss, tok_s=per_step / seconds)
             is_eval = step % config.eval_every == 0 or step == config.num_steps
             if is_eval or step % config.log_every == 0:
                 line = {"step": step, "train_loss": float(np.mean(window_loss)),
                         "lr": float(schedule(step - 1)),
-                        "tokens_per_second": tokens_per_step / float(np.mean(window_time)),
+                        f"{rate}_per_second": per_step / float(np.mean(window_time)),
                         "step_seconds": float(np.mean(window_time))}
                 if is_eval:
                     eval_loss = line["eval_loss"] = evaluate(state.params)
                     progress.console.print(f"step {step}: train {line['train_loss']:.4f}, "
-                                           f"eval {eval_loss:.4f} nats/byte")
+                                           f"eval {eval_loss:.4f} {unit}")
                 metrics.write(line)
                 window_loss, window_time = [], []
             if step % config.checkpoint_every == 0 or step == config.num_steps:
@@ -608,9 +616,10 @@ def _train_with(ckpt, config, workdir, cfg, corpus, batches, evals, start: float
         "policies": policies, "start_step": start_step,
         "num_params": num_params, "num_steps": config.num_steps,
         "batch_size": config.batch_size, "seq_len": config.seq_len,
-        "eval_loss": eval_loss, "eval_bits_per_byte": eval_loss / np.log(2),
+        "eval_loss": eval_loss,
+        "eval_bits_per_byte": eval_loss / np.log(2) if corpus is not None else None,
         "final_train_loss": loss, "median_step_seconds": median_step,
-        "median_tokens_per_second": tokens_per_step / median_step if median_step else None,
+        f"median_{rate}_per_second": per_step / median_step if median_step else None,
         "wall_seconds": time.perf_counter() - start, "compiled": stats,
         "checkpoint": {"directory": str(ckpt.directory), "step": last_saved,
                        "bytes": ckpt.size_bytes(last_saved),

@@ -249,7 +249,7 @@ def test_the_library_refuses_alike():
         rk.batch_model.workload(model, {**batch, "label": 3}, loss)
 
 
-def test_train_runs_the_vit_on_synthetic_batches(tmp_path):
+def test_train_runs_the_vit_on_synthetic_batches(tmp_path, capsys):
     """experiments.train --model: batches of the declared shapes, dropout keyed per step,
     and the compiled step is the one fit prices (equal temp bytes)."""
     import types
@@ -267,11 +267,34 @@ def test_train_runs_the_vit_on_synthetic_batches(tmp_path):
     assert all(math.isfinite(line["train_loss"]) for line in lines)
     assert math.isfinite(summary["eval_loss"]) and summary["policy"] == str(rk.parse("minimal"))
     assert summary["compiled"]["predicted"]["temp_equal"] is True
+    # Images: the model's own loss over examples, no bytes or tokens.
+    assert summary["eval_bits_per_byte"] is None and summary["median_examples_per_second"] > 0
+    assert all(line["examples_per_second"] > 0 for line in lines)
+    out = capsys.readouterr().out
+    assert "(the model's loss)" in out and "median examples/s" in out
+    assert "nats/byte" not in out and "tok/s" not in out and "tokens" not in out
     vit = types.SimpleNamespace(model=importlib.import_module("tests.zoo.vit_nnx").build()[0])
     keys = [jax.random.key_data(v.value) for s in (0, 1) for v in jax.tree.leaves(
         own_model.rng_state(vit, 0, s), is_leaf=lambda v: isinstance(v, nnx.RngKey))
             if isinstance(v, nnx.RngKey)]
     assert len(keys) == 4 and len({tuple(k.tolist()) for k in keys}) == 4
+
+
+def test_a_linen_model_that_asks_for_dropout_rngs_is_refused_in_its_own_terms():
+    """A (model, batch, loss) model is applied to its batch, not to tokens: the refusal
+    says so and names the way that trains with dropout (NNX's carried RNG state)."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, images):
+            return nn.Dropout(0.1, deterministic=False)(nn.Dense(4)(images))
+
+    images = jax.ShapeDtypeStruct((2, 8), jax.numpy.float32)
+    with pytest.raises(ModelError) as e:
+        rk.batch_model.workload(Net(), images, lambda out, b: out.mean())
+    assert "applies it to its batch with no rngs, under the FUNCTION's loss" in str(e.value)
+    assert "flax.nnx" in str(e.value) and "tokens" not in str(e.value)
 
 
 def test_a_batch_of_tokens_without_a_loss_is_the_next_token_workload():

@@ -265,6 +265,8 @@ def test_explain_from_a_config_file(capsys, tmp_path):
     assert "recomputed" in lines["attn_logits"]
     assert "saved" in lines["query_proj"] and "[2, 8, 4, 16]" in lines["query_proj"]
     assert "model (3 layers)" in out
+    assert out.splitlines()[0] == ("model map: 3 x DecoderLayer, scanned: no; own remat: none; "
+                                   "outside: embed, final_norm, pos_embed, logits, loss")
 
 
 def test_mesh_gives_per_device_numbers(tmp_path):
@@ -283,7 +285,7 @@ def test_mesh_gives_per_device_numbers(tmp_path):
     assert rec["layer_residual_bytes"] > 0 and rec["error"] is None
 
 
-def test_sweep_writes_json_csv_and_plot(tmp_path):
+def test_sweep_writes_json_csv_and_plot(capsys, tmp_path):
     from experiments.configs import tiny
     from experiments.sweep import sweep
 
@@ -293,7 +295,12 @@ def test_sweep_writes_json_csv_and_plot(tmp_path):
     assert [d["names"] for d in rows] == [["full"], ["none"]]
     assert all(d["step_time"]["steps"] == 2 and d["step_time"]["median_s"] > 0 for d in rows)
     assert rows[1]["step_time"]["ratio_to_none"] == 1.0
-    assert json.loads((tmp_path / "records.json").read_text())["records"] == rows
+    doc = json.loads((tmp_path / "records.json").read_text())
+    assert doc["records"] == rows
+    line = ("2 x DecoderLayer, scanned: no; own remat: none; outside: embed, final_norm, "
+            "pos_embed, logits, loss")
+    assert doc["context"]["model_map"]["line"] == line
+    assert capsys.readouterr().out.splitlines()[0] == f"model map: {line}"
     csv_lines = (tmp_path / "records.csv").read_text().splitlines()
     assert len(csv_lines) == 3 and csv_lines[0].startswith("policy,names,temp_size_in_bytes")
     assert (tmp_path / "pareto.png").stat().st_size > 10_000

@@ -19,22 +19,24 @@ MODELS = {"bert": bert_remat_linen.model, "hybrid": hybrid_linen.model,
           "hybrid_remat": hybrid_linen.remat_model, "maxtext": maxtext_scan_linen.model,
           "t5": t5_linen.model}
 TAKEN = "2 x jax.checkpoint({}) around each layer, taken over"
+MUL = "the model's own call: 1 op (mul), "  # Griffin's x * sqrt(width), T5's tied-head scale
 LINES = {
     "bert": "2 x BertLayer, scanned: no; own remat: " + TAKEN.format("nothing_saveable")
             + "; outside: word_embeddings, position_embeddings, embeddings_LayerNorm, "
-              "predictions_transform, predictions_LayerNorm, loss",
+              "predictions_transform, predictions_LayerNorm, the model's own call: 9 ops (add, "
+              "integer_pow, mul, tanh), loss",  # the head's gelu, in BertModel's own call
     "hybrid": "2 x ResidualBlock (recurrent_block, attention_block: 2 structures), scanned: "
-              "no; own remat: none; outside: embedder, final_norm, loss",
+              "no; own remat: none; outside: embedder, final_norm, " + MUL + "loss",
     "hybrid_remat": "2 x ResidualBlock (recurrent_block, attention_block: 2 structures), "
                     "scanned: no; own remat: " + TAKEN.format("nothing_saveable")
-                    + "; outside: embedder, final_norm, loss",
+                    + "; outside: embedder, final_norm, " + MUL + "loss",
     "maxtext": "2 x DecoderLayer, scanned: yes; own remat: "
                + TAKEN.format("save_only_these_names")
                + "; outside: token_embedder, decoder_norm, logits_dense, loss",
     "t5": "encoder: 2 x T5Block (relative_attention_bias, no relative_attention_bias: 2 "
           "structures), decoder: 2 x T5Block (relative_attention_bias, no "
           "relative_attention_bias: 2 structures), scanned: no; own remat: none; outside: "
-          "shared, encoder/final_layer_norm, decoder/final_layer_norm, loss",
+          "shared, encoder/final_layer_norm, decoder/final_layer_norm, " + MUL + "loss",
 }
 
 
@@ -324,3 +326,64 @@ def test_a_stack_around_a_block_collection_is_no_layer_and_experts_are_no_stack(
             moe |= {f"{b}/expert_{e}/w": ("Dense", 10), f"{b}/expert_{e}": ("Expert", 10)}
         moe |= {b: ("Block", 51)}
     assert _pick(moe) == ["layers_0", "layers_1"]
+
+
+def test_what_the_models_own_call_computes_is_named():
+    """Issue 34: nothing outside every layer goes unnamed. A tied head `x @ embed.T` in
+    an NNX model's own call, and GPT-2's position add in a linen one's, hold no module;
+    the map names their ops from the one trace. Constants (an iota) are not counted."""
+    from tests.zoo import gpt_linen, graph_nnx
+    nnx_map = rk.from_model.workload(graph_nnx.model(), B, T).model_map
+    assert nnx_map.outside == ("embed", "norm_f", "the model's own call: 1 op (dot_general)",
+                               "loss")
+    linen_map = rk.from_model.workload(gpt_linen.model(), B, T).model_map
+    assert linen_map.outside == ("wte", "ln_f", "wpe", "the model's own call: 3 ops (slice, "
+                                 "broadcast_in_dim, add)", "loss")
+    assert linen_map.to_dict()["outside"] == list(linen_map.outside)
+
+
+def test_the_wrappers_take_over_a_remat_of_the_whole_block_inside_its_call():
+    """A block whose own call runs all its work under `nn.remat` (a remat of the whole
+    block, from inside): `rk.linen.apply_remat` under a role preset compiles to the
+    program of the block without it, with no own-remat note."""
+    import warnings
+
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Inner(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(16)(jnp.tanh(nn.Dense(16)(x)))
+
+    class Block(nn.Module):
+        own: bool
+
+        @nn.compact
+        def __call__(self, x):
+            return (nn.remat(Inner) if self.own else Inner)(name="inner")(x)
+
+    class Net(nn.Module):
+        own: bool
+
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = Block(self.own, name=f"b{i}")(x)
+            return x.sum()
+
+    x = jnp.ones((4, 16))
+    params = Net(False).init(jax.random.key(0), x)["params"]
+
+    def compiled(own):
+        wrapped = rk.linen.apply_remat(Net(own), {"Block": "minimal"})
+        grad = jax.jit(jax.grad(lambda p: wrapped.apply({"params": p}, x)))
+        c = grad.lower(params).compile()
+        return grad(params), c.cost_analysis()["flops"], c.memory_analysis().temp_size_in_bytes
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (g_own, *own), (g_plain, *plain) = compiled(True), compiled(False)
+    assert own == plain
+    chex.assert_trees_all_close(g_own, g_plain)
+    assert not [w for w in caught if "of its own" in str(w.message)]

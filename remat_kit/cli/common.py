@@ -50,16 +50,24 @@ def plot_path(path: str, target, several: bool) -> str:
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
 
 
+def _map_of(work):
+    # A Workload's map, or a ModelMap itself (`program.config_map` of a --config report
+    # that builds no workload).
+    return getattr(work, "model_map", work)
+
+
 def print_map(work) -> None:
     """Every report's first line: the model map's (`remat_kit.trace.model_map`): the
-    layers remat applies to, the model's own remat, what runs outside every layer."""
-    if work.model_map is not None:
-        print(f"model map: {work.model_map.line()}", flush=True)
+    layers remat applies to, the model's own remat, what runs outside every layer.
+    `work`: a Workload, or a ModelMap; nothing printed where it has none."""
+    if _map_of(work) is not None:
+        print(f"model map: {_map_of(work).line()}", flush=True)
 
 
 def map_context(work) -> dict:
-    """`--json`'s `context.model_map`: the whole map, where the workload has one."""
-    return {} if work.model_map is None else {"model_map": work.model_map.to_dict()}
+    """`--json`'s `context.model_map`: the whole map (`work` a Workload or a ModelMap),
+    where there is one."""
+    return {} if _map_of(work) is None else {"model_map": _map_of(work).to_dict()}
 
 
 __all__ = ["map_context", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]

@@ -33,6 +33,7 @@ def run(args) -> int:
     from remat_kit.measure import peak, targets
     from remat_kit.measure.explain import explain
     from remat_kit.measure.record import MEMORY_LABELS
+    from remat_kit.models.program import config_map
     from remat_kit.models.shortcuts import layer_residuals
 
     src, batch, seq = source_and_sizes(args)
@@ -85,6 +86,7 @@ def run(args) -> int:
             raise BadInput(f"explain takes one --target, got {args.target!r}")
         target = found[0]
     if cfg is not None:
+        print_map(config_map(cfg))
         layer, what, dtype = layer_residuals(cfg, batch, seq, policy, target=target), \
             "one decoder layer", src.dtype()
     else:

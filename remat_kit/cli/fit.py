@@ -23,6 +23,7 @@ def run(args) -> int:
     from remat_kit.cli import fit_report
     from remat_kit.decide.fit import DEFAULT_MAX_SIZE, DEFAULT_MULTIPLE, FIT_POLICIES, _is_auto
     from remat_kit.errors import BudgetError
+    from remat_kit.models.program import config_map
     from remat_kit.models.shortcuts import fit
     from remat_kit.policy.budget import parse_budget
 
@@ -110,8 +111,8 @@ def run(args) -> int:
     title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "
              f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
-    if first is not None:
-        print_map(first)
+    the_map = config_map(cfg) if first is None else first
+    print_map(the_map)
     console.print(fit_report.fit_table(result, title))
     console.print(f"compiled: {step}", markup=False, soft_wrap=True)
     if result.below_minimum:
@@ -119,7 +120,7 @@ def run(args) -> int:
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump(fit_report.fit_to_dict(result) | {"config": label, "step": step}
-                      | ({} if first is None else map_context(first)), f, indent=2)
+                      | map_context(the_map), f, indent=2)
             f.write("\n")
     if args.plot is not None:
         fit_report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")

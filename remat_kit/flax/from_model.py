@@ -36,7 +36,7 @@ from remat_kit.flax.blocks import Instance, Pick, pick_block, unremat_note
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax import placement
-from remat_kit.trace import model_map, own_remat, regions, retarget
+from remat_kit.trace import model_map, own_call, own_remat, regions, retarget
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import UnknownModuleError
@@ -95,17 +95,22 @@ def _describe(out) -> str:
 
 
 @contextlib.contextmanager
-def _applied_plainly():
+def _applied_plainly(batch: bool = False):
     """Inside: a linen model that needs more than its variables at apply (an rng
     stream, a collection it writes) is a ModelError saying so, in one line: the
-    loss applies it as `model.apply(variables, tokens)`, no rngs, nothing mutable."""
+    loss applies it as `model.apply(variables, tokens)` (`batch`: to the batch of a
+    (model, batch, loss) FUNCTION), no rngs, nothing mutable."""
+    applied = "to its batch with no rngs, under the FUNCTION's loss" if batch else (
+        "to tokens with no rngs, as its loss has no dropout")
+    remedy = ("or write it in flax.nnx, whose nnx.Rngs state remat_kit carries (new dropout "
+              "masks each training step)" if batch else
+              "or give a function (batch, seq) -> rk.Workload whose loss passes rngs")
     try:
         yield
     except flax.errors.InvalidRngError as e:
         raise ModelError(f"the model asks for a PRNG stream ({_first_line(e)}): remat_kit "
-                         "applies it to tokens with no rngs, as its loss has no dropout; "
-                         "build it deterministic (e.g. deterministic=True), or give a "
-                         "function (batch, seq) -> rk.Workload whose loss passes rngs") from None
+                         f"applies it {applied}; build it deterministic (e.g. "
+                         f"deterministic=True), {remedy}") from None
     except flax.errors.ModifyScopeVariableError as e:
         raise ModelError(f"the model updates its variables ({_first_line(e)}): remat_kit "
                          "applies it with every collection read-only; build it not to update "
@@ -438,8 +443,10 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         return traced_regions.loss(layer_policies(policy, n) if n else ())
 
     label = name or type(model).__name__
+    root = (model.name or type(model).__name__) if isinstance(model, nn.Module) else None
+    mine = own_call.own_call(traced.jaxpr, KEY, root)  # a tied head's bare matmul, say
     the_map = model_map.ModelMap(model_map.stacks_of(list(pick.layers)), own.regions,
-                                 (*pick.outside, "loss"))
+                                 (*pick.outside, *([mine] if mine else []), "loss"))
     notes = found.notes() + model_map.notes(the_map) + unremat_note(pick.others, cls)
     notes += (where.note,) if where is not None and where.note else ()
 

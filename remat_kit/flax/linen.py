@@ -335,6 +335,9 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
                 validate: bool = False, methods: Sequence[str] = ("__call__",)) -> nn.Module:
     """Runs every submodule whose class matches under that class's policy, without
     editing the model's source.
+    A remat the model itself runs around a matched block (`nn.remat(Block)`, `nnx.remat`
+    around a scanned call) is not taken over: it stays around the policy's region
+    (docs/wrappers.md); `rk.remat_model` takes it over.
 
     Args:
       model: a linen Module instance (unbound), e.g. `Transformer(cfg)`.

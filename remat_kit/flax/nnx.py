@@ -69,7 +69,8 @@ def path_name(path: Sequence) -> str:
 @functools.cache
 def _tagging_class(cls: type, name: str) -> type:
     def __call__(self, *args, **kwargs):
-        return wrapping.tag_output(cls.__call__(self, *args, **kwargs), name)
+        with jax.named_scope(name):  # its ops' name stack, as linen's flax_profile gives
+            return wrapping.tag_output(cls.__call__(self, *args, **kwargs), name)
 
     return _subclass(cls, {"__call__": __call__})
 
@@ -271,6 +272,9 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
                 validate: bool = False, methods: Sequence[str] = ("__call__",)) -> nnx.Module:
     """A copy of `model` in which every submodule whose class matches runs under that
     class's policy; the model's source is not edited.
+    A remat the model itself runs around a matched block (`nn.remat(Block)`, `nnx.remat`
+    around a scanned call) is not taken over: it stays around the policy's region
+    (docs/wrappers.md); `rk.remat_model` takes it over.
 
     Args:
       model: an nnx Module instance.

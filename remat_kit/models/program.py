@@ -150,4 +150,13 @@ def model_map_of(cfg: TransformerConfig, params) -> model_map.ModelMap:
     return model_map.ModelMap(model_map.stacks_of(layers), (), (*outside, "logits", "loss"))
 
 
-__all__ = ["layer_program", "model_map_of", "sized", "workload"]
+def config_map(cfg: TransformerConfig) -> model_map.ModelMap:
+    """`model_map_of` `Transformer(cfg)` without a workload, for a report that builds
+    none (explain's layer table, fit, the sweep): its parameters' shapes from
+    `jax.eval_shape` of init on one token (one trace, nothing allocated)."""
+    boxed = jax.eval_shape(lambda: Transformer(cfg.replace(remat="none")).init(
+        jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    return model_map_of(cfg, nn.unbox(boxed))
+
+
+__all__ = ["config_map", "layer_program", "model_map_of", "sized", "workload"]

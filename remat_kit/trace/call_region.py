@@ -51,7 +51,9 @@ def build(fn: Callable, leaves: Sequence, num_params: int, call: wrapping.RoleCa
 
     Its notes: compare's note where the policy still selects nothing (a role the
     block lacks: fused attention has no `attn_logits`), in one line, and where the
-    block runs remat regions of its own, which stay inside the policy's region.
+    block runs remat regions of its own around part of its work, which stay inside the
+    policy's region. A remat of the whole block in its call is taken over
+    (`own_remat.find`), as `rk.remat_model` takes it over.
 
     Raises:
       UnknownTagError: `call.validate` and the policy names a tag the tagged
@@ -60,11 +62,12 @@ def build(fn: Callable, leaves: Sequence, num_params: int, call: wrapping.RoleCa
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
     marked = jax.checkpoint(fn, policy=wrapping.Marker(KEY))
     closed, shape = jax.make_jaxpr(marked, return_shape=True)(*structs)
-    program, found = regions.build(closed, None, KEY, num_params)
+    mine = own_remat.find(closed.jaxpr, KEY)  # a remat of the whole block: the policy's now
+    program, found = regions.build(closed, None, KEY, num_params, mine.taken)
     if call.validate:
         check_names(call.policy, program.emitted, where=where)
     out = tuple(filter(None, [policy_line(where, call.policy, program, found)]))
-    own = own_remat.count(closed.jaxpr, KEY)
+    own = sum(r.count for r in mine.kept())
     if own:
         out += (f"{where}: the block already runs {own} remat region"
                 f"{'s' if own > 1 else ''} of its own; they stay, nested inside the "

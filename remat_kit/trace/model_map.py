@@ -79,7 +79,9 @@ class ModelMap:
         (nothing to remat: every policy runs as `none`).
       own_remat: the model's own remat regions (`remat_kit.trace.own_remat`).
       outside: what runs outside every layer under every policy, outermost module
-        paths in call order, then "loss" (e.g. ("wte", "ln_f", "loss")).
+        paths in call order, the model's loose parameters, what its own call computes
+        (`remat_kit.trace.own_call`), then "loss" (e.g. ("wte", "ln_f", "the model's
+        own call: 1 op (dot_general)", "loss")).
     """
 
     stacks: tuple[Stack, ...] = ()
