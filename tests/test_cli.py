@@ -194,7 +194,7 @@ _TYPES = {
     "predicted_seconds": float, "predicted_ratio_to_none": float,
 }
 _NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes",
-             "peak")  # peak: with --peak only
+             "peak", "train_step_bytes")  # peak: with --peak only; the other: plan --step train
 
 
 def test_compare_table_json_and_plot(capsys, tmp_path):
