@@ -1,7 +1,8 @@
 """A model's own partitioning: parameters placed by their annotations (linen logical axes
 and rules, a DenseGeneral kernel by its 3 names, NNX mesh-axis metadata, a scanned stack),
-the batch over the data axes, on the model's own mesh in its own device order; per-device figures those of the sharded
-step, equal to hand-written `jax.jit(...)` compiles; bad meshes refused in one line.
+the batch over the data axes, on the model's own mesh in its own device order; per-device
+figures those of the sharded step, equal to hand-written `jax.jit(...)` compiles; bad
+meshes refused in one line.
 
 Runs on the 8 host devices tests/conftest.py creates (4 of them for the meshes).
 """
