@@ -1,15 +1,17 @@
 """A model's own partitioning: parameters placed by their annotations (linen logical axes
-and rules, NNX mesh-axis metadata, a scanned stack), the batch over the data axes, on
-the model's own mesh in its own device order; per-device figures those of the sharded
-step, equal to hand-written `jax.jit(...)` compiles; bad meshes refused in one line.
+and rules, a DenseGeneral kernel by its 3 names, NNX mesh-axis metadata, a scanned stack),
+the batch over the data axes, on the model's own mesh in its own device order; per-device
+figures those of the sharded step, equal to hand-written `jax.jit(...)` compiles; bad
+meshes refused in one line.
 
 Runs on the 8 host devices tests/conftest.py creates (4 of them for the meshes).
 """
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 import remat_kit as rk
 from remat_kit import cli
@@ -17,9 +19,10 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.decide import step as rk_step
 from remat_kit.errors import MeshError
 from remat_kit.measure import lowering
-from tests.test_sharded_step import check_value_and_grad, hand_train_step, memory
+from tests.test_sharded_step import (check_value_and_grad, hand_train_step, memory,
+                                     shard_bytes)
 from tests.test_targets import needs_libtpu
-from tests.zoo import logical_linen, logical_nnx
+from tests.zoo import dense_general_linen, logical_linen, logical_nnx
 
 BATCH, SEQ = 8, 16
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 host devices")
@@ -141,3 +144,40 @@ def test_an_ahead_of_time_target_keeps_the_model_s_device_order():
     assert mesh.devices.flat[0].platform == "tpu" and dict(mesh.shape) == {"data": 2, "fsdp": 2}
     with pytest.raises(MeshError, match="build the model's mesh over at most 1"):
         lowering.place(work.args, "tpu:v5e:1x1")
+
+
+def hand_value_and_grad(model, mesh):
+    """A training script's own step of `model`: its boxed parameters' shardings by
+    their names and remat_kit's rules, the tokens over fsdp, `jax.jit(value_and_grad)`
+    traced under `jax.set_mesh` and `nn.logical_axis_rules`; compiled."""
+    rules = rk_mesh.rules(mesh.shape)
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32,
+                                  sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    params = nn.unbox(boxed)  # off the mesh: the boxes constrain nothing
+
+    def loss(params, tokens):
+        return rk.from_model.next_token_loss(model.apply({"params": params}, tokens), tokens)
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        step = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, tokens.sharding),
+                       out_shardings=(rk_mesh.replicated(mesh), shardings))
+        return step.lower(params, tokens).compile()
+
+
+@pytest.mark.parametrize("spec, query", [("fsdp:4", PartitionSpec(None, "fsdp", None, None)),
+                                         ("fsdp:2,tensor:2",
+                                          PartitionSpec(None, "fsdp", "tensor", None))])
+def test_dense_general_kernels_are_placed_by_their_three_names(spec, query):
+    # nn.DenseGeneral constrains its flat kernel by 3 names (google/flax#3676): measured
+    # as the same model with whole kernels, which a hand-written step compiles.
+    mesh = rk_mesh.make(spec, jax.devices()[:4])
+    work = rk.from_model.workload(dense_general_linen.model(), BATCH, SEQ, mesh=mesh)
+    found = specs(work)
+    assert (found["['layers']['query']['kernel']"], found["['layers']['out']['kernel']"]) == (
+        query, PartitionSpec(None, *query[2:], "fsdp"))  # [layers, heads, kv, embed]
+    (rec,) = rk.measure(work, policies=["none"])
+    hand = memory(hand_value_and_grad(dense_general_linen.model(whole_kernels=True), mesh))
+    assert {k: getattr(rec, k) for k in hand} == hand
+    assert rec.argument_size_in_bytes == shard_bytes(work.args[0]) + shard_bytes(work.args[1])

@@ -247,15 +247,51 @@ def place(found: Annotations, placement: Placement, args):
 
 
 @contextlib.contextmanager
+def reshaped_kernels() -> Iterator[None]:
+    """Inside: a partitioning box (`nn.LogicallyPartitioned`, `nn.Partitioned`)
+    applies no sharding constraint to a value of another rank than its names.
+
+    Flax's `nn.DenseGeneral` builds its kernel flat (2-D) with the model's
+    boxed initializer and reshapes it after, so a kernel named by 3 logical
+    axes (MaxText's attention: ("embed", "heads", "kv")) is first constrained
+    by 3 names as a 2-D array, which fails under a mesh (google/flax#3676).
+    `Module.param` runs that initializer in `apply` too, under `jax.eval_shape`
+    only to check the parameter's shape, so the constraint is none of the
+    step's program: skipping it leaves the kernel 3-D, placed by its 3 names
+    (`place`), as the model says.
+    """
+    # Flax has no hook into DenseGeneral's initializer: the boxes' classes are
+    # patched only while the model is traced.
+    originals = {cls: cls.unbox for cls in (nn.LogicallyPartitioned, nn.Partitioned)}
+
+    def patched(cls):
+        def unbox(self, apply_constraint=True):
+            fits = len(self.names) == len(getattr(self.value, "shape", self.names))
+            return originals[cls](self, apply_constraint=apply_constraint and fits)
+        return unbox
+
+    try:
+        for cls in originals:
+            cls.unbox = patched(cls)
+        yield
+    finally:
+        for cls, unbox in originals.items():
+            cls.unbox = unbox
+
+
+@contextlib.contextmanager
 def tracing(placement: Placement | None) -> Iterator[None]:
     """Context in which a model is traced as its training step traces it: its
     logical-axis rules set and its mesh the context mesh (`jax.set_mesh`), so
-    its own `nn.with_logical_constraint`s apply. A no-op for None."""
+    its own `nn.with_logical_constraint`s apply, and its `reshaped_kernels`
+    taken as their names say. A no-op for None."""
     if placement is None:
         yield
         return
-    with jax.set_mesh(placement.mesh), nn.logical_axis_rules(placement.rules):
+    with jax.set_mesh(placement.mesh), nn.logical_axis_rules(placement.rules), \
+            reshaped_kernels():
         yield
 
 
-__all__ = ["Annotations", "Placement", "annotations", "place", "resolve", "tracing", "unboxed"]
+__all__ = ["Annotations", "Placement", "annotations", "place", "reshaped_kernels", "resolve",
+           "tracing", "unboxed"]
