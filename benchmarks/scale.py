@@ -11,9 +11,10 @@ For each (layers, scanned, policy):
 * remat_kit: the train step `fit` and `rk.step_memory(cfg, ..., target=tpu:v5p:2x2x1,
   mesh=fsdp:4)` compile (`models.shortcuts.train_step`, `lowering.compile_for`):
   value_and_grad, AdamW, parameters and optimizer state donated, gradients and optimizer state sharded like the
-  parameters. Its FLOPs here are the TPU compile's own (`loop_scaled_costs`): the XLA CPU
-  recount `step_memory` makes for a scan fails at shard shapes on an FSDP mesh (issue 33
-  item 3, ScopeParamShapeError), and the TPU compiler drops a scan's trip count (n/a);
+  parameters. Its FLOPs are the TPU compile's own (`loop_scaled_costs`, a scan's trip
+  count read from its loop condition, `remat_kit.measure.loops`), and its predicted step
+  the time model's (`time_model.compiled_seconds`) beside the floor the chip allows
+  (FLOPs over its peak FLOP/s);
 * hand-written: as a training codebase writes it (the Flax SPMD guide's recipe):
   boxed parameters from `jax.eval_shape(model.init)`, the AdamW state of the boxed
   parameters, their `NamedSharding`s by the logical rules, and
@@ -21,8 +22,8 @@ For each (layers, scanned, policy):
   under the mesh's rules, `.trace(...).lower(lowering_platforms=("tpu",)).compile()`.
 
 Printed: per-chip peak (the TPU compiler's `peak_memory_in_bytes`), FLOPs per chip
-(loops counted per trip where the compiler says, else n/a), compile seconds, and the
-process's peak resident memory at the end.
+(loops counted per trip), remat_kit's predicted step and the chip's floor, compile
+seconds, and the process's peak resident memory at the end.
 
     PYTHONPATH=. .venv/bin/python benchmarks/scale.py [--layers 4] [--policies full,minimal]
         [--stacks unrolled,scanned]
@@ -40,7 +41,7 @@ import optax
 import remat_kit as rk
 from remat_kit import mesh as rk_mesh
 from remat_kit.decide import step as stepping
-from remat_kit.measure import lowering, targets
+from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.models import Transformer, TransformerConfig, make_loss_fn
 from remat_kit.models.shortcuts import train_step
@@ -58,12 +59,13 @@ def config(layers: int, scan: bool, policy: str) -> TransformerConfig:
 
 
 def ours(cfg: TransformerConfig, policy: str, mesh) -> tuple:
-    """(StepMemory, FLOPs per chip or None) of remat_kit's train step."""
+    """(StepMemory, FLOPs per chip or None, predicted seconds) of remat_kit's train step."""
     made = train_step(cfg, BATCH, SEQ, policy, mesh=mesh)
     c = lowering.compile_for(made.step, *made.args, target=TARGET,
-                             donate=stepping.TrainStep.DONATED, count_flops=False)
+                             donate=stepping.TrainStep.DONATED, compile_only=False)
     found, notes = loop_scaled_costs(c.compiled)
-    return stepping.step_figures(c, made.args), None if notes else found.get("flops")
+    seconds = time_model.compiled_seconds(c.compiled, time_model.roofline(TARGET))
+    return stepping.step_figures(c, made.args), None if notes else found.get("flops"), seconds
 
 
 def hand_written(cfg: TransformerConfig, mesh) -> tuple[dict, float | None, float]:
@@ -109,20 +111,23 @@ def main():
     args = parser.parse_args()
     mesh = targets.make_mesh(TARGET, {"fsdp": 4})
     gib = 2.0 ** 30
+    peak_flops = time_model.roofline(TARGET).bf16_flops
     print(f"| layers | stack | policy | remat_kit peak GiB | hand peak GiB | peak ratio | "
-          f"remat_kit TFLOP | hand TFLOP | remat_kit s | hand s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"remat_kit TFLOP | hand TFLOP | pred. ms | floor ms | remat_kit s | hand s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for layers in map(int, args.layers.split(",")):
         for scan in (s == "scanned" for s in args.stacks.split(",")):
             for policy in args.policies.split(","):
                 cfg = config(layers, scan, policy)
-                step, flops = ours(cfg, policy, mesh)
+                step, flops, predicted = ours(cfg, policy, mesh)
                 hand, hand_flops, hand_s = hand_written(cfg, mesh)
                 tflop = lambda f: "n/a" if f is None else f"{f / 1e12:.2f}"  # noqa: E731
                 print(f"| {layers} | {'scanned' if scan else 'unrolled'} | {policy} | "
                       f"{step.total_bytes / gib:.2f} | {hand['peak'] / gib:.2f} | "
                       f"{step.total_bytes / hand['peak']:.4f} | {tflop(flops)} | "
-                      f"{tflop(hand_flops)} | {step.compile_seconds:.1f} | {hand_s:.1f} |",
+                      f"{tflop(hand_flops)} | {predicted * 1e3:.1f} | "
+                      f"{'n/a' if flops is None else f'{flops / peak_flops * 1e3:.1f}'} | "
+                      f"{step.compile_seconds:.1f} | {hand_s:.1f} |",
                       flush=True)
                 print(f"  remat_kit: argument {step.argument_size_in_bytes / gib:.2f} GiB, "
                       f"output {step.output_size_in_bytes / gib:.2f}, temp "
