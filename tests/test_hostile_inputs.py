@@ -183,3 +183,37 @@ def test_blocks_of_one_class_that_differ_are_said_to(tmp_path, capsys):
                      "--policy", "full"]) == 0
     shown = capsys.readouterr().out
     assert "model (3 layers)" not in shown and said in " ".join(shown.split())
+
+
+MIXED = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(16)(nn.relu(nn.Dense(32)(x)))
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, y):
+        for _ in range(2):
+            x = Block()(x)
+        return x
+
+def mixed():  # leading axes 4 and 3: no batch axis to split
+    batch = {"x": jnp.ones((4, 8, 16)), "y": jnp.ones((3, 8))}
+    return Model(), batch, lambda out, batch: (out ** 2).mean()
+"""
+
+
+def test_leaves_with_differing_leading_axes_are_measured_as_declared(tmp_path, capsys):
+    path = tmp_path / "mixed.py"
+    path.write_text(MIXED)
+    assert cli.main(["compare", "--model", f"{path}:mixed", "--policies", "none"]) == 0
+    assert "mixed: the batch as declared, float32" in capsys.readouterr().out
+    assert cli.main(["compare", "--model", f"{path}:mixed", "--mesh", "fsdp:2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "remat-kit compare: error: --mesh: the batch's leaves share no leading (batch) axis, "
+        "so it does not split over the 2 data-parallel devices of mesh fsdp 2 (data x fsdp = "
+        "2); make every leaf [batch, ...] or use a mesh without data and fsdp axes"]
