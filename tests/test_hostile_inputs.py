@@ -217,3 +217,17 @@ def test_leaves_with_differing_leading_axes_are_measured_as_declared(tmp_path, c
         "remat-kit compare: error: --mesh: the batch's leaves share no leading (batch) axis, "
         "so it does not split over the 2 data-parallel devices of mesh fsdp 2 (data x fsdp = "
         "2); make every leaf [batch, ...] or use a mesh without data and fsdp axes"]
+
+
+@pytest.mark.parametrize("returns, said", [
+    ("3", "int 3"),
+    ("(out.mean(), {})", "a tuple (float32[], dict); return the scalar alone (no auxiliary "
+                         "outputs)")])
+def test_a_loss_that_returns_no_array_is_named(tmp_path, capsys, returns, said):
+    path = tmp_path / "loss.py"
+    path.write_text(MIXED.replace('"y": jnp.ones((3, 8))', '"y": jnp.ones((4, 8))')
+                    + f"\ndef odd():\n    return Model(), mixed()[1], lambda out, b: {returns}\n")
+    assert cli.main(["compare", "--model", f"{path}:odd"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:odd': loss '<lambda>' must return a float "
+        f"scalar, it returned {said}"]

@@ -149,11 +149,21 @@ def _takes(model, name: str) -> bool:
 
 def _scalar(value, loss: Callable):
     """`value` if it is a float scalar; else ModelError naming the loss and what it gave."""
-    shape, dtype = jnp.shape(value), getattr(value, "dtype", None)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ModelError(f"loss {getattr(loss, '__name__', loss)!r} must return a float "
-                         f"scalar, it returned {dtype}{list(shape)}")
+                         f"scalar, it returned {_returned(value)}")
     return value
+
+
+def _returned(value) -> str:
+    """'float32[4, 8]', 'int 3', 'a tuple (float32[], dict)': what a loss gave."""
+    if isinstance(value, tuple):  # (loss, aux), as value_and_grad(has_aux=True) takes it
+        parts = (_returned(v) if hasattr(v, "dtype") else type(v).__name__ for v in value)
+        return f"a tuple ({', '.join(parts)}); return the scalar alone (no auxiliary outputs)"
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"{value.dtype}{list(value.shape)}"
+    return f"{type(value).__name__} {value!r:.40}"  # a Python number: no dtype to show
 
 
 class BatchInputs:
