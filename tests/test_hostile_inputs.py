@@ -8,6 +8,7 @@ of random bytes, docs/plan.md on bytes.
 """
 
 import dataclasses
+import importlib.util
 import json
 import pathlib
 import re
@@ -22,6 +23,8 @@ from remat_kit.decide.plan import Planner
 from remat_kit.flax.from_model import workload
 from remat_kit.policy.budget import parse_budget
 from zoo import gpt_linen
+
+ZOO = pathlib.Path(__file__).parent / "zoo"
 
 W = jax.ShapeDtypeStruct((32, 32), jnp.float32)
 X = jax.ShapeDtypeStruct((8, 32), jnp.float32)
@@ -231,3 +234,15 @@ def test_a_loss_that_returns_no_array_is_named(tmp_path, capsys, returns, said):
     assert capsys.readouterr().err.splitlines() == [
         f"remat-kit compare: error: --model '{path}:odd': loss '<lambda>' must return a float "
         f"scalar, it returned {said}"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_a_constant_built_under_a_jit_compiles_for_a_tpu_slice(capsys):
+    """BERT's labels mask (jnp.where: a jit-ed call, traced under the slice's mesh) is
+    not evaluated on this host's CPU: that ran the call on the slice's chips and raised
+    AttributeError ('Executable' has no 'local_devices'), said as a remat_kit bug."""
+    assert cli.main(["compare", "--model", f"{ZOO / 'bert_linen.py'}:build", "--target",
+                     "tpu:v5e:2x2", "--mesh", "fsdp:2", "--batch", "8", "--policies",
+                     "none"]) == 0
+    out = capsys.readouterr().out
+    assert "build: batch 8, seq 16, float32 (XLA TPU compile (v5e:2x2, AOT), per device" in out
