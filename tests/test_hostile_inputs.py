@@ -246,3 +246,16 @@ def test_a_constant_built_under_a_jit_compiles_for_a_tpu_slice(capsys):
                      "none"]) == 0
     out = capsys.readouterr().out
     assert "build: batch 8, seq 16, float32 (XLA TPU compile (v5e:2x2, AOT), per device" in out
+
+
+def test_a_train_step_budget_below_full_remat_says_what_holds_it(capsys):
+    """On the CPU a train step's figure is argument + temp + output - alias, which
+    had no label: a KeyError traceback where the line says what holds the memory."""
+    assert cli.main(["plan", "--model", f"{ZOO / 'bert_linen.py'}:build", "--budgets",
+                     "200KiB", "--step", "train"]) == 1
+    captured = capsys.readouterr()
+    held = [x for x in captured.out.splitlines() if x.startswith("below the minimum")]
+    assert held == ["below the minimum: full remat's train step 551.79 KiB: optimizer state "
+                    "256.75 KiB, parameters 128.00 KiB, backward temporaries 77.12 KiB, "
+                    "recomputed values 41.00 KiB, other 48.91 KiB; no layer policy lowers the "
+                    "optimizer state"]
