@@ -259,3 +259,47 @@ def test_a_train_step_budget_below_full_remat_says_what_holds_it(capsys):
                     "256.75 KiB, parameters 128.00 KiB, backward temporaries 77.12 KiB, "
                     "recomputed values 41.00 KiB, other 48.91 KiB; no layer policy lowers the "
                     "optimizer state"]
+
+
+ONE_DEVICE = """
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(x)))
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        x = nn.Embed(64, 32)(tokens)
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec("data")))
+        for _ in range(2):
+            x = Block()(x)
+        return nn.Dense(64)(x)
+
+def model():
+    return Model()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_a_model_s_own_mesh_on_a_tpu_slice_without_mesh_names_no_flag_not_given(tmp_path,
+                                                                                  capsys):
+    """A TPU slice's chips make the mesh where --mesh is not given: the refusal said
+    '--mesh data:4 asks for another', a flag the user never gave."""
+    path = tmp_path / "one.py"
+    path.write_text(ONE_DEVICE)
+    common = ["compare", "--model", f"{path}:model", "--batch", "4", "--seq", "8",
+              "--target", "tpu:v5e:2x2", "--policies", "none"]
+    assert cli.main(common) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:model': the model builds its own mesh "
+        "(data: 1 over 1 cpu devices) and the step asks for mesh data:4 (--mesh, or a TPU "
+        "target's chips where --mesh is not given): to measure on the model's own, drop "
+        "--mesh or on a TPU target give --mesh data:1; or build the model over data:4"]
+    assert cli.main([*common, "--mesh", "data:1"]) == 0  # the advice holds
