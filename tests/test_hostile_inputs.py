@@ -303,3 +303,16 @@ def test_a_model_s_own_mesh_on_a_tpu_slice_without_mesh_names_no_flag_not_given(
         "target's chips where --mesh is not given): to measure on the model's own, drop "
         "--mesh or on a TPU target give --mesh data:1; or build the model over data:4"]
     assert cli.main([*common, "--mesh", "data:1"]) == 0  # the advice holds
+
+
+def test_a_loss_that_raises_is_named_as_the_loss(tmp_path, capsys):
+    """The loss's own KeyError was said as 'the model raised'."""
+    path = tmp_path / "loss.py"
+    path.write_text(MIXED.replace('"y": jnp.ones((3, 8))', '"y": jnp.ones((4, 8))')
+                    + "\ndef labels(out, batch):\n    return batch['labels']\n\n"
+                    + "def odd():\n    return Model(), mixed()[1], labels\n")
+    assert cli.main(["compare", "--model", f"{path}:odd"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:odd': the loss 'labels' raised KeyError at "
+        f"{path}:22 on the batch (float32[4, 8, 16], float32[4, 8]) at batch 4: 'labels'; if "
+        "it takes other shapes (e.g. fewer positions), give them with --batch and --seq"]
