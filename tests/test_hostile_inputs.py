@@ -316,3 +316,13 @@ def test_a_loss_that_raises_is_named_as_the_loss(tmp_path, capsys):
         f"remat-kit compare: error: --model '{path}:odd': the loss 'labels' raised KeyError at "
         f"{path}:22 on the batch (float32[4, 8, 16], float32[4, 8]) at batch 4: 'labels'; if "
         "it takes other shapes (e.g. fewer positions), give them with --batch and --seq"]
+
+
+def test_a_batch_of_no_examples_is_named(tmp_path, capsys):
+    """A leading axis of 0 was said as a remat_kit bug (from_model: batch must be positive)."""
+    path = tmp_path / "empty.py"
+    path.write_text(MIXED.replace('"y": jnp.ones((3, 8))', '"y": jnp.ones((0, 8))'))
+    assert cli.main(["compare", "--model", f"{path}:mixed"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:mixed': mixed(): the batch['y'] is "
+        "float32[0, 8], an empty batch axis; give it at least one example"]

@@ -49,8 +49,8 @@ FORMS = ("a flax.linen or flax.nnx Module, (model, batch) or (model, batch, loss
 
 def abstract(batch, where: str = "batch"):
     """`batch` as `jax.ShapeDtypeStruct`s. ModelError, naming the leaf's path,
-    for a leaf that is not an array or ShapeDtypeStruct (a Python number, None),
-    or an empty batch."""
+    for a leaf that is not an array or ShapeDtypeStruct (a Python number, None)
+    or whose leading (batch) axis is 0, or an empty batch."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ModelError(f"{where} holds no arrays; give a pytree of arrays or "
@@ -59,6 +59,10 @@ def abstract(batch, where: str = "batch"):
         if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             raise ModelError(f"{where}{jax.tree_util.keystr(path)} is {type(x).__name__} "
                              f"{x!r:.40}, not an array or jax.ShapeDtypeStruct")
+        if x.shape and x.shape[0] == 0:  # no examples: nothing to measure
+            raise ModelError(f"{where}{jax.tree_util.keystr(path)} is {x.dtype}"
+                             f"{list(x.shape)}, an empty batch axis; give it at least one "
+                             "example")
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
 
 
