@@ -270,18 +270,24 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return nn.with_logical_constraint(x, names, rules=rules(mesh), mesh=mesh)
 
 
-def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int) -> None:
+def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int | None) -> None:
     """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig`
     (None: no model checks) and a global batch: batch by data x fsdp, query and key/value heads and mlp_dim
-    by tensor. The message names the numbers. Dimensions that rules split but
-    that need not divide (vocab, embed) are replicated instead
-    (`shardings`)."""
+    by tensor. batch None (a --model's batch whose leaves share no leading axis) only
+    a mesh without data-parallel devices takes. The message names the numbers.
+    Dimensions that rules split but that need not divide (vocab, embed) are
+    replicated instead (`shardings`)."""
     if mesh is None:
         return
     if not isinstance(mesh, Mesh):
         mesh = parse_spec(mesh)
     n = axis_size(mesh, "batch")
-    if batch % n:
+    if batch is None and n > 1:
+        raise MeshError(f"the batch's leaves share no leading (batch) axis, so it does not "
+                        f"split over the {n} data-parallel devices of mesh "
+                        f"{_product_text(_shape(mesh))} (data x fsdp = {n}); make every leaf "
+                        "[batch, ...] or use a mesh without data and fsdp axes")
+    if batch is not None and batch % n:
         raise MeshError(f"batch {batch} does not split over the {n} data-parallel devices of "
                         f"mesh {_product_text(_shape(mesh))} (data x fsdp = {n})")
     t = axis_size(mesh, "heads")

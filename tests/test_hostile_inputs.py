@@ -8,6 +8,7 @@ of random bytes, docs/plan.md on bytes.
 """
 
 import dataclasses
+import importlib.util
 import json
 import pathlib
 import re
@@ -22,6 +23,8 @@ from remat_kit.decide.plan import Planner
 from remat_kit.flax.from_model import workload
 from remat_kit.policy.budget import parse_budget
 from zoo import gpt_linen
+
+ZOO = pathlib.Path(__file__).parent / "zoo"
 
 W = jax.ShapeDtypeStruct((32, 32), jnp.float32)
 X = jax.ShapeDtypeStruct((8, 32), jnp.float32)
@@ -183,3 +186,143 @@ def test_blocks_of_one_class_that_differ_are_said_to(tmp_path, capsys):
                      "--policy", "full"]) == 0
     shown = capsys.readouterr().out
     assert "model (3 layers)" not in shown and said in " ".join(shown.split())
+
+
+MIXED = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(16)(nn.relu(nn.Dense(32)(x)))
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, y):
+        for _ in range(2):
+            x = Block()(x)
+        return x
+
+def mixed():  # leading axes 4 and 3: no batch axis to split
+    batch = {"x": jnp.ones((4, 8, 16)), "y": jnp.ones((3, 8))}
+    return Model(), batch, lambda out, batch: (out ** 2).mean()
+"""
+
+
+def test_leaves_with_differing_leading_axes_are_measured_as_declared(tmp_path, capsys):
+    path = tmp_path / "mixed.py"
+    path.write_text(MIXED)
+    assert cli.main(["compare", "--model", f"{path}:mixed", "--policies", "none"]) == 0
+    assert "mixed: the batch as declared, float32" in capsys.readouterr().out
+    assert cli.main(["compare", "--model", f"{path}:mixed", "--mesh", "fsdp:2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "remat-kit compare: error: --mesh: the batch's leaves share no leading (batch) axis, "
+        "so it does not split over the 2 data-parallel devices of mesh fsdp 2 (data x fsdp = "
+        "2); make every leaf [batch, ...] or use a mesh without data and fsdp axes"]
+
+
+@pytest.mark.parametrize("returns, said", [
+    ("3", "int 3"),
+    ("(out.mean(), {})", "a tuple (float32[], dict); return the scalar alone (no auxiliary "
+                         "outputs)")])
+def test_a_loss_that_returns_no_array_is_named(tmp_path, capsys, returns, said):
+    path = tmp_path / "loss.py"
+    path.write_text(MIXED.replace('"y": jnp.ones((3, 8))', '"y": jnp.ones((4, 8))')
+                    + f"\ndef odd():\n    return Model(), mixed()[1], lambda out, b: {returns}\n")
+    assert cli.main(["compare", "--model", f"{path}:odd"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:odd': loss '<lambda>' must return a float "
+        f"scalar, it returned {said}"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_a_constant_built_under_a_jit_compiles_for_a_tpu_slice(capsys):
+    """BERT's labels mask (jnp.where: a jit-ed call, traced under the slice's mesh) is
+    not evaluated on this host's CPU: that ran the call on the slice's chips and raised
+    AttributeError ('Executable' has no 'local_devices'), said as a remat_kit bug."""
+    assert cli.main(["compare", "--model", f"{ZOO / 'bert_linen.py'}:build", "--target",
+                     "tpu:v5e:2x2", "--mesh", "fsdp:2", "--batch", "8", "--policies",
+                     "none"]) == 0
+    out = capsys.readouterr().out
+    assert "build: batch 8, seq 16, float32 (XLA TPU compile (v5e:2x2, AOT), per device" in out
+
+
+def test_a_train_step_budget_below_full_remat_says_what_holds_it(capsys):
+    """On the CPU a train step's figure is argument + temp + output - alias, which
+    had no label: a KeyError traceback where the line says what holds the memory."""
+    assert cli.main(["plan", "--model", f"{ZOO / 'bert_linen.py'}:build", "--budgets",
+                     "200KiB", "--step", "train"]) == 1
+    captured = capsys.readouterr()
+    held = [x for x in captured.out.splitlines() if x.startswith("below the minimum")]
+    assert held == ["below the minimum: full remat's train step 551.79 KiB: optimizer state "
+                    "256.75 KiB, parameters 128.00 KiB, backward temporaries 77.12 KiB, "
+                    "recomputed values 41.00 KiB, other 48.91 KiB; no layer policy lowers the "
+                    "optimizer state"]
+
+
+ONE_DEVICE = """
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(x)))
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        x = nn.Embed(64, 32)(tokens)
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec("data")))
+        for _ in range(2):
+            x = Block()(x)
+        return nn.Dense(64)(x)
+
+def model():
+    return Model()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_a_model_s_own_mesh_on_a_tpu_slice_without_mesh_names_no_flag_not_given(tmp_path,
+                                                                                  capsys):
+    """A TPU slice's chips make the mesh where --mesh is not given: the refusal said
+    '--mesh data:4 asks for another', a flag the user never gave."""
+    path = tmp_path / "one.py"
+    path.write_text(ONE_DEVICE)
+    common = ["compare", "--model", f"{path}:model", "--batch", "4", "--seq", "8",
+              "--target", "tpu:v5e:2x2", "--policies", "none"]
+    assert cli.main(common) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:model': the model builds its own mesh "
+        "(data: 1 over 1 cpu devices) and the step asks for mesh data:4 (--mesh, or a TPU "
+        "target's chips where --mesh is not given): to measure on the model's own, drop "
+        "--mesh or on a TPU target give --mesh data:1; or build the model over data:4"]
+    assert cli.main([*common, "--mesh", "data:1"]) == 0  # the advice holds
+
+
+def test_a_loss_that_raises_is_named_as_the_loss(tmp_path, capsys):
+    """The loss's own KeyError was said as 'the model raised'."""
+    path = tmp_path / "loss.py"
+    path.write_text(MIXED.replace('"y": jnp.ones((3, 8))', '"y": jnp.ones((4, 8))')
+                    + "\ndef labels(out, batch):\n    return batch['labels']\n\n"
+                    + "def odd():\n    return Model(), mixed()[1], labels\n")
+    assert cli.main(["compare", "--model", f"{path}:odd"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:odd': the loss 'labels' raised KeyError at "
+        f"{path}:22 on the batch (float32[4, 8, 16], float32[4, 8]) at batch 4: 'labels'; if "
+        "it takes other shapes (e.g. fewer positions), give them with --batch and --seq"]
+
+
+def test_a_batch_of_no_examples_is_named(tmp_path, capsys):
+    """A leading axis of 0 was said as a remat_kit bug (from_model: batch must be positive)."""
+    path = tmp_path / "empty.py"
+    path.write_text(MIXED.replace('"y": jnp.ones((3, 8))', '"y": jnp.ones((0, 8))'))
+    assert cli.main(["compare", "--model", f"{path}:mixed"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"remat-kit compare: error: --model '{path}:mixed': mixed(): the batch['y'] is "
+        "float32[0, 8], an empty batch axis; give it at least one example"]

@@ -105,9 +105,10 @@ def test_another_mesh_than_the_model_s_own_is_refused_in_one_line(capsys):
                      "8", "--seq", "16", "--mesh", "fsdp:8", "--policies", "full"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and (
-        "the model builds its own mesh (data: 2, fsdp: 2 over 4 cpu devices) and --mesh "
-        "fsdp:8 asks for another: drop --mesh to measure on the model's own, or build the "
-        "model over fsdp:8") in err, err
+        "the model builds its own mesh (data: 2, fsdp: 2 over 4 cpu devices) and the step "
+        "asks for mesh fsdp:8 (--mesh, or a TPU target's chips where --mesh is not given): to "
+        "measure on the model's own, drop --mesh or on a TPU target give --mesh data:1; or "
+        "build the model over fsdp:8") in err, err
 
 
 def test_a_mesh_axis_the_model_s_rules_do_not_know_is_refused():

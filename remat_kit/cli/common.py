@@ -25,7 +25,10 @@ def source_and_sizes(args) -> tuple[Source, int, int]:
 
 def sizes_text(batch, seq) -> str:
     """"batch 8, seq 1024" for a title; "batch 8" where the batch has no sequence axis
-    (seq None: a --model's images or latents)."""
+    (seq None: a --model's images or latents); "the batch as declared" where its leaves share
+    no leading axis (batch None)."""
+    if batch is None:
+        return "the batch as declared"
     return f"batch {batch}" + (f", seq {seq}" if seq is not None else "")
 
 

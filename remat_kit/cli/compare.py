@@ -64,7 +64,8 @@ def run(args) -> int:
         step = rk_mesh.compiled_step("value-and-grad", work.mesh)
         per_device = f", per device of {devices} ({mesh_text}); {step}" if devices > 1 else ""
         title = f"{label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
-        sections.append((target, title, report.rows(records, cfg, batch // batch_split, seq,
+        share = None if batch is None else batch // batch_split  # None: leaves as declared
+        sections.append((target, title, report.rows(records, cfg, share, seq,
                                                     tensor=tensor)))
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
                          "mesh": mesh_text if devices > 1 else args.mesh, "step": step,

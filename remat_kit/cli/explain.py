@@ -68,7 +68,8 @@ def run(args) -> int:
         if rk_mesh.axis_size(sizes, "heads") > 1:
             raise BadInput(f"--mesh {args.mesh}: a tensor axis splits a --model's own layers, "
                            "which remat_kit cannot do; use data and fsdp axes")
-        batch //= rk_mesh.axis_size(sizes, "batch")
+        if batch is not None:  # None: leaves as declared, on a mesh with no data axes
+            batch //= rk_mesh.axis_size(sizes, "batch")
         where = f", per device of mesh {args.mesh}"
     elif args.mesh is not None:  # the layer one device runs; no devices needed
         try:

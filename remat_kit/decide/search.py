@@ -19,7 +19,7 @@ from remat_kit.decide.plan_cache import Plan, _write_cache, cached_plan, layers_
 from remat_kit.errors import BudgetError
 from remat_kit.measure.measure import measure
 from remat_kit.measure.peak import held_line, vocab_chunks_for
-from remat_kit.measure.record import MEMORY_LABELS, memory_kind
+from remat_kit.measure.record import MEMORY_LABELS, STEP, memory_kind
 from remat_kit.policy.budget import parse_budget
 from remat_kit.policy.policy import Policy
 
@@ -57,7 +57,9 @@ def what_holds(planner, rechunk: "Callable[[int], object] | None" = None
             chunked = record.memory_bytes
         except Exception:  # noqa: BLE001 - the line stands without the figure
             chunked = None
-    return held_line(found, f"{which}'s {MEMORY_LABELS[found['figure']]}", chunked), found
+    # a CPU train step's figure (argument + temp + output - alias) has no label of its own
+    label = MEMORY_LABELS.get(found["figure"], MEMORY_LABELS[STEP])
+    return held_line(found, f"{which}'s {label}", chunked), found
 
 
 def plan(planner, budget: "str | int | float") -> Plan:

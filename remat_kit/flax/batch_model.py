@@ -49,8 +49,8 @@ FORMS = ("a flax.linen or flax.nnx Module, (model, batch) or (model, batch, loss
 
 def abstract(batch, where: str = "batch"):
     """`batch` as `jax.ShapeDtypeStruct`s. ModelError, naming the leaf's path,
-    for a leaf that is not an array or ShapeDtypeStruct (a Python number, None),
-    or an empty batch."""
+    for a leaf that is not an array or ShapeDtypeStruct (a Python number, None)
+    or whose leading (batch) axis is 0, or an empty batch."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ModelError(f"{where} holds no arrays; give a pytree of arrays or "
@@ -59,6 +59,10 @@ def abstract(batch, where: str = "batch"):
         if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             raise ModelError(f"{where}{jax.tree_util.keystr(path)} is {type(x).__name__} "
                              f"{x!r:.40}, not an array or jax.ShapeDtypeStruct")
+        if x.shape and x.shape[0] == 0:  # no examples: nothing to measure
+            raise ModelError(f"{where}{jax.tree_util.keystr(path)} is {x.dtype}"
+                             f"{list(x.shape)}, an empty batch axis; give it at least one "
+                             "example")
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
 
 
@@ -149,11 +153,21 @@ def _takes(model, name: str) -> bool:
 
 def _scalar(value, loss: Callable):
     """`value` if it is a float scalar; else ModelError naming the loss and what it gave."""
-    shape, dtype = jnp.shape(value), getattr(value, "dtype", None)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ModelError(f"loss {getattr(loss, '__name__', loss)!r} must return a float "
-                         f"scalar, it returned {dtype}{list(shape)}")
+                         f"scalar, it returned {_returned(value)}")
     return value
+
+
+def _returned(value) -> str:
+    """'float32[4, 8]', 'int 3', 'a tuple (float32[], dict)': what a loss gave."""
+    if isinstance(value, tuple):  # (loss, aux), as value_and_grad(has_aux=True) takes it
+        parts = (_returned(v) if hasattr(v, "dtype") else type(v).__name__ for v in value)
+        return f"a tuple ({', '.join(parts)}); return the scalar alone (no auxiliary outputs)"
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"{value.dtype}{list(value.shape)}"
+    return f"{type(value).__name__} {value!r:.40}"  # a Python number: no dtype to show
 
 
 class BatchInputs:

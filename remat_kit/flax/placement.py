@@ -180,9 +180,12 @@ def resolve(found: Annotations, own_mesh: Mesh | None, mesh: Mesh | None,
     """
     own, mesh = found.mesh or own_mesh, rk_mesh.spanning(mesh)  # data:1: nothing asked
     if own is not None and mesh is not None and dict(mesh.shape) != dict(own.shape):
-        raise MeshError(f"{_model_text(own)} and --mesh {rk_mesh.spec_text(mesh)} asks for "
-                        f"another: drop --mesh to measure on the model's own, or build the "
-                        f"model over {rk_mesh.spec_text(mesh)}")
+        # `mesh` is --mesh or, where none is given, a TPU target's chips (data parallel)
+        raise MeshError(f"{_model_text(own)} and the step asks for mesh "
+                        f"{rk_mesh.spec_text(mesh)} (--mesh, or a TPU target's chips where "
+                        "--mesh is not given): to measure on the model's own, drop --mesh or on "
+                        f"a TPU target give --mesh data:1; or build the model over "
+                        f"{rk_mesh.spec_text(mesh)}")
     use = rk_mesh.spanning(own or mesh)
     if use is None:
         return None

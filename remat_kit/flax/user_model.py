@@ -180,10 +180,11 @@ def check_axes(spec: str, make: Callable, *, seq=None, batch=None, vary=None) ->
                          "every leaf [batch, ...]")
 
 
-def _traced(spec: str, inputs: str, sizes: str, build: Callable) -> Workload:
+def _traced(spec: str, inputs: str, sizes: str, build: Callable,
+            loss: Callable | None = None) -> Workload:
     """`build()`, the model's workload, with every failure a ModelError in one line:
-    the model's own (it failed on `inputs`; other shapes are set with `sizes`), or
-    remat_kit's, said to be a remat_kit bug."""
+    the model's own or its `loss`'s (it failed on `inputs`; other shapes are set
+    with `sizes`), or remat_kit's, said to be a remat_kit bug."""
     try:
         with _no_exit():
             return build()
@@ -196,7 +197,9 @@ def _traced(spec: str, inputs: str, sizes: str, build: Callable) -> Workload:
                              f"{where} ({type(e).__name__}: {e}); this is a remat_kit "
                              "bug, not a fault of the model or its input shapes: please "
                              "report it") from None
-        raise ModelError(f"--model {spec!r}: the model raised {type(e).__name__}"
+        who = (f"the loss {getattr(loss, '__name__', loss)!r}" if _raised_in(e, loss)
+               else "the model")
+        raise ModelError(f"--model {spec!r}: {who} raised {type(e).__name__}"
                          f"{_user_frame(e)} on {inputs}: {e}; if it takes other shapes (e.g. "
                          f"fewer positions), give them with {sizes}") from None
 
@@ -230,7 +233,8 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
                        + (f", seq {seq}" if seq_axis else ""), sizes,
                        lambda: batch_model.workload(
                            model, shaped, loss, size=size, seq=seq if seq_axis else None,
-                           block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks))
+                           block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks),
+                       loss)
 
     make.model, make.batch, make.loss, make.values = model, shaped, loss, batch
     make.defaults = {"batch": first, "seq": seq_axis}
@@ -259,6 +263,16 @@ def _frames(e: BaseException) -> list[tuple[str, int]]:
             out.append((path, tb.tb_lineno))
         tb = tb.tb_next
     return out
+
+
+def _raised_in(e: BaseException, fn: Callable | None) -> bool:
+    """Whether `e`'s traceback passes through `fn`'s own code (a loss's frame)."""
+    code, tb = getattr(fn, "__code__", None), e.__traceback__
+    while code is not None and tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 # A line of remat_kit's that calls the model's own code on.

@@ -252,7 +252,8 @@ def _fold(eqn, known: dict) -> None:
     the model builds with jnp from an iota (`jnp.arange`, sin, cos, jit-ed helpers
     included) before its blocks is a constant of the loss, as a numpy one is."""
     if (eqn.effects or region(eqn) is not None or eqn.primitive.name == "scan"
-            or sum(math.prod(v.aval.shape) for v in eqn.outvars) > _FOLD_VALUES):
+            or sum(math.prod(v.aval.shape) for v in eqn.outvars) > _FOLD_VALUES
+            or not _runs_here(eqn)):
         return
     values = [_value(known, v) for v in eqn.invars]
     if any(x is None for x in values):
@@ -260,6 +261,13 @@ def _fold(eqn, known: dict) -> None:
     with jax.ensure_compile_time_eval():
         outs = eqn.primitive.bind(*values, **eqn.params)
     known.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+
+
+def _runs_here(eqn) -> bool:
+    """False for a call traced under a mesh of devices this process cannot run (an
+    ahead-of-time target's chips: compiled for, never run here), which `_fold` leaves."""
+    devices = getattr(eqn.params.get("ctx_mesh"), "devices", None)
+    return devices is None or set(devices.flat) <= set(jax.devices())
 
 
 def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
