@@ -326,3 +326,15 @@ def test_a_batch_of_no_examples_is_named(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"remat-kit compare: error: --model '{path}:mixed': mixed(): the batch['y'] is "
         "float32[0, 8], an empty batch axis; give it at least one example"]
+
+
+def test_a_tpu_breakdown_never_has_a_negative_part(capsys):
+    # A tiny program's code (2.4 MiB) outgrows its whole TPU peak: it was listed as a part
+    # all the same, leaving "other -1.06 MiB".
+    code = cli.main(["plan", "--config", "tiny", "--batch", "1", "--seq", "8", "--budgets",
+                     "1MiB", "--step", "train", "--target", "tpu:v5e:1x1"])
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("below the minimum:")]
+    assert code == 1 and " -" not in line and "program code" not in line, line
+    peak = re.search(r"'s peak ([\d.]+ \w+):", line)
+    assert peak is not None, line
