@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import remat_kit as rk
 from remat_kit import mesh as rk_mesh
 from remat_kit.decide import step as stepping
 from remat_kit.measure import lowering, targets, time_model

@@ -7,7 +7,6 @@ reference error, or hid a factory's own error. Small: `--budgets -inf`, a file
 of random bytes, docs/plan.md on bytes.
 """
 
-import dataclasses
 import importlib.util
 import json
 import pathlib
