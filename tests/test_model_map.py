@@ -229,7 +229,7 @@ def test_every_report_opens_with_the_map_line_and_json_carries_the_map(capsys, t
                                      "where": "each layer", "taken_over": True}]
     assert main(["explain", "--model", model, *sizes, "--map"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        LINES["hybrid_remat"],
+        f"model map: {LINES['hybrid_remat']}",
         "  layer 0: blocks_0 ResidualBlock, structure 0 (recurrent_block), 11,840 parameters",
         "  layer 1: blocks_1 ResidualBlock, structure 1 (attention_block), 10,496 parameters"]
     assert main(["explain", "--model", model, *sizes, "--policy", "full"]) == 0

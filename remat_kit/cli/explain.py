@@ -39,7 +39,8 @@ def run(args) -> int:
     src, batch, seq = source_and_sizes(args)
     cfg, label = src.cfg, src.label
     if args.map:  # the map alone: the one trace, no compile
-        print("\n".join(src.workload(batch, seq).model_map.lines()))
+        first, *layers = src.workload(batch, seq).model_map.lines()
+        print("\n".join([f"model map: {first}", *layers]))  # as every report's first line
         return 0
     if args.policy is None and cfg is None:
         raise BadInput("explain --model needs --policy (a --model has no default policy)")
