@@ -53,6 +53,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 from remat_kit.measure import loops
 from remat_kit.measure import sealed
 from remat_kit.measure import targets
+from remat_kit.measure.gpu_calls import gpu_gemm_flops, gpu_gemm_written_bytes
 from remat_kit._jax_private import hlo_module
 
 OBJECTIVES = ("flops", "time")
@@ -347,6 +348,8 @@ def _math(instr, comps) -> tuple[float, float]:
         return 2.0 * out * math.prod(lhs[d] for d in dims), 0.0
     if op == "kConvolution":  # XLA:TPU emits dots as convolutions
         return _convolution_flops(instr), 0.0
+    if op == "kCustomCall" and (found := gpu_gemm_flops(instr)) is not None:
+        return found, 0.0  # XLA:GPU emits most dots as cuBLAS calls
     if op == "kFusion":
         flops = trans = 0.0
         for name in _CALLED.findall(instr.to_string()):
@@ -363,6 +366,14 @@ def _math(instr, comps) -> tuple[float, float]:
     return 0.0, 0.0
 
 
+def _unviewed(instr):
+    """The value `instr` views: through bitcasts used once (a scan's stacked
+    residual is bitcast before each layer's slice is read from it)."""
+    while instr.opcode.name == "kBitcast" and len(instr.users()) == 1:
+        instr = instr.operands()[0]
+    return instr
+
+
 def _boundary_bytes(instr, comps) -> float:
     """Bytes an op reads and writes at its boundary (see `OpCost.nbytes`)."""
     op = instr.opcode.name
@@ -377,6 +388,8 @@ def _boundary_bytes(instr, comps) -> float:
         return written + (_size(instr.shape)[1] if operands[0] else 0.0) + sum(operands[1:])
     if op == "kDynamicUpdateSlice":  # in place: the update is read and written
         return 2.0 * operands[1] + sum(operands[2:])
+    if op == "kCustomCall" and gpu_gemm_flops(instr) is not None:
+        written = gpu_gemm_written_bytes(instr)  # the cuBLAS workspace is scratch
     if op != "kFusion":
         return float(sum(operands) + written)
     [name] = _CALLED.findall(instr.to_string())[:1] or [None]
@@ -390,11 +403,11 @@ def _boundary_bytes(instr, comps) -> float:
     read = list(map(float, operands))
     for inner in body.instructions():
         if inner.opcode.name in _PARTIAL_READ and inner.operands():
-            src = inner.operands()[0]
+            src = _unviewed(inner.operands()[0])
             if src.name in params and len(src.users()) == 1 and read[params[src.name]]:
                 read[params[src.name]] = float(_size(inner.shape)[1])
         if inner.opcode.name == "kDynamicUpdateSlice" and inner.operands():
-            src = inner.operands()[0]
+            src = _unviewed(inner.operands()[0])
             if src.name in params and len(src.users()) == 1 and read[params[src.name]]:
                 read[params[src.name]] = 0.0
                 written -= _size(src.shape)[1] - _size(inner.operands()[1].shape)[1]
