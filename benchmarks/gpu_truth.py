@@ -3,12 +3,15 @@
     PYTHONPATH=. python benchmarks/gpu_truth.py            # on a machine with the GPU
     PYTHONPATH=. python benchmarks/gpu_truth.py --smoke    # anywhere: tiny shapes, CPU
     PYTHONPATH=. python benchmarks/gpu_truth.py --predict  # the deviceless figures (CUDA plugin)
+    PYTHONPATH=. python benchmarks/gpu_truth.py --report DIR  # a run's table again, anywhere
 
 For each config (`RUNS`: GPT-2 medium shapes and Llama 3.2 1B shapes, bfloat16
 activations, float32 parameters, AdamW, layers scanned) and each policy in
 `POLICIES`, one fresh process compiles the train step of `remat_kit.decide.step.train_step`
 on the device (`lowering.compile_for`, parameters and optimizer state donated), runs
-`--warmup` steps and then `--steps` timed ones, and reports:
+`--warmup` steps and then `--steps` timed ones. A user's model (`MODEL_RUNS`: a
+`--model FILE.py:FUNCTION`) runs through `rk.remat_model` in a train step written as a
+user writes it. Each row reports:
 
 * the measured peak: `device.memory_stats()["peak_bytes_in_use"]`; one process
   per policy, since that peak cannot be reset;
@@ -21,24 +24,27 @@ on the device (`lowering.compile_for`, parameters and optimizer state donated), 
   second over the GPU's dense bf16 peak (H200 SXM: 989 TFLOP/s, NVIDIA H200 Tensor
   Core GPU datasheet: 1,979 TFLOP/s with sparsity); HFU counts the policy's own
   FLOPs, recompute included;
-* the step-time ratio to `none` that a time model predicts, where remat_kit has one.
+* the time model's seconds (`remat_kit.measure.time_model.compiled_seconds`) of the
+  program the device ran and of the deviceless one, and their ratios to `none`.
 
-The auto row is the plan made deviceless for the H200 (`auto:budget=0.5`: half of
-no remat's value-and-grad peak), shipped with the predictions, so the GPU runs the
-policy the CPU chose; without a shipped plan it is planned on the device.
+The auto rows are the plans made deviceless for the H200 (`Run.autos`: 0.5 and 0.3
+of no remat's value-and-grad peak), shipped with the predictions, so the GPU runs the
+policies the CPU chose; without a shipped plan one is planned on the device.
 
 Where a prediction can differ from the measured peak (see `DIFFERENCES`, printed
 under the table): the allocator, the memory the client is given, cuDNN and cuBLAS
 workspaces, and the compiler's version and flags. The environment of the
 measurement is set here (`MEASURE_ENV`, values a user set are kept) and recorded.
 
-Policies run one after another across the configs (none for both, then full, ...);
-no policy starts after --time-limit seconds (default 380, so a whole run takes under 7
-minutes on an H200) and none runs longer than CHILD_SECONDS on a GPU. The children
-share one XLA autotuning cache, which changes compile times only.
+Policies run one after another across the configs (none for all, then full, ...);
+no policy starts after --time-limit seconds (default 380: the 17 rows took 406 s on an
+H200) and none runs longer than CHILD_SECONDS on a GPU. The children share one XLA
+autotuning cache, which changes compile times only.
 
-Writes gpu_truth.json and gpu_truth.md to $OUT (default ./gpu_truth_out) and prints
-the table. Without a GPU and without --smoke it says so in one line and exits 2.
+Writes gpu_truth.json, gpu_truth.md, the optimized HLO of every program run
+(`HLO_TAR`: the time model reads it where the device's JAX cannot, `--report`) and the
+autotuning results (`AUTOTUNE_TAR`) to $OUT (default ./gpu_truth_out) and prints the
+table. Without a GPU and without --smoke it says so in one line and exits 2.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,13 +68,22 @@ sys.path.insert(0, ROOT)  # the working tree's remat_kit, in this process and it
 PREDICTIONS = os.path.join(HERE, "gpu_truth_predictions.json")
 PREDICT_TARGET = "gpu:h200"
 H200_BF16_PEAK = 989e12  # FLOP/s, dense (NVIDIA H200 Tensor Core GPU datasheet)
-POLICIES = ("none", "full", "selective", "minimal", "dots", "auto")  # auto: Run.auto
+# In the order they run: a time limit cuts the last. auto: each of Run.autos.
+POLICIES = ("none", "full", "minimal", "auto", "selective", "dots")
+HLO_TAR = "gpu_truth_hlo.tar.gz"  # each program the device compiled, as optimized HLO text
+# XLA's per-fusion autotuning results on the device: a deviceless compile cannot
+# autotune, so it picks other kernels (Triton GEMM fusions where the device ran
+# cuBLAS) and prices another program; these let a later one pick the device's.
+AUTOTUNE_TAR = "gpu_truth_autotune.tar.gz"
 MARK = "GPU_TRUTH_ROW "  # a child's result line on its stdout
 # The allocator and its limit, set before JAX starts its backend (the children
-# inherit them): the BFC allocator (the only one memory_stats reports on),
-# growing on demand rather than taking its pool at start, up to 95% of the GPU's
-# memory instead of JAX's default 75%, so a step that fits the device fits here.
-MEASURE_ENV = {"XLA_PYTHON_CLIENT_ALLOCATOR": "bfc", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+# inherit them): the BFC allocator (the only one memory_stats reports on), its pool
+# taken at start as one region of 95% of the GPU's memory (JAX's default 75%), so a
+# step that fits the device fits here. Grown on demand instead (PREALLOCATE=false,
+# the first H200 run), the pool came in regions of doubling size and GPT-2 medium's
+# no remat step failed to place its 113.6 GiB temp buffer in a 64 GiB largest free
+# block of a 128 GiB pool (docs/gpu.md). peak_bytes_in_use is the same either way.
+MEASURE_ENV = {"XLA_PYTHON_CLIENT_ALLOCATOR": "bfc", "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
                "XLA_CLIENT_MEM_FRACTION": "0.95"}
 # Autotuning results shared by the children (each policy's process would tune the same
 # GEMMs again): compile time only, the programs are the same.
@@ -80,9 +97,10 @@ DIFFERENCES = (
     "buffers it assigned. The measured peak is the whole process's: the parameter "
     "initialization and the tokens are in it as well.",
     "Memory given to the client: XLA_CLIENT_MEM_FRACTION sets the allocator's limit (JAX's "
-    "default 75%); XLA_PYTHON_CLIENT_PREALLOCATE=false grows the pool on demand, which can "
-    "fragment near the limit: a step predicted to fit can still fail to allocate. Neither "
-    "changes peak_bytes_in_use of a step that runs.",
+    "default 75%); XLA_PYTHON_CLIENT_PREALLOCATE=false grows the pool on demand in regions, "
+    "and a step predicted to fit can then fail to place one large buffer (on the H200, a "
+    "113.6 GiB temp in a 128 GiB pool whose largest free block was 64 GiB); this script "
+    "preallocates. Neither changes peak_bytes_in_use of a step that runs.",
     "Workspaces: cuBLAS and cuDNN scratch is part of the compiled program's temp on the "
     "device, chosen by autotuning; the deviceless compile cannot autotune and takes default "
     "algorithms and fusions, so its temp can differ. The CUDA context and loaded kernels sit "
@@ -97,13 +115,13 @@ DIFFERENCES = (
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One model at one shape: a base config of remat_kit.models with overrides, and
-    the planner budget of its auto row (a fraction of no remat's value-and-grad peak)."""
+    the planner budgets of its auto rows (fractions of no remat's value-and-grad peak)."""
 
     base: str
     overrides: dict
     batch: int
     seq: int
-    auto: str = "auto:budget=0.5"
+    autos: tuple = ("auto:budget=0.5", "auto:budget=0.3")
 
     def config(self):
         from remat_kit.models import get_config
@@ -119,36 +137,76 @@ RUNS = {
 }
 SMOKE_RUNS = {
     # Full remat takes 0.63 of no remat's peak here: half would be below it.
-    "tiny": Run("tiny", {**_BF16}, batch=2, seq=32, auto="auto:budget=0.8"),
+    "tiny": Run("tiny", {**_BF16}, batch=2, seq=32, autos=("auto:budget=0.8",)),
 }
 
 
-def runs(smoke: bool) -> dict[str, Run]:
-    return SMOKE_RUNS if smoke else RUNS
+@dataclasses.dataclass(frozen=True)
+class ModelRun:
+    """A user's model through `--model FILE.py:FUNCTION`, run through `rk.remat_model`:
+    FUNCTION() returns the unbound linen module; the loss is next-token cross-entropy
+    on int32 tokens [batch, seq] (`from_model.next_token_loss`), AdamW as the configs'."""
+
+    file: str
+    function: str
+    batch: int
+    seq: int
+    policies: tuple = ("none", "minimal", "full")
+
+    def load(self):
+        """make(batch, seq) -> the Workload `compare --model` measures; make.model is
+        FUNCTION()'s module (`remat_kit.flax.user_model.load`)."""
+        from remat_kit.flax import user_model
+        return user_model.load(f"{os.path.join(ROOT, self.file)}:{self.function}")[1]
 
 
-def _fingerprint(run: Run) -> dict:
-    """What the predictions must match: the model's fields and the shapes, as JSON has them."""
-    return json.loads(json.dumps({"model": dataclasses.asdict(run.config().replace(remat="none")),
-                                  "batch": run.batch, "seq": run.seq}))
+MODEL_RUNS = {
+    # tests/zoo/hf_llama_linen.py at Llama 3.2 1B's widths (float32, as that library's
+    # Flax models run by default): 16 layers, d2048, 32 heads, 8 key/value heads.
+    "hf_llama_1b": ModelRun("tests/zoo/hf_llama_linen.py", "llama_1b", batch=4, seq=1024),
+}
+SMOKE_MODEL_RUNS = {"hf_llama_tiny": ModelRun("tests/zoo/hf_llama_linen.py", "model",
+                                              batch=2, seq=16)}
 
 
-def _matches(entry: dict | None, run: Run) -> bool:
+def all_runs(smoke: bool) -> dict:
+    """The configs and the user models measured, by name."""
+    return {**SMOKE_RUNS, **SMOKE_MODEL_RUNS} if smoke else {**RUNS, **MODEL_RUNS}
+
+
+ALL_RUNS = {**all_runs(False), **all_runs(True)}
+
+
+def _fingerprint(run) -> dict:
+    """What the predictions must match: the model's fields (a config's, or a user
+    model's file and function) and the shapes, as JSON has them."""
+    model = ({"file": run.file, "function": run.function} if isinstance(run, ModelRun)
+             else dataclasses.asdict(run.config().replace(remat="none")))
+    return json.loads(json.dumps({"model": model, "batch": run.batch, "seq": run.seq}))
+
+
+def _matches(entry: dict | None, run) -> bool:
     """Whether `entry` was predicted for `run`; a config field added since, at its
     default, changes no program, so it does not stale the entry."""
     if entry is None or not isinstance(entry.get("model"), dict):
         return False
     want = _fingerprint(run)
-    cls = type(run.config())
-    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(cls)
-                                      if f.default is not dataclasses.MISSING}))
-    model = {**{k: defaults[k] for k in want["model"]
-                if k not in entry["model"] and k in defaults}, **entry["model"]}
+    model = entry["model"]
+    if not isinstance(run, ModelRun):
+        cls = type(run.config())
+        defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(cls)
+                                          if f.default is not dataclasses.MISSING}))
+        model = {**{k: defaults[k] for k in want["model"]
+                    if k not in model and k in defaults}, **model}
     return {"model": model, "batch": entry.get("batch"), "seq": entry.get("seq")} == want
 
 
-def _spec(policy: str, run: Run) -> str:
-    return run.auto if policy == "auto" else policy
+def _specs(policy: str, run, predicting: bool = False) -> tuple:
+    """The specs `policy` stands for in `run`: a user model runs only its own policies
+    (and none, where predicted: the FLOPs of MFU)."""
+    if isinstance(run, ModelRun):
+        return (policy,) if policy in run.policies or (predicting and policy == "none") else ()
+    return run.autos if policy == "auto" else (policy,)
 
 
 def _auto_budget(spec: str) -> str | None:
@@ -175,30 +233,93 @@ def _timed(compiled, args, warmup: int, steps: int) -> tuple[list[float], list[f
     return times, losses
 
 
-def measure_one(run: Run, spec: str, warmup: int, steps: int) -> dict:
-    """Compile, run and time one policy on JAX's default device; a JSON-ready row."""
+def model_step(run: ModelRun, spec: str):
+    """The train step of `rk.remat_model(FUNCTION(), spec)` written as a user writes it:
+    value-and-grad of the next-token loss, then AdamW; a `TrainStep`."""
     import jax
-    from remat_kit.measure import targets
-    from remat_kit.measure import lowering
-    from remat_kit.decide.step import TrainStep, step_figures
-    from remat_kit.models.shortcuts import train_step
+    import optax
+    import remat_kit as rk
+    from remat_kit.decide.step import TrainStep, default_optimizer
+    from remat_kit.flax.from_model import logits_of, next_token_loss
+    model, optimizer = rk.remat_model(run.load().model, spec), default_optimizer()
+
+    def loss(params, tokens):
+        out = model.apply({"params": params}, tokens)
+        return next_token_loss(logits_of(out, run.batch, run.seq), tokens)
+
+    def step(params, opt_state, tokens):
+        value, grads = jax.value_and_grad(loss)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    def make_args(key):
+        tokens = jax.random.randint(key, (run.batch, run.seq), 0, 256)  # any LM's vocabulary
+        params = model.init(key, tokens)["params"]
+        return params, optimizer.init(params), tokens
+
+    return TrainStep(step, jax.eval_shape(make_args, jax.random.key(0)), make_args)
+
+
+def _made(run, spec: str, row: dict, target: str | None = None):
+    """The `TrainStep` of one row: an auto spec is planned first (on `target`, default
+    this device) and row["resolved"] says what ran."""
+    from remat_kit.models.shortcuts import config_planner, train_step
+    if isinstance(run, ModelRun):
+        row["resolved"] = spec
+        return model_step(run, spec)
+    if _auto_budget(spec) is not None:
+        planner = config_planner(run.config(), run.batch, run.seq, target=target, cache=False)
+        plan = planner.plan(_auto_budget(spec))
+        row["plan"] = {"spec": plan.spec, "value_and_grad_bytes": plan.measured_bytes,
+                       "budget_bytes": plan.budget_bytes,
+                       "compiles": len({id(r) for r in planner.records.values()})}
+        row["planned_on"] = target or "this device"
+        spec = plan.spec
+    row["resolved"] = spec
+    return train_step(run.config(), run.batch, run.seq, spec)
+
+
+def _xla_figures(c, made, target: str) -> dict:
+    """What the compiler says of a compiled step: `step_figures`, the time model's
+    seconds of its ops on `target`'s roofline, and XLA's FLOP count where it has one."""
+    from remat_kit.decide.step import step_figures
+    from remat_kit.measure import time_model
+    figures = step_figures(c, made.args)
+    out = {"total_bytes": figures.total_bytes, "source": figures.source, **c.memory,
+           "compile_seconds": c.seconds, "flops": figures.flops}
+    try:
+        out["time_model_seconds"] = time_model.compiled_seconds(
+            c.compiled, time_model.roofline(target))
+    except Exception as e:  # noqa: BLE001 - the figure is left out, the row still runs
+        out["time_model_error"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        cost = c.compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        out["xla_flops"] = (cost or {}).get("flops")
+    except Exception:  # noqa: BLE001 - not every backend counts
+        out["xla_flops"] = None
+    return out
+
+
+def measure_one(run, spec: str, warmup: int, steps: int, hlo: str | None = None) -> dict:
+    """Compile, run and time one policy on JAX's default device; a JSON-ready row.
+    hlo: a file to write the compiled program's optimized HLO to (the time model
+    reads it where this JAX cannot: `report`)."""
+    import jax
+    from remat_kit.decide.step import TrainStep
+    from remat_kit.measure import lowering, targets
     device = jax.devices()[0]
     row = {"policy": spec, "device": device.device_kind, "platform": device.platform,
            "versions": targets.versions(device.platform)}
-    cfg = run.config()
     try:
-        if _auto_budget(spec) is not None:  # no plan shipped: plan on this device
-            from remat_kit.models.shortcuts import config_planner
-            spec = config_planner(cfg, run.batch, run.seq, cache=False).plan(
-                _auto_budget(spec)).spec
-            row["planned_on"] = device.platform
-        row["resolved"] = spec
-        made = train_step(cfg, run.batch, run.seq, spec)
+        made = _made(run, spec, row)
         c = lowering.compile_for(made.step, *made.args, compile_only=False,
-                                donate=TrainStep.DONATED, count_flops=False)
-        figures = step_figures(c, made.args)
-        row["device_compile"] = {"total_bytes": figures.total_bytes, "source": figures.source,
-                                 **c.memory, "compile_seconds": c.seconds}
+                                 donate=TrainStep.DONATED, count_flops=False)
+        row["device_compile"] = _xla_figures(c, made, PREDICT_TARGET)
+        if hlo:
+            with open(hlo, "w") as f:
+                f.write(c.compiled.as_text())
+            row["hlo_file"] = os.path.basename(hlo)
         args = jax.jit(made.make_args)(jax.random.key(0))
         times, losses = _timed(c.compiled, args, warmup, steps)
         q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
@@ -217,9 +338,10 @@ def measure_one(run: Run, spec: str, warmup: int, steps: int) -> dict:
     return row
 
 
-def _child(name: str, smoke: bool, spec: str, warmup: int, steps: int, timeout: float) -> dict:
+def _child(name: str, smoke: bool, spec: str, warmup: int, steps: int, timeout: float,
+           hlo: str) -> dict:
     """measure_one in a fresh process (its own allocator, so its own peak)."""
-    argv = [sys.executable, os.path.abspath(__file__), "--child", name, spec,
+    argv = [sys.executable, os.path.abspath(__file__), "--child", name, spec, "--hlo", hlo,
             "--warmup", str(warmup), "--steps", str(steps)] + (["--smoke"] if smoke else [])
     start = time.perf_counter()
     try:
@@ -237,38 +359,18 @@ def _child(name: str, smoke: bool, spec: str, warmup: int, steps: int, timeout: 
 # Deviceless predictions (on a machine without a GPU, with the CUDA plugin)
 # ---------------------------------------------------------------------------
 
-def _time_model_seconds(made) -> tuple[float | None, str]:
-    """The step's seconds on the H200 by remat_kit's time model, where there is one."""
-    if importlib.util.find_spec("remat_kit.measure.time_model") is None:
-        return None, "remat_kit has no time model yet (the planner minimizes FLOPs)"
-    import jax
-    from remat_kit.measure import time_model
-    jaxpr = jax.make_jaxpr(made.step)(*made.args).jaxpr
-    return (time_model.program_seconds(jaxpr, time_model.roofline(PREDICT_TARGET), {}),
-            "remat_kit.measure.time_model roofline of the step's jaxpr")
-
-
-def predict_one(run: Run, spec: str) -> dict:
-    """The deviceless H200 figures of one policy (an auto spec planned first)."""
-    from remat_kit.models.shortcuts import train_step
-    from remat_kit.models.shortcuts import step_memory
-    from remat_kit.models.shortcuts import config_planner
-    cfg, out = run.config(), {"policy": spec}
-    start = time.perf_counter()
+def predict_one(run, spec: str) -> dict:
+    """The deviceless H200 figures of one policy (an auto spec planned first, deviceless):
+    the train step compiled for `PREDICT_TARGET` and the time model of its ops."""
+    from remat_kit.decide.step import TrainStep
+    from remat_kit.measure import lowering
+    out, start = {"policy": spec}, time.perf_counter()
     try:
-        if _auto_budget(spec) is not None:
-            planner = config_planner(cfg, run.batch, run.seq, target=PREDICT_TARGET,
-                                     cache=False)
-            plan = planner.plan(_auto_budget(spec))
-            out["plan"] = {"spec": plan.spec, "value_and_grad_bytes": plan.measured_bytes,
-                           "budget_bytes": plan.budget_bytes,
-                           "compiles": len({id(r) for r in planner.records.values()})}
-            spec = plan.spec
-        out["resolved"] = spec
-        m = step_memory(cfg, run.batch, run.seq, spec, target=PREDICT_TARGET)
-        out.update(dataclasses.asdict(m))
-        out["time_model_seconds"], out["time_model"] = _time_model_seconds(
-            train_step(cfg, run.batch, run.seq, spec))
+        made = _made(run, spec, out, target=PREDICT_TARGET)
+        c = lowering.compile_for(made.step, *made.args, target=PREDICT_TARGET,
+                                 donate=TrainStep.DONATED)
+        out.update(_xla_figures(c, made, PREDICT_TARGET))
+        out["time_model"] = "remat_kit.measure.time_model.compiled_seconds (a roofline per op)"
     except Exception as e:  # noqa: BLE001 - e.g. an out-of-memory compile, reported
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
     out["seconds"] = time.perf_counter() - start
@@ -284,11 +386,11 @@ def predict(names: list[str], policies: list[str], path: str) -> None:
                   "command": "PYTHONPATH=. python benchmarks/gpu_truth.py --predict "
                              "[--smoke] [--configs ...] (with jax[cuda12] installed)"})
     for name in names:
-        run = {**RUNS, **SMOKE_RUNS}[name]
+        run = ALL_RUNS[name]
         entry = found.setdefault("configs", {}).get(name)
         if not _matches(entry, run):
             entry = {**_fingerprint(run), "policies": {}}
-        for spec in (_spec(p, run) for p in policies):
+        for spec in (s for p in policies for s in _specs(p, run, predicting=True)):
             entry["policies"][spec] = predict_one(run, spec)
             print(f"{name} {spec}: {_gib(entry['policies'][spec].get('total_bytes'))} "
                   f"{entry['policies'][spec].get('error', '')}", flush=True)
@@ -326,56 +428,72 @@ def _off(predicted, measured) -> str:
     return f" ({(predicted - measured) / measured:+.1%})"
 
 
+def _ratio(x, y):
+    return x / y if x and y else None
+
+
 def rows_for(name: str, results: list[dict], shipped: dict | None, peak_flops: float | None):
-    """The report rows of one config: each child's row with its predictions and ratios."""
+    """The report rows of one config: each child's row with its predictions and ratios.
+    The time model prices two programs: the one the device compiled and ran, and the
+    deviceless one shipped (a compile without autotuning, so another program)."""
     predicted = (shipped or {}).get("policies", {})
-    none = next((r for r in results if r["policy"] == "none" and "step_time" in r), None)
-    none_flops = predicted.get("none", {}).get("flops")
+    none = next((r for r in results if r["policy"] == "none" and "step_time" in r), None) or {}
+    none_p = predicted.get("none", {})
+    model = lambda r: (r.get("device_compile") or {}).get("time_model_seconds")  # noqa: E731
     out = []
     for r in results:
         p = predicted.get(r["policy"], {})
-        t = r.get("step_time")
-        row = {"config": name, **r, "deviceless": p or None,
-               "ratio_to_none": t and none and t["median_s"] / none["step_time"]["median_s"],
-               "flop_ratio_to_none": p.get("flops") and none_flops and p["flops"] / none_flops,
-               "predicted_ratio_to_none": (
-                   p.get("time_model_seconds") and predicted.get("none", {}).get(
-                       "time_model_seconds") and p["time_model_seconds"]
-                   / predicted["none"]["time_model_seconds"]),
-               "mfu": t and peak_flops and none_flops and none_flops / t["median_s"] / peak_flops,
-               "hfu": (t and peak_flops and p.get("flops")
-                       and p["flops"] / t["median_s"] / peak_flops)}
-        out.append(row)
+        t = (r.get("step_time") or {}).get("median_s")
+        out.append({
+            "config": name, **r, "deviceless": p or None,
+            "ratio_to_none": _ratio(t, (none.get("step_time") or {}).get("median_s")),
+            "flop_ratio_to_none": _ratio(p.get("flops"), none_p.get("flops")),
+            "predicted_seconds": model(r),
+            "predicted_ratio_to_none": _ratio(model(r), model(none)),
+            "deviceless_ratio_to_none": _ratio(p.get("time_model_seconds"),
+                                               none_p.get("time_model_seconds")),
+            "mfu": t and peak_flops and none_p.get("flops") and none_p["flops"] / t / peak_flops,
+            "hfu": t and peak_flops and p.get("flops") and p["flops"] / t / peak_flops})
     return out
+
+
+def _row_line(r: dict) -> str:
+    measured = r.get("measured_peak_bytes") if "step_time" in r else None
+    device = (r.get("device_compile") or {}).get("total_bytes")
+    less = (r.get("deviceless") or {}).get("total_bytes")
+    t = r.get("step_time")
+    time_text = (f"{t['median_s'] * 1e3:.1f} ms ({t['q1_s'] * 1e3:.1f}-"
+                 f"{t['q3_s'] * 1e3:.1f})" if t else
+                 "out of memory" if r.get("out_of_memory") else
+                 f"error: {r.get('error', '?')[:60]}")
+    policy = r["policy"] + (f" → `{r['resolved']}`" if r.get("resolved", r["policy"])
+                            != r["policy"] else "")
+    fmt = lambda x, f: "-" if not x else f.format(x)  # noqa: E731
+    predicted = (f"{r['predicted_seconds'] * 1e3:.1f} ms"
+                 f"{_off(r['predicted_seconds'], t and t['median_s'])}"
+                 if r.get("predicted_seconds") else "-")
+    ratios = [fmt(r[k], "{:.3f}") for k in ("ratio_to_none", "predicted_ratio_to_none",
+                                             "deviceless_ratio_to_none", "flop_ratio_to_none")]
+    return (f"| {r['config']} | {policy} | {_gib(measured)} | {_gib(device)}"
+            f"{_off(device, measured)} | {_gib(less)}{_off(less, measured)} | {time_text} | "
+            f"{predicted} | {' | '.join(ratios)} | {fmt(r['mfu'], '{:.1%}')} | "
+            f"{fmt(r['hfu'], '{:.1%}')} |")
 
 
 def markdown(rows: list[dict], peak_flops: float | None, notes: list[str]) -> str:
     head = ("| config | policy | measured peak | device compile | deviceless H200 | "
-            "step time (median, q1-q3) | × none | predicted × none | FLOPs × none | MFU | HFU |")
-    lines = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        measured = r.get("measured_peak_bytes") if "step_time" in r else None
-        device = (r.get("device_compile") or {}).get("total_bytes")
-        less = (r.get("deviceless") or {}).get("total_bytes")
-        t = r.get("step_time")
-        time_text = (f"{t['median_s'] * 1e3:.1f} ms ({t['q1_s'] * 1e3:.1f}-"
-                     f"{t['q3_s'] * 1e3:.1f})" if t else
-                     "out of memory" if r.get("out_of_memory") else
-                     f"error: {r.get('error', '?')[:60]}")
-        policy = r["policy"] + (f" → `{r['resolved']}`" if r.get("resolved", r["policy"])
-                                != r["policy"] else "")
-        fmt = lambda x, f: "-" if x is None else f.format(x)  # noqa: E731
-        lines.append(
-            f"| {r['config']} | {policy} | {_gib(measured)} | {_gib(device)}{_off(device, measured)}"
-            f" | {_gib(less)}{_off(less, measured)} | {time_text} | "
-            f"{fmt(r['ratio_to_none'], '{:.3f}')} | {fmt(r['predicted_ratio_to_none'], '{:.3f}')}"
-            f" | {fmt(r['flop_ratio_to_none'], '{:.3f}')} | {fmt(r['mfu'], '{:.1%}')} | "
-            f"{fmt(r['hfu'], '{:.1%}')} |")
+            "step time (median, q1-q3) | time model | × none | time model × none | "
+            "deviceless × none | FLOPs × none | MFU | HFU |")
+    lines = [head, "| --- | --- |" + " ---: |" * 11]
+    lines += [_row_line(r) for r in rows]
     peak = (f"{peak_flops / 1e12:.0f} TFLOP/s (H200 SXM dense bf16, NVIDIA's datasheet)"
             if peak_flops else "none on this platform, so no MFU")
     lines += ["", f"MFU: the no-remat step's FLOPs (XLA's count) per measured second over "
                   f"the peak, {peak}; HFU: the policy's own FLOPs, recompute included. "
-                  "Percentages: the prediction against the measured peak.", ""]
+                  "Percentages: the prediction against the measured figure. Time model: "
+                  "remat_kit's (a roofline per compiled op, `gpu:h200`'s ceilings) of the "
+                  "program the device ran; deviceless × none: of the deviceless program "
+                  "shipped (compiled without autotuning: another program).", ""]
     lines += [f"- {n}" for n in notes]
     lines += ["", "Where a prediction can differ from the measured peak:", ""]
     lines += [f"- {d}" for d in DIFFERENCES]
@@ -395,7 +513,7 @@ def measure_all(args) -> int:
               "run the CPU smoke mode: PYTHONPATH=. python benchmarks/gpu_truth.py --smoke",
               file=sys.stderr)
         return 2
-    cache = _set_measure_env()
+    cache = args.autotune_cache = _set_measure_env()
     try:
         return _measure_all(args)
     finally:
@@ -403,61 +521,123 @@ def measure_all(args) -> int:
             shutil.rmtree(cache, ignore_errors=True)
 
 
-def _measure_all(args) -> int:
-    out_dir = os.environ.get("OUT") or args.out
-    os.makedirs(out_dir, exist_ok=True)
-    shipped = _read(args.predictions) or {}
-    peak_flops = None if args.smoke else H200_BF16_PEAK
-    notes, start = [], time.perf_counter()
-    entries, results = {}, {name: [] for name in args.configs}
-    for name in args.configs:
+def _entries(names, runs: dict, shipped: dict, notes: list) -> dict:
+    """Each run's shipped deviceless predictions, None where they are for other shapes."""
+    entries = {}
+    for name in names:
         entry = shipped.get("configs", {}).get(name)
-        if entry is not None and not _matches(entry, runs(args.smoke)[name]):
+        if entry is not None and not _matches(entry, runs[name]):
             notes.append(f"{name}: the shipped predictions are for other shapes; rerun --predict")
             entry = None
         entries[name] = entry
+    return entries
+
+
+def _measure_all(args) -> int:
+    out_dir = os.environ.get("OUT") or args.out
+    os.makedirs(out_dir, exist_ok=True)
+    shipped, notes, start = _read(args.predictions) or {}, [], time.perf_counter()
+    entries = _entries(args.configs, all_runs(args.smoke), shipped, notes)
+    results = {name: [] for name in args.configs}
+    args.hlo_dir = tempfile.mkdtemp(prefix="gpu_truth_hlo_")
     # Policy by policy across the configs, so a time limit cuts the last policies of
     # every config rather than a whole config.
     for policy in args.policies:
         for name in args.configs:
-            spec = _spec(policy, runs(args.smoke)[name])
-            left = args.time_limit - (time.perf_counter() - start)
-            if left < 5:
-                results[name].append({"policy": spec, "error": "skipped: --time-limit reached"})
-                continue
-            plan = ((entries[name] or {}).get("policies", {}).get(spec) or {}).get("resolved")
-            row = _child(name, args.smoke, plan or spec, args.warmup, args.steps,
-                         left if args.smoke else min(left, CHILD_SECONDS))
-            results[name].append({**row, "policy": spec,
-                                  "resolved": row.get("resolved", plan or spec)})
-            print(f"{name} {spec}: peak {_gib(row.get('measured_peak_bytes'))}, "
-                  f"{row.get('step_time', {}).get('median_s', row.get('error'))}", flush=True)
-    rows = [r for name in args.configs
-            for r in rows_for(name, results[name], entries[name], peak_flops)]
-    if not any(r.get("deviceless") for r in rows):
-        notes.append("no deviceless predictions for these configs: " + args.predictions)
-    if all(r.get("predicted_ratio_to_none") is None for r in rows):
-        notes.append("predicted × none: empty, remat_kit has no time model yet (the planner "
-                     "minimizes FLOPs; FLOPs × none is beside it)")
-    table = markdown(rows, peak_flops, notes)
+            for spec in _specs(policy, all_runs(args.smoke)[name]):
+                results[name].append(_run_child(args, name, spec, entries[name], start))
+    with tarfile.open(os.path.join(out_dir, HLO_TAR), "w:gz") as tar:
+        tar.add(args.hlo_dir, arcname="hlo")
+    shutil.rmtree(args.hlo_dir, ignore_errors=True)
+    if args.autotune_cache:  # what the device chose, for deviceless compiles to load
+        with tarfile.open(os.path.join(out_dir, AUTOTUNE_TAR), "w:gz") as tar:
+            tar.add(args.autotune_cache, arcname="autotune")
     # The parent never starts JAX's backend: a CUDA context here would take device
     # memory from the children. Versions and the device come from their rows.
-    first = next((r for r in rows if "versions" in r), {})
+    first = next((r for rs in results.values() for r in rs if "versions" in r), {})
     report = {"command": " ".join(["python", *sys.argv]), "smoke": args.smoke,
               "seconds": time.perf_counter() - start, "versions": first.get("versions"),
               "device": first.get("device"),
               "environment": {k: os.environ.get(k) for k in RECORDED_ENV},
-              "peak_flops": peak_flops, "peak_flops_source": None if args.smoke else
+              "peak_flops": None if args.smoke else H200_BF16_PEAK,
+              "peak_flops_source": None if args.smoke else
               "NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOP/s with sparsity",
-              "predictions": {k: shipped.get(k) for k in ("target", "versions", "command")},
-              "runs": {n: dataclasses.asdict(runs(args.smoke)[n]) for n in args.configs},
-              "rows": rows, "notes": notes, "differences": list(DIFFERENCES)}
+              "runs": {n: dataclasses.asdict(all_runs(args.smoke)[n]) for n in args.configs},
+              "results": results, "notes": notes, "differences": list(DIFFERENCES)}
+    return _write_report(report, out_dir, shipped, entries)
+
+
+def _write_report(report: dict, out_dir: str, shipped: dict, entries: dict) -> int:
+    """The rows and table of `report`'s results against `entries` (the predictions),
+    written as gpu_truth.json and gpu_truth.md in out_dir and printed."""
+    rows = [r for name, results in report["results"].items()
+            for r in rows_for(name, results, entries[name], report["peak_flops"])]
+    notes = list(report["notes"])
+    if not any(r.get("deviceless") for r in rows):
+        notes.append("no deviceless predictions shipped for these configs")
+    report = {**report, "rows": rows,
+              "predictions": {k: shipped.get(k) for k in ("target", "versions", "command")}}
+    table = markdown(rows, report["peak_flops"], notes)
     _write(os.path.join(out_dir, "gpu_truth.json"), report)
     with open(os.path.join(out_dir, "gpu_truth.md"), "w") as f:
         f.write(table)
     print(table)
-    print(f"wrote {out_dir}/gpu_truth.json and gpu_truth.md in {report['seconds']:.0f} s")
+    print(f"wrote {out_dir}/gpu_truth.json and gpu_truth.md ({report['seconds']:.0f} s measuring)")
     return 0
+
+
+class _HloText:
+    """A compiled program known by its optimized HLO text alone (what
+    `time_model.compiled_ops` reads where there is no runtime executable)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def runtime_executable(self):
+        raise RuntimeError("no runtime executable: read the text")
+
+    def as_text(self) -> str:
+        return self.text
+
+
+def report_again(folder: str, out_dir: str, predictions: str) -> int:
+    """The table of a device run (folder: its gpu_truth.json and HLO archive) against
+    the predictions shipped now, with the time model of each program it compiled,
+    computed here (the device's JAX may lack what the time model reads)."""
+    from remat_kit.measure import time_model
+    report = _read(os.path.join(folder, "gpu_truth.json"))
+    if report is None or "results" not in report:
+        print(f"gpu_truth: no device run's gpu_truth.json in {folder}", file=sys.stderr)
+        return 2
+    line = time_model.roofline(PREDICT_TARGET)
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(os.path.join(folder, HLO_TAR)) as tar:
+            tar.extractall(tmp, filter="data")
+        for row in (r for rs in report["results"].values() for r in rs):
+            path = os.path.join(tmp, "hlo", row.get("hlo_file") or "-")
+            if os.path.isfile(path) and row.get("device_compile"):
+                with open(path) as f:
+                    row["device_compile"]["time_model_seconds"] = time_model.compiled_seconds(
+                        _HloText(f.read()), line)
+    shipped, notes = _read(predictions) or {}, []
+    entries = _entries(report["results"], ALL_RUNS, shipped, notes)
+    os.makedirs(out_dir, exist_ok=True)
+    return _write_report({**report, "notes": report["notes"] + notes}, out_dir, shipped,
+                         entries)
+
+
+def _run_child(args, name: str, spec: str, entry: dict | None, start: float) -> dict:
+    """One policy's row from its own process; an auto spec runs the plan shipped for it."""
+    left = args.time_limit - (time.perf_counter() - start)
+    if left < 5:
+        return {"policy": spec, "error": "skipped: --time-limit reached"}
+    plan = ((entry or {}).get("policies", {}).get(spec) or {}).get("resolved")
+    hlo = os.path.join(args.hlo_dir, f"{name}-{len(os.listdir(args.hlo_dir))}.hlo.txt")
+    row = _child(name, args.smoke, plan or spec, args.warmup, args.steps,
+                 left if args.smoke else min(left, CHILD_SECONDS), hlo)
+    print(f"{name} {spec}: peak {_gib(row.get('measured_peak_bytes'))}, "
+          f"{row.get('step_time', {}).get('median_s', row.get('error'))}", flush=True)
+    return {**row, "policy": spec, "resolved": row.get("resolved", plan or spec)}
 
 
 def _set_measure_env() -> str | None:
@@ -470,7 +650,6 @@ def _set_measure_env() -> str | None:
             os.environ.setdefault(key, value)
     flags = os.environ.get("XLA_FLAGS", "")
     if AUTOTUNE_CACHE_FLAG not in flags:
-        import tempfile
         cache = tempfile.mkdtemp(prefix="gpu_truth_autotune_")
         os.environ["XLA_FLAGS"] = f"{flags} {AUTOTUNE_CACHE_FLAG}={cache}".strip()
         return cache
@@ -490,9 +669,13 @@ def main(argv=None) -> int:
                         help="seconds for all the runs; later policies are skipped")
     parser.add_argument("--out", default="gpu_truth_out", help="used where $OUT is not set")
     parser.add_argument("--predictions", default=PREDICTIONS)
+    parser.add_argument("--report", metavar="DIR",
+                        help="the table again from DIR's gpu_truth.json (a device run's), with "
+                             "the predictions shipped now and the time model of its HLO")
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "POLICY"), help=argparse.SUPPRESS)
+    parser.add_argument("--hlo", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    known = {**RUNS, **SMOKE_RUNS} if args.predict else runs(args.smoke)
+    known = ALL_RUNS if args.predict else all_runs(args.smoke)
     if args.configs is None:
         args.configs = list(known)
     bad = [c for c in args.configs if c not in known]
@@ -502,12 +685,15 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if args.child:
-        row = measure_one(known[args.child[0]], args.child[1], args.warmup, args.steps)
+        row = measure_one(known[args.child[0]], args.child[1], args.warmup, args.steps,
+                          args.hlo)
         print(MARK + json.dumps(row), flush=True)
         return 0
     if args.predict:
         predict(args.configs, args.policies, args.predictions)
         return 0
+    if args.report:
+        return report_again(args.report, args.out, args.predictions)
     return measure_all(args)
 
 

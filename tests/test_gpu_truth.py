@@ -69,14 +69,16 @@ def test_smoke_rows_have_the_measured_and_predicted_figures(smoke):
     assert auto["ratio_to_none"] == auto["step_time"]["median_s"] / none["step_time"]["median_s"]
     assert auto["flop_ratio_to_none"] == (shipped["auto:budget=0.8"]["flops"]
                                           / shipped["none"]["flops"]) > 1.0
-    assert none["predicted_ratio_to_none"] is None
+    # The time model of the program that ran, and of the deviceless one shipped.
+    assert none["predicted_ratio_to_none"] == none["deviceless_ratio_to_none"] == 1.0
+    assert none["predicted_seconds"] == none["device_compile"]["time_model_seconds"] > 0
 
 
 def test_smoke_records_the_measurement_environment(smoke):
     report, _, _ = smoke
     env = report["environment"]
     assert (env["XLA_PYTHON_CLIENT_ALLOCATOR"], env["XLA_PYTHON_CLIENT_PREALLOCATE"],
-            env["XLA_CLIENT_MEM_FRACTION"]) == ("bfc", "false", "0.95")
+            env["XLA_CLIENT_MEM_FRACTION"]) == ("bfc", "true", "0.95")
     assert report["versions"]["compiler"].startswith("jaxlib ")
     assert report["predictions"]["target"] == "gpu:h200"
     assert report["peak_flops"] is None and report["smoke"] is True
@@ -88,7 +90,7 @@ def test_smoke_prints_and_writes_the_table(smoke):
     assert table.startswith("| config | policy | measured peak | device compile | deviceless H200 |")
     assert "| tiny | auto:budget=0.8 → `" in table
     assert "Where a prediction can differ from the measured peak:" in table
-    assert "remat_kit has no time model yet" in table
+    assert "Time model: remat_kit's (a roofline per compiled op" in table
     assert table in stdout
 
 
@@ -107,20 +109,85 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path, monkeypatch,
 def test_shipped_predictions_are_for_the_runs_and_the_h200_description():
     assert SHIPPED["target"] == "gpu:h200"
     assert SHIPPED["description"] == targets.gpu_description("gpu:h200")
-    for name, run in {**gpu_truth.RUNS, **gpu_truth.SMOKE_RUNS}.items():
+    for name, run in gpu_truth.ALL_RUNS.items():
         entry = SHIPPED["configs"][name]
         assert gpu_truth._matches(entry, run), f"{name}: rerun --predict"
-        specs = {gpu_truth._spec(p, run) for p in gpu_truth.POLICIES}
+        specs = {s for p in gpu_truth.POLICIES for s in gpu_truth._specs(p, run, True)}
         assert set(entry["policies"]) == specs
         for spec in specs:
             p = entry["policies"][spec]
             assert "error" not in p, (name, spec, p.get("error"))
             assert p["source"] == "peak_memory_in_bytes" and p["flops"] > 0
+            assert p["time_model_seconds"] > 0
         by = entry["policies"]
-        assert by["full"]["total_bytes"] <= by[run.auto]["total_bytes"] < by["none"][
-            "total_bytes"]
+        for auto in getattr(run, "autos", ()):
+            assert by["full"]["total_bytes"] <= by[auto]["total_bytes"] < by["none"][
+                "total_bytes"]
 
 
 def test_bad_arguments_are_one_line_and_exit_2(capsys):
     assert gpu_truth.main(["--smoke", "--configs", "tiny,gpt2_medium"]) == 2
-    assert capsys.readouterr() == ("", "gpu_truth: unknown config 'gpt2_medium'; valid: tiny\n")
+    assert capsys.readouterr() == ("", "gpu_truth: unknown config 'gpt2_medium'; valid: tiny, "
+                                       "hf_llama_tiny\n")
+
+
+# ---------------------------------------------------------------------------
+# The H200 run (benchmarks/gpu_truth_h200/: what the device measured, and each
+# program it compiled as optimized HLO), against remat_kit's predictions
+# ---------------------------------------------------------------------------
+
+MEASURED = os.path.join(ROOT, "benchmarks", "gpu_truth_h200")
+
+
+@pytest.fixture(scope="module")
+def h200(tmp_path_factory):
+    """The rows the H200 measured, each with the time model of its own program."""
+    out = tmp_path_factory.mktemp("h200")
+    assert gpu_truth.report_again(MEASURED, str(out), gpu_truth.PREDICTIONS) == 0
+    with open(out / "gpu_truth.json") as f:
+        return json.load(f)
+
+
+def _measured(report):
+    return [r for r in report["rows"] if "step_time" in r]
+
+
+def test_h200_peaks_are_predicted_within_10_percent(h200):
+    """The device compile's peak and the deviceless one against peak_bytes_in_use."""
+    rows = _measured(h200)
+    assert len(rows) == 15 and {r["device"] for r in rows} == {"NVIDIA H200"}  # GPT-2 none: OOM
+    for r in rows:
+        measured = r["measured_peak_bytes"]
+        for predicted in (r["device_compile"]["total_bytes"],
+                          (r["deviceless"] or {}).get("total_bytes")):
+            if predicted is not None:
+                assert abs(predicted - measured) <= 0.10 * measured, (r["config"], r["policy"])
+
+
+def test_h200_step_time_ratios_are_predicted_within_15_percent(h200):
+    """The time model's step time of each policy over no remat's, of the programs the
+    device ran, against the measured ratio."""
+    checked = 0
+    for r in _measured(h200):
+        if r["ratio_to_none"] and r["policy"] != "none":
+            assert r["predicted_ratio_to_none"] == pytest.approx(r["ratio_to_none"], rel=0.15), (
+                r["config"], r["policy"])
+            checked += 1
+    assert checked == 6  # Llama 1B shapes: GPT-2 medium's none did not run
+
+
+def test_h200_programs_count_the_cublas_products():
+    """XLA:GPU runs most dots as cuBLAS custom calls: their FLOPs count, so the time
+    model's FLOPs of the Llama step the H200 ran equal XLA's count of that step."""
+    import tarfile
+
+    from remat_kit.measure import time_model
+    report = gpu_truth._read(os.path.join(MEASURED, "gpu_truth.json"))
+    [row] = [r for r in report["results"]["llama_1b"] if r["policy"] == "full"]
+    with tarfile.open(os.path.join(MEASURED, gpu_truth.HLO_TAR)) as tar:
+        text = tar.extractfile(f"hlo/{row['hlo_file']}").read().decode()
+    ops = time_model.compiled_ops(gpu_truth._HloText(text))
+    flops = sum(op.trips * op.flops for op in ops)
+    xla = SHIPPED["configs"]["llama_1b"]["policies"]["full"]["flops"]  # the CPU compile's count
+    assert flops == pytest.approx(xla, rel=0.005)
+    assert sum(op.opcode == "kCustomCall" for op in ops) == 27

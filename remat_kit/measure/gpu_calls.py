@@ -6,8 +6,9 @@ dimension numbers live in the call's `backend_config` JSON
 (`gemm_backend_config.dot_dimension_numbers`), and the call returns a tuple of
 (product, workspace), the workspace being cuBLAS scratch (`s8[bytes]`). The
 time model (`time_model.compiled_ops`) counts such a call's FLOPs from those
-dimension numbers, as XLA's `HloCostAnalysis` counts the dot it replaced, and
-its bytes without the workspace.
+dimension numbers, as XLA's `HloCostAnalysis` counts the dot it replaced, its
+bytes without the workspace, and prices it at the product's element type's
+peak (a bf16 product at bf16's, not float32's).
 
 Checked on the programs `benchmarks/gpu_truth.py` compiled on an H200: with
 these FLOPs the time model's total equals XLA's count of the same step
@@ -25,33 +26,34 @@ import numpy as np
 _GEMM_DIMS = re.compile(r'"gemm_backend_config":\{.*?"dot_dimension_numbers":(\{[^}]*\})')
 
 
-def _product_shape(instr):
-    """The product's shape: the first element of the call's (product, workspace) tuple."""
+def gemm_product(instr):
+    """The product's HLO shape of a cuBLAS GEMM custom call (the first element of its
+    (product, workspace) tuple); None for any other instruction.
+
+    Args:
+      instr: a `jaxlib._hlo.HloInstruction`.
+    """
+    if instr.opcode.name != "kCustomCall" or _GEMM_DIMS.search(instr.to_string()) is None:
+        return None
     return instr.shape.tuple_shapes()[0] if instr.shape.is_tuple() else instr.shape
 
 
 def gpu_gemm_flops(instr) -> float | None:
     """FLOPs of a cuBLAS GEMM custom call: 2 x product elements x the contracted
-    size of the left operand (XLA's count for a dot); None for any other op.
-
-    Args:
-      instr: a `jaxlib._hlo.HloInstruction`.
-    """
-    if instr.opcode.name != "kCustomCall":
+    size of the left operand (XLA's count for a dot); None for any other op."""
+    product = gemm_product(instr)
+    if product is None:
         return None
-    found = _GEMM_DIMS.search(instr.to_string())
-    if found is None:
-        return None
-    dims = json.loads(found.group(1))
+    dims = json.loads(_GEMM_DIMS.search(instr.to_string()).group(1))
     lhs = instr.operands()[0].shape.dimensions()
     contracted = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []))
-    return 2.0 * math.prod(_product_shape(instr).dimensions()) * contracted
+    return 2.0 * math.prod(product.dimensions()) * contracted
 
 
 def gpu_gemm_written_bytes(instr) -> int:
     """Bytes a cuBLAS GEMM call writes to device memory: its product, not its workspace."""
-    shape = _product_shape(instr)
+    shape = gemm_product(instr)
     return math.prod(shape.dimensions()) * np.dtype(shape.numpy_dtype()).itemsize
 
 
-__all__ = ["gpu_gemm_flops", "gpu_gemm_written_bytes"]
+__all__ = ["gemm_product", "gpu_gemm_flops", "gpu_gemm_written_bytes"]

@@ -53,7 +53,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 from remat_kit.measure import loops
 from remat_kit.measure import sealed
 from remat_kit.measure import targets
-from remat_kit.measure.gpu_calls import gpu_gemm_flops, gpu_gemm_written_bytes
+from remat_kit.measure.gpu_calls import gemm_product, gpu_gemm_flops, gpu_gemm_written_bytes
 from remat_kit._jax_private import hlo_module
 
 OBJECTIVES = ("flops", "time")
@@ -458,7 +458,7 @@ def compiled_ops(compiled) -> list[OpCost]:
                         walk(comps[name], n)
                 continue
             flops, trans = _math(instr, comps)
-            shape = instr.shape
+            shape = gemm_product(instr) or instr.shape  # a cuBLAS call: its product's type
             dtype = None if shape.is_tuple() or not shape.is_array() else \
                 np.dtype(shape.numpy_dtype())
             ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),

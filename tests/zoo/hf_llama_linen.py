@@ -258,3 +258,11 @@ def make(batch: int, seq: int, abstract: bool = False, fused_qkv: bool = True):
 def model() -> LlamaForCausalLM:
     """The model alone, for `remat-kit --model tests/zoo/hf_llama_linen.py:model`."""
     return LlamaForCausalLM()
+
+
+def llama_1b() -> LlamaForCausalLM:
+    """At Llama 3.2 1B's widths (16 layers, d2048, MLP 8192, 32 heads, 8 key/value heads,
+    its tokenizer's 128,256 tokens), float32: benchmarks/gpu_truth.py's user model."""
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048))
