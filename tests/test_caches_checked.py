@@ -21,7 +21,7 @@ import pytest
 import remat_kit as rk
 from remat_kit.cli import commands as cli
 from remat_kit.decide.plan import Planner
-from remat_kit.measure import figure_cache, sealed, time_model
+from remat_kit.measure import chip_peaks, figure_cache, sealed
 from test_compile_cache import empty_cache  # noqa: F401 - a fixture
 
 W = jax.ShapeDtypeStruct((32, 32), jnp.float32)
@@ -49,10 +49,10 @@ def test_a_roofline_that_cannot_be_kept_is_measured_once(tmp_path):
     blocker.write_text("")
     path = str(blocker / "remat_kit" / "cpu_roofline.json")  # a folder under a file
     with pytest.warns(UserWarning, match="cannot be kept at .* measured once for this run"):
-        first = time_model.calibrate_cpu(path)
+        first = chip_peaks.calibrate_cpu(path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once, not at every call
-        assert time_model.calibrate_cpu(path) is first
+        assert chip_peaks.calibrate_cpu(path) is first
 
 
 @pytest.mark.parametrize("damage", ["negative", "nan", "string", "missing", "unsealed"])
@@ -63,9 +63,9 @@ def test_a_damaged_roofline_is_measured_again_and_rewritten(tmp_path, damage):
            "string": {**good, "bandwidth": "fast"},
            "missing": {k: v for k, v in good.items() if k != "bandwidth"}}.get(damage, good)
     path.write_text(json.dumps(good if damage == "unsealed" else sealed.seal(bad)))
-    line = time_model.calibrate_cpu(str(path))
+    line = chip_peaks.calibrate_cpu(str(path))
     assert line.f32_flops > 0 and line.bandwidth > 0 and line.source != "test"
-    kept = sealed.unseal(json.loads(path.read_text()), time_model._KEPT)
+    kept = sealed.unseal(json.loads(path.read_text()), chip_peaks._KEPT)
     assert kept["f32_flops"] == line.f32_flops and kept["bandwidth"] == line.bandwidth
 
 

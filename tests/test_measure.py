@@ -14,6 +14,7 @@ from remat_kit.measure.explain import stack_stored_bytes
 
 # The module, not rk.measure (the function the package exports under that name).
 M = importlib.import_module("remat_kit.measure.measure")
+from remat_kit.measure import targets
 from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.policy.spec import parse
@@ -26,6 +27,7 @@ remat_mode = pytest.mark.remat_modes
 B, S = 2, 16
 F32 = 4
 MINIMAL_ON_GPT2 = "save:query_proj,key_proj,value_proj,qkv_proj,out_proj,mlpwi,mlpwo"
+HERE = targets.parse_target(None)  # JAX's default backend: M.measure takes a Target
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,8 @@ def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
             return lambda *a: loss(*a) + jnp.ones(3) @ jnp.ones(4)
         return rk.checkpointed(loss)(policy)
 
-    records = M.measure(loss_for_policy, *args, policies=["none", "full", "minimal"])
+    records = M.measure(loss_for_policy, *args, policies=["none", "full", "minimal"],
+                        target=HERE)
     bad = by_name(records, "full")
     assert bad.error.startswith("TypeError:") and "dot_general" in bad.error
     assert bad.temp_size_in_bytes is None and bad.flops is None
@@ -199,7 +202,8 @@ def _mlp_loss(w, x):
 @remat_mode
 def test_generic_measure_with_checkpointed_loss_and_timing():
     w, x = jnp.ones((16, 16)), jnp.ones((4, 16))
-    recs = M.measure(_mlp_loss, w, x, policies=["none", "full"], time_steps=3)  # a plain loss
+    recs = M.measure(_mlp_loss, w, x, policies=["none", "full"], time_steps=3,
+                     target=HERE)  # a plain loss
     none, full = recs
     # Without remat the tanh outputs are kept; full remat keeps only the arguments.
     assert none.residual_bytes_by_primitive.get("tanh", 0) > 0
@@ -226,7 +230,7 @@ def test_progress_counts_compiled_programs():
     calls = []
     w, x = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32)
     recs = M.measure(loss, w, x, policies=["none", "full", "save:mlpwo", "save:mlpwi"],
-                     progress=lambda i, n, r: calls.append((i, n, r.names)))
+                     progress=lambda i, n, r: calls.append((i, n, r.names)), target=HERE)
     if jax.config.jax_remat3:  # the hi-primitive remat lowers save:mlpwo apart from full
         assert calls == [(1, 4, ("none",)), (2, 4, ("full",)), (3, 4, ("save:mlpwo",)),
                          (4, 4, ("save:mlpwi",))]

@@ -12,7 +12,7 @@ import pytest
 import remat_kit as rk
 from remat_kit import cli
 from remat_kit.errors import MeshError
-from remat_kit.measure import lowering
+from remat_kit.measure import lowering, targets
 from remat_kit.trace import retarget
 from tests.test_targets import needs_libtpu
 from tests.zoo import mesh_linen
@@ -36,7 +36,7 @@ def test_a_target_with_the_mesh_s_device_count_compiles_on_a_rebuilt_mesh():
     assert [r.error for r in tpu] == [None, None]
     none, full = (r.flops for r in tpu)
     assert none < full
-    placed = lowering.place(work.args, "tpu:v5e:2x4")
+    placed = lowering.place(work.args, targets.parse_target("tpu:v5e:2x4"))
     mesh = jax.tree.leaves(placed)[0].sharding.mesh
     assert mesh.shape == {"data": 8} and mesh.devices.flat[0].platform == "tpu"
 
@@ -50,4 +50,5 @@ def test_a_target_with_fewer_devices_is_refused_in_one_line(capsys):
         "the model builds its own mesh (data: 8 over 8 cpu devices) and target tpu:v5e:1x1 "
         "has 1 device: name a target with at least 8") in err, err
     with pytest.raises(MeshError, match="has 1 device"):
-        lowering.place(rk.from_model.workload(mesh_linen.model(), 8, 8).args, "tpu:v5e:1x1")
+        lowering.place(rk.from_model.workload(mesh_linen.model(), 8, 8).args,
+                       targets.parse_target("tpu:v5e:1x1"))

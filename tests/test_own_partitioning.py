@@ -18,7 +18,7 @@ from remat_kit import cli
 from remat_kit import mesh as rk_mesh
 from remat_kit.decide import step as rk_step
 from remat_kit.errors import MeshError
-from remat_kit.measure import lowering
+from remat_kit.measure import lowering, targets
 from tests.test_sharded_step import (check_value_and_grad, hand_train_step, memory,
                                      shard_bytes)
 from tests.test_targets import needs_libtpu
@@ -139,12 +139,12 @@ def test_a_batch_the_mesh_s_batch_axes_do_not_split_is_refused_or_noted():
 @needs_libtpu
 def test_an_ahead_of_time_target_keeps_the_model_s_device_order():
     work = rk.from_model.workload(logical_linen.ordered(), BATCH, SEQ)
-    placed = lowering.place(work.args, "tpu:v5e:2x2")
+    placed = lowering.place(work.args, targets.parse_target("tpu:v5e:2x2"))
     mesh = placed[1].sharding.mesh
     assert [d.id for d in mesh.devices.flat] == [0, 2, 1, 3]
     assert mesh.devices.flat[0].platform == "tpu" and dict(mesh.shape) == {"data": 2, "fsdp": 2}
     with pytest.raises(MeshError, match="build the model's mesh over at most 1"):
-        lowering.place(work.args, "tpu:v5e:1x1")
+        lowering.place(work.args, targets.parse_target("tpu:v5e:1x1"))
 
 
 def hand_value_and_grad(model, mesh):

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from remat_kit.measure import peak
+from remat_kit.measure import peak, targets
 from remat_kit.measure.measure import measure
 from remat_kit.models import get_config
 from remat_kit.models.program import workload
@@ -12,12 +12,14 @@ from remat_kit.models.program import workload
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed")
 LOGITS = "logits and their gradient"
+CPU = targets.parse_target("cpu")
 
 
 def _records(policies, target="cpu", scan=False, vocab=None, seq=64):
     cfg = get_config("tiny", scan_layers=scan)
     cfg = cfg.replace(vocab_size=vocab) if vocab else cfg
-    return measure(workload(cfg, 8, seq), policies=policies, target=target, peak=True)
+    return measure(workload(cfg, 8, seq), policies=policies, target=targets.parse_target(target),
+                   peak=True)
 
 
 def _check_sums(record, figure, most_own):
@@ -48,7 +50,7 @@ def _tags(record):
 
 
 def test_peak_is_asked_for():
-    [plain] = measure(workload(get_config("tiny"), 8, 16), policies=["full"], target="cpu")
+    [plain] = measure(workload(get_config("tiny"), 8, 16), policies=["full"], target=CPU)
     assert plain.peak is None and plain.to_dict()["peak"] is None
 
 
@@ -178,7 +180,7 @@ def test_plan_below_the_minimum_names_the_chunks_where_the_logits_hold_it(tmp_pa
     # The temp holds neither parameters nor optimizer state: the rest is small, 64 chunks.
     assert next(iter(held["parts"])) == LOGITS and peak.vocab_chunks_for(held) == 64
     cfg = get_config("tiny").replace(vocab_size=8192, vocab_chunks=64)
-    [chunked] = measure(workload(cfg, 4, 32), policies=["full"], target="cpu")
+    [chunked] = measure(workload(cfg, 4, 32), policies=["full"], target=CPU)
     assert chunked.memory_bytes < 0.5 * held["bytes"]
     assert context["below_minimum"] == (
         f"full remat's temp {peak.summary(held)}; no layer policy lowers the {LOGITS}; "
@@ -208,7 +210,7 @@ def test_logits_of_a_model_not_ours_are_found_where_the_loss_slices_them():
                 x = Block()(x)
             return nn.Dense(8192)(x)
 
-    [full] = measure(model_workload(Model(), 8, 64), policies=["full"], target="cpu", peak=True)
+    [full] = measure(model_workload(Model(), 8, 64), policies=["full"], target=CPU, peak=True)
     _check_sums(full, "temp_size_in_bytes", 0.05)
     parts = full.peak["parts"]
     assert full.peak["logits_shape"] == [8, 63, 8192]

@@ -152,10 +152,11 @@ def test_train_step_plan_fits_the_train_step_compile(monkeypatch):
 
 
 def test_default_step_is_train_where_any_budget_is_a_size_on_an_accelerator():
-    assert default_step("tpu:v5e:1x1", ["15.75GiB"]) == "train"
-    assert default_step("tpu:v5e:1x1", ["0.5", "15.75GiB"]) == "train"  # 0.5 of none's train step
-    assert default_step("tpu:v5e:1x1", ["0.5", "0.8"]) == "grad"
-    assert default_step("cpu", ["6GiB"]) == "grad"
+    tpu, cpu = targets.parse_target("tpu:v5e:1x1"), targets.parse_target("cpu")
+    assert default_step(tpu, ["15.75GiB"]) == "train"
+    assert default_step(tpu, ["0.5", "15.75GiB"]) == "train"  # 0.5 of none's train step
+    assert default_step(tpu, ["0.5", "0.8"]) == "grad"
+    assert default_step(cpu, ["6GiB"]) == "grad"
 
 
 def _plan(spec, layer_specs=(), aliases=None):

@@ -262,7 +262,8 @@ def test_a_failed_aot_compile_is_a_row_with_the_compilers_message():
         return jnp.sum(jnp.tanh(x) * jnp.sin(x))
 
     x = jax.ShapeDtypeStruct((1 << 17, 1 << 14), jnp.float32)
-    records = measure.measure(loss, x, policies=["none", "full"], target="tpu:v5e:1x1")
+    records = measure.measure(loss, x, policies=["none", "full"],
+                              target=targets.parse_target("tpu:v5e:1x1"))
     assert len(records) == 2
     for r in records:
         assert r.error.startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")

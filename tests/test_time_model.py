@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from remat_kit.measure import targets
+from remat_kit.measure import chip_peaks, targets
 from remat_kit.measure import lowering
 from remat_kit.measure import time_model
 from remat_kit.decide.cost_model import Program
@@ -199,10 +199,10 @@ def test_target_peaks():
 def test_cpu_calibration_is_cached(tmp_path, monkeypatch):
     path = tmp_path / "roofline.json"
     path.write_text('{"f32_flops": 1.0, "bandwidth": 1.0, "source": "an older calibration"}')
-    first = time_model.calibrate_cpu(str(path))  # an unversioned figure is measured again
+    first = chip_peaks.calibrate_cpu(str(path))  # an unversioned figure is measured again
     assert first.f32_flops > 1e8 and first.bandwidth > 1e8
     monkeypatch.setattr(jax, "jit", None)  # a second measurement would fail
-    assert time_model.calibrate_cpu(str(path)) == first
+    assert chip_peaks.calibrate_cpu(str(path)) == first
 
 
 def test_time_objective_on_cpu():
@@ -239,8 +239,8 @@ def test_objective_defaults_to_flops_where_the_time_model_is_unchecked():
     assert Planner(loss, w, x, cache=None, target="tpu:v5e:1x1",
                    objective="time").objective == "time"
     assert Planner(loss, w, x, cache=None, target="cpu", objective="time").objective == "time"
-    assert time_check("gpu:a100") == (False, CHECKS["gpu:a100"][1])
-    assert time_check("tpu:v5p:2x2x1")[1] == ("the tpu:v5p time model is checked against no "
-                                              "measured step time: predicted times are an "
-                                              "unchecked roofline")
+    assert time_check(targets.parse_target("gpu:a100")) == (False, CHECKS["gpu:a100"][1])
+    assert time_check(targets.parse_target("tpu:v5p:2x2x1"))[1] == (
+        "the tpu:v5p time model is checked against no measured step time: predicted times "
+        "are an unchecked roofline")
     assert all(text.count("\n") == 0 for _, text in CHECKS.values())  # one line each

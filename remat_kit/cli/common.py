@@ -33,15 +33,16 @@ def sizes_text(batch, seq) -> str:
 
 
 def targets_of(text: str | None) -> list:
-    """The --target list, [None] (JAX's default backend) if not given. Checks that
-    libtpu is there and accepts each TPU topology, before anything is measured."""
+    """The --target list as `Target`s, parsed here once for the whole command; JAX's
+    default backend's if not given. Checks that libtpu is there and accepts each
+    TPU topology, before anything is measured."""
     from remat_kit.measure import targets
     if text is None:
-        return [None]
+        return [targets.parse_target(None)]
     found = targets.parse_targets(text)
-    for target in found:
+    for target in found:  # its devices made now, kept on it: a bad topology fails first
         if target.aot:
-            targets.devices(target)
+            _ = target.devices
     return found
 
 

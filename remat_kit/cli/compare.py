@@ -19,7 +19,6 @@ def run(args) -> int:
     turns bad input into one line and 2)."""
     from remat_kit.cli import report
     from remat_kit.decide.resolve import measure
-    from remat_kit.measure import targets
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
     src, batch, seq = source_and_sizes(args)
@@ -31,7 +30,7 @@ def run(args) -> int:
     if args.plot is not None:
         check_output_file(args.plot, "--plot", suffix=".png")
     target_list = targets_of(args.target)
-    if args.time and any(t is not None and t.aot for t in target_list):
+    if args.time and any(t.aot for t in target_list):
         raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
                        "of time (tpu:<topology>) cannot be timed")
     meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
@@ -58,8 +57,7 @@ def run(args) -> int:
             check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
         records = measure(work, policies=specs, names=specs, time_steps=args.time,
                           progress=progress, target=target, per_layer=True, peak=args.peak)
-        target = targets.parse_target(target)
-        found = targets.versions(target)
+        found = target.versions
         mesh_text = rk_mesh.spec_text(mesh)
         step = rk_mesh.compiled_step("value-and-grad", work.mesh)
         per_device = f", per device of {devices} ({mesh_text}); {step}" if devices > 1 else ""

@@ -514,14 +514,13 @@ def check_planner_floor(work, budgets: Sequence[str], target, mesh, flag: str) -
     parameters plus gradients where the planner's figure counts them
     (`floor.planner_floor`: TPU and GPU); eval_shape only, nothing compiles."""
     from remat_kit.decide import floor
-    from remat_kit.measure import targets
     from remat_kit.policy.budget import parse_budget
     from remat_kit.errors import BudgetError
 
     sizes = [n for n in (parse_budget(b).bytes for b in budgets) if n is not None]
     if not sizes:
         return
-    least = floor.planner_floor(work, targets.parse_target(target).platform)
+    least = floor.planner_floor(work, target.platform)
     try:
         floor.check(min(sizes), least, "the parameters plus gradients")
     except BudgetError as e:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import dataclasses
 
 from remat_kit.measure import targets
-from remat_kit.measure import time_model
 from remat_kit.decide.cost_model import PLANNED_BASES
 from remat_kit.decide.offload_probe import CPU_OFFLOAD_NOTE
 
 
-def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
+def offload_bandwidth(target: targets.Target, offload: "bool | float | None") -> float | None:
     """Bytes/s each way of offload's transfers on `target`, or None where offload is
     not planned (`Planner`'s offload argument: None, True, False or bytes/s).
 
@@ -39,14 +38,13 @@ def offload_bandwidth(target, offload: "bool | float | None") -> float | None:
     Raises:
       TargetError: offload=True on a target that lists no host bandwidth.
     """
-    target = targets.parse_target(target)
     if offload is False or offload is None:
         return None
     if offload is not True:  # a bandwidth in bytes/s
         return float(offload)
     if target.platform == "cpu":
-        return time_model.roofline(target).bandwidth
-    found = (targets.peaks(target) or {}).get("host_bandwidth")
+        return target.roofline.bandwidth
+    found = (target.peaks or {}).get("host_bandwidth")
     if found is None:
         listed = ", ".join(k for k, v in targets.PEAKS.items() if "host_bandwidth" in v)
         raise targets.TargetError(

@@ -298,6 +298,7 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
       ValueError: no args, or args[0] holds no floating-point array: there
         is nothing to differentiate; a group count outside 1..layers.
     """
+    target = targets.parse_target(target)  # once: the step's default and the Planner read it
     return Planner(loss_fn, *args, cache=cache, max_iterations=max_iterations,
                    target=target, groups=groups, objective=objective, offload=offload,
                    step=step or default_step(target, [budget]),

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from remat_kit.measure import targets
 from remat_kit.measure import lowering, peak
 from remat_kit.measure.residuals import _stage
+from remat_kit.measure.step_times import random_like  # measure's random data, for timed runs
 from remat_kit.errors import RematSpecError, check_positive
 from remat_kit.decide.floor import train_state, tree_bytes
 from remat_kit.policy.policy import Policy
@@ -199,7 +200,9 @@ def step_memory(model, batch: int, seq: int, policy: "str | Policy", *,
     return compile_step(workload, policy, optimizer, targets.parse_target(target))
 
 
-def compile_step(workload: Workload, policy: Policy, optimizer, target) -> StepMemory:
+def compile_step(workload: Workload, policy: Policy, optimizer,
+                 target: targets.Target) -> StepMemory:
+    """`step_memory` of a workload at its sizes, for a parsed `target`."""
     made = workload_step(workload, policy, optimizer)
     c = lowering.compile_for(made.step, *made.args, target=target, donate=TrainStep.DONATED)
     return step_figures(c, made.args)
@@ -248,8 +251,6 @@ def workload_step(workload: Workload, policy: Policy, optimizer,
                   value_grad: Callable | None = None) -> TrainStep:
     """The `TrainStep` of `workload` under `policy`; value_grad(params, *rest) ->
     (loss, grads), default `jax.value_and_grad` of the policy's loss."""
-    from remat_kit.measure.measure import _random_like  # measure's random data, for timed runs
-
     params, opt_state, rest = train_state(workload, optimizer)
     value_grad = value_grad or jax.value_and_grad(workload.loss_for_policy(policy))
     mesh = workload.mesh
@@ -269,7 +270,7 @@ def workload_step(workload: Workload, policy: Policy, optimizer,
             state = jax.lax.with_sharding_constraint(state, state_shardings)
         return *state, loss
 
-    sample = workload.sample_args or (lambda k: _random_like(workload.args, k))
+    sample = workload.sample_args or (lambda k: random_like(workload.args, k))
 
     def make_args(k):
         params, *rest = sample(k)

@@ -39,7 +39,7 @@ STEP_WORDS = {"grad": "the value-and-grad step (compare's figure: activations an
                        "state and update, the batch, activations)"}
 
 
-def default_step(target, budgets) -> str:
+def default_step(target: targets.Target, budgets) -> str:
     """"train" where `target` is an accelerator (TPU, GPU) and any budget is a size in
     bytes (the device's memory as it is: a fraction beside it is then of no remat's
     train-step figure, as every figure of the run is that step's); else "grad" (only
@@ -47,13 +47,12 @@ def default_step(target, budgets) -> str:
     figure).
 
     Args:
-      target: a `targets.Target` or target string, None for JAX's default backend.
+      target: a `targets.Target`.
       budgets: budgets as `remat_kit.policy.budget.parse_budget` takes them.
     """
     from remat_kit.policy.budget import parse_budget
-    platform = targets.parse_target(target).platform
     sized = any(parse_budget(b).bytes is not None for b in budgets)
-    return "train" if platform != "cpu" and sized else "grad"
+    return "train" if target.platform != "cpu" and sized else "grad"
 
 
 def check_step(step: str) -> str:
@@ -64,8 +63,9 @@ def check_step(step: str) -> str:
     return step
 
 
-def train_record(workload: Workload, loss: Callable, name: str, key: str, *, target,
-                 optimizer=None, per_device: "tuple | None" = None) -> Record:
+def train_record(workload: Workload, loss: Callable, name: str, key: str, *,
+                 target: targets.Target, optimizer=None,
+                 per_device: "tuple | None" = None) -> Record:
     """The `Record` of `workload`'s train step with `loss` as its loss.
 
     Args:
@@ -83,7 +83,7 @@ def train_record(workload: Workload, loss: Callable, name: str, key: str, *, tar
       residuals, and `error` set (figures None) where the step does not trace or
       compile (an out-of-memory compile among them).
     """
-    versions = targets.versions(target)
+    versions = target.versions
     record = Record(key, (name,), target.label, str(target), versions["jax"],
                     versions["compiler"])
     try:
@@ -111,7 +111,7 @@ def _predicted_seconds(c: lowering.Compiled) -> float | None:
     if c.compiled is None:
         return None
     try:
-        return time_model.compiled_seconds(c.compiled, time_model.roofline(c.target))
+        return time_model.compiled_seconds(c.compiled, c.target.roofline)
     except Exception:  # noqa: BLE001 - a prediction must not lose the measurement
         return None
 

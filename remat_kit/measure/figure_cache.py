@@ -14,8 +14,8 @@ HLO again (0.4-0.6 s of the ~3 s a cached gpt2_small program took).
 The key is a SHA-256 of the lowered program's text (StableHLO, with its
 shardings), the target, the compiler and JAX versions, the compile options,
 the target's roofline figures, $XLA_FLAGS and $LIBTPU_INIT_ARGS, `FORMAT` and
-the source of the modules that compute the figures (`costs`, `loops`, `peak`,
-`targets`, `time_checks`, `time_model`): any change to the program or to what
+the source of the modules that compute the figures (`chip_peaks`, `costs`, `loops`,
+`peak`, `targets`, `time_checks`, `time_model`): any change to the program or to what
 reads it misses. A hit skips the compile; residuals still come from the
 traced program. The folder sits beside JAX's cache
 (`cli.use_compile_cache`: $REMAT_KIT_COMPILE_CACHE, then "-figures"); with
@@ -42,6 +42,7 @@ import time
 
 import jax
 
+from remat_kit.measure import chip_peaks
 from remat_kit.measure import costs
 from remat_kit.measure import loops
 from remat_kit.measure import peak
@@ -71,7 +72,7 @@ COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts}
 def _code() -> str:
     """A digest of the code that turns a compile into figures."""
     return hashlib.sha256("".join(inspect.getsource(m) for m in (
-        costs, loops, peak, targets, time_checks, time_model)).encode()).hexdigest()
+        chip_peaks, costs, loops, peak, targets, time_checks, time_model)).encode()).hexdigest()
 
 
 def folder() -> str | None:
@@ -101,8 +102,8 @@ def compiler_parts(target: "targets.Target", options: dict | None) -> list:
     target's roofline figures and the compiler flags in the environment
     (`COMPILER_FLAGS`). The plan cache keys its plans by the same parts
     (`remat_kit.decide.plan.Planner.fingerprint`)."""
-    return [str(target), sorted(targets.versions(target).items()),
-            sorted((options or {}).items()), repr(time_model.roofline(target)),
+    return [str(target), sorted(target.versions.items()),
+            sorted((options or {}).items()), repr(target.roofline),
             [os.environ.get(v, "") for v in COMPILER_FLAGS]]
 
 

@@ -22,7 +22,7 @@ from remat_kit.measure import figure_cache
 from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.peak import dump_options
-from remat_kit.measure.targets import Target, TargetError, devices, parse_target
+from remat_kit.measure.targets import Target, TargetError, parse_target
 from remat_kit.trace import retarget
 from remat_kit.mesh import local_shape as _local
 
@@ -32,7 +32,7 @@ from remat_kit.mesh import local_shape as _local
 _CPU_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
-def place(args, target: "str | Target"):
+def place(args, target: Target):
     """`args` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs on `target`'s devices.
 
     Leaves that carry a sharding keep it; a `NamedSharding` over other devices
@@ -45,10 +45,9 @@ def place(args, target: "str | Target"):
       TargetError: a leaf sharded over other devices, not by a NamedSharding.
       MeshError: a mesh with more devices than the target has.
     """
-    target = parse_target(target)
     if not target.aot and target.platform == jax.default_backend():
         return args
-    found = devices(target)
+    found = target.devices
     ids = {(d.platform, d.id) for d in found}
     single = NamedSharding(Mesh(found[:1], ("data",)), PartitionSpec())
 
@@ -67,35 +66,33 @@ def place(args, target: "str | Target"):
     return jax.tree.map(one, args)
 
 
-def lower(fn: Callable, leaves: Sequence, target: "str | Target",
+def lower(fn: Callable, leaves: Sequence, target: Target,
           donate_argnums: tuple[int, ...] = ()):
     """`jax.jit(fn, donate_argnums=...)` lowered for `target` at `leaves` (already
     `place`d): a `Lowered`."""
-    target = parse_target(target)
     jitted = jax.jit(fn, donate_argnums=donate_argnums)
     if target.aot:
         platform = "cuda" if target.platform == "gpu" else target.platform
-        with retarget.retargeting(devices(target), str(target)):  # a model's own mesh
+        with retarget.retargeting(target.devices, str(target)):  # a model's own mesh
             return jitted.trace(*leaves).lower(lowering_platforms=(platform,))
     return jitted.lower(*leaves)
 
 
-def on_target(closed, target: "str | Target"):
+def on_target(closed, target: Target):
     """A staged ClosedJaxpr for `target`: a mesh of the model's own over other
     devices rebuilt on the target's (`trace.retarget`); as it is for JAX's backend.
 
     Raises:
       MeshError: the model's mesh has more devices than the target.
     """
-    target = parse_target(target)
-    return retarget.rebuild(closed, devices(target), str(target)) if target.aot else closed
+    return retarget.rebuild(closed, target.devices, str(target)) if target.aot else closed
 
 
-def compile_options(target: "str | Target", compile_only: bool) -> dict | None:
+def compile_options(target: Target, compile_only: bool) -> dict | None:
     """XLA options for compiling on `target`; compile_only: the program will not run,
     so skip code-generation work that changes neither memory nor FLOPs."""
     return dict(_CPU_COMPILE_ONLY_OPTIONS) if (
-        compile_only and parse_target(target).platform == "cpu") else None
+        compile_only and target.platform == "cpu") else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +121,7 @@ class Compiled:
     notes: tuple[str, ...] = ()
 
 
-def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence):
+def costs(compiled, target: Target, fn: Callable, local_leaves: Sequence):
     """FLOPs and transcendentals of `compiled`, loops counted per trip, with notes.
 
     If the target's compiler leaves a while loop whose trip count cannot be
@@ -137,7 +134,7 @@ def costs(compiled, target: "str | Target", fn: Callable, local_leaves: Sequence
       ({"flops": float, "transcendentals": float} or {}, notes).
     """
     found, notes = loop_scaled_costs(compiled)
-    if parse_target(target).platform == "cpu" or (found and not notes):
+    if target.platform == "cpu" or (found and not notes):
         return found, notes
     cpu = jax.devices("cpu")[0]
     structs = [jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -161,7 +158,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
       args: arrays or ShapeDtypeStructs; leaves with a `NamedSharding` over
         a `make_mesh(target, ...)` mesh give a sharded program, whose
         figures are per device.
-      target: a target string or `Target`; default JAX's default backend.
+      target: a target string or `Target`, parsed here once (`parse_target`: this
+        is an entry point); default JAX's default backend.
       compile_only: the program will not be run (faster CPU compiles).
       donate: indices of `args` whose buffers the program may reuse
         (`jax.jit`'s donate_argnums), e.g. the parameters of a train step.

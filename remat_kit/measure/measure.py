@@ -29,17 +29,14 @@ one remat region per policy (`remat_kit.trace.workload.checkpointed`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
@@ -48,10 +45,10 @@ from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
 from remat_kit.measure import peak as peak_of
-from remat_kit.measure import time_checks, time_model
+from remat_kit.measure import step_times, time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
-from remat_kit.measure.record import Record, StepTime, memory_kind
+from remat_kit.measure.record import Record, memory_kind
 from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import _stage, split
 from remat_kit.errors import RematSpecError
@@ -59,66 +56,6 @@ from remat_kit.policy.spec import AutoSpec, parse
 from remat_kit.trace import model_map
 from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
-
-
-def _random_like(structs, key):
-    """Arrays shaped like `structs`: normal floats, zero ints/bools, fresh PRNG keys."""
-    leaves, tree = jax.tree.flatten(structs)
-    out = []
-    for leaf, k in zip(leaves, jax.random.split(key, max(len(leaves), 1))):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            x = jax.random.split(k, math.prod(leaf.shape)).reshape(leaf.shape)
-        elif jnp.issubdtype(leaf.dtype, jnp.floating):
-            x = jax.random.normal(k, leaf.shape, leaf.dtype)
-        else:
-            x = jnp.zeros(leaf.shape, leaf.dtype)
-        out.append(x)
-    return jax.tree.unflatten(tree, out)
-
-
-def _time_rounds(compiled: dict, leaves, steps: int) -> tuple[dict, dict]:
-    """Step seconds of each compiled program, in `steps` rounds of one step each.
-
-    After one warm-up step each (first-run allocation and caches), every round
-    runs each program once in turn, so load that comes and goes on a shared
-    machine falls on all of them alike, and a ratio between two programs can be
-    taken within each round.
-
-    Args:
-      compiled: key -> an executable called on `leaves`.
-    Returns:
-      ({key: [seconds per round]}, {key: "TypeName: message"} of the programs
-      that failed to run, which are then left out of the rounds).
-    """
-    times, errors = {k: [] for k in compiled}, {}
-
-    def run(key, timed):
-        start = time.perf_counter()
-        try:
-            jax.block_until_ready(compiled[key](*leaves))
-        except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
-            errors[key] = f"{type(e).__name__}: {e}"
-            return
-        if timed:
-            times[key].append(time.perf_counter() - start)
-
-    for key in compiled:
-        run(key, False)
-    for _ in range(steps):
-        for key in compiled:
-            if key not in errors:
-                run(key, True)
-    return {k: v for k, v in times.items() if k not in errors}, errors
-
-
-def _step_time(times: list[float], none: list[float] | None) -> StepTime:
-    """A `StepTime` of per-round seconds; its ratio to none is the median of the
-    per-round ratios to `none`'s step of the same round."""
-    q1, _, q3 = (statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1
-                 else (times[0],) * 3)
-    ratio = statistics.median(t / n for t, n in zip(times, none)) if none else None
-    return StepTime(statistics.median(times), min(times), max(times), q1, q3, len(times),
-                    ratio)
 
 
 def _group(policies: Sequence[Policy], names: Sequence[str],
@@ -139,8 +76,7 @@ def _group(policies: Sequence[Policy], names: Sequence[str],
 def measure(workload: "Workload | Callable", *args, policies: Sequence, names=None,
             time_steps: int = 0, sample_args: Callable | None = None,
             progress: Callable[[int, int, Record], None] | None = None,
-            per_device: tuple | None = None,
-            target: "str | targets.Target | None" = None,
+            per_device: tuple | None = None, target: targets.Target,
             per_layer: bool = False, peak: bool = False) -> list[Record]:
     """Measures a workload under each policy, compile-only (optionally also timed).
 
@@ -165,7 +101,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       names: what to call each policy in the report; default its spec string.
       time_steps: if > 0, also run one warm-up step and `time_steps` timed
         steps of value-and-grad per policy on `sample_args` data, after every
-        policy is compiled, in rounds of one step per policy (`_time_rounds`),
+        policy is compiled, in rounds of one step per policy (`step_times`),
         so a shared machine's load falls on every policy alike.
       sample_args: key -> concrete args for timed mode; default random data
         shaped like `args` (normal floats, zero ints).
@@ -176,10 +112,11 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
         residuals are reported instead of tracing `args` at their shard
         shapes; needed where a shard is not a valid input (parameters split
         over fsdp or tensor). A workload brings its own.
-      target: whose compiler to measure with (`remat_kit.measure.targets`): e.g.
-        "cpu", "tpu:v5e:1x1" (ahead of time, no TPU needed); default JAX's
-        default backend. Sharded `args` must be sharded over the target's
-        devices (`targets.make_mesh`); unsharded ones go to its first device.
+      target: the `targets.Target` whose compiler to measure with, parsed at
+        the edge (`targets.parse_target("tpu:v5e:1x1")`: ahead of time, no TPU
+        needed; `rk.measure` takes the text). Sharded `args` must be sharded
+        over the target's devices (`targets.make_mesh`); unsharded ones go to
+        its first device.
       per_layer: also measure one block at a time (`Record.layer_residual_bytes`,
         `layers_residual_bytes`, for the Korthikanti comparison), where the
         workload has blocks.
@@ -193,114 +130,188 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       out.
     Raises:
       RematSpecError: a policy spec does not parse, or is an auto:budget= spec.
-      TargetError: a bad target, libtpu missing, args sharded over other
-        devices, or `time_steps` > 0 for a target compiled ahead of time.
+      TargetError: target not a `Target`, libtpu missing, args sharded over
+        other devices, or `time_steps` > 0 for a target compiled ahead of time.
       ValueError: `names` and `policies` differ in length.
+      TypeError: a workload and args both given.
+    """
+    workload = _as_workload(workload, args)
+    parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    names = names if names is not None else [str(p) for p in policies]
+    run, groups, data = _prepare(workload, parsed, names, target, time_steps, sample_args,
+                                 per_device, per_layer, peak)
+    with _Compiles(lowering.compile_options(target, not time_steps),
+                   workers=1 if time_steps else COMPILE_WORKERS, target=target,
+                   runs=time_steps > 0, peak=peak) as compiles:
+        programs = _lower_programs(groups, workload.loss_for_policy, run.args, target,
+                                   compiles.start, peak)
+    records, timed = [], {}  # timed: index in records -> compiled, run after every compile
+    for i, program in enumerate(programs):
+        record, compiled = _measured(run, *program)
+        if compiled is not None and data is not None:
+            timed[len(records)] = compiled
+        records.append(record)
+        if progress is not None:
+            progress(i + 1, len(programs), record)
+    return step_times.with_step_times(records, timed, data, time_steps) if timed else records
+
+
+def _as_workload(workload: "Workload | Callable", args: tuple) -> Workload:
+    """`workload` itself, or a loss and its `args` as one (`from_loss`).
+
+    Raises:
       TypeError: a workload and args both given.
     """
     if isinstance(workload, Workload):
         if args:
             raise TypeError("measure takes a Workload or a loss and its args, not both")
-    else:
-        workload = from_loss(workload, *args)
-    args, loss_for_policy = workload.args, workload.loss_for_policy
-    per_device = per_device if per_device is not None else workload.per_device
-    sample_args = sample_args or workload.sample_args
-    parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
-    target = targets.parse_target(target)
+        return workload
+    return from_loss(workload, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every program of one `measure` call shares.
+
+    Attributes:
+      args: the workload's args placed on the target (`lowering.place`).
+      local_args: their per-device shapes where any is sharded, else None.
+      per_device: (factory, args) of one device's program, or None (`measure`).
+      emitted: the tags the loss emits. by_name: each name's Policy.
+      differ: the note that the workload's blocks differ ("" if alike, or no per_layer).
+    """
+
+    workload: Workload
+    target: targets.Target
+    args: tuple
+    local_args: tuple | None
+    per_device: tuple | None
+    emitted: tuple[str, ...]
+    by_name: dict
+    differ: str
+    per_layer: bool
+    peak: bool
+
+
+def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: int,
+             sample_args, per_device, per_layer: bool, peak: bool) -> tuple:
+    """(`_Run`, the policy groups `_group` makes, the timed steps' data or None).
+
+    Raises:
+      TargetError: target not a `Target`, args sharded over other devices, or
+        timed steps on a target compiled ahead of time.
+      RematSpecError: an auto:budget= spec. ValueError: names and policies differ
+        in length.
+    """
+    if not isinstance(target, targets.Target):
+        raise targets.TargetError(f"measure takes a targets.Target, got {type(target).__name__} "
+                                  f"{target!r}: targets.parse_target({target!r}), or rk.measure")
     if time_steps > 0 and target.aot:
         raise targets.TargetError(f"cannot time steps on target {target}: it is compiled "
                                   "ahead of time, for devices this machine does not have")
-    args = lowering.place(args, target)
+    args = lowering.place(workload.args, target)
     for p in parsed:
         if isinstance(p, AutoSpec):  # planning is decide's, above this part
             raise RematSpecError(f"{p} is planned, not measured: give it to rk.measure, which "
                                  "plans it first (remat_kit.decide.resolve)", token=str(p))
-    emitted = tuple(emitted_tags(loss_for_policy(parse("none")), *args))
+    emitted = tuple(emitted_tags(workload.loss_for_policy(parse("none")), *args))
     leaves = jax.tree.leaves(args)
-    local_args = (jax.tree.map(rk_mesh.local_shape, args) if any(rk_mesh.is_sharded(x) for x in leaves) else None)
+    local_args = (jax.tree.map(rk_mesh.local_shape, args)
+                  if any(rk_mesh.is_sharded(x) for x in leaves) else None)
     data = None
     if time_steps > 0:
-        data = (sample_args or (lambda k: _random_like(args, k)))(jax.random.key(0))
+        data = (sample_args or workload.sample_args
+                or (lambda k: step_times.random_like(args, k)))(jax.random.key(0))
         data = [jax.device_put(x, s.sharding) if getattr(s, "sharding", None) else x
                 for x, s in zip(jax.tree.leaves(data), leaves)]
-    label, found_versions = target.label, targets.versions(target)
-    records = []
-    names = names if names is not None else [str(p) for p in policies]
-    by_name = dict(zip(names, parsed))
     groups = _group(parsed, names, emitted)
-    differ = blocks_differ(workload) if per_layer else ""  # one note for every record
-    with _Compiles(lowering.compile_options(target, not time_steps),
-                   workers=1 if time_steps else COMPILE_WORKERS, target=target,
-                   runs=time_steps > 0, peak=peak) as compiles:
-        programs = _lower_programs(groups, loss_for_policy, args, target, compiles.start, peak)
-    timed: dict[int, object] = {}  # index in records -> compiled, timed after every compile
-    for i, (policy, group_names, loss, staged, compiling, seconds) in enumerate(programs):
-        record = Record(str(policy), tuple(group_names), label, str(target),
-                        found_versions["jax"], found_versions["compiler"])
-        try:
-            if isinstance(compiling, Exception):
-                raise compiling
-            # Traced while the compile runs; a compile error is reported before a tracing one.
-            try:
-                local = (_stage(per_device[0](policy), per_device[1]) if per_device is not None
-                         else _stage(loss, local_args) if local_args is not None else staged)
-                layers = stack_stored_bytes(workload, policy, not differ) if per_layer else {}
-            except Exception as e:  # noqa: BLE001 - raised once the compile is known
-                local = e
-            compiled, compile_seconds, program_key, dump = compiling()
-            try:
-                if isinstance(local, Exception):
-                    raise local
-                seconds += compile_seconds
-                if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
-                    figures = compiled
-                else:
-                    figures = _figures(compiled, target, local)
-                    if dump is not None:
-                        figures["peak"] = peak_of.breakdown(
-                            dump, figures["memory"], figure=memory_kind(target.platform),
-                            arg_groups=(("parameters", len(jax.tree.leaves(args[0]))),),
-                            logits_shape=peak_of.logits_shape(local.program),
-                            residuals=local.residuals,
-                            code_bytes=getattr(compiled.memory_analysis(),
-                                               "generated_code_size_in_bytes", 0) or 0)
-                    figure_cache.store(program_key, figures)
-            finally:
-                if dump is not None:
-                    shutil.rmtree(dump, ignore_errors=True)
-            notes = tuple(figures["cost_notes"])
-            found = split(local.residuals)
-            if found["offloaded_bytes"] and target.platform == "cpu":
-                notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
-                          "includes the offloaded residuals",)
-            for name in group_names:  # merged policies may each select nothing
-                notes += tuple(f"{name}: {line}" for line in policy_notes(
-                    by_name.get(name, policy), emitted, workload.notes))
-            notes += (differ,) if differ else ()
-            if workload.model_map is not None:  # kept own remat, no layers: on every row
-                notes += model_map.notes(workload.model_map)
-            record = dataclasses.replace(
-                record, **found, **figures["memory"], flops=figures["flops"],
-                transcendentals=figures["transcendentals"], compile_seconds=seconds,
-                predicted_seconds=figures["predicted_seconds"],
-                peak=figures.get("peak") if peak else None,
-                notes=notes + tuple(figures["time_notes"]), **layers)
-            if data is not None:
-                timed[len(records)] = compiled
-        except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
-            detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
-            record = dataclasses.replace(record, error=f"{type(e).__name__}: {detail}")
-        records.append(record)
-        if progress is not None:
-            progress(i + 1, len(programs), record)
-    if timed:
-        times, errors = _time_rounds(timed, data, time_steps)
-        none = next((times.get(i) for i, r in enumerate(records) if r.policy == "none"), None)
-        records = [dataclasses.replace(r, error=errors[i]) if i in errors
-                   else dataclasses.replace(r, step_time=_step_time(times[i], none))
-                   if i in times else r for i, r in enumerate(records)]
-    return records
+    run = _Run(workload, target, args, local_args,
+               per_device if per_device is not None else workload.per_device, emitted,
+               dict(zip(names, parsed)), blocks_differ(workload) if per_layer else "",
+               per_layer, peak)
+    return run, groups, data
+
+
+def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, compiling,
+              seconds: float) -> tuple[Record, object]:
+    """(the record of one distinct program, from `_lower_programs`' entry, and its
+    executable to time; None where it failed). A failure is the record's error."""
+    versions = run.target.versions
+    record = Record(str(policy), tuple(group_names), run.target.label, str(run.target),
+                    versions["jax"], versions["compiler"])
+    try:
+        if isinstance(compiling, Exception):
+            raise compiling
+        local, layers = _traced(run, policy, loss, staged)  # while the compile runs
+        compiled, compile_seconds, program_key, dump = compiling()
+        figures = _compiled_figures(run, compiled, local, program_key, dump)
+        found = split(local.residuals)
+        return dataclasses.replace(
+            record, **found, **figures["memory"], flops=figures["flops"],
+            transcendentals=figures["transcendentals"],
+            compile_seconds=seconds + compile_seconds,
+            predicted_seconds=figures["predicted_seconds"],
+            peak=figures.get("peak") if run.peak else None,
+            notes=_notes(run, policy, group_names, figures, found), **layers), compiled
+    except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
+        detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
+        return dataclasses.replace(record, error=f"{type(e).__name__}: {detail}"), None
+
+
+def _traced(run: _Run, policy: Policy, loss, staged) -> tuple:
+    """(the per-device program whose residuals a record reports, the per-layer
+    figures); where tracing fails, (the exception, {}), raised once the compile
+    is known, so that a compile error is reported before a tracing one."""
+    try:
+        local = (_stage(run.per_device[0](policy), run.per_device[1])
+                 if run.per_device is not None
+                 else _stage(loss, run.local_args) if run.local_args is not None else staged)
+        return local, (stack_stored_bytes(run.workload, policy, not run.differ)
+                       if run.per_layer else {})
+    except Exception as e:  # noqa: BLE001 - raised once the compile is known
+        return e, {}
+
+
+def _compiled_figures(run: _Run, compiled, local, program_key, dump) -> dict:
+    """What the record reads of a compile (`_figures`, with its peak's breakdown
+    where `dump` holds XLA's dump), kept under `program_key`; figures read back
+    (`compiled` a dict) as they are. Removes `dump`. Raises `local` if it is the
+    exception tracing raised."""
+    try:
+        if isinstance(local, Exception):
+            raise local
+        if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
+            return compiled
+        figures = _figures(compiled, run.target, local)
+        if dump is not None:
+            figures["peak"] = peak_of.breakdown(
+                dump, figures["memory"], figure=memory_kind(run.target.platform),
+                arg_groups=(("parameters", len(jax.tree.leaves(run.args[0]))),),
+                logits_shape=peak_of.logits_shape(local.program),
+                residuals=local.residuals,
+                code_bytes=getattr(compiled.memory_analysis(),
+                                   "generated_code_size_in_bytes", 0) or 0)
+        figure_cache.store(program_key, figures)
+        return figures
+    finally:
+        if dump is not None:
+            shutil.rmtree(dump, ignore_errors=True)
+
+
+def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -> tuple:
+    """A record's notes: where its FLOPs came from, host memory on the CPU, names that
+    select nothing, blocks that differ, the model map's, the time model's."""
+    notes = tuple(figures["cost_notes"])
+    if found["offloaded_bytes"] and run.target.platform == "cpu":
+        notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
+                  "includes the offloaded residuals",)
+    for name in group_names:  # merged policies may each select nothing
+        notes += tuple(f"{name}: {line}" for line in policy_notes(
+            run.by_name.get(name, policy), run.emitted, run.workload.notes))
+    notes += (run.differ,) if run.differ else ()
+    if run.workload.model_map is not None:  # kept own remat, no layers: on every row
+        notes += model_map.notes(run.workload.model_map)
+    return notes + tuple(figures["time_notes"])
 
 
 def _figures(compiled, target, local) -> dict:
@@ -316,7 +327,7 @@ def _figures(compiled, target, local) -> dict:
                                       local.leaves)
     predicted, time_notes = _predicted_seconds(compiled, target)
     if predicted is not None and costs.get("flops") is not None:
-        time_checks.check_floor(predicted, time_model.roofline(target), costs["flops"],
+        time_checks.check_floor(predicted, target.roofline, costs["flops"],
                                 time_checks.written_bytes(compiled))
     return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
@@ -327,7 +338,7 @@ def _predicted_seconds(compiled, target) -> tuple[float | None, tuple[str, ...]]
     """(the time model's step seconds of `compiled` on `target`, notes): None and a
     note where its HLO cannot be read (`time_model.compiled_seconds`)."""
     try:
-        return time_model.compiled_seconds(compiled, time_model.roofline(target)), ()
+        return time_model.compiled_seconds(compiled, target.roofline), ()
     except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurement
         return None, (f"no predicted step time: {type(e).__name__}: {e}",)
 

@@ -18,7 +18,7 @@ class StepTime:
       steps: number of timed steps.
       ratio_to_none: the median over the timing rounds of this policy's step
         over the `none` policy's step in the same round (every policy runs one
-        step per round, `measure._time_rounds`), or None if `none` was not timed.
+        step per round, `step_times.time_rounds`), or None if `none` was not timed.
     """
 
     median_s: float

@@ -31,9 +31,12 @@ from `jax.experimental.topologies.get_topology_desc`, arguments are
 compiled with ``jax.jit(f).trace(*structs).lower(lowering_platforms=(p,))
 .compile()``. No device memory is touched.
 
-Other modules (measure, the planner) call `compile_for`, which takes a
-function and its argument structs and returns the compiled executable with
-its memory figures, FLOPs and compile seconds.
+A target is text only at the edge: the CLI's --target and the target= of
+the public functions (`rk.measure`, `rk.plan`, `rk.fit`, ...) parse it once
+(`parse_target`) into a `Target`, and everything below takes that value and
+reads what it derives (`Target.devices`, `.chip`, `.peaks`, `.roofline`,
+`.versions`), each worked out once. The module functions of the same names
+(`devices`, `chip`, ...) take text too, for scripts.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import types
 
 import jax
 import numpy as np
@@ -51,6 +55,8 @@ from jax.sharding import Mesh
 
 from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
 from remat_kit.errors import _closest
+# PEAKS re-exported: the table is read as targets.PEAKS beside the targets it lists.
+from remat_kit.measure.chip_peaks import PEAKS, Roofline, of_chip
 from remat_kit.mesh import spec_text
 
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
@@ -114,6 +120,12 @@ _plugin_environment()  # must run before JAX starts its backends
 class Target:
     """A compiler and the devices it compiles for. Build with `parse_target`.
 
+    A target is parsed once, where it comes in (the CLI's --target, the target=
+    of a public function such as `rk.measure`), and handed down as this value.
+    What the later stops need of it is derived on first use and kept on the
+    value (`functools.cached_property`): its devices, chip, peaks, `Roofline`
+    and versions. Equality and hashing are by platform and topology only.
+
     Attributes:
       platform: "cpu", "tpu" or "gpu".
       topology: for an ahead-of-time target, the topology: a TPU topology
@@ -138,6 +150,45 @@ class Target:
         """Whose figures these are, e.g. "XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"."""
         where = f" ({self.topology}, AOT)" if self.aot else ""
         return f"XLA {self.platform.upper()} compile{where}"
+
+    @functools.cached_property
+    def devices(self) -> tuple:
+        """The devices this target compiles for: a topology's compile-only devices,
+        or this machine's devices of the platform.
+
+        Raises:
+          TargetError: libtpu or the CUDA plugin missing or rejecting the
+            topology, or this machine has no device of the platform.
+        """
+        return _devices_of(self)
+
+    @functools.cached_property
+    def chip(self) -> str:
+        """The chip compiled for, as `PEAKS` names it: "cpu", "tpu:v5e", "gpu:a100",
+        ...; this machine's devices are matched by their device kind ("NVIDIA
+        A100-SXM4-80GB", "TPU v5 lite"); "tpu:?" / "gpu:?" where the kind names
+        no listed chip or there is no such device."""
+        return _chip_of(self)
+
+    @property
+    def peaks(self) -> dict | None:
+        """`PEAKS` of the chip: {"bf16_flops", "f32_flops" (FLOP/s), "bandwidth",
+        "host_bandwidth" (bytes/s), "source"}; None for the CPU and for chips
+        not listed (the time model then measures this CPU, `chip_peaks.calibrate_cpu`)."""
+        return PEAKS.get(self.chip)
+
+    @functools.cached_property
+    def roofline(self) -> Roofline:
+        """The time model's peaks of the chip (`chip_peaks.of_chip`)."""
+        return of_chip(self.chip)
+
+    @functools.cached_property
+    def versions(self) -> "types.MappingProxyType[str, str]":
+        """{"jax": "0.12.0.1", "compiler": "libtpu 0.0.52"}: the versions the
+        figures depend on. The compiler is libtpu for TPU targets, the CUDA
+        plugin for GPU ones (jax-cuda12-plugin or jax-cuda13-plugin, whichever
+        is installed) and jaxlib (XLA CPU) otherwise."""
+        return types.MappingProxyType(_versions_of(self))
 
 
 def parse_target(text: "str | Target | None") -> Target:
@@ -222,80 +273,16 @@ def parse_targets(text: str) -> list[Target]:
     return list(dict.fromkeys(parse_target(t) for t in items))
 
 
-# ---------------------------------------------------------------------------
-# Peak figures, for the planner's time model (remat_kit.measure.time_model)
-# ---------------------------------------------------------------------------
-
-_PCIE5_X16 = 64e9  # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b coding, ~63 GB/s each way
-_PCIE4_X16 = 32e9  # PCIe Gen4 x16: 16 GT/s x 16 lanes, ~31.5 GB/s each way
-# TPU host <-> HBM (PCIe DMA): Google publishes no per-chip figure; "How to Scale Your
-# Model" (Austin et al. 2025, jax-ml.github.io/scaling-book/tpus, "PCIe" in its bandwidth
-# table, 16-32 GB/s by generation; its worked example takes 1.5e10 bytes/s) gives the
-# order of magnitude; we take the low end, 1.5e10 bytes/s each way, for v5e and v5p.
-_TPU_HOST_DMA = 1.5e10
-# Dense (no sparsity) peaks. bf16_flops: 16-bit matmul; f32_flops: what an f32
-# matmul runs at under JAX's default precision (TPU: one bf16 pass; NVIDIA: TF32).
-PEAKS = {
-    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2.
-    "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
-                "host_bandwidth": _TPU_HOST_DMA,
-                "source": "cloud.google.com/tpu/docs/v5e; host DMA: jax-ml.github.io/scaling-book"},
-    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
-    "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
-                "host_bandwidth": _TPU_HOST_DMA,
-                "source": "cloud.google.com/tpu/docs/v5p; host DMA: jax-ml.github.io/scaling-book"},
-    # https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM4 80GB datasheet): BF16
-    # 624 TFLOP/s with sparsity (312 dense), TF32 312 with sparsity (156 dense),
-    # 2,039 GB/s HBM2e; host link PCIe Gen4 x16.
-    "gpu:a100": {"bf16_flops": 312e12, "f32_flops": 156e12, "bandwidth": 2.039e12,
-                 "host_bandwidth": _PCIE4_X16, "source": "nvidia.com/en-us/data-center/a100"},
-    # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM): BF16 1,979 TFLOP/s
-    # with sparsity (989 dense), TF32 989 with sparsity (494.5 dense), 3.35 TB/s HBM3;
-    # host link PCIe Gen5 x16.
-    "gpu:h100": {"bf16_flops": 989e12, "f32_flops": 494.5e12, "bandwidth": 3.35e12,
-                 "host_bandwidth": _PCIE5_X16, "source": "nvidia.com/en-us/data-center/h100"},
-    # H200 SXM: the ceilings measured on one (2026-10 and 11, driver 580.159): an
-    # 8192^3 bf16 matrix product at 769-798 TFLOP/s (the datasheet's dense 989), a
-    # device-to-device copy at 4.3 TB/s counting bytes read and written (the
-    # datasheet's 4.8); TF32 half of bf16, as the datasheet has it. With them the
-    # time model's steps came within 13% of the measured ones (docs/gpu.md).
-    # Host link PCIe Gen5 x16.
-    "gpu:h200": {"bf16_flops": 790e12, "f32_flops": 395e12, "bandwidth": 4.3e12,
-                 "host_bandwidth": _PCIE5_X16,
-                 "source": "measured on an H200 SXM (datasheet: nvidia.com/en-us/data-center/h200)"},
-}
-
-
-def chip(target: "str | Target") -> str:
-    """The chip `target` compiles for, as `PEAKS` names it: "cpu", "tpu:v5e",
-    "gpu:a100", ...; a target of this machine's devices is matched by its device
-    kind ("NVIDIA A100-SXM4-80GB", "TPU v5 lite"); "tpu:?" / "gpu:?" where the
-    kind names no listed chip or there is no such device."""
-    target = parse_target(target)
-    if target.platform == "cpu":
-        return "cpu"
-    if target.aot:
-        return f"{target.platform}:{target.topology.split(':')[0].lower()}"
-    try:
-        kind = jax.devices(target.platform)[0].device_kind.lower()
-    except RuntimeError:
-        return f"{target.platform}:?"
-    names = (("a100", ("a100",)), ("h200", ("h200",)), ("h100", ("h100",)),
-             ("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p",)))
-    name = next((n for n, words in names if any(w in kind for w in words)), "?")
-    return f"{target.platform}:{name}"
-
-
-def peaks(target: "str | Target") -> dict | None:
-    """`PEAKS` of `target`'s chip (`chip`): {"bf16_flops", "f32_flops" (FLOP/s),
-    "bandwidth", "host_bandwidth" (bytes/s), "source"}; None for the CPU and for
-    chips not listed (the time model then measures this CPU,
-    `time_model.calibrate_cpu`)."""
-    return PEAKS.get(chip(target))
+def is_out_of_memory(error: "BaseException | str") -> bool:
+    """Whether a compile failed for lack of device memory: XLA's RESOURCE_EXHAUSTED
+    (e.g. XLA:TPU's CompileTimeHbmOom). `error`: the exception or its text
+    (`Record.error`)."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
 
 
 # ---------------------------------------------------------------------------
-# Devices and versions
+# What a Target derives: devices, chip, versions
 # ---------------------------------------------------------------------------
 
 def _need_libtpu() -> None:
@@ -337,6 +324,96 @@ _GPU_FIELDS = re.compile(r"^\s*(device_description_str|core_count|clock_rate_ghz
                          re.MULTILINE)
 
 
+@functools.cache
+def _gpu_devices(topology: str) -> tuple:
+    _need_cuda_plugin()
+    from jax.experimental import topologies
+    name, count = _split_count(topology)
+    config = _gpu_config_text(name)
+    try:
+        desc = topologies.get_topology_desc(
+            topology_name=os.path.splitext(os.path.basename(name))[0], platform="cuda",
+            target_config=config, topology=f"1x1x{count}")
+    except Exception as e:  # noqa: BLE001 - the plugin's own message is the useful one
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TargetError(f"the CUDA plugin rejects GPU target {topology!r}: {detail}") from None
+    return tuple(desc.devices)
+
+
+def _devices_of(target: Target) -> tuple:
+    if target.aot:
+        return (_topology_devices if target.platform == "tpu" else _gpu_devices)(
+            target.topology)
+    if target.platform == "tpu":
+        _need_libtpu()
+    try:
+        return tuple(jax.devices(target.platform))
+    except RuntimeError:
+        hint = {"tpu": "; to compile for a TPU without one, name a topology, e.g. tpu:v5e:1x1",
+                "gpu": "; jax[cuda12] and an NVIDIA GPU are needed"}.get(target.platform, "")
+        raise TargetError(f"target {str(target)!r}: this machine has no {target.platform} "
+                          f"device{hint}") from None
+
+
+def _chip_of(target: Target) -> str:
+    if target.platform == "cpu":
+        return "cpu"
+    if target.aot:
+        return f"{target.platform}:{target.topology.split(':')[0].lower()}"
+    try:
+        kind = jax.devices(target.platform)[0].device_kind.lower()
+    except RuntimeError:
+        return f"{target.platform}:?"
+    names = (("a100", ("a100",)), ("h200", ("h200",)), ("h100", ("h100",)),
+             ("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p",)))
+    name = next((n for n, words in names if any(w in kind for w in words)), "?")
+    return f"{target.platform}:{name}"
+
+
+def _versions_of(target: Target) -> dict[str, str]:
+    packages = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda13-plugin")}.get(
+        target.platform, ("jaxlib",))
+    compiler = packages[0]
+    for package in packages:  # the first installed one
+        try:
+            compiler = f"{package} {importlib.metadata.version(package)}"
+            break
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"jax": jax.__version__, "compiler": compiler}
+
+
+# ---------------------------------------------------------------------------
+# The same, for a target given as text: `rk.targets`' helpers for scripts and
+# notebooks, each parsing its argument once (`parse_target`).
+# ---------------------------------------------------------------------------
+
+def devices(target: "str | Target") -> list:
+    """`Target.devices` of `target`, as a list. Raises: TargetError: a bad target,
+    or as `Target.devices`."""
+    return list(parse_target(target).devices)
+
+
+def chip(target: "str | Target") -> str:
+    """`Target.chip` of `target`: "cpu", "tpu:v5e", "gpu:a100", ..."""
+    return parse_target(target).chip
+
+
+def peaks(target: "str | Target") -> dict | None:
+    """`Target.peaks` of `target`; None for the CPU and for chips not listed."""
+    return parse_target(target).peaks
+
+
+def roofline(target: "str | Target | None" = None) -> Roofline:
+    """`Target.roofline` of `target` (default JAX's default backend)."""
+    return parse_target(target).roofline
+
+
+def versions(target: "str | Target") -> dict[str, str]:
+    """`Target.versions` of `target`, as a dict: {"jax": ..., "compiler": ...}."""
+    return dict(parse_target(target).versions)
+
+
 def gpu_description(target: "str | Target") -> dict:
     """The main figures of a GPU target's description, read from its text proto.
 
@@ -358,45 +435,6 @@ def gpu_description(target: "str | Target") -> dict:
     return found
 
 
-@functools.cache
-def _gpu_devices(topology: str) -> tuple:
-    _need_cuda_plugin()
-    from jax.experimental import topologies
-    name, count = _split_count(topology)
-    config = _gpu_config_text(name)
-    try:
-        desc = topologies.get_topology_desc(
-            topology_name=os.path.splitext(os.path.basename(name))[0], platform="cuda",
-            target_config=config, topology=f"1x1x{count}")
-    except Exception as e:  # noqa: BLE001 - the plugin's own message is the useful one
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TargetError(f"the CUDA plugin rejects GPU target {topology!r}: {detail}") from None
-    return tuple(desc.devices)
-
-
-def devices(target: "str | Target") -> list:
-    """The devices `target` compiles for: a TPU topology's compile-only devices,
-    or this machine's devices of the target's platform.
-
-    Raises:
-      TargetError: libtpu missing or rejecting the topology, or this machine
-        has no device of the platform.
-    """
-    target = parse_target(target)
-    if target.aot:
-        return list((_topology_devices if target.platform == "tpu" else _gpu_devices)(
-            target.topology))
-    if target.platform == "tpu":
-        _need_libtpu()
-    try:
-        return jax.devices(target.platform)
-    except RuntimeError:
-        hint = {"tpu": "; to compile for a TPU without one, name a topology, e.g. tpu:v5e:1x1",
-                "gpu": "; jax[cuda12] and an NVIDIA GPU are needed"}.get(target.platform, "")
-        raise TargetError(f"target {str(target)!r}: this machine has no {target.platform} "
-                          f"device{hint}") from None
-
-
 def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
     """A `Mesh` of the first prod(shape) devices of `target`, axes named by `shape`.
 
@@ -404,9 +442,10 @@ def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
       shape: axis name -> size, e.g. {"data": 4}.
     Raises:
       TargetError: the mesh needs more devices than the target has (the
-        message names both numbers), or `devices` fails.
+        message names both numbers), or `Target.devices` fails.
     """
-    found = devices(target)
+    target = parse_target(target)
+    found = target.devices
     n = 1
     for size in shape.values():
         n *= size
@@ -417,34 +456,6 @@ def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
                 tuple(shape))
 
 
-def is_out_of_memory(error: "BaseException | str") -> bool:
-    """Whether a compile failed for lack of device memory: XLA's RESOURCE_EXHAUSTED
-    (e.g. XLA:TPU's CompileTimeHbmOom). `error`: the exception or its text
-    (`Record.error`)."""
-    text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
-
-
-def versions(target: "str | Target") -> dict[str, str]:
-    """{"jax": "0.12.0.1", "compiler": "libtpu 0.0.52"}: the versions the figures depend on.
-
-    The compiler is libtpu for TPU targets, the CUDA plugin for GPU ones
-    (jax-cuda12-plugin or jax-cuda13-plugin, whichever is installed) and
-    jaxlib (XLA CPU) otherwise.
-    """
-    target = parse_target(target)
-    packages = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda13-plugin")}.get(
-        target.platform, ("jaxlib",))
-    compiler = packages[0]
-    for package in packages:  # the first installed one
-        try:
-            compiler = f"{package} {importlib.metadata.version(package)}"
-            break
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return {"jax": jax.__version__, "compiler": compiler}
-
-
 __all__ = ["chip", "EXAMPLES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
            "devices", "gpu_description", "is_out_of_memory", "make_mesh", "parse_target",
-           "parse_targets", "peaks", "versions"]
+           "parse_targets", "peaks", "roofline", "versions"]

@@ -31,7 +31,7 @@ from remat_kit.units import fmt_bytes
 # the selective (1.07) and full (1.39) recompute Korthikanti et al. measured.
 REACH = 0.05
 
-# chip (`targets.chip`) -> (within reach of every measurement checked, how far checked)
+# chip (`Target.chip`) -> (within reach of every measurement checked, how far checked)
 CHECKS = {
     "cpu": (True, "the cpu time model was checked on this machine: 16 presets' predicted "
                   "step times within 10% of measured (benchmarks/time_model_cpu.py)"),
@@ -45,14 +45,11 @@ CHECKS = {
 }
 
 
-def time_check(target) -> tuple[bool, str]:
+def time_check(target: "targets.Target") -> tuple[bool, str]:
     """(whether `target`'s predicted step times were checked within `REACH` of
-    measured ones, one line saying how far they were checked).
-
-    Args: target: a target string or `targets.Target`.
-    Raises: TargetError: a bad target (`targets.parse_target`).
-    """
-    name = targets.chip(target)
+    measured ones, one line saying how far they were checked), by its chip
+    (`Target.chip`)."""
+    name = target.chip
     return CHECKS.get(name, (False, f"the {name} time model is checked against no measured "
                                     f"step time: predicted times are an unchecked roofline"))
 
@@ -71,7 +68,7 @@ def floor_seconds(line, flops: float, nbytes: float) -> float:
     """max(flops / peak FLOP/s, nbytes / bandwidth): the least time a step can take.
 
     Args:
-      line: the target's `time_model.Roofline`; its faster peak (bf16's) is used,
+      line: the target's `Roofline` (`Target.roofline`); its faster peak (bf16's) is used,
         so the floor holds whatever the dtypes.
       flops: the step's FLOPs per device (every loop trip counted).
       nbytes: bytes the step must move per device at least once, e.g. its

@@ -26,35 +26,32 @@ intermediates never leaving registers or cache. So:
   alone, `eqn_costs`), the bytes of the values it reads from outside and of
   the value it recomputes.
 
-The peaks are the target's (`remat_kit.measure.targets.peaks`, from vendor pages); on
-the CPU target they are measured once on this machine (`calibrate_cpu`: a
-matmul and an element-wise pass, a fraction of a second) and cached in a small
-JSON file. `program_seconds`, a roofline per jaxpr equation with no fusion,
-stays for programs that are not compiled; it charges every element-wise
-equation a read and a write, so it predicts memory-bound programs high.
+The peaks are the target's `Roofline` (`Target.roofline`, from
+`remat_kit.measure.chip_peaks`: vendor pages; on the CPU target measured once on
+this machine and cached in a small JSON file). `program_seconds`, a roofline
+per jaxpr equation with no fusion, stays for programs that are not compiled;
+it charges every element-wise equation a read and a write, so it predicts
+memory-bound programs high.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
-import os
 import re
-import time
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from remat_kit.measure import loops
-from remat_kit.measure import sealed
-from remat_kit.measure import targets
 from remat_kit.measure.gpu_calls import gemm_product, gpu_gemm_flops, gpu_gemm_written_bytes
 from remat_kit._jax_private import hlo_module
+# Re-exported: tests, scripts and the planner read the peaks as time_model.roofline(target)
+# and type them as time_model.Roofline.
+from remat_kit.measure.chip_peaks import Roofline
+from remat_kit.measure.targets import roofline
 
 OBJECTIVES = ("flops", "time")
 
@@ -84,126 +81,6 @@ def eqn_costs(eqn, cache: dict) -> tuple[float, float]:
         except Exception:  # noqa: BLE001 - an equation XLA cannot lower alone costs nothing here
             cache[key] = (0.0, 0.0)
     return cache[key]
-
-
-@dataclasses.dataclass(frozen=True)
-class Roofline:
-    """A target's peaks, for `seconds`.
-
-    Attributes:
-      bf16_flops, f32_flops: peak FLOP/s of 16-bit and 32-bit math.
-      bandwidth: device memory bandwidth, bytes/s.
-      host_bandwidth: device <-> host bytes/s per direction (None: no host memory).
-      source: where the figures come from (a vendor page, or "measured on this machine").
-    """
-
-    bf16_flops: float
-    f32_flops: float
-    bandwidth: float
-    host_bandwidth: float | None = None
-    source: str = ""
-
-    def seconds(self, flops: float, nbytes: float, dtype=None) -> float:
-        """max(flops / peak of `dtype`, nbytes / bandwidth); 16-bit dtypes take bf16's peak."""
-        peak = self.bf16_flops if getattr(dtype, "itemsize", 4) <= 2 else self.f32_flops
-        return max(flops / peak, nbytes / self.bandwidth)
-
-
-def _cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "remat_kit", "cpu_roofline.json")
-
-
-# Bump when the calibration changes: a cached figure from another version is measured again.
-_CALIBRATION = 3
-_RUNS = 15
-
-
-# What a kept calibration holds (`sealed.unseal` checks it when read back).
-_KEPT: sealed.Schema = {"version": lambda v: v == _CALIBRATION, "f32_flops": sealed.positive,
-                        "bandwidth": sealed.positive, "source": sealed.text}
-_MEASURED: dict[str, Roofline] = {}  # path -> this process's calibration
-
-
-def calibrate_cpu(path: str | None = None) -> Roofline:
-    """This machine's CPU peaks, measured once and cached at `path` (default
-    $XDG_CACHE_HOME/remat_kit/cpu_roofline.json).
-
-    A 256x256 f32 matmul (2 * 256**3 FLOPs) and an element-wise pass over 4 MiB
-    (read and written: 8 MiB accessed), each the best of 15 runs after a
-    warm-up, with XLA CPU. The sizes are those of a small model's matmuls and
-    activations, what the CPU target is used for: a 64 MiB pass measures page
-    faults on fresh output buffers more than bandwidth (about 2 GB/s against
-    12-16 GB/s at 1-16 MiB on the machine this was written on), and a large
-    matmul runs nearer peak than a small model's do. bf16 math on XLA CPU runs
-    no faster than f32: both peaks are the matmul's. The best of many runs
-    keeps most of other processes' load out; a figure measured under load is
-    low, and the cache keeps it: delete the file to measure again.
-
-    The file is sealed (`remat_kit.measure.sealed`): a changed figure, or a
-    peak that is not a positive finite number, is measured again and
-    rewritten. A process measures once per path, so one report never mixes
-    rooflines; where the file cannot be written (a read-only folder) a
-    warning says so once, and the next process measures again.
-    """
-    path = path or _cache_path()
-    if path in _MEASURED:
-        return _MEASURED[path]
-    try:
-        with open(path) as f:
-            d = sealed.unseal(json.load(f), _KEPT)
-    except (OSError, ValueError):
-        d = None
-    if d is None:
-        d = _measure_cpu()
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-                json.dump(sealed.seal(d), f)
-            os.replace(f"{path}.{os.getpid()}.tmp", path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(f"{path}.{os.getpid()}.tmp")
-            warnings.warn(f"the CPU roofline cannot be kept at {path!r} ({e.strerror or e}): "
-                          "measured once for this run, so another run may predict other "
-                          "times", stacklevel=2)
-    _MEASURED[path] = Roofline(d["f32_flops"], d["f32_flops"], d["bandwidth"], None, d["source"])
-    return _MEASURED[path]
-
-
-def _measure_cpu() -> dict:
-    """{"version", "f32_flops", "bandwidth", "source"} measured now (`calibrate_cpu`)."""
-    cpu = jax.devices("cpu")[0]
-
-    def best(f, *xs):
-        jax.block_until_ready(f(*xs))
-        times = []
-        for _ in range(_RUNS):
-            start = time.perf_counter()
-            jax.block_until_ready(f(*xs))
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    n = 256
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
-    flops = 2 * n**3 / best(jax.jit(lambda x: x @ x), a)
-    x = jax.device_put(jnp.ones((2**20,), jnp.float32), cpu)  # 4 MiB
-    bandwidth = 2 * x.nbytes / best(jax.jit(lambda v: v * 1.0001), x)
-    source = (f"measured on this machine ({os.cpu_count()} CPUs): a {n}x{n} f32 matmul and a "
-              f"{x.nbytes >> 20} MiB element-wise pass, best of {_RUNS}")
-    return {"version": _CALIBRATION, "f32_flops": flops, "bandwidth": bandwidth,
-            "source": source}
-
-
-def roofline(target: "str | targets.Target | None" = None) -> Roofline:
-    """The `Roofline` of `target`: its listed peaks (`targets.peaks`), or for the
-    CPU (and a GPU or TPU with no listed figures) a measurement of this CPU."""
-    target = targets.parse_target(target)
-    found = targets.peaks(target)
-    if found is None:
-        return calibrate_cpu()
-    return Roofline(found["bf16_flops"], found["f32_flops"], found["bandwidth"],
-                    found.get("host_bandwidth"), found["source"])
 
 
 # ---------------------------------------------------------------------------
@@ -528,6 +405,6 @@ def program_seconds(jaxpr, line: Roofline, cache: dict, scale: int = 1) -> float
     return total
 
 
-__all__ = ["OBJECTIVES", "OpCost", "Roofline", "calibrate_cpu", "compiled_ops",
+__all__ = ["OBJECTIVES", "OpCost", "Roofline", "compiled_ops",
            "compiled_seconds", "eqn_costs", "program_seconds", "roofline",
            "segment_seconds"]
