@@ -1,4 +1,5 @@
-"""The layout: each part says what it is, and no import circle among the package's modules.
+"""The layout: each part says what it is, no import circle among the package's modules, and a
+target parsed only where it comes in.
 
 The order of the parts is kept by import-linter's contracts (pyproject.toml,
 run by `make test`); these tests keep what the contracts cannot say.
@@ -64,3 +65,62 @@ def test_no_import_circle_among_modules():
 
 def test_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Where a target may still be text: the edge, which parses it once (`parse_target`) into a
+# `Target` that everything below takes. Module -> the functions that may call it (None: any
+# function of the module, an entry point whose steps are its own business).
+TARGET_EDGES = {
+    "cli/common.py": {"targets_of"},  # the --target flag of every command
+    "measure/targets.py": None,  # defines it; rk.targets' helpers take text for scripts
+    "measure/lowering.py": {"compile_for"},  # the documented compile entry (docs/targets.md)
+    "decide/resolve.py": {"measure"},  # rk.measure
+    "decide/plan.py": None,  # rk.plan, rk.Planner
+    "decide/fit.py": None,  # rk.fit
+    "decide/step.py": {"step_memory"},  # rk.step_memory
+    "models/shortcuts.py": {"measure_config", "config_planner"},  # a config's target=
+}
+
+
+def _parse_target_calls(source: str) -> list[str]:
+    """The qualified names of the functions ("Planner.__init__", "<module>") that call
+    `parse_target(` in `source`, once per call."""
+    found = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = child.name if where == "<module>" else f"{where}.{child.name}"
+            if isinstance(child, ast.Call) and "parse_target" in (
+                    getattr(child.func, "id", None), getattr(child.func, "attr", None)):
+                found.append(where)
+            visit(child, inner)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_a_target_is_parsed_only_at_the_edge():
+    stray = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        allowed = TARGET_EDGES.get(name, set())
+        stray += [f"remat_kit/{name}: {where}" for where in _parse_target_calls(path.read_text())
+                  if allowed is not None and where not in allowed]
+    assert stray == [], ("parse_target below the edge: take a targets.Target there and parse "
+                         "where the target comes in (the CLI, a public function)")
+
+
+def test_parse_target_calls_are_found_where_they_are():
+    source = ("from remat_kit.measure import targets\n"
+              "T = targets.parse_target(None)\n"
+              "class Planner:\n"
+              "    def __init__(self, target):\n"
+              "        def inner():\n"
+              "            return parse_target(target)\n"
+              "        self.target = targets.parse_target(target)\n"
+              "def chip(target):\n"
+              "    return target.chip  # parse_target( in a comment is no call\n")
+    assert _parse_target_calls(source) == ["<module>", "Planner.__init__.inner",
+                                           "Planner.__init__"]
