@@ -32,12 +32,12 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 
-from remat_kit.measure import targets  # noqa: E402
+from remat_kit.measure import lowering  # noqa: E402
 from remat_kit.models import get_config  # noqa: E402
 
 measure = importlib.import_module("remat_kit.measure.measure")  # rk.measure is the function
 from remat_kit.models import shortcuts  # noqa: E402
-PHASES = {"staging": (measure, "_stage"), "lowering": (targets, "lower"),
+PHASES = {"staging": (measure, "_stage"), "lowering": (lowering, "lower"),
           "compile": (measure._Compiles, "_compile"), "figures": (measure, "_figures"),
           "layer": (measure, "stack_stored_bytes")}
 

@@ -8,13 +8,14 @@ import statistics
 import sys
 import time
 
+from remat_kit.measure import targets
 from remat_kit.measure.measure import measure
 from remat_kit.models import get_config
 from remat_kit.models.program import workload
 
 
 def main(name="gpt2_small", batch=1, seq=256, rounds=3, target="cpu"):
-    work = workload(get_config(name), int(batch), int(seq))
+    work, target = workload(get_config(name), int(batch), int(seq)), targets.parse_target(target)
     seconds = {False: [], True: []}
     for _ in range(int(rounds)):
         for peak in (False, True):

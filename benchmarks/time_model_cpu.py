@@ -29,6 +29,7 @@ import os
 import sys
 
 from remat_kit.cli import commands as cli
+from remat_kit.measure import targets
 from remat_kit.measure.measure import measure
 from remat_kit.models import CONFIGS
 from remat_kit.models.program import workload
@@ -73,7 +74,7 @@ def plan_table(config: str, batch: int, seq: int, budgets: list[str],
             predicted[plan.spec] = 1 + plan.time_overhead
     policies = ["none", *dict.fromkeys(specs.values())]
     records = measure(workload(cfg, batch, seq), policies=policies, names=policies,
-                      time_steps=steps)
+                      time_steps=steps, target=targets.parse_target("cpu"))
     ratio = {name: r.step_time.ratio_to_none for r in records for name in r.names}
     lines = ["| budget | FLOP plan | predicted × none | measured × none | time plan | "
              "predicted × none | measured × none |", "| --- | --- | ---: | ---: | --- | ---: | ---: |"]
