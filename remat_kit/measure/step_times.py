@@ -10,6 +10,7 @@ on a shared machine falls on every policy alike; each record gets a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
