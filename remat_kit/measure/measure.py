@@ -140,11 +140,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     names = names if names is not None else [str(p) for p in policies]
     run, groups, data = _prepare(workload, parsed, names, target, time_steps, sample_args,
                                  per_device, per_layer, peak)
-    with _Compiles(lowering.compile_options(target, not time_steps),
-                   workers=1 if time_steps else COMPILE_WORKERS, target=target,
-                   runs=time_steps > 0, peak=peak) as compiles:
-        programs = _lower_programs(groups, workload.loss_for_policy, run.args, target,
-                                   compiles.start, peak)
+    programs = _lowered(run, groups, time_steps)
     records, timed = [], {}  # timed: index in records -> compiled, run after every compile
     for i, program in enumerate(programs):
         record, compiled = _measured(run, *program)
@@ -205,7 +201,8 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
     """
     if not isinstance(target, targets.Target):
         raise targets.TargetError(f"measure takes a targets.Target, got {type(target).__name__} "
-                                  f"{target!r}: targets.parse_target({target!r}), or rk.measure")
+                                  f"{target!r}: parse it (targets.parse_target({target!r})), "
+                                  "or call rk.measure, which takes text")
     if time_steps > 0 and target.aot:
         raise targets.TargetError(f"cannot time steps on target {target}: it is compiled "
                                   "ahead of time, for devices this machine does not have")
@@ -215,21 +212,27 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
             raise RematSpecError(f"{p} is planned, not measured: give it to rk.measure, which "
                                  "plans it first (remat_kit.decide.resolve)", token=str(p))
     emitted = tuple(emitted_tags(workload.loss_for_policy(parse("none")), *args))
-    leaves = jax.tree.leaves(args)
     local_args = (jax.tree.map(rk_mesh.local_shape, args)
-                  if any(rk_mesh.is_sharded(x) for x in leaves) else None)
-    data = None
-    if time_steps > 0:
-        data = (sample_args or workload.sample_args
-                or (lambda k: step_times.random_like(args, k)))(jax.random.key(0))
-        data = [jax.device_put(x, s.sharding) if getattr(s, "sharding", None) else x
-                for x, s in zip(jax.tree.leaves(data), leaves)]
+                  if any(rk_mesh.is_sharded(x) for x in jax.tree.leaves(args)) else None)
+    data = (step_times.sample_data(args, sample_args or workload.sample_args)
+            if time_steps > 0 else None)
     groups = _group(parsed, names, emitted)
     run = _Run(workload, target, args, local_args,
                per_device if per_device is not None else workload.per_device, emitted,
                dict(zip(names, parsed)), blocks_differ(workload) if per_layer else "",
                per_layer, peak)
     return run, groups, data
+
+
+def _lowered(run: _Run, groups: list, time_steps: int) -> list[tuple]:
+    """`_lower_programs` of `groups`, each distinct program's compile started as it is
+    lowered (`_Compiles`: on a pool, or one at a time when asked for where steps
+    are timed, so that no step runs beside a compile)."""
+    with _Compiles(lowering.compile_options(run.target, not time_steps),
+                   workers=1 if time_steps else COMPILE_WORKERS, target=run.target,
+                   runs=time_steps > 0, peak=run.peak) as compiles:
+        return _lower_programs(groups, run.workload.loss_for_policy, run.args, run.target,
+                               compiles.start, run.peak)
 
 
 def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, compiling,

@@ -1,10 +1,10 @@
 """Timed steps: each compiled program run on the same data, in rounds.
 
 `measure(..., time_steps=N)` runs every policy's compiled value-and-grad on
-one batch of sample data (`random_like` where the workload brings none), one
-step per policy per round (`time_rounds`), so that load which comes and goes
-on a shared machine falls on every policy alike; each record gets a
-`StepTime` whose ratio to no remat is taken within each round
+one batch of sample data (`sample_data`; `random_like` where the workload
+brings none), one step per policy per round (`time_rounds`), so that load
+which comes and goes on a shared machine falls on every policy alike; each
+record gets a `StepTime` whose ratio to no remat is taken within each round
 (`with_step_times`).
 """
 
@@ -14,6 +14,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,14 @@ def random_like(structs, key):
             x = jnp.zeros(leaf.shape, leaf.dtype)
         out.append(x)
     return jax.tree.unflatten(tree, out)
+
+
+def sample_data(structs, sample_args: "Callable | None") -> list:
+    """The leaves of one batch for timed steps: sample_args(key 0), or where it is
+    None `random_like(structs)`, each leaf put where its struct is sharded."""
+    data = (sample_args or (lambda k: random_like(structs, k)))(jax.random.key(0))
+    return [jax.device_put(x, s.sharding) if getattr(s, "sharding", None) else x
+            for x, s in zip(jax.tree.leaves(data), jax.tree.leaves(structs))]
 
 
 def time_rounds(compiled: dict, leaves, steps: int) -> tuple[dict, dict]:
@@ -91,4 +100,4 @@ def with_step_times(records: list[Record], timed: dict, data, steps: int) -> lis
             if i in times else r for i, r in enumerate(records)]
 
 
-__all__ = ["random_like", "step_time", "time_rounds", "with_step_times"]
+__all__ = ["random_like", "sample_data", "step_time", "time_rounds", "with_step_times"]
