@@ -42,7 +42,7 @@ def _aot_mesh(target, mesh):
     """The mesh a config is measured on: for a target compiled ahead of time with no
     mesh given, data parallel over its chips."""
     if mesh is None and target.aot:
-        return targets.make_mesh(target, {"data": len(targets.devices(target))})
+        return targets.make_mesh(target, {"data": len(target.devices)})
     return mesh
 
 
