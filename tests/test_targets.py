@@ -271,6 +271,37 @@ def test_a_failed_aot_compile_is_a_row_with_the_compilers_message():
 
 
 @needs_libtpu
+def test_rk_measure_parses_its_target_once_and_derives_what_it_carries_once(monkeypatch):
+    """Issue 35's walk: rk.measure with a target as text parses it once (decide/resolve);
+    lowering, the figure cache and the time model read the Target's devices, versions
+    and roofline, each worked out once for all the programs."""
+    import remat_kit as rk
+
+    calls = {}
+
+    def counted(name):
+        real = getattr(targets, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(targets, name, wrapper)
+
+    for name in ("parse_target", "_devices_of", "_versions_of", "of_chip"):
+        counted(name)
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(jax.ad_checkpoint.checkpoint_name(x @ w, "mlpwi")) ** 2)
+
+    w, x = jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    records = rk.measure(loss, w, x, policies=["none", "full", "save:mlpwi"],
+                         target="tpu:v5e:1x1")
+    assert [r.error for r in records] == [None] * len(records) and len(records) >= 2
+    assert {r.target for r in records} == {"tpu:v5e:1x1"}
+    assert calls == {"parse_target": 1, "_devices_of": 1, "_versions_of": 1, "of_chip": 1}
+
+
+@needs_libtpu
 def test_explain_compiles_one_layer_for_the_target():
     cfg = get_config("tiny")
     tpu = layer_residuals(cfg, 2, S, "minimal", target="tpu:v5e:1x1").compiled
