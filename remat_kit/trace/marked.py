@@ -62,7 +62,7 @@ def call_body(eqn):
     r = region(eqn)
     if r is not None:
         return r[0]
-    if eqn.primitive.name in _CALLS:
+    if eqn.primitive.name in CALLS:
         closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         return getattr(closed, "jaxpr", closed)
     return None
