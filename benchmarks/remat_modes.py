@@ -26,7 +26,7 @@ def snapshot(config: str, batch: int, seq: int) -> dict:
     """{policy name: {"bytes": stored bytes per layer, "stored": sorted stored rows}}."""
     from remat_kit.models.shortcuts import layer_residuals
     from remat_kit.models import get_config
-    from remat_kit.policy.spec import PRESET_TABLE
+    from remat_kit.policy.presets import PRESET_TABLE
 
     cfg = get_config(config)
     out = {}

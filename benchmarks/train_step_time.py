@@ -8,9 +8,9 @@ remat_kit: `Block = nn.remat(Block, policy=jax.checkpoint_policies.save_only_the
 `checkpoint_name` on the module outputs that compare's `minimal` saves on this model
 (`remat-kit explain --model tests/zoo/gpt_linen.py:model --policy minimal`: qkv_proj = c_attn,
 out_proj = the attention's c_proj, mlpwi = c_fc; mlpwo = the MLP's output, which minimal names
-but the backward pass does not need). Both run train's optimizer (`train.make_optimizer` of the
-tiny config: clipped AdamW, warmup-cosine) in a `TrainState`, jitted with the state donated as
-train does, on the same parameters and batch.
+but the backward pass does not need). Both run train's optimizer
+(`train_setup.make_optimizer` of the tiny config: clipped AdamW, warmup-cosine) in a
+`TrainState`, jitted with the state donated as train does, on the same parameters and batch.
 
 The forms take turns step by step (which goes first swaps each step), --steps steps each
 after one warm-up step each, so a shared machine's load falls on both alike; the
@@ -41,7 +41,7 @@ from flax.training import train_state  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 
 import remat_kit as rk  # noqa: E402
-from experiments import own_model, train  # noqa: E402
+from experiments import own_model, train, train_setup  # noqa: E402
 from experiments.configs import tiny  # noqa: E402
 from remat_kit.flax import from_model  # noqa: E402
 
@@ -100,7 +100,7 @@ def main() -> None:
 
     config = tiny.get_config()
     config.update(dict(batch_size=b, seq_len=s))
-    tx, _ = train.make_optimizer(config)
+    tx, _ = train_setup.make_optimizer(config)
     workload = rk.from_model.workload(model, b, s)
     own = own_model.OwnModel("gpt_linen", model, workload, "minimal", "minimal", 256)
     forms = {"experiments.train --model (rk.remat_model)": own.loss_fn(),

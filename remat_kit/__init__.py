@@ -35,7 +35,8 @@ from remat_kit.decide.plan import Plan, Planner, plan
 from remat_kit.measure.record import Record
 from remat_kit.measure.residuals import residuals
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import PRESETS, AutoSpec, from_custom, parse
+from remat_kit.policy.presets import PRESETS
+from remat_kit.policy.spec import AutoSpec, from_custom, parse
 from remat_kit.trace.validate import emitted_tags, validate
 from remat_kit.trace.workload import Workload, checkpointed
 

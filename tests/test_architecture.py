@@ -1,5 +1,6 @@
-"""The layout: each part says what it is, no import circle among the package's modules, and a
-target parsed only where it comes in.
+"""The layout: each part says what it is, no import circle among the package's modules, a
+target parsed only where it comes in, and no function over 80 lines or module over 500
+in the package and the research scripts.
 
 The order of the parts is kept by import-linter's contracts (pyproject.toml,
 run by `make test`); these tests keep what the contracts cannot say.
@@ -124,3 +125,40 @@ def test_parse_target_calls_are_found_where_they_are():
               "    return target.chip  # parse_target( in a comment is no call\n")
     assert _parse_target_calls(source) == ["<module>", "Planner.__init__.inner",
                                            "Planner.__init__"]
+
+
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 500
+
+
+def _too_long(root: pathlib.Path) -> list[str]:
+    """Every function over MAX_FUNCTION_LINES lines (def to last line, docstring included)
+    and every module over MAX_MODULE_LINES lines under `root`, named."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        where, length = path.relative_to(root.parent), source.count("\n")
+        if length > MAX_MODULE_LINES:
+            found.append(f"module {where}: {length} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"function {where}:{node.name}: {lines} lines")
+    return found
+
+
+@pytest.mark.parametrize("root", ["remat_kit", "experiments"])
+def test_no_long_function_or_module(root):
+    # One idea per module, one step per function: split rather than grow (issue 35).
+    found = _too_long(PACKAGE.parent / root)
+    assert found == [], "split these:\n" + "\n".join(found)
+
+
+def test_long_finder_names_a_long_function_and_module(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "pkg" / "long.py").write_text("def f():\n" + body + "\n" * MAX_MODULE_LINES)
+    (tmp_path / "pkg" / "short.py").write_text("def g():\n    return 1\n")
+    assert _too_long(tmp_path / "pkg") == [
+        f"module pkg/long.py: {MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines",
+        f"function pkg/long.py:f: {MAX_FUNCTION_LINES + 1} lines"]

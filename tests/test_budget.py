@@ -103,10 +103,11 @@ def _train_config(tmp_path, budget):
 
 
 def test_train_memory_budget_below_the_floor_fails_before_the_data(tmp_path, no_compiles):
-    from experiments import train
+    from experiments import train, train_setup
     from remat_kit.models import from_config_dict
     config = _train_config(tmp_path, "1GiB")
-    least = floor.step_floor(rk.models.workload(from_config_dict(config), 1, 1), train.make_optimizer(config)[0])
+    least = floor.step_floor(rk.models.workload(from_config_dict(config), 1, 1),
+                             train_setup.make_optimizer(config)[0])
     with pytest.raises(cli.BadInput, match=rf"^config.memory_budget: budget 96 B \(96 bytes\) "
                        rf"is below the parameters plus optimizer state, .* \({least} bytes "
                        rf"per device\)"):

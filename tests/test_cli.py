@@ -172,7 +172,8 @@ def test_out_of_memory_names_the_sizes():
 
 
 def test_default_policies_cover_every_preset():
-    from remat_kit.policy.spec import PRESET_TABLE, parse
+    from remat_kit.policy.presets import PRESET_TABLE
+    from remat_kit.policy.spec import parse
     specs = inputs.preset_policies()
     assert len(specs) == len(PRESET_TABLE)
     assert "minimal" in specs and "maxtext:full" in specs and "megatron:selective" in specs

@@ -18,7 +18,7 @@ import pytest
 import remat_kit as rk
 from remat_kit.cli import commands as cli
 from remat_kit.trace.roles import ROLES
-from remat_kit.policy.spec import PRESET_TABLE
+from remat_kit.policy.presets import PRESET_TABLE
 from tests.test_remat import _design_saved
 
 B, T = 2, 8

@@ -15,7 +15,7 @@ from remat_kit.cli.commands import main as cli_main
 from remat_kit.flax import user_model
 from remat_kit.flax.from_model import logits_of, next_token_loss
 from remat_kit.measure import lowering
-from remat_kit.trace import regions
+from remat_kit.trace import marked, regions
 from remat_kit.trace.roles import ROLES
 from tests.zoo import encdec_linen, scan_linen, scan_nnx, softmax_linen
 
@@ -203,7 +203,7 @@ def _named_after(work, tags=("query_proj", "key_proj")) -> dict:
             made.update((id(o), e.primitive.name) for o in e.outvars)
             if e.primitive.name == "name" and e.params["name"] in tags:
                 found.setdefault(e.params["name"], made.get(id(e.invars[0])))
-            for sub in regions._subs(e):
+            for sub in marked.sub_jaxprs(e):
                 walk(sub)
     walk(jax.make_jaxpr(work.loss_for_policy(rk.parse("none")))(*work.args).jaxpr)
     return found

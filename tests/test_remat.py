@@ -16,7 +16,7 @@ import remat_kit as rk
 from remat_kit._jax_private import saved_residuals
 from remat_kit.models import Transformer, get_config, make_loss_fn, stack_layers, unstack_layers
 from remat_kit.models.transformer import DecoderLayer, remat_layer
-from remat_kit.policy.spec import PRESET_TABLE
+from remat_kit.policy.presets import PRESET_TABLE
 
 remat_mode = pytest.mark.remat_modes
 REMAT3 = jax.config.jax_remat3

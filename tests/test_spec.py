@@ -10,7 +10,7 @@ import remat_kit as rk
 from remat_kit.policy import names
 from remat_kit.policy.policy import Policy
 from remat_kit.policy import spec
-from remat_kit.policy.spec import PRESET_TABLE
+from remat_kit.policy.presets import BARE_NAMES, PRESET_TABLE
 
 ISSUE_SPECS = ["none", "full", "everything", "dots", "dots_no_batch", "selective", "minimal",
                "save:query_proj,key_proj,value_proj", "save:mlp*",
@@ -166,7 +166,7 @@ def test_register_tag_extends_specs():
 
 # -- bad input, generated ---------------------------------------------------
 
-_WORDS = (list(spec.BARE_NAMES) + list(names.TAGS) + list(names.ALIASES)
+_WORDS = (list(BARE_NAMES) + list(names.TAGS) + list(names.ALIASES)
           + ["save", "offload", "recompute", "maxtext", "praxis", "levanter", "megatron",
              "device", "pinned_host", "*", "mlp*", "bogus", ""])
 _PUNCT = [":", ";", ",", "|", "[", "]", "->", " "]

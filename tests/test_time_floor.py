@@ -18,7 +18,7 @@ from remat_kit.measure.loops import trip_count
 from remat_kit.measure.time_checks import (BelowFloor, FLOOR_SLACK, check_floor, floor_seconds,
                                            written_bytes)
 from remat_kit.models import get_config, workload
-from remat_kit.policy.spec import PRESET_TABLE
+from remat_kit.policy.presets import PRESET_TABLE
 
 measure = importlib.import_module("remat_kit.measure.measure")
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

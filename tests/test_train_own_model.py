@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import remat_kit as rk
-from experiments import data, own_model, train
+from experiments import data, own_model, train, train_setup
 from experiments.common import one_line_warnings
 from experiments.configs import tiny
 from remat_kit.cli.inputs import BadInput
@@ -96,7 +96,7 @@ def _prediction(config, policy="minimal"):
     """rk.step_memory of config.model under `policy` with the run's optimizer."""
     model = user_model.load(config.model)[1].model
     return rk.step_memory(rk.from_model.workload(model, BATCH, SEQ), BATCH, SEQ, policy,
-                          optimizer=train.make_optimizer(config)[0])
+                          optimizer=train_setup.make_optimizer(config)[0])
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +249,7 @@ def test_nnx_model_trains_a_per_layer_plan_file(files, tmp_path):
     summary = train.train_and_evaluate(config, str(tmp_path / "run"))
     model = user_model.load(config.model)[1].model
     predicted = stepping.compile_step(rk.from_model.workload(model, BATCH, SEQ),
-                                      ("full", "minimal"), train.make_optimizer(config)[0],
+                                      ("full", "minimal"), train_setup.make_optimizer(config)[0],
                                       targets.parse_target(None))
     assert summary["policy"] == "full | minimal"
     assert summary["compiled"]["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
@@ -302,7 +302,7 @@ def test_a_model_s_own_partitioning_trains_as_predicted(files, tmp_path):
     summary = train.train_and_evaluate(config, str(tmp_path))
     work = rk.from_model.workload(user_model.load(config.model)[1].model, 4, SEQ)
     predicted = rk.step_memory(work, 4, SEQ, "minimal",
-                               optimizer=train.make_optimizer(config)[0])
+                               optimizer=train_setup.make_optimizer(config)[0])
     compiled = summary["compiled"]
     assert compiled["predicted"]["temp_equal"] is True
     assert compiled["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
@@ -318,7 +318,7 @@ def test_nnx_model_trains_on_a_mesh_as_predicted(files, tmp_path):
     model = user_model.load(config.model)[1].model
     mesh = rk.mesh.make("data:8")
     predicted = rk.step_memory(rk.from_model.workload(model, 8, SEQ, mesh=mesh), 8, SEQ,
-                               "minimal", optimizer=train.make_optimizer(config)[0])
+                               "minimal", optimizer=train_setup.make_optimizer(config)[0])
     assert summary["mesh"] == "data:8"
     assert summary["compiled"]["policy"]["temp_size_in_bytes"] == predicted.temp_size_in_bytes
 

@@ -24,9 +24,19 @@ does not, both compiled.
 On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
 the workload's loss plus the update; the budget and every byte
 figure are per device, the sizes global (the batch is split over data x
-fsdp). The auto row ("auto") asks the budget planner (`remat_kit.decide.plan`) for
-a policy at each size, with the step budget translated into its
-value-and-grad budget, and verifies the plan on the whole step (`fit`).
+fsdp).
+
+The auto row ("auto", or "auto:budget=" the same budget) is the budget
+planner's choice at each size (`remat_kit.decide.plan`, each tag decided per
+layer, so a plan may differ from layer to layer): the whole-step budget is
+translated into the planner's value-and-grad budget (its temp memory on CPU)
+by taking off what the step holds besides (full remat's step memory minus the
+planner's figure for full remat at that size, `Planner.minimum`), the planned
+policy's whole step is compiled, and an over-budget plan is planned again with
+the overshoot taken off (3 tries). Of it and every policy already compiled at
+that size (the other rows', `full`), the one with the fewest FLOPs whose step
+fits is picked (`FitRow.picked`). The auto row is searched last, from the
+largest size the other rows found.
 """
 
 from __future__ import annotations
@@ -133,17 +143,7 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
     the batch) must fit it.
 
     The auto row ("auto", or "auto:budget=" the same budget) is the
-    planner's choice at each size (`remat_kit.decide.plan`, each tag decided per
-    layer, so a plan may differ from layer to layer): the whole-step budget
-    is translated into the planner's value-and-grad budget (its temp memory
-    on CPU) by taking off what the step holds besides (full remat's step
-    memory minus the planner's figure for full remat at that size,
-    `Planner.minimum`), the planned policy's whole step is
-    compiled, and an over-budget plan is planned again with the overshoot
-    taken off (3 tries). Of it and every policy already compiled at that
-    size (the other rows', `full`), the one with the fewest FLOPs whose step
-    fits is picked (`FitRow.picked`). The auto row is searched last, from
-    the largest size the other rows found.
+    planner's choice at each size, searched last (see the module docstring).
 
     Args:
       model: a `TransformerConfig` (dtype, dropout, family, sizes), a
@@ -193,16 +193,109 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
       TargetError: a bad target, or libtpu missing.
       RematSpecError: a policy does not parse (before anything compiles).
     """
+    search = _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, optimizer,
+                      target, mesh)
+    steps = Steps(_step_measurer(search))
+    start = time.perf_counter()
+    rows = _search_rows(search, steps, cache, progress)
+    held, found = _below_minimum(search, steps, rows, rechunk)
+    return FitResult(tuple(rows), vary, search.size.fixed, search.size.multiple,
+                     search.budget_bytes, search.floor, search.target.label,
+                     time.perf_counter() - start, rk_mesh.spec_text(search.mesh), search.devices,
+                     held, found)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """What `fit` searches, its arguments resolved and checked (`_prepare`).
+
+    Attributes:
+      size: the sizes searched. budget_bytes: the budget per device, bytes.
+      target: whose compiler. specs: the distinct spec strings, in order; auto: whether
+        each is the auto row. at_size: size -> the workload at that size (cached);
+        smallest: the workload at `size.multiple`. optimizer: the step's optimizer.
+      floor: parameters plus optimizer state, bytes per device; at_zero: that plus the
+        gradients (the step's memory at size 0). max_units: the most units searched;
+        exact: whether that bound is the budget's own (`_max_units`).
+      mesh: the workload's mesh, or None.
+    """
+
+    size: "_Sizes"
+    budget_bytes: int
+    target: targets.Target
+    specs: list[str]
+    auto: list[bool]
+    at_size: Callable
+    smallest: object
+    optimizer: optax.GradientTransformation
+    floor: int
+    at_zero: int
+    max_units: int
+    exact: bool
+    mesh: Mesh | None
+
+    @property
+    def devices(self) -> int:
+        """Devices the step runs on: the mesh's size, else 1."""
+        return 1 if self.mesh is None else self.mesh.size
+
+
+def _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, optimizer, target,
+             mesh) -> _Search:
+    """`fit`'s arguments resolved and checked (see `fit`'s Args and Raises), before any
+    step compiles."""
     if vary not in VARY:
         raise ValueError(f"vary must be one of {list(VARY)}, got {vary!r}")
     check_mesh(mesh)
-    if isinstance(policies, (str, Policy)):
-        policies = [policies]
     make, given = resizer(model, mesh)
+    mesh = mesh if given is None else given.mesh
+    size = _search_sizes(vary, given, mesh, batch, seq, multiple, max_size, optimizer)
+    budget_bytes = _budget_bytes(budget)
+    target = targets.parse_target(target)
+    specs, auto = _specs(policies, budget_bytes)
+    at_size = functools.lru_cache(maxsize=None)(lambda n: make(*size.shape(n)))
+    smallest = at_size(size.multiple)
+    _check_schedules(specs, auto, smallest)
+    optimizer = optimizer or default_optimizer()
+    floor, at_zero = _floor(smallest, optimizer, budget, budget_bytes, mesh, vary)
+    max_units, exact = _max_units(given, size, budget_bytes, floor, target)
+    return _Search(size, budget_bytes, target, specs, auto, at_size, smallest, optimizer, floor,
+                   at_zero, max_units, exact, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """The sizes `fit` searches: `vary` in steps of `multiple` up to `max_size`, the other
+    size fixed at `batch` (vary "seq") or `seq` (vary "batch"); all global, ints."""
+
+    vary: str
+    batch: int
+    seq: int
+    multiple: int
+    max_size: int
+
+    def shape(self, size: int) -> tuple[int, int]:
+        """(batch, seq) with the varied one at `size`."""
+        return (self.batch, size) if self.vary == "seq" else (size, self.seq)
+
+    @property
+    def fixed(self) -> int:
+        """The size that does not vary (`FitResult.fixed`)."""
+        return self.batch if self.vary == "seq" else self.seq
+
+
+def _search_sizes(vary: str, given, mesh: Mesh | None, batch: int | None, seq: int | None,
+                  multiple: int | None, max_size: int | None, optimizer) -> _Sizes:
+    """`fit`'s sizes with their defaults filled in (see `fit`'s Args), checked.
+
+    Raises:
+      ValueError: vary "seq" for a workload without a sequence axis; a size not a positive
+        int, or max_size below multiple. MeshError: vary "batch" with a multiple that the
+        mesh's data x fsdp size does not divide.
+    """
     if vary == "seq" and given is not None and given.seq is None and given.batch is not None:
         raise ValueError(f"workload {given.name!r} has no sequence axis (a batch of images?): "
                          "vary='seq' has nothing to search; use vary='batch'")
-    mesh = mesh if given is None else given.mesh
     split = rk_mesh.axis_size(mesh, "batch")
     multiple = (DEFAULT_MULTIPLE[vary] * (split if vary == "batch" else 1) if multiple is None
                 else multiple)
@@ -218,63 +311,94 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         raise MeshError(f"multiple {multiple} does not split over the {split} data-parallel "
                         f"devices of mesh {rk_mesh.spec_text(mesh)} (data x fsdp = {split}): the "
                         f"batch is global; use a multiple of {split}")
+    return _Sizes(vary, batch, seq, multiple, max_size)
+
+
+def _budget_bytes(budget: "int | str") -> int:
+    """The fit budget in bytes. Raises BudgetError for a fraction or a non-size."""
     budget_bytes = parse_budget(budget).bytes
     if budget_bytes is None:
         raise BudgetError(f"fit needs a budget in bytes, such as 16GiB; {budget!r} is a "
                           "fraction of no-remat memory, which changes with the size searched",
                           budget=budget)
-    target = targets.parse_target(target)
+    return budget_bytes
+
+
+def _specs(policies, budget_bytes: int) -> tuple[list[str], list[bool]]:
+    """(the distinct spec strings in order, whether each is the auto row).
+
+    Raises:
+      ValueError: no policies. BudgetError, RematSpecError: see `_is_auto`.
+    """
+    if isinstance(policies, (str, Policy)):
+        policies = [policies]
     specs = list(dict.fromkeys(p if isinstance(p, str) else str(p) for p in policies))
     if not specs:
         raise ValueError("policies is empty; give at least one spec, e.g. ['none', 'full']")
-    auto = [_is_auto(p, budget_bytes) for p in specs]
+    return specs, [_is_auto(p, budget_bytes) for p in specs]
 
-    def sizes(size: int) -> tuple[int, int]:
-        return (batch, size) if vary == "seq" else (size, seq)
 
-    at_size = functools.lru_cache(maxsize=None)(lambda size: make(*sizes(size)))
-    smallest = at_size(multiple)
+def _check_schedules(specs: list[str], auto: list[bool], smallest) -> None:
+    """Bad specs (a layer schedule that does not fit the model) fail before anything compiles."""
     for p, is_auto in zip(specs, auto):
-        if not is_auto and smallest.num_layers:  # bad specs fail before anything compiles
+        if not is_auto and smallest.num_layers:
             one_policy(p).schedule.check(smallest.num_layers)
-    optimizer = optimizer or default_optimizer()
 
+
+def _floor(smallest, optimizer, budget, budget_bytes: int, mesh: Mesh | None,
+           vary: str) -> tuple[int, int]:
+    """(parameters plus optimizer state, that plus the gradients: the step's memory at size
+    0), bytes per device. Raises BudgetError where the budget is below the first."""
     params, opt_state, _ = train_state(smallest, optimizer)
     floor = tree_bytes(params) + tree_bytes(opt_state)
-    at_zero = floor + tree_bytes(params)  # and the gradients: the step's memory at size 0
     if budget_bytes < floor:
         where = f"per device of mesh {rk_mesh.spec_text(mesh)}" if mesh is not None else "per device"
         raise BudgetError(
             f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the parameters "
             f"plus optimizer state alone, {fmt_bytes(floor)} ({floor} bytes {where}): no "
             f"{vary} fits", budget=budget, minimum_bytes=floor)
+    return floor, floor + tree_bytes(params)
 
-    # No size is compiled past what the workload says can fit (`Workload.size_bound`, e.g.
-    # one layer's attention scores); at a bound the budget set, a policy that fits has its
-    # exact answer, not a capped one. A workload with no bound stops at max_size.
-    bound, exact = (given.size_bound(vary, batch if vary == "seq" else seq, budget_bytes,
-                                     floor, target.platform)
+
+def _max_units(given, size: _Sizes, budget_bytes: int, floor: int,
+               target: targets.Target) -> tuple[int, bool]:
+    """(the most units of `size.multiple` searched, whether that bound is exact).
+
+    No size is compiled past what the workload says can fit (`Workload.size_bound`, e.g.
+    one layer's attention scores); at a bound the budget set, a policy that fits has its
+    exact answer, not a capped one. A workload with no bound stops at max_size.
+    """
+    bound, exact = (given.size_bound(size.vary, size.fixed, budget_bytes, floor, target.platform)
                     if given is not None and given.size_bound is not None
-                    else (max_size, False))
-    exact = exact and bound < max_size
-    max_units = min(max_size, bound) // multiple
+                    else (size.max_size, False))
+    return min(size.max_size, bound) // size.multiple, exact and bound < size.max_size
 
+
+def _step_measurer(search: _Search) -> Callable[[Policy, int, Callable | None], StepMemory]:
+    """The compile behind `Steps`: (policy, size, loss or None) -> the step's `StepMemory`,
+    raising `SizeRefused` where the workload cannot be built at that size."""
     def measure_step(policy: Policy, size: int, loss: Callable | None) -> StepMemory:
         try:
-            work = at_size(size)
+            work = search.at_size(size)
         except Exception as e:  # noqa: BLE001 - e.g. a position table shorter than size
-            raise SizeRefused(f"{vary} {size}: {type(e).__name__}: {e}") from e
+            raise SizeRefused(f"{search.size.vary} {size}: {type(e).__name__}: {e}") from e
         if loss is not None:
             work = dataclasses.replace(work, loss_for_policy=lambda _: loss)
-        return compile_step(work, policy, optimizer, target)
+        return compile_step(work, policy, search.optimizer, search.target)
+    return measure_step
 
-    steps = Steps(measure_step)
-    devices = 1 if mesh is None else mesh.size
-    start = time.perf_counter()
+
+def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
+                 progress) -> list[FitRow]:
+    """One `FitRow` per spec, in `search.specs`' order, by `fit_one`.
+
+    Fixed policies are searched first (the auto row picks among what they compiled), each
+    starting at the largest size found so far: policies land near each other.
+    """
+    specs, auto, multiple = search.specs, search.auto, search.size.multiple
     rows: list[FitRow | None] = [None] * len(specs)
     limit = None  # the workload's own limit, once a row finds it (`FitRow.limit`)
-    # Fixed policies first (the auto row picks among what they compiled), each
-    # starting at the largest size found so far: policies land near each other.
+    max_units = search.max_units
     order = [i for i in range(len(specs)) if not auto[i]] + [i for i in range(len(specs))
                                                             if auto[i]]
     for n, i in enumerate(order):
@@ -282,30 +406,37 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         if auto[i]:
             # On the step's devices: without a mesh, one device of the target; each
             # tag decided per layer (the planner's default groups).
-            chooser = AutoRow(steps, budget_bytes, lambda size: Planner(
-                at_size(size), cache=cache, target=target))
+            chooser = AutoRow(steps, search.budget_bytes, lambda size: Planner(
+                search.at_size(size), cache=cache, target=search.target))
             at, extra, seen = chooser.at, lambda: chooser.planner_compiles, {}
         else:
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
             at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
                                lambda: 0, steps.known(specs[i]))
-        rows[i], max_units = fit_one(specs[i], at, extra, steps, budget_bytes, multiple,
-                                      max_units, vary, sizes, devices, start_units, seen,
-                                      at_zero, exact, limit)
+        rows[i], max_units = fit_one(specs[i], at, extra, steps, search.budget_bytes, multiple,
+                                      max_units, search.size.vary, search.size.shape,
+                                      search.devices, start_units, seen, search.at_zero,
+                                      search.exact, limit)
         limit = rows[i].limit or limit
         if auto[i] and rows[i].picked in chooser.layer_specs:
             rows[i] = dataclasses.replace(rows[i], picked_layers=chooser.layer_specs[
                 rows[i].picked])
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
-    held, found = "", None
-    if all(r.size == 0 and r.error is None for r in rows):
-        remade = None if rechunk is None else (
-            lambda n: resizer(rechunk(n), None)[0](*sizes(multiple)))
-        held, found = _what_holds(steps, smallest, multiple, vary, optimizer, target, remade)
-    return FitResult(tuple(rows), vary, batch if vary == "seq" else seq, multiple, budget_bytes,
-                     floor, target.label, time.perf_counter() - start, rk_mesh.spec_text(mesh),
-                     devices, held, found)
+    return rows
+
+
+def _below_minimum(search: _Search, steps: Steps, rows: list[FitRow],
+                   rechunk: Callable | None) -> tuple[str, dict | None]:
+    """(`FitResult.below_minimum`, `minimum_peak`): `_what_holds` where no row fits even the
+    smallest size (and none failed); else ("", None)."""
+    if not all(r.size == 0 and r.error is None for r in rows):
+        return "", None
+    size = search.size
+    remade = None if rechunk is None else (
+        lambda n: resizer(rechunk(n), None)[0](*size.shape(size.multiple)))
+    return _what_holds(steps, search.smallest, size.multiple, size.vary, search.optimizer,
+                       search.target, remade)
 
 
 def _what_holds(steps: Steps, work, size: int, vary: str, optimizer, target,

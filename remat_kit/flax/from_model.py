@@ -32,11 +32,13 @@ import optax
 from flax import nnx
 
 from remat_kit.flax import linen as flax_linen
+from remat_kit.flax import linen_tags
 from remat_kit.flax.blocks import Instance, Pick, pick_block, unremat_note
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax import placement
 from remat_kit.trace import model_map, own_call, own_remat, regions, retarget
+from remat_kit.trace.marked import count_marked
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import UnknownModuleError
@@ -215,13 +217,13 @@ def marking_linen(cls: type):
     """Inside: every call of a `cls` submodule runs as a remat region marked for
     `remat_kit.trace.regions`, and every submodule output is tagged by its path."""
     if not cls:  # no layers: tagged, nothing marked
-        with flax_linen.auto_tag():
+        with linen_tags.auto_tag():
             yield
         return
     plan = wrapping.Plan.of({c: "full" for c in cls}, nn.Module, "remat_kit.flax.from_model")
     markers = {k: wrapping.Marker(KEY) for k in plan.keys}
     with flax_linen._intercepting(plan, markers, True, ("__call__",), check=False), \
-            flax_linen.auto_tag():
+            linen_tags.auto_tag():
         yield
 
 
@@ -429,7 +431,7 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
     if where is not None:  # the model's partitioning, on its mesh or `mesh`
         args = placement.place(named, where, args)
         traced, _ = trace(marked, args, where, pick.cls)
-    cls, n = pick.cls, regions.count_marked(traced.jaxpr, KEY)
+    cls, n = pick.cls, count_marked(traced.jaxpr, KEY)
     if n == 0 and cls:
         raise UnknownModuleError(
             cls.__name__, [cls.__name__],
@@ -478,7 +480,7 @@ def trace(fn: Callable, args, where: "placement.Placement | None" = None,
             return jax.make_jaxpr(fn, return_shape=True)(*args)
 
     traced, shape = make()
-    if marks and regions.count_marked(traced.jaxpr, KEY) == 0:
+    if marks and count_marked(traced.jaxpr, KEY) == 0:
         # A jit-ed call traced before (by the user, at these shapes) comes from
         # jax's trace cache, without our interceptors: trace it afresh.
         jax.clear_caches()

@@ -20,7 +20,7 @@ from remat_kit.policy.policy import Policy
 from remat_kit.measure.residuals import Residual, _aval_bytes, residuals
 from remat_kit.policy.spec import layer_policies
 from remat_kit.policy.spec import parse
-from remat_kit.trace import regions
+from remat_kit.trace import marked
 from remat_kit.trace.validate import emitted_tags, policy_notes, tag_aliases
 from remat_kit.trace.workload import Workload, checkpointed
 
@@ -129,7 +129,7 @@ def _block_regions(jaxpr):
     """The outermost remat regions of `jaxpr`, looking into jit-ed calls (not scans:
     a scanned stack is one body, alike by construction)."""
     for eqn in jaxpr.eqns:
-        if regions.region(eqn) is not None:
+        if marked.region(eqn) is not None:
             yield eqn
         elif eqn.primitive.name in ("pjit", "jit", "closed_call"):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))

@@ -3,12 +3,13 @@ layer schedules, memory budgets.
 
 May import: `remat_kit.errors`, `remat_kit._jax_private` (nothing else of ours).
 
-Public names: `Policy`, `TagPolicy` (`policy`); `parse`, `PRESETS`, `AutoSpec`,
+Public names: `Policy`, `TagPolicy` (`policy`); `PRESETS` (`presets`); `parse`, `AutoSpec`,
 `from_custom`, `layer_policies` (`spec`); `TAGS`, `ALIASES`, `tag`, `register_tag`
 (`names`); `Schedule` (`schedule`); `parse_budget`, `Budget` (`budget`).
 """
 
 from remat_kit.policy.policy import Policy, TagPolicy
-from remat_kit.policy.spec import PRESETS, AutoSpec, from_custom, layer_policies, parse
+from remat_kit.policy.presets import PRESETS
+from remat_kit.policy.spec import AutoSpec, from_custom, layer_policies, parse
 
 __all__ = ["AutoSpec", "PRESETS", "Policy", "TagPolicy", "from_custom", "layer_policies", "parse"]

@@ -115,7 +115,7 @@ def is_glob(pattern: str) -> bool:
 def is_path(name: str) -> bool:
     """A path tag (or path glob), e.g. `Block_3/attn/query`: auto-tagged by module path.
 
-    Path tags are named by `remat_kit.flax.linen.auto_tag` / `flax_nnx.auto_tag`
+    Path tags are named by `remat_kit.flax.linen_tags.auto_tag` / `flax_nnx.auto_tag`
     and are outside the vocabulary; globs over them (`*/attn/query`) are matched
     against the names a model really emits.
     """

@@ -19,7 +19,7 @@ from collections import Counter
 
 from jax.extend.core import Literal
 
-from remat_kit.trace import regions
+from remat_kit.trace import marked
 
 # Calls whose body is traced inline: their equations are counted, not the call.
 _CALLS = frozenset({"pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call",
@@ -35,13 +35,13 @@ def _ops(jaxpr, key: str, prefix: str, live: set):
         reads = [not isinstance(v, Literal) and v in live for v in eqn.invars]
         if any(reads):
             live.update(eqn.outvars)
-        if not any(reads) or regions.is_marked(eqn, key) or eqn.primitive.name == "name":
+        if not any(reads) or marked.is_marked(eqn, key) or eqn.primitive.name == "name":
             continue  # name: a checkpoint_name tag
         stack = "/".join(s for s in (prefix, str(eqn.source_info.name_stack)) if s)
         if eqn.primitive.name not in _CALLS:
             yield stack, eqn.primitive.name
             continue
-        for sub in regions._subs(eqn):  # operands by position where they line up
+        for sub in marked.sub_jaxprs(eqn):  # operands by position where they line up
             inner = (set(v for v, r in zip(sub.invars, reads) if r)
                      if len(sub.invars) == len(reads) else set(sub.invars))
             yield from _ops(sub, key, stack, inner)

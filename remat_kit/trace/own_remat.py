@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from remat_kit.trace import wrapping
-from remat_kit.trace.regions import _subs, is_marked, region
+from remat_kit.trace.marked import is_marked, region, sub_jaxprs
 
 # Primitives whose FLOPs make a region more than a layer's wrapper.
 _WORK = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
@@ -78,7 +78,7 @@ def _work(jaxpr, memo: dict) -> int:
     """The matmuls and convolutions in `jaxpr`, at any depth."""
     if id(jaxpr) not in memo:
         memo[id(jaxpr)] = sum((eqn.primitive.name in _WORK)
-                              + sum(_work(s, memo) for s in _subs(eqn)) for eqn in jaxpr.eqns)
+                              + sum(_work(s, memo) for s in sub_jaxprs(eqn)) for eqn in jaxpr.eqns)
     return memo[id(jaxpr)]
 
 
@@ -103,7 +103,7 @@ def find(jaxpr, key: str) -> Found:
         return r is not None and not isinstance(r[2], wrapping.Marker)
 
     def marks(jaxpr) -> int:
-        return sum(is_marked(e, key) + sum(marks(s) for s in _subs(e)) for e in jaxpr.eqns)
+        return sum(is_marked(e, key) + sum(marks(s) for s in sub_jaxprs(e)) for e in jaxpr.eqns)
 
     def walk(jaxpr, trips: int, in_layer: bool) -> None:
         for eqn in jaxpr.eqns:
@@ -127,7 +127,7 @@ def find(jaxpr, key: str) -> Found:
                 counts[(policy_name(r[2]), "each layer")] = counts.get(
                     (policy_name(r[2]), "each layer"), 0) + trips
             k = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-            for sub in _subs(eqn):
+            for sub in sub_jaxprs(eqn):
                 walk(sub, trips * k, in_layer)
 
     walk(jaxpr, 1, False)

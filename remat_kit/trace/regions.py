@@ -36,51 +36,10 @@ from remat_kit.trace import retarget, roles, wrapping
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.policy import Policy
 from remat_kit.trace.validate import emitted_tags, tag_of
+from remat_kit.trace.marked import CALLS, call_body, count_marked, is_marked, region, sub_jaxprs
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
 # One-input ops that keep a value's bytes: a role may be named after them.
 _RELABEL = ("reshape", "transpose", "squeeze", "expand_dims", "copy")
-
-
-def region(eqn):
-    """(jaxpr, consts, policy, prevent_cse) of a remat equation under either remat
-    mode (jax_remat3 stages remat as a hi-primitive), or None for other equations."""
-    prim = eqn.params.get("_prim")
-    params = getattr(prim, "params", None) if prim is not None else eqn.params
-    if eqn.primitive.name not in ("remat2", "checkpoint") and (
-            prim is None or type(prim).__name__ != "RematTraced"):
-        return None
-    jaxpr = params["jaxpr"]
-    consts = jaxpr.consts if isinstance(jaxpr, ClosedJaxpr) else ()
-    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    return jaxpr, consts, params.get("policy"), params.get("prevent_cse", True)
-
-
-def is_marked(eqn, key: str) -> bool:
-    """Whether `eqn` is a remat region whose policy is `Marker(key)`."""
-    r = region(eqn)
-    return r is not None and isinstance(r[2], wrapping.Marker) and r[2].key == key
-
-
-def _subs(eqn):
-    """The sub-jaxprs (Jaxpr objects) an equation holds, under either remat mode."""
-    prim = eqn.params.get("_prim")
-    params = getattr(prim, "params", {}) if prim is not None else eqn.params
-    for value in params.values():
-        yield from wrapping._jaxprs(value)
-
-
-def count_marked(jaxpr, key: str, trips: bool = True) -> int:
-    """Marked regions the forward pass enters, a scan's body counted once per trip
-    (`trips`), or once (the regions the jaxpr holds)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        if is_marked(eqn, key):
-            n += 1
-            continue
-        k = eqn.params.get("length", 1) if trips and eqn.primitive.name == "scan" else 1
-        n += k * sum(count_marked(sub, key, trips) for sub in _subs(eqn))
-    return n
 
 
 def _needs(jaxpr, key: str, roles: Mapping, memo: dict) -> bool:
@@ -92,7 +51,7 @@ def _needs(jaxpr, key: str, roles: Mapping, memo: dict) -> bool:
     for eqn in jaxpr.eqns:
         if is_marked(eqn, key) or any(v in roles for v in eqn.outvars):
             found = True
-        elif any(_needs(sub, key, roles, memo) for sub in _subs(eqn)):
+        elif any(_needs(sub, key, roles, memo) for sub in sub_jaxprs(eqn)):
             found = True
         if found:
             break
@@ -147,7 +106,7 @@ class _Run:
             found = {v: self.roles[v] for e in jaxpr.eqns for v in e.outvars
                      if v in self.roles and tag_of(e) is None}
             for eqn in jaxpr.eqns:  # a call whose output is a role's value (a module's
-                inner = _call_body(eqn)  # matmul under nn.jit) passes the role out
+                inner = call_body(eqn)  # matmul under nn.jit) passes the role out
                 if inner is not None:
                     ends = self.placed(inner)
                     found.update((o, ends[i]) for i, o in zip(inner.outvars, eqn.outvars)
@@ -185,13 +144,13 @@ class _Run:
             return jax.checkpoint(body, policy=jax_policy, prevent_cse=prevent_cse)(*invals)
         if r is not None and id(r[0]) in self.taken:  # a layer's own remat: the policy's
             return self.eval(r[0], r[1], invals)     # region (or none) stands for it
-        if not any(_needs(sub, self.key, self.roles, self.memo) for sub in _subs(eqn)):
+        if not any(_needs(sub, self.key, self.roles, self.memo) for sub in sub_jaxprs(eqn)):
             return _bind(eqn, invals)
         if r is not None:  # the model's own remat region, with tags inside
             inner, consts, policy, prevent_cse = r
             body = lambda *xs: self.eval(inner, consts, xs)  # noqa: E731
             return jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*invals)
-        if eqn.primitive.name in _CALLS:
+        if eqn.primitive.name in CALLS:
             closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             consts = closed.consts if isinstance(closed, ClosedJaxpr) else ()
             return self.eval(getattr(closed, "jaxpr", closed), consts, invals)
@@ -285,7 +244,7 @@ def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
         for v in eqn.outvars:
             flags[v] = derives_from_params(eqn, flags)
         _fold(eqn, known)
-        if eqn.primitive.name in _CALLS or r is not None:
+        if eqn.primitive.name in CALLS or r is not None:
             closed = r[0] if r is not None else eqn.params.get("jaxpr",
                                                                eqn.params.get("call_jaxpr"))
             inner = getattr(closed, "jaxpr", closed)
@@ -310,17 +269,6 @@ def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
     return None
 
 
-def _call_body(eqn):
-    """The jaxpr of a jit-ed call or remat region the interpreter runs inline."""
-    r = region(eqn)
-    if r is not None:
-        return r[0]
-    if eqn.primitive.name in _CALLS:
-        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        return getattr(closed, "jaxpr", closed)
-    return None
-
-
 def passed_through(jaxpr) -> tuple[bool, ...]:
     """Per output of `jaxpr`: whether it is one of its inputs, passed through calls
     and remat regions unchanged (an NNX module's state that the call left alone)."""
@@ -336,7 +284,7 @@ def _sources(jaxpr, memo: dict) -> tuple[int | None, ...]:
         def source(v) -> int | None:
             while not isinstance(v, Literal) and v not in index and v in made:
                 eqn, i = made[v]
-                inner = _call_body(eqn)
+                inner = call_body(eqn)
                 if inner is None or len(inner.invars) != len(eqn.invars):
                     return None
                 j = _sources(inner, memo)[i]
@@ -518,4 +466,4 @@ def build(closed: ClosedJaxpr, in_tree, key: str, num_params: int,
                    num_params=num_params, taken=taken), found
 
 
-__all__ = ["Regions", "block_tags", "build", "count_marked", "is_marked", "region"]
+__all__ = ["Regions", "block_tags", "build", "passed_through"]
