@@ -11,7 +11,8 @@ from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import map_context, print_map, targets_of
 from remat_kit.cli.inputs import (BadInput, check_output_file, check_schedules, check_seq,
-                                  device_mesh, load_source, rechunked, split_policies)
+                                  device_mesh, split_policies)
+from remat_kit.cli.sources import load_source, rechunked
 from remat_kit.units import fmt_bytes
 
 

@@ -15,8 +15,9 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import (map_context, print_map, sizes_text, source_and_sizes,
                                   targets_of)
 from remat_kit.cli.inputs import (BadInput, check_output_file, check_planner_floor, check_schedules,
-                                  device_mesh, plan_groups, preset_policies, rechunked,
-                                  split_budgets, split_policies)
+                                  device_mesh, plan_groups, preset_policies, split_budgets,
+                                  split_policies)
+from remat_kit.cli.sources import rechunked
 from remat_kit.policy.spec import parse
 from remat_kit.units import fmt_bytes
 
