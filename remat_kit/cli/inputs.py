@@ -132,6 +132,13 @@ def check_output_file(path: str, flag: str, suffix: str | None = None) -> None:
         raise BadInput(f"{flag}: {why}; give a file path")
 
 
+def check_json_and_plot(args) -> None:
+    """`check_output_file` for a command's --json and --plot (a .png), where given."""
+    for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
+        if path is not None:
+            check_output_file(path, flag, suffix=suffix)
+
+
 def _starts_policy(piece: str) -> bool:
     """False where `piece` opens with a bare tag, alias or glob (query_proj,
     key_proj;recompute:x): it continues the previous spec's tag list."""
