@@ -136,8 +136,8 @@ def _print_layer(console, layer, policy) -> None:
                           ("dtype", "left"), ("bytes", "right"), ("decision", "left")):
         t.add_column(name, justify=justify)
     for r in layer.rows:
-        t.add_row(r.name + (f" ({', '.join(r.aliases)})" if r.aliases else ""), r.kind, str(list(r.shape)), r.dtype, fmt_bytes(r.nbytes),
-                  r.decision)
+        t.add_row(r.name + (f" ({', '.join(r.aliases)})" if r.aliases else ""), r.kind,
+                  str(list(r.shape)), r.dtype, fmt_bytes(r.nbytes), r.decision)
     console.print(t)
     console.print(_totals(layer))
     if layer.constants:

@@ -127,15 +127,18 @@ def _check_autos(specs, budget: int) -> None:
 
 def _model(args, src, specs, sizes, mesh):
     """(what fit searches, the dtype for the title, a --model's first workload or None,
-    the mesh to pass fit, the rechunked model for the floor's remedy or None). A --model is
-    traced once at the smallest size, so a bad model fails before compiling; its
-    workloads carry the mesh."""
+    the mesh to pass fit (None for a --model), the rechunked model for the floor's remedy
+    or None). A --model is traced once at the smallest size, so a bad model fails before
+    compiling."""
     batch, seq, multiple = sizes
     cfg = src.cfg
     if cfg is not None:
         return cfg, src.dtype(), None, mesh, None
+
     # The model with its loss over n vocabulary chunks, should the logits hold fit's floor.
-    rechunk = lambda n, built=mesh: lambda b, s: rechunked(args, n).workload(b, s, built)  # noqa: E731
+    def rechunk(n):
+        return lambda b, s: rechunked(args, n).workload(b, s, mesh)
+
     first = src.workload(*((batch, multiple) if args.vary == "seq" else (multiple, seq)), mesh)
     check_schedules(first, specs, "--policies")
     # The searched workloads are built without --mesh, as fit has built them so far (its

@@ -300,8 +300,8 @@ def _print_notes(console, planner, found: _Frontier, emit_to) -> None:
     from remat_kit.decide.step_records import STEP_WORDS
     on_cpu = planner.target.platform == "cpu"
     if planner.host_bandwidth is not None:
-        console.print(f"offload asked for: host transfers at {planner.host_bandwidth / 1e9:.1f} GB/s "
-                      f"each way ({'this CPU' if on_cpu else planner.roofline.source}),"
+        console.print(f"offload asked for: host transfers at "
+                      f"{planner.host_bandwidth / 1e9:.1f} GB/s each way ({'this CPU' if on_cpu else planner.roofline.source}),"
                       " hidden behind each layer's predicted compute, the excess charged",
                       markup=False)
         console.print(planner.offload_probe.note, markup=False)
