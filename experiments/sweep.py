@@ -6,7 +6,7 @@
 For each policy, `remat_kit.models.shortcuts.measure_config` compiles the model's
 value-and-grad step, then runs one warm-up and --steps timed steps on random
 tokens. The model, batch_size and seq_len come from the config file (see
-`remat_kit.cli.inputs.config_from_dict`). `--model FILE.py:FUNCTION` (or
+`remat_kit.cli.sources.config_from_dict`). `--model FILE.py:FUNCTION` (or
 config.model set to that) sweeps the user's own model instead, measured as
 `remat-kit compare --model` measures it (`remat_kit.flax.user_model`), at the
 config's batch_size and seq_len. Writes into --workdir:
@@ -33,7 +33,8 @@ from experiments.common import SIZE_FIELDS, fail, one_line_warnings, parse_flags
 from remat_kit.cli import report
 from remat_kit.cli.common import map_context, print_map
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
-                           config_from_dict, preset_policies, split_policies)
+                                  preset_policies, split_policies)
+from remat_kit.cli.sources import config_from_dict
 from remat_kit.errors import RematSpecError, UnknownModuleError
 from remat_kit.flax import user_model
 from remat_kit.flax.from_model import ModelError

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from remat_kit.cli import commands as cli
-from remat_kit.cli import inputs
+from remat_kit.cli import inputs, sources
 from remat_kit.cli.report import SCHEMA_VERSION
 
 
@@ -114,7 +114,7 @@ def test_a_config_file_gives_the_model_train_builds(name):
     from remat_kit.models import from_config_dict
 
     config = importlib.import_module(f"experiments.configs.{name}").get_config()
-    cfg, label, sizes = inputs.load_config(f"experiments/configs/{name}.py")
+    cfg, label, sizes = sources.load_config(f"experiments/configs/{name}.py")
     assert cfg == from_config_dict(config) and label == f"{name}.py"
     assert cfg.vocab_size == 256 and cfg.max_len == config.seq_len  # byte-level data
     assert sizes == {"batch": config.batch_size, "seq": config.seq_len}

@@ -12,7 +12,7 @@ import pytest
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.cli import inputs
+from remat_kit.cli import sources
 from remat_kit.errors import BudgetError
 from remat_kit.models.shortcuts import fit
 from remat_kit.decide.step import StepMemory
@@ -348,7 +348,7 @@ def test_cli_fit_mesh_errors(capsys, argv, message):
 def test_llama_1b_v5e_config_has_the_parameters_its_docs_state():
     """experiments/configs/llama_1b_v5e.py is llama_1b in bfloat16, scanned: 1.50e9
     parameters (Llama 3.2 1B's shapes, output layer untied), counted from the shapes."""
-    cfg, _, defaults = inputs.load_config("experiments/configs/llama_1b_v5e.py")
+    cfg, _, defaults = sources.load_config("experiments/configs/llama_1b_v5e.py")
     assert (cfg.family, cfg.vocab_size, cfg.num_layers, cfg.scan_layers) == ("llama", 128256, 16,
                                                                              True)
     assert (cfg.dtype, cfg.param_dtype, defaults) == ("bfloat16", "bfloat16",

@@ -1,6 +1,7 @@
-"""cli: the `remat-kit` command. Inputs checked before anything compiles (`inputs`,
-`common`), one module per command (`compare`, `explain`, `plan`, `fit`), the parser and
-entry point (`commands`), tables, JSON, CSV and plots (`report`).
+"""cli: the `remat-kit` command. The model's source (`sources`) and inputs checked before
+anything compiles (`inputs`, `common`), one module per command (`compare`, `explain`,
+`plan`, `fit`), the parser and entry point (`commands`), tables, JSON, CSV and plots
+(`report`).
 
 May import: every part of remat_kit. Nothing imports it but the entry point.
 

@@ -54,36 +54,46 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The remat-kit parser: one subcommand per command, each with its flags."""
     parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="{compare,explain,plan,fit}")
+    for add in (_add_compare, _add_explain, _add_plan, _add_fit):
+        add(sub)
+    return parser
 
-    def common(p):
-        source = p.add_mutually_exclusive_group(required=True)
-        source.add_argument("--config",
-                            help=f"a model name ({', '.join(CONFIGS)}) or a .py config file "
-                                 "with get_config()")
-        source.add_argument("--model", metavar="FILE.py:FUNCTION",
-                            help="your own model: FUNCTION() returns a linen or NNX model "
-                                 "(int32 tokens [batch, seq] -> logits), or FUNCTION(batch, "
-                                 "seq) returns a remat_kit.Workload; also package.module:FUNCTION")
-        p.add_argument("--block", default=None, metavar="NAME[,NAME]",
-                       help="with --model: the repeated block class(es) to remat (default: the "
-                            "class whose instances hold the most parameters, and any other "
-                            "repeated one apart from it, e.g. an encoder's layers)")
-        p.add_argument("--batch", type=_positive_int, default=None,
-                       help="global batch size (default: the config file's batch_size, or 8)")
-        p.add_argument("--seq", type=_positive_int, default=None,
-                       help="sequence length (default: the config file's seq_len, or "
-                            "min(max_len, 1024))")
-        p.add_argument("--vocab-chunks", type=_positive_int, default=None, metavar="N",
-                       help="compute the loss over N vocabulary slices, each recomputed in "
-                            "the backward pass, so the float32 logits and their gradient "
-                            "never exist whole (N must divide the vocabulary; default 1)")
-        p.add_argument("--dtype", choices=DTYPES, default=None,
-                       help="activation dtype (default: the config's)")
 
+def _source_flags(p) -> None:
+    """The flags every command takes: the model (--config or --model, --block) and its sizes
+    and dtype."""
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config",
+                        help=f"a model name ({', '.join(CONFIGS)}) or a .py config file "
+                             "with get_config()")
+    source.add_argument("--model", metavar="FILE.py:FUNCTION",
+                        help="your own model: FUNCTION() returns a linen or NNX model "
+                             "(int32 tokens [batch, seq] -> logits), or FUNCTION(batch, "
+                             "seq) returns a remat_kit.Workload; also package.module:FUNCTION")
+    p.add_argument("--block", default=None, metavar="NAME[,NAME]",
+                   help="with --model: the repeated block class(es) to remat (default: the "
+                        "class whose instances hold the most parameters, and any other "
+                        "repeated one apart from it, e.g. an encoder's layers)")
+    p.add_argument("--batch", type=_positive_int, default=None,
+                   help="global batch size (default: the config file's batch_size, or 8)")
+    p.add_argument("--seq", type=_positive_int, default=None,
+                   help="sequence length (default: the config file's seq_len, or "
+                        "min(max_len, 1024))")
+    p.add_argument("--vocab-chunks", type=_positive_int, default=None, metavar="N",
+                   help="compute the loss over N vocabulary slices, each recomputed in "
+                        "the backward pass, so the float32 logits and their gradient "
+                        "never exist whole (N must divide the vocabulary; default 1)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="activation dtype (default: the config's)")
+
+
+def _add_compare(sub) -> None:
+    """`compare` and its flags, on the subparsers `sub`."""
     compare = sub.add_parser("compare", help="measure every policy: memory, FLOPs, time")
-    common(compare)
+    _source_flags(compare)
     compare.add_argument("--policies", default=None,
                          help="comma-separated policy specs (default: every preset)")
     compare.add_argument("--mesh", default=None,
@@ -102,8 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                               "assignment, grouped): a line per policy, and in --json")
     compare.set_defaults(run=compare_command.run)
 
+
+def _add_explain(sub) -> None:
+    """`explain` and its flags, on the subparsers `sub`."""
     explain = sub.add_parser("explain", help="what one layer saves under one policy")
-    common(explain)
+    _source_flags(explain)
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
     explain.add_argument("--mesh", default=None,
                          help="e.g. data:2,fsdp:2,tensor:2: the layer one device runs")
@@ -117,8 +130,11 @@ def _parser() -> argparse.ArgumentParser:
                               "holds its peak (XLA's buffer assignment, grouped)")
     explain.set_defaults(run=explain_command.run)
 
+
+def _add_plan(sub) -> None:
+    """`plan` and its flags, on the subparsers `sub`."""
     plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")
-    common(plan)
+    _source_flags(plan)
     plan.add_argument("--budgets", required=True,
                       help="comma-separated budgets: sizes (6GiB, 512MiB, 8e9B for bytes) or fractions "
                            "0 < f <= 1 of no remat's memory (temp on CPU, the compiler's "
@@ -139,6 +155,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", default=None, metavar="PATH", help="write plans and presets here")
     plan.add_argument("--plot", default=None, metavar="PATH",
                       help="write a PNG of the plans over the presets' points")
+    _plan_search_flags(plan)
+    plan.set_defaults(run=plan_command.run)
+
+
+def _plan_search_flags(plan) -> None:
+    """plan's flags for what the planner searches: groups, objective, offload, the step a
+    budget covers, one decision per tag, and what the plan is written out for."""
     plan.add_argument("--groups", default=None, metavar="G",
                       help="decide each tag in G groups of consecutive layers (default: one "
                            "group per layer, up to 64; 1: one decision for every layer)")
@@ -168,11 +191,13 @@ def _parser() -> argparse.ArgumentParser:
                            "overrides (remat_policy=custom ...; the plan keeps to MaxText's "
                            "tensors), the jax.checkpoint_policies expression, or the "
                            "rk.remat_model call")
-    plan.set_defaults(run=plan_command.run)
 
+
+def _add_fit(sub) -> None:
+    """`fit` and its flags, on the subparsers `sub`."""
     fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "
                                      "in a memory budget")
-    common(fit)
+    _source_flags(fit)
     fit.add_argument("--budget", required=True,
                      help="device memory per device, e.g. 16GiB, 512MiB, 8e9B for bytes (also the "
                           "budget of an auto row)")
@@ -195,7 +220,6 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--plot", default=None, metavar="PATH",
                      help="write a bar chart of the sizes (PNG) here")
     fit.set_defaults(run=fit_command.run)
-    return parser
 
 
 def use_compile_cache() -> None:

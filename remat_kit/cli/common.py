@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from remat_kit.cli.inputs import Source, check_seq, load_source
+from remat_kit.cli.inputs import check_seq
+from remat_kit.cli.sources import Source, load_source
 
 
 def source_and_sizes(args) -> tuple[Source, int, int]:

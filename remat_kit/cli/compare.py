@@ -9,7 +9,7 @@ import sys
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import (map_context, plot_path, print_map, sizes_text,
                                   source_and_sizes, targets_of)
-from remat_kit.cli.inputs import (BadInput, check_memory, check_output_file, check_planner_floor,
+from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
 
@@ -25,10 +25,7 @@ def run(args) -> int:
     cfg, label = src.cfg, src.label
     specs = split_policies(args.policies) if args.policies is not None else preset_policies()
     check_schedules(cfg, specs, "--policies")
-    if args.json is not None:
-        check_output_file(args.json, "--json")
-    if args.plot is not None:
-        check_output_file(args.plot, "--plot", suffix=".png")
+    check_json_and_plot(args)
     target_list = targets_of(args.target)
     if args.time and any(t.aot for t in target_list):
         raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "

@@ -27,21 +27,31 @@ def run(args) -> int:
     """`remat-kit explain` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
     from rich.console import Console
-    from rich.table import Table
-
-    from remat_kit.decide.resolve import measure
-    from remat_kit.measure import peak, targets
-    from remat_kit.measure.explain import explain
-    from remat_kit.measure.record import MEMORY_LABELS
-    from remat_kit.models.program import config_map
-    from remat_kit.models.shortcuts import layer_residuals
 
     src, batch, seq = source_and_sizes(args)
-    cfg, label = src.cfg, src.label
     if args.map:  # the map alone: the one trace, no compile
         first, *layers = src.workload(batch, seq).model_map.lines()
         print("\n".join([f"model map: {first}", *layers]))  # as every report's first line
         return 0
+    policy = _checked_policy(args, src.cfg)
+    cfg, batch, where = _per_device(args, src.cfg, batch)
+    target = _one_target(args)
+    layer, what, dtype = _breakdown(src, cfg, batch, seq, policy, target)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console.print(f"{src.label}, {what} under {args.policy or str(policy)!r} "
+                  f"({policy}): {sizes_text(batch, seq)}, {dtype}{where}")
+    _print_layer(console, layer, args.policy or policy)
+    if layer.compiled is not None:
+        _print_compiled(console, layer.compiled)
+    if args.peak:
+        _print_peak(console, src.workload(batch, seq), policy, target)
+    return 0
+
+
+def _checked_policy(args, cfg):
+    """The one policy explain shows (--policy, else the config's), parsed; BadInput for
+    none (a --model), several, an auto spec, a schedule over layers, or --peak with
+    --mesh."""
     if args.policy is None and cfg is None:
         raise BadInput("explain --model needs --policy (a --model has no default policy)")
     if args.policy is not None and "," in args.policy and all(
@@ -59,56 +69,91 @@ def run(args) -> int:
     if args.peak and args.mesh is not None:
         raise BadInput("explain --peak compiles the whole model on one device; drop --mesh "
                        "(compare --mesh ... --peak measures it sharded)")
-    where = ""
-    if args.mesh is not None and cfg is None:  # the block one device runs: its batch share
-        try:
-            sizes = rk_mesh.parse_spec(args.mesh)
-            rk_mesh.check_fits(sizes, None, batch)
-        except rk_mesh.MeshError as e:
-            raise BadInput(f"--mesh: {e}") from None
-        if rk_mesh.axis_size(sizes, "heads") > 1:
-            raise BadInput(f"--mesh {args.mesh}: a tensor axis splits a --model's own layers, "
-                           "which remat_kit cannot do; use data and fsdp axes")
-        if batch is not None:  # None: leaves as declared, on a mesh with no data axes
-            batch //= rk_mesh.axis_size(sizes, "batch")
-        where = f", per device of mesh {args.mesh}"
-    elif args.mesh is not None:  # the layer one device runs; no devices needed
-        try:
-            sizes = rk_mesh.parse_spec(args.mesh)
-            rk_mesh.check_fits(sizes, cfg, batch)
+    return policy
+
+
+def _per_device(args, cfg, batch):
+    """(config, batch, title words) of the layer one device runs on --mesh: the batch's
+    share, and a config's heads and mlp split over tensor; no devices needed. As given,
+    with no words, without --mesh."""
+    if args.mesh is None:
+        return cfg, batch, ""
+    try:
+        sizes = rk_mesh.parse_spec(args.mesh)
+        rk_mesh.check_fits(sizes, cfg, batch)
+        if cfg is not None:
             cfg = rk_mesh.per_device_config(cfg, sizes)
-        except rk_mesh.MeshError as e:
-            raise BadInput(f"--mesh: {e}") from None
+    except rk_mesh.MeshError as e:
+        raise BadInput(f"--mesh: {e}") from None
+    if cfg is None and rk_mesh.axis_size(sizes, "heads") > 1:
+        raise BadInput(f"--mesh {args.mesh}: a tensor axis splits a --model's own layers, "
+                       "which remat_kit cannot do; use data and fsdp axes")
+    if batch is not None:  # None: a --model's leaves as declared, on a mesh with no data axes
         batch //= rk_mesh.axis_size(sizes, "batch")
-        where = f", per device of mesh {args.mesh} (heads {cfg.num_heads}, mlp {cfg.mlp_dim})"
+    if cfg is None:  # the block one device runs: its batch share
+        return cfg, batch, f", per device of mesh {args.mesh}"
+    return cfg, batch, (f", per device of mesh {args.mesh} (heads {cfg.num_heads}, "
+                        f"mlp {cfg.mlp_dim})")
+
+
+def _one_target(args):
+    """The --target to compile the layer for, None without one; BadInput for several."""
     target = None
     if args.target is not None:
         found = targets_of(args.target)
         if len(found) > 1:
             raise BadInput(f"explain takes one --target, got {args.target!r}")
         target = found[0]
+    return target
+
+
+def _breakdown(src, cfg, batch, seq, policy, target):
+    """(the `LayerBreakdown` of one layer under `policy`, what the layer is called, the
+    dtype for the title), after printing the model map: a config's decoder layer
+    (`layer_residuals`), or a --model's first block (`measure.explain`); BadInput for a
+    model with no block."""
+    from remat_kit.measure.explain import explain
+    from remat_kit.models.program import config_map
+    from remat_kit.models.shortcuts import layer_residuals
     if cfg is not None:
         print_map(config_map(cfg))
-        layer, what, dtype = layer_residuals(cfg, batch, seq, policy, target=target), \
-            "one decoder layer", src.dtype()
-    else:
-        work = src.workload(batch, seq)
-        print_map(work)
-        if work.block is None:
-            raise BadInput(f"explain shows one layer; {label} has none: "
-                           f"{work.model_map.line()}")
-        layer, what, dtype = explain(policy, work, target=target), "one block", src.dtype(work)
-    console = Console() if sys.stdout.isatty() else Console(width=160)
-    console.print(f"{label}, {what} under {args.policy or str(policy)!r} "
-                  f"({policy}): {sizes_text(batch, seq)}, {dtype}{where}")
+        return (layer_residuals(cfg, batch, seq, policy, target=target), "one decoder layer",
+                src.dtype())
+    work = src.workload(batch, seq)
+    print_map(work)
+    if work.block is None:
+        raise BadInput(f"explain shows one layer; {src.label} has none: "
+                       f"{work.model_map.line()}")
+    return explain(policy, work, target=target), "one block", src.dtype(work)
+
+
+def _print_layer(console, layer, policy) -> None:
+    """The layer's values table, its totals per layer and over the model, its constants,
+    notes (`policy` names the policy as given), and the parameters the backward reads."""
+    from rich.table import Table
     t = Table()
     for name, justify in (("value", "left"), ("kind", "left"), ("shape", "left"),
                           ("dtype", "left"), ("bytes", "right"), ("decision", "left")):
         t.add_column(name, justify=justify)
     for r in layer.rows:
-        t.add_row(r.name + (f" ({', '.join(r.aliases)})" if r.aliases else ""), r.kind, str(list(r.shape)), r.dtype, fmt_bytes(r.nbytes),
-                  r.decision)
+        t.add_row(r.name + (f" ({', '.join(r.aliases)})" if r.aliases else ""), r.kind,
+                  str(list(r.shape)), r.dtype, fmt_bytes(r.nbytes), r.decision)
     console.print(t)
+    console.print(_totals(layer))
+    if layer.constants:
+        console.print(_constants_line(layer.constants), markup=False)
+    if layer.blocks_differ:
+        console.print(layer.blocks_differ)
+    for note in layer.notes:  # a name that selects nothing: compare's note, never silence
+        console.print(f"note: {policy}: {note}", markup=False, soft_wrap=True)
+    console.print(f"parameters read by the backward pass (not extra memory): "
+                  f"{fmt_bytes(layer.parameter_bytes)} per layer")
+
+
+def _totals(layer):
+    """The totals table: saved, offloaded and recomputed bytes per layer, and over the
+    model's layers where its blocks are alike."""
+    from rich.table import Table
     n = layer.num_layers
     totals = Table(title="totals")
     for name in ("", "saved", "offloaded", "recomputed (not stored)"):
@@ -119,33 +164,35 @@ def run(args) -> int:
         totals.add_row(f"model ({n} layer{'' if n == 1 else 's'})",
                        fmt_bytes(n * layer.saved_bytes), fmt_bytes(n * layer.offloaded_bytes),
                        fmt_bytes(n * layer.recomputed_bytes))
-    console.print(totals)
-    if layer.constants:
-        console.print(_constants_line(layer.constants), markup=False)
-    if layer.blocks_differ:
-        console.print(layer.blocks_differ)
-    for note in layer.notes:  # a name that selects nothing: compare's note, never silence
-        console.print(f"note: {args.policy or policy}: {note}", markup=False, soft_wrap=True)
-    console.print(f"parameters read by the backward pass (not extra memory): "
-                  f"{fmt_bytes(layer.parameter_bytes)} per layer")
-    if layer.compiled is not None:
-        c, found = layer.compiled, targets.versions(layer.compiled.target)
-        flops = "-" if c.flops is None else f"{c.flops / 1e9:.3g} GFLOP"
-        temp = fmt_bytes(c.memory.get("temp_size_in_bytes"))
-        console.print(f"one layer's value-and-grad, {c.target.label} (jax {found['jax']}, "
-                      f"{found['compiler']}): temp {temp}, {flops}, compiled in "
-                      f"{c.seconds:.1f} s", markup=False)
-        for note in c.notes:
-            console.print(note, style="dim", markup=False)
-    if args.peak:
-        [record] = measure(src.workload(batch, seq), policies=[policy], target=target,
-                           peak=True)
-        if record.error:
-            raise BadInput(f"--peak: the whole model under {policy} did not compile: "
-                           f"{record.error.splitlines()[0]}")
-        console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
-                      f"({record.platform}): {peak.summary(record.peak)}", markup=False)
-    return 0
+    return totals
+
+
+def _print_compiled(console, c) -> None:
+    """The line for the layer compiled for --target: temp memory, FLOPs, compile seconds,
+    and the compiler's notes."""
+    from remat_kit.measure import targets
+    found = targets.versions(c.target)
+    flops = "-" if c.flops is None else f"{c.flops / 1e9:.3g} GFLOP"
+    temp = fmt_bytes(c.memory.get("temp_size_in_bytes"))
+    console.print(f"one layer's value-and-grad, {c.target.label} (jax {found['jax']}, "
+                  f"{found['compiler']}): temp {temp}, {flops}, compiled in "
+                  f"{c.seconds:.1f} s", markup=False)
+    for note in c.notes:
+        console.print(note, style="dim", markup=False)
+
+
+def _print_peak(console, work, policy, target) -> None:
+    """--peak: the whole model compiled under `policy`, and what holds its peak
+    (`measure.peak.summary`); BadInput where it does not compile."""
+    from remat_kit.decide.resolve import measure
+    from remat_kit.measure import peak
+    from remat_kit.measure.record import MEMORY_LABELS
+    [record] = measure(work, policies=[policy], target=target, peak=True)
+    if record.error:
+        raise BadInput(f"--peak: the whole model under {policy} did not compile: "
+                       f"{record.error.splitlines()[0]}")
+    console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
+                  f"({record.platform}): {peak.summary(record.peak)}", markup=False)
 
 
 def _constants_line(constants) -> str:

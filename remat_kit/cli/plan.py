@@ -14,9 +14,10 @@ from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import (map_context, print_map, sizes_text, source_and_sizes,
                                   targets_of)
-from remat_kit.cli.inputs import (BadInput, check_output_file, check_planner_floor, check_schedules,
-                                  device_mesh, plan_groups, preset_policies, rechunked,
+from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_planner_floor,
+                                  check_schedules, device_mesh, plan_groups, preset_policies,
                                   split_budgets, split_policies)
+from remat_kit.cli.sources import rechunked
 from remat_kit.policy.spec import parse
 from remat_kit.units import fmt_bytes
 
@@ -24,51 +25,21 @@ from remat_kit.units import fmt_bytes
 def run(args) -> int:
     """`remat-kit plan` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
-    import json
-
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    from remat_kit.cli import report
-    from remat_kit.decide.cost_model import PLANNED_BASES
-    from remat_kit.decide.emit import maxtext_taggable
-    from remat_kit.decide.plan import CPU_OFFLOAD_NOTE, Planner, offload_bandwidth, read_cache
-    from remat_kit.decide.step_records import STEP_WORDS
-    from remat_kit.decide.plan_cache import CACHE_LIMIT
-    from remat_kit.decide.search import what_holds
-    from remat_kit.measure.record import MEMORY_LABELS
+    from remat_kit.decide.plan import offload_bandwidth
     from remat_kit.measure.time_model import OBJECTIVES
-    from remat_kit.policy.budget import parse_budget
 
     src, batch, seq = source_and_sizes(args)
-    cfg, label = src.cfg, src.label
+    cfg = src.cfg
     budgets = split_budgets(args.budgets)
-    presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
-               if args.presets is not None else preset_policies())
-    check_schedules(cfg, presets, "--presets")
-    auto = [p for p in presets if p.strip().startswith("auto")]
-    if auto:
-        raise BadInput(f"--presets: {auto[0]!r} is a budget for the planner, not a preset; "
-                       "give its budget in --budgets")
-    for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
-        if path is not None:
-            check_output_file(path, flag, suffix=suffix)
-    # A cache in a folder not made yet is fine: the first plan makes it.
-    if args.cache and os.path.isdir(os.path.dirname(os.path.abspath(args.cache))) \
-            and (why := outputs.problem(args.cache)):
-        raise BadInput(f"--cache: {why}; give a plan cache file, or '' for none")
-    if args.cache and read_cache(args.cache) is None:
-        raise BadInput(f"--cache {args.cache!r} is not a plan cache (a JSON object written by "
-                       f"remat-kit plan, at most {CACHE_LIMIT >> 20} MiB); give a new file, "
-                       "or '' for none")
+    presets = _presets(args, cfg)
+    check_json_and_plot(args)
+    _check_cache(args.cache)
     target_list = targets_of(args.target)
     if len(target_list) > 1:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
     if args.offload:
         offload_bandwidth(target_list[0], True)  # no host memory: one line, before any work
     mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
-    devices = 1 if mesh is None else mesh.size
     if args.objective is not None and args.objective not in OBJECTIVES:
         raise BadInput(f"--objective {args.objective!r}: use one of {', '.join(OBJECTIVES)}")
     work = src.workload(batch, seq, mesh)
@@ -77,16 +48,59 @@ def run(args) -> int:
         check_schedules(work, presets, "--presets")
     groups = plan_groups(args.groups, work.num_layers or 1)
     step, emit_to = checked_step_and_emit(args, target_list[0], budgets)
-    if args.uniform:
-        groups = 1
-    dtype = src.dtype(work)
+    planner = _planner(args, work, target_list[0], 1 if args.uniform else groups, step,
+                       emit_to)
+    records = _preset_records(planner, presets)
+    found = _frontier(args, planner, budgets, target_list[0],
+                      lambda n: rechunked(args, n).workload(batch, seq, mesh))
+    shown = _Shown(src.label, batch, seq, src.dtype(work), 1 if mesh is None else mesh.size,
+                   rk_mesh.compiled_step("train step" if planner.step == "train"
+                                         else "value-and-grad", work.mesh), emit_to)
+    return _report(args, planner, work, found, records, presets, shown)
+
+
+def _presets(args, cfg) -> list[str]:
+    """The presets to set against the plans (--presets, every preset, or none with
+    --no-presets); BadInput for a spec the model cannot take or an auto spec."""
+    presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
+               if args.presets is not None else preset_policies())
+    check_schedules(cfg, presets, "--presets")
+    auto = [p for p in presets if p.strip().startswith("auto")]
+    if auto:
+        raise BadInput(f"--presets: {auto[0]!r} is a budget for the planner, not a preset; "
+                       "give its budget in --budgets")
+    return presets
+
+
+def _check_cache(path: str | None) -> None:
+    """BadInput for a --cache that cannot be written, or holds something other than a
+    plan cache; '' and None pass (none, the default)."""
+    from remat_kit.decide.plan import read_cache
+    from remat_kit.decide.plan_cache import CACHE_LIMIT
+    # A cache in a folder not made yet is fine: the first plan makes it.
+    if path and os.path.isdir(os.path.dirname(os.path.abspath(path))) \
+            and (why := outputs.problem(path)):
+        raise BadInput(f"--cache: {why}; give a plan cache file, or '' for none")
+    if path and read_cache(path) is None:
+        raise BadInput(f"--cache {path!r} is not a plan cache (a JSON object written by "
+                       f"remat-kit plan, at most {CACHE_LIMIT >> 20} MiB); give a new file, "
+                       "or '' for none")
+
+
+def _planner(args, work, target, groups, step, emit_to):
+    """The `Planner` for the flags, its progress on stderr; BadInput for --groups the
+    program cannot take. Prints how far the target's time model was checked where the
+    objective is time."""
+    from remat_kit.decide.cost_model import PLANNED_BASES
+    from remat_kit.decide.emit import maxtext_taggable
+    from remat_kit.decide.plan import Planner
 
     def progress(message):
         print(message, file=sys.stderr, flush=True)
 
     planner = Planner(work, progress=progress,
                       cache=args.cache if args.cache is not None else True,
-                      target=target_list[0], groups=groups, objective=args.objective,
+                      target=target, groups=groups, objective=args.objective,
                       offload=args.offload, step=step,
                       bases=("nothing",) if emit_to == "maxtext" else PLANNED_BASES)
     if isinstance(groups, int) and groups > 1 and planner.program.per_layer:
@@ -96,32 +110,136 @@ def run(args) -> int:
         planner.decide = maxtext_taggable(planner.program.planned_names())
     if planner.objective == "time":  # how far this target's time model was checked
         print(planner.time_check, file=sys.stderr, flush=True)
-    # Presets first: the planner takes any compiled policy that beats its own plan.
+    return planner
+
+
+def _preset_records(planner, presets) -> list:
+    """The presets' records, measured by `planner`, one per distinct program with every
+    spec that compiled to it in `names`. Presets first: the planner takes any compiled
+    policy that beats its own plan."""
     named: dict[int, tuple] = {}
     for spec, r in zip(presets, planner.measure_all(presets)):
         named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
-    records = [dataclasses.replace(r, names=names) for r, names in named.values()]
+    return [dataclasses.replace(r, names=names) for r, names in named.values()]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frontier:
+    """What the planner found for the budgets.
+
+    Attributes:
+      budgets: the budgets asked for, as given (--budgets).
+      full: the least compiled memory, bytes. none: no remat's, None where it runs out.
+      fits: the budgets at or above `full`. plans: {budget: Plan} for them.
+      seconds: the planning's wall time. per_layer: {budget: per-layer Plan} (--uniform).
+      held, held_parts: what holds the minimum (`search.what_holds`), where a budget is
+        below it; else ("", None).
+    """
+
+    budgets: list
+    full: int
+    none: int | None
+    fits: list
+    plans: dict
+    seconds: float
+    per_layer: dict
+    held: str
+    held_parts: dict | None
+
+
+def _frontier(args, planner, budgets, target, rechunk) -> _Frontier:
+    """The plans for the budgets that fit, and what holds the minimum for those that
+    do not (`rechunk(n)`: the workload with its loss over n vocabulary chunks).
+    BadInput for a fraction where no remat runs out of `target`'s memory."""
+    from remat_kit.decide.search import what_holds
+    from remat_kit.policy.budget import parse_budget
     start = time.perf_counter()
     full, none = planner.minimum()
     if none is None and any(parse_budget(b).bytes is None for b in budgets):
-        raise BadInput(f"--budgets: no remat runs out of {target_list[0]}'s memory at these "
+        raise BadInput(f"--budgets: no remat runs out of {target}'s memory at these "
                        "shapes, so a fraction of it means nothing; give budgets in bytes")
     fits = [b for b in budgets if parse_budget(b).resolve(none) >= full]
     plans = dict(zip(fits, planner.frontier(fits)))
-    plan_seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     per_layer = dict(zip(fits, layered(planner).frontier(fits))) if args.uniform else {}
-    held, held_parts = (what_holds(planner, lambda n: rechunked(args, n).workload(batch, seq, mesh))
-                        if len(fits) < len(budgets) else ("", None))
+    held, held_parts = (what_holds(planner, rechunk) if len(fits) < len(budgets)
+                        else ("", None))
+    return _Frontier(budgets, full, none, fits, plans, seconds, per_layer, held, held_parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shown:
+    """What the report names beside the planner's figures: the model's label, the global
+    batch and seq, the dtype, the devices, the compiled step's words, and --emit's
+    framework (None without)."""
+
+    label: str
+    batch: int | None
+    seq: int | None
+    dtype: str
+    devices: int
+    compiled: str
+    emit_to: str | None
+
+
+def _report(args, planner, work, found: _Frontier, records, presets, shown: _Shown) -> int:
+    """The model map, the table, the lines under it, --json and --plot; 1 where no budget
+    can be met, else 0."""
+    import json
+
+    from rich.console import Console
+
+    from remat_kit.cli import report
+    from remat_kit.measure.record import MEMORY_LABELS
+
+    memory = MEMORY_LABELS[planner.memory_kind]
+    title = _title(planner, found, shown, memory)
+    table, out = _table(title, planner, found, records, presets, shown.emit_to, memory)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    print_map(work)
+    console.print(table)
+    _print_notes(console, planner, found, shown.emit_to)
+    # The presets' notes (a preset that compiles as its base rule on this model), as compare
+    # prints them: never in the JSON only.
+    for note in dict.fromkeys(n for r in records for n in r.notes):
+        print(f"note: {note}", file=sys.stderr)
+    fits = found.fits
+    console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
+                  f"{found.seconds:.1f} s"
+                  + (" (the presets compiled before, not counted)" if presets else ""))
+    if args.json is not None:
+        with outputs.atomic_write(args.json) as f:
+            json.dump({"schema_version": 1, "context": _context(planner, work, found, shown),
+                       "budgets": out, "presets": [r.to_dict() for r in records]}, f, indent=2)
+            f.write("\n")
+    if args.plot is not None:
+        planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
+                   for b, p in found.plans.items()]
+        report.plot(args.plot, report.rows(records + planned), title)
+    if not fits:
+        print(f"error: no budget can be met: each is below the least compiled memory, "
+              f"{fmt_bytes(found.full)} {memory}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
+    """The table's title: the model, sizes, dtype, platform, devices, and no remat's and
+    the least compiled memory."""
+    full, none, devices = found.full, found.none, shown.devices
+    return (f"{shown.label}: {sizes_text(shown.batch, shown.seq)}, {shown.dtype} "
+            f"({planner.measure('full').platform}"
+            f"{f', per device of {devices}; {shown.compiled}' if devices > 1 else ''}); "
+            f"no remat: {fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
+            f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
+
+
+def _table(title, planner, found: _Frontier, records, presets, emit_to, memory):
+    """(the table, --json's budget entries): a row per budget, its plan set against the
+    best preset that fits by the planner's objective."""
+    from rich.table import Table
+    from rich.text import Text
     kind = planner.memory_kind
-    compiled = rk_mesh.compiled_step(
-        "train step" if planner.step == "train" else "value-and-grad", work.mesh)
-    memory = MEMORY_LABELS[kind]
-    ok = [r for r in records if r.error is None and r.memory_bytes is not None
-          and r.memory_kind == kind]
-    title = (f"{label}: {sizes_text(batch, seq)}, {dtype} ({planner.measure('full').platform}"
-             f"{f', per device of {devices}; {compiled}' if devices > 1 else ''}); no remat: "
-             f"{fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
-             f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
     t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
               f"FLOPs: over no remat; time: predicted step time over no remat "
               f"({planner.roofline.source}); objective: {planner.objective}",
@@ -131,85 +249,89 @@ def run(args) -> int:
         words = "polic" in name or "preset" in name  # a long spec folds, it is not cut
         t.add_column(name, justify="left" if words else "right",
                      overflow="fold" if words else "ellipsis")
-    out = []
+    ok = [r for r in records if r.error is None and r.memory_bytes is not None
+          and r.memory_kind == kind]
     none_seconds = planner.seconds(parse("none"))
-    for b in budgets:
-        limit = parse_budget(b).resolve(none)
-        fitting = [r for r in ok if r.memory_bytes <= limit]
-        # The best preset by the planner's objective: fewest FLOPs or least predicted time.
-        best = min(fitting, key=planner.score, default=None)
-        best_time = best and planner.seconds(parse(best.policy)) / none_seconds - 1
-        p = plans.get(b)
-        preset_cells = ([", ".join(best.names), fmt_bytes(best.memory_bytes),
-                         f"{best.flops / planner.none_flops() - 1:+.2%}", f"{best_time:+.2%}"]
-                        if best else ["no preset fits" if presets else "not compared", "-", "-",
-                                      "-"])
-        if p is None:
-            t.add_row(b, fmt_bytes(limit), "below the minimum"
-                      + (f" ({full / none:.3f})" if none else f" ({fmt_bytes(full)})"),
-                      "-", "-", "-", "-", "-", *preset_cells)
-        else:
-            t.add_row(b, fmt_bytes(limit), p.spec, fmt_bytes(p.measured_bytes),
-                      "-" if p.memory_fraction is None else f"{p.memory_fraction:.3f}",
-                      f"{p.flops_overhead:+.2%}",
-                      "-" if p.time_overhead is None else f"{p.time_overhead:+.2%}",
-                      "cached" if p.cached else str(p.iterations), *preset_cells)
-        out.append({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
-                    "best_preset": best and (best.to_dict() | {
-                        "predicted_seconds": planner.seconds(parse(best.policy)),
-                        "time_overhead": best_time})}
-                   | extras(p, per_layer.get(b), emit_to))
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    print_map(work)
-    console.print(t)
+    out = []
+    for b in found.budgets:
+        cells, entry = _budget_row(b, planner, found, ok, bool(presets), none_seconds, emit_to)
+        t.add_row(*cells)
+        out.append(entry)
+    return t, out
+
+
+def _budget_row(b, planner, found: _Frontier, ok, presets: bool, none_seconds, emit_to):
+    """(a budget's table cells, its --json entry): its plan, or below the minimum, and the
+    best preset that fits (fewest FLOPs or least predicted time, the planner's objective)."""
+    from remat_kit.policy.budget import parse_budget
+    full, none = found.full, found.none
+    limit = parse_budget(b).resolve(none)
+    fitting = [r for r in ok if r.memory_bytes <= limit]
+    best = min(fitting, key=planner.score, default=None)
+    best_time = best and planner.seconds(parse(best.policy)) / none_seconds - 1
+    p = found.plans.get(b)
+    preset_cells = ([", ".join(best.names), fmt_bytes(best.memory_bytes),
+                     f"{best.flops / planner.none_flops() - 1:+.2%}", f"{best_time:+.2%}"]
+                    if best else ["no preset fits" if presets else "not compared", "-", "-",
+                                  "-"])
+    if p is None:
+        cells = [b, fmt_bytes(limit), "below the minimum"
+                 + (f" ({full / none:.3f})" if none else f" ({fmt_bytes(full)})"),
+                 "-", "-", "-", "-", "-", *preset_cells]
+    else:
+        cells = [b, fmt_bytes(limit), p.spec, fmt_bytes(p.measured_bytes),
+                 "-" if p.memory_fraction is None else f"{p.memory_fraction:.3f}",
+                 f"{p.flops_overhead:+.2%}",
+                 "-" if p.time_overhead is None else f"{p.time_overhead:+.2%}",
+                 "cached" if p.cached else str(p.iterations), *preset_cells]
+    entry = ({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
+              "best_preset": best and (best.to_dict() | {
+                  "predicted_seconds": planner.seconds(parse(best.policy)),
+                  "time_overhead": best_time})}
+             | extras(p, found.per_layer.get(b), emit_to))
+    return cells, entry
+
+
+def _print_notes(console, planner, found: _Frontier, emit_to) -> None:
+    """The lines under the table: offload's bandwidth, probe and notes, the step the
+    budgets cover, each budget's uniformity cost and --emit text, and what holds the
+    minimum."""
+    from remat_kit.decide.plan import CPU_OFFLOAD_NOTE
+    from remat_kit.decide.step_records import STEP_WORDS
     on_cpu = planner.target.platform == "cpu"
     if planner.host_bandwidth is not None:
-        console.print(f"offload asked for: host transfers at {planner.host_bandwidth / 1e9:.1f} GB/s "
-                      f"each way ({'this CPU' if on_cpu else planner.roofline.source}),"
+        console.print(f"offload asked for: host transfers at "
+                      f"{planner.host_bandwidth / 1e9:.1f} GB/s each way ({'this CPU' if on_cpu else planner.roofline.source}),"
                       " hidden behind each layer's predicted compute, the excess charged",
                       markup=False)
         console.print(planner.offload_probe.note, markup=False)
         if on_cpu:
             console.print(CPU_OFFLOAD_NOTE, markup=False)
-    for b, p in plans.items():
+    for b, p in found.plans.items():
         for note in p.offload_notes:
             if note not in (CPU_OFFLOAD_NOTE, planner.offload_probe.note):
                 console.print(f"budget {b}: {note}", markup=False)
     console.print(f"budgets cover {STEP_WORDS[planner.step]}", markup=False)
-    for b, p in plans.items():
-        for line in report_lines(b, p, per_layer.get(b), emit_to):
+    for b, p in found.plans.items():
+        for line in report_lines(b, p, found.per_layer.get(b), emit_to):
             console.print(line, markup=False, soft_wrap=True)
-    if held:
-        console.print(f"below the minimum: {held}", markup=False, soft_wrap=True)
-    # The presets' notes (a preset that compiles as its base rule on this model), as compare
-    # prints them: never in the JSON only.
-    for note in dict.fromkeys(n for r in records for n in r.notes):
-        print(f"note: {note}", file=sys.stderr)
-    console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
-                  f"{plan_seconds:.1f} s"
-                  + (" (the presets compiled before, not counted)" if presets else ""))
-    context = {**map_context(work), "config": label, "batch": batch, "seq": seq, "dtype": dtype,
-               "devices": devices, "step": compiled, "platform": planner.measure("full").platform,
-               "memory_kind": kind, "none_bytes": none, "minimum_bytes": full,
-               "minimum_peak": held_parts, "below_minimum": held, "plan_seconds": plan_seconds,
-               "block": work.block_name, "num_layers": work.num_layers,
-               "parameters": work.parameter_count,
-               "offload_probe": (probe := planner.offload_probe) and {
-                   **dataclasses.asdict(probe), "figure": probe.figure}}
-    if args.json is not None:
-        with outputs.atomic_write(args.json) as f:
-            json.dump({"schema_version": 1, "context": context, "budgets": out,
-                       "presets": [r.to_dict() for r in records]}, f, indent=2)
-            f.write("\n")
-    if args.plot is not None:
-        planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
-                   for b, p in plans.items()]
-        report.plot(args.plot, report.rows(records + planned), title)
-    if not fits:
-        print(f"error: no budget can be met: each is below the least compiled memory, "
-              f"{fmt_bytes(full)} {memory}", file=sys.stderr)
-        return 1
-    return 0
+    if found.held:
+        console.print(f"below the minimum: {found.held}", markup=False, soft_wrap=True)
+
+
+def _context(planner, work, found: _Frontier, shown: _Shown) -> dict:
+    """--json's `context`: the model, sizes, devices, step, platform, memory figures, the
+    planning's seconds, what holds the minimum, and the offload probe."""
+    return {**map_context(work), "config": shown.label, "batch": shown.batch, "seq": shown.seq,
+            "dtype": shown.dtype, "devices": shown.devices, "step": shown.compiled,
+            "platform": planner.measure("full").platform,
+            "memory_kind": planner.memory_kind, "none_bytes": found.none,
+            "minimum_bytes": found.full, "minimum_peak": found.held_parts,
+            "below_minimum": found.held, "plan_seconds": found.seconds,
+            "block": work.block_name, "num_layers": work.num_layers,
+            "parameters": work.parameter_count,
+            "offload_probe": (probe := planner.offload_probe) and {
+                **dataclasses.asdict(probe), "figure": probe.figure}}
 
 
 def checked_step_and_emit(args, target, budgets) -> tuple[str, str | None]:
