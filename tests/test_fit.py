@@ -433,3 +433,20 @@ def test_a_scanned_config_fits_on_a_mesh(target, mesh):
     assert row.error is None and row.size == 128 and row.capped
     looped = step_memory(cfg.replace(scan_layers=False), 4, 128, "full", mesh=m, target=target)
     assert row.memory.flops == pytest.approx(looped.flops, rel=0.02)
+
+
+def test_cli_fit_a_model_on_a_mesh_searches_sharded_steps(capsys):
+    """fit --model --mesh compiles every searched step on the mesh (it searched unsharded
+    steps before): twice the single device's batch on data:2, per device of the mesh."""
+    argv = ["fit", "--model", "tests/zoo/gpt_linen.py:model", "--budget", "1MiB",
+            "--policies", "full,minimal", "--vary", "batch", "--seq", "32"]
+    batches = {}
+    for mesh in (None, "data:2"):
+        assert cli.main(argv + (["--mesh", mesh] if mesh else [])) == 0
+        stdout = capsys.readouterr().out
+        batches[mesh] = [line.split("│")[2].strip() for line in stdout.splitlines()
+                         if line.startswith(("│ full", "│ minimal"))]
+    assert batches == {None: ["4", "4"], "data:2": ["8", "8"]}
+    assert "within 1.00 MiB per device of mesh data:2 (2 devices; sizes global)" in stdout
+    assert ("compiled: train step; gradients and optimizer state sharded like the parameters "
+            "over data:2") in stdout

@@ -170,8 +170,7 @@ def _totals(layer):
 def _print_compiled(console, c) -> None:
     """The line for the layer compiled for --target: temp memory, FLOPs, compile seconds,
     and the compiler's notes."""
-    from remat_kit.measure import targets
-    found = targets.versions(c.target)
+    found = c.target.versions
     flops = "-" if c.flops is None else f"{c.flops / 1e9:.3g} GFLOP"
     temp = fmt_bytes(c.memory.get("temp_size_in_bytes"))
     console.print(f"one layer's value-and-grad, {c.target.label} (jax {found['jax']}, "

@@ -127,7 +127,7 @@ def _check_autos(specs, budget: int) -> None:
 
 def _model(args, src, specs, sizes, mesh):
     """(what fit searches, the dtype for the title, a --model's first workload or None,
-    the mesh to pass fit (None for a --model), the rechunked model for the floor's remedy
+    the mesh to pass fit, the rechunked model for the floor's remedy
     or None). A --model is traced once at the smallest size, so a bad model fails before
     compiling."""
     batch, seq, multiple = sizes
@@ -141,9 +141,8 @@ def _model(args, src, specs, sizes, mesh):
 
     first = src.workload(*((batch, multiple) if args.vary == "seq" else (multiple, seq)), mesh)
     check_schedules(first, specs, "--policies")
-    # The searched workloads are built without --mesh, as fit has built them so far (its
-    # closure read `mesh` after it was set to None); only `first` and `rechunk` take it.
-    return (lambda b, s: src.workload(b, s)), src.dtype(first), first, None, rechunk
+    # Each searched workload carries --mesh; fit is given it too, for the sizes it splits.
+    return (lambda b, s: src.workload(b, s, mesh)), src.dtype(first), first, mesh, rechunk
 
 
 def _progress(vary: str):

@@ -239,8 +239,7 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
         return None
     flag = "--mesh"
     if text is None:  # a TPU slice: data parallel over all of its chips
-        from remat_kit.measure import targets
-        text = f"data:{len(targets.devices(target))}"
+        text = f"data:{len(target.devices)}"
         flag = f"target {target} ({text})"
     try:
         sizes = rk_mesh.parse_spec(text)
