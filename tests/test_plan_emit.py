@@ -189,6 +189,25 @@ def test_emit_maxtext_exact_and_its_refusals():
     assert emit.emit_entry(_plan("none"), "maxtext")["text"] is None
 
 
+def test_emit_maxtext_one_setting_for_context_and_attention_out_in_bfloat16():
+    # A bfloat16 softmax sums in float32 and casts the sum back; the attention roles were
+    # not found there, so attention_out stayed a decision apart from context and
+    # --emit maxtext printed context=remat beside attention_out=device.
+    cfg = own_tags_linen.DecoderConfig(dtype="bfloat16")
+    planner = Planner(from_model.workload(own_tags_linen.Decoder(cfg), 2, 16), cache=None)
+    assert planner.program.planned_names()["attention_out"] == "context"
+    planner.model_for("nothing", 1)
+    p = _plan("save:context,mlpwo", aliases=planner.aliases_of(parse("save:context,mlpwo")))
+    assert p.aliases["context"] == ["attention_out"]
+    assert emit.emit(p, "maxtext") == (
+        "remat_policy=custom decoder_layer_input=device indexer_cutoff_threshold=remat "
+        "context=device mlpwi=remat mlpwi_0=remat mlpwi_1=remat mlpwo=device "
+        "moe_mlpwi_0=remat moe_mlpwi_1=remat moe_mlpwo=remat query_proj=remat "
+        "key_proj=remat value_proj=remat kv_proj=remat qkv_proj=remat out_proj=remat "
+        "query_wa_proj=remat kv_wa_proj=remat mla_q=remat mla_kv=remat "
+        "attention_out=device engram=remat")
+
+
 def test_emit_jax_compiles_to_the_plans_bytes_and_flops():
     planner = Planner(_loss_for, _WS, _X, cache=None, groups=1)
     for bases in (("nothing",), ("nothing", "dots_no_batch", "dots")):
