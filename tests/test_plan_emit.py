@@ -208,6 +208,44 @@ def test_emit_maxtext_one_setting_for_context_and_attention_out_in_bfloat16():
         "attention_out=device engram=remat")
 
 
+_FRESH = """
+import json, sys
+import jax
+import remat_kit as rk
+from remat_kit.measure import lowering
+from remat_kit.policy.names import known_tags
+from tests.zoo import own_tags_linen
+assert "attention_out" not in known_tags()  # no planner ran in this process
+model, params, _ = own_tags_linen.make(2, 16)
+tokens = jax.numpy.zeros((2, 16), "int32")
+out = {}
+for policy in sys.argv[1:]:
+    wrapped = rk.remat_model(model, policy)
+    loss = lambda p: wrapped.apply({"params": p}, tokens).sum()
+    compiled = lowering.compile_for(lambda p: jax.value_and_grad(loss)(p), params)
+    out[policy] = [compiled.memory["temp_size_in_bytes"], compiled.flops]
+print(json.dumps(out))
+"""
+
+
+def test_remat_model_takes_a_plan_naming_an_own_tag_in_a_fresh_process(tmp_path):
+    # The model's own attention_out is a tag once the model is traced: a plan file or
+    # spec naming it runs where no planner registered it (it raised UnknownTagError).
+    work = _own_tags_workload()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({
+        "context": {"block": work.block_name, "num_layers": work.num_layers,
+                    "parameters": work.parameter_count},
+        "budgets": [{"budget": "0.5", "plan": {"spec": "save:attention_out,mlpwo"}}]}))
+    run = subprocess.run([sys.executable, "-c", _FRESH, str(path), "save:attention_out,mlpwo",
+                          "save:context,mlpwo", "save:mlpwo"],
+                         check=True, capture_output=True, text=True)
+    figures = json.loads(run.stdout.splitlines()[-1])
+    # attention_out is the value the role context names: the same program.
+    assert figures[str(path)] == figures["save:attention_out,mlpwo"] == \
+        figures["save:context,mlpwo"] != figures["save:mlpwo"]
+
+
 def test_emit_jax_compiles_to_the_plans_bytes_and_flops():
     planner = Planner(_loss_for, _WS, _X, cache=None, groups=1)
     for bases in (("nothing",), ("nothing", "dots_no_batch", "dots")):
