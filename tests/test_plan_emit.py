@@ -291,3 +291,16 @@ def test_train_step_plan_of_a_model_on_a_tpu_target():
     assert full.train_step_bytes == full.peak_memory_in_bytes > 0
     p = planner.plan(f"{full.train_step_bytes}B")
     assert p.step == "train" and p.measured_bytes <= full.train_step_bytes
+
+
+def test_maxtext_plans_never_no_remat():
+    # MaxText's config reads remat_policy 'none' as None, which checkpoints every layer:
+    # where the budget holds no remat, the plan for it keeps every tensor it names.
+    planner = Planner(_own_tags_workload(), cache=None, groups=1, bases=("nothing",),
+                      no_remat=False)
+    planner.decide = emit.maxtext_taggable(planner.program.planned_names())
+    p = planner.plan(1.0)
+    assert p.spec == "save:query_proj,key_proj,value_proj,context,out_proj,mlpwi_0,mlpwi_1"
+    assert p.measured_bytes < p.none_bytes
+    assert emit.emit(p, "maxtext").startswith("remat_policy=custom decoder_layer_input=device")
+    assert Planner(_own_tags_workload(), cache=None, groups=1).plan(1.0).spec == "none"

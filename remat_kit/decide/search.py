@@ -97,7 +97,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
                           "budget in bytes (e.g. 12GiB)", budget=budget)
     limit = parsed.resolve(none and none.memory_bytes)
     _check_minimum(planner, budget, limit, full, none)
-    if none is not None and limit >= none.memory_bytes:
+    if none is not None and limit >= none.memory_bytes and planner.no_remat:
         return _finish(planner, key, budget, limit, Policy(remat=False), none,
                             none.memory_bytes, none.flops, "the budget holds no remat", 0,
                             groups)
@@ -151,7 +151,8 @@ def _cache_key(planner, parsed, groups: int) -> str:
             f"|step={planner.step}{planner.optimizer_key()}"
             + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None
                else "")
-            + (f"|bases={','.join(planner.bases)}" if planner.bases != PLANNED_BASES else ""))
+            + (f"|bases={','.join(planner.bases)}" if planner.bases != PLANNED_BASES else "")
+            + ("" if planner.no_remat else "|remat"))
 
 
 def _check_minimum(planner, budget, limit: int, full, none) -> None:
