@@ -232,9 +232,10 @@ def _anchors(planner, base: str, groups: int, floor, model) -> list[tuple]:
     found = [(frozenset(), frozenset(), floor.memory_bytes)]
     if base == "nothing" and planner._byte_share is not None:
         kept = frozenset(t for t in model.tags if t not in model.fixed)
-        every = sum(model.nbytes[t] for t in kept) and planner.record_of(Policy(save=frozenset(
-            t if groups == 1 else t[0] for t in kept)))  # compiled for the share: no compile
-        if every and not every.error and every.memory_bytes is not None:
+        # Compiled for the share where it holds bytes; looked up, never compiled here.
+        every = planner.records.get(str(Policy(save=frozenset(
+            t if groups == 1 else t[0] for t in kept))))
+        if every is not None and not every.error and every.memory_bytes is not None:
             found.append((kept, frozenset(), every.memory_bytes))
     return found
 
