@@ -22,7 +22,8 @@ train step and full remat does. It runs
    policy search alone), timed;
 2. `remat-kit plan --step train --uniform --emit maxtext` on tests/zoo/own_tags_linen.py's
    `issue_37` (the same sizes and dtypes) (a llama2-like decoder that names its values as MaxText's does),
-   budget the chip's HBM, timed;
+   budget the chip's HBM, timed (a policy that remats: MaxText reads remat_policy=none as
+   full remat);
 3. MaxText's train step compiled (`maxtext.trainers.pre_train.train_compile`) under
    each policy and under full remat: fits, peak, FLOPs over full remat's.
 

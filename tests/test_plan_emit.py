@@ -190,6 +190,63 @@ def test_emit_maxtext_exact_and_its_refusals():
     assert emit.emit_entry(_plan("none"), "maxtext")["text"] is None
 
 
+def test_emit_maxtext_one_setting_for_context_and_attention_out_in_bfloat16():
+    # A bfloat16 softmax sums in float32 and casts the sum back; the attention roles were
+    # not found there, so attention_out stayed a decision apart from context and
+    # --emit maxtext printed context=remat beside attention_out=device.
+    cfg = own_tags_linen.DecoderConfig(dtype="bfloat16")
+    planner = Planner(from_model.workload(own_tags_linen.Decoder(cfg), 2, 16), cache=None)
+    assert planner.program.planned_names()["attention_out"] == "context"
+    planner.model_for("nothing", 1)
+    p = _plan("save:context,mlpwo", aliases=planner.aliases_of(parse("save:context,mlpwo")))
+    assert p.aliases["context"] == ["attention_out"]
+    assert emit.emit(p, "maxtext") == (
+        "remat_policy=custom decoder_layer_input=device indexer_cutoff_threshold=remat "
+        "context=device mlpwi=remat mlpwi_0=remat mlpwi_1=remat mlpwo=device "
+        "moe_mlpwi_0=remat moe_mlpwi_1=remat moe_mlpwo=remat query_proj=remat "
+        "key_proj=remat value_proj=remat kv_proj=remat qkv_proj=remat out_proj=remat "
+        "query_wa_proj=remat kv_wa_proj=remat mla_q=remat mla_kv=remat "
+        "attention_out=device engram=remat")
+
+
+_FRESH = """
+import json, sys
+import jax
+import remat_kit as rk
+from remat_kit.measure import lowering
+from remat_kit.policy.names import known_tags
+from tests.zoo import own_tags_linen
+assert "attention_out" not in known_tags()  # no planner ran in this process
+model, params, _ = own_tags_linen.make(2, 16)
+tokens = jax.numpy.zeros((2, 16), "int32")
+out = {}
+for policy in sys.argv[1:]:
+    wrapped = rk.remat_model(model, policy)
+    loss = lambda p: wrapped.apply({"params": p}, tokens).sum()
+    compiled = lowering.compile_for(lambda p: jax.value_and_grad(loss)(p), params)
+    out[policy] = [compiled.memory["temp_size_in_bytes"], compiled.flops]
+print(json.dumps(out))
+"""
+
+
+def test_remat_model_takes_a_plan_naming_an_own_tag_in_a_fresh_process(tmp_path):
+    # The model's own attention_out is a tag once the model is traced: a plan file or
+    # spec naming it runs where no planner registered it (it raised UnknownTagError).
+    work = _own_tags_workload()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({
+        "context": {"block": work.block_name, "num_layers": work.num_layers,
+                    "parameters": work.parameter_count},
+        "budgets": [{"budget": "0.5", "plan": {"spec": "save:attention_out,mlpwo"}}]}))
+    run = subprocess.run([sys.executable, "-c", _FRESH, str(path), "save:attention_out,mlpwo",
+                          "save:context,mlpwo", "save:mlpwo"],
+                         check=True, capture_output=True, text=True)
+    figures = json.loads(run.stdout.splitlines()[-1])
+    # attention_out is the value the role context names: the same program.
+    assert figures[str(path)] == figures["save:attention_out,mlpwo"] == \
+        figures["save:context,mlpwo"] != figures["save:mlpwo"]
+
+
 def test_emit_jax_compiles_to_the_plans_bytes_and_flops():
     planner = Planner(_loss_for, _WS, _X, cache=None, groups=1)
     for bases in (("nothing",), ("nothing", "dots_no_batch", "dots")):
@@ -235,3 +292,16 @@ def test_train_step_plan_of_a_model_on_a_tpu_target():
     assert full.train_step_bytes == full.peak_memory_in_bytes > 0
     p = planner.plan(f"{full.train_step_bytes}B")
     assert p.step == "train" and p.measured_bytes <= full.train_step_bytes
+
+
+def test_maxtext_plans_never_no_remat():
+    # MaxText's config reads remat_policy 'none' as None, which checkpoints every layer:
+    # where the budget holds no remat, the plan for it keeps every tensor it names.
+    planner = Planner(_own_tags_workload(), cache=None, groups=1, bases=("nothing",),
+                      no_remat=False)
+    planner.decide = emit.maxtext_taggable(planner.program.planned_names())
+    p = planner.plan(1.0)
+    assert p.spec == "save:query_proj,key_proj,value_proj,context,out_proj,mlpwi_0,mlpwi_1"
+    assert p.measured_bytes < p.none_bytes
+    assert emit.emit(p, "maxtext").startswith("remat_policy=custom decoder_layer_input=device")
+    assert Planner(_own_tags_workload(), cache=None, groups=1).plan(1.0).spec == "none"

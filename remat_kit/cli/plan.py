@@ -102,7 +102,8 @@ def _planner(args, work, target, groups, step, emit_to):
                       cache=args.cache if args.cache is not None else True,
                       target=target, groups=groups, objective=args.objective,
                       offload=args.offload, step=step,
-                      bases=("nothing",) if emit_to == "maxtext" else PLANNED_BASES)
+                      bases=("nothing",) if emit_to == "maxtext" else PLANNED_BASES,
+                      no_remat=emit_to != "maxtext")  # MaxText cannot run no remat
     if isinstance(groups, int) and groups > 1 and planner.program.per_layer:
         raise BadInput(f"--groups {groups}: not possible, {planner.program.per_layer}; "
                        "give --groups 1 or leave it out")

@@ -205,65 +205,17 @@ class Program:
         cache = {} if cache is None else cache
         group = self.groups(groups) if groups > 1 else {}
         rep = self.planned_names()
-        free = {rep.get(t, t) for t in free}
-        nbytes, flops, seconds, parents, order = {}, {}, {}, {}, {}
-
-        def planned(node):
-            tag = tag_of(node.eqn)
-            return None if tag is None else rep.get(tag, tag)
-
-        def item(node):
-            tag = planned(node)
-            return tag if groups == 1 else (tag, group.get(node.region, 0))
-
+        items = _Items(self, rep, {rep.get(t, t) for t in free}, base, group, groups)
         for node in self.nodes:
-            tag = planned(node)
-            below = self._source(node.ins[0]) if node.ins else None
-            if tag is None or tag in free or (below is not None and planned(below) == tag) \
-                    or (node.region is None and self._outside):
-                continue  # untagged, kept anyway, a value's second name, or outside every remat
-            it = item(node)
-            order.setdefault(it, None)
-            aval = node.eqn.outvars[0].aval
-            source = self._source(node.ins[0]) if node.ins else None
-            kept = source is not None and self._saved_by_base(source, base)
-            nbytes[it] = nbytes.get(it, 0) + (0 if kept else node.scale * math.prod(
-                aval.shape) * aval.dtype.itemsize)
-            reads = parents.setdefault(it, set())
-            seen, stack, segment = set(), list(node.ins), []
-            while stack:  # the segment: back to the nearest tags, inputs or base-saved values
-                e = self.producers.get(stack.pop())
-                if e is None or id(e) in seen or e.eqn.primitive.name == "scan":
-                    continue
-                seen.add(id(e))
-                if (t := planned(e)) is not None:
-                    if t not in free:
-                        reads.add(item(e))
-                    continue
-                if self._saved_by_base(e, base):
-                    continue
-                flops[it] = flops.get(it, 0.0) + e.scale * time_model.eqn_costs(e.eqn, cache)[0]
-                segment.append(e)
-                stack += e.ins
-            if roofline is not None:  # XLA fuses a recompute: priced as one op
-                seconds[it] = seconds.get(it, 0.0) + time_model.segment_seconds(
-                    segment, aval, roofline, cache)
-        tags = tuple(order)
-        wanted = {rep.get(t, t) for t in needed}
-        names = {t if groups == 1 else t[0] for t in tags}
-        aliases = {r: tuple(sorted(n for n, to in rep.items() if to == r and n != r))
-                   for r in sorted(names)}
+            items.add(node, roofline, cache)
+        tags = tuple(items.order)
         offload = {}
         if host_bandwidth is not None:
-            offload = dict(transfer={t: nbytes[t] / host_bandwidth for t in tags if nbytes[t]},
-                           hide={t: 0 if groups == 1 else t[1] for t in tags},
-                           compute=self._compute(group, roofline, cache),
-                           flop_rate=roofline.bf16_flops)
-        return CostModel(tags, nbytes, {t: flops.get(t, 0.0) for t in tags},
-                         {t: frozenset(parents[t] - {t}) for t in tags},
-                         frozenset(t for t in tags if (t if groups == 1 else t[0]) in wanted),
-                         {t: seconds.get(t, 0.0) for t in tags} if roofline else {}, base,
-                         aliases={r: a for r, a in aliases.items() if a}, **offload)
+            offload = dict(
+                transfer={t: items.nbytes[t] / host_bandwidth for t in tags if items.nbytes[t]},
+                hide={t: 0 if groups == 1 else t[1] for t in tags},
+                compute=self._compute(group, roofline, cache), flop_rate=roofline.bf16_flops)
+        return items.cost_model({rep.get(t, t) for t in needed}, roofline is not None, **offload)
 
     def _compute(self, group: dict, roofline, cache: dict) -> dict:
         """Group -> predicted forward seconds of the remat regions holding tags in it
@@ -278,6 +230,79 @@ class Program:
                 out[g] = out.get(g, 0.0) + node.scale * roofline.seconds(
                     f, b, getattr(node.eqn.outvars[0].aval, "dtype", None))
         return out
+
+
+class _Items:
+    """What `Program.model` measures per decision item, one tag node at a time: bytes,
+    recompute FLOPs and seconds, the items each segment reads, forward order."""
+
+    def __init__(self, program: Program, rep: dict, free: set, base: str, group: dict,
+                 groups: int):
+        self.program, self.rep, self.free, self.base = program, rep, free, base
+        self.group, self.groups = group, groups
+        self.nbytes, self.flops, self.seconds, self.parents, self.order = {}, {}, {}, {}, {}
+
+    def planned(self, node):
+        tag = tag_of(node.eqn)
+        return None if tag is None else self.rep.get(tag, tag)
+
+    def item(self, node):
+        tag = self.planned(node)
+        return tag if self.groups == 1 else (tag, self.group.get(node.region, 0))
+
+    def add(self, node, roofline, cache: dict) -> None:
+        """Counts `node` where it is a decided tag: its bytes (none where the base rule
+        keeps its source) and its segment's FLOPs, seconds and parents."""
+        tag, program = self.planned(node), self.program
+        below = program._source(node.ins[0]) if node.ins else None
+        if tag is None or tag in self.free or (below is not None and self.planned(below) == tag) \
+                or (node.region is None and program._outside):
+            return  # untagged, kept anyway, a value's second name, or outside every remat
+        it = self.item(node)
+        self.order.setdefault(it, None)
+        aval = node.eqn.outvars[0].aval
+        kept = below is not None and program._saved_by_base(below, self.base)
+        self.nbytes[it] = self.nbytes.get(it, 0) + (0 if kept else node.scale * math.prod(
+            aval.shape) * aval.dtype.itemsize)
+        segment = self._segment(node, self.parents.setdefault(it, set()))
+        for e in segment:  # summed in the walk's order, as the FLOPs always were
+            self.flops[it] = self.flops.get(it, 0.0) + e.scale * time_model.eqn_costs(
+                e.eqn, cache)[0]
+        if roofline is not None:  # XLA fuses a recompute: priced as one op
+            self.seconds[it] = self.seconds.get(it, 0.0) + time_model.segment_seconds(
+                segment, aval, roofline, cache)
+
+    def _segment(self, node, reads: set) -> list:
+        """The equations recomputing `node`: back to the nearest tags (added to
+        `reads` unless free), inputs, scans or base-saved values."""
+        seen, stack, segment = set(), list(node.ins), []
+        while stack:
+            e = self.program.producers.get(stack.pop())
+            if e is None or id(e) in seen or e.eqn.primitive.name == "scan":
+                continue
+            seen.add(id(e))
+            if (t := self.planned(e)) is not None:
+                if t not in self.free:
+                    reads.add(self.item(e))
+                continue
+            if self.program._saved_by_base(e, self.base):
+                continue
+            segment.append(e)
+            stack += e.ins
+        return segment
+
+    def cost_model(self, wanted: set, timed: bool, **offload) -> CostModel:
+        """The `CostModel` of the items counted; `wanted`: planned names the backward
+        reads; timed: whether seconds were predicted; offload: `CostModel`'s fields."""
+        tags, one = tuple(self.order), self.groups == 1
+        names = {t if one else t[0] for t in tags}
+        aliases = {r: tuple(sorted(n for n, to in self.rep.items() if to == r and n != r))
+                   for r in sorted(names)}
+        return CostModel(tags, self.nbytes, {t: self.flops.get(t, 0.0) for t in tags},
+                         {t: frozenset(self.parents[t] - {t}) for t in tags},
+                         frozenset(t for t in tags if (t if one else t[0]) in wanted),
+                         {t: self.seconds.get(t, 0.0) for t in tags} if timed else {},
+                         self.base, aliases={r: a for r, a in aliases.items() if a}, **offload)
 
 
 def forward_jaxpr(loss: Callable, args) -> ClosedJaxpr:

@@ -176,6 +176,10 @@ class Planner(PlannerCompiles, PlannerCosts):
         `cost_model.PLANNED_BASES`); ("nothing",) for a framework that names
         every value it keeps (`remat_kit.decide.emit`). With `decide`, it also
         narrows which compiled policies (presets) may be the plan.
+      no_remat: whether no remat may be the plan. False for a framework whose every
+        setting recomputes what it does not name: MaxText (`--emit maxtext`), whose
+        config reads remat_policy 'none' as None, which checkpoints every layer
+        (maxtext 0.2.5, configs/pyconfig.py and layers/nnx_decoders.py).
 
     Raises:
       ValueError: max_iterations not a positive int, groups not a positive int
@@ -190,7 +194,7 @@ class Planner(PlannerCompiles, PlannerCosts):
                  groups: "int | str" = "layers", objective: str | None = None,
                  predict_time: bool = True, offload: "bool | float | None" = None,
                  decide: "Collection[str] | None" = None, step: str = "grad",
-                 optimizer=None, bases: Sequence[str] = PLANNED_BASES):
+                 optimizer=None, bases: Sequence[str] = PLANNED_BASES, no_remat: bool = True):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
@@ -233,6 +237,7 @@ class Planner(PlannerCompiles, PlannerCosts):
         if not bases or set(bases) - set(PLANNED_BASES):
             raise ValueError(f"bases must be some of {', '.join(PLANNED_BASES)}, got {bases!r}")
         self.bases = tuple(b for b in PLANNED_BASES if b in bases)
+        self.no_remat = bool(no_remat)
         self.per_device = per_device
         self.records: dict[str, Record] = {}
         self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple

@@ -223,9 +223,12 @@ class PlannerCompiles:
                 and (not r.offloaded_bytes or self.plans_offload) and self._allowed(r)]
 
     def _allowed(self, record: Record) -> bool:
-        """Whether a compiled policy keeps to `bases` and `decide` (full always does)."""
+        """Whether a compiled policy keeps to `bases`, `decide` and `no_remat` (full
+        always does)."""
         policy = self._policy_of(record)
         for p in policy if isinstance(policy, tuple) else (policy,):
+            if not p.remat and not self.no_remat:
+                return False
             if p.remat and p.base not in self.bases:
                 return False
             if self.decide is not None and p.remat and not (p.save | p.offload) <= self.decide:

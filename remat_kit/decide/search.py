@@ -97,7 +97,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
                           "budget in bytes (e.g. 12GiB)", budget=budget)
     limit = parsed.resolve(none and none.memory_bytes)
     _check_minimum(planner, budget, limit, full, none)
-    if none is not None and limit >= none.memory_bytes:
+    if none is not None and limit >= none.memory_bytes and planner.no_remat:
         return _finish(planner, key, budget, limit, Policy(remat=False), none,
                             none.memory_bytes, none.flops, "the budget holds no remat", 0,
                             groups)
@@ -151,7 +151,8 @@ def _cache_key(planner, parsed, groups: int) -> str:
             f"|step={planner.step}{planner.optimizer_key()}"
             + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None
                else "")
-            + (f"|bases={','.join(planner.bases)}" if planner.bases != PLANNED_BASES else ""))
+            + (f"|bases={','.join(planner.bases)}" if planner.bases != PLANNED_BASES else "")
+            + ("" if planner.no_remat else "|remat"))
 
 
 def _check_minimum(planner, budget, limit: int, full, none) -> None:
@@ -180,6 +181,7 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
     model = planner.model_for(base, groups)
     tried, status, best = set(), "", None
     room, hi, fit = limit - floor.memory_bytes, None, False
+    anchors = _anchors(planner, base, groups, floor, model)
     for _ in range(planner.max_iterations):
         saved, offloaded, status = model.solve(room, unit, planner.objective)
         if (saved, offloaded) in tried:
@@ -195,6 +197,8 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
             room, fit = room + bump, False
             continue
         tried.add((saved, offloaded))
+        # Predicted before its compile, from the nearest compile so far (`_predict`).
+        predicted = _predict(planner, base, floor, model, saved, offloaded, anchors)
         policy = planner._policy(saved, base, groups, offloaded)
         record = planner.record_of(policy)
         tag_bytes = model.cost(saved, offloaded)[0]
@@ -204,11 +208,11 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
             hi, room = tag_bytes, max(0, tag_bytes - 1)
             continue
         used = record.memory_bytes
+        anchors.append((saved, offloaded, used))
         fit = used <= limit
         notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
         if fit:
-            found = (planner.score(record), policy, record,
-                     _predict(planner, base, floor, model, saved, offloaded))
+            found = (planner.score(record), policy, record, predicted)
             best = found if best is None or found[0] < best[0] else best
             # Fits with bytes to spare: the model over-predicted; offer the slack,
             # but stay below a room that was already too much.
@@ -221,18 +225,46 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
     return tried, status, best
 
 
-def _predict(planner, base, floor, model, saved,
-             offloaded=frozenset()) -> tuple[int, float, float | None]:
+def _anchors(planner, base: str, groups: int, floor, model) -> list[tuple]:
+    """The compiles a prediction above base rule `base` may start from, as
+    (saved, offloaded, compiled bytes): the base alone (`floor`), and above base
+    nothing every decidable tag saved (`Planner.byte_share`'s compile)."""
+    found = [(frozenset(), frozenset(), floor.memory_bytes)]
+    if base == "nothing" and planner._byte_share is not None:
+        kept = frozenset(t for t in model.tags if t not in model.fixed)
+        # Compiled for the share where it holds bytes; looked up, never compiled here.
+        every = planner.records.get(str(Policy(save=frozenset(
+            t if groups == 1 else t[0] for t in kept))))
+        if every is not None and not every.error and every.memory_bytes is not None:
+            found.append((kept, frozenset(), every.memory_bytes))
+    return found
+
+
+def _predict(planner, base, floor, model, saved, offloaded=frozenset(),
+             anchors=()) -> tuple[int, float, float | None]:
     """(device bytes, FLOPs, seconds or None) the cost model predicts for saving
     `saved` and offloading `offloaded` above base rule `base` alone (`floor`,
-    its compiled record)."""
+    its compiled record).
+
+    The bytes start from the compile in `anchors` ((saved, offloaded, compiled
+    bytes) triples; the floor where none is given) nearest this plan (the fewest
+    bytes of items decided otherwise) and add what the cost model says the
+    difference costs: the compiled figure is not linear in the kept bytes
+    (docs/plan.md, "The first estimate"), so the nearer the compile the better."""
+    def apart(anchor):
+        kept = {(t, "s") for t in saved} | {(t, "o") for t in offloaded}
+        there = {(t, "s") for t in anchor[0]} | {(t, "o") for t in anchor[1]}
+        return sum(model.nbytes[t] for t, _ in kept ^ there)
+    start_saved, start_offloaded, start = min(
+        anchors or [(frozenset(), frozenset(), floor.memory_bytes)], key=apart)
     nbytes, flops = model.cost(saved, offloaded)
+    nbytes += start - model.cost(start_saved, start_offloaded)[0]
     empty = model.cost(frozenset())[1]
     seconds = None
     if planner.objective == "time":
         seconds = planner.seconds(Policy(base=base)) - model.time(frozenset()) + \
             model.time(saved, offloaded)
-    return floor.memory_bytes + nbytes, floor.flops - empty + flops, seconds
+    return nbytes, floor.flops - empty + flops, seconds
 
 def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
             status, iterations, groups, offload_notes=()) -> Plan:

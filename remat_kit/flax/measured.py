@@ -30,10 +30,11 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from remat_kit.errors import RematSpecError, UnknownModuleError
+from remat_kit.errors import RematSpecError, UnknownModuleError, UnknownTagError
 from remat_kit.flax import blocks, from_model
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
+from remat_kit.policy.names import register_emitted
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, layer_policies, parse
 from remat_kit.trace import call_region, model_map, own_remat, regions, validate, wrapping
@@ -117,8 +118,14 @@ def _checked(plan: Mapping, where: str = "the plan") -> tuple:
 
 
 def _planned_first(spec) -> None:
-    """RematSpecError for an `auto:budget=` spec: it is planned for a model, not run."""
-    if isinstance(spec, (str, Policy)) and isinstance(parse(spec), AutoSpec):
+    """RematSpecError for an `auto:budget=` spec: it is planned for a model, not run.
+    A tag outside the vocabulary may be one of the model's own `checkpoint_name`s,
+    known once the model is traced (`_layers` registers them): checked there."""
+    try:
+        parsed = parse(spec) if isinstance(spec, (str, Policy)) else None
+    except UnknownTagError:
+        return
+    if isinstance(parsed, AutoSpec):
         raise RematSpecError(f"{spec} is planned for a model at its shapes: plan it "
                              "first (rk.plan, remat-kit plan --json) and give the plan",
                              token=str(spec))
@@ -173,6 +180,9 @@ def _layers(spec, context: dict, program: regions.Regions, cls: type) -> tuple[P
     if isinstance(spec, tuple) and len(spec) != n:
         raise RematSpecError(f"{len(spec)} per-layer policies for a model of {n} blocks "
                              f"({cls.__name__}): give one per block")
+    # The model's own checkpoint_names (attention_out) are tags a spec or plan may name,
+    # in a process where no planner has registered them.
+    register_emitted(program.emitted)
     policies = layer_policies(spec, n)
     # A plan keeps only tags its model emitted: one this model lacks means another model.
     lacking = sorted({p for policy in policies for p in validate.lacking(policy, program.emitted)})
@@ -318,7 +328,9 @@ def remat_model(model, policy, *, block=None, budget=None):
       replaced by the policy; its other remat regions stay, and warn.
     Raises:
       TypeError: not a linen or NNX module; a policy of another type.
-      RematSpecError: a spec that does not parse, an `auto:budget=` spec (plan
+      RematSpecError: a spec that does not parse (a tag neither in the vocabulary
+        nor registered: at the first call, where the model's own checkpoint_names
+        count as tags), an `auto:budget=` spec (plan
         it first), a plan file that cannot be read, or (at the first call,
         before anything compiles) a plan or list for another layer count or
         block class.

@@ -142,7 +142,8 @@ def _divided(node):
         if r.producer is None or r.producer.prim not in ("div", "integer_pow"):
             return None
         den = r.producer.ins[-1]
-    s = df.back_end(den)
+    # A low-precision softmax sums its exps in float32 and casts the sum back.
+    s = df.back_end(den, df.LAYOUT | {"broadcast_in_dim", "convert_element_type"})
     if s.producer is None or s.producer.prim != "reduce_sum":
         return None
     return num, s.producer
