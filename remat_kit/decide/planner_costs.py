@@ -51,7 +51,7 @@ class PlannerCosts:
     def roofline(self):
         """The target's `time_model.Roofline` (on CPU, measured once and cached)."""
         if self._roofline is None:
-            self._roofline = time_model.roofline(self.target)
+            self._roofline = self.target.roofline
         return self._roofline
 
     def model_for(self, base: str = "nothing", groups: int = 1) -> CostModel:
