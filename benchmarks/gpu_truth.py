@@ -280,8 +280,8 @@ def _made(run, spec: str, row: dict, target: str | None = None):
 
 
 def _xla_figures(c, made, target: str) -> dict:
-    """What the compiler says of a compiled step: `step_figures`, the time model's
-    seconds of its ops on `target`'s roofline, and XLA's FLOP count where it has one."""
+    """What the compiler says of a compiled step: `step_figures` and the time model's
+    seconds of its ops on `target`'s roofline."""
     from remat_kit.decide.step import step_figures
     from remat_kit.measure import time_model
     figures = step_figures(c, made.args)
@@ -292,12 +292,6 @@ def _xla_figures(c, made, target: str) -> dict:
             c.compiled, time_model.roofline(target))
     except Exception as e:  # noqa: BLE001 - the figure is left out, the row still runs
         out["time_model_error"] = f"{type(e).__name__}: {e}"[:300]
-    try:
-        cost = c.compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        out["xla_flops"] = (cost or {}).get("flops")
-    except Exception:  # noqa: BLE001 - not every backend counts
-        out["xla_flops"] = None
     return out
 
 

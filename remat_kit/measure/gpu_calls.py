@@ -17,43 +17,45 @@ these FLOPs the time model's total equals XLA's count of the same step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 
-import numpy as np
-
 _GEMM_DIMS = re.compile(r'"gemm_backend_config":\{.*?"dot_dimension_numbers":(\{[^}]*\})')
 
 
-def gemm_product(instr):
-    """The product's HLO shape of a cuBLAS GEMM custom call (the first element of its
-    (product, workspace) tuple); None for any other instruction.
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """A cuBLAS GEMM custom call, as the time model prices it.
+
+    Attributes:
+      product: the product's HLO shape (the first element of the call's
+        (product, workspace) tuple): what it writes, and its element type.
+      flops: 2 x product elements x the contracted size of the left operand
+        (XLA's count for the dot the call replaced).
+    """
+
+    product: object
+    flops: float
+
+
+def cublas_gemm(instr) -> Gemm | None:
+    """The `Gemm` of a cuBLAS GEMM custom call; None for any other instruction.
 
     Args:
       instr: a `jaxlib._hlo.HloInstruction`.
     """
-    if instr.opcode.name != "kCustomCall" or _GEMM_DIMS.search(instr.to_string()) is None:
+    if instr.opcode.name != "kCustomCall":
         return None
-    return instr.shape.tuple_shapes()[0] if instr.shape.is_tuple() else instr.shape
-
-
-def gpu_gemm_flops(instr) -> float | None:
-    """FLOPs of a cuBLAS GEMM custom call: 2 x product elements x the contracted
-    size of the left operand (XLA's count for a dot); None for any other op."""
-    product = gemm_product(instr)
-    if product is None:
+    found = _GEMM_DIMS.search(instr.to_string())
+    if found is None:
         return None
-    dims = json.loads(_GEMM_DIMS.search(instr.to_string()).group(1))
+    dims = json.loads(found.group(1))
+    product = instr.shape.tuple_shapes()[0] if instr.shape.is_tuple() else instr.shape
     lhs = instr.operands()[0].shape.dimensions()
     contracted = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []))
-    return 2.0 * math.prod(product.dimensions()) * contracted
+    return Gemm(product, 2.0 * math.prod(product.dimensions()) * contracted)
 
 
-def gpu_gemm_written_bytes(instr) -> int:
-    """Bytes a cuBLAS GEMM call writes to device memory: its product, not its workspace."""
-    shape = gemm_product(instr)
-    return math.prod(shape.dimensions()) * np.dtype(shape.numpy_dtype()).itemsize
-
-
-__all__ = ["gemm_product", "gpu_gemm_flops", "gpu_gemm_written_bytes"]
+__all__ = ["Gemm", "cublas_gemm"]

@@ -46,7 +46,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from remat_kit.measure import loops
-from remat_kit.measure.gpu_calls import gemm_product, gpu_gemm_flops, gpu_gemm_written_bytes
+from remat_kit.measure.gpu_calls import cublas_gemm
 from remat_kit._jax_private import hlo_module
 # Re-exported: tests, scripts and the planner read the peaks as time_model.roofline(target)
 # and type them as time_model.Roofline.
@@ -225,8 +225,6 @@ def _math(instr, comps) -> tuple[float, float]:
         return 2.0 * out * math.prod(lhs[d] for d in dims), 0.0
     if op == "kConvolution":  # XLA:TPU emits dots as convolutions
         return _convolution_flops(instr), 0.0
-    if op == "kCustomCall" and (found := gpu_gemm_flops(instr)) is not None:
-        return found, 0.0  # XLA:GPU emits most dots as cuBLAS calls
     if op == "kFusion":
         flops = trans = 0.0
         for name in _CALLED.findall(instr.to_string()):
@@ -265,8 +263,6 @@ def _boundary_bytes(instr, comps) -> float:
         return written + (_size(instr.shape)[1] if operands[0] else 0.0) + sum(operands[1:])
     if op == "kDynamicUpdateSlice":  # in place: the update is read and written
         return 2.0 * operands[1] + sum(operands[2:])
-    if op == "kCustomCall" and gpu_gemm_flops(instr) is not None:
-        written = gpu_gemm_written_bytes(instr)  # the cuBLAS workspace is scratch
     if op != "kFusion":
         return float(sum(operands) + written)
     [name] = _CALLED.findall(instr.to_string())[:1] or [None]
@@ -289,6 +285,14 @@ def _boundary_bytes(instr, comps) -> float:
                 read[params[src.name]] = 0.0
                 written -= _size(src.shape)[1] - _size(inner.operands()[1].shape)[1]
     return sum(read) + max(written, 0)
+
+
+def _gemm_cost(instr, gemm, trips: int) -> OpCost:
+    """A cuBLAS call's `OpCost`: its operands read and its product written (the
+    workspace is scratch), priced at the product's element type."""
+    nbytes = sum(_device_bytes(o.shape) for o in instr.operands()) + _device_bytes(gemm.product)
+    return OpCost(instr.name, "kCustomCall", gemm.flops, 0.0, float(nbytes),
+                  np.dtype(gemm.product.numpy_dtype()), trips)
 
 
 def compiled_ops(compiled) -> list[OpCost]:
@@ -334,8 +338,11 @@ def compiled_ops(compiled) -> list[OpCost]:
                     if name in comps:
                         walk(comps[name], n)
                 continue
+            if (gemm := cublas_gemm(instr)) is not None:  # XLA:GPU's dots, mostly
+                ops.append(_gemm_cost(instr, gemm, trips))
+                continue
             flops, trans = _math(instr, comps)
-            shape = gemm_product(instr) or instr.shape  # a cuBLAS call: its product's type
+            shape = instr.shape
             dtype = None if shape.is_tuple() or not shape.is_array() else \
                 np.dtype(shape.numpy_dtype())
             ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
