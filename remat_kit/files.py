@@ -116,6 +116,15 @@ def atomic_write(path: str, mode: str = "w"):
                 os.unlink(tmp)
 
 
+def same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one file: the same inode where both exist (a
+    hard link, a symlink, ./x and x), else the same path once symlinks are resolved."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist yet (or cannot be read)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def read_regular(path: str, limit: int) -> bytes:
     """The bytes of the regular file `path`, refusing to read more than `limit`.
 
@@ -149,4 +158,4 @@ def read_regular(path: str, limit: int) -> bytes:
     return data
 
 
-__all__ = ["OutputError", "atomic_write", "problem", "read_regular"]
+__all__ = ["OutputError", "atomic_write", "problem", "read_regular", "same_file"]

@@ -382,7 +382,7 @@ def test_damaged_and_oversized_caches(tmp_path, monkeypatch):
         assert plan_module.read_cache(str(path)) == {}
     path.write_text("# not a cache\n")  # some other file: never taken, never overwritten
     assert plan_module.read_cache(str(path)) is None
-    path.write_text(json.dumps({"k": "v" * 1000}))
-    assert plan_module.read_cache(str(path)) == {"k": "v" * 1000}
+    path.write_text(json.dumps({"k": {"v": "v" * 1000}}))
+    assert plan_module.read_cache(str(path)) == {"k": {"v": "v" * 1000}}
     monkeypatch.setattr(importlib.import_module("remat_kit.decide.plan_cache"), "CACHE_LIMIT", 100)
     assert plan_module.read_cache(str(path)) is None  # over the limit: not read past it

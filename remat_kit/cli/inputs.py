@@ -133,10 +133,55 @@ def check_output_file(path: str, flag: str, suffix: str | None = None) -> None:
 
 
 def check_json_and_plot(args) -> None:
-    """`check_output_file` for a command's --json and --plot (a .png), where given."""
+    """`check_output_file` for a command's --json and --plot (a .png), where given, and
+    `check_apart` for every file the command writes (with plan's --cache)."""
     for path, flag, suffix in ((args.json, "--json", None), (args.plot, "--plot", ".png")):
         if path is not None:
             check_output_file(path, flag, suffix=suffix)
+    written = [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot))
+               if path]
+    cache = getattr(args, "cache", "")
+    if cache is None:  # plan's default cache is written too
+        from remat_kit.decide.plan_cache import default_cache_path
+        written.append(("the plan cache", default_cache_path()))
+    elif cache:
+        written.append(("--cache", cache))
+    check_apart(written, input_files(args))
+
+
+def input_files(args) -> list[tuple[str, str]]:
+    """(what, path) of the files a command reads its model from: the --model's file
+    (FILE.py, or a package.module's once imported) and a --config .py file."""
+    import sys
+    found = []
+    spec = getattr(args, "model", None)
+    if spec:
+        path = spec.rpartition(":")[0]
+        if not (path.endswith(".py") or os.sep in path):
+            path = getattr(sys.modules.get(path), "__file__", None)
+        if path:
+            found.append((f"the file of --model {spec}", path))
+    config = getattr(args, "config", None)
+    if config and (config.endswith(".py") or os.sep in config):
+        found.append((f"--config {config}", config))
+    return found
+
+
+def check_apart(written: Sequence[tuple[str, str]], read: Sequence[tuple[str, str]]) -> None:
+    """BadInput, before any work, where a file to write (flag, path) is one of the
+    files read (what, path), or two outputs are one file (`files.same_file`: links
+    and relative paths included): one would replace the other, or the user's model.
+
+    Args:
+      written: (flag, path) of each output, e.g. ("--json", "out.json").
+      read: (what, path) of each input, e.g. ("the file of --model m.py:f", "m.py").
+    """
+    for i, (flag, path) in enumerate(written):
+        for what, other in [*read, *written[:i]]:
+            if outputs.same_file(path, other):
+                raise BadInput(f"{flag} {path!r} is {what}" + ("" if what in dict(read) else
+                               f" {other!r}") + "; writing it would replace it: give "
+                               "another path")
 
 
 def _starts_policy(piece: str) -> bool:

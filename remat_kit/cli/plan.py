@@ -40,6 +40,9 @@ def run(args) -> int:
     if args.offload:
         offload_bandwidth(target_list[0], True)  # no host memory: one line, before any work
     mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
+    if args.uniform and args.groups is not None and args.groups.strip() != "1":
+        raise BadInput(f"--uniform and --groups {args.groups} conflict: --uniform is one "
+                       "decision per tag for every layer (--groups 1); give one of them")
     if args.objective is not None and args.objective not in OBJECTIVES:
         raise BadInput(f"--objective {args.objective!r}: use one of {', '.join(OBJECTIVES)}")
     work = src.workload(batch, seq, mesh)
@@ -82,9 +85,9 @@ def _check_cache(path: str | None) -> None:
             and (why := outputs.problem(path)):
         raise BadInput(f"--cache: {why}; give a plan cache file, or '' for none")
     if path and read_cache(path) is None:
-        raise BadInput(f"--cache {path!r} is not a plan cache (a JSON object written by "
-                       f"remat-kit plan, at most {CACHE_LIMIT >> 20} MiB); give a new file, "
-                       "or '' for none")
+        raise BadInput(f"--cache {path!r} is not a plan cache (a JSON object of plans "
+                       f"written by remat-kit plan, not its --json report; at most "
+                       f"{CACHE_LIMIT >> 20} MiB); give a new file, or '' for none")
 
 
 def _planner(args, work, target, groups, step, emit_to):

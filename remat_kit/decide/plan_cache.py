@@ -179,7 +179,8 @@ _DAMAGED: set[tuple[str, bytes]] = set()  # (path, contents) of damaged caches w
 
 def read_cache(path: str) -> dict | None:
     """The plan cache at `path`: {} if there is none yet, None if the file is not
-    a plan cache (a JSON object); such a file is never overwritten.
+    a plan cache (a JSON object of objects, the sealed entries: a `plan --json`
+    report is not one); such a file is never overwritten.
 
     A damaged cache (empty, or a JSON object cut short or garbled, as a killed
     writer of an older version could leave it) reads as {} with a warning, and
@@ -202,7 +203,9 @@ def read_cache(path: str) -> dict | None:
             warnings.warn(f"plan cache {path!r} is damaged ({str(e)[:80] or 'empty'}); read "
                           "as empty, it is rewritten by the next plan", stacklevel=2)
         return {}
-    return data if isinstance(data, dict) else None
+    # Each entry is a sealed object; a report (plan --json: schema_version, budgets) is not.
+    is_cache = isinstance(data, dict) and all(isinstance(v, dict) for v in data.values())
+    return data if is_cache else None
 
 
 _count, _amount = sealed.count, sealed.amount

@@ -1,0 +1,63 @@
+"""Issue 45, the fourth break test: one test per row of its table (row 3, the host
+devices of --mesh, is the mesh issue's), the offload probe that did not fit its chip,
+and what a second sweep of the same surfaces found. Each failed on the tree before."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from remat_kit.cli import commands as cli
+
+ZOO = pathlib.Path(__file__).parent / "zoo"
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def mine(tmp_path, monkeypatch):
+    """A copy of the zoo's GPT as the user's own mine.py, the folder the cwd."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ZOO / "gpt_linen.py", tmp_path / "mine.py")
+    return tmp_path / "mine.py"
+
+
+@pytest.mark.parametrize("command", [["compare", "--policies", "full"],
+                                     ["plan", "--budgets", "0.5", "--cache", ""],
+                                     ["fit", "--budget", "1GiB"]])
+def test_row4_an_output_that_is_the_model_file_is_refused(capsys, mine, command):
+    before = mine.read_bytes()
+    code, _, err = run(capsys, *command, "--model", "mine.py:model", "--json", "./mine.py")
+    assert code == 2 and mine.read_bytes() == before
+    assert err == (f"remat-kit {command[0]}: error: --json './mine.py' is the file of --model "
+                   "mine.py:model; writing it would replace it: give another path\n")
+
+
+def test_row5_a_report_as_cache_and_one_file_for_both_are_refused(capsys, mine):
+    report = mine.parent / "plan.json"
+    report.write_text(json.dumps({"schema_version": 1, "context": {}, "budgets": []}))
+    before = report.read_bytes()
+    code, _, err = run(capsys, "plan", "--model", "mine.py:model", "--budgets", "0.5",
+                       "--cache", report)
+    assert code == 2 and report.read_bytes() == before
+    assert f"--cache {str(report)!r} is not a plan cache" in err and "--json report" in err
+    cache = mine.parent / "same.json"
+    cache.write_text("{}")
+    code, _, err = run(capsys, "plan", "--model", "mine.py:model", "--budgets", "0.5",
+                       "--json", "same.json", "--cache", "same.json")
+    assert code == 2 and cache.read_text() == "{}"
+    assert err == ("remat-kit plan: error: --cache 'same.json' is --json 'same.json'; "
+                   "writing it would replace it: give another path\n")
+
+
+def test_row8_uniform_and_groups_conflict(capsys, mine):
+    code, _, err = run(capsys, "plan", "--model", "mine.py:model", "--budgets", "0.5",
+                       "--uniform", "--groups", "2", "--cache", "")
+    assert code == 2 and err == (
+        "remat-kit plan: error: --uniform and --groups 2 conflict: --uniform is one decision "
+        "per tag for every layer (--groups 1); give one of them\n")
