@@ -61,3 +61,26 @@ def test_row8_uniform_and_groups_conflict(capsys, mine):
     assert code == 2 and err == (
         "remat-kit plan: error: --uniform and --groups 2 conflict: --uniform is one decision "
         "per tag for every layer (--groups 1); give one of them\n")
+
+
+@pytest.mark.parametrize("version", [99, "1"])
+def test_row6_a_plan_file_of_another_schema_version_is_refused(tmp_path, version):
+    import remat_kit as rk
+    from remat_kit.errors import RematSpecError
+    from zoo import gpt_linen
+    path = tmp_path / "v99.json"
+    path.write_text(json.dumps({"schema_version": version, "context": {},
+                                "budgets": [{"budget": "0.7", "plan": {"spec": "full"}}]}))
+    with pytest.raises(RematSpecError) as e:
+        rk.remat_model(gpt_linen.model(), str(path), budget="0.7")
+    assert str(e.value) == (f"plan file {str(path)!r} is not remat-kit plan --json output: its "
+                            f"schema_version is {version!r}; this remat_kit reads "
+                            f"schema_version 1; got {str(path)!r}")
+
+
+def test_a_missing_plan_file_says_it_does_not_exist(tmp_path):
+    from remat_kit.errors import RematSpecError
+    from remat_kit.flax.measured import read_plan
+    with pytest.raises(RematSpecError) as e:
+        read_plan(tmp_path / "gone.json")
+    assert str(e.value) == f"plan file {str(tmp_path / 'gone.json')!r} does not exist"

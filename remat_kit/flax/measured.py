@@ -31,6 +31,7 @@ import jax
 from flax import nnx
 
 from remat_kit.errors import RematSpecError, UnknownModuleError, UnknownTagError
+from remat_kit.files import read_regular
 from remat_kit.flax import blocks, from_model
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
@@ -38,6 +39,12 @@ from remat_kit.policy.names import register_emitted
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, layer_policies, parse
 from remat_kit.trace import call_region, model_map, own_remat, regions, validate, wrapping
+
+
+# The schema_version `remat-kit plan --json` writes, the one `read_plan` reads.
+PLAN_SCHEMA_VERSION = 1
+# The most of a plan file read: a plan is a few KB, per layer a few hundred more.
+PLAN_FILE_LIMIT = 64 << 20
 
 
 def read_plan(path: "str | os.PathLike", budget=None) -> dict:
@@ -48,8 +55,10 @@ def read_plan(path: "str | os.PathLike", budget=None) -> dict:
       budget: which budget's plan, as written on the command line ("0.5",
         "6GiB"); default the file's only plan.
     Raises:
-      RematSpecError: the file cannot be read or is not plan JSON (its
-        plans, their `spec` and `layer_specs`, its context's `block`,
+      RematSpecError: the file does not exist, cannot be read (a folder,
+        a FIFO, over `PLAN_FILE_LIMIT` bytes) or is not plan JSON (a
+        schema_version other than `PLAN_SCHEMA_VERSION`, absent read as
+        it; its plans, their `spec` and `layer_specs`, its context's `block`,
         `num_layers` and `parameters` of the wrong type: named), `budget` is
         not one of its budgets or one no policy met, or it holds several
         plans (or none) and no budget.
@@ -60,8 +69,18 @@ def read_plan(path: "str | os.PathLike", budget=None) -> dict:
         return RematSpecError(f"plan file {name!r} is not remat-kit plan --json output: {why}",
                               token=name)
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(read_regular(name, PLAN_FILE_LIMIT))
+    except FileNotFoundError:
+        raise RematSpecError(f"plan file {name!r} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise refuse(f"{type(e).__name__}: {e}") from None
+    # A hand-written plan (no schema_version) is read as this version; "1" or 99 is not.
+    version = data.get("schema_version", PLAN_SCHEMA_VERSION) if isinstance(data, dict) \
+        else PLAN_SCHEMA_VERSION
+    if type(version) is not int or version != PLAN_SCHEMA_VERSION:  # noqa: E721 - not True
+        raise refuse(f"its schema_version is {version!r}; this remat_kit reads "
+                     f"schema_version {PLAN_SCHEMA_VERSION}")
+    try:
         entries = [e for e in data["budgets"] if e.get("plan")]
         unmet = [str(e["budget"]) for e in data["budgets"] if not e.get("plan")]
         context = data.get("context", {})
@@ -345,4 +364,4 @@ def remat_model(model, policy, *, block=None, budget=None):
                     f"got {type(model).__name__} {model!r:.80}")
 
 
-__all__ = ["read_plan", "remat_model"]
+__all__ = ["PLAN_SCHEMA_VERSION", "read_plan", "remat_model"]
