@@ -6,12 +6,14 @@ print sizes the same way.
 
 
 def fmt_bytes(n) -> str:
-    """1234567 -> '1.18 MiB'; None -> '-'."""
+    """1234567 -> '1.18 MiB', in the largest binary unit up to YiB (1e30 -> '827,180.61
+    YiB'); None -> '-'."""
     if n is None:
         return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
+    for unit, power in (("YiB", 80), ("ZiB", 70), ("EiB", 60), ("PiB", 50), ("TiB", 40),
+                        ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 2**power:
+            return f"{n / 2**power:,.2f} {unit}"
     return f"{n} B"
 
 

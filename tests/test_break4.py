@@ -84,3 +84,41 @@ def test_a_missing_plan_file_says_it_does_not_exist(tmp_path):
     with pytest.raises(RematSpecError) as e:
         read_plan(tmp_path / "gone.json")
     assert str(e.value) == f"plan file {str(tmp_path / 'gone.json')!r} does not exist"
+
+
+OOM = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory in memory space hbm. "
+       "HLO temporaries (19.22G) exceeds available HBM (15.75G)\n(more lines)")
+
+
+def test_an_offload_probe_that_does_not_fit_the_chip_is_an_answer(monkeypatch):
+    """Was a RuntimeError traceback out of `plan --offload` (a llama2 decoder on v5e)."""
+    import dataclasses
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    from remat_kit.decide import offload_probe
+    from remat_kit.decide.plan import Planner
+
+    def loss(w, x):
+        for _ in range(2):
+            h = checkpoint_name(x @ w, "mlpwi")
+            x = checkpoint_name(jnp.tanh(h), "mlp_act") @ w
+        return jnp.sum(x ** 2)
+    w, x = jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((4, 16), jnp.float32)
+    planner = Planner(loss, w, x, cache=None, groups=1, offload=True)
+    real = planner.record_of
+    monkeypatch.setattr(offload_probe, "figure_cache", types.SimpleNamespace(
+        lookup=lambda *a, **k: ("key", None), store=lambda *a: pytest.fail("cached")))
+    monkeypatch.setattr(planner, "record_of", lambda p: dataclasses.replace(
+        real(p), error=OOM, temp_size_in_bytes=None) if not p.offload else real(p))
+    probe = planner.offload_probe
+    assert (probe.figure, probe.pays, planner.plans_offload) == (0.0, False, False)
+    assert probe.note == (
+        "offload probe (cpu, unrolled stack, mlpwi, mlp_act): its compile of "
+        "'save:mlpwi,mlp_act' gave no memory figure (it does not fit the chip: Ran out of "
+        "memory in memory space hbm. HLO temporaries (19.22G) exceeds available HBM (15.75G) "
+        "(more lines)), so what offload frees on this model is not measured and offload is "
+        "not planned; plan a smaller batch or seq to probe it")

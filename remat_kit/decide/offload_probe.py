@@ -32,7 +32,9 @@ compiles by 64,512 bytes), and offload is planned by that figure like any other.
 from __future__ import annotations
 
 import dataclasses
+import re
 
+from remat_kit.errors import shorten
 from remat_kit.measure import figure_cache
 from remat_kit.measure import sealed
 from remat_kit.measure.lowering import compile_options
@@ -61,6 +63,9 @@ class Probe:
       offloaded_device_bytes: device memory offloading them instead.
       offloaded_bytes: residual bytes the offload compile placed in host memory.
       cached: the figures came from the figure cache (no compile).
+      unfit: "" where both compiles gave a figure; else why one did not, e.g. the
+        program does not fit the chip: no figure (0), offload not planned, and the
+        bytes of a compile that failed are 0.
     """
 
     target: str
@@ -70,12 +75,13 @@ class Probe:
     offloaded_device_bytes: int
     offloaded_bytes: int
     cached: bool = False
+    unfit: str = ""
 
     @property
     def figure(self) -> float:
         """Device bytes removed per byte offloaded (1 ideal, 0 none, < 0 the peak rose);
-        0 where nothing was offloaded."""
-        if not self.offloaded_bytes:
+        0 where nothing was offloaded or a compile gave no figure (`unfit`)."""
+        if not self.offloaded_bytes or self.unfit:
             return 0.0
         return (self.saved_bytes - self.offloaded_device_bytes) / self.offloaded_bytes
 
@@ -92,6 +98,10 @@ class Probe:
     @property
     def note(self) -> str:
         """One line: the figure, the compiles behind it, and what the planner does with it."""
+        if self.unfit:
+            return (f"offload probe ({self.target}, {self.stack} stack, {', '.join(self.tags)}):"
+                    f" {self.unfit}, so what offload frees on this model is not measured and "
+                    "offload is not planned; plan a smaller batch or seq to probe it")
         verdict = (f"each offloaded byte is charged {1 - self.figure:.3f} device bytes"
                    if self.pays else "offload does not pay here and is not planned")
         return (f"offload probe ({self.target}, {self.stack} stack, {', '.join(self.tags)}): "
@@ -122,8 +132,9 @@ def probe(planner) -> Probe:
 
     planner: a `remat_kit.decide.plan.Planner` (its `target`, `fingerprint`,
       `record_of`, and its offload-free uniform cost model for the tags).
-    Raises:
-      RuntimeError: either compile gives no memory figure (its error named).
+    A compile that gives no memory figure (the program does not fit the chip:
+    XLA's RESOURCE_EXHAUSTED at compile time) is an answer, not a failure: the
+    `Probe` says so in `unfit` and offload is not planned. It is not cached.
     """
     tags = probe_tags(planner.offload_free_model())
     stack = stack_kind(planner.program)
@@ -135,15 +146,27 @@ def probe(planner) -> Probe:
         return Probe(str(target), stack, tags, cached=True, **{k: kept[k] for k in SCHEMA})
     saved, offloaded = (planner.record_of(Policy(save=frozenset(tags))),
                         planner.record_of(Policy(offload=frozenset(tags))))
-    for record in (saved, offloaded):
-        if record.error or record.memory_bytes is None:
-            raise RuntimeError(f"the offload probe's compile of {record.policy!r} gave no "
-                               f"memory figure: {record.error or 'the backend reports none'}")
-    figures = {"saved_bytes": saved.memory_bytes,
-               "offloaded_device_bytes": offloaded.memory_bytes,
-               "offloaded_bytes": offloaded.offloaded_bytes}
+    figures = {"saved_bytes": saved.memory_bytes or 0,
+               "offloaded_device_bytes": offloaded.memory_bytes or 0,
+               "offloaded_bytes": offloaded.offloaded_bytes or 0}
+    failed = [r for r in (saved, offloaded) if r.error or r.memory_bytes is None]
+    if failed:
+        return Probe(str(target), stack, tags, **figures, unfit="; ".join(
+            f"its compile of {r.policy!r} gave no memory figure ({_reason(r.error)})"
+            for r in failed))
     figure_cache.store(program_key, figures)
     return Probe(str(target), stack, tags, **figures)
+
+
+def _reason(error: str | None) -> str:
+    """A compile's error in a few words: XLA's out-of-memory line without its codes."""
+    if not error:
+        return "the backend reports none"
+    text = " ".join(error.split())
+    if "RESOURCE_EXHAUSTED" in text:
+        detail = text.split("RESOURCE_EXHAUSTED:", 1)[1].strip()
+        return "it does not fit the chip: " + shorten(re.sub(r"^E\d+: \w+: ", "", detail), 100)
+    return shorten(text, 100)
 
 
 __all__ = ["CPU_OFFLOAD_NOTE", "Probe", "SCHEMA", "probe", "probe_tags", "stack_kind"]
