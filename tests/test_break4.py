@@ -122,3 +122,93 @@ def test_an_offload_probe_that_does_not_fit_the_chip_is_an_answer(monkeypatch):
         "memory in memory space hbm. HLO temporaries (19.22G) exceeds available HBM (15.75G) "
         "(more lines)), so what offload frees on this model is not measured and offload is "
         "not planned; plan a smaller batch or seq to probe it")
+
+
+MODELS = '''
+import flax.linen as nn
+import jax.numpy as jnp
+from flax import nnx
+from zoo import gpt_linen
+
+
+class Tanh(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        return jnp.tanh(tokens.astype(jnp.float32))[..., None] * jnp.ones((1, 1, 8))
+
+
+class NnxTanh(nnx.Module):
+    def __call__(self, tokens):
+        return jnp.tanh(tokens.astype(jnp.float32))[..., None] * jnp.ones((1, 1, 8))
+
+
+def linen_none():
+    return Tanh()
+
+
+def nnx_none():
+    return NnxTanh()
+
+
+def one_argument_loss():
+    return gpt_linen.model(), jnp.zeros((2, 8), jnp.int32), lambda o: jnp.mean(o)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(8)(jnp.tanh(nn.Dense(8)(x)))
+
+
+class TwoInputs(nn.Module):
+    @nn.compact
+    def __call__(self, x, y):
+        for _ in range(2):
+            x = Block()(x)
+        return x
+
+
+def no_leading_axis():
+    return (TwoInputs(), (jnp.zeros((4, 8)), jnp.zeros((3, 8))),
+            lambda o, b: jnp.mean((o - b[1]) ** 2))
+'''
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ZOO.parent))
+    (tmp_path / "models.py").write_text(MODELS)
+    return "models.py"
+
+
+@pytest.mark.parametrize("function, name", [("linen_none", "Tanh"), ("nnx_none", "NnxTanh")])
+def test_row1_a_model_without_parameters_is_one_line(capsys, models, function, name):
+    code, _, err = run(capsys, "compare", "--model", f"{models}:{function}", "--batch", 2,
+                       "--seq", 8, "--policies", "full")
+    assert code == 2 and err == (
+        f"remat-kit compare: error: --model 'models.py:{function}': {name} has no parameters: "
+        "its loss has no gradient, so there is no backward pass and nothing to "
+        "rematerialize\n")
+
+
+def test_row2_a_loss_of_one_argument_is_named_with_its_line(capsys, models):
+    code, _, err = run(capsys, "compare", "--model", f"{models}:one_argument_loss",
+                       "--policies", "full")
+    line = MODELS.splitlines().index(
+        "    return gpt_linen.model(), jnp.zeros((2, 8), jnp.int32), lambda o: jnp.mean(o)") + 1
+    assert code == 2 and err == (
+        "remat-kit compare: error: --model 'models.py:one_argument_loss': the loss '<lambda>' "
+        f"at {pathlib.Path(models).resolve()}:{line} that one_argument_loss() returned takes "
+        "(o); it must take (output, batch)\n")
+
+
+def test_row13_leaves_without_a_leading_axis_are_named_with_or_without_batch(capsys, models):
+    code, _, err = run(capsys, "compare", "--model", f"{models}:no_leading_axis",
+                       "--policies", "full")
+    assert code == 2 and "on the batch (float32[4, 8], float32[3, 8]) as declared" in err
+    assert err.endswith("its leaves share no leading (batch) axis, so --batch cannot resize "
+                        "it; make every leaf [batch, ...]\n") and "batch None" not in err
+    code, _, err = run(capsys, "compare", "--model", f"{models}:no_leading_axis",
+                       "--policies", "full", "--batch", 4)
+    assert code == 2 and "share no leading (batch) axis (float32[4, 8], float32[3, 8])" in err

@@ -164,6 +164,14 @@ def _stacked(whole, seen) -> int:
     return math.prod(lead.pop()) if len(lead) == 1 else 1
 
 
+def _has_parameters(model, params) -> None:
+    """ModelError where `model` holds no parameters: its loss has no gradient, so there
+    is no backward pass, and nothing to rematerialize."""
+    if not jax.tree.leaves(params):
+        raise ModelError(f"{type(model).__name__} has no parameters: its loss has no gradient, "
+                         "so there is no backward pass and nothing to rematerialize")
+
+
 def _loose(params, instances) -> tuple:
     """The top-level names of `params` no submodule holds: parameters of the model's own
     (a learned position table), which run outside every layer."""
@@ -232,6 +240,7 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
     from one abstract `init(*args)` (`model.init` on the inputs): the one way a linen
     model's blocks are found, for its tokens or any batch (`batch_model`)."""
     instances, variables = _linen_instances(model, init, *args)
+    _has_parameters(model, variables.get("params", {}))
     return pick_block(instances, block, _loose(variables["params"], instances)), variables
 
 
@@ -310,6 +319,7 @@ def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
 def nnx_block(model: nnx.Module, block, *args, **kwargs) -> Pick:
     """The layers of `model` (`pick_block`); a stack held by one module (a scan)
     is counted by one abstract forward `model(*args, **kwargs)`."""
+    _has_parameters(model, nnx.state(model, nnx.Param))
     found = []
     for path, node in nnx.iter_graph(model):
         if path and isinstance(node, nnx.Module):

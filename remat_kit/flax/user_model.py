@@ -219,6 +219,8 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
         raise ModelError(f"--model {spec!r}: {name}() must return {batch_model.FORMS}; it "
                          f"returned a tuple ({kinds})")
     model, batch, loss = (*got, None)[:3]
+    if loss is not None:
+        _check_loss(loss, spec, name)
     try:
         shaped = batch_model.abstract(batch, "the batch")
         if loss is None and not batch_model.is_tokens(shaped):
@@ -228,9 +230,14 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
     shapes = batch_model.describe(shaped)
     first, seq_axis = batch_model.declared(shaped)
 
+    # Leaves with no common leading axis cannot be resized: --batch is refused (check_axes).
+    if first is None:
+        sizes = (f"the batch {name}() returns: its leaves share no leading (batch) axis, so "
+                 "--batch cannot resize it; make every leaf [batch, ...]")
+
     def make(size: int, seq: int, mesh=None) -> Workload:
-        return _traced(spec, f"the batch ({shapes}) at batch {size}"
-                       + (f", seq {seq}" if seq_axis else ""), sizes,
+        return _traced(spec, f"the batch ({shapes})" + (f" at batch {size}" if first else " as "
+                       "declared") + (f", seq {seq}" if seq_axis else ""), sizes,
                        lambda: batch_model.workload(
                            model, shaped, loss, size=size, seq=seq if seq_axis else None,
                            block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks),
@@ -239,6 +246,23 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
     make.model, make.batch, make.loss, make.values = model, shaped, loss, batch
     make.defaults = {"batch": first, "seq": seq_axis}
     return make
+
+
+def _check_loss(loss: Callable, spec: str, name: str) -> None:
+    """ModelError naming the loss FUNCTION returned, with its file and line, unless it
+    can be called as loss(output, batch)."""
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # no signature to read (a builtin): its call tells
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        code = getattr(loss, "__code__", None)
+        where = f" at {code.co_filename}:{code.co_firstlineno}" if code else ""
+        raise ModelError(f"--model {spec!r}: the loss {getattr(loss, '__name__', loss)!r}"
+                         f"{where} that {name}() returned takes {signature}; it must take "
+                         "(output, batch)") from None
 
 
 # Libraries a model's code calls into: a failure raised there is the caller's.
