@@ -131,8 +131,13 @@ def next_token_loss(logits, tokens, vocab_chunks: int = 1):
     vocab_chunks > 1: computed over that many vocabulary slices of the logits
     (`chunked_loss.chunked_logits_loss`), equal to the plain loss without its
     float32 copies of the logits and their gradient (the model's own logits stay).
-    Raises ModelError: vocab_chunks below 1 or not dividing the vocabulary.
+    Raises ModelError: fewer than 2 positions (no target: a mean over nothing, NaN),
+    vocab_chunks below 1 or not dividing the vocabulary.
     """
+    if tokens.shape[1] < 2:
+        raise ModelError(f"seq {tokens.shape[1]}: the next-token loss needs seq >= 2 (each "
+                         "position predicts the next; at seq 1 none has a target, and the "
+                         "loss is a mean over nothing, NaN)")
     if vocab_chunks == 1:
         logits = logits[:, :-1].astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
