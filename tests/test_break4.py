@@ -232,3 +232,32 @@ def test_row9_seq_1_is_refused_for_a_next_token_loss(capsys, mine, tmp_path):
     with pytest.raises(BadInput, match=r"seq 1: the next-token loss needs seq >= 2 \("):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_row7_emit_jax_refuses_names_only_remat_kit_tags():
+    """The model tags nothing itself: `mlpwi` is a role remat_kit infers under
+    rk.remat_model, so save_only_these_names(["mlpwi"]) under jax.checkpoint saves nothing."""
+    from remat_kit.decide import emit
+    from remat_kit.decide.plan_cache import Plan
+    from remat_kit.flax import user_model
+    from remat_kit.policy.spec import parse
+
+    plain = user_model.load(str(ZOO / "gpt_linen.py") + ":model")[1]
+    tagged = user_model.load(str(ZOO / "own_tags_linen.py") + ":model")[1]
+    assert user_model.own_tags(plain, 2, 8) == frozenset()
+    assert user_model.own_tags(tagged, 2, 8) >= {"attention_out", "mlpwo"}
+    plan = Plan(budget="0.5", budget_bytes=1, policy=parse("save:mlpwi,mlpwo"),
+                spec="save:mlpwi,mlpwo", predicted_bytes=0, predicted_flops=0.0,
+                measured_bytes=0, measured_flops=1.0, none_bytes=1, none_flops=1.0,
+                minimum_bytes=0, status="", iterations=1, platform="cpu",
+                memory_kind="temp_size_in_bytes")
+    entry = emit.emit_entry(plan, "jax", frozenset())
+    assert entry["text"] is None and entry["refused"] == (
+        "--emit jax: the plan keeps mlpwi, a name remat_kit infers and tags only under "
+        "rk.remat_model, not a name the model gives its values (as a jax.checkpoint policy "
+        "it would save nothing): --emit remat_kit runs it, "
+        "rk.remat_model(model, 'save:mlpwi,mlpwo')")
+    # A model that names mlpwi and mlpwo itself gets the expression.
+    assert emit.emit(plan, "jax", frozenset({"mlpwi", "mlpwo"})).startswith(
+        'jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved='
+        '["mlpwi", "mlpwo"]')

@@ -58,7 +58,8 @@ def run(args) -> int:
                       lambda n: rechunked(args, n).workload(batch, seq, mesh))
     shown = _Shown(src.label, batch, seq, src.dtype(work), 1 if mesh is None else mesh.size,
                    rk_mesh.compiled_step("train step" if planner.step == "train"
-                                         else "value-and-grad", work.mesh), emit_to)
+                                         else "value-and-grad", work.mesh), emit_to,
+                   _own_tags(src, batch, seq) if emit_to == "jax" else None)
     return _report(args, planner, work, found, records, presets, shown)
 
 
@@ -175,7 +176,7 @@ def _frontier(args, planner, budgets, target, rechunk) -> _Frontier:
 class _Shown:
     """What the report names beside the planner's figures: the model's label, the global
     batch and seq, the dtype, the devices, the compiled step's words, and --emit's
-    framework (None without)."""
+    framework (None without) and the names the model emits itself (None: not known)."""
 
     label: str
     batch: int | None
@@ -184,6 +185,7 @@ class _Shown:
     devices: int
     compiled: str
     emit_to: str | None
+    own_tags: frozenset | None = None  # the names the model emits itself (--emit jax)
 
 
 def _report(args, planner, work, found: _Frontier, records, presets, shown: _Shown) -> int:
@@ -198,11 +200,12 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
 
     memory = MEMORY_LABELS[planner.memory_kind]
     title = _title(planner, found, shown, memory)
-    table, out = _table(title, planner, found, records, presets, shown.emit_to, memory)
+    table, out = _table(title, planner, found, records, presets, shown.emit_to, memory,
+                        shown.own_tags)
     console = Console(width=None if sys.stdout.isatty() else 200)
     print_map(work)
     console.print(table)
-    _print_notes(console, planner, found, shown.emit_to)
+    _print_notes(console, planner, found, shown.emit_to, shown.own_tags)
     # The presets' notes (a preset that compiles as its base rule on this model), as compare
     # prints them: never in the JSON only.
     for note in dict.fromkeys(n for r in records for n in r.notes):
@@ -239,7 +242,7 @@ def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
             f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
 
 
-def _table(title, planner, found: _Frontier, records, presets, emit_to, memory):
+def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, own=None):
     """(the table, --json's budget entries): a row per budget, its plan set against the
     best preset that fits by the planner's objective."""
     from rich.table import Table
@@ -259,13 +262,15 @@ def _table(title, planner, found: _Frontier, records, presets, emit_to, memory):
     none_seconds = planner.seconds(parse("none"))
     out = []
     for b in found.budgets:
-        cells, entry = _budget_row(b, planner, found, ok, bool(presets), none_seconds, emit_to)
+        cells, entry = _budget_row(b, planner, found, ok, bool(presets), none_seconds, emit_to,
+                                   own)
         t.add_row(*cells)
         out.append(entry)
     return t, out
 
 
-def _budget_row(b, planner, found: _Frontier, ok, presets: bool, none_seconds, emit_to):
+def _budget_row(b, planner, found: _Frontier, ok, presets: bool, none_seconds, emit_to,
+                own=None):
     """(a budget's table cells, its --json entry): its plan, or below the minimum, and the
     best preset that fits (fewest FLOPs or least predicted time, the planner's objective)."""
     from remat_kit.policy.budget import parse_budget
@@ -293,11 +298,11 @@ def _budget_row(b, planner, found: _Frontier, ok, presets: bool, none_seconds, e
               "best_preset": best and (best.to_dict() | {
                   "predicted_seconds": planner.seconds(parse(best.policy)),
                   "time_overhead": best_time})}
-             | extras(p, found.per_layer.get(b), emit_to))
+             | extras(p, found.per_layer.get(b), emit_to, own))
     return cells, entry
 
 
-def _print_notes(console, planner, found: _Frontier, emit_to) -> None:
+def _print_notes(console, planner, found: _Frontier, emit_to, own=None) -> None:
     """The lines under the table: offload's bandwidth, probe and notes, the step the
     budgets cover, each budget's uniformity cost and --emit text, and what holds the
     minimum."""
@@ -318,7 +323,7 @@ def _print_notes(console, planner, found: _Frontier, emit_to) -> None:
                 console.print(f"budget {b}: {note}", markup=False)
     console.print(f"budgets cover {STEP_WORDS[planner.step]}", markup=False)
     for b, p in found.plans.items():
-        for line in report_lines(b, p, found.per_layer.get(b), emit_to):
+        for line in report_lines(b, p, found.per_layer.get(b), emit_to, own):
             console.print(line, markup=False, soft_wrap=True)
     if found.held:
         console.print(f"below the minimum: {found.held}", markup=False, soft_wrap=True)
@@ -337,6 +342,13 @@ def _context(planner, work, found: _Frontier, shown: _Shown) -> dict:
             "parameters": work.parameter_count,
             "offload_probe": (probe := planner.offload_probe) and {
                 **dataclasses.asdict(probe), "figure": probe.figure}}
+
+
+def _own_tags(src, batch, seq) -> frozenset | None:
+    """The names a --model emits itself (`user_model.own_tags`); None for --config (the
+    reference transformer tags its own values) and a Workload FUNCTION (not known)."""
+    from remat_kit.flax.user_model import own_tags
+    return None if src.cfg is not None else own_tags(src.make, batch, seq)
 
 
 def checked_step_and_emit(args, target, budgets) -> tuple[str, str | None]:
@@ -371,21 +383,21 @@ def _uniformity(p, per_layer) -> dict:
             "bytes": p.measured_bytes - per_layer.measured_bytes}
 
 
-def extras(p, per_layer, emit_to: str | None) -> dict:
+def extras(p, per_layer, emit_to: str | None, own=None) -> dict:
     """A budget's --json entries for --uniform ("per_layer", "uniformity_cost") and
-    --emit ("emit": `emit.emit_entry`)."""
+    --emit ("emit": `emit.emit_entry`, `own` the names the model emits itself)."""
     from remat_kit.decide.emit import emit_entry
     out = {}
     if per_layer is not None and p is not None:
         out |= {"per_layer": per_layer.to_dict(), "uniformity_cost": _uniformity(p, per_layer)}
     if emit_to is not None:
-        out["emit"] = p and emit_entry(p, emit_to)
+        out["emit"] = p and emit_entry(p, emit_to, own)
     return out
 
 
-def report_lines(budget, p, per_layer, emit_to: str | None) -> list[str]:
+def report_lines(budget, p, per_layer, emit_to: str | None, own=None) -> list[str]:
     """The lines under the table for one budget: what uniformity costs, and the plan
-    written out for --emit (or the one line saying why it cannot be)."""
+    written out for --emit (or the one line saying why it cannot be; `own` as `extras`)."""
     from remat_kit.decide.emit import emit_entry
     lines = []
     if per_layer is not None:
@@ -395,7 +407,7 @@ def report_lines(budget, p, per_layer, emit_to: str | None) -> list[str]:
                      f"({per_layer.spec}: {per_layer.flops_overhead:+.2%}, "
                      f"{fmt_bytes(per_layer.measured_bytes)})")
     if emit_to is not None:
-        entry = emit_entry(p, emit_to)
+        entry = emit_entry(p, emit_to, own)
         lines.append(f"budget {budget}, --emit {emit_to}:")
         lines.append(entry["text"] if entry["refused"] is None else f"refused: {entry['refused']}")
     return lines

@@ -121,15 +121,20 @@ def _quoted(names: Iterable[str]) -> str:
     return "[" + ", ".join(f'"{n}"' for n in names) + "]"
 
 
-def jax_policy(plan) -> str:
+def jax_policy(plan, own: frozenset | None = None) -> str:
     """The `jax.checkpoint_policies` expression of `plan`, for a model that tags its
     values with these names itself, e.g. `jax.checkpoint_policies.save_and_offload_
     only_these_names(names_which_can_be_saved=["mlpwi"], names_which_can_be_offloaded=[],
     offload_src="device", offload_dst="pinned_host")`.
 
+    Args:
+      own: the names the model emits itself (`user_model.own_tags`); None where not
+        known, then every name of a kept tag but a module path is taken for one.
     Raises:
-      EmitError: a per-layer plan, a base rule with offload, or a kept tag whose
-        only names are module paths remat_kit tags (the model does not name them).
+      EmitError: a per-layer plan, a base rule with offload, or a kept tag the
+        model does not name itself (a module path, or a role remat_kit infers and
+        tags only under `rk.remat_model`): under `jax.checkpoint` the policy would
+        save nothing of it. The line gives the `--emit remat_kit` form.
     """
     policy = _uniform(plan, "jax", "a jax.checkpoint policy")
     cp = "jax.checkpoint_policies"
@@ -137,11 +142,15 @@ def jax_policy(plan) -> str:
         return f"{cp}.everything_saveable"
     lists = {"save": [], "offload": []}
     for tag, decision in kept_tags(plan, policy).items():
-        own = [n for n in (tag, *plan.aliases.get(tag, ())) if not is_path(n)]
-        if not own:
-            raise EmitError(f"--emit jax: the plan keeps {tag}, a module path remat_kit tags, "
-                            "not a name the model gives its values: --emit remat_kit runs it")
-        lists[decision] += own
+        names = [n for n in (tag, *plan.aliases.get(tag, ()))
+                 if not is_path(n) and (own is None or n in own)]
+        if not names:
+            what = ("a module path remat_kit tags" if is_path(tag) else
+                    "a name remat_kit infers and tags only under rk.remat_model")
+            raise EmitError(f"--emit jax: the plan keeps {tag}, {what}, not a name the model "
+                            "gives its values (as a jax.checkpoint policy it would save "
+                            f"nothing): --emit remat_kit runs it, {remat_kit_call(plan)}")
+        lists[decision] += names
     names = (f"{cp}.save_and_offload_only_these_names(names_which_can_be_saved="
              f"{_quoted(lists['save'])}, names_which_can_be_offloaded="
              f"{_quoted(lists['offload'])}, offload_src=\"{policy.offload_src}\", "
@@ -164,24 +173,26 @@ def remat_kit_call(plan) -> str:
     return f"rk.remat_model(model, {plan.spec!r})"
 
 
-def emit(plan, framework: str) -> str:
-    """`plan` written for `framework` ("maxtext", "jax" or "remat_kit").
+def emit(plan, framework: str, own: frozenset | None = None) -> str:
+    """`plan` written for `framework` ("maxtext", "jax" or "remat_kit"); `own`: the
+    names the model emits itself, for "jax" (`jax_policy`).
 
     Raises:
       EmitError: the framework cannot run the plan (the message says why).
       ValueError: an unknown framework (the message lists `FRAMEWORKS`).
     """
-    makers = {"maxtext": maxtext, "jax": jax_policy, "remat_kit": remat_kit_call}
+    makers = {"maxtext": maxtext, "jax": lambda p: jax_policy(p, own),
+              "remat_kit": remat_kit_call}
     if framework not in makers:
         raise ValueError(f"--emit {framework!r}: give one of {', '.join(FRAMEWORKS)}")
     return makers[framework](plan)
 
 
-def emit_entry(plan, framework: str) -> dict:
+def emit_entry(plan, framework: str, own: frozenset | None = None) -> dict:
     """What `--json` writes under "emit": {"framework", "text" (None where refused),
-    "refused" (the one line, or None)}."""
+    "refused" (the one line, or None)}; `own` as `emit`'s."""
     try:
-        return {"framework": framework, "text": emit(plan, framework), "refused": None}
+        return {"framework": framework, "text": emit(plan, framework, own), "refused": None}
     except EmitError as e:
         return {"framework": framework, "text": None, "refused": str(e)}
 

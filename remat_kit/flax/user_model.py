@@ -180,6 +180,36 @@ def check_axes(spec: str, make: Callable, *, seq=None, batch=None, vary=None) ->
                          "every leaf [batch, ...]")
 
 
+def own_tags(make: Callable, batch: int, seq: int) -> frozenset | None:
+    """The `checkpoint_name`s the model of `make` (`load`) emits itself (on tokens
+    [batch, seq], or its FUNCTION's batch as declared):
+    its own forward traced with no remat_kit tagging (no FLOPs run). None where `make`
+    builds no Flax model (a Workload FUNCTION) or the plain forward does not trace: then
+    whose names are whose is not known. Roles (query_proj, mlpwi, ...) that remat_kit
+    infers exist only under `rk.remat_model`, not in this set."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from remat_kit.trace.validate import emitted_tags
+    model = getattr(make, "model", None)
+    if model is None:
+        return None
+    shaped = getattr(make, "batch", None)  # as declared: which names, not sizes, matter
+    inputs = jax.ShapeDtypeStruct((batch, seq), jnp.int32) if shaped is None else shaped
+    args, kwargs = batch_model.call_args(model, inputs)
+    try:
+        with _no_exit():
+            if isinstance(model, nnx.Module):
+                graphdef, state = nnx.split(model)
+                return frozenset(emitted_tags(
+                    lambda s: nnx.merge(graphdef, s)(*args, **kwargs), state))
+            variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+            return frozenset(emitted_tags(lambda v: model.apply(v, *args, **kwargs), variables))
+    except (Exception, ExitCalled):  # noqa: BLE001 - unknown, not a failure of the command
+        return None
+
+
 def _traced(spec: str, inputs: str, sizes: str, build: Callable,
             loss: Callable | None = None) -> Workload:
     """`build()`, the model's workload, with every failure a ModelError in one line:
@@ -359,4 +389,4 @@ def _named(workload: Workload, label: str) -> Workload:
     return dataclasses.replace(workload, name=label)
 
 
-__all__ = ["FORMS", "check_axes", "load"]
+__all__ = ["FORMS", "check_axes", "load", "own_tags"]
