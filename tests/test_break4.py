@@ -171,6 +171,72 @@ class TwoInputs(nn.Module):
 def no_leading_axis():
     return (TwoInputs(), (jnp.zeros((4, 8)), jnp.zeros((3, 8))),
             lambda o, b: jnp.mean((o - b[1]) ** 2))
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8)(nn.gelu(nn.Dense(16)(x)))
+
+
+class MlpRematBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.remat(MLP)()(nn.LayerNorm()(x))
+
+
+class Tied(nn.Module):
+    block: type = Block
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(32, 8)
+        x = embed(tokens)
+        for _ in range(2):
+            x = self.block()(x)
+        return jnp.tanh(x) @ embed.embedding.T
+
+
+def mlp_remat():
+    return Tied(MlpRematBlock)
+
+
+def linen_own_ops():
+    return Tied()
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.l0, self.l1 = nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.l1(jnp.tanh(self.l0(x)))
+
+
+class NnxTied(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(32, 8, rngs=rngs)
+        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(2)])
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return jnp.tanh(x) @ self.embed.embedding[...].T
+
+
+def nnx_own_ops():
+    return NnxTied(nnx.Rngs(0))
+
+
+def scanned():
+    import scan_nnx
+    return scan_nnx.model(scan=True)
+
+
+def unrolled():
+    import scan_nnx
+    return scan_nnx.model(scan=False)
 '''
 
 
@@ -178,6 +244,7 @@ def no_leading_axis():
 def models(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(ZOO.parent))
+    monkeypatch.syspath_prepend(str(ZOO))
     (tmp_path / "models.py").write_text(MODELS)
     return "models.py"
 
@@ -261,3 +328,32 @@ def test_row7_emit_jax_refuses_names_only_remat_kit_tags():
     assert emit.emit(plan, "jax", frozenset({"mlpwi", "mlpwo"})).startswith(
         'jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved='
         '["mlpwi", "mlpwo"]')
+
+
+def _map(capsys, models, function):
+    code, out, err = run(capsys, "explain", "--model", f"{models}:{function}", "--batch", 2,
+                         "--seq", 8, "--map")
+    assert code == 0, err
+    return out.splitlines()
+
+
+def test_row10_a_remat_around_the_mlp_alone_is_kept_and_said_so(capsys, models):
+    [line, *_] = _map(capsys, models, "mlp_remat")
+    assert line == ("model map: 2 x MlpRematBlock, scanned: no; own remat: 2 x "
+                    "jax.checkpoint(nothing_saveable) inside a layer, kept under every policy "
+                    "(not a whole layer); outside: Embed_0, the model's own call: 3 ops (tanh, "
+                    "transpose, dot_general), loss")
+
+
+def test_row11_scanned_and_unrolled_layers_count_parameters_per_layer(capsys, models):
+    scan = _map(capsys, models, "scanned")
+    plain = _map(capsys, models, "unrolled")
+    per_layer = plain[1].rpartition(", ")[2]
+    assert per_layer == plain[2].rpartition(", ")[2] and per_layer.endswith(" parameters")
+    assert scan[1].endswith(f", {per_layer} each, scanned x2")
+
+
+def test_row12_nnx_and_linen_maps_name_the_models_own_call_alike(capsys, models):
+    own = "outside: {}, the model's own call: 3 ops (tanh, transpose, dot_general), loss"
+    assert _map(capsys, models, "linen_own_ops")[0].endswith(own.format("Embed_0"))
+    assert _map(capsys, models, "nnx_own_ops")[0].endswith(own.format("embed"))

@@ -211,7 +211,9 @@ class BatchInputs:
 
             def marked(params, b, rest):
                 args, kwargs = call_args(model, b)
-                return _scalar(loss(nnx.merge(graphdef, params, rest)(*args, **kwargs), b), loss)
+                out = from_model.nnx_root_call(nnx.merge(graphdef, params, rest), *args,
+                                               **kwargs)
+                return _scalar(loss(out, b), loss)
 
             shapes = lambda s: jax.tree.map(  # noqa: E731
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s)

@@ -350,13 +350,20 @@ def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
     return tagged
 
 
+def nnx_root_call(model: nnx.Module, *args, **kwargs):
+    """`model(*args, **kwargs)` under a name scope of its class, as linen scopes its root:
+    the ops of its own call are then told from the loss's (`own_call`)."""
+    with jax.named_scope(type(model).__name__):
+        return model(*args, **kwargs)
+
+
 def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     pick = nnx_block(model, block, tokens)
     graphdef, params, rest = nnx.split(nnx_marked(model, pick.cls), nnx.Param, ...)
 
     def marked(params, tokens, rest):
-        out = nnx.merge(graphdef, params, rest)(tokens)
+        out = nnx_root_call(nnx.merge(graphdef, params, rest), tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     return pick, marked, (params, tokens, _plain(rest))
@@ -460,7 +467,9 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         return traced_regions.loss(layer_policies(policy, n) if n else ())
 
     label = name or type(model).__name__
-    root = (model.name or type(model).__name__) if isinstance(model, nn.Module) else None
+    # linen scopes its root by name; NNX's is scoped by class (`nnx_root_call`)
+    root = ((model.name or type(model).__name__) if isinstance(model, nn.Module)
+            else type(model).__name__)
     mine = own_call.own_call(traced.jaxpr, KEY, root)  # a tied head's bare matmul, say
     the_map = model_map.ModelMap(model_map.stacks_of(list(pick.layers)), own.regions,
                                  (*pick.outside, *([mine] if mine else []), "loss"))

@@ -118,16 +118,17 @@ class ModelMap:
 
     def lines(self) -> list[str]:
         """The map in full: the line, then one line per layer (a scan's instance once,
-        with its layer count), for `remat-kit explain --map`."""
+        with its layer count), for `remat-kit explain --map`. Parameters are counted
+        per layer, a scan's too ("8,480 parameters each, scanned x2")."""
         out = [self.line()]
         i = 0
         for layer in self.layers:
             first = f"{i}-{i + layer.copies - 1}" if layer.copies > 1 else f"{i}"
             shape = f", structure {layer.structure}" + (f" ({layer.label})" if layer.label
                                                          else "")
-            scan = f", scanned x{layer.copies}" if layer.copies > 1 else ""
+            scan = f" each, scanned x{layer.copies}" if layer.copies > 1 else ""
             out.append(f"  layer {first}: {layer.path or '(root)'} {layer.cls}{shape}, "
-                       f"{layer.parameters:,} parameters{scan}")
+                       f"{layer.parameters // layer.copies:,} parameters{scan}")
             i += layer.copies
         return out
 

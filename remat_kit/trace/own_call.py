@@ -5,11 +5,12 @@ operations hold no parameter of their own, so they are named here, from the one 
 jaxpr (no extra trace), as "the model's own call: 2 ops (slice, add)".
 
 Attribution reads each equation's name stack, which holds the module path: Flax linen
-scopes every module call (`jax.named_scope`, on by default via `flax_profile`), and
-`rk.nnx.auto_tag` every NNX submodule's. In linen an equation whose stack is the root
-module's alone is the model's own call. An NNX root is not scoped, nor is the loss: an
-equation with no stack there is named only if it is a matmul or a convolution (the
-next-token loss holds none), the FLOPs that matter. Only equations that read the batch
+scopes every module call (`jax.named_scope`, on by default via `flax_profile`),
+`rk.nnx.auto_tag` every NNX submodule's, and the providers an NNX root's by its class
+(`from_model.nnx_root_call`). An equation whose stack is the root module's alone is the
+model's own call, in linen and NNX alike. Where a root is not scoped (root None), an
+equation with no stack is named only if it is a matmul or a convolution (the next-token
+loss holds none), the FLOPs that matter. Only equations that read the batch
 or the parameters count: a position table built from `jnp.arange` is a constant.
 """
 
@@ -54,8 +55,9 @@ def own_call(jaxpr, key: str, root: str | None) -> str | None:
     Args:
       jaxpr: the traced loss (a `jax.core.Jaxpr`), its layers marked with `key`.
       key: the marker key of the layer regions (`remat_kit.flax.from_model.KEY`).
-      root: the root module's scope name (a linen model's class name), or None where
-        the root is not scoped (NNX): matmuls with no scope then count.
+      root: the root module's scope name (a linen model's name or class name, an NNX
+        model's class name), or None where the root is not scoped: matmuls with no
+        scope then count.
     """
     found = [prim for stack, prim in _ops(jaxpr, key, "", set(jaxpr.invars))
              if (root is not None and stack == root) or (not stack and prim in _MATMULS)]

@@ -5,7 +5,7 @@ A library's `gradient_checkpointing` flag wraps each layer class in `nn.remat`; 
 scanned decoder runs its scan body under `jax.checkpoint` with a policy of its own. Traced
 with its layers marked (`remat_kit.trace.regions`), such a region either holds exactly one
 marked layer and no matmul beside it, or is the whole of one marked layer: it is that
-layer's remat, and the policy being measured replaces it (`Found.taken`: the interpreter
+layer's remat (beside it only tags, reshapes and casts), and the policy being measured replaces it (`Found.taken`: the interpreter
 runs it inline, inside the policy's region), so `none` means no remat. Any other own
 region (around part of a layer, around several, outside every layer) stays under every
 policy, and the model map says so.
@@ -18,6 +18,9 @@ import dataclasses
 from remat_kit.trace import wrapping
 from remat_kit.trace.marked import is_marked, region, sub_jaxprs
 
+# Equations that compute nothing: beside a remat region, it is still the whole layer.
+_PLUMBING = frozenset({"name", "reshape", "convert_element_type", "copy", "copy_p", "squeeze",
+                       "expand_dims"})
 # Primitives whose FLOPs make a region more than a layer's wrapper.
 _WORK = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 
@@ -83,10 +86,13 @@ def _work(jaxpr, memo: dict) -> int:
 
 
 def _only(body, pick, memo: dict):
-    """The one top-level equation of `body` that `pick` selects where every matmul of
-    `body` is inside it, else None."""
+    """The one top-level equation of `body` that `pick` selects where it is all `body`
+    computes: every matmul of `body` is inside it and the equations beside it only tag,
+    reshape or cast (`_PLUMBING`), else None. A norm or a residual add beside it makes it
+    part of a layer: a remat around the MLP alone is not the layer's."""
     hits = [e for e in body.eqns if pick(e)]
-    if len(hits) != 1:
+    if len(hits) != 1 or any(e is not hits[0] and e.primitive.name not in _PLUMBING
+                             for e in body.eqns):
         return None
     inner = region(hits[0])[0]
     return hits[0] if _work(inner, memo) == _work(body, memo) else None
