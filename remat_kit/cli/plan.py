@@ -218,7 +218,8 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
         from remat_kit.flax.measured import PLAN_SCHEMA_VERSION
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": PLAN_SCHEMA_VERSION,
-                       "context": _context(planner, work, found, shown), "budgets": out, "presets": [r.to_dict() for r in records]}, f, indent=2)
+                       "context": _context(planner, work, found, shown), "budgets": out,
+                       "presets": [r.to_dict() for r in records]}, f, indent=2)
             f.write("\n")
     if args.plot is not None:
         planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))

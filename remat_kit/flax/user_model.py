@@ -14,6 +14,7 @@ before anything compiles.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -151,7 +152,7 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
     _check_module(model, spec, name)
 
     def make(batch: int, seq: int, mesh=None) -> Workload:
-        return _traced(spec, f"int32 tokens [{batch}, {seq}]", sizes, lambda: model_workload(
+        return traced(spec, f"int32 tokens [{batch}, {seq}]", sizes, lambda: model_workload(
             model, batch, seq, block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks))
 
     make.model = model  # the module itself, for callers that train it (experiments.train)
@@ -210,11 +211,12 @@ def own_tags(make: Callable, batch: int, seq: int) -> frozenset | None:
         return None
 
 
-def _traced(spec: str, inputs: str, sizes: str, build: Callable,
-            loss: Callable | None = None) -> Workload:
-    """`build()`, the model's workload, with every failure a ModelError in one line:
-    the model's own or its `loss`'s (it failed on `inputs`; other shapes are set
-    with `sizes`), or remat_kit's, said to be a remat_kit bug."""
+def traced(spec: str, inputs: str, sizes: str, build: Callable, loss: Callable | None = None):
+    """`build()` (the model's workload, or a trace of the user's loss), with every
+    failure a ModelError in one line: the one place that tells the user's code from
+    remat_kit's. The model's own or its `loss`'s (it failed on `inputs`; other shapes are
+    set with `sizes`), with the file and line of the user's frame, or remat_kit's, said
+    to be a remat_kit bug."""
     try:
         with _no_exit():
             return build()
@@ -227,7 +229,7 @@ def _traced(spec: str, inputs: str, sizes: str, build: Callable,
                              f"{where} ({type(e).__name__}: {e}); this is a remat_kit "
                              "bug, not a fault of the model or its input shapes: please "
                              "report it") from None
-        who = (f"the loss {getattr(loss, '__name__', loss)!r}" if _raised_in(e, loss)
+        who = (f"the loss {_name_of(loss)!r}" if _raised_in(e, loss)
                else "the model")
         raise ModelError(f"--model {spec!r}: {who} raised {type(e).__name__}"
                          f"{_user_frame(e)} on {inputs}: {e}; if it takes other shapes (e.g. "
@@ -266,7 +268,7 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
                  "--batch cannot resize it; make every leaf [batch, ...]")
 
     def make(size: int, seq: int, mesh=None) -> Workload:
-        return _traced(spec, f"the batch ({shapes})" + (f" at batch {size}" if first else " as "
+        return traced(spec, f"the batch ({shapes})" + (f" at batch {size}" if first else " as "
                        "declared") + (f", seq {seq}" if seq_axis else ""), sizes,
                        lambda: batch_model.workload(
                            model, shaped, loss, size=size, seq=seq if seq_axis else None,
@@ -288,9 +290,9 @@ def _check_loss(loss: Callable, spec: str, name: str) -> None:
     try:
         signature.bind(None, None)
     except TypeError:
-        code = getattr(loss, "__code__", None)
+        code = _code_of(loss)
         where = f" at {code.co_filename}:{code.co_firstlineno}" if code else ""
-        raise ModelError(f"--model {spec!r}: the loss {getattr(loss, '__name__', loss)!r}"
+        raise ModelError(f"--model {spec!r}: the loss {_name_of(loss)!r}"
                          f"{where} that {name}() returned takes {signature}; it must take "
                          "(output, batch)") from None
 
@@ -319,9 +321,26 @@ def _frames(e: BaseException) -> list[tuple[str, int]]:
     return out
 
 
+def _code_of(fn: Callable | None):
+    """The code object `fn` runs: a function's, a functools.partial's function's, or a
+    callable object's `__call__`; None for a builtin."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    return code if code is not None else getattr(getattr(type(fn), "__call__", None),
+                                                 "__code__", None)
+
+
+def _name_of(fn: Callable) -> str:
+    """A callable's name for messages: a function's, a partial's function's, a class's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 def _raised_in(e: BaseException, fn: Callable | None) -> bool:
     """Whether `e`'s traceback passes through `fn`'s own code (a loss's frame)."""
-    code, tb = getattr(fn, "__code__", None), e.__traceback__
+    code, tb = _code_of(fn), e.__traceback__
     while code is not None and tb is not None:
         if tb.tb_frame.f_code is code:
             return True
@@ -380,6 +399,14 @@ def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
         if not isinstance(got, Workload):
             raise ModelError(f"--model {spec!r}: {name}(batch, seq) must return a "
                              f"remat_kit.Workload, it returned {type(got).__name__}")
+        import jax
+
+        from remat_kit.policy.policy import Policy
+        # Its own code, run here where a failure is named: loss_for_policy, then the loss.
+        inputs = f"the Workload's args at {name}({batch}, {seq})"
+        loss = traced(spec, inputs, "--batch and --seq",
+                      lambda: got.loss_for_policy(Policy(remat=False)))
+        traced(spec, inputs, "--batch and --seq", lambda: jax.eval_shape(loss, *got.args), loss)
         return got if got.name != "loss" else _named(got, label)
     return make
 

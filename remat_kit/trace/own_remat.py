@@ -4,9 +4,10 @@ which of them remat_kit takes over.
 A library's `gradient_checkpointing` flag wraps each layer class in `nn.remat`; MaxText's
 scanned decoder runs its scan body under `jax.checkpoint` with a policy of its own. Traced
 with its layers marked (`remat_kit.trace.regions`), such a region either holds exactly one
-marked layer and no matmul beside it, or is the whole of one marked layer: it is that
-layer's remat (beside it only tags, reshapes and casts), and the policy being measured replaces it (`Found.taken`: the interpreter
-runs it inline, inside the policy's region), so `none` means no remat. Any other own
+marked layer and no matmul beside it, or is the whole of one marked layer (beside it only
+tags, reshapes and casts): it is that layer's remat, and the policy being measured replaces
+it (`Found.taken`: the interpreter runs it inline, inside the policy's region), so `none`
+means no remat. Any other own
 region (around part of a layer, around several, outside every layer) stays under every
 policy, and the model map says so.
 """
