@@ -168,6 +168,28 @@ class TwoInputs(nn.Module):
         return x
 
 
+def _scaled(o, b, scale):
+    return jnp.mean(o) * scale
+
+
+def partial_loss():
+    import functools
+    return gpt_linen.model(), jnp.zeros((2, 8), jnp.int32), functools.partial(_scaled, scale=2.0)
+
+
+def workload(batch, seq):
+    import jax
+    import remat_kit as rk
+
+    def loss_for_policy(policy):
+        def loss(w, x):
+            return jnp.sum((x @ w) @ jnp.ones((3, 3)))
+        return loss
+    return rk.Workload(loss_for_policy=loss_for_policy,
+                       args=(jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                             jax.ShapeDtypeStruct((batch, 8), jnp.float32)))
+
+
 def no_leading_axis():
     return (TwoInputs(), (jnp.zeros((4, 8)), jnp.zeros((3, 8))),
             lambda o, b: jnp.mean((o - b[1]) ** 2))
@@ -357,3 +379,21 @@ def test_row12_nnx_and_linen_maps_name_the_models_own_call_alike(capsys, models)
     own = "outside: {}, the model's own call: 3 ops (tanh, transpose, dot_general), loss"
     assert _map(capsys, models, "linen_own_ops")[0].endswith(own.format("Embed_0"))
     assert _map(capsys, models, "nnx_own_ops")[0].endswith(own.format("embed"))
+
+
+def test_sweep_a_workload_functions_loss_that_fails_is_one_line(capsys, models):
+    """Was a Python traceback: the loss was first run unguarded (the gradient check)."""
+    code, _, err = run(capsys, "compare", "--model", f"{models}:workload", "--batch", 2,
+                       "--seq", 8, "--policies", "full")
+    line = next(i for i, text in enumerate(MODELS.splitlines(), 1) if "jnp.ones((3, 3))" in text)
+    assert code == 2 and err.startswith(
+        "remat-kit compare: error: --model 'models.py:workload': the loss 'loss' raised "
+        f"TypeError at {pathlib.Path(models).resolve()}:{line} on the Workload's args at "
+        "workload(2, 8): dot_general requires contracting dimensions")
+
+
+def test_sweep_a_partial_loss_is_named_as_the_loss(capsys, models):
+    code, _, err = run(capsys, "compare", "--model", f"{models}:partial_loss", "--policies",
+                       "full")
+    assert code == 2 and "the loss '_scaled' raised TypeError at " in err
+    assert "mean requires ndarray or scalar arguments" in err
