@@ -24,8 +24,9 @@ on a machine without one.
 Bad input (unknown config or policy, a config file that does not load, a
 batch or sequence length that is not a positive int or too long for the
 model, a mesh that does not fit the batch or the devices, an unknown target or
-topology, libtpu missing, an output path that cannot be written) prints one
-line on stderr and exits with status 2, before anything is measured.
+topology, libtpu missing, an output path that cannot be written or that is one
+of the command's inputs or another output) prints one line on stderr and exits
+with status 2, before anything is measured.
 """
 
 from __future__ import annotations
