@@ -397,3 +397,15 @@ def test_sweep_a_partial_loss_is_named_as_the_loss(capsys, models):
                        "full")
     assert code == 2 and "the loss '_scaled' raised TypeError at " in err
     assert "mean requires ndarray or scalar arguments" in err
+
+
+def test_sweep_a_budget_below_one_byte_is_refused(capsys):
+    code, _, err = run(capsys, "plan", "--config", "tiny", "--budgets", "1e-30GiB")
+    assert code == 2 and err.startswith("remat-kit plan: error: --budgets: a budget must be at "
+                                        "least 1 byte (a size") and "got '1e-30GiB'" in err
+
+
+def test_a_budget_of_1e30_bytes_reads_in_the_largest_unit():
+    from remat_kit.units import fmt_bytes
+    assert fmt_bytes(10**30) == "827,180.61 YiB" and fmt_bytes(3 * 2**40) == "3.00 TiB"
+    assert fmt_bytes(1023) == "1023 B" and fmt_bytes(1536) == "1.50 KiB"

@@ -91,6 +91,8 @@ def parse_budget(budget: "str | int | float | Budget") -> Budget:
                           f"memory is 0 < f <= 1): add a unit: {units}", budget=budget)
     n = value * _UNITS[unit or "b"]
     if unit and unit != "b":
+        if int(n) < 1:  # 1e-30GiB: less than a byte, a budget of nothing
+            raise BudgetError(f"a budget must be at least 1 byte ({_HELP})", budget=budget)
         return Budget(bytes=int(n))  # 3.2MiB is 3355443.2 bytes: whole bytes, rounded down
     if n != int(n):
         raise BudgetError(f"a size in bytes must be a whole number ({_HELP})", budget=budget)
