@@ -145,10 +145,11 @@ def read_regular(path: str, limit: int) -> bytes:
         raise OutputError(f"{path!r} is a folder, not a regular file") from None
     except OSError as e:
         raise OutputError(f"cannot read {path!r}: {e.strerror or e}") from None
+    kind = _kind(os.fstat(fd).st_mode)  # before fdopen, which refuses a folder's fd itself
+    if kind:
+        os.close(fd)
+        raise OutputError(f"{path!r} is {kind}, not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if kind := _kind(st.st_mode):
-            raise OutputError(f"{path!r} is {kind}, not a regular file")
         try:
             data = f.read(limit + 1)
         except OSError as e:

@@ -409,3 +409,15 @@ def test_a_budget_of_1e30_bytes_reads_in_the_largest_unit():
     from remat_kit.units import fmt_bytes
     assert fmt_bytes(10**30) == "827,180.61 YiB" and fmt_bytes(3 * 2**40) == "3.00 TiB"
     assert fmt_bytes(1023) == "1023 B" and fmt_bytes(1536) == "1.50 KiB"
+
+
+def test_sweep_a_folder_given_as_a_plan_file_is_named_a_folder(tmp_path):
+    """Was "IsADirectoryError: [Errno 21] Is a directory: 3" (the file descriptor)."""
+    from remat_kit.errors import RematSpecError
+    from remat_kit.flax.measured import read_plan
+    (tmp_path / "plan.json").mkdir()
+    with pytest.raises(RematSpecError) as e:
+        read_plan(tmp_path / "plan.json")
+    path = str(tmp_path / "plan.json")
+    assert str(e.value) == (f"plan file {path!r} is not remat-kit plan --json output: "
+                            f"OutputError: {path!r} is a folder, not a regular file; got {path!r}")
