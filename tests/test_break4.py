@@ -421,3 +421,13 @@ def test_sweep_a_folder_given_as_a_plan_file_is_named_a_folder(tmp_path):
     path = str(tmp_path / "plan.json")
     assert str(e.value) == (f"plan file {path!r} is not remat-kit plan --json output: "
                             f"OutputError: {path!r} is a folder, not a regular file; got {path!r}")
+
+
+def test_sweep_a_link_to_the_model_file_is_the_model_file(capsys, mine):
+    (mine.parent / "out.json").symlink_to(mine)
+    before = mine.read_bytes()
+    code, _, err = run(capsys, "compare", "--model", "mine.py:model", "--policies", "full",
+                       "--json", "out.json")
+    assert code == 2 and mine.read_bytes() == before and err == (
+        "remat-kit compare: error: --json 'out.json' is the file of --model mine.py:model; "
+        "writing it would replace it: give another path\n")

@@ -177,11 +177,10 @@ def check_apart(written: Sequence[tuple[str, str]], read: Sequence[tuple[str, st
       read: (what, path) of each input, e.g. ("the file of --model m.py:f", "m.py").
     """
     for i, (flag, path) in enumerate(written):
-        for what, other in [*read, *written[:i]]:
+        for what, other in [*read, *((f"{f} {p!r}", p) for f, p in written[:i])]:
             if outputs.same_file(path, other):
-                raise BadInput(f"{flag} {path!r} is {what}" + ("" if what in dict(read) else
-                               f" {other!r}") + "; writing it would replace it: give "
-                               "another path")
+                raise BadInput(f"{flag} {path!r} is {what}; writing it would replace it: "
+                               "give another path")
 
 
 def _starts_policy(piece: str) -> bool:
