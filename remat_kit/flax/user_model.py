@@ -182,12 +182,12 @@ def check_axes(spec: str, make: Callable, *, seq=None, batch=None, vary=None) ->
 
 
 def own_tags(make: Callable, batch: int, seq: int) -> frozenset | None:
-    """The `checkpoint_name`s the model of `make` (`load`) emits itself (on tokens
-    [batch, seq], or its FUNCTION's batch as declared):
-    its own forward traced with no remat_kit tagging (no FLOPs run). None where `make`
-    builds no Flax model (a Workload FUNCTION) or the plain forward does not trace: then
-    whose names are whose is not known. Roles (query_proj, mlpwi, ...) that remat_kit
-    infers exist only under `rk.remat_model`, not in this set."""
+    """The `checkpoint_name`s the model of `make` (`load`) emits itself: its own forward
+    on tokens [batch, seq] (or its FUNCTION's batch as declared) traced with no
+    remat_kit tagging (no FLOPs run). None where `make` builds no Flax model (a Workload
+    FUNCTION) or the plain forward does not trace: then whose names are whose is not
+    known. Roles (query_proj, mlpwi, ...) that remat_kit infers exist only under
+    `rk.remat_model`, not in this set."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
