@@ -4,10 +4,24 @@ checked before anything is measured), and a plot's path per target."""
 
 from __future__ import annotations
 
+import math
 import os
 
+from remat_kit import mesh as rk_mesh
 from remat_kit.cli.inputs import check_seq
 from remat_kit.cli.sources import Source, load_source
+
+
+def make_host_devices(args) -> None:
+    """The CPU devices --mesh needs (data:2,fsdp:2: 4), made before anything asks JAX's
+    backend (a target, the user's module, the default backend): the `jax_num_cpu_devices`
+    option, as XLA_FLAGS=--xla_force_host_platform_device_count=N would, so no flag is
+    needed. A bad spec is left to `inputs.device_mesh`, which names the flag."""
+    try:
+        sizes = rk_mesh.parse_spec(getattr(args, "mesh", None) or "")
+    except rk_mesh.MeshError:
+        return
+    rk_mesh.host_devices(math.prod(sizes.values()))
 
 
 def source_and_sizes(args) -> tuple[Source, int, int]:
@@ -75,4 +89,4 @@ def map_context(work) -> dict:
     return {} if _map_of(work) is None else {"model_map": _map_of(work).to_dict()}
 
 
-__all__ = ["map_context", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]
+__all__ = ["make_host_devices", "map_context", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]
