@@ -61,6 +61,23 @@ def targets_of(text: str | None) -> list:
     return found
 
 
+def mesh_origin(work, asked, target) -> str | None:
+    """Where the step's mesh came from, for every caption (`rk_mesh.compiled_step`):
+    "the model's own mesh (5 axes ...; device order [0, 2, 1, 3])", "--mesh data:2
+    (...)", or a TPU target's chips where neither gives one; None on one device.
+    `work`: the Workload; `asked`: what `inputs.device_mesh` gave (a Mesh for --mesh, a
+    `rk_mesh.Fallback` for the target's chips, or None)."""
+    own = getattr(work, "own_mesh", None)
+    if own is not None:
+        return rk_mesh.origin(own, "the model's own mesh")
+    mesh = rk_mesh.plain(asked)
+    if mesh is None or mesh.size == 1:
+        return None
+    chips = isinstance(asked, rk_mesh.Fallback)
+    return rk_mesh.origin(mesh, f"the {mesh.size} chips of {target}, data parallel" if chips
+                          else "--mesh")
+
+
 def plot_path(path: str, target, several: bool) -> str:
     """`path`, or with several targets one file per target: pareto_tpu_v5e_1x1.png."""
     if not several:
@@ -89,4 +106,4 @@ def map_context(work) -> dict:
     return {} if _map_of(work) is None else {"model_map": _map_of(work).to_dict()}
 
 
-__all__ = ["make_host_devices", "map_context", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]
+__all__ = ["make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]
