@@ -1,9 +1,28 @@
-"""The mesh a step is measured on: host devices the CLI makes for --mesh (no XLA_FLAGS)."""
+"""The mesh a step is measured on: host devices the CLI makes for --mesh (no XLA_FLAGS); a
+model's own mesh, whatever its axes are called, in its own device order, on host devices
+and on TPU slices ahead of time, equal to a hand-written compile of the same step;
+--mesh equal to it or refused naming both."""
 
 import json
 import os
 import subprocess
 import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+import remat_kit as rk
+from remat_kit import cli
+from remat_kit import mesh as rk_mesh
+from remat_kit.measure import lowering, targets
+from remat_kit.measure.costs import loop_scaled_costs
+from remat_kit.trace import retarget
+from tests.test_sharded_step import check_value_and_grad, memory
+from tests.test_targets import needs_libtpu
+from tests.zoo import axes_linen, axes_nnx
+
+BATCH, SEQ = 8, 16
 
 
 def test_the_cli_makes_the_host_devices_mesh_needs_without_xla_flags(tmp_path):
@@ -18,3 +37,71 @@ def test_the_cli_makes_the_host_devices_mesh_needs_without_xla_flags(tmp_path):
     assert done.returncode == 0, done.stderr
     context = json.loads(out.read_text())["context"]
     assert (context["devices"], context["mesh"]) == (2, "data:2")
+
+
+# Models over meshes of their own (tests/zoo/axes_linen.py, axes_nnx.py), on host devices.
+OWN = {"five_permuted": (axes_linen.five_permuted, lambda: axes_linen.plain()),
+       "five_scanned": (axes_linen.five_scanned, lambda: axes_linen.plain(scan=True)),
+       "nnx": (axes_nnx.model, axes_nnx.plain)}
+needs_8 = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 host devices")
+
+
+@needs_8
+@pytest.mark.parametrize("name", OWN)
+def test_a_model_s_own_mesh_with_axes_of_its_own_is_the_mesh(name):
+    make, plain = OWN[name]
+    work = rk.from_model.workload(make(), BATCH, SEQ)
+    own = work.own_mesh
+    assert dict(work.mesh.shape) == axes_linen.FIVE == dict(own.shape)
+    assert [d.id for d in work.mesh.devices.flat] == [d.id for d in own.devices.flat]
+    assert work.args[1].sharding.spec == PartitionSpec(("replica", "shard"))
+    (one,) = rk.measure(rk.from_model.workload(plain(), BATCH, SEQ), policies=["full"])
+    check_value_and_grad(work, one.flops)  # shard bytes, FLOPs / 4, a hand-written step
+
+
+def hand_compile(work, target):
+    """A training script's own ahead-of-time compile of value-and-grad on its mesh."""
+    params = work.args[0]
+    step = jax.jit(jax.value_and_grad(work.loss_for_policy(rk.parse("full"))),
+                   out_shardings=(rk_mesh.replicated(work.mesh),
+                                  jax.tree.map(lambda x: x.sharding, params)))
+    return step.trace(*work.args).lower(lowering_platforms=("tpu",)).compile()
+
+
+@needs_8
+@needs_libtpu
+@pytest.mark.parametrize("make, target", [(axes_linen.twelve, "tpu:v5p:2x2x1"),
+                                          (axes_nnx.model, "tpu:v5e:2x2")])
+def test_on_a_tpu_slice_the_model_s_own_mesh_gives_its_own_compile(make, target):
+    """Built over this machine's devices and measured for the slice with no mesh asked, the
+    figures are those of the same model built over the slice's chips and compiled by hand."""
+    work = rk.from_model.workload(make(), BATCH, SEQ)
+    placed = lowering.place(work.args, targets.parse_target(target))
+    mesh = placed[1].sharding.mesh
+    assert mesh.devices.flat[0].platform == "tpu" and dict(mesh.shape) == dict(work.mesh.shape)
+    assert [d.id for d in mesh.devices.flat] == [0, 2, 1, 3]
+    (rec,) = rk.measure(work, policies=["full"], target=target)
+    hand = hand_compile(rk.from_model.workload(make(targets.devices(target)), BATCH, SEQ),
+                        target)
+    assert {k: getattr(rec, k) for k in memory(hand)} == memory(hand)
+    assert rec.flops == loop_scaled_costs(hand)[0]["flops"]
+
+
+@needs_libtpu
+def test_the_cli_measures_the_model_s_own_mesh_on_a_slice_or_refuses_another(tmp_path, capsys):
+    common = ["compare", "--model", "tests/zoo/axes_linen.py:twelve", "--batch", "8", "--seq",
+              "16", "--target", "tpu:v5p:2x2x1", "--policies", "full"]
+    spec = rk_mesh.spec_text(axes_linen.TWELVE)
+    out = tmp_path / "out.json"
+    assert cli.main([*common, "--mesh", spec, "--json", str(out)]) == 0  # the same: taken
+    context = json.loads(out.read_text())["context"]
+    assert (context["devices"], context["mesh"]) == (4, spec)
+    assert context["step"] == (f"value-and-grad on the model's own mesh (12 axes {spec}; device "
+                               "order [0, 2, 1, 3]); gradients sharded like the parameters")
+    capsys.readouterr()
+    assert cli.main([*common, "--mesh", "data:4"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "remat-kit compare: error: --model 'tests/zoo/axes_linen.py:twelve': the model builds "
+        f"its own mesh ({retarget.describe(axes_linen.own_mesh(axes_linen.TWELVE))}) and "
+        f"--mesh asks for data:4: drop --mesh to measure on the model's own, or give --mesh "
+        f"{spec}; or build the model over data:4"]

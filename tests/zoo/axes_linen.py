@@ -36,14 +36,15 @@ TWELVE_RULES = (("activation_batch", ("diloco", "data", "fsdp", "fsdp_transpose"
 PERMUTED = (0, 2, 1, 3)
 
 
-def own_mesh(shape: dict, order=(0, 1, 2, 3)) -> Mesh:
-    """`shape`'s axes over this machine's first 4 devices, in device order `order`."""
-    devices = np.array(jax.devices()[:4])[list(order)].reshape(tuple(shape.values()))
-    return Mesh(devices, tuple(shape))
+def own_mesh(shape: dict, order=(0, 1, 2, 3), devices=None) -> Mesh:
+    """`shape`'s axes over the first 4 of `devices` (default this machine's), in device
+    order `order`."""
+    grid = np.array(list(devices or jax.devices())[:4])[list(order)]
+    return Mesh(grid.reshape(tuple(shape.values())), tuple(shape))
 
 
-def _llama(shape, rules, order=(0, 1, 2, 3), scan=False) -> Llama:
-    return Llama(Config(batch_name="activation_batch", mesh=own_mesh(shape, order),
+def _llama(shape, rules, order=(0, 1, 2, 3), scan=False, devices=None) -> Llama:
+    return Llama(Config(batch_name="activation_batch", mesh=own_mesh(shape, order, devices),
                         rules=rules, scan=scan))
 
 
@@ -59,5 +60,12 @@ def five_scanned() -> Llama:
     return _llama(FIVE, FIVE_RULES, scan=True)
 
 
-def twelve() -> Llama:
-    return _llama(TWELVE, TWELVE_RULES, PERMUTED)
+def twelve(devices=None) -> Llama:
+    """Over the first 4 of `devices` (default this machine's): a training script builds it
+    over a TPU topology's devices to compile its own step ahead of time."""
+    return _llama(TWELVE, TWELVE_RULES, PERMUTED, devices=devices)
+
+
+def plain(scan=False) -> Llama:
+    """The same Llama over no mesh: the one-device program."""
+    return Llama(Config(scan=scan))

@@ -44,7 +44,9 @@ class Block(nnx.Module):
 
 
 def pin(x, mesh):
-    """x split along its batch over the model's own batch axes."""
+    """x split along its batch over the model's own batch axes (none: x)."""
+    if mesh is None:
+        return x
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, PartitionSpec(("replica", "shard"))))
 
@@ -65,7 +67,14 @@ class Llama(nnx.Module):
         return self.lm_head(x)
 
 
-def model() -> Llama:
-    """For `remat-kit --model tests/zoo/axes_nnx.py:model`."""
+def model(devices=None) -> Llama:
+    """For `remat-kit --model tests/zoo/axes_nnx.py:model`; over the first 4 of `devices`
+    (default this machine's)."""
     with nnx.use_eager_sharding(False):
-        return Llama(own_mesh(FIVE, PERMUTED), nnx.Rngs(0))
+        return Llama(own_mesh(FIVE, PERMUTED, devices), nnx.Rngs(0))
+
+
+def plain() -> Llama:
+    """The same model over no mesh: the one-device program."""
+    with nnx.use_eager_sharding(False):
+        return Llama(None, nnx.Rngs(0))
