@@ -15,10 +15,10 @@ from jax.sharding import PartitionSpec
 import remat_kit as rk
 from remat_kit import cli
 from remat_kit import mesh as rk_mesh
-from remat_kit.measure import lowering, targets
+from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.trace import retarget
-from tests.test_sharded_step import check_value_and_grad, memory
+from tests.test_sharded_step import check_value_and_grad, memory, shard_bytes
 from tests.test_targets import needs_libtpu
 from tests.zoo import axes_linen, axes_nnx
 
@@ -105,3 +105,51 @@ def test_the_cli_measures_the_model_s_own_mesh_on_a_slice_or_refuses_another(tmp
         f"its own mesh ({retarget.describe(axes_linen.own_mesh(axes_linen.TWELVE))}) and "
         f"--mesh asks for data:4: drop --mesh to measure on the model's own, or give --mesh "
         f"{spec}; or build the model over data:4"]
+
+
+@needs_libtpu
+def test_a_two_slice_target_adds_a_data_axis_across_the_slices():
+    two = targets.parse_target("tpu:v5p:2x2x1:slices=2")
+    assert (str(two), two.slices, len(two.devices)) == ("tpu:v5p:2x2x1:slices=2", 2, 8)
+    mesh = targets.make_mesh(two, {"fsdp": 4})
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
+    assert [[d.slice_index for d in row] for row in mesh.devices] == [[0] * 4, [1] * 4]
+    merged = targets.make_mesh(two, {"data": 2, "fsdp": 2})  # the slices outside data
+    assert dict(merged.shape) == {"data": 4, "fsdp": 2}
+    assert [d.slice_index for d in merged.devices[:, 0]] == [0, 0, 1, 1]
+    with pytest.raises(targets.TargetError, match="needs 8 devices; each slice of target "
+                       "tpu:v5p:2x2x1:slices=2 has 4"):
+        targets.make_mesh(two, {"fsdp": 8})
+    with pytest.raises(targets.TargetError, match="give slices=N with N a positive number"):
+        targets.parse_target("tpu:v5p:2x2x1:slices=0")
+    assert str(targets.parse_target("tpu:v5p:2x2x1:slices=1")) == "tpu:v5p:2x2x1"
+
+
+@needs_libtpu
+def test_on_two_slices_a_chip_holds_one_slice_s_shard_and_the_step_pays_the_dcn(tmp_path):
+    cfg = rk.models.get_config("tiny_llama")
+    two, one = (targets.parse_target(t) for t in ("tpu:v5p:2x2x1:slices=2", "tpu:v5p:2x2x1"))
+    # A global batch of 8 on two slices: each slice's chips run what one slice runs on 4.
+    work = rk.models.workload(cfg, 8, 64, mesh=targets.make_mesh(two, {"fsdp": 4}))
+    (both,) = rk.measure(work, policies=["full"], target=two)
+    (alone,) = rk.measure(rk.models.workload(cfg, 4, 64, mesh=targets.make_mesh(
+        one, {"fsdp": 4})), policies=["full"], target=one)
+    assert (both.argument_size_in_bytes, both.output_size_in_bytes) == (
+        alone.argument_size_in_bytes, alone.output_size_in_bytes)
+    assert both.flops == pytest.approx(alone.flops, rel=0.001)
+    # Every gradient crosses the slices (TPU tiles pad the buffers sent): all-reduced at
+    # the DCN's bandwidth on top of the slice's own step.
+    compiled = lowering.lower(jax.value_and_grad(work.loss_for_policy(rk.parse("full"))),
+                              lowering.place(work.args, two), two).compile()
+    sent = sum(op.trips * op.dcn_bytes for op in time_model.compiled_ops(compiled, 2))
+    grads = shard_bytes(work.args[0])
+    assert sent >= grads
+    assert both.predicted_seconds >= alone.predicted_seconds + grads / two.roofline.dcn_bandwidth
+    out = tmp_path / "out.json"
+    assert cli.main(["compare", "--config", "tiny_llama", "--batch", "8", "--seq", "64",
+                     "--mesh", "fsdp:4", "--target", str(two), "--policies", "full",
+                     "--json", str(out)]) == 0
+    context = json.loads(out.read_text())["context"]
+    assert (context["devices"], context["mesh"], context["step"]) == (
+        8, "data:2,fsdp:4", "value-and-grad on --mesh over 2 slices, data parallel across them "
+        "(2 axes data:2,fsdp:4); gradients sharded like the parameters")

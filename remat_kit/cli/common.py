@@ -74,8 +74,10 @@ def mesh_origin(work, asked, target) -> str | None:
     if mesh is None or mesh.size == 1:
         return None
     chips = isinstance(asked, rk_mesh.Fallback)
+    slices = getattr(target, "slices", 1)
+    across = f" over {slices} slices, data parallel across them" if slices > 1 else ""
     return rk_mesh.origin(mesh, f"the {mesh.size} chips of {target}, data parallel" if chips
-                          else "--mesh")
+                          else f"--mesh{across}")
 
 
 def plot_path(path: str, target, several: bool) -> str:
