@@ -4,7 +4,8 @@
     with rk.mesh.use(mesh):                             # activation constraints on
         ...jit with rk.mesh.shardings / batch_sharding...  # (trace inside `use`)
 
-Mesh axes (`AXES`):
+Mesh axes: any name; `AXES` are those of the reference models and `RULES`
+(a model's own logical-axis rules may map to others):
 
 * ``data``: data parallelism; the batch is split, parameters are replicated.
 * ``fsdp``: fully sharded data parallelism (ZeRO-3): the batch is split and

@@ -18,7 +18,8 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.trace import retarget
-from tests.test_sharded_step import check_value_and_grad, memory, shard_bytes
+from remat_kit.decide import step as rk_step
+from tests.test_sharded_step import check_value_and_grad, hand_train_step, memory, shard_bytes
 from tests.test_targets import needs_libtpu
 from tests.zoo import axes_linen, axes_nnx
 
@@ -85,6 +86,26 @@ def test_on_a_tpu_slice_the_model_s_own_mesh_gives_its_own_compile(make, target)
                         target)
     assert {k: getattr(rec, k) for k in memory(hand)} == memory(hand)
     assert rec.flops == loop_scaled_costs(hand)[0]["flops"]
+
+
+@needs_8
+@needs_libtpu
+def test_the_train_step_on_the_model_s_own_mesh_on_a_slice_is_its_own():
+    """The train step (AdamW, state donated) on the 12-axis model's own mesh for a slice:
+    the figures of the training codebase's own jit of it on the slice's chips."""
+    optimizer = rk_step.default_optimizer()
+    work = rk.from_model.workload(axes_linen.twelve(), BATCH, SEQ)
+    figures = rk.step_memory(work, BATCH, SEQ, "full", optimizer=optimizer,
+                             target="tpu:v5p:2x2x1")
+    own = rk.from_model.workload(axes_linen.twelve(targets.devices("tpu:v5p:2x2x1")), BATCH,
+                                 SEQ)
+    made = rk_step.workload_step(own, rk.parse("full"), optimizer)
+    hand = memory(hand_train_step(own, optimizer).trace(*made.args).lower(
+        lowering_platforms=("tpu",)).compile())
+    assert (figures.argument_size_in_bytes, figures.output_size_in_bytes,
+            figures.temp_size_in_bytes) == (hand["argument_size_in_bytes"],
+                                            hand["output_size_in_bytes"],
+                                            hand["temp_size_in_bytes"])
 
 
 @needs_libtpu
