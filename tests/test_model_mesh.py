@@ -174,3 +174,19 @@ def test_on_two_slices_a_chip_holds_one_slice_s_shard_and_the_step_pays_the_dcn(
     assert (context["devices"], context["mesh"], context["step"]) == (
         8, "data:2,fsdp:4", "value-and-grad on --mesh over 2 slices, data parallel across them "
         "(2 axes data:2,fsdp:4); gradients sharded like the parameters")
+
+
+@needs_8
+def test_any_axis_names_in_a_mesh_the_model_s_rules_use_and_none_other():
+    mesh = rk_mesh.make(axes_linen.FIVE, jax.devices()[:4])  # --mesh stage:1,replica:2,...
+    ruled = axes_linen.Llama(axes_linen.Config(batch_name="activation_batch",
+                                               rules=axes_linen.FIVE_RULES))
+    work = rk.from_model.workload(ruled, BATCH, SEQ, mesh=mesh)
+    assert work.args[1].sharding.spec == PartitionSpec(("replica", "shard"))
+    assert work.args[0]["layers_0"]["wi_0"].sharding.spec == PartitionSpec("shard", "model")
+    with pytest.raises(rk_mesh.MeshError) as e:
+        rk.from_model.workload(axes_linen.plain(), BATCH, SEQ, mesh=mesh)
+    assert str(e.value) == (
+        f"mesh {rk_mesh.spec_text(axes_linen.FIVE)}: mesh axis 'replica' is named by no parameter of the model and "
+        "no logical-axis rule, so it would split nothing; the axes it can use: ['data', "
+        "'fsdp', 'tensor']")

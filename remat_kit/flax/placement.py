@@ -208,9 +208,10 @@ def resolve(found: Annotations, own_mesh: Mesh | None, mesh: "Mesh | rk_mesh.Fal
         a for _, axes in rules for a in ((axes,) if isinstance(axes, str) else axes or ())}
     unknown = [a for a, n in use.shape.items() if n > 1 and a not in known]
     if unknown and not found.rules and own is None:  # --mesh names an axis nothing uses
+        usable = sorted(_named_axes(found) | set(rk_mesh.AXES))
         raise MeshError(f"mesh {rk_mesh.spec_text(use)}: mesh axis {unknown[0]!r} is named by "
                         f"no parameter of the model and no logical-axis rule, so it would split "
-                        f"nothing; the axes it can use: {sorted(_named_axes(found) | set(rk_mesh.AXES))}")
+                        f"nothing; the axes it can use: {usable}")
     if unknown and found.rules:
         names = sorted({a for _, axes in found.rules
                         for a in ((axes,) if isinstance(axes, str) else axes or ())})
