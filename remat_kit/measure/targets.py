@@ -467,16 +467,11 @@ def gpu_description(target: "str | Target") -> dict:
 
 
 def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
-    """A `Mesh` of the first prod(shape) devices of `target`, axes named by `shape`.
+    """A `Mesh` of the first prod(shape) devices of `target`, axes named by `shape`
+    ({"data": 4}). On several slices `shape` is within each slice (its first chips), and
+    the slices add to `SLICE_AXIS` (`data`, slices outermost, as MaxText's
+    `create_hybrid_device_mesh` builds dcn_data_parallelism), or prepend it.
 
-    On a multi-slice target (`Target.slices` > 1) `shape` names the axes within one
-    slice, and each slice's first prod(shape) chips take it; the slices add a
-    data-parallel axis, `SLICE_AXIS`: `shape`'s own `data` axis grows by the slice
-    count (slices outermost, as MaxText's `create_hybrid_device_mesh` builds
-    dcn_data_parallelism), or a `data` axis of the slice count comes first.
-
-    Args:
-      shape: axis name -> size, e.g. {"data": 4}.
     Raises:
       TargetError: the mesh needs more devices than the target (or one of its
         slices) has (the message names both numbers), or `Target.devices` fails.
