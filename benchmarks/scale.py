@@ -25,8 +25,17 @@ Printed: per-chip peak (the TPU compiler's `peak_memory_in_bytes`), FLOPs per ch
 (loops counted per trip), remat_kit's predicted step and the chip's floor, compile
 seconds, and the process's peak resident memory at the end.
 
+`--pods`: Llama-2-70B shapes (Touvron et al. 2023: d_model 8192, 64 heads, 8 key/value
+heads, MLP 28672, vocabulary 32000, 80 layers scanned, bf16) on a 64-chip v5p slice
+(`tpu:v5p:4x4x4`) over fsdp:16 x tensor:4, and on two such slices
+(`tpu:v5p:4x4x4:slices=2`: the same mesh within each slice, data:2 across them, the
+gradient all-reduce over the data-center network in the predicted step), seq 4096,
+global batch 16 a slice; remat_kit's train step only, with the process's resident
+memory after each row.
+
     PYTHONPATH=. .venv/bin/python benchmarks/scale.py [--layers 4] [--policies full,minimal]
         [--stacks unrolled,scanned]
+    PYTHONPATH=. .venv/bin/python benchmarks/scale.py --pods [--policies full,minimal]
 """
 
 import argparse
@@ -57,13 +66,13 @@ def config(layers: int, scan: bool, policy: str) -> TransformerConfig:
                              remat=policy, scan_layers=scan)
 
 
-def ours(cfg: TransformerConfig, policy: str, mesh) -> tuple:
+def ours(cfg: TransformerConfig, policy: str, mesh, target=TARGET, batch=BATCH) -> tuple:
     """(StepMemory, FLOPs per chip or None, predicted seconds) of remat_kit's train step."""
-    made = train_step(cfg, BATCH, SEQ, policy, mesh=mesh)
-    c = lowering.compile_for(made.step, *made.args, target=TARGET,
+    made = train_step(cfg, batch, SEQ, policy, mesh=mesh)
+    c = lowering.compile_for(made.step, *made.args, target=target,
                              donate=stepping.TrainStep.DONATED, compile_only=False)
     found, notes = loop_scaled_costs(c.compiled)
-    seconds = time_model.compiled_seconds(c.compiled, time_model.roofline(TARGET))
+    seconds = time_model.compiled_seconds(c.compiled, targets.parse_target(target).roofline)
     return stepping.step_figures(c, made.args), None if notes else found.get("flops"), seconds
 
 
@@ -102,12 +111,37 @@ def hand_written(cfg: TransformerConfig, mesh) -> tuple[dict, float | None, floa
             None if notes else found.get("flops"), seconds)
 
 
+def pods(policies: list[str]) -> None:
+    """The Llama-2-70B rows: one and two 64-chip v5p slices (see the module's doc)."""
+    gib = 2.0 ** 30
+    print("| target | mesh | policy | peak GiB | TFLOP | pred. s | compile s | resident GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for target in ("tpu:v5p:4x4x4", "tpu:v5p:4x4x4:slices=2"):
+        found = targets.parse_target(target)
+        mesh = targets.make_mesh(found, {"fsdp": 16, "tensor": 4})
+        for policy in policies:
+            cfg = TransformerConfig(family="llama", vocab_size=32000, num_layers=80,
+                                    d_model=8192, num_heads=64, num_kv_heads=8,
+                                    mlp_dim=28672, max_len=SEQ, dtype="bfloat16",
+                                    param_dtype="bfloat16", remat=policy, scan_layers=True)
+            step, flops, predicted = ours(cfg, policy, mesh, target, 16 * found.slices)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            print(f"| {target} | {rk_mesh.spec_text(mesh)} | {policy} | "
+                  f"{step.total_bytes / gib:.2f} | "
+                  f"{'n/a' if flops is None else f'{flops / 1e12:.1f}'} | {predicted:.2f} | "
+                  f"{step.compile_seconds:.1f} | {rss:.2f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", default="4", help="comma-separated depths (32: slow)")
     parser.add_argument("--policies", default="full,minimal")
     parser.add_argument("--stacks", default="unrolled,scanned")
+    parser.add_argument("--pods", action="store_true",
+                        help="the Llama-2-70B rows on one and two 64-chip v5p slices")
     args = parser.parse_args()
+    if args.pods:
+        return pods(args.policies.split(","))
     mesh = targets.make_mesh(TARGET, {"fsdp": 4})
     gib = 2.0 ** 30
     peak_flops = time_model.roofline(TARGET).bf16_flops

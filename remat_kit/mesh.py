@@ -4,7 +4,8 @@
     with rk.mesh.use(mesh):                             # activation constraints on
         ...jit with rk.mesh.shardings / batch_sharding...  # (trace inside `use`)
 
-Mesh axes (`AXES`):
+Mesh axes: any name; `AXES` are those of the reference models and `RULES`
+(a model's own logical-axis rules may map to others):
 
 * ``data``: data parallelism; the batch is split, parameters are replicated.
 * ``fsdp``: fully sharded data parallelism (ZeRO-3): the batch is split and
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import numbers
 import os
@@ -96,11 +98,15 @@ def parse_spec(spec: "str | Mapping[str, int]") -> dict[str, int]:
     A {axis: size} mapping goes through the same checks and comes back as a
     dict, so both forms of `make` accept and refuse the same meshes.
 
+    Any axis name (a Python identifier) is a mesh axis: `AXES` are the ones the
+    reference models and `RULES` shard over (`check_fits` refuses others for
+    them), and a model's own logical-axis rules may map to any other.
+
     Raises:
-      MeshError: empty spec, a term not AXIS:N, an axis not in `AXES` (the
-        closest is suggested), an axis given twice, a size that is not an
-        int >= 1, a product of sizes above `MAX_DEVICES`, or a spec that is
-        neither a string nor a mapping.
+      MeshError: empty spec, a term not AXIS:N, an axis that is not an
+        identifier, an axis given twice, a size that is not an int >= 1, a
+        product of sizes above `MAX_DEVICES`, or a spec that is neither a
+        string nor a mapping.
     """
     if isinstance(spec, Mapping):
         shown, terms = repr(dict(spec)), list(spec.items())
@@ -109,20 +115,19 @@ def parse_spec(spec: "str | Mapping[str, int]") -> dict[str, int]:
         for term in spec.replace(" ", "").split(","):
             m = _TERM.match(term)
             if not m:
-                raise MeshError(f"mesh spec {spec!r}: term {term!r} is not AXIS:N with AXIS in "
-                                f"{list(AXES)} and N a positive int")
+                raise MeshError(f"mesh spec {spec!r}: term {term!r} is not AXIS:N with AXIS a "
+                                f"name (e.g. {', '.join(AXES)}) and N a positive int")
             terms.append((m.group(1), int(m.group(2))))
     else:
-        raise MeshError(f"mesh spec must be AXIS:N[,AXIS:N...] or {{AXIS: N}} with AXIS in "
-                        f"{list(AXES)}, got {spec!r}")
+        raise MeshError(f"mesh spec must be AXIS:N[,AXIS:N...] or {{AXIS: N}} with AXIS a "
+                        f"name (e.g. {', '.join(AXES)}), got {spec!r}")
     if not terms:
-        raise MeshError(f"mesh spec {shown} names no axis; give AXIS:N with AXIS in {list(AXES)}")
+        raise MeshError(f"mesh spec {shown} names no axis; give AXIS:N, e.g. data:2")
     sizes: dict[str, int] = {}
     for axis, n in terms:
-        if axis not in AXES:
-            hint = _closest(axis, AXES) if isinstance(axis, str) else None
-            raise MeshError(f"mesh spec {shown}: unknown axis {axis!r}; valid: {list(AXES)}"
-                            + (f"; did you mean {hint!r}?" if hint else ""))
+        if not isinstance(axis, str) or not axis.isidentifier():
+            raise MeshError(f"mesh spec {shown}: unknown axis {axis!r}; an axis is a name "
+                            f"such as {', '.join(AXES)}")
         if axis in sizes:
             raise MeshError(f"mesh spec {shown}: axis {axis!r} is given twice")
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -217,6 +222,21 @@ def host_devices(n: int) -> None:
         pass  # JAX already started
 
 
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """The mesh of a step where none is asked for: a TPU target's chips, data parallel
+    (the CLI's default without --mesh). A model that builds a mesh of its own is measured
+    on its own instead, without a word; a plain `Mesh` is an ask (--mesh) that a model's
+    own mesh must equal (`remat_kit.flax.placement.resolve`)."""
+
+    mesh: Mesh
+
+
+def plain(mesh: "Mesh | Fallback | None") -> "Mesh | None":
+    """The `Mesh` of a Mesh or `Fallback`; None for None."""
+    return mesh.mesh if isinstance(mesh, Fallback) else mesh
+
+
 def spanning(mesh: "Mesh | None") -> "Mesh | None":
     """`mesh` if it spans more than one device, else None: a program on one
     device has nothing to shard, and is itself the program each device runs
@@ -273,7 +293,7 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int | None) -> None:
     """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig`
     (None: no model checks) and a global batch: batch by data x fsdp, query and key/value heads and mlp_dim
-    by tensor. batch None (a --model's batch whose leaves share no leading axis) only
+    by tensor; for a config, an axis of size > 1 other than `AXES` splits nothing and is refused. batch None (a --model's batch whose leaves share no leading axis) only
     a mesh without data-parallel devices takes. The message names the numbers.
     Dimensions that rules split but that need not divide (vocab, embed) are
     replicated instead (`shardings`)."""
@@ -293,6 +313,14 @@ def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int | None) 
     t = axis_size(mesh, "heads")
     if cfg is None:  # a model that is not ours: only the batch is ours to split
         return
+    shape = _shape(mesh)
+    other = next((a for a, size in shape.items() if a not in AXES and size > 1), None)
+    if other is not None:
+        hint = _closest(other, AXES)
+        raise MeshError(f"mesh {spec_text(shape)}: unknown axis {other!r} for the reference "
+                        f"models, which shard over {list(AXES)}"
+                        + (f"; did you mean {hint!r}?" if hint else "")
+                        + " (a --model's own logical-axis rules may name other axes)")
     for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads),
                         ("mlp_dim", cfg.mlp_dim)):
         if value % t:
@@ -357,19 +385,33 @@ def per_device_config(cfg, mesh: "Mesh | Mapping[str, int] | None"):
                        head_dim=cfg.heads_dim, mlp_dim=cfg.mlp_dim // t)
 
 
-def compiled_step(step: str, mesh: "Mesh | Mapping[str, int] | str | None") -> str:
+def origin(mesh: Mesh, label: str) -> str:
+    """Where a step's mesh came from, for a caption: "the model's own mesh (5 axes
+    stage:1,replica:1,shard:2,model:2,expert:1; device order [0, 2, 1, 3])" for label
+    "the model's own mesh"; the device order (ids) only where it is not ascending."""
+    ids = [d.id for d in mesh.devices.flat]
+    order = "" if ids == sorted(ids) else f"; device order {ids}"
+    count = f"{len(mesh.shape)} ax{'e' if len(mesh.shape) > 1 else 'i'}s "
+    return f"{label} ({count}{spec_text(mesh)}{order})"
+
+
+def compiled_step(step: str, mesh: "Mesh | Mapping[str, int] | str | None",
+                  where: str | None = None) -> str:
     """What a report says was compiled, e.g. 'value-and-grad; gradients sharded like the
-    parameters over fsdp:4'.
+    parameters over fsdp:4', or with `where` ('the model's own mesh (...)', `origin`)
+    'value-and-grad on the model's own mesh (...); gradients sharded like the parameters'.
 
     step: "value-and-grad" (`measure`: the loss and its gradients) or "train step"
     (`decide.step`: with the optimizer update). mesh: a Mesh, {axis: size} or spec
-    string; None or one device: the step alone.
+    string; None or one device: the step alone (on `where`, if given).
     """
     spec = mesh if isinstance(mesh, str) else spec_text(mesh)
+    on = f" on {where}" if where else ""
     if spec is None or all(n == "1" for n in re.findall(r":(\d+)", spec)):
-        return step
+        return step + on
     held = ("gradients and optimizer state" if step == "train step" else "gradients")
-    return f"{step}; {held} sharded like the parameters over {spec}"
+    return (f"{step}{on}; {held} sharded like the parameters" if where else
+            f"{step}; {held} sharded like the parameters over {spec}")
 
 
 def _wait_for(address: str, timeout_s: float) -> bool:
@@ -440,7 +482,7 @@ def is_sharded(leaf) -> bool:
     sharding = getattr(leaf, "sharding", None)
     return sharding is not None and len(sharding.device_set) > 1
 
-__all__ = ["AXES", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
+__all__ = ["AXES", "Fallback", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
            "check_fits", "compiled_step", "constrain", "host_devices", "initialize",
-           "is_sharded", "local_shape", "make", "parse_spec", "per_device_config", "put",
+           "is_sharded", "local_shape", "make", "origin", "parse_spec", "per_device_config", "plain", "put",
            "replicated", "rules", "shardings", "spanning", "spec_text", "use"]

@@ -287,21 +287,21 @@ def model():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
-def test_a_model_s_own_mesh_on_a_tpu_slice_without_mesh_names_no_flag_not_given(tmp_path,
-                                                                                  capsys):
-    """A TPU slice's chips make the mesh where --mesh is not given: the refusal said
-    '--mesh data:4 asks for another', a flag the user never gave."""
+def test_a_model_s_own_mesh_on_a_tpu_slice_is_the_mesh_without_mesh(tmp_path, capsys):
+    """A TPU slice's chips made a data:4 mesh where --mesh is not given, and the model's
+    own one-device mesh was refused against it, naming a flag the user never gave."""
     path = tmp_path / "one.py"
     path.write_text(ONE_DEVICE)
     common = ["compare", "--model", f"{path}:model", "--batch", "4", "--seq", "8",
               "--target", "tpu:v5e:2x2", "--policies", "none"]
-    assert cli.main(common) == 2
+    assert cli.main(common) == 0
+    title = " ".join(capsys.readouterr().out.split())
+    assert "(XLA TPU compile (v5e:2x2, AOT))" in title and "per device of" not in title
+    assert cli.main([*common, "--mesh", "data:4"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"remat-kit compare: error: --model '{path}:model': the model builds its own mesh "
-        "(data: 1 over 1 cpu devices) and the step asks for mesh data:4 (--mesh, or a TPU "
-        "target's chips where --mesh is not given): to measure on the model's own, drop "
-        "--mesh or on a TPU target give --mesh data:1; or build the model over data:4"]
-    assert cli.main([*common, "--mesh", "data:1"]) == 0  # the advice holds
+        "(data: 1 over 1 cpu devices) and --mesh asks for data:4: drop --mesh to measure on "
+        "the model's own, or give --mesh data:1; or build the model over data:4"]
 
 
 def test_a_loss_that_raises_is_named_as_the_loss(tmp_path, capsys):

@@ -96,8 +96,9 @@ def test_train_step_of_a_model_s_partitioning_equals_a_hand_written_one():
 def test_compare_measures_a_model_on_its_own_mesh(capsys):
     assert cli.main(["compare", "--model", "tests/zoo/logical_linen.py:ordered", "--batch",
                      "8", "--seq", "16", "--policies", "full"]) == 0
-    assert ("per device of 4 (data:2,fsdp:2); value-and-grad; gradients sharded like the "
-            "parameters over data:2,fsdp:2") in " ".join(capsys.readouterr().out.split())
+    assert ("per device of 4 (data:2,fsdp:2); value-and-grad on the model's own mesh (2 axes "
+            "data:2,fsdp:2; device order [0, 2, 1, 3]); gradients sharded like the parameters"
+            ) in " ".join(capsys.readouterr().out.split())
 
 
 def test_another_mesh_than_the_model_s_own_is_refused_in_one_line(capsys):
@@ -105,10 +106,9 @@ def test_another_mesh_than_the_model_s_own_is_refused_in_one_line(capsys):
                      "8", "--seq", "16", "--mesh", "fsdp:8", "--policies", "full"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and (
-        "the model builds its own mesh (data: 2, fsdp: 2 over 4 cpu devices) and the step "
-        "asks for mesh fsdp:8 (--mesh, or a TPU target's chips where --mesh is not given): to "
-        "measure on the model's own, drop --mesh or on a TPU target give --mesh data:1; or "
-        "build the model over fsdp:8") in err, err
+        "the model builds its own mesh (data: 2, fsdp: 2 over 4 cpu devices) and --mesh asks "
+        "for fsdp:8: drop --mesh to measure on the model's own, or give --mesh data:2,fsdp:2; "
+        "or build the model over fsdp:8") in err, err
 
 
 def test_a_mesh_axis_the_model_s_rules_do_not_know_is_refused():

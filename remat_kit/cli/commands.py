@@ -43,6 +43,7 @@ from remat_kit.cli import explain as explain_command
 from remat_kit.cli import fit as fit_command
 from remat_kit.cli import plan as plan_command
 from remat_kit.cli import stops
+from remat_kit.cli.common import make_host_devices
 from remat_kit.cli.inputs import BadInput, _non_negative_int, _positive_int
 from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS
@@ -260,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _one_line_warning
         try:
             use_compile_cache()
+            make_host_devices(args)  # before anything starts JAX's backend
             return args.run(args)
         except stops.Stopped as e:  # Ctrl-C or SIGTERM: one line, never a traceback
             print(f"remat-kit {args.command}: stopped by {e.name}; {stops.kept(args)}",

@@ -4,10 +4,24 @@ checked before anything is measured), and a plot's path per target."""
 
 from __future__ import annotations
 
+import math
 import os
 
+from remat_kit import mesh as rk_mesh
 from remat_kit.cli.inputs import check_seq
 from remat_kit.cli.sources import Source, load_source
+
+
+def make_host_devices(args) -> None:
+    """The CPU devices --mesh needs (data:2,fsdp:2: 4), made before anything asks JAX's
+    backend (a target, the user's module, the default backend): the `jax_num_cpu_devices`
+    option, as XLA_FLAGS=--xla_force_host_platform_device_count=N would, so no flag is
+    needed. A bad spec is left to `inputs.device_mesh`, which names the flag."""
+    try:
+        sizes = rk_mesh.parse_spec(getattr(args, "mesh", None) or "")
+    except rk_mesh.MeshError:
+        return
+    rk_mesh.host_devices(math.prod(sizes.values()))
 
 
 def source_and_sizes(args) -> tuple[Source, int, int]:
@@ -47,6 +61,25 @@ def targets_of(text: str | None) -> list:
     return found
 
 
+def mesh_origin(work, asked, target) -> str | None:
+    """Where the step's mesh came from, for every caption (`rk_mesh.compiled_step`):
+    "the model's own mesh (5 axes ...; device order [0, 2, 1, 3])", "--mesh data:2
+    (...)", or a TPU target's chips where neither gives one; None on one device.
+    `work`: the Workload; `asked`: what `inputs.device_mesh` gave (a Mesh for --mesh, a
+    `rk_mesh.Fallback` for the target's chips, or None)."""
+    own = getattr(work, "own_mesh", None)
+    if own is not None:
+        return rk_mesh.origin(own, "the model's own mesh")
+    mesh = rk_mesh.plain(asked)
+    if mesh is None or mesh.size == 1:
+        return None
+    chips = isinstance(asked, rk_mesh.Fallback)
+    slices = getattr(target, "slices", 1)
+    across = f" over {slices} slices, data parallel across them" if slices > 1 else ""
+    return rk_mesh.origin(mesh, f"the {mesh.size} chips of {target}, data parallel" if chips
+                          else f"--mesh{across}")
+
+
 def plot_path(path: str, target, several: bool) -> str:
     """`path`, or with several targets one file per target: pareto_tpu_v5e_1x1.png."""
     if not several:
@@ -75,4 +108,4 @@ def map_context(work) -> dict:
     return {} if _map_of(work) is None else {"model_map": _map_of(work).to_dict()}
 
 
-__all__ = ["map_context", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]
+__all__ = ["make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]

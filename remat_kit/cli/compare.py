@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import (map_context, plot_path, print_map, sizes_text,
+from remat_kit.cli.common import (map_context, mesh_origin, plot_path, print_map, sizes_text,
                                   source_and_sizes, targets_of)
 from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
@@ -46,7 +46,9 @@ def run(args) -> int:
     sections, contexts = [], []
     dtype = src.dtype(works[0])
     for target, asked, work in zip(target_list, meshes, works):
-        mesh = work.mesh if work.mesh is not None else asked  # a model's own mesh first
+        # a model's own mesh first
+        mesh = (work.mesh if work.mesh is not None or work.own_mesh is not None
+                else rk_mesh.plain(asked))
         devices = 1 if mesh is None else mesh.size
         batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
         tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
@@ -56,7 +58,8 @@ def run(args) -> int:
                           progress=progress, target=target, per_layer=True, peak=args.peak)
         found = target.versions
         mesh_text = rk_mesh.spec_text(mesh)
-        step = rk_mesh.compiled_step("value-and-grad", work.mesh)
+        step = rk_mesh.compiled_step("value-and-grad", work.mesh,
+                                     mesh_origin(work, asked, target))
         per_device = f", per device of {devices} ({mesh_text}); {step}" if devices > 1 else ""
         title = f"{label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
         share = None if batch is None else batch // batch_split  # None: leaves as declared

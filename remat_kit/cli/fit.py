@@ -9,7 +9,7 @@ import sys
 
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import map_context, print_map, targets_of
+from remat_kit.cli.common import map_context, mesh_origin, print_map, targets_of
 from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
 from remat_kit.cli.sources import load_source, rechunked
@@ -29,7 +29,7 @@ def run(args) -> int:
     target_list = targets_of(args.target)
     if len(target_list) > 1:
         raise BadInput(f"fit takes one --target, got {args.target!r}")
-    batch, seq, multiple = _sizes(args, src)
+    batch, seq, multiple = _sizes(args, src, target_list[0])
     per_example = seq is None  # a --model batch without a sequence axis: images, latents
     seq = seq or 1  # so fit's FLOPs per token are FLOPs per example there
     specs = _policies(args, src.cfg)
@@ -50,7 +50,8 @@ def run(args) -> int:
         raise BadInput(f"--budget: {e}") from None
     fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
              "example)" if per_example else f"seq {seq}")
-    _report(args, src.label, result, (fixed, budget, dtype, multiple), src.cfg, first)
+    origin = mesh_origin(first, mesh, target_list[0])
+    _report(args, src.label, result, (fixed, budget, dtype, multiple, origin), src.cfg, first)
     return 0
 
 
@@ -78,15 +79,16 @@ def _budget_bytes(text: str) -> int:
     return budget
 
 
-def _sizes(args, src) -> tuple[int, int | None, int]:
+def _sizes(args, src, target) -> tuple[int, int | None, int]:
     """(global batch, seq, the multiple searched): the flags, else the config file's or
     the model's, else the defaults; on a --mesh the batch's default and unit are its
-    data x fsdp split. seq None where a --model's batch has no sequence axis. BadInput
+    data x fsdp split (times the slices of a multi-slice `target`, data parallel). seq None where a --model's batch has no sequence axis. BadInput
     for a bad --mesh, a seq a config cannot take, or a multiple the mesh cannot split."""
     from remat_kit.decide.fit import DEFAULT_MULTIPLE
     cfg, defaults = src.cfg, src.defaults
     try:  # the global batch splits over data x fsdp: its default and unit follow the mesh
-        split = rk_mesh.axis_size(rk_mesh.parse_spec(args.mesh), "batch") if args.mesh else 1
+        split = (rk_mesh.axis_size(rk_mesh.parse_spec(args.mesh), "batch") * target.slices
+                 if args.mesh else 1)
     except rk_mesh.MeshError as e:
         raise BadInput(f"--mesh: {e}") from None
     batch = args.batch or (split if args.vary == "seq" else defaults.get("batch", 8))
@@ -158,13 +160,14 @@ def _progress(vary: str):
 
 def _report(args, label, result, words, cfg, first) -> None:
     """The model map, fit's table, the compiled step, what holds the floor, and --json and
-    --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple)."""
+    --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple, where
+    the mesh came from: `common.mesh_origin`)."""
     from rich.console import Console
 
     from remat_kit.cli import fit_report
     from remat_kit.models.program import config_map
-    fixed, budget, dtype, multiple = words
-    step = rk_mesh.compiled_step("train step", result.mesh)
+    fixed, budget, dtype, multiple, origin = words
+    step = rk_mesh.compiled_step("train step", result.mesh, origin)
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
     title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "

@@ -266,8 +266,10 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
     (the `jax_num_cpu_devices` option, like
     XLA_FLAGS=--xla_force_host_platform_device_count=N). For a target
     compiled ahead of time the devices are its topology's
-    (`targets.make_mesh`), and with no --mesh the mesh is data parallel over
-    all of them (a TPU slice's chips).
+    (`targets.make_mesh`; on several slices --mesh is within a slice, and the
+    slices add a data-parallel axis), and with no --mesh the mesh is data parallel over
+    all of them (a TPU slice's chips), as a `rk_mesh.Fallback`: a --model's own
+    mesh (cfg None) replaces it, so its batch is checked where the model is placed.
 
     Raises:
       BadInput: a bad spec (unknown axis, size not a positive int, more than
@@ -281,16 +283,20 @@ def device_mesh(text: str | None, batch: int, cfg: TransformerConfig,
     aot = target is not None and target.aot
     if text is None and not aot:
         return None
-    flag = "--mesh"
-    if text is None:  # a TPU slice: data parallel over all of its chips
-        text = f"data:{len(target.devices)}"
+    flag, args_given = "--mesh", text is not None
+    if text is None:  # a TPU slice: data parallel over all of its chips (of every slice)
+        text = f"data:{len(target.devices) // target.slices}"
         flag = f"target {target} ({text})"
     try:
         sizes = rk_mesh.parse_spec(text)
-        rk_mesh.check_fits(sizes, cfg, batch)
-        if aot:
+        if aot:  # the whole mesh checked: several slices add a data-parallel axis
             from remat_kit.measure import targets
-            return targets.make_mesh(target, sizes)
+            made = targets.make_mesh(target, sizes)
+            if cfg is not None or args_given:
+                rk_mesh.check_fits(made, cfg, batch)
+            return made if args_given else rk_mesh.Fallback(made)
+        if cfg is not None or args_given:
+            rk_mesh.check_fits(sizes, cfg, batch)
         import jax
         n = math.prod(sizes.values())
         rk_mesh.host_devices(n)

@@ -12,8 +12,8 @@ import time
 
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import (map_context, print_map, sizes_text, source_and_sizes,
-                                  targets_of)
+from remat_kit.cli.common import (map_context, mesh_origin, print_map, sizes_text,
+                                  source_and_sizes, targets_of)
 from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_planner_floor,
                                   check_schedules, device_mesh, plan_groups, preset_policies,
                                   split_budgets, split_policies)
@@ -56,9 +56,12 @@ def run(args) -> int:
     records = _preset_records(planner, presets)
     found = _frontier(args, planner, budgets, target_list[0],
                       lambda n: rechunked(args, n).workload(batch, seq, mesh))
-    shown = _Shown(src.label, batch, seq, src.dtype(work), 1 if mesh is None else mesh.size,
+    used = (work.mesh if work.mesh is not None or work.own_mesh is not None  # the model's own
+            else rk_mesh.plain(mesh))
+    shown = _Shown(src.label, batch, seq, src.dtype(work), 1 if used is None else used.size,
                    rk_mesh.compiled_step("train step" if planner.step == "train"
-                                         else "value-and-grad", work.mesh), emit_to,
+                                         else "value-and-grad", work.mesh,
+                                         mesh_origin(work, mesh, target_list[0])), emit_to,
                    _own_tags(src, batch, seq) if emit_to == "jax" else None)
     return _report(args, planner, work, found, records, presets, shown)
 

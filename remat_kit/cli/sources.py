@@ -14,6 +14,7 @@ import inspect
 import os
 import sys
 
+from remat_kit import mesh as rk_mesh
 from remat_kit.cli.inputs import BadInput, check_int
 from remat_kit.models import TransformerConfig, from_config_dict, get_config
 
@@ -134,7 +135,9 @@ class Source:
       cfg: the TransformerConfig for --config (dtype applied), None for --model.
       defaults: {"batch", "seq"} from a config file's batch_size / seq_len, or a
         (model, batch) FUNCTION's batch (seq None: it has no sequence axis).
-      make: (batch, seq, mesh) -> Workload; raises BadInput for a bad model.
+      make: (batch, seq, mesh) -> Workload, mesh a Mesh (--mesh), a `rk_mesh.Fallback`
+        (a TPU target's chips, which a model's own mesh replaces) or None; raises
+        BadInput for a bad model.
     """
 
     label: str
@@ -219,7 +222,8 @@ def load_source(args) -> Source:
         except ValueError as e:
             raise BadInput(f"--vocab-chunks {chunks}: {str(e).partition(': ')[2]}") from None
     return Source(label, cfg, defaults,
-                  lambda batch, seq, mesh=None: config_workload(cfg, batch, seq, mesh=mesh))
+                  lambda batch, seq, mesh=None: config_workload(cfg, batch, seq,
+                                                                mesh=rk_mesh.plain(mesh)))
 
 
 def rechunked(args, chunks: int) -> Source:

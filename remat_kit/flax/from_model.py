@@ -374,8 +374,8 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) 
 # ---------------------------------------------------------------------------
 
 def workload(model, batch: int, seq: int | None, *, block=None, name: str | None = None,
-             mesh: jax.sharding.Mesh | None = None, vocab_chunks: int = 1,
-             inputs=None) -> Workload:
+             mesh: "jax.sharding.Mesh | rk_mesh.Fallback | None" = None,
+             vocab_chunks: int = 1, inputs=None) -> Workload:
     """The `Workload` of a linen or NNX language model's next-token loss.
 
     Args:
@@ -392,8 +392,10 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
         (`remat_kit.flax.placement`: parameters by their names and the
         model's logical-axis rules, else `remat_kit.mesh.RULES`; the batch
         over the batch axes). A model with a mesh of its own is placed on it,
-        in its own device order, without `mesh`. A tensor axis needs the
-        model's own tensor parallelism (named parameters): else refused.
+        in its own device order, without `mesh`; a `mesh` given beside it must
+        equal it, a `rk_mesh.Fallback` (a TPU target's chips) gives way to it.
+        A tensor axis needs the model's own tensor parallelism (named
+        parameters): else refused.
       vocab_chunks: compute the loss over this many vocabulary slices of the
         logits (`next_token_loss`); 1, the default, the plain loss.
       inputs: what the model is called on and the loss of its output, where
@@ -440,8 +442,9 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
     named = placement.annotations(args[0])
-    if mesh is not None and rk_mesh.axis_size(mesh, "heads") > 1 and not named.any:
-        raise ModelError(f"mesh {rk_mesh.spec_text(mesh)}: a tensor axis splits heads and MLP "
+    asked = rk_mesh.plain(mesh)
+    if asked is not None and rk_mesh.axis_size(asked, "heads") > 1 and not named.any:
+        raise ModelError(f"mesh {rk_mesh.spec_text(asked)}: a tensor axis splits heads and MLP "
                          "inside the model's own layers, and the model names no partitioning "
                          "of its parameters (nn.with_logical_partitioning, nnx.with_partitioning"
                          "); name it, or use data and fsdp axes")
@@ -486,6 +489,8 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         local = (one.loss_for_policy, one.args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,
                     per_device=local, mesh=where and where.mesh, num_layers=n or None,
+                    own_mesh=(named.mesh or (own_mesh[0] if own_mesh else None)) if placed
+                    else None,
                     notes=notes, block_name=cls.__name__ if n else None,
                     parameter_count=traced_regions.parameter_count,
                     # per chip, as every figure is: one device's share of the batch

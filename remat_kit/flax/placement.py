@@ -157,11 +157,21 @@ def _batch_axes(rules, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a in DATA_AXES)
 
 
+def _named_axes(found: Annotations) -> set[str]:
+    """The mesh axes the parameters name directly (`nn.with_partitioning`, NNX's mesh-axis
+    `sharding=`), not through logical-axis rules."""
+    is_names = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
+    return {a for names, logical in zip(jax.tree.leaves(found.names, is_leaf=is_names),
+                                        jax.tree.leaves(found.logical))
+            if names and not logical
+            for n in names for a in ((n,) if isinstance(n, str) else n or ())}
+
+
 def _model_text(mesh: Mesh) -> str:
     return f"the model builds its own mesh ({retarget.describe(mesh)})"
 
 
-def resolve(found: Annotations, own_mesh: Mesh | None, mesh: Mesh | None,
+def resolve(found: Annotations, own_mesh: Mesh | None, mesh: "Mesh | rk_mesh.Fallback | None",
             batch: int) -> Placement | None:
     """The `Placement` of a model on its own mesh or `mesh` (`--mesh`); None
     where neither spans several devices.
@@ -170,30 +180,38 @@ def resolve(found: Annotations, own_mesh: Mesh | None, mesh: Mesh | None,
       found: the model's `annotations`.
       own_mesh: a mesh the model's code names (`retarget.meshes` of its trace),
         or None; its boxes' mesh comes first.
-      mesh: the mesh asked for (`--mesh`), or None.
+      mesh: the mesh asked for (`--mesh`), a `rk_mesh.Fallback` (a TPU target's
+        chips where nothing is asked: the model's own mesh replaces it), or None.
       batch: the global batch size.
     Raises:
       MeshError: in one line, saying how to build the model for the mesh: a
-        `mesh` other than the model's own; a mesh axis the model's rules do not
-        know (it would split nothing); a batch the batch axes of `mesh` do not
-        split (on the model's own mesh such a batch stays whole, with a note).
+        `mesh` other than the model's own (both named); a mesh axis the model's
+        rules do not know (it would split nothing); a batch the batch axes of
+        `mesh` do not split (on the model's own mesh such a batch stays whole,
+        with a note).
     """
-    own, mesh = found.mesh or own_mesh, rk_mesh.spanning(mesh)  # data:1: nothing asked
+    own = found.mesh or own_mesh
+    if isinstance(mesh, rk_mesh.Fallback):
+        mesh = None if own is not None else mesh.mesh
+    mesh = rk_mesh.spanning(mesh)  # data:1: nothing asked
     if own is not None and mesh is not None and dict(mesh.shape) != dict(own.shape):
-        # `mesh` is --mesh or, where none is given, a TPU target's chips (data parallel)
-        raise MeshError(f"{_model_text(own)} and the step asks for mesh "
-                        f"{rk_mesh.spec_text(mesh)} (--mesh, or a TPU target's chips where "
-                        "--mesh is not given): to measure on the model's own, drop --mesh or on "
-                        f"a TPU target give --mesh data:1; or build the model over "
+        raise MeshError(f"{_model_text(own)} and --mesh asks for {rk_mesh.spec_text(mesh)}: "
+                        f"drop --mesh to measure on the model's own, or give --mesh "
+                        f"{rk_mesh.spec_text(own)}; or build the model over "
                         f"{rk_mesh.spec_text(mesh)}")
     use = rk_mesh.spanning(own or mesh)
     if use is None:
         return None
     rules = _restrict(found.rules, use) if found.rules else rk_mesh.rules(use.shape)
     batch_axes = _batch_axes(rules, use)
-    known = set(batch_axes) | {a for _, axes in rules
-                               for a in ((axes,) if isinstance(axes, str) else axes or ())}
+    known = set(batch_axes) | _named_axes(found) | {
+        a for _, axes in rules for a in ((axes,) if isinstance(axes, str) else axes or ())}
     unknown = [a for a, n in use.shape.items() if n > 1 and a not in known]
+    if unknown and not found.rules and own is None:  # --mesh names an axis nothing uses
+        usable = sorted(_named_axes(found) | set(rk_mesh.AXES))
+        raise MeshError(f"mesh {rk_mesh.spec_text(use)}: mesh axis {unknown[0]!r} is named by "
+                        f"no parameter of the model and no logical-axis rule, so it would split "
+                        f"nothing; the axes it can use: {usable}")
     if unknown and found.rules:
         names = sorted({a for _, axes in found.rules
                         for a in ((axes,) if isinstance(axes, str) else axes or ())})

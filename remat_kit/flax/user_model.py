@@ -28,7 +28,7 @@ from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.flax import batch_model
 from remat_kit.flax.from_model import ModelError
 from remat_kit.flax.from_model import workload as model_workload
-from remat_kit.mesh import spanning
+from remat_kit.mesh import Fallback, spanning
 from remat_kit.trace.workload import Workload
 
 FORMS = "FILE.py:FUNCTION or package.module:FUNCTION"
@@ -386,8 +386,9 @@ def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
     name = getattr(fn, "__name__", "FUNCTION")
 
     def make(batch: int, seq: int, mesh=None) -> Workload:
-        # A one-chip target's data:1 mesh shards nothing: the Workload is run as it is.
-        if spanning(mesh) is not None:
+        # A one-chip target's data:1 mesh shards nothing, and a target's chips (a
+        # Fallback) are no ask: the Workload is run as it is.
+        if not isinstance(mesh, Fallback) and spanning(mesh) is not None:
             raise ModelError(f"--model {spec!r}: --mesh is for a model; {name}(batch, seq) "
                              "builds its Workload, so build the mesh into its arguments")
         try:

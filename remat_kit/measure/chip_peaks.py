@@ -28,17 +28,23 @@ _PCIE4_X16 = 32e9  # PCIe Gen4 x16: 16 GT/s x 16 lanes, ~31.5 GB/s each way
 # table, 16-32 GB/s by generation; its worked example takes 1.5e10 bytes/s) gives the
 # order of magnitude; we take the low end, 1.5e10 bytes/s each way, for v5e and v5p.
 _TPU_HOST_DMA = 1.5e10
+# TPU chip <-> the data-center network (DCN) that joins slices, bytes/s per chip each way:
+# the same book's "DCN bandwidth" per chip (its hardware table: 6.25e9 for v5p, 3.125e9
+# for v5e), what a multi-slice job's cross-slice all-reduce runs at.
+_DCN = {"tpu:v5e": 3.125e9, "tpu:v5p": 6.25e9}
 # Dense (no sparsity) peaks. bf16_flops: 16-bit matmul; f32_flops: what an f32
 # matmul runs at under JAX's default precision (TPU: one bf16 pass; NVIDIA: TF32).
 PEAKS = {
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2.
     "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
-                "host_bandwidth": _TPU_HOST_DMA,
-                "source": "cloud.google.com/tpu/docs/v5e; host DMA: jax-ml.github.io/scaling-book"},
+                "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5e"],
+                "source": "cloud.google.com/tpu/docs/v5e; host DMA and DCN: "
+                          "jax-ml.github.io/scaling-book"},
     # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
     "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
-                "host_bandwidth": _TPU_HOST_DMA,
-                "source": "cloud.google.com/tpu/docs/v5p; host DMA: jax-ml.github.io/scaling-book"},
+                "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5p"],
+                "source": "cloud.google.com/tpu/docs/v5p; host DMA and DCN: "
+                          "jax-ml.github.io/scaling-book"},
     # https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM4 80GB datasheet): BF16
     # 624 TFLOP/s with sparsity (312 dense), TF32 312 with sparsity (156 dense),
     # 2,039 GB/s HBM2e; host link PCIe Gen4 x16.
@@ -70,6 +76,11 @@ class Roofline:
       bandwidth: device memory bandwidth, bytes/s.
       host_bandwidth: device <-> host bytes/s per direction (None: no host memory).
       source: where the figures come from (a vendor page, or "measured on this machine").
+      dcn_bandwidth: chip <-> data-center network bytes/s per direction, what joins the
+        slices of a multi-slice target (None: not listed).
+      slices: on a multi-slice target, how many slices (None: one); the time model
+        prices what the program sends across them at `dcn_bandwidth`
+        (`remat_kit.measure.dcn`).
     """
 
     bf16_flops: float
@@ -77,6 +88,9 @@ class Roofline:
     bandwidth: float
     host_bandwidth: float | None = None
     source: str = ""
+    # Not in the repr, which keys the figure cache: the target's name (slices=N) does.
+    dcn_bandwidth: float | None = dataclasses.field(default=None, repr=False)
+    slices: int | None = dataclasses.field(default=None, repr=False)
 
     def seconds(self, flops: float, nbytes: float, dtype=None) -> float:
         """max(flops / peak of `dtype`, nbytes / bandwidth); 16-bit dtypes take bf16's peak."""
@@ -178,7 +192,7 @@ def of_chip(chip: str) -> Roofline:
     if found is None:
         return calibrate_cpu()
     return Roofline(found["bf16_flops"], found["f32_flops"], found["bandwidth"],
-                    found.get("host_bandwidth"), found["source"])
+                    found.get("host_bandwidth"), found["source"], found.get("dcn_bandwidth"))
 
 
 __all__ = ["PEAKS", "Roofline", "calibrate_cpu", "of_chip"]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit.measure import figure_cache
@@ -74,8 +75,21 @@ def lower(fn: Callable, leaves: Sequence, target: Target,
     if target.aot:
         platform = "cuda" if target.platform == "gpu" else target.platform
         with retarget.retargeting(target.devices, str(target)):  # a model's own mesh
-            return jitted.trace(*leaves).lower(lowering_platforms=(platform,))
+            traced = jitted.trace(*leaves)
+        if _off_target(traced.jaxpr, target):  # a step's own constraint on the model's mesh
+            rebuilt = retarget.rebuild(traced.jaxpr, target.devices, str(target))
+            traced = jax.jit(jaxpr_as_fun(rebuilt), donate_argnums=donate_argnums).trace(
+                *leaves)
+        return traced.lower(lowering_platforms=(platform,))
     return jitted.lower(*leaves)
+
+
+def _off_target(closed, target: Target) -> bool:
+    """Whether a traced program names a mesh over devices `target` has not: one the
+    step built around the model (the train step's gradient constraints on the model's
+    own mesh), outside the regions `retarget.retargeting` rebuilds as they are bound."""
+    found = set(target.devices)
+    return any(not set(m.devices.flat) <= found for m in retarget.meshes(closed.jaxpr))
 
 
 def on_target(closed, target: Target):

@@ -13,6 +13,11 @@ a report can give an accelerator's figures on a machine that has none:
                     ``tpu:v5e:2x2``, ``tpu:v5p:2x2x1``, ``tpu:v4:2x2x1``;
                     runs on a machine without a TPU (``pip install
                     remat-kit[tpu]``). Figures are per device of the slice.
+``tpu:<topology>:slices=N``  N such slices joined by the data-center network
+                    (DCN), compiled as a multi-slice job is
+                    (``get_topology_desc(..., num_slices=N)``): e.g.
+                    ``tpu:v5p:4x4x4:slices=2``, 128 chips; the mesh gets a
+                    data-parallel axis across the slices (`make_mesh`).
 ``gpu``             the GPU devices of this machine (``jax.devices("gpu")``).
 ``gpu:<name>[:N]``  ahead of time with the CUDA PJRT plugin for N (default
                     1) NVIDIA GPUs on one host, described by an XLA
@@ -45,6 +50,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import math
 import os
 import re
 import types
@@ -62,6 +68,10 @@ from remat_kit.mesh import spec_text
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
 TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
 _TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
+_SLICES = re.compile(r"slices=(\d+)")
+# The mesh axis across the slices of a multi-slice target: data parallel, as MaxText's
+# create_hybrid_device_mesh folds dcn_data_parallelism into its `data` axis.
+SLICE_AXIS = "data"
 # GPU name -> GpuTargetConfigProto text file in remat_kit/measure/gpu_targets/. Only
 # GPUs with a sourced description are listed: h100_sxm.txtpb describes an
 # NVIDIA H100 SXM 80 GB HBM3 (132 SMs, 50 MiB L2, compute capability 9.0),
@@ -73,8 +83,9 @@ _TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
 # times the time model is checked against (its comment gives the datasheet figures).
 GPU_TARGET_CONFIGS = {"a100": "a100_sxm.txtpb", "h100": "h100_sxm.txtpb",
                       "h200": "h200_sxm.txtpb"}
-KINDS = ("cpu", "tpu", "tpu:<topology>", "gpu", "gpu:<name>[:N]")
-EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1", "gpu",
+KINDS = ("cpu", "tpu", "tpu:<topology>[:slices=N]", "gpu", "gpu:<name>[:N]")
+EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1",
+            "tpu:v5p:4x4x4:slices=2", "gpu",
             "gpu:a100", "gpu:h100", "gpu:h100:8", "gpu:h200", "gpu:/path/to/spec.txtpb")
 
 class TargetError(ValueError):
@@ -129,7 +140,7 @@ class Target:
     Attributes:
       platform: "cpu", "tpu" or "gpu".
       topology: for an ahead-of-time target, the topology: a TPU topology
-        name (e.g. "v5e:2x2"), or a GPU name or target config path with an
+        name (e.g. "v5e:2x2", "v5p:4x4x4:slices=2" for two such slices), or a GPU name or target config path with an
         optional device count ("h100", "h100:8"); None for this machine's
         devices.
     """
@@ -162,6 +173,12 @@ class Target:
         """
         return _devices_of(self)
 
+    @property
+    def slices(self) -> int:
+        """How many slices of the topology (`tpu:v5p:4x4x4:slices=2`: 2); 1 otherwise."""
+        found = _SLICES.search(self.topology or "") if self.platform == "tpu" else None
+        return int(found.group(1)) if found else 1
+
     @functools.cached_property
     def chip(self) -> str:
         """The chip compiled for, as `PEAKS` names it: "cpu", "tpu:v5e", "gpu:a100",
@@ -179,8 +196,10 @@ class Target:
 
     @functools.cached_property
     def roofline(self) -> Roofline:
-        """The time model's peaks of the chip (`chip_peaks.of_chip`)."""
-        return of_chip(self.chip)
+        """The time model's peaks of the chip (`chip_peaks.of_chip`); on several slices
+        with their count, which the DCN joins (`Roofline.slices`)."""
+        line = of_chip(self.chip)
+        return line if self.slices == 1 else dataclasses.replace(line, slices=self.slices)
 
     @functools.cached_property
     def versions(self) -> "types.MappingProxyType[str, str]":
@@ -227,10 +246,17 @@ def parse_target(text: "str | Target | None") -> Target:
         hint = f"; did you mean {closest!r}?" if closest else ""
         raise TargetError(f"unknown TPU generation {generation!r} in target {text!r}{hint}; "
                           f"valid: {', '.join(TPU_GENERATIONS)}")
+    shape, _, extra = shape.partition(":")
     if not _TPU_SHAPE.fullmatch(shape) or any(int(n) < 1 for n in shape.split("x")):
         raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: give "
                           f"<generation>:<chips per axis>, e.g. v5e:2x2, v5p:2x2x1")
-    return Target("tpu", topology)
+    slices = _SLICES.fullmatch(extra) if extra else None
+    if extra and (slices is None or int(slices.group(1)) < 1):
+        raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: after the "
+                          f"shape give slices=N with N a positive number of slices, e.g. "
+                          f"tpu:v5p:4x4x4:slices=2")
+    n = int(slices.group(1)) if slices else 1
+    return Target("tpu", f"{generation}:{shape}" + (f":slices={n}" if n > 1 else ""))
 
 
 def _split_count(topology: str) -> tuple[str, int]:
@@ -293,10 +319,15 @@ def _need_libtpu() -> None:
 
 @functools.cache
 def _topology_devices(topology: str) -> tuple:
+    """The compile-only devices of a topology, slice by slice for "...:slices=N" (JAX's
+    multi-slice topology: each device's `slice_index` says its slice)."""
     _need_libtpu()
     from jax.experimental import topologies
+    name, _, extra = topology.rpartition(":") if "slices=" in topology else (topology, "", "")
+    slices = int(_SLICES.fullmatch(extra).group(1)) if extra else 1
     try:
-        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                            **({"num_slices": slices} if slices > 1 else {}))
     except Exception as e:  # noqa: BLE001 - libtpu's own message is the useful one
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TargetError(f"libtpu rejects TPU topology {topology!r}: {detail}; valid: "
@@ -436,26 +467,33 @@ def gpu_description(target: "str | Target") -> dict:
 
 
 def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
-    """A `Mesh` of the first prod(shape) devices of `target`, axes named by `shape`.
+    """A `Mesh` of the first prod(shape) devices of `target`, axes named by `shape`
+    ({"data": 4}). On several slices `shape` is within each slice (its first chips), and
+    the slices add to `SLICE_AXIS` (`data`, slices outermost, as MaxText's
+    `create_hybrid_device_mesh` builds dcn_data_parallelism), or prepend it.
 
-    Args:
-      shape: axis name -> size, e.g. {"data": 4}.
     Raises:
-      TargetError: the mesh needs more devices than the target has (the
-        message names both numbers), or `Target.devices` fails.
+      TargetError: the mesh needs more devices than the target (or one of its
+        slices) has (the message names both numbers), or `Target.devices` fails.
     """
     target = parse_target(target)
-    found = target.devices
-    n = 1
-    for size in shape.values():
-        n *= size
-    if n > len(found):
-        raise TargetError(f"mesh {spec_text(shape)} needs {n} devices; target {target} has "
-                          f"{len(found)}")
-    return Mesh(np.array(found[:n], dtype=object).reshape(tuple(shape.values())),
-                tuple(shape))
+    found, slices = target.devices, target.slices
+    n, per = math.prod(shape.values()), len(found) // slices
+    if n > per:
+        where = f"each slice of target {target}" if slices > 1 else f"target {target}"
+        raise TargetError(f"mesh {spec_text(shape)} needs {n} devices; {where} has {per}")
+    grid = np.array([found[s * per:s * per + n] for s in range(slices)], dtype=object)
+    grid = grid.reshape((slices, *shape.values()))
+    if slices == 1:
+        return Mesh(grid[0], tuple(shape))
+    if SLICE_AXIS not in shape:
+        return Mesh(grid, (SLICE_AXIS, *shape))
+    at = list(shape).index(SLICE_AXIS)
+    merged = np.moveaxis(grid, 0, at)  # the slices just outside the data axis, then one axis
+    sizes = [slices * size if a == SLICE_AXIS else size for a, size in shape.items()]
+    return Mesh(merged.reshape(sizes), tuple(shape))
 
 
 __all__ = ["chip", "EXAMPLES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
            "devices", "gpu_description", "is_out_of_memory", "make_mesh", "parse_target",
-           "parse_targets", "peaks", "roofline", "versions"]
+           "parse_targets", "peaks", "roofline", "SLICE_AXIS", "versions"]

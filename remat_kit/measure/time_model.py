@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
-from remat_kit.measure import loops
+from remat_kit.measure import dcn, loops
 from remat_kit.measure.gpu_calls import cublas_gemm
 from remat_kit._jax_private import hlo_module
 # Re-exported: tests, scripts and the planner read the peaks as time_model.roofline(target)
@@ -131,6 +131,8 @@ class OpCost:
         dynamic-update-slice writes the update only.
       dtype: the output's element type, which picks the peak (bf16 or f32).
       trips: how many times the op runs (the trip counts of the loops around it).
+      dcn_bytes: bytes the op sends across slices over the data-center network, per
+        chip (`remat_kit.measure.dcn`; 0 on one slice).
     """
 
     name: str
@@ -140,6 +142,7 @@ class OpCost:
     nbytes: float
     dtype: object
     trips: int = 1
+    dcn_bytes: float = 0.0
 
 
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
@@ -295,7 +298,7 @@ def _gemm_cost(instr, gemm, trips: int) -> OpCost:
                   np.dtype(gemm.product.numpy_dtype()), trips)
 
 
-def compiled_ops(compiled) -> list[OpCost]:
+def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
     """The ops a compiled program runs, each with its FLOPs and boundary bytes.
 
     Walks the optimized HLO (`compiled.runtime_executable().hlo_modules()`, or
@@ -312,6 +315,8 @@ def compiled_ops(compiled) -> list[OpCost]:
 
     Args:
       compiled: a JAX `Compiled` (`jax.jit(f).lower(...).compile()`).
+      slices: on a multi-slice target, how many slices: what the program sends
+        across them is counted (`OpCost.dcn_bytes`).
     Returns:
       `OpCost`s in the order the module lists them, free ops (parameters,
       tuples, bitcasts) left out.
@@ -345,8 +350,10 @@ def compiled_ops(compiled) -> list[OpCost]:
             shape = instr.shape
             dtype = None if shape.is_tuple() or not shape.is_array() else \
                 np.dtype(shape.numpy_dtype())
+            sent = dcn.dcn_bytes(instr, slices, _size(instr.operands()[0].shape)[1]
+                                 if instr.operands() else 0)
             ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
-                              dtype, trips))
+                              dtype, trips, sent))
 
     walk(comps[entry], 1)
     return ops
@@ -354,9 +361,13 @@ def compiled_ops(compiled) -> list[OpCost]:
 
 def compiled_seconds(compiled, line: Roofline) -> float:
     """Predicted seconds of one run of a compiled program: the roofline of each
-    op it runs (`compiled_ops`), summed, loop bodies once per trip."""
-    return sum(op.trips * line.seconds(op.flops, op.nbytes, op.dtype)
-               for op in compiled_ops(compiled))
+    op it runs (`compiled_ops`), summed, loop bodies once per trip; on several
+    slices (`line.slices`) with what the program sends across them at
+    `line.dcn_bandwidth` (not overlapped with compute: an upper bound)."""
+    ops = compiled_ops(compiled, line.slices)
+    sent = sum(op.trips * op.dcn_bytes for op in ops)
+    return (sum(op.trips * line.seconds(op.flops, op.nbytes, op.dtype) for op in ops)
+            + (sent / line.dcn_bandwidth if sent and line.dcn_bandwidth else 0.0))
 
 
 def segment_seconds(nodes, out_aval, line: Roofline, cache: dict) -> float:

@@ -40,9 +40,9 @@ def _config(cfg, where: str) -> TransformerConfig:
 
 def _aot_mesh(target, mesh):
     """The mesh a config is measured on: for a target compiled ahead of time with no
-    mesh given, data parallel over its chips."""
+    mesh given, data parallel over its chips (of every slice: `targets.make_mesh`)."""
     if mesh is None and target.aot:
-        return targets.make_mesh(target, {"data": len(target.devices)})
+        return targets.make_mesh(target, {"data": len(target.devices) // target.slices})
     return mesh
 
 

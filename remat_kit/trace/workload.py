@@ -52,6 +52,9 @@ class Workload:
         `mesh`, where a shard of `args` is not a valid input of the global
         loss (parameters split over fsdp or tensor); else None.
       mesh: the `jax.sharding.Mesh` the args are sharded over, or None.
+      own_mesh: the mesh the model builds for itself, as it built it (any size,
+        its own axis names and device order), or None; a report says the step
+        ran on it (`remat_kit.mesh.origin`).
       num_layers: how many blocks a layer schedule or a per-layer list
         counts (None where the loss has no blocks).
       block: policy -> (loss of one block alone under that policy, its args
@@ -85,6 +88,7 @@ class Workload:
     sample_args: Callable | None = None
     per_device: tuple | None = None
     mesh: jax.sharding.Mesh | None = None
+    own_mesh: jax.sharding.Mesh | None = None
     num_layers: int | None = None
     block: Callable | None = None
     notes: tuple[str, ...] = ()
