@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit.measure import figure_cache
+from remat_kit.measure import figure_cache, kernels
 from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.peak import dump_options
@@ -148,6 +148,14 @@ def costs(compiled, target: Target, fn: Callable, local_leaves: Sequence):
                                f"{target} compile {why})",)
 
 
+def _kernels(lowered, fn: Callable, leaves: Sequence, target: Target) -> kernels.Priced:
+    """The custom calls of a lowered program priced from shapes (`kernels.price`);
+    traced again only where the program holds one."""
+    if "custom_call" not in lowered.as_text():
+        return kernels.Priced()
+    return kernels.price(jax.make_jaxpr(fn)(*[_local(x) for x in leaves]), target.platform)
+
+
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                 compile_only: bool = True, donate: tuple[int, ...] = (),
                 count_flops: bool = True, dump: str | None = None) -> Compiled:
@@ -200,7 +208,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         with without_compilation_cache():
             compiled = lowered.compile(dump_options(options, dump))
     seconds = time.perf_counter() - start
-    found, notes = (costs(compiled, target, flat, [_local(x) for x in leaves]) if count_flops
+    found, notes = (kernels.added(costs(compiled, target, flat, [_local(x) for x in leaves]),
+                                  _kernels(lowered, flat, leaves, target)) if count_flops
                     else ({}, ()))
     memory = memory_fields(compiled)
     figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
