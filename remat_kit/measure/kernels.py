@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from remat_kit.trace.roles import kernel_name
 from remat_kit.units import fmt_flops
 
 # Kernel and primitive names of fused attention (splash_mha_fwd, flash_mha_bwd_dq,
@@ -176,18 +177,8 @@ def attention_flops(q_shape, k_shape, seq_axis: int = -2, fraction: float = 1.0)
     return 4.0 * math.prod(q_shape[:-1]) * k_shape[seq_axis] * q_shape[-1] * fraction
 
 
-def _name(eqn) -> str:
-    """A kernel's name: its Pallas `name=`, else its kernel function's (the TPU flash
-    kernel passes none), a custom call's target, or the primitive's."""
-    params = eqn.params
-    body = getattr(params.get("jaxpr"), "debug_info", None)
-    function = (getattr(body, "func_src_info", None) or "").split(" ")[0].strip("_")
-    return str(params.get("name") or function or params.get("call_target_name")
-               or params.get("target_name") or eqn.primitive.name)
-
-
 def _kernel(eqn, values: dict, calls: int, platform: str) -> Kernel:
-    params, name = eqn.params, _name(eqn)
+    params, name = eqn.params, kernel_name(eqn.primitive.name, eqn.params)
     ins = [v.aval for v in eqn.invars]
     outs = [v.aval for v in eqn.outvars]
     nbytes = float(sum(a.size * np.dtype(a.dtype).itemsize for a in ins + outs
