@@ -153,15 +153,37 @@ def _role(name: str, n_float_outs: int) -> float:
     return 1.0
 
 
-def _block_fraction(name: str, eqn, values: dict) -> tuple[float, str]:
-    """(fraction of blocks computed, "" or why unknown). Splash's second scalar
-    prefetch operand is its block mask (0: skipped)."""
+def _block_sizes(eqn, operands: list[int], seq_axis: int) -> list[int] | None:
+    """The block sizes along the sequence of the Pallas call's operands at
+    `operands` (indices into its inputs), from its grid mapping; None if unread."""
+    mapping = eqn.params.get("grid_mapping")
+    if mapping is None:
+        return None
+    first = int(getattr(mapping, "num_index_operands", 0))
+    blocks = list(getattr(mapping, "block_mappings", ()))
+    try:
+        dims = [blocks[i - first].block_shape[seq_axis] for i in operands]
+    except (IndexError, TypeError):
+        return None
+    sizes = [getattr(d, "block_size", d) for d in dims]
+    return sizes if all(isinstance(n, int) for n in sizes) else None
+
+
+def _block_fraction(name: str, eqn, values: dict, qk: list[int], seq_axis: int
+                    ) -> tuple[float, str]:
+    """(fraction of score blocks computed, "" or why unknown). Splash's second scalar
+    prefetch operand is its block mask, [heads or 1, q blocks, kv blocks] (0:
+    skipped; its grid may be shrunk to the widest row, so its nonzero blocks count
+    at their block size against the whole score matrix)."""
     if name.startswith("splash") and len(eqn.invars) > 1:
-        block_mask = values.get(eqn.invars[1]) if isinstance(eqn.invars[1], jcore.Var) \
+        mask = values.get(eqn.invars[1]) if isinstance(eqn.invars[1], jcore.Var) \
             else getattr(eqn.invars[1], "val", None)
-        if block_mask is not None and np.asarray(block_mask).size:
-            block_mask = np.asarray(block_mask)
-            return float(np.count_nonzero(block_mask)) / block_mask.size, ""
+        sizes = _block_sizes(eqn, qk, seq_axis)
+        if mask is not None and np.ndim(mask) == 3 and sizes:
+            mask = np.asarray(mask)
+            s_q, s_k = (eqn.invars[i].aval.shape[seq_axis] for i in qk)
+            computed = np.count_nonzero(mask) / mask.shape[0]
+            return min(1.0, computed * sizes[0] * sizes[1] / (s_q * s_k)), ""
     return 1.0, "mask not read: priced unmasked"
 
 
@@ -194,7 +216,8 @@ def _kernel(eqn, values: dict, calls: int, platform: str) -> Kernel:
         return Kernel(name, calls, 0.0, nbytes, dtype, "unpriced")
     q, k = floats[0].shape, floats[1].shape
     seq_axis = -3 if _SEQ_THIRD_LAST.search(name) and len(k) >= 3 else -2
-    fraction, mask = _block_fraction(name, eqn, values)
+    qk = [i for i, a in enumerate(ins) if _floating([a])][:2]
+    fraction, mask = _block_fraction(name, eqn, values, qk, seq_axis)
     role = _role(name, len([o for o in _floating(outs) if len(o.shape) == len(q)]))
     return Kernel(name, calls, role * attention_flops(q, k, seq_axis, fraction), nbytes, dtype,
                   "shapes", mask=mask)

@@ -38,6 +38,7 @@ import math
 import re
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from remat_kit.trace import dataflow as df
@@ -256,9 +257,10 @@ def _attention(g: df.Graph, a: _Assign, why: dict) -> tuple[set, set]:
         if (_FUSED_ATTENTION.search(node.prim) or (
                 node.prim in ("ffi_call", "custom_call", "pallas_call")
                 and _FUSED_ATTENTION.search(kernel_name(node.prim, node.params)))):
-            # q, k, v: its first three data arrays (a kernel's mask info, sequence
-            # iotas and segment ids are constants or have fewer axes)
-            qkv = [v for v in node.ins if v.data and len(v.shape) >= 3][:3]
+            # q, k, v: its first three floating data arrays (a kernel's mask info,
+            # sequence iotas and segment ids are integers; MQA's k and v are [seq, d])
+            qkv = [v for v in node.ins if v.data and len(v.shape) >= 2
+                   and jnp.issubdtype(v.aval.dtype, jnp.floating)][:3]
             if len(qkv) == 3:
                 fused.append((node, qkv))
     for node, qkv in fused:

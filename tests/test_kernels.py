@@ -1,0 +1,111 @@
+"""Fused attention kernels priced from their shapes (remat_kit.measure.kernels), named
+`context`, and planned: splash (causal, local, grouped-query heads, segment ids) and the
+TPU flash kernel compiled for a TPU ahead of time; splash's gradients in interpret mode
+on the CPU equal no remat's."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import remat_kit as rk
+from remat_kit.measure import kernels
+from tests.zoo import kernel_nnx
+
+B, T = 1, 512
+HEADS, KV, D = 2, 1, 128
+# F: one layer's forward attention FLOPs unmasked, 4 b h s s d (query heads).
+F = 4 * B * HEADS * T * T * D
+
+
+def _priced(**config) -> kernels.Priced:
+    """The kernels of one zoo layer's value-and-grad, priced."""
+    c = kernel_nnx.KernelConfig(heads=HEADS, kv_heads=KV, head_dim=D, **config)
+    q = jax.ShapeDtypeStruct((B, T, HEADS, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, KV, D), jnp.bfloat16)
+    loss = lambda q, k, v: kernel_nnx.attend(c, q, k, v).astype(jnp.float32).sum()
+    return kernels.price(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv), "tpu")
+
+
+@pytest.mark.parametrize("window, blocks", [(None, 10), (128, 7)])
+def test_splash_is_priced_by_its_block_mask(window, blocks):
+    """Causal: 10 of the 4 x 4 blocks of 128 computed; a 128-key local window: 7.
+    Forward F, dq 1.5 F, dk/dv 2 F (FlashAttention-2's matmuls per kernel)."""
+    got = {k.name.split("_")[2]: k for k in _priced(window=window).kernels}
+    fwd = F * blocks / 16
+    assert got["fwd"].flops == fwd and got["dq"].flops == 1.5 * fwd
+    assert got["dkv"].flops == 2 * fwd
+    assert all(k.how == "shapes" and not k.counted and k.calls == 1 for k in got.values())
+
+
+def test_flash_uses_its_cost_estimate_and_prices_its_backward():
+    found = _priced(attention="flash").kernels
+    assert [k.how for k in found] == ["cost_estimate", "shapes", "shapes"]
+    assert found[0].counted and abs(found[0].flops - F) / F < 0.02
+    assert [k.flops for k in found[1:]] == [2 * F, 1.5 * F]
+    assert "mask not read" in found[1].mask
+
+
+def test_an_unknown_custom_call_is_named_and_the_total_a_lower_bound():
+    def loss(x):
+        y = jax.ffi.ffi_call("my_op", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+        return y.sum()
+
+    priced = kernels.price(jax.make_jaxpr(loss)(jnp.ones((4, 8))), "tpu")
+    assert priced.unpriced == ("my_op",) and priced.added_flops == 0
+    assert priced.notes() == ("FLOPs are a lower bound: custom calls left unpriced: my_op",)
+    found, notes = kernels.added(({"flops": 10.0}, ()), priced)
+    assert found == {"flops": 10.0} and "lower bound" in notes[0]
+
+
+@pytest.fixture(scope="module")
+def on_tpu():
+    """Records of the splash zoo model and its einsum twin on TPU v5e, compiled ahead of time."""
+    out = {}
+    for attention, specs in (("splash", ["none", "full", "maxtext:minimal_with_context",
+                                         "selective"]), ("einsum", ["none"])):
+        model, _, _ = kernel_nnx.make(B, T, abstract=True, attention=attention)
+        work = rk.from_model.workload(model, B, T)
+        out[attention] = {r.names[0]: r for r in rk.measure(work, policies=specs,
+                                                             target="tpu:v5e:1x1")}
+    return out
+
+
+def test_the_kernel_is_in_the_flops_and_the_step(on_tpu):
+    splash, einsum = on_tpu["splash"], on_tpu["einsum"]["none"]
+    kernel = 2 * F * 10 / 16 * (1 + 1.5 + 2)  # two layers: forward, dq, dk/dv
+    none = splash["none"]
+    assert any(n.startswith("kernels priced from shapes") and "splash_mqa_fwd" in n
+               for n in none.notes), none.notes
+    # Beside the einsum twin (forward 2 and backward 4 unmasked matmuls, 1.5 F x 2), the
+    # rest of the step is the same program: within 2% once attention is taken out.
+    rest, twin_rest = none.flops - kernel, einsum.flops - 2 * 3 * F
+    assert abs(rest - twin_rest) / twin_rest < 0.02, (rest, twin_rest)
+    # full recomputes the layer's forward, kernel included.
+    assert splash["full"].flops - none.flops >= 2 * F * 10 / 16
+    assert none.predicted_seconds > kernel / rk.targets.parse_target(
+        "tpu:v5e:1x1").roofline.bf16_flops
+
+
+def test_context_is_found_saved_and_selective_explained(on_tpu):
+    splash = on_tpu["splash"]
+    assert splash["maxtext:minimal_with_context"].residual_bytes_by_tag["context"] > 0
+    assert any("changes nothing here" in n and "splash_mqa_fwd" in n
+               for n in splash["selective"].notes), splash["selective"].notes
+
+
+def test_splash_grads_in_interpret_mode_equal_no_remat():
+    model, params, forward = kernel_nnx.make(B, 256, attention="splash", interpret=True)
+    work = rk.from_model.workload(model, B, 256)
+    tokens = jax.random.randint(jax.random.key(1), (B, 256), 0, 128, jnp.int32)
+    rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), work.args[2])
+
+    def reference(p):
+        logits = forward(p, tokens)[:, :-1].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    want = jax.jit(jax.grad(reference))(params)
+    for spec in ("full", "maxtext:minimal_with_context"):
+        got = jax.jit(jax.grad(work.loss_for_policy(rk.parse(spec))))(params, tokens, rest)
+        chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5, custom_message=spec)
