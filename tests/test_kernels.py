@@ -11,6 +11,7 @@ import pytest
 
 import remat_kit as rk
 from remat_kit.measure import kernels
+from remat_kit.trace.validate import policy_notes
 from tests.zoo import kernel_nnx
 
 B, T = 1, 512
@@ -59,14 +60,19 @@ def test_an_unknown_custom_call_is_named_and_the_total_a_lower_bound():
     assert found == {"flops": 10.0} and "lower bound" in notes[0]
 
 
+# The compiled model: seq 256, 2 x 2 blocks of which splash computes 3 (causal).
+T_TPU, CAUSAL = 256, 3 / 4
+F_TPU = 4 * B * HEADS * T_TPU * T_TPU * D
+
+
 @pytest.fixture(scope="module")
 def on_tpu():
-    """Records of the splash zoo model and its einsum twin on TPU v5e, compiled ahead of time."""
+    """Records of the splash zoo model (2 layers) and its einsum twin on TPU v5e,
+    compiled ahead of time; and the splash model's Workload."""
     out = {}
-    for attention, specs in (("splash", ["none", "full", "maxtext:minimal_with_context",
-                                         "selective"]), ("einsum", ["none"])):
-        model, _, _ = kernel_nnx.make(B, T, abstract=True, attention=attention)
-        work = rk.from_model.workload(model, B, T)
+    for attention, specs in (("splash", ["none", "full"]), ("einsum", ["none"])):
+        model, _, _ = kernel_nnx.make(B, T_TPU, abstract=True, attention=attention)
+        work = out[f"{attention} workload"] = rk.from_model.workload(model, B, T_TPU)
         out[attention] = {r.names[0]: r for r in rk.measure(work, policies=specs,
                                                              target="tpu:v5e:1x1")}
     return out
@@ -74,38 +80,51 @@ def on_tpu():
 
 def test_the_kernel_is_in_the_flops_and_the_step(on_tpu):
     splash, einsum = on_tpu["splash"], on_tpu["einsum"]["none"]
-    kernel = 2 * F * 10 / 16 * (1 + 1.5 + 2)  # two layers: forward, dq, dk/dv
+    kernel = 2 * F_TPU * CAUSAL * (1 + 1.5 + 2)  # two layers: forward, dq, dk/dv
     none = splash["none"]
     assert any(n.startswith("kernels priced from shapes") and "splash_mqa_fwd" in n
                for n in none.notes), none.notes
     # Beside the einsum twin (forward 2 and backward 4 unmasked matmuls, 1.5 F x 2), the
     # rest of the step is the same program: within 2% once attention is taken out.
-    rest, twin_rest = none.flops - kernel, einsum.flops - 2 * 3 * F
+    rest, twin_rest = none.flops - kernel, einsum.flops - 2 * 3 * F_TPU
     assert abs(rest - twin_rest) / twin_rest < 0.02, (rest, twin_rest)
     # full recomputes the layer's forward, kernel included.
-    assert splash["full"].flops - none.flops >= 2 * F * 10 / 16
+    assert splash["full"].flops - none.flops >= 2 * F_TPU * CAUSAL
     assert none.predicted_seconds > kernel / rk.targets.parse_target(
         "tpu:v5e:1x1").roofline.bf16_flops
 
 
 def test_context_is_found_saved_and_selective_explained(on_tpu):
-    splash = on_tpu["splash"]
-    assert splash["maxtext:minimal_with_context"].residual_bytes_by_tag["context"] > 0
-    assert any("changes nothing here" in n and "splash_mqa_fwd" in n
-               for n in splash["selective"].notes), splash["selective"].notes
+    work = on_tpu["splash workload"]
+    # minimal_with_context saves, per layer, what splash's residual_checkpoint_name names
+    # (its result [b, kv, group, s, d] and logsumexp [b, kv, group, s], float32 here) and
+    # the out projection's input the roles tag (the result transposed, [b, s, h x d]).
+    saved = [r for r in rk.residuals(work.loss_for_policy(rk.parse(
+        "maxtext:minimal_with_context")), *work.args) if r.name == "context"]
+    result = B * T_TPU * HEADS * D * 4
+    assert sorted(r.nbytes for r in saved) == [B * T_TPU * HEADS * 4] * 2 + [result] * 4, saved
+    notes = policy_notes(rk.parse("selective"), rk.emitted_tags(
+        *_traced(on_tpu["splash workload"])), on_tpu["splash workload"].notes)
+    assert any("changes nothing here" in n and "splash_mqa_fwd" in n for n in notes), notes
+
+
+def _traced(work):
+    return work.loss_for_policy(rk.parse("full")), *work.args
 
 
 def test_splash_grads_in_interpret_mode_equal_no_remat():
-    model, params, forward = kernel_nnx.make(B, 256, attention="splash", interpret=True)
-    work = rk.from_model.workload(model, B, 256)
-    tokens = jax.random.randint(jax.random.key(1), (B, 256), 0, 128, jnp.int32)
+    model, params, forward = kernel_nnx.make(B, 128, attention="splash", interpret=True)
+    work = rk.from_model.workload(model, B, 128)
+    tokens = jax.random.randint(jax.random.key(1), (B, 128), 0, 128, jnp.int32)
     rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), work.args[2])
 
     def reference(p):
         logits = forward(p, tokens)[:, :-1].astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    want = jax.jit(jax.grad(reference))(params)
-    for spec in ("full", "maxtext:minimal_with_context"):
-        got = jax.jit(jax.grad(work.loss_for_policy(rk.parse(spec))))(params, tokens, rest)
-        chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5, custom_message=spec)
+    losses = {spec: work.loss_for_policy(rk.parse(spec))
+              for spec in ("full", "maxtext:minimal_with_context")}
+    want, got = jax.jit(lambda p, t, r: (jax.grad(reference)(p), {  # one compile
+        s: jax.grad(loss)(p, t, r) for s, loss in losses.items()}))(params, tokens, rest)
+    for spec, grads in got.items():
+        chex.assert_trees_all_close(grads, want, rtol=1e-4, atol=1e-5, custom_message=spec)
