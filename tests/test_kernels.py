@@ -70,7 +70,8 @@ def on_tpu():
     """Records of the splash zoo model (2 layers) and its einsum twin on TPU v5e,
     compiled ahead of time; and the splash model's Workload."""
     out = {}
-    for attention, specs in (("splash", ["none", "full"]), ("einsum", ["none"])):
+    for attention, specs in (("splash", ["none", "full", "offload:context"]),
+                             ("einsum", ["none"])):
         model, _, _ = kernel_nnx.make(B, T_TPU, abstract=True, attention=attention)
         work = out[f"{attention} workload"] = rk.from_model.workload(model, B, T_TPU)
         out[attention] = {r.names[0]: r for r in rk.measure(work, policies=specs,
@@ -84,6 +85,7 @@ def test_the_kernel_is_in_the_flops_and_the_step(on_tpu):
     none = splash["none"]
     assert any(n.startswith("kernels priced from shapes") and "splash_mqa_fwd" in n
                for n in none.notes), none.notes
+    assert none.kernel_flops == kernel and einsum.kernel_flops == 0
     # Beside the einsum twin (forward 2 and backward 4 unmasked matmuls, 1.5 F x 2), the
     # rest of the step is the same program: within 2% once attention is taken out.
     rest, twin_rest = none.flops - kernel, einsum.flops - 2 * 3 * F_TPU
@@ -106,6 +108,16 @@ def test_context_is_found_saved_and_selective_explained(on_tpu):
     notes = policy_notes(rk.parse("selective"), rk.emitted_tags(
         *_traced(on_tpu["splash workload"])), on_tpu["splash workload"].notes)
     assert any("changes nothing here" in n and "splash_mqa_fwd" in n for n in notes), notes
+
+
+def test_offloading_the_kernels_residuals_compiles(on_tpu):
+    """jax #25841 (offloading a splash residual errors) does not reach this JAX: the
+    result and logsumexp splash names `context` go to host memory, the result's
+    transposed copy the out projection reads too (`context` tagged by the roles)."""
+    offloaded = on_tpu["splash"]["offload:context"]
+    assert offloaded.error is None
+    assert offloaded.offloaded_bytes == 2 * (B * T_TPU * HEADS * 4 + 2 * B * T_TPU * HEADS * D * 4)
+    assert offloaded.host_temp_size_in_bytes >= offloaded.offloaded_bytes
 
 
 def _traced(work):

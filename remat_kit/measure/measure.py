@@ -254,6 +254,7 @@ def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, c
             transcendentals=figures["transcendentals"],
             compile_seconds=seconds + compile_seconds,
             predicted_seconds=figures["predicted_seconds"],
+            kernel_flops=figures["kernel_flops"],
             peak=figures.get("peak") if run.peak else None,
             notes=_notes(run, policy, group_names, figures, found), **layers), compiled
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
@@ -320,8 +321,9 @@ def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -
 def _figures(compiled, target, local) -> dict:
     """What a record reads from a compile, JSON-ready (`figure_cache` keeps it):
     {"memory": `memory_fields`, "flops", "transcendentals" (`lowering.costs`, at
-    the per-device program `local`), "predicted_seconds", "cost_notes",
-    "time_notes"}.
+    the per-device program `local`, with its kernels priced from shapes:
+    `kernels.price`), "kernel_flops" (theirs, in "flops"), "predicted_seconds",
+    "cost_notes", "time_notes"}.
 
     Raises:
       time_checks.BelowFloor: a predicted step faster than the target's peaks.
@@ -334,6 +336,7 @@ def _figures(compiled, target, local) -> dict:
         time_checks.check_floor(predicted, target.roofline, costs["flops"],
                                 time_checks.written_bytes(compiled))
     return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
+            "kernel_flops": priced.kernel_flops,
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
             "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
 

@@ -40,6 +40,7 @@ class KernelConfig:
     window: int | None = None  # splash only: a local mask of this many keys back
     implementation: str | None = None  # "dpa" only
     interpret: bool = False
+    dtype: str = "float32"  # of the activations (parameters stay float32)
 
 
 def _splash(c: KernelConfig, q, k, v):
@@ -82,15 +83,15 @@ def attend(c: KernelConfig, q, k, v):
 class Block(nnx.Module):
     def __init__(self, c: KernelConfig, *, rngs):
         self.c = c
-        self.ln1 = nnx.RMSNorm(c.dim, rngs=rngs)
-        self.ln2 = nnx.RMSNorm(c.dim, rngs=rngs)
-        self.q = nnx.Linear(c.dim, c.heads * c.head_dim, use_bias=False, rngs=rngs)
-        self.k = nnx.Linear(c.dim, c.kv_heads * c.head_dim, use_bias=False, rngs=rngs)
-        self.v = nnx.Linear(c.dim, c.kv_heads * c.head_dim, use_bias=False, rngs=rngs)
-        self.o = nnx.Linear(c.heads * c.head_dim, c.dim, use_bias=False, rngs=rngs)
-        self.gate = nnx.Linear(c.dim, c.hidden, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(c.dim, c.hidden, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(c.hidden, c.dim, use_bias=False, rngs=rngs)
+        kw = {"dtype": jnp.dtype(c.dtype), "rngs": rngs}
+        self.ln1, self.ln2 = nnx.RMSNorm(c.dim, **kw), nnx.RMSNorm(c.dim, **kw)
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, **kw)
+        self.q = linear(c.dim, c.heads * c.head_dim)
+        self.k = linear(c.dim, c.kv_heads * c.head_dim)
+        self.v = linear(c.dim, c.kv_heads * c.head_dim)
+        self.o = linear(c.heads * c.head_dim, c.dim)
+        self.gate, self.up = linear(c.dim, c.hidden), linear(c.dim, c.hidden)
+        self.down = linear(c.hidden, c.dim)
 
     def __call__(self, x):
         b, s, _ = x.shape
@@ -106,9 +107,9 @@ class Block(nnx.Module):
 
 class KernelLM(nnx.Module):
     def __init__(self, c: KernelConfig, *, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(c.vocab, c.dim, rngs=rngs)
+        self.embed = nnx.Embed(c.vocab, c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
         self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
-        self.norm = nnx.RMSNorm(c.dim, rngs=rngs)
+        self.norm = nnx.RMSNorm(c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)
