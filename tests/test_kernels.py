@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import remat_kit as rk
-from remat_kit.measure import kernels
+from remat_kit.measure import kernels, lowering
 from remat_kit.trace.validate import policy_notes
 from tests.zoo import kernel_nnx
 
@@ -58,6 +58,24 @@ def test_an_unknown_custom_call_is_named_and_the_total_a_lower_bound():
     assert priced.notes() == ("FLOPs are a lower bound: custom calls left unpriced: my_op",)
     found, notes = kernels.added(({"flops": 10.0}, ()), priced)
     assert found == {"flops": 10.0} and "lower bound" in notes[0]
+    # Only a program holding a custom call that is not an annotation is traced again.
+    assert kernels.has_kernels('%0 = stablehlo.custom_call @tpu_custom_call(%arg0)')
+    assert not kernels.has_kernels('%0 = stablehlo.custom_call @Sharding(%arg0)')
+
+
+def test_compile_for_counts_the_kernel_as_fit_and_plan_read_it():
+    """`lowering.compile_for` (the train step fit and the planner compile): the kernel's
+    FLOPs in `flops`, its time in `kernel_seconds`."""
+    c = kernel_nnx.KernelConfig(heads=HEADS, kv_heads=KV, head_dim=D)
+    loss = lambda q, k, v: kernel_nnx.attend(c, q, k, v).astype(jnp.float32).sum()
+    q = jax.ShapeDtypeStruct((B, T, HEADS, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, KV, D), jnp.bfloat16)
+    compiled = lowering.compile_for(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                                    target="tpu:v5e:1x1")
+    kernel = F * 10 / 16 * (1 + 1.5 + 2)
+    assert kernel <= compiled.flops < 1.02 * kernel
+    peak = rk.targets.parse_target("tpu:v5e:1x1").roofline.bf16_flops
+    assert compiled.kernel_seconds == pytest.approx(kernel / peak)
 
 
 # The compiled model: seq 256, 2 x 2 blocks of which splash computes 3 (causal).

@@ -48,6 +48,10 @@ _ATTENTION = re.compile(r"attention|attn|flash|fmha|mha|mqa|splash", re.IGNORECA
 # BTNH); the others keep heads before the sequence ([..., heads, seq, head_dim]).
 _SEQ_THIRD_LAST = re.compile(r"^mha_|dot_product_attention|cudnn|fmha", re.IGNORECASE)
 _CALLS = ("pallas_call", "ffi_call", "custom_call")
+_TARGET = re.compile(r"custom_call @([\w$.]+)")
+# StableHLO custom calls that are annotations (sharding, host offload), not kernels.
+_ANNOTATIONS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost",
+                "MoveToDevice", "annotate_device_placement", "LayoutConstraint"}
 _BODY_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -117,6 +121,12 @@ class Priced:
             notes.append("FLOPs are a lower bound: custom calls left unpriced: "
                          + ", ".join(self.unpriced))
         return tuple(notes)
+
+
+def has_kernels(lowered_text: str) -> bool:
+    """Whether a lowered program's StableHLO text holds a custom call that is not an
+    annotation: what `price` would find (its trace is skipped otherwise)."""
+    return any(t not in _ANNOTATIONS for t in _TARGET.findall(lowered_text))
 
 
 def added(costs: tuple[dict, tuple[str, ...]], priced: Priced) -> tuple[dict, tuple[str, ...]]:
@@ -276,4 +286,4 @@ def _closed(value):
             yield from _closed(v)
 
 
-__all__ = ["Kernel", "Priced", "added", "attention_flops", "price", "seconds"]
+__all__ = ["Kernel", "Priced", "added", "has_kernels", "attention_flops", "price", "seconds"]
