@@ -48,6 +48,20 @@ def test_flash_uses_its_cost_estimate_and_prices_its_backward():
     assert "mask not read" in found[1].mask
 
 
+def test_the_pallas_gpu_kernel_is_priced_at_its_batch_seq_heads_layout():
+    """Pallas GPU `mha` ([batch, seq, heads, d]): forward F, one backward kernel for dq,
+    dk and dv 2.5 F, its preprocessing 2 FLOPs per element of o; traced only (no GPU)."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+    q = jax.ShapeDtypeStruct((1, 256, HEADS, 64), jnp.float16)
+    loss = lambda q, k, v: gpu_attention.mha(q, k, v, segment_ids=None).astype(
+        jnp.float32).sum()
+    found = kernels.price(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q), "gpu")
+    f = 4 * HEADS * 256 * 256 * 64
+    assert [(k.name, k.flops) for k in found.kernels] == [
+        ("mha_forward", f), ("mha_preprocess_backward", 2 * 256 * HEADS * 64),
+        ("mha_backward", 2.5 * f)]
+
+
 def test_an_unknown_custom_call_is_named_and_the_total_a_lower_bound():
     def loss(x):
         y = jax.ffi.ffi_call("my_op", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)

@@ -15,7 +15,8 @@ recomputed):
   (scores, dP, dS.K: 3 matmuls): 1.5 F; one that gives dk and dv only
   (scores, dP, dS^T.Q, P^T.dO: 4 matmuls): 2.0 F. Split kernels (splash,
   the TPU flash kernel) recompute the scores twice, so their backward is
-  3.5 F, the work they do;
+  3.5 F, the work they do; a backward's preprocessing kernel (Pallas GPU
+  `mha_preprocess_backward`: delta = rowsum(o x dO)) 2 FLOPs per element of o;
 - F scaled by the fraction of key/query blocks the kernel computes: splash's
   block mask (its mask info, a constant of the program: 0 = block skipped);
   other kernels' masks are not read and they are priced unmasked (an upper
@@ -154,6 +155,8 @@ def _floating(avals) -> list:
 def _role(name: str, n_float_outs: int) -> float:
     """The kernel's FLOPs in units of the forward's (module docstring)."""
     low = name.lower()
+    if "preprocess" in low:  # the backward's delta = rowsum(o * dO): no matmul
+        return 0.0
     if "dkv" in low:
         return 2.5 if n_float_outs >= 3 else 2.0
     if re.search(r"(^|_)dq(_|$)", low):
@@ -229,8 +232,9 @@ def _kernel(eqn, values: dict, calls: int, platform: str) -> Kernel:
     qk = [i for i, a in enumerate(ins) if _floating([a])][:2]
     fraction, mask = _block_fraction(name, eqn, values, qk, seq_axis)
     role = _role(name, len([o for o in _floating(outs) if len(o.shape) == len(q)]))
-    return Kernel(name, calls, role * attention_flops(q, k, seq_axis, fraction), nbytes, dtype,
-                  "shapes", mask=mask)
+    flops = (role * attention_flops(q, k, seq_axis, fraction) if role
+             else 2.0 * math.prod(q))  # a product and a sum per element of o
+    return Kernel(name, calls, flops, nbytes, dtype, "shapes", mask=mask if role else "")
 
 
 def _is_kernel(eqn) -> bool:
