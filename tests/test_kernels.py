@@ -62,6 +62,19 @@ def test_the_pallas_gpu_kernel_is_priced_at_its_batch_seq_heads_layout():
         ("mha_backward", 2.5 * f)]
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_dot_product_attention_on_xla_is_ordinary_ops(implementation):
+    """jax.nn.dot_product_attention's XLA path: dots and a softmax XLA counts itself (no
+    kernel to price), its roles those of written-out attention."""
+    model, _, _ = kernel_nnx.make(B, 128, abstract=True, attention="dpa",
+                                  implementation=implementation)
+    work = rk.from_model.workload(model, B, 128)
+    loss, *args = _traced(work)
+    assert kernels.price(jax.make_jaxpr(jax.grad(loss))(*args), "tpu").kernels == ()
+    assert {"attn_logits", "attn_probs", "context", "out_proj"} <= set(
+        rk.emitted_tags(loss, *args))
+
+
 def test_an_unknown_custom_call_is_named_and_the_total_a_lower_bound():
     def loss(x):
         y = jax.ffi.ffi_call("my_op", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
