@@ -1,7 +1,8 @@
 """Fused attention priced and planned: splash against its einsum twin at Llama-8B widths.
 
     python benchmarks/fused_attention.py [--seqs 2048,8192] [--target tpu:v5p:2x2x1]
-        [--batch 4] [--layers 4] [--json out.json]
+        [--batch 4] [--layers 4] [--attentions splash,einsum] [--policies none,full,...]
+        [--json out.json]
 
 The model is `tests/zoo/kernel_nnx.py`'s Llama (d 4096, 32 query and 8 key/value heads
 of 128, MLP 14336, vocab 128256, bf16 activations) with its attention a splash kernel
@@ -30,6 +31,8 @@ def main() -> None:
     parser.add_argument("--target", default="tpu:v5p:2x2x1")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--attentions", default="splash,einsum")
+    parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -38,12 +41,12 @@ def main() -> None:
 
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
-        for attention in ("splash", "einsum"):
+        for attention in args.attentions.split(","):
             model, _, _ = kernel_nnx.make(args.batch, seq, abstract=True, attention=attention,
                                           layers=args.layers, **LLAMA_8B)
             work = rk.from_model.workload(model, args.batch, seq)
             start = time.perf_counter()
-            records = rk.measure(work, policies=list(POLICIES), target=args.target)
+            records = rk.measure(work, policies=args.policies.split(","), target=args.target)
             seconds = time.perf_counter() - start
             for r in records:
                 row = {"seq": seq, "attention": attention, "policy": r.names[0],
