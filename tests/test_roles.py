@@ -229,7 +229,7 @@ def test_fused_attention_one_op():
     assert counts["context"] == 2 and counts["query_proj"] == 2 and counts["out_proj"] == 2
     assert "attn_logits" not in counts and "attn_probs" not in counts
     for tag in ("attn_logits", "attn_probs"):
-        assert roles.missing[tag].startswith("fused attention (one op, ffi_call)")
+        assert roles.missing[tag].startswith("fused attention (one op, fused_attention_fwd)")
 
 
 def test_custom_vjp_attention_is_seen_through():

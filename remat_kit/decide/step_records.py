@@ -105,13 +105,14 @@ def train_record(workload: Workload, loss: Callable, name: str, key: str, *,
 
 
 def _predicted_seconds(c: lowering.Compiled) -> float | None:
-    """The time model's seconds of the compiled train step (`time_model.compiled_seconds`);
+    """The time model's seconds of the compiled train step (`time_model.compiled_seconds`,
+    plus its fused kernels priced from shapes: `Compiled.kernel_seconds`);
     None where its figures were kept from an earlier compile (no executable to read) or
     its HLO cannot be read: the planner then predicts from the value-and-grad roofline."""
     if c.compiled is None:
         return None
     try:
-        return time_model.compiled_seconds(c.compiled, c.target.roofline)
+        return time_model.compiled_seconds(c.compiled, c.target.roofline) + c.kernel_seconds
     except Exception:  # noqa: BLE001 - a prediction must not lose the measurement
         return None
 

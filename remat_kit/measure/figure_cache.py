@@ -65,6 +65,7 @@ _FIGURES = {"memory": sealed.mapping(sealed.optional(sealed.count)),
             "transcendentals": sealed.optional(sealed.amount)}
 # What `measure` keeps of a compile, and what `targets.compile_for` keeps.
 MEASURED: sealed.Schema = {**_FIGURES, "predicted_seconds": sealed.optional(sealed.amount),
+                           "kernel_flops": sealed.amount,
                            "cost_notes": sealed.texts, "time_notes": sealed.texts}
 COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts}
 

@@ -19,7 +19,7 @@ import jax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit.measure import figure_cache
+from remat_kit.measure import figure_cache, kernels
 from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.peak import dump_options
@@ -124,6 +124,9 @@ class Compiled:
         (`measure.loop_scaled_costs`); None if no compiler reports them.
       seconds: lowering and compiling, seconds.
       notes: where a figure came from, if not the target's compiler.
+      kernel_seconds: the time model's seconds of the fused kernels priced from
+        shapes (`kernels.seconds`), which `time_model.compiled_seconds` leaves out;
+        0.0 where there are none or the figures were kept.
     """
 
     compiled: object
@@ -133,6 +136,7 @@ class Compiled:
     transcendentals: float | None
     seconds: float
     notes: tuple[str, ...] = ()
+    kernel_seconds: float = 0.0
 
 
 def costs(compiled, target: Target, fn: Callable, local_leaves: Sequence):
@@ -160,6 +164,14 @@ def costs(compiled, target: Target, fn: Callable, local_leaves: Sequence):
            else "gives no cost analysis")
     return found, cpu_notes + (f"FLOPs from the XLA CPU compile of the same program (the "
                                f"{target} compile {why})",)
+
+
+def _kernels(lowered, fn: Callable, leaves: Sequence, target: Target) -> kernels.Priced:
+    """The custom calls of a lowered program priced from shapes (`kernels.price`);
+    traced again only where the program holds one (`kernels.has_kernels`)."""
+    if not kernels.has_kernels(lowered.as_text()):
+        return kernels.Priced()
+    return kernels.price(jax.make_jaxpr(fn)(*[_local(x) for x in leaves]), target.platform)
 
 
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
@@ -214,14 +226,16 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         with without_compilation_cache():
             compiled = lowered.compile(dump_options(options, dump))
     seconds = time.perf_counter() - start
-    found, notes = (costs(compiled, target, flat, [_local(x) for x in leaves]) if count_flops
-                    else ({}, ()))
+    priced = _kernels(lowered, flat, leaves, target) if count_flops else kernels.Priced()
+    found, notes = (kernels.added(costs(compiled, target, flat, [_local(x) for x in leaves]),
+                                  priced) if count_flops else ({}, ()))
     memory = memory_fields(compiled)
     figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
                                      "transcendentals": found.get("transcendentals"),
                                      "notes": list(notes)})
     return Compiled(compiled, target, memory, found.get("flops"),
-                    found.get("transcendentals"), seconds, notes)
+                    found.get("transcendentals"), seconds, notes,
+                    kernels.seconds(priced, target.roofline) if priced.kernels else 0.0)
 
 
 __all__ = ["Compiled", "compile_for", "compile_options", "costs", "lower", "on_target", "place"]

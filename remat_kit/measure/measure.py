@@ -43,7 +43,7 @@ from remat_kit import mesh as rk_mesh
 from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
-from remat_kit.measure import lowering
+from remat_kit.measure import kernels, lowering
 from remat_kit.measure import peak as peak_of
 from remat_kit.measure import step_times, time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
@@ -254,6 +254,7 @@ def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, c
             transcendentals=figures["transcendentals"],
             compile_seconds=seconds + compile_seconds,
             predicted_seconds=figures["predicted_seconds"],
+            kernel_flops=figures["kernel_flops"],
             peak=figures.get("peak") if run.peak else None,
             notes=_notes(run, policy, group_names, figures, found), **layers), compiled
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
@@ -320,28 +321,34 @@ def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -
 def _figures(compiled, target, local) -> dict:
     """What a record reads from a compile, JSON-ready (`figure_cache` keeps it):
     {"memory": `memory_fields`, "flops", "transcendentals" (`lowering.costs`, at
-    the per-device program `local`), "predicted_seconds", "cost_notes",
-    "time_notes"}.
+    the per-device program `local`, with its kernels priced from shapes:
+    `kernels.price`), "kernel_flops" (theirs, in "flops"), "predicted_seconds",
+    "cost_notes", "time_notes"}.
 
     Raises:
       time_checks.BelowFloor: a predicted step faster than the target's peaks.
     """
-    costs, cost_notes = lowering.costs(compiled, target, jaxpr_as_fun(local.program),
-                                      local.leaves)
-    predicted, time_notes = _predicted_seconds(compiled, target)
+    priced = kernels.price(local.program, target.platform)
+    costs, cost_notes = kernels.added(lowering.costs(
+        compiled, target, jaxpr_as_fun(local.program), local.leaves), priced)
+    predicted, time_notes = _predicted_seconds(compiled, target, priced)
     if predicted is not None and costs.get("flops") is not None:
         time_checks.check_floor(predicted, target.roofline, costs["flops"],
                                 time_checks.written_bytes(compiled))
     return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
+            "kernel_flops": priced.kernel_flops,
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
             "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
 
 
-def _predicted_seconds(compiled, target) -> tuple[float | None, tuple[str, ...]]:
+def _predicted_seconds(compiled, target, priced: kernels.Priced
+                       ) -> tuple[float | None, tuple[str, ...]]:
     """(the time model's step seconds of `compiled` on `target`, notes): None and a
-    note where its HLO cannot be read (`time_model.compiled_seconds`)."""
+    note where its HLO cannot be read (`time_model.compiled_seconds`); the
+    kernels `priced` from shapes add their FLOPs' time (`kernels.seconds`)."""
     try:
-        return time_model.compiled_seconds(compiled, target.roofline), ()
+        return (time_model.compiled_seconds(compiled, target.roofline)
+                + kernels.seconds(priced, target.roofline)), ()
     except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurement
         return None, (f"no predicted step time: {type(e).__name__}: {e}",)
 

@@ -60,6 +60,10 @@ class Record:
         offloaded residuals live (None where the backend gives none).
       flops, transcendentals: from `compiled.cost_analysis()`, loops counted
         per trip (`loop_scaled_costs`); None where the backend gives none.
+      kernel_flops: the share of `flops` that fused kernels (Pallas calls, cuDNN
+        attention) take, priced from their shapes or their cost estimates
+        (`remat_kit.measure.kernels`; the notes name them); 0.0 where the
+        program has none, None where not measured.
       compile_seconds: tracing, lowering and compiling, seconds.
       predicted_seconds: predicted seconds of one step on the target
         (`time_model.compiled_seconds`: a roofline per op of the compiled
@@ -107,6 +111,7 @@ class Record:
     host_output_size_in_bytes: int | None = None
     flops: float | None = None
     transcendentals: float | None = None
+    kernel_flops: float | None = None
     compile_seconds: float | None = None
     predicted_seconds: float | None = None
     step_time: StepTime | None = None

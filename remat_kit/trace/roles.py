@@ -38,6 +38,7 @@ import math
 import re
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from remat_kit.trace import dataflow as df
@@ -63,6 +64,15 @@ _THROUGH = _ELEMENTWISE | df.LAYOUT | {"broadcast_in_dim", "slice", "dynamic_sli
 # Ops between an MLP's input matmuls and its activation (a fused gate/up split in two).
 _MLP_THROUGH = df.LAYOUT | {"broadcast_in_dim", "slice", "split", "unstack", "concatenate"}
 _FUSED_ATTENTION = re.compile(r"attention|attn|flash|fmha|\bmha|splash", re.IGNORECASE)
+
+
+def kernel_name(prim: str, params: dict) -> str:
+    """A kernel's name: a Pallas call's `name=`, else its kernel function's (the TPU
+    flash kernel passes no name), a custom call's target, or the primitive's."""
+    body = getattr(params.get("jaxpr"), "debug_info", None)
+    function = (getattr(body, "func_src_info", None) or "").split(" ")[0].strip("_")
+    return str(params.get("name") or function or params.get("call_target_name")
+               or params.get("target_name") or prim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,20 +254,25 @@ def _attention(g: df.Graph, a: _Assign, why: dict) -> tuple[set, set]:
     qkv_ids, out_ids = set(), set()
     fused = []
     for node in g.nodes:
-        target = str(node.params.get("target_name", node.params.get("call_target_name",
-                                                                    node.params.get("name", ""))))
         if (_FUSED_ATTENTION.search(node.prim) or (
                 node.prim in ("ffi_call", "custom_call", "pallas_call")
-                and _FUSED_ATTENTION.search(target))) and len(node.ins) >= 3:
-            fused.append(node)
-    for node in fused:
+                and _FUSED_ATTENTION.search(kernel_name(node.prim, node.params)))):
+            # q, k, v: its first three floating data arrays (a kernel's mask info,
+            # sequence iotas and segment ids are integers; MQA's k and v are [seq, d])
+            qkv = [v for v in node.ins if v.data and len(v.shape) >= 2
+                   and jnp.issubdtype(v.aval.dtype, jnp.floating)][:3]
+            if len(qkv) == 3:
+                fused.append((node, qkv))
+    for node, qkv in fused:
         context = df.fwd_end(node.outs[0])
-        a.put(context, "context")
-        dots = [_param_dots_upstream(v) for v in node.ins[:3]]
+        for out in node.outs:  # the result and its softmax statistics, where it gives them
+            a.put(df.fwd_end(out), "context")
+        dots = [_param_dots_upstream(v) for v in qkv]
         _projections(a, *dots, why)
         qkv_ids |= {id(d) for ds in dots for d in ds}
         out_ids |= _out_proj(a, context)
-        reason = f"fused attention (one op, {node.prim}): its scores never exist"
+        reason = (f"fused attention (one op, {kernel_name(node.prim, node.params)}): its "
+                  "scores never exist")
         why.setdefault("attn_logits", reason)
         why.setdefault("attn_probs", reason)
 
@@ -443,4 +458,4 @@ def _reason(tag: str, found: set, why: dict) -> str:
     return "not found in the MLP"
 
 
-__all__ = ["ROLES", "Roles", "infer_roles"]
+__all__ = ["ROLES", "Roles", "infer_roles", "kernel_name"]

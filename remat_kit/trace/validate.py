@@ -205,6 +205,13 @@ def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str])
         # kv_proj missing beside key_proj/value_proj is the same values under other names.
         if tag in unmatched and not family & set(emitted):
             out.append(line)
+    # Recomputing scores a fused kernel never stores (selective's core_attn) is a no-op.
+    fused = [line for line in missing if line.split(":", 1)[0] in policy.recompute
+             and "fused attention" in line]
+    if fused:
+        out.append(f"recomputing {', '.join(line.split(':', 1)[0] for line in fused)} changes "
+                   f"nothing here: {fused[0].split(': ', 1)[1]}, and the kernel's backward "
+                   "already recomputes its probabilities")
     globs = [p for p in unmatched if names.is_glob(p) or "/" in p]
     if globs and len(unmatched) < len(wanted):
         out.append(f"pattern(s) {', '.join(sorted(globs))} match no tag the model emits")

@@ -1,0 +1,187 @@
+"""Fused attention kernels priced from their shapes (remat_kit.measure.kernels), named
+`context`, and planned: splash (causal, local, grouped-query heads, segment ids) and the
+TPU flash kernel compiled for a TPU ahead of time; splash's gradients in interpret mode
+on the CPU equal no remat's."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import remat_kit as rk
+from remat_kit.measure import kernels, lowering
+from remat_kit.trace.validate import policy_notes
+from tests.zoo import kernel_nnx
+
+B, T = 1, 512
+HEADS, KV, D = 2, 1, 128
+# F: one layer's forward attention FLOPs unmasked, 4 b h s s d (query heads).
+F = 4 * B * HEADS * T * T * D
+
+
+def _priced(**config) -> kernels.Priced:
+    """The kernels of one zoo layer's value-and-grad, priced."""
+    c = kernel_nnx.KernelConfig(heads=HEADS, kv_heads=KV, head_dim=D, **config)
+    q = jax.ShapeDtypeStruct((B, T, HEADS, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, KV, D), jnp.bfloat16)
+    loss = lambda q, k, v: kernel_nnx.attend(c, q, k, v).astype(jnp.float32).sum()
+    return kernels.price(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv), "tpu")
+
+
+@pytest.mark.parametrize("window, blocks", [(None, 10), (128, 7)])
+def test_splash_is_priced_by_its_block_mask(window, blocks):
+    """Causal: 10 of the 4 x 4 blocks of 128 computed; a 128-key local window: 7.
+    Forward F, dq 1.5 F, dk/dv 2 F (FlashAttention-2's matmuls per kernel)."""
+    got = {k.name.split("_")[2]: k for k in _priced(window=window).kernels}
+    fwd = F * blocks / 16
+    assert got["fwd"].flops == fwd and got["dq"].flops == 1.5 * fwd
+    assert got["dkv"].flops == 2 * fwd
+    assert all(k.how == "shapes" and not k.counted and k.calls == 1 for k in got.values())
+
+
+def test_flash_uses_its_cost_estimate_and_prices_its_backward():
+    found = _priced(attention="flash").kernels
+    assert [k.how for k in found] == ["cost_estimate", "shapes", "shapes"]
+    assert found[0].counted and abs(found[0].flops - F) / F < 0.02
+    assert [k.flops for k in found[1:]] == [2 * F, 1.5 * F]
+    assert "mask not read" in found[1].mask
+
+
+def test_the_pallas_gpu_kernel_is_priced_at_its_batch_seq_heads_layout():
+    """Pallas GPU `mha` ([batch, seq, heads, d]): forward F, one backward kernel for dq,
+    dk and dv 2.5 F, its preprocessing 2 FLOPs per element of o; traced only (no GPU)."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+    q = jax.ShapeDtypeStruct((1, 256, HEADS, 64), jnp.float16)
+    loss = lambda q, k, v: gpu_attention.mha(q, k, v, segment_ids=None).astype(
+        jnp.float32).sum()
+    found = kernels.price(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q), "gpu")
+    f = 4 * HEADS * 256 * 256 * 64
+    assert [(k.name, k.flops) for k in found.kernels] == [
+        ("mha_forward", f), ("mha_preprocess_backward", 2 * 256 * HEADS * 64),
+        ("mha_backward", 2.5 * f)]
+
+
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_dot_product_attention_on_xla_is_ordinary_ops(implementation):
+    """jax.nn.dot_product_attention's XLA path: dots and a softmax XLA counts itself (no
+    kernel to price), its roles those of written-out attention."""
+    model, _, _ = kernel_nnx.make(B, 128, abstract=True, attention="dpa",
+                                  implementation=implementation)
+    work = rk.from_model.workload(model, B, 128)
+    loss, *args = _traced(work)
+    assert kernels.price(jax.make_jaxpr(jax.grad(loss))(*args), "tpu").kernels == ()
+    assert {"attn_logits", "attn_probs", "context", "out_proj"} <= set(
+        rk.emitted_tags(loss, *args))
+
+
+def test_an_unknown_custom_call_is_named_and_the_total_a_lower_bound():
+    def loss(x):
+        y = jax.ffi.ffi_call("my_op", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+        return y.sum()
+
+    priced = kernels.price(jax.make_jaxpr(loss)(jnp.ones((4, 8))), "tpu")
+    assert priced.unpriced == ("my_op",) and priced.added_flops == 0
+    assert priced.notes() == ("FLOPs are a lower bound: custom calls left unpriced: my_op",)
+    found, notes = kernels.added(({"flops": 10.0}, ()), priced)
+    assert found == {"flops": 10.0} and "lower bound" in notes[0]
+    # Only a program holding a custom call that is not an annotation is traced again.
+    assert kernels.has_kernels('%0 = stablehlo.custom_call @tpu_custom_call(%arg0)')
+    assert not kernels.has_kernels('%0 = stablehlo.custom_call @Sharding(%arg0)')
+
+
+def test_compile_for_counts_the_kernel_as_fit_and_plan_read_it():
+    """`lowering.compile_for` (the train step fit and the planner compile): the kernel's
+    FLOPs in `flops`, its time in `kernel_seconds`."""
+    c = kernel_nnx.KernelConfig(heads=HEADS, kv_heads=KV, head_dim=D)
+    loss = lambda q, k, v: kernel_nnx.attend(c, q, k, v).astype(jnp.float32).sum()
+    q = jax.ShapeDtypeStruct((B, T, HEADS, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, KV, D), jnp.bfloat16)
+    compiled = lowering.compile_for(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                                    target="tpu:v5e:1x1")
+    kernel = F * 10 / 16 * (1 + 1.5 + 2)
+    assert kernel <= compiled.flops < 1.02 * kernel
+    peak = rk.targets.parse_target("tpu:v5e:1x1").roofline.bf16_flops
+    assert compiled.kernel_seconds == pytest.approx(kernel / peak)
+
+
+# The compiled model: seq 256, 2 x 2 blocks of which splash computes 3 (causal).
+T_TPU, CAUSAL = 256, 3 / 4
+F_TPU = 4 * B * HEADS * T_TPU * T_TPU * D
+
+
+@pytest.fixture(scope="module")
+def on_tpu():
+    """Records of the splash zoo model (2 layers) and its einsum twin on TPU v5e,
+    compiled ahead of time; and the splash model's Workload."""
+    out = {}
+    for attention, specs in (("splash", ["none", "full", "offload:context"]),
+                             ("einsum", ["none"])):
+        model, _, _ = kernel_nnx.make(B, T_TPU, abstract=True, attention=attention)
+        work = out[f"{attention} workload"] = rk.from_model.workload(model, B, T_TPU)
+        out[attention] = {r.names[0]: r for r in rk.measure(work, policies=specs,
+                                                             target="tpu:v5e:1x1")}
+    return out
+
+
+def test_the_kernel_is_in_the_flops_and_the_step(on_tpu):
+    splash, einsum = on_tpu["splash"], on_tpu["einsum"]["none"]
+    kernel = 2 * F_TPU * CAUSAL * (1 + 1.5 + 2)  # two layers: forward, dq, dk/dv
+    none = splash["none"]
+    assert any(n.startswith("kernels priced from shapes") and "splash_mqa_fwd" in n
+               for n in none.notes), none.notes
+    assert none.kernel_flops == kernel and einsum.kernel_flops == 0
+    # Beside the einsum twin (forward 2 and backward 4 unmasked matmuls, 1.5 F x 2), the
+    # rest of the step is the same program: within 2% once attention is taken out.
+    rest, twin_rest = none.flops - kernel, einsum.flops - 2 * 3 * F_TPU
+    assert abs(rest - twin_rest) / twin_rest < 0.02, (rest, twin_rest)
+    # full recomputes the layer's forward, kernel included.
+    assert splash["full"].flops - none.flops >= 2 * F_TPU * CAUSAL
+    assert none.predicted_seconds > kernel / rk.targets.parse_target(
+        "tpu:v5e:1x1").roofline.bf16_flops
+
+
+def test_context_is_found_saved_and_selective_explained(on_tpu):
+    work = on_tpu["splash workload"]
+    # minimal_with_context saves, per layer, what splash's residual_checkpoint_name names
+    # (its result [b, kv, group, s, d] and logsumexp [b, kv, group, s], float32 here) and
+    # the out projection's input the roles tag (the result transposed, [b, s, h x d]).
+    saved = [r for r in rk.residuals(work.loss_for_policy(rk.parse(
+        "maxtext:minimal_with_context")), *work.args) if r.name == "context"]
+    result = B * T_TPU * HEADS * D * 4
+    assert sorted(r.nbytes for r in saved) == [B * T_TPU * HEADS * 4] * 2 + [result] * 4, saved
+    notes = policy_notes(rk.parse("selective"), rk.emitted_tags(
+        *_traced(on_tpu["splash workload"])), on_tpu["splash workload"].notes)
+    assert any("changes nothing here" in n and "splash_mqa_fwd" in n for n in notes), notes
+
+
+def test_offloading_the_kernels_residuals_compiles(on_tpu):
+    """jax #25841 (offloading a splash residual errors) does not reach this JAX: the
+    result and logsumexp splash names `context` go to host memory, the result's
+    transposed copy the out projection reads too (`context` tagged by the roles)."""
+    offloaded = on_tpu["splash"]["offload:context"]
+    assert offloaded.error is None
+    assert offloaded.offloaded_bytes == 2 * (B * T_TPU * HEADS * 4 + 2 * B * T_TPU * HEADS * D * 4)
+    assert offloaded.host_temp_size_in_bytes >= offloaded.offloaded_bytes
+
+
+def _traced(work):
+    return work.loss_for_policy(rk.parse("full")), *work.args
+
+
+def test_splash_grads_in_interpret_mode_equal_no_remat():
+    model, params, forward = kernel_nnx.make(B, 128, attention="splash", interpret=True)
+    work = rk.from_model.workload(model, B, 128)
+    tokens = jax.random.randint(jax.random.key(1), (B, 128), 0, 128, jnp.int32)
+    rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), work.args[2])
+
+    def reference(p):
+        logits = forward(p, tokens)[:, :-1].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    losses = {spec: work.loss_for_policy(rk.parse(spec))
+              for spec in ("full", "maxtext:minimal_with_context")}
+    want, got = jax.jit(lambda p, t, r: (jax.grad(reference)(p), {  # one compile
+        s: jax.grad(loss)(p, t, r) for s, loss in losses.items()}))(params, tokens, rest)
+    for spec, grads in got.items():
+        chex.assert_trees_all_close(grads, want, rtol=1e-4, atol=1e-5, custom_message=spec)
