@@ -127,7 +127,12 @@ def _preset_records(planner, presets) -> list:
     spec that compiled to it in `names`. Presets first: the planner takes any compiled
     policy that beats its own plan."""
     named: dict[int, tuple] = {}
-    for spec, r in zip(presets, planner.measure_all(presets)):
+    planner.phase = "presets"  # the progress line's phase (`PlannerCompiles._progress`)
+    try:
+        measured = planner.measure_all(presets)
+    finally:
+        planner.phase = "search"
+    for spec, r in zip(presets, measured):
         named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
     return [dataclasses.replace(r, names=names) for r, names in named.values()]
 
