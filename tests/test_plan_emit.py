@@ -305,3 +305,26 @@ def test_maxtext_plans_never_no_remat():
     assert p.measured_bytes < p.none_bytes
     assert emit.emit(p, "maxtext").startswith("remat_policy=custom decoder_layer_input=device")
     assert Planner(_own_tags_workload(), cache=None, groups=1).plan(1.0).spec == "none"
+
+
+def test_train_plan_for_emit_compiles_no_preset_beyond_none_and_full(monkeypatch, tmp_path):
+    from remat_kit.cli import commands
+    from remat_kit.decide.planner_compiles import PlannerCompiles
+    from remat_kit.cli.inputs import preset_policies
+    compiled = []
+    own = PlannerCompiles._train_record
+
+    def counted(self, loss, name, key, per_device):
+        compiled.append(key)
+        return own(self, loss, name, key, per_device)
+    monkeypatch.setattr(PlannerCompiles, "_train_record", counted)
+    out = tmp_path / "plan.json"
+    assert commands.main(["plan", "--model", "tests/zoo/own_tags_linen.py:model", "--batch", "2",
+                          "--seq", "16", "--budgets", "0.97", "--cache", "", "--uniform",
+                          "--step", "train", "--emit", "maxtext", "--json", str(out)]) == 0
+    presets = {str(parse(p)) for p in preset_policies()}
+    assert presets & set(compiled) == {"none", "full"}
+    assert [r["policy"] for r in json.loads(out.read_text())["presets"]] == ["none", "full"]
+    # none and full, then the planner's two plans (every decidable tag saved, for the
+    # byte share; the budget's plan), each once.
+    assert compiled[:2] == ["none", "full"] and len(set(compiled)) == len(compiled) == 4

@@ -31,12 +31,13 @@ def run(args) -> int:
     src, batch, seq = source_and_sizes(args)
     cfg = src.cfg
     budgets = split_budgets(args.budgets)
-    presets = _presets(args, cfg)
     check_json_and_plot(args)
     _check_cache(args.cache)
     target_list = targets_of(args.target)
     if len(target_list) > 1:
         raise BadInput(f"plan takes one --target, got {args.target!r}")
+    step, emit_to = checked_step_and_emit(args, target_list[0], budgets)
+    presets = _presets(args, cfg, step, emit_to)
     if args.offload:
         offload_bandwidth(target_list[0], True)  # no host memory: one line, before any work
     mesh = device_mesh(args.mesh, batch, cfg, target_list[0])
@@ -50,7 +51,6 @@ def run(args) -> int:
     if cfg is None:
         check_schedules(work, presets, "--presets")
     groups = plan_groups(args.groups, work.num_layers or 1)
-    step, emit_to = checked_step_and_emit(args, target_list[0], budgets)
     planner = _planner(args, work, target_list[0], 1 if args.uniform else groups, step,
                        emit_to)
     records = _preset_records(planner, presets)
@@ -66,11 +66,19 @@ def run(args) -> int:
     return _report(args, planner, work, found, records, presets, shown)
 
 
-def _presets(args, cfg) -> list[str]:
-    """The presets to set against the plans (--presets, every preset, or none with
-    --no-presets); BadInput for a spec the model cannot take or an auto spec."""
+# What a train-step plan for a training run (--step train --emit ...) is set against by
+# default: each preset is a train-step compile at full size, and the run needs the plan.
+EMIT_PRESETS = ("none", "full")
+
+
+def _presets(args, cfg, step: str, emit_to: str | None) -> list[str]:
+    """The presets to set against the plans (--presets; none with --no-presets; by
+    default every preset, or `EMIT_PRESETS` only with --step train and --emit);
+    BadInput for a spec the model cannot take or an auto spec."""
+    default = (list(EMIT_PRESETS) if step == "train" and emit_to is not None
+               else preset_policies())
     presets = ([] if args.no_presets else split_policies(args.presets, "--presets")
-               if args.presets is not None else preset_policies())
+               if args.presets is not None else default)
     check_schedules(cfg, presets, "--presets")
     auto = [p for p in presets if p.strip().startswith("auto")]
     if auto:
@@ -126,7 +134,12 @@ def _preset_records(planner, presets) -> list:
     spec that compiled to it in `names`. Presets first: the planner takes any compiled
     policy that beats its own plan."""
     named: dict[int, tuple] = {}
-    for spec, r in zip(presets, planner.measure_all(presets)):
+    planner.phase = "presets"  # the progress line's phase (`PlannerCompiles._progress`)
+    try:
+        measured = planner.measure_all(presets)
+    finally:
+        planner.phase = "search"
+    for spec, r in zip(presets, measured):
         named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
     return [dataclasses.replace(r, names=names) for r, names in named.values()]
 

@@ -11,15 +11,13 @@ compile-only.
 What is measured is the whole train step (`remat_kit.decide.step.step_memory`).
 
 The search (`fit`) works in units of `multiple` (sequence lengths: 128 by
-default; batch sizes: 1). It brackets the boundary by growing the size,
-then narrows the bracket; each step compiles the size that a quadratic fit
-of the memory measured so far predicts to be the boundary, or bisects when
-that prediction does not shrink the bracket enough (a safeguarded
-regula falsi). Step memory grows about quadratically with the sequence
-length (attention scores are [batch, heads, seq, seq]) and linearly with the
-batch, so the prediction is usually right within one unit and a policy costs
-a handful of compiles. The size found is exact: it fits and size + multiple
-does not, both compiled.
+default; batch sizes: 1) and predicts, then verifies (`fit_search._search`):
+each compile goes to the size where a curve through the sizes compiled so far
+crosses the budget (a quadratic in seq: attention scores are
+[batch, heads, seq, seq]; a line in the batch), bisecting where predictions
+do not shrink the bracket. A smooth step's policy costs 4 to 5 compiles from
+nothing, 2 to 4 from another policy's answer. The size found is exact: it
+fits and size + multiple does not, both compiled.
 
 On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
 the workload's loss plus the update; the budget and every byte

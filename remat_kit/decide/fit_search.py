@@ -132,56 +132,61 @@ def _key(policy) -> str:
     return layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
 
 
-def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None) -> int | None:
-    """The largest unit k whose memory a quadratic through the three points
-    nearest the bracket predicts to fit; None if no prediction can be made."""
-    near = sorted(points, key=lambda k: min(abs(k - lo), abs(k - (hi or lo))))[:3]
-    if len(near) < 2:
-        return None
-    xs = np.array(near, float)
-    coef = np.polyfit(xs, np.array([points[k] for k in near], float), len(near) - 1)
-    roots = [r.real for r in np.roots(coef - np.eye(len(coef))[-1] * budget)
-             if abs(r.imag) < 1e-9 and r.real > 0]
-    return int(math.floor(max(roots))) if roots else None
+def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None,
+             degree: int = 2) -> int | None:
+    """The largest unit k whose memory a curve through the points nearest the bracket
+    predicts to fit: a quadratic through three where `degree` is 2 (attention scores
+    grow with seq²; a batch's memory is affine, `degree` 1), else a line through two;
+    None if no prediction can be made.
+
+    Compiled points come first, the last of them the farthest from the bracket. Unit 0 (no compile: the step's state alone) stands in
+    only while too few sizes were compiled, and only below every compiled figure (a
+    step need not hold its parameters, gradients and optimizer state all at once).
+    Where the quadratic's boundary falls outside the bracket (noise: XLA's buffer
+    choices), the line through the two nearest points answers."""
+    if 0 in points and any(b <= points[0] for k, b in points.items() if k):
+        points = {k: b for k, b in points.items() if k}
+    near = sorted(points, key=lambda k: (k == 0, min(abs(k - lo), abs(k - (hi or lo)))))
+    guess = None
+    for n in (3, 2)[2 - degree:]:
+        if len(near) < n:
+            continue
+        # The nearest points, the last swapped for the farthest compiled one: adjacent
+        # sizes differ by little more than XLA's noise, so a wide base gives the slope.
+        far = max(near[n - 1:], key=lambda k: (k != 0, abs(k - near[0])))
+        xs = np.array([*near[:n - 1], far], float)
+        coef = np.polyfit(xs, np.array([points[k] for k in xs.astype(int)], float), n - 1)
+        roots = [r.real for r in np.roots(coef - np.eye(n)[-1] * budget)
+                 if abs(r.imag) < 1e-9 and r.real > 0]
+        guess = int(math.floor(max(roots))) if roots else None
+        if guess is not None and lo <= guess and (hi is None or guess < hi):
+            return guess
+    return guess
 
 
 def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
-            budget: int, max_units: int, start: int = 1) -> tuple[int, bool]:
+            budget: int, max_units: int, start: int = 1, degree: int = 2) -> tuple[int, bool]:
     """The largest k in [0, max_units] with fits(k), assuming fits is monotone.
+
+    Prediction, then verification: each compile goes to the boundary a curve through
+    the sizes compiled so far predicts (`_predict`), and the answer is proved by the
+    pair k, k + 1 (fits, does not). Step memory is close to a quadratic in the size,
+    so a policy usually takes 4 compiles: `start`, the line's boundary, the
+    quadratic's, and its neighbour; a prediction that does not halve the bracket
+    twice in a row gives way to bisection, so the worst case is a binary search's.
 
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
     already probed (None if not probed or out of memory), for prediction;
     bytes_at(0) may give the memory the step holds at no size at all (its
     parameters, gradients and optimizer state), which is never compiled.
-    `start`: the first unit probed, e.g. another policy's answer.
+    `start`: the first unit probed, e.g. another policy's answer. `degree`: of the
+    memory in the size (2 for seq, 1 for batch), `_predict`.
     """
     if max_units < 1:
         return 0, False
-    start = min(max(start, 1), max_units)
-    if fits(start):
-        lo, hi = start, None  # fits(lo); not fits(hi)
-        if lo == max_units:
-            return lo, True
-    elif start == 1:
-        return 0, False
-    else:
-        lo, hi = 0, start  # size 0 fits trivially; the prediction picks the next probe
-    stalls = 0
-    while hi is None or hi - lo > 1:
-        points = {k: b for k in range(0, (hi or lo) + 1) if (b := bytes_at(k)) is not None}
-        guess = _predict(points, budget, lo, hi)
-        if guess == lo or (guess is None and hi is None and lo == start > 1):
-            # The boundary is predicted at lo, or lo is another policy's boundary:
-            # confirm that lo + 1 fails.
-            k = lo + 1
-        elif hi is None:
-            # Grow: to the predicted boundary, at most 8x a step; 2x without one.
-            k = 2 * lo if guess is None or guess < lo else min(guess, 8 * lo)
-        elif guess is None or not lo < guess < hi or stalls >= 2:
-            k, stalls = (lo + hi) // 2, 0
-        else:
-            k = guess
-        k = min(k, max_units)
+    lo, hi = 0, None  # fits(lo) (size 0 trivially); not fits(hi)
+    k, stalls = min(max(start, 1), max_units), 0
+    while True:
         width = None if hi is None else hi - lo
         if fits(k):
             lo = k
@@ -189,9 +194,20 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
                 return lo, True
         else:
             hi = k
+        if hi is not None and hi - lo <= 1:
+            return lo, False
         # A prediction that does not halve the bracket twice in a row gives way to bisection.
         stalls = stalls + 1 if width is not None and hi - lo > width / 2 else 0
-    return lo, False
+        points = {u: b for u in range(0, (hi or lo) + 1) if (b := bytes_at(u)) is not None}
+        guess = _predict(points, budget, lo, hi, degree)
+        if hi is None:
+            k = 2 * lo if guess is None else guess
+        elif guess is None or stalls >= 2:
+            k, stalls = (lo + hi) // 2, 0
+        else:
+            k = guess
+        # At or below lo: verify lo + 1 fails; at or above hi: verify hi - 1 fits.
+        k = min(max(k, lo + 1), max_units if hi is None else hi - 1)
 
 
 def _extrapolated_flops(known: dict[int, StepMemory], size: int, degree: int) -> float | None:
@@ -291,7 +307,8 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
 
     while True:
         try:
-            units, capped = _search(fits, known.get, budget, max_units, start)
+            units, capped = _search(fits, known.get, budget, max_units, start,
+                                    2 if vary == "seq" else 1)
             break
         except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
             k = trying[0]

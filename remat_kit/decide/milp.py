@@ -12,11 +12,21 @@ any process.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 
 import numpy as np
 
 from remat_kit.policy.names import TAGS, is_path
+
+# Each of solve's three HiGHS runs stops here, seconds, with its best plan so far (the
+# incumbent) and the gap it had left to prove: a per-layer model is a knapsack of near-equal
+# copies of each tag, one per layer, whose optimality proof can take HiGHS an hour, though
+# the incumbent is found in well under a second (docs/plan.md, "A MILP that ends").
+SOLVE_SECONDS = 8.0
+# The relative gap at which HiGHS may stop: FLOPs are resolved to `FLOP_RESOLUTION` of no
+# remat's anyway, and 1e-4 keeps the tie rules' small weights decisive.
+MIP_GAP = 0.0
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
@@ -160,8 +170,24 @@ class CostModel:
             rank[i] = rank[2 * n + i] = 1 + place / n
         return rank
 
-    def solve(self, room: float, flop_tolerance: float = 0.0,
-              objective: str = "flops") -> tuple[frozenset, frozenset, str]:
+    def _tie_bounds(self, x: np.ndarray, high: np.ndarray):
+        """The third solve's bounds: an item with no twin (another of the same bytes,
+        FLOPs and layer group) keeps its save and offload decisions `x` (the second
+        solve's). Only twins can tie; left free, every item made HiGHS search for a
+        point of the second's optimal face, minutes to hours on a per-layer model."""
+        from scipy.optimize import Bounds
+        n = len(self.tags)
+        sigs = [(self.nbytes[t], self.flops[t], t[1] if isinstance(t, tuple) else 0)
+                for t in self.tags]
+        low, high = np.zeros_like(high), high.copy()
+        for i, sig in enumerate(sigs):
+            if sigs.count(sig) == 1:
+                for col in (i, 2 * n + i):
+                    low[col] = high[col] = round(x[col])
+        return Bounds(low, high)
+
+    def solve(self, room: float, flop_tolerance: float = 0.0, objective: str = "flops",
+              seconds: float = SOLVE_SECONDS) -> tuple[frozenset, frozenset, str]:
         """The cheapest items to save within `room` bytes, and to offload.
 
         Binary s_t (save t), o_t (offload t; only items in `transfer`) and r_t
@@ -183,12 +209,23 @@ class CostModel:
         a third time for the items first by `tie_rank` (roles, the model's own names,
         module paths, each by name; earlier groups first): the tie rule.
 
+        Each run stops at `seconds` or a relative gap of `MIP_GAP`, whichever comes
+        first, with its incumbent (HiGHS's best plan so far); the status then says
+        which run stopped and its gap (for the FLOPs run: the FLOPs it may have left).
+        The third run may move only items that have a twin (`_tie_bounds`). It runs in a worker
+        thread (`bounded_milp`), so SIGINT and SIGTERM reach the caller within a
+        fraction of a second. scipy's `milp` takes no starting point, so the previous
+        budget's plan cannot warm-start it.
+
         Args:
           room: device bytes the saved items may take.
           flop_tolerance: cost the second solve may give up for fewer bytes (FLOPs or s).
           objective: "flops" (cost_t = flops) or "time" (cost_t = seconds).
+          seconds: the time limit of each of the three runs.
         Returns:
-          (saved items, offloaded items, HiGHS status message).
+          (saved items, offloaded items, HiGHS status message: "HiGHS: Optimization
+          terminated successfully. ...", or with "; the bytes run stopped at its time
+          limit, gap 0.31%" where a run kept its incumbent).
         """
         # Imported here: scipy.optimize is half a second of every command's start-up.
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -224,22 +261,47 @@ class CostModel:
                              for t in self.tags]
         high[3 * n:] = np.inf
         opts = dict(integrality=np.r_[np.ones(3 * n), np.zeros(len(groups))],
-                    bounds=Bounds(0, high), options={"mip_rel_gap": 0.0})
-        first = milp(cost_row, constraints=cons, **opts)
+                    bounds=Bounds(0, high), options={"mip_rel_gap": MIP_GAP,
+                                                     "time_limit": seconds})
+        first = bounded_milp(milp, cost_row, constraints=cons, **opts)
         if first.x is None:
             return frozenset(), frozenset(), f"HiGHS: {first.message}"
         cons.append(LinearConstraint(cost_row[None], -np.inf,
                                      first.fun + 1e-7 + flop_tolerance / f_scale))
-        second = milp(stored, constraints=cons, **opts)
+        second = bounded_milp(milp, stored, constraints=cons, **opts)
         x = second.x if second.x is not None else first.x
         if second.x is not None:  # the tie rule: among equal FLOPs and bytes, by name
             cons.append(LinearConstraint(stored[None], -np.inf, second.fun + 1e-9))
-            third = milp(self._tie_rank_row(width), constraints=cons, **opts)
+            third = bounded_milp(milp, self._tie_rank_row(width), constraints=cons,
+                                 **opts | {"bounds": self._tie_bounds(second.x, high)})
             x = third.x if third.x is not None else x
         saved = frozenset(t for i, t in enumerate(self.tags) if x[i] > 0.5)
         offloaded = frozenset(t for i, t in enumerate(self.tags) if x[2 * n + i] > 0.5)
-        return saved, offloaded, \
-            f"HiGHS: {second.message if second.x is not None else first.message}"
+        return saved, offloaded, "HiGHS: " + _status(first, second)
+
+
+def bounded_milp(milp: Callable, *args, **kwargs):
+    """`milp(*args, **kwargs)` run in a daemon thread, the calling thread waiting in
+    short joins: HiGHS releases the GIL, so a signal handler (`remat_kit.cli.stops`)
+    runs and its exception leaves at once; the abandoned solve ends at its time limit."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(milp(*args, **kwargs)), daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if not out:
+        raise RuntimeError("HiGHS ended without a result (its thread raised)")
+    return out[0]
+
+
+def _status(first, second) -> str:
+    """The message of the run whose plan is kept, and for each run stopped at its time
+    limit (status 1) before proving its plan the best, that run and its gap left."""
+    last = second if second.x is not None else first
+    stopped = [f"{which} run stopped at its time limit, gap "
+               + ("unknown" if getattr(r, "mip_gap", None) is None else f"{r.mip_gap:.2%}")
+               for which, r in (("the FLOPs", first), ("the bytes", second)) if r.status == 1]
+    return "; ".join([last.message, *stopped])
 
 
 def tie_rank(name: str) -> tuple:
@@ -256,4 +318,4 @@ def _item_rank(item) -> tuple:
     return (*tie_rank(item[0]), item[1]) if isinstance(item, tuple) else tie_rank(item)
 
 
-__all__ = ["CostModel", "tie_rank"]
+__all__ = ["MIP_GAP", "SOLVE_SECONDS", "CostModel", "bounded_milp", "tie_rank"]

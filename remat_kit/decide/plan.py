@@ -225,6 +225,8 @@ class Planner(PlannerCompiles, PlannerCosts):
         self.loss_fn, self.args = _as_factory(loss_fn, len(args)), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
+        # The progress line's phase, compiles so far, and compiles left where known.
+        self.phase, self.compiles, self.left = "search", 0, None
         self.target = targets.parse_target(target)
         checked, self.time_check = time_check(self.target)
         self.objective = objective or ("time" if checked and self.target.platform != "cpu"

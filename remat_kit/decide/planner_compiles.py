@@ -40,7 +40,8 @@ _PLANNER_REVISION = "byte-share"
 class PlannerCompiles:
     """The compiles of a `Planner` (a mixin: `Planner` sets the attributes it reads:
     loss_fn, args, per_device, target, step, optimizer, workload, records,
-    _policies, _forwards, _staged, _fingerprint, bases, decide, progress)."""
+    _policies, _forwards, _staged, _fingerprint, bases, decide, progress, phase,
+    compiles, left)."""
 
     def measure_all(self, policies: Sequence) -> list[Record]:
         """Records of `policies` (specs or Policies; auto specs not allowed),
@@ -49,11 +50,13 @@ class PlannerCompiles:
         keys = [str(parse(p)) for p in policies]
         todo = [p for p, k in zip(policies, keys) if k not in self.records]
         if todo and self.step == "train":
-            for k in dict.fromkeys(str(parse(p)) for p in todo):  # each policy once
+            distinct = list(dict.fromkeys(str(parse(p)) for p in todo))  # each policy once
+            for i, k in enumerate(distinct):
                 policy = parse(k)
                 local = self.per_device and (lambda _: self.per_device[0](policy),
                                              self.per_device[1])
-                self.records[k] = self._train_record(self.loss_fn(policy), k, k, local)
+                self.records[k] = self._train_record(self.loss_fn(policy), k, k, local,
+                                                     (i + 1, len(distinct)))
                 self._policies[k] = policy
         elif todo:
             for record in measure(self.loss_fn, *self.args, policies=todo,
@@ -76,8 +79,18 @@ class PlannerCompiles:
         return record.peak
 
     def _progress(self, i, n, record):
-        if self.progress:
-            self.progress(f"[{i}/{n}] compiled {', '.join(record.names)}")
+        """One line per compile: "[presets 3/18] compiled minimal" while the presets are
+        compiled (`phase`), else "[verify, compile 7, at most 2 left for this budget]
+        compiled save:...": the phase (search: the base rules and the byte share;
+        verify: a budget's plans), the compiles so far and, where known, those left."""
+        self.compiles += 1
+        if not self.progress:
+            return
+        where = (f"presets {i}/{n}" if self.phase == "presets" else
+                 f"{self.phase}, compile {self.compiles}" + (
+                     f", at most {self.left} left for this budget" if self.left is not None
+                     else ""))
+        self.progress(f"[{where}] compiled {', '.join(record.names)}")
 
     def measure(self, policy: "Policy | str") -> Record:
         """The compiled record of `policy` (memoized).
@@ -123,11 +136,13 @@ class PlannerCompiles:
         state = jax.eval_shape((self.optimizer or default_optimizer()).init, self.args[0])
         return f"|optimizer={jax.tree.map(lambda x: (x.shape, str(x.dtype)), state)}"
 
-    def _train_record(self, loss, name: str, key: str, per_device) -> Record:
-        """The train step's record of `loss` (`step_records.train_record`), with progress."""
+    def _train_record(self, loss, name: str, key: str, per_device,
+                      count: tuple[int, int] = (1, 1)) -> Record:
+        """The train step's record of `loss` (`step_records.train_record`), with progress
+        (`count`: which of how many compiles of one call)."""
         record = train_record(self.workload, loss, name, key, target=self.target,
                               optimizer=self.optimizer, per_device=per_device)
-        self._progress(1, 1, record)
+        self._progress(*count, record)
         return record
 
     def _forward(self, which: str):

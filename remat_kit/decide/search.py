@@ -121,7 +121,11 @@ def plan(planner, budget: "str | int | float") -> Plan:
     if starts:
         base = min(starts)[1]
         notes.append(f"base {base}")
-        tried, status, best = _verify(planner, base, floors[base], groups, limit, unit, notes)
+        try:
+            tried, status, best = _verify(planner, base, floors[base], groups, limit, unit,
+                                          notes)
+        finally:
+            planner.phase, planner.left = "search", None
     # Any other policy compiled for this loss (the base rules alone, the presets
     # remat-kit plan compares) that fits and scores better wins: it is verified
     # just the same.
@@ -182,7 +186,9 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
     tried, status, best = set(), "", None
     room, hi, fit = limit - floor.memory_bytes, None, False
     anchors = _anchors(planner, base, groups, floor, model)
-    for _ in range(planner.max_iterations):
+    planner.phase = "verify"
+    for i in range(planner.max_iterations):
+        planner.left = planner.max_iterations - i - 1
         saved, offloaded, status = model.solve(room, unit, planner.objective)
         if (saved, offloaded) in tried:
             # The room moved, the answer did not. Where the last compile fit,

@@ -1,0 +1,95 @@
+"""How many compiles and how much wall time `plan` and `fit` take at real size: issue 49.
+
+    python benchmarks/plan_speed.py [--case a,b,c] [--small] [--out runs/plan_speed]
+
+(a) issue 37's case on one TPU v5e chip, cold caches: `benchmarks/vs_estimator.py`
+    (MaxText's estimator beside `remat-kit plan --step train --uniform --emit maxtext`,
+    in one run); skipped with a line where maxtext is not installed.
+(b) `remat-kit plan --config llama_1b --batch 4 --seq 2048 --dtype bfloat16` at the 6
+    budgets 0.15,0.2,0.25,0.3,0.4,0.6 (the docs' frontier); goal: at most 600 s.
+(c) `remat-kit fit --config experiments/configs/llama2_70b.py --batch 64 --budget 95GiB --vary seq
+    --policies full --target tpu:v5p:4x4x4 --mesh fsdp:16,tensor:4`; goal: at most 4
+    compiles.
+
+--small runs (b) at batch 1, seq 256 and (c) on llama_1b on one v5e chip (budget
+12GiB), for a machine too loaded for real sizes (each real compile is 40-160 s on 2
+shared cores). Prints, per case, the command, wall seconds, compiles and the answer,
+with the load average; writes each command's JSON under --out. No cache is read or
+written (`--cache ''` and a fresh compile cache folder), so every compile counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUDGETS = "0.15,0.2,0.25,0.3,0.4,0.6"
+LLAMA2_70B = ("--config", "experiments/configs/llama2_70b.py")
+
+
+def commands(small: bool) -> dict[str, list[str]]:
+    """The CLI arguments of cases b and c."""
+    if small:
+        return {"b": ["plan", "--config", "llama_1b", "--batch", "1", "--seq", "256",
+                      "--dtype", "bfloat16", "--budgets", BUDGETS, "--no-presets"],
+                "c": ["fit", "--config", "llama_1b", "--batch", "8", "--budget", "12GiB",
+                      "--vary", "seq", "--policies", "full", "--target", "tpu:v5e:1x1"]}
+    return {"b": ["plan", "--config", "llama_1b", "--batch", "4", "--seq", "2048",
+                  "--dtype", "bfloat16", "--budgets", BUDGETS, "--no-presets"],
+            "c": ["fit", *LLAMA2_70B, "--batch", "64", "--budget", "95GiB", "--vary", "seq",
+                  "--policies", "full", "--target", "tpu:v5p:4x4x4",
+                  "--mesh", "fsdp:16,tensor:4"]}
+
+
+def run(case: str, argv: list[str], out: str) -> dict:
+    """One command, timed, its JSON read back: wall seconds, compiles, the answer."""
+    path = os.path.join(out, f"{case}.json")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="plan_speed"))
+    extra = ["--cache", ""] if argv[0] == "plan" else []
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "remat_kit.cli", *argv, *extra,
+                           "--json", path], env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    compiles = done.stderr.count("compiled ")
+    answer = done.stdout.strip().splitlines()[-3:] if done.returncode == 0 else done.stderr[-400:]
+    if done.returncode == 0 and argv[0] == "fit":
+        rows = json.load(open(path))["rows"]
+        compiles = sum(r["compiles"] for r in rows)
+        answer = [f"{r['policy']}: {argv[argv.index('--vary') + 1]} {r['size']}, "
+                  f"probes {[p[0] for p in r['probes']]}" for r in rows]
+    return {"case": case, "command": "remat-kit " + " ".join(argv), "seconds": seconds,
+            "compiles": compiles, "exit": done.returncode, "answer": answer}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", default="a,b,c")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--out", default="runs/plan_speed")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cases = args.case.split(",")
+    status = 0
+    if "a" in cases:
+        a = subprocess.run([sys.executable, os.path.join(HERE, "vs_estimator.py"),
+                            "--out", os.path.join(args.out, "a")])
+        status = max(status, a.returncode if a.returncode != 2 else 0)
+    for case, argv in commands(args.small).items():
+        if case in cases:
+            r = run(case, argv, args.out)
+            print(f"({case}) {r['command']}\n    {r['seconds']:.0f} s, {r['compiles']} compiles, "
+                  f"exit {r['exit']}, load {os.getloadavg()[0]:.1f}", flush=True)
+            for line in ([r["answer"]] if isinstance(r["answer"], str) else r["answer"]):
+                print("    " + line, flush=True)
+            status = max(status, 1 if r["exit"] else 0)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
