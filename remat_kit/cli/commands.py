@@ -90,23 +90,33 @@ def _source_flags(p) -> None:
                    help="activation dtype (default: the config's)")
 
 
+# --target's help, alike in every command: the chips first, then this machine's.
+TARGET_HELP = ("the chip whose compiler measures: tpu:<chip>:<topology> ahead of time via "
+               "libtpu (tpu:v5e:1x1, tpu:v5p:1x1x1, tpu:v6e:2x2), gpu:<chip> deviceless "
+               "(gpu:h100, gpu:h200, gpu:a100), cpu, or tpu / gpu (this machine's); default "
+               "JAX's default backend, which ranks policies as that machine does")
+
+
 def _add_compare(sub) -> None:
     """`compare` and its flags, on the subparsers `sub`."""
     compare = sub.add_parser("compare", help="measure every policy: memory, FLOPs, time")
     _source_flags(compare)
     compare.add_argument("--policies", default=None,
-                         help="comma-separated policy specs (default: every preset)")
+                         help="comma-separated policy specs, or all for every preset "
+                              "(default: every preset on the CPU; none,full,minimal,dots,"
+                              "selective on a TPU or GPU target, whose compiles are slow)")
     compare.add_argument("--mesh", default=None,
                          help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
     compare.add_argument("--target", default=None,
-                         help="whose compiler: cpu, tpu:<topology> (ahead of time via libtpu, "
-                              "e.g. tpu:v5e:2x2), tpu or gpu (this machine's); comma-separated "
-                              "targets go side by side (default: JAX's default backend)")
+                         help=TARGET_HELP + "; comma-separated targets go side by side")
     compare.add_argument("--time", type=_non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")
     compare.add_argument("--plot", default=None, metavar="PATH",
                          help="write a memory vs FLOPs PNG here")
+    compare.add_argument("--wide", action="store_true",
+                         help="every column (residuals, per layer, Korthikanti's estimate, "
+                              "FLOPs, compile seconds, ...), not the 100-column default")
     compare.add_argument("--peak", action="store_true",
                          help="also say what holds each policy's peak (XLA's buffer "
                               "assignment, grouped): a line per policy, and in --json")
@@ -147,8 +157,7 @@ def _add_plan(sub) -> None:
     plan.add_argument("--mesh", default=None,
                       help="e.g. data:2,fsdp:2,tensor:2: plan the per-device program")
     plan.add_argument("--target", default=None,
-                      help="plan against this target's compiled memory (cpu, tpu:v5e:1x1, "
-                           "gpu:h100, ...; default JAX's default backend)")
+                      help=TARGET_HELP + "; the plan is against its compiled memory")
     plan.add_argument("--cache", default=None, metavar="PATH",
                       help="plan cache file (default: $REMAT_KIT_CACHE or "
                            "~/.cache/remat_kit/plans.json); '' for none")
@@ -214,8 +223,7 @@ def _add_fit(sub) -> None:
                      help="e.g. data:2,fsdp:2,tensor:2: the step sharded over a mesh; the "
                           "budget is per device, the batch global (default: one device)")
     fit.add_argument("--target", default=None,
-                     help="whose compiler: cpu, tpu:<topology> (ahead of time), gpu:h100, ... "
-                          "(default: JAX's default backend); the budget is per chip")
+                     help=TARGET_HELP + "; the budget is per chip")
     fit.add_argument("--json", default=None, metavar="PATH", help="write the result here")
     fit.add_argument("--plot", default=None, metavar="PATH",
                      help="write a bar chart of the sizes (PNG) here")

@@ -227,106 +227,121 @@ _MEMORY_NOTES = {
           "the peak counts)"}
 
 
-def table(report_rows: Sequence[dict], title: str = "") -> Table:
-    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *;
-    the caption names the target, the jax and compiler versions and the memory
-    figure. Rows are ranked by `memory_kind_of(report_rows)`, which names the
-    first two columns ("peak", "peak x none" on TPU and GPU; "temp", "temp x
-    none" on CPU); the other figure gets a column too, on CPU only with tensor
-    parallelism. With tensor parallelism (formula_sp_bytes set) it adds
-    Korthikanti's tensor + sequence parallel row."""
-    timed = any(d["step_time"] for d in report_rows)
-    predicted = any(d.get("predicted_seconds") is not None for d in report_rows)
-    sharded = any(d.get("formula_sp_bytes") is not None for d in report_rows)
-    kind = memory_kind_of(report_rows)
-    other = TEMP if kind == PEAK else PEAK if sharded else None
+# The default table's columns (`table`) besides the memory figure's two, which fit 100
+# columns; --wide adds the rest.
+NARROW = ("", "policy", "FLOPs x none", "pred. x none", "step x none")
+DOCS_POINTER = "docs/compare.md reads every column"
+
+
+def _columns(report_rows: Sequence[dict], kind: str) -> list[tuple[str, object]]:
+    """(header, cell function of a row) per column of the wide table, in order; the
+    columns whose figure no row has (timed steps without --time, Korthikanti's rows
+    for a --model) left out."""
+    other = TEMP if kind == PEAK else PEAK if any(
+        d.get("formula_sp_bytes") is not None for d in report_rows) else None
     label = MEMORY_LABELS[kind]
+
+    def step(d):
+        st = d["step_time"]
+        return f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-"
+
+    columns = [
+        ("", lambda d: "*" if d["pareto"] else ""),
+        ("policy", lambda d: escape(", ".join(d["names"]))),  # specs hold [src->dst]
+        (label, lambda d: fmt_bytes(d["memory_bytes"])),
+        (f"{label} x none", lambda d: fmt_ratio(d["memory_ratio_to_none"])),
+        ("residuals (traced)", lambda d: fmt_bytes(d["activation_residual_bytes"])),
+        ("layer x L", lambda d: fmt_bytes(d["layers_residual_bytes"])),
+        ("Korthikanti x L", lambda d: fmt_bytes(d["formula_bytes"])),
+        ("FLOPs", lambda d: fmt_flops(d["flops"])),
+        ("FLOPs x none", lambda d: fmt_ratio(d["flops_ratio_to_none"])),
+        ("pred. step", lambda d: fmt_seconds(d.get("predicted_seconds"))),
+        ("pred. x none", lambda d: fmt_ratio(d.get("predicted_ratio_to_none"))),
+        ("Korthikanti SP x L", lambda d: fmt_bytes(d.get("formula_sp_bytes"))),
+        *(((MEMORY_LABELS[other], lambda d: fmt_bytes(d[other])),) if other else ()),
+        ("step s (min-max)", step),
+        ("step x none", lambda d: fmt_ratio(d["step_time"] and d["step_time"]["ratio_to_none"])),
+        ("compile s", lambda d: "-" if d["compile_seconds"] is None
+         else f"{d['compile_seconds']:.1f}")]
+    ok = [d for d in report_rows if not d["error"]]
+    return [(h, f) for h, f in columns
+            if h in ("", "policy") or any(f(d) not in ("-", "") for d in ok)]
+
+
+def table(report_rows: Sequence[dict], title: str = "", wide: bool = False) -> Table:
+    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *.
+
+    By default (`wide` False) the columns that fit a 100-column terminal (`NARROW`):
+    the policy, its memory (the figure `memory_kind_of(report_rows)` names: "peak"
+    on TPU and GPU, "temp" on CPU, in the header), and its memory, FLOPs,
+    predicted step and timed step (with --time) over no remat's; the caption names
+    the figure, the compiler and versions, and points to docs/compare.md. `wide`
+    gives every column with a figure: the traced residual bytes, each layer
+    measured alone x L, Korthikanti et al. 2022's estimate, FLOPs, predicted step,
+    the other memory figure, timed steps and compile seconds. A column no row has a
+    figure for is left out of either."""
+    kind = memory_kind_of(report_rows)
+    columns = _columns(report_rows, kind)
+    if not wide:
+        label = MEMORY_LABELS[kind]
+        columns = [(h, f) for h, f in columns if h in (*NARROW, label, f"{label} x none")]
     failed = labels.failed_caption(report_rows, compiled_by(report_rows))
     t = Table(title=Text(title), caption=escape(failed) if failed else (
-        "* Pareto-optimal (no row has less memory and fewer FLOPs)"
-        f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}"
-        + ("; pred.: the time model's step time (a roofline per compiled op, "
-           "remat_kit.measure.time_model)" if predicted else "")), caption_justify="left")
-    for name, justify in (("", "left"), ("policy", "left"), (label, "right"),
-                          (f"{label} x none", "right"), ("residuals", "right"),
-                          ("layer x L", "right"), ("Korthikanti x L", "right"),
-                          ("FLOPs", "right"), ("FLOPs x none", "right")):
-        t.add_column(name, justify=justify)
-    if predicted:
-        t.add_column("pred. step", justify="right")
-        t.add_column("pred. x none", justify="right")
-    if sharded:
-        t.add_column("Korthikanti SP x L", justify="right")
-    if other:
-        t.add_column(MEMORY_LABELS[other], justify="right")
-    if timed:
-        t.add_column("step s (min-max)", justify="right")
-        t.add_column("step x none", justify="right")
-    t.add_column("compile s", justify="right")
+        f"* Pareto-optimal (no row has less memory and fewer FLOPs); memory: "
+        f"{_MEMORY_NOTES[kind] if wide else MEMORY_LABELS[kind]}; "
+        f"{escape(compiled_by(report_rows))}; "
+        + ("" if wide else "--wide: every column; ") + DOCS_POINTER), caption_justify="left")
+    for header, _ in columns:  # a long spec folds in its column, never widens the table
+        t.add_column(header, justify="left" if header in ("", "policy") else "right",
+                     overflow="fold", max_width=None if wide or header != "policy" else 32)
     for d in report_rows:
-        names = escape(", ".join(d["names"]))  # specs hold [src->dst], not markup
         if d["error"]:
             error = escape(d["error"].splitlines()[0])
-            cells = ["", f"{names}\n[red]error: {error}[/red]"] + ["-"] * (len(t.columns) - 2)
-            t.add_row(*cells)
+            t.add_row("", f"{columns[1][1](d)}\n[red]error: {error}[/red]",
+                      *["-"] * (len(columns) - 2))
             continue
-        cells = ["*" if d["pareto"] else "", names, fmt_bytes(d["memory_bytes"]),
-                 fmt_ratio(d["memory_ratio_to_none"]),
-                 fmt_bytes(d["activation_residual_bytes"]),
-                 fmt_bytes(d["layers_residual_bytes"]),
-                 fmt_bytes(d["formula_bytes"]), fmt_flops(d["flops"]),
-                 fmt_ratio(d["flops_ratio_to_none"])]
-        if predicted:
-            cells += [fmt_seconds(d.get("predicted_seconds")),
-                      fmt_ratio(d.get("predicted_ratio_to_none"))]
-        if sharded:
-            cells.append(fmt_bytes(d["formula_sp_bytes"]))
-        if other:
-            cells.append(fmt_bytes(d[other]))
-        if timed:
-            st = d["step_time"]
-            cells += [f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-",
-                      fmt_ratio(st and st["ratio_to_none"])]
-        cells.append("-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}")
-        t.add_row(*cells)
+        t.add_row(*(f(d) for _, f in columns))
     return t
 
 
 def print_table(report_rows: Sequence[dict], title: str = "", console: Console | None = None,
-                note: bool = True) -> None:
-    """Prints `table(...)` and, if `note`, FORMULA_NOTE. A console that is not a
-    terminal gets 180 columns, so piped tables do not wrap."""
+                note: bool = True, wide: bool = False) -> None:
+    """Prints `table(...)` and, if `note` and `wide`, FORMULA_NOTE where a row has
+    Korthikanti's figure. A console that is not a terminal gets 180 columns, so
+    piped tables do not wrap."""
     console = _console(console)
-    console.print(table(report_rows, title))
-    if note and any(d["formula_bytes"] is not None for d in report_rows):
+    console.print(table(report_rows, title, wide))
+    if note and wide and any(d["formula_bytes"] is not None for d in report_rows):
         console.print(FORMULA_NOTE, style="dim", markup=False)
 
 
-def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "") -> Table:
+def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "",
+                 wide: bool = False) -> Table:
     """A rich Table with one line per policy and, per target, its memory (the
     figure that target is compared by, `memory_kind_of`: temp on CPU, peak on
     TPU and GPU, named in the column header), the ratio to `none` on that
-    target, the temp memory where peak is the figure, the FLOP ratio, the
-    predicted step-time ratio and the compile seconds.
+    target, the FLOP ratio and the predicted step-time ratio; `wide` adds the temp
+    memory where peak is the figure and the compile seconds.
 
     Args:
       sections: (target name, `rows(...)` of that target's records) pairs;
         lines follow the first target's order (by its memory figure).
     """
     kinds = [memory_kind_of(rows) for _, rows in sections]
-    peaks = [k == PEAK for k in kinds]
+    peaks = [k == PEAK and wide for k in kinds]  # the temp column beside the peak
     failed = [labels.failed_caption(rows, compiled_by(rows)) for _, rows in sections]
     t = Table(title=Text(title), caption="; ".join(
         [*(f"{name}: {escape(why or compiled_by(rows))}"
            for (name, rows), why in zip(sections, failed)),
          *(_MEMORY_NOTES[k] for k in dict.fromkeys(
-             k for k, why in zip(kinds, failed) if why is None))]), caption_justify="left")
-    t.add_column("policy", justify="left")
-    for (name, _), peak in zip(sections, peaks):
-        label = MEMORY_LABELS[PEAK if peak else TEMP]
+             k for k, why in zip(kinds, failed) if why is None)), DOCS_POINTER]),
+        caption_justify="left")
+    t.add_column("policy", justify="left", overflow="fold", max_width=None if wide else 24)
+    for (name, _), kind, peak in zip(sections, kinds, peaks):
+        label = MEMORY_LABELS[kind]
         for column in (f"{label}\n{escape(name)}", f"{label} x none",
                        *(("temp",) if peak else ()), "FLOPs x none", "pred. x none",
-                       "compile s"):
+                       *(("compile s",) if wide else ())):
             t.add_column(column, justify="right")
     by_target = [{d["policy"]: d for d in rows} for _, rows in sections]
     policies = list(dict.fromkeys(d["policy"] for _, rows in sections for d in rows))
@@ -338,21 +353,22 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
             d = found.get(policy)
             if d is None or d["error"]:
                 error = d["error"].splitlines()[0][:60] if d else "not measured"
-                cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (4 + peak)
+                cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (3 + peak + wide)
                 continue
             cells += [fmt_bytes(d["memory_bytes"]), fmt_ratio(d["memory_ratio_to_none"]),
                       *((fmt_bytes(d["temp_size_in_bytes"]),) if peak else ()),
                       fmt_ratio(d["flops_ratio_to_none"]),
                       fmt_ratio(d.get("predicted_ratio_to_none")),
-                      "-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}"]
+                      *((("-" if d["compile_seconds"] is None
+                          else f"{d['compile_seconds']:.1f}"),) if wide else ())]
         t.add_row(*cells)
     return t
 
 
 def print_side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "",
-                       console: Console | None = None) -> None:
+                       console: Console | None = None, wide: bool = False) -> None:
     """Prints `side_by_side(...)`; a console that is not a terminal gets 180 columns."""
-    _console(console).print(side_by_side(sections, title))
+    _console(console).print(side_by_side(sections, title, wide))
 
 
 def _console(console: Console | None) -> Console:
