@@ -162,6 +162,9 @@ def _add_plan(sub) -> None:
                       help="plan cache file (default: $REMAT_KIT_CACHE or "
                            "~/.cache/remat_kit/plans.json); '' for none")
     plan.add_argument("--json", default=None, metavar="PATH", help="write plans and presets here")
+    plan.add_argument("--wide", action="store_true",
+                      help="every column (the budget's bytes, tries, the best preset that "
+                           "fits), not the 100-column default")
     plan.add_argument("--plot", default=None, metavar="PATH",
                       help="write a PNG of the plans over the presets' points")
     _plan_search_flags(plan)
@@ -225,6 +228,9 @@ def _add_fit(sub) -> None:
     fit.add_argument("--target", default=None,
                      help=TARGET_HELP + "; the budget is per chip")
     fit.add_argument("--json", default=None, metavar="PATH", help="write the result here")
+    fit.add_argument("--wide", action="store_true",
+                     help="every column (the step memory's parts, FLOPs/token, compiles), "
+                          "not the 100-column default")
     fit.add_argument("--plot", default=None, metavar="PATH",
                      help="write a bar chart of the sizes (PNG) here")
     fit.set_defaults(run=fit_command.run)
