@@ -50,7 +50,8 @@ def run(args) -> int:
         raise BadInput(f"--budget: {e}") from None
     fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
              "example)" if per_example else f"seq {seq}")
-    _report(args, src.label, result, (fixed, budget, dtype, multiple), src.cfg, first)
+    _report(args, src.label, result, (fixed, budget, dtype, multiple), src.cfg, first,
+            target_list[0])
     return 0
 
 
@@ -156,23 +157,29 @@ def _progress(vary: str):
     return progress
 
 
-def _report(args, label, result, words, cfg, first) -> None:
+def _report(args, label, result, words, cfg, first, target) -> None:
     """The model map, fit's table, the compiled step, what holds the floor, and --json and
     --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple)."""
     from rich.console import Console
 
-    from remat_kit.cli import fit_report
+    from remat_kit.cli import fit_report, verdict
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple = words
     step = rk_mesh.compiled_step("train step", result.mesh)
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
-    title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "
+    longest = "longest seq" if args.vary == "seq" else "largest batch"
+    title = (f"{label}: {longest} within {fmt_bytes(budget)} {where}, {fixed}, "
              f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
     the_map = config_map(cfg) if first is None else first
+    choice = fit_report.pick_fit(result)
+    for line in (verdict.verdict(choice, target, asked_target=args.target is not None)
+                 if choice else [f"{target}: no policy fits {fmt_bytes(budget)} at any "
+                                 f"{args.vary} (see below)"]):
+        console.print(line, markup=False, soft_wrap=True)
     print_map(the_map)
-    console.print(fit_report.fit_table(result, title))
+    console.print(fit_report.fit_table(result, title, args.wide))
     console.print(f"compiled: {step}", markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
