@@ -66,9 +66,9 @@ def run(args) -> int:
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
                          "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
                          "jax_version": found["jax"], "compiler_version": found["compiler"]})
+    print_map(works[0])  # the map's line first, as in every report, then the verdict
     for line in _verdict_lines(sections, args.target is not None):
         print(line, flush=True)
-    print_map(works[0])
     if len(sections) == 1:
         report.print_table(sections[0][2], sections[0][1], wide=args.wide)
     else:

@@ -173,12 +173,12 @@ def _report(args, label, result, words, cfg, first, target) -> None:
              f"{dtype}, multiple {multiple} ({result.platform})")
     console = Console() if sys.stdout.isatty() else Console(width=180)
     the_map = config_map(cfg) if first is None else first
+    print_map(the_map)  # the map's line first, as in every report, then the verdict
     choice = fit_report.pick_fit(result)
     for line in (verdict.verdict(choice, target, asked_target=args.target is not None)
                  if choice else [f"{target}: no policy fits {fmt_bytes(budget)} at any "
                                  f"{args.vary} (see below)"]):
         console.print(line, markup=False, soft_wrap=True)
-    print_map(the_map)
     console.print(fit_report.fit_table(result, title, args.wide))
     console.print(f"compiled: {step}", markup=False, soft_wrap=True)
     if result.below_minimum:

@@ -198,9 +198,9 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     table, out = _table(title, planner, found, records, presets, shown.emit_to, memory,
                         args.wide)
     console = Console(width=None if sys.stdout.isatty() else 200)
+    print_map(work)  # the map's line first, as in every report, then the verdict
     for line in verdict_lines(planner, found, records, args):
         console.print(line, markup=False, soft_wrap=True)
-    print_map(work)
     console.print(table)
     _print_notes(console, planner, found, shown.emit_to)
     # The presets' notes (a preset that compiles as its base rule on this model), as compare
