@@ -336,12 +336,15 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
          *(_MEMORY_NOTES[k] for k in dict.fromkeys(
              k for k, why in zip(kinds, failed) if why is None)), DOCS_POINTER]),
         caption_justify="left")
-    t.add_column("policy", justify="left", overflow="fold", max_width=None if wide else 24)
+    t.add_column("policy", justify="left", overflow="fold", max_width=None if wide else 16)
     for (name, _), kind, peak in zip(sections, kinds, peaks):
         label = MEMORY_LABELS[kind]
-        for column in (f"{label}\n{escape(name)}", f"{label} x none",
-                       *(("temp",) if peak else ()), "FLOPs x none", "pred. x none",
-                       *(("compile s",) if wide else ())):
+        # Two-line headers by default: two targets' columns then fit 100 columns.
+        for column in ((f"{label}\n{escape(name)}", f"{label} x none",
+                        *(("temp",) if peak else ()), "FLOPs x none", "pred. x none",
+                        "compile s") if wide else
+                       (f"{label}\n{escape(name)}", f"{label}\nx none", "FLOPs\nx none",
+                        "pred.\nx none")):
             t.add_column(column, justify="right")
     by_target = [{d["policy"]: d for d in rows} for _, rows in sections]
     policies = list(dict.fromkeys(d["policy"] for _, rows in sections for d in rows))
