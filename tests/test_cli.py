@@ -238,13 +238,13 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     # x predicted step, its figures those of the JSON; the CPU note, no --target given.
     assert full["temp_ratio_to_none"] * full["predicted_ratio_to_none"] < 1
     assert out.splitlines()[1:4] == [
-        f"cpu: use full: temp {fmt_bytes(full['temp_size_in_bytes'])}, "
-        f"{full['temp_ratio_to_none']:.3f} x none; {full['flops_ratio_to_none'] - 1:+.2%} "
-        f"FLOPs, {full['predicted_ratio_to_none'] - 1:+.2%} pred. step (Pareto row with "
-        "least memory x pred. step)",
+        f"cpu: use full: temp {fmt_bytes(full['temp_size_in_bytes'])} "
+        f"({full['temp_ratio_to_none']:.3f} x none), {full['flops_ratio_to_none'] - 1:+.2%} "
+        f"FLOPs, {full['predicted_ratio_to_none'] - 1:+.2%} pred. step (Pareto: least memory "
+        "x pred. step)",
         'paste: rk.remat_model(model, "full")  or  --config.remat=full',
-        "note: these are the CPU compiler's figures (no --target); policies rank differently "
-        "on TPU and GPU: add --target tpu:v5p:1x1x1 or --target gpu:h100"]
+        "note: CPU figures (no --target); TPU and GPU compilers rank policies differently: "
+        "--target tpu:v5p:1x1x1 or gpu:h100"]
     assert none["predicted_ratio_to_none"] == 1.0
     assert full["predicted_ratio_to_none"] == full["predicted_seconds"] / none["predicted_seconds"]
     assert 1.0 < full["predicted_ratio_to_none"] < 1.5 and full["flops_ratio_to_none"] > 1.0

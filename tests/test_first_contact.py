@@ -43,8 +43,8 @@ def test_the_verdict_names_the_chip_the_policy_its_cost_and_the_snippet():
     # dots: 0.498 x none's peak for +0.40% predicted step, the least product (full 0.525).
     lines = verdict.verdict(choice, targets.parse_target(TPU), asked_target=True)
     assert lines == [
-        "tpu:v5e:1x1: use dots: peak 2.70 GiB, 0.498 x none; +0.56% FLOPs, +0.40% pred. step "
-        "(Pareto row with least memory x pred. step)",
+        "tpu:v5e:1x1: use dots: peak 2.70 GiB (0.498 x none), +0.56% FLOPs, +0.40% pred. step "
+        "(Pareto: least memory x pred. step)",
         'paste: rk.remat_model(model, "dots")  or  --config.remat=dots']
 
 
@@ -52,8 +52,8 @@ def test_the_cpu_note_only_where_no_target_was_given():
     choice = verdict.Choice("selective", "temp 1 MiB", "+3.00% FLOPs", "why")
     cpu = targets.parse_target("cpu")
     assert verdict.verdict(choice, cpu, asked_target=False)[2] == (
-        "note: these are the CPU compiler's figures (no --target); policies rank differently "
-        "on TPU and GPU: add --target tpu:v5p:1x1x1 or --target gpu:h100")
+        "note: CPU figures (no --target); TPU and GPU compilers rank policies differently: "
+        "--target tpu:v5p:1x1x1 or gpu:h100")
     assert len(verdict.verdict(choice, cpu, asked_target=True)) == 2
     assert len(verdict.verdict(choice, targets.parse_target(TPU), asked_target=False)) == 2
 
@@ -147,3 +147,24 @@ def test_a_plan_run_at_other_shapes_says_so(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # at its own shapes: no warning
         jax.eval_shape(rk.remat_model(model, str(path)).apply, {"params": params}, tokens)
+
+
+def test_the_screenshots_are_on_the_page_and_fit_their_width():
+    """docs/compare.md holds each of scripts/screenshots.py's renderings, none wider than
+    the columns it was rendered at, each opening with the map, the verdict and the paste."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "screenshots.py")
+    spec = importlib.util.spec_from_file_location("screenshots", path)
+    shots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shots)
+    found = {m["name"]: m[0] for m in shots.BLOCK.finditer(shots.PAGE.read_text())}
+    assert set(found) == set(shots.SHOTS)
+    for name, (columns, argv) in shots.SHOTS.items():
+        lines = found[name].splitlines()[2:-2]  # the fence's body
+        assert lines[0].startswith(f"$ COLUMNS={columns} .venv/bin/remat-kit {argv[0]} ")
+        assert lines[1].startswith("model map: ") and lines[2].startswith("cpu: use ")
+        assert lines[3].startswith('paste: rk.remat_model(model, "')
+        table = [line for line in lines if line[:1] in "┏┃┡│└"]
+        assert len(table) > 4 and max(map(len, table)) <= columns, name
+        if columns >= 120:  # the verdict on one line there
+            assert len(lines[2]) <= columns

@@ -313,11 +313,11 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
     plan = high["plan"]
     assert plan["measured_flops"] != doc["presets"][0]["flops"]
     assert stdout.splitlines()[1:3] == [
-        f"cpu: use {out}: temp {fmt_bytes(plan['measured_bytes'])}, "
-        f"{plan['measured_bytes'] / plan['none_bytes']:.3f} x none; "
+        f"cpu: use {out}: temp {fmt_bytes(plan['measured_bytes'])} "
+        f"({plan['measured_bytes'] / plan['none_bytes']:.3f} x none), "
         f"{plan['measured_flops'] / plan['none_flops'] - 1:+.2%} FLOPs, "
-        f"{plan['predicted_seconds'] / plan['none_seconds'] - 1:+.2%} pred. step (the plan "
-        f"for --budgets 0.9: fewest FLOPs within {fmt_bytes(high['budget_bytes'])})",
+        f"{plan['predicted_seconds'] / plan['none_seconds'] - 1:+.2%} pred. step (plan for "
+        f"0.9: fewest FLOPs within {fmt_bytes(high['budget_bytes'])})",
         f'paste: rk.remat_model(model, "{out}", budget="0.9")  or  '
         f"{shlex.quote('--config.remat=' + plan['spec'])}"]
 

@@ -160,9 +160,8 @@ def _progress(vary: str):
 def _report(args, label, result, words, cfg, first, target) -> None:
     """The model map, fit's table, the compiled step, what holds the floor, and --json and
     --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple)."""
-    from rich.console import Console
-
     from remat_kit.cli import fit_report, verdict
+    from remat_kit.cli.report import terminal_console
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple = words
     step = rk_mesh.compiled_step("train step", result.mesh)
@@ -171,7 +170,7 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     longest = "longest seq" if args.vary == "seq" else "largest batch"
     title = (f"{label}: {longest} within {fmt_bytes(budget)} {where}, {fixed}, "
              f"{dtype}, multiple {multiple} ({result.platform})")
-    console = Console() if sys.stdout.isatty() else Console(width=180)
+    console = terminal_console()
     the_map = config_map(cfg) if first is None else first
     print_map(the_map)  # the map's line first, as in every report, then the verdict
     choice = fit_report.pick_fit(result)

@@ -83,14 +83,14 @@ def pick_fit(result):
     best = max(rows, key=lambda r: (r.size, -(r.flop_overhead or 0.0)))
     none = next((r for r in result.rows if r.policy == "none"), None)
     against = ("" if none is None or best is none else
-               f"; no remat (`none`) reaches {result.vary} {none.size}" if none.size else
+               f"; no remat (`none`): {result.vary} {none.size}" if none.size else
                f"; no remat (`none`) fits no {result.vary}")
     name = best.picked if best.picked and not best.picked_layers else best.policy
     return Choice(name=name, gives=f"{result.vary} {best.size} in "
                   f"{fmt_bytes(result.budget_bytes)} per device",
                   cost=cost_text(None if best.flop_overhead is None else best.flop_overhead - 1,
                                  None),
-                  why=f"the largest {result.vary} of the policies tried{against}")
+                  why=f"largest {result.vary}{against}")
 
 
 def fit_to_dict(result) -> dict:

@@ -188,8 +188,6 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     can be met, else 0."""
     import json
 
-    from rich.console import Console
-
     from remat_kit.cli import report
     from remat_kit.measure.record import MEMORY_LABELS
 
@@ -197,7 +195,7 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     title = _title(planner, found, shown, memory)
     table, out = _table(title, planner, found, records, presets, shown.emit_to, memory,
                         args.wide)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = report.terminal_console(200)
     print_map(work)  # the map's line first, as in every report, then the verdict
     for line in verdict_lines(planner, found, records, args):
         console.print(line, markup=False, soft_wrap=True)
@@ -240,10 +238,10 @@ def verdict_lines(planner, found: _Frontier, records, args) -> list[str]:
                 f"{fmt_bytes(found.full)} {MEMORY_LABELS[planner.memory_kind]} (see below)"]
     b, p = next(iter(found.plans.items()))
     preset = same_preset(p, records)
-    ratio = "" if p.memory_fraction is None else f", {p.memory_fraction:.3f} x none"
-    why = (f"the plan for --budgets {b}: fewest {'predicted time' if planner.objective == 'time' else 'FLOPs'} "
-           f"within {fmt_bytes(found_limit(b, found))}"
-           + (f"; it compiles as the preset {preset}" if preset and preset != p.spec else ""))
+    ratio = "" if p.memory_fraction is None else f" ({p.memory_fraction:.3f} x none)"
+    fewest = "pred. step" if planner.objective == "time" else "FLOPs"
+    why = (f"plan for {b}: fewest {fewest} within {fmt_bytes(found_limit(b, found))}"
+           + (f"; preset {preset}'s program" if preset and preset != p.spec else ""))
     file = args.json if preset is None and args.json is not None else None
     choice = verdict.Choice(name=file or preset or p.spec,
                             gives=f"{MEMORY_LABELS[p.memory_kind]} {fmt_bytes(p.measured_bytes)}"

@@ -230,7 +230,7 @@ _MEMORY_NOTES = {
 # The default table's columns (`table`) besides the memory figure's two, which fit 100
 # columns; --wide adds the rest.
 NARROW = ("", "policy", "FLOPs x none", "pred. x none", "step x none")
-DOCS_POINTER = "docs/compare.md reads every column"
+DOCS_POINTER = "each column: docs/compare.md"
 
 
 def _columns(report_rows: Sequence[dict], kind: str) -> list[tuple[str, object]]:
@@ -375,11 +375,18 @@ def print_side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: st
 
 
 def _console(console: Console | None) -> Console:
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=180)
-    return console
+    return terminal_console() if console is None else console
+
+
+def terminal_console(piped: int = 180) -> Console:
+    """The console the commands print to: the terminal's width; where stdout is not a
+    terminal, $COLUMNS if set (COLUMNS=100 renders what a 100-column terminal shows),
+    else `piped` columns, so that piped tables do not wrap."""
+    console = Console()
+    if console.is_terminal:
+        return console
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else piped)
 
 
 def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
@@ -483,7 +490,7 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
 __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fmt_bytes",
            "fmt_ratio", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
            "print_peaks", "print_side_by_side", "print_table", "rows", "save_figure",
-           "side_by_side", "table", "write_csv", "write_json"]
+           "side_by_side", "table", "terminal_console", "write_csv", "write_json"]
 
 
 def print_peaks(report_rows: Sequence[dict], console: Console | None = None) -> None:

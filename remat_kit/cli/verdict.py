@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 # The targets named where the figures are the CPU's: a TPU slice compiled ahead of
 # time and a GPU compiled without one (docs/targets.md).
-ACCELERATOR_EXAMPLES = "--target tpu:v5p:1x1x1 or --target gpu:h100"
+ACCELERATOR_EXAMPLES = "--target tpu:v5p:1x1x1 or gpu:h100"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Choice:
 
     Attributes:
       name: what to paste: a preset name ("dots"), a spec, or a plan file's path.
-      gives: what it gives, e.g. "peak 1.14 GiB, 0.452 x none" or "seq 4096".
+      gives: what it gives, e.g. "peak 1.14 GiB (0.452 x none)" or "seq 4096 in 16 GiB".
       cost: what it costs against no remat, e.g. "+0.56% FLOPs, +1.2% pred. step".
       why: the rule that picked it, e.g. "fewest FLOPs within 0.5".
       budget: for a plan file, the budget whose plan to take (`rk.remat_model`'s
@@ -65,13 +65,13 @@ def verdict(choice: Choice, target, *, asked_target: bool) -> list[str]:
     """The verdict's lines for `choice` on `target` (a `measure.targets.Target`).
 
     Returns:
-      ["tpu:v5e:1x1: use dots: peak 1.14 GiB, 0.452 x none; +0.56% FLOPs (why)",
+      ["tpu:v5e:1x1: use dots: peak 1.14 GiB (0.452 x none), +0.56% FLOPs (why)",
        "paste: rk.remat_model(model, \"dots\")  or  --config.remat=dots"]
       and, where the figures are the CPU's and no --target was given
       (`asked_target` False), a note naming the accelerator targets: policies
       rank differently there.
     """
-    lines = [f"{where_words(target)}: use {choice.name}: {choice.gives}; {choice.cost} "
+    lines = [f"{where_words(target)}: use {choice.name}: {choice.gives}, {choice.cost} "
              f"({choice.why})", "paste: " + snippet(choice)]
     if target.platform == "cpu" and not asked_target:
         lines.append(cpu_note())
@@ -89,8 +89,8 @@ def snippet(choice: Choice) -> str:
 
 def cpu_note() -> str:
     """The line under a verdict made from CPU figures without --target."""
-    return ("note: these are the CPU compiler's figures (no --target); policies rank "
-            f"differently on TPU and GPU: add {ACCELERATOR_EXAMPLES}")
+    return ("note: CPU figures (no --target); TPU and GPU compilers rank policies "
+            f"differently: {ACCELERATOR_EXAMPLES}")
 
 
 def pick_compare(report_rows: Sequence[dict]) -> Choice | None:
@@ -113,16 +113,16 @@ def pick_compare(report_rows: Sequence[dict]) -> Choice | None:
     return Choice(name=best["names"][0], gives=memory_text(best),
                   cost=cost_text(_over(best["flops_ratio_to_none"]),
                                  _over(best.get("predicted_ratio_to_none"))),
-                  why="Pareto row with least memory x " + ("pred. step" if timed else "FLOPs"))
+                  why="Pareto: least memory x " + ("pred. step" if timed else "FLOPs"))
 
 
 def memory_text(d: dict) -> str:
-    """'peak 1.14 GiB, 0.452 x none' of a `report.rows` row."""
+    """'peak 1.14 GiB (0.452 x none)' of a `report.rows` row."""
     from remat_kit.measure.record import MEMORY_LABELS
     from remat_kit.units import fmt_bytes
     ratio = d["memory_ratio_to_none"]
     return (f"{MEMORY_LABELS[d['memory_kind']]} {fmt_bytes(d['memory_bytes'])}"
-            + ("" if ratio is None else f", {ratio:.3f} x none"))
+            + ("" if ratio is None else f" ({ratio:.3f} x none)"))
 
 
 def _over(ratio: float | None) -> float | None:
