@@ -291,7 +291,7 @@ def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, 
     from rich.table import Table
     from rich.text import Text
     kind = planner.memory_kind
-    t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
+    t = Table(title=Text(title), min_width=len(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
               f"FLOPs: over no remat; time: predicted step time over no remat"
               + (f" ({planner.roofline.source}); objective: {planner.objective}" if wide else
                  f"; objective: {planner.objective}; --wide: bytes, tries, best preset; "

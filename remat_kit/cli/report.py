@@ -286,7 +286,8 @@ def table(report_rows: Sequence[dict], title: str = "", wide: bool = False) -> T
         label = MEMORY_LABELS[kind]
         columns = [(h, f) for h, f in columns if h in (*NARROW, label, f"{label} x none")]
     failed = labels.failed_caption(report_rows, compiled_by(report_rows))
-    t = Table(title=Text(title), caption=escape(failed) if failed else (
+    # At least as wide as its title, so a narrow table does not fold the title's words.
+    t = Table(title=Text(title), min_width=len(title), caption=escape(failed) if failed else (
         f"* Pareto-optimal (no row has less memory and fewer FLOPs); memory: "
         f"{_MEMORY_NOTES[kind] if wide else MEMORY_LABELS[kind]}; "
         f"{escape(compiled_by(report_rows))}; "
@@ -330,7 +331,7 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
     kinds = [memory_kind_of(rows) for _, rows in sections]
     peaks = [k == PEAK and wide for k in kinds]  # the temp column beside the peak
     failed = [labels.failed_caption(rows, compiled_by(rows)) for _, rows in sections]
-    t = Table(title=Text(title), caption="; ".join(
+    t = Table(title=Text(title), min_width=len(title), caption="; ".join(
         [*(f"{name}: {escape(why or compiled_by(rows))}"
            for (name, rows), why in zip(sections, failed)),
          *(_MEMORY_NOTES[k] for k in dict.fromkeys(
