@@ -64,7 +64,7 @@ def test_tpu_rows_rank_by_the_peak(tmp_path):
     side = report.side_by_side([("tpu:v5e:1x1", rows)], wide=True)
     assert headers(side)[1:4] == ["peak\ntpu:v5e:1x1", "peak x none", "temp"]
     assert headers(report.side_by_side([("tpu:v5e:1x1", rows)]))[1:] == [
-        "peak\ntpu:v5e:1x1", "peak x none", "FLOPs x none", "pred. x none"]
+        "peak\ntpu:v5e:1x1", "peak\nx none", "FLOPs\nx none", "pred.\nx none"]
     path = tmp_path / "rows.csv"
     report.write_csv(path, rows)
     with open(path) as f:
@@ -85,7 +85,7 @@ def test_cpu_rows_still_rank_by_temp():
     assert headers(t)[2:4] == ["temp", "temp x none"] and "peak" not in headers(t)
     side = report.side_by_side([("cpu", rows), ("tpu:v5e:1x1", report.rows(
         [record(*r) for r in TPU]))])
-    assert headers(side)[1:3] == ["temp\ncpu", "temp x none"]
+    assert headers(side)[1:3] == ["temp\ncpu", "temp\nx none"]
     assert "peak\ntpu:v5e:1x1" in headers(side)
 
 
