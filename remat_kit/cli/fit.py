@@ -161,7 +161,7 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     """The model map, fit's table, the compiled step, what holds the floor, and --json and
     --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple)."""
     from remat_kit.cli import fit_report, verdict
-    from remat_kit.cli.report import terminal_console
+    from remat_kit.cli.report import print_title, terminal_console
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple = words
     step = rk_mesh.compiled_step("train step", result.mesh)
@@ -177,8 +177,9 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     for line in (verdict.verdict(choice, target, asked_target=args.target is not None)
                  if choice else [f"{target}: no policy fits {fmt_bytes(budget)} at any "
                                  f"{args.vary} (see below)"]):
-        console.print(line, markup=False, soft_wrap=True)
-    console.print(fit_report.fit_table(result, title, args.wide))
+        console.print(line, markup=False, emoji=False, soft_wrap=True)
+    print_title(console, title)
+    console.print(fit_report.fit_table(result, "", args.wide))
     console.print(f"compiled: {step}", markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)

@@ -28,7 +28,7 @@ def fit_table(result, title: str = "", wide: bool = False) -> Table:
     where = (f"per device of mesh {result.mesh} ({result.devices} devices); sizes and "
              f"FLOPs/token global" if result.mesh else "per device")
     source = result.rows[0].memory.source if result.rows and result.rows[0].memory else "n/a"
-    t = Table(title=Text(title), min_width=len(title), caption=(
+    t = Table(title=Text(title), caption=(
         f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = {source}; "
         f"FLOPs x none = step FLOPs / no remat's at the same {vary}"
         + ("; † no remat (`none`) does not fit there" if any(

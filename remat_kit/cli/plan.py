@@ -193,12 +193,13 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
 
     memory = MEMORY_LABELS[planner.memory_kind]
     title = _title(planner, found, shown, memory)
-    table, out = _table(title, planner, found, records, presets, shown.emit_to, memory,
+    table, out = _table("", planner, found, records, presets, shown.emit_to, memory,
                         args.wide)
     console = report.terminal_console(200)
     print_map(work)  # the map's line first, as in every report, then the verdict
     for line in verdict_lines(planner, found, records, args):
-        console.print(line, markup=False, soft_wrap=True)
+        console.print(line, markup=False, emoji=False, soft_wrap=True)
+    report.print_title(console, title)
     console.print(table)
     _print_notes(console, planner, found, shown.emit_to)
     # The presets' notes (a preset that compiles as its base rule on this model), as compare
@@ -291,7 +292,7 @@ def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, 
     from rich.table import Table
     from rich.text import Text
     kind = planner.memory_kind
-    t = Table(title=Text(title), min_width=len(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
+    t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
               f"FLOPs: over no remat; time: predicted step time over no remat"
               + (f" ({planner.roofline.source}); objective: {planner.objective}" if wide else
                  f"; objective: {planner.objective}; --wide: bytes, tries, best preset; "

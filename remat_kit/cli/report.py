@@ -286,8 +286,7 @@ def table(report_rows: Sequence[dict], title: str = "", wide: bool = False) -> T
         label = MEMORY_LABELS[kind]
         columns = [(h, f) for h, f in columns if h in (*NARROW, label, f"{label} x none")]
     failed = labels.failed_caption(report_rows, compiled_by(report_rows))
-    # At least as wide as its title, so a narrow table does not fold the title's words.
-    t = Table(title=Text(title), min_width=len(title), caption=escape(failed) if failed else (
+    t = Table(title=Text(title), caption=escape(failed) if failed else (
         f"* Pareto-optimal (no row has less memory and fewer FLOPs); memory: "
         f"{_MEMORY_NOTES[kind] if wide else MEMORY_LABELS[kind]}; "
         f"{escape(compiled_by(report_rows))}; "
@@ -311,7 +310,8 @@ def print_table(report_rows: Sequence[dict], title: str = "", console: Console |
     Korthikanti's figure. A console that is not a terminal gets 180 columns, so
     piped tables do not wrap."""
     console = _console(console)
-    console.print(table(report_rows, title, wide))
+    print_title(console, title)
+    console.print(table(report_rows, "", wide))
     if note and wide and any(d["formula_bytes"] is not None for d in report_rows):
         console.print(FORMULA_NOTE, style="dim", markup=False)
 
@@ -331,7 +331,7 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
     kinds = [memory_kind_of(rows) for _, rows in sections]
     peaks = [k == PEAK and wide for k in kinds]  # the temp column beside the peak
     failed = [labels.failed_caption(rows, compiled_by(rows)) for _, rows in sections]
-    t = Table(title=Text(title), min_width=len(title), caption="; ".join(
+    t = Table(title=Text(title), caption="; ".join(
         [*(f"{name}: {escape(why or compiled_by(rows))}"
            for (name, rows), why in zip(sections, failed)),
          *(_MEMORY_NOTES[k] for k in dict.fromkeys(
@@ -372,7 +372,15 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
 def print_side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "",
                        console: Console | None = None, wide: bool = False) -> None:
     """Prints `side_by_side(...)`; a console that is not a terminal gets 180 columns."""
-    _console(console).print(side_by_side(sections, title, wide))
+    console = _console(console)
+    print_title(console, title)
+    console.print(side_by_side(sections, "", wide))
+
+
+def print_title(console: Console, title: str) -> None:
+    """A table's title on its own line above it: a narrow table would fold it."""
+    if title:
+        console.print(title, markup=False, emoji=False, soft_wrap=True, style="bold")
 
 
 def _console(console: Console | None) -> Console:
@@ -491,7 +499,8 @@ def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
 __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fmt_bytes",
            "fmt_ratio", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
            "print_peaks", "print_side_by_side", "print_table", "rows", "save_figure",
-           "side_by_side", "table", "terminal_console", "write_csv", "write_json"]
+           "print_title", "side_by_side", "table", "terminal_console", "write_csv",
+           "write_json"]
 
 
 def print_peaks(report_rows: Sequence[dict], console: Console | None = None) -> None:
