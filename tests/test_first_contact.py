@@ -150,16 +150,18 @@ def test_a_plan_run_at_other_shapes_says_so(tmp_path):
 
 
 def test_the_screenshots_are_on_the_page_and_fit_their_width():
-    """docs/compare.md holds each of scripts/screenshots.py's renderings, none wider than
-    the columns it was rendered at, each opening with the map, the verdict and the paste."""
+    """docs/compare.md and docs/models.md hold each of scripts/screenshots.py's renderings,
+    no table wider than the columns it was rendered at, each opening with the map, the
+    verdict and the paste."""
     import importlib.util
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "screenshots.py")
     spec = importlib.util.spec_from_file_location("screenshots", path)
     shots = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(shots)
-    found = {m["name"]: m[0] for m in shots.BLOCK.finditer(shots.PAGE.read_text())}
+    found = {m["name"]: m[0] for page in ("compare.md", "models.md")
+             for m in shots.BLOCK.finditer((shots.ROOT / "docs" / page).read_text())}
     assert set(found) == set(shots.SHOTS)
-    for name, (columns, argv) in shots.SHOTS.items():
+    for name, (_, columns, argv) in shots.SHOTS.items():
         lines = found[name].splitlines()[2:-2]  # the fence's body
         assert lines[0].startswith(f"$ COLUMNS={columns} .venv/bin/remat-kit {argv[0]} ")
         assert lines[1].startswith("model map: ") and lines[2].startswith("cpu: use ")
@@ -168,3 +170,25 @@ def test_the_screenshots_are_on_the_page_and_fit_their_width():
         assert len(table) > 4 and max(map(len, table)) <= columns, name
         if columns >= 120:  # the verdict on one line there
             assert len(lines[2]) <= columns
+
+
+@pytest.mark.parametrize("label, shown", [("XLA CPU compile", False),
+                                          ("XLA TPU compile (v5e:1x1, AOT)", True)])
+def test_the_training_summary_drops_the_cpu_peak_row(label, shown):
+    """XLA CPU's peak figure, alike under every policy, read as remat saving nothing."""
+    from experiments import train_report
+    figures = {"temp_size_in_bytes": 2 << 20, "peak_memory_in_bytes": 7 << 20,
+               "step_bytes": 9 << 20, "flops": 1e9, "step_bytes_source": "argument + temp"}
+    summary = {"model": "demo", "remat": "selective", "eval_bits_per_byte": 2.5,
+               "eval_loss": 1.7, "final_train_loss": 1.8, "median_step_seconds": 0.4,
+               "median_tokens_per_second": 1e4, "wall_seconds": 100.0,
+               "policies": [{"remat": "selective", "from_step": 0}],
+               "checkpoint": {"step": 250, "bytes": 1 << 20, "write_seconds": 0.1,
+                              "blocking_seconds": 0.01},
+               "compiled": {"label": label, "policy": figures, "none": figures},
+               "memory_budget": None}
+    console = Console(width=120, record=True)
+    train_report.print_summary(console, summary)
+    text = console.export_text()
+    assert "temp_size_in_bytes" in text and ("peak_memory_in_bytes │" in text) == shown
+    assert ("leaves temp buffers out, is not shown" in text) == (not shown)
