@@ -17,7 +17,7 @@ from remat_kit.policy.spec import AutoSpec, parse
 def run(args) -> int:
     """`remat-kit compare` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
-    from remat_kit.cli import report
+    from remat_kit.cli import plots, report
     from remat_kit.decide.resolve import measure
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
@@ -89,7 +89,7 @@ def run(args) -> int:
         report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
     if args.plot is not None:
         for target, title, rows in sections:
-            report.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
+            plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
     return 0
 
 

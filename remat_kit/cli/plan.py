@@ -188,7 +188,7 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     can be met, else 0."""
     import json
 
-    from remat_kit.cli import report
+    from remat_kit.cli import plots, report
     from remat_kit.measure.record import MEMORY_LABELS
 
     memory = MEMORY_LABELS[planner.memory_kind]
@@ -218,7 +218,7 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     if args.plot is not None:
         planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
                    for b, p in found.plans.items()]
-        report.plot(args.plot, report.rows(records + planned), title)
+        plots.plot(args.plot, report.rows(records + planned), title)
     if not fits:
         print(f"error: no budget can be met: each is below the least compiled memory, "
               f"{fmt_bytes(found.full)} {memory}", file=sys.stderr)
