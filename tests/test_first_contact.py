@@ -128,7 +128,7 @@ def test_a_misspelt_tag_is_refused_at_the_call():
     with pytest.raises(rk.UnknownTagError, match="too close to 'attn_logits'") as info:
         rk.remat_model(model, "save:attn_logit")
     assert info.value.closest == "attn_logits"
-    rk.remat_model(model, "save:my_own_tag")  # maybe the model's own: checked at the call
+    rk.remat_model(model, "save:my_own_tag")  # maybe the model's own: checked at its first call
 
 
 def test_a_plan_run_at_other_shapes_says_so(tmp_path):

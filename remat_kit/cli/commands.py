@@ -3,7 +3,7 @@ explain), the cheapest policy for a memory budget (plan), the longest sequence t
 
     remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
         [--policies a,b,c] [--mesh data:2,fsdp:2,tensor:2] [--target cpu,tpu:v5e:1x1] \\
-        [--time N] [--json out.json] [--plot pareto.png]
+        [--time N] [--json out.json] [--plot pareto.png] [--wide]
     remat-kit explain --config tiny --policy selective [--batch B] [--seq S] [--target T]
     remat-kit plan --config gpt2_small --batch 8 --seq 1024 --budgets 0.2,0.4,6GiB \\
         [--presets a,b | --no-presets] [--json plan.json] [--plot plan.png]
@@ -11,8 +11,10 @@ explain), the cheapest policy for a memory budget (plan), the longest sequence t
         [--target T] [--mesh data:2,fsdp:2] [--policies a,b,auto] [--json out.json] \\
         [--plot fit.png]
 
-`compare` measures every policy compile-only (`remat_kit.measure.measure`) and prints
-a table sorted by memory (`remat_kit.cli.report`). `explain` lists what one
+Each answer opens with the model map's line and the verdict (`remat_kit.cli.verdict`:
+the chip, the policy, what it gives and costs, what to paste), then a table that fits
+100 columns (`--wide` for every column). `compare` measures every policy compile-only
+(`remat_kit.measure.measure`) and prints a table sorted by memory (`remat_kit.cli.report`). `explain` lists what one
 decoder layer saves, offloads and recomputes under one policy. `plan` runs
 the budget planner (`remat_kit.decide.plan`) for each budget and sets its frontier
 against the best fixed preset that fits. `fit` finds the longest sequence
