@@ -245,6 +245,8 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
         'paste: rk.remat_model(model, "full")  or  --config.remat=full',
         "note: CPU figures (no --target); TPU and GPU compilers rank policies differently: "
         "--target tpu:v5p:1x1x1 or gpu:h100"]
+    assert [(v["target"], v["name"], v["paste"]) for v in doc["verdicts"]] == [
+        ("cpu", "full", 'rk.remat_model(model, "full")  or  --config.remat=full')]
     assert none["predicted_ratio_to_none"] == 1.0
     assert full["predicted_ratio_to_none"] == full["predicted_seconds"] / none["predicted_seconds"]
     assert 1.0 < full["predicted_ratio_to_none"] < 1.5 and full["flops_ratio_to_none"] > 1.0

@@ -164,6 +164,8 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
     assert doc["step"].startswith("train step; gradients and optimizer state sharded")
     assert [r["size"] for r in doc["rows"]] == [4992, 4992]  # 1e6 + 100 * 2 * 4992 <= 2e6
     assert [r["picked"] for r in doc["rows"]] == [None, None]
+    assert (doc["verdict"]["name"], doc["verdict"]["gives"]) == (
+        "none", "seq 4992 in 1.91 MiB per device")
     line = ("2 x DecoderLayer, scanned: no; own remat: none; outside: embed, final_norm, "
             "pos_embed, logits, loss")  # the config's map opens fit too (issue 34)
     assert doc["model_map"]["line"] == line and stdout.splitlines()[0] == f"model map: {line}"

@@ -312,6 +312,7 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
     # as the --json file to paste; its figures those of the JSON.
     plan = high["plan"]
     assert plan["measured_flops"] != doc["presets"][0]["flops"]
+    assert (doc["verdict"]["name"], doc["verdict"]["budget"]) == (str(out), "0.9")
     assert stdout.splitlines()[1:3] == [
         f"cpu: use {out}: temp {fmt_bytes(plan['measured_bytes'])} "
         f"({plan['measured_bytes'] / plan['none_bytes']:.3f} x none), "

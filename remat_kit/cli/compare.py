@@ -17,7 +17,7 @@ from remat_kit.policy.spec import AutoSpec, parse
 def run(args) -> int:
     """`remat-kit compare` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
-    from remat_kit.cli import plots, report
+    from remat_kit.cli import plots, report, verdict
     from remat_kit.decide.resolve import measure
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
@@ -86,7 +86,9 @@ def run(args) -> int:
         # The first target's fields stay at the top level (schema 1); "targets" has them all.
         context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                    **contexts[0], "targets": contexts, **map_context(works[0])}
-        report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
+        report.write_json(args.json, [d for _, _, rows in sections for d in rows], context,
+                          [v for t, _, rows in sections
+                           if (v := verdict.to_json(verdict.pick_compare(rows), t))])
     if args.plot is not None:
         for target, title, rows in sections:
             plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)

@@ -186,6 +186,7 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump(fit_report.fit_to_dict(result) | {"config": label, "step": step}
+                      | {"verdict": verdict.to_json(choice, target)}
                       | map_context(the_map), f, indent=2)
             f.write("\n")
     if args.plot is not None:

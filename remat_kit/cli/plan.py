@@ -188,7 +188,7 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     can be met, else 0."""
     import json
 
-    from remat_kit.cli import plots, report
+    from remat_kit.cli import plots, report, verdict
     from remat_kit.measure.record import MEMORY_LABELS
 
     memory = MEMORY_LABELS[planner.memory_kind]
@@ -197,7 +197,8 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
                         args.wide)
     console = report.terminal_console(200)
     print_map(work)  # the map's line first, as in every report, then the verdict
-    for line in verdict_lines(planner, found, records, args):
+    choice = plan_choice(planner, found, records, args)
+    for line in verdict_lines(choice, planner, found, args):
         console.print(line, markup=False, emoji=False, soft_wrap=True)
     report.print_title(console, title)
     console.print(table)
@@ -213,6 +214,7 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": 1, "context": _context(planner, work, found, shown),
+                       "verdict": verdict.to_json(choice, planner.target),
                        "budgets": out, "presets": [r.to_dict() for r in records]}, f, indent=2)
             f.write("\n")
     if args.plot is not None:
@@ -226,17 +228,14 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     return 0
 
 
-def verdict_lines(planner, found: _Frontier, records, args) -> list[str]:
-    """The verdict (`verdict.verdict`) for the first budget that can be met: its plan,
-    named by the preset it compiles alike to where there is one; with --json, the file
-    to paste; with --emit, a pointer to the text below. One line where no budget can be
-    met."""
+def plan_choice(planner, found: _Frontier, records, args):
+    """The `verdict.Choice` for the first budget that can be met: its plan, named by the
+    preset it compiles alike to where there is one, else with --json the file to paste,
+    else its spec; None where no budget can be met."""
     from remat_kit.cli import verdict
     from remat_kit.measure.record import MEMORY_LABELS
-    target = planner.target
     if not found.plans:
-        return [f"{target}: no budget can be met: the least compiled memory is "
-                f"{fmt_bytes(found.full)} {MEMORY_LABELS[planner.memory_kind]} (see below)"]
+        return None
     b, p = next(iter(found.plans.items()))
     preset = same_preset(p, records)
     ratio = "" if p.memory_fraction is None else f" ({p.memory_fraction:.3f} x none)"
@@ -244,12 +243,22 @@ def verdict_lines(planner, found: _Frontier, records, args) -> list[str]:
     why = (f"plan for {b}: fewest {fewest} within {fmt_bytes(found_limit(b, found))}"
            + (f"; preset {preset}'s program" if preset and preset != p.spec else ""))
     file = args.json if preset is None and args.json is not None else None
-    choice = verdict.Choice(name=file or preset or p.spec,
-                            gives=f"{MEMORY_LABELS[p.memory_kind]} {fmt_bytes(p.measured_bytes)}"
-                                  f"{ratio}",
-                            cost=verdict.cost_text(p.flops_overhead, p.time_overhead), why=why,
-                            budget=b if file else None, spec=p.spec if file else None)
-    lines = verdict.verdict(choice, target, asked_target=args.target is not None)
+    return verdict.Choice(name=file or preset or p.spec,
+                          gives=f"{MEMORY_LABELS[p.memory_kind]} {fmt_bytes(p.measured_bytes)}"
+                                f"{ratio}",
+                          cost=verdict.cost_text(p.flops_overhead, p.time_overhead), why=why,
+                          budget=b if file else None, spec=p.spec if file else None)
+
+
+def verdict_lines(choice, planner, found: _Frontier, args) -> list[str]:
+    """The verdict's lines (`verdict.verdict`) of `plan_choice`; with --emit, a pointer to
+    the text below. One line where no budget can be met."""
+    from remat_kit.cli import verdict
+    from remat_kit.measure.record import MEMORY_LABELS
+    if choice is None:
+        return [f"{planner.target}: no budget can be met: the least compiled memory is "
+                f"{fmt_bytes(found.full)} {MEMORY_LABELS[planner.memory_kind]} (see below)"]
+    lines = verdict.verdict(choice, planner.target, asked_target=args.target is not None)
     if args.emit is not None:
         lines.insert(2, f"--emit {args.emit}: the text under the table")
     return lines

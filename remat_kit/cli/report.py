@@ -16,6 +16,8 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
                   "targets": [{"target": str, "platform": str, "devices": int,
                                "jax_version": str, "compiler_version": str}]},
       "formula_note": str,                             # FORMULA_NOTE
+      "verdicts": [{"target": str, "name": str, "gives": str, "cost": str, "why": str,
+                    "budget": null, "spec": null, "paste": str}],  # one per target
       "records": [                    # one object per policy and target;
         {                             # each target's sorted by memory_bytes
           "policy": str,                  # canonical spec
@@ -398,10 +400,11 @@ def terminal_console(piped: int = 180) -> Console:
     return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else piped)
 
 
-def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
+def write_json(path, report_rows: Sequence[dict], context: dict,
+               verdicts: Sequence[dict] = ()) -> None:
     """Writes the schema in this module's docstring to `path`."""
     doc = {"schema_version": SCHEMA_VERSION, "context": context, "formula_note": FORMULA_NOTE,
-           "records": list(report_rows)}
+           "verdicts": list(verdicts), "records": list(report_rows)}
     with atomic_write(path) as f:
         json.dump(doc, f, indent=2)
         f.write("\n")

@@ -78,6 +78,13 @@ def verdict(choice: Choice, target, *, asked_target: bool) -> list[str]:
     return lines
 
 
+def to_json(choice: Choice | None, target) -> dict | None:
+    """--json's "verdict": the fields of the verdict's line and the snippet, on `target`;
+    None where nothing was recommended."""
+    return None if choice is None else {
+        "target": str(target), **dataclasses.asdict(choice), "paste": snippet(choice)}
+
+
 def snippet(choice: Choice) -> str:
     """What to paste for `choice`: the `rk.remat_model` call for your own Flax model,
     and the flag of `experiments.train` (quoted for a shell where a spec needs it)."""
@@ -130,4 +137,4 @@ def _over(ratio: float | None) -> float | None:
 
 
 __all__ = ["ACCELERATOR_EXAMPLES", "Choice", "cost_text", "cpu_note", "memory_text",
-           "pick_compare", "snippet", "verdict", "where_words"]
+           "pick_compare", "snippet", "to_json", "verdict", "where_words"]
