@@ -14,8 +14,9 @@ explain), the cheapest policy for a memory budget (plan), the longest sequence t
 Each answer opens with the model map's line and the verdict (`remat_kit.cli.verdict`:
 the chip, the policy, what it gives and costs, what to paste), then a table that fits
 100 columns (`--wide` for every column). `compare` measures every policy compile-only
-(`remat_kit.measure.measure`) and prints a table sorted by memory (`remat_kit.cli.report`). `explain` lists what one
-decoder layer saves, offloads and recomputes under one policy. `plan` runs
+(`remat_kit.measure.measure`) and prints a table sorted by memory
+(`remat_kit.cli.report`). `explain` lists what one decoder layer saves, offloads and
+recomputes under one policy. `plan` runs
 the budget planner (`remat_kit.decide.plan`) for each budget and sets its frontier
 against the best fixed preset that fits. `fit` finds the longest sequence
 (or largest batch) whose whole train step fits a per-device memory budget

@@ -291,7 +291,7 @@ def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
 
 # plan's default columns, which fit 100 columns; --wide adds the budget's bytes, the
 # tries and the best preset that fits.
-_NARROW = ("budget", "planned policy", "x none", "FLOPs +", "time +")
+_NARROW = (0, 2, 3, 4, 5, 6)  # of `_table`'s columns: budget, plan, memory, x none, FLOPs, time
 
 
 def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, wide=False):
@@ -308,8 +308,7 @@ def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, 
                  "docs/plan.md"), caption_justify="left")
     names = ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
              "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +")
-    keep = [i for i, name in enumerate(names) if wide or i < 7 and (
-        name in _NARROW or name in (memory, f"{memory} x none"))]
+    keep = range(len(names)) if wide else _NARROW
     for i in keep:
         words = "polic" in names[i] or "preset" in names[i]  # a long spec folds, not cut
         t.add_column(names[i] if wide or i != 4 else "x none",
