@@ -30,7 +30,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.common import SIZE_FIELDS, fail, one_line_warnings, parse_flags
-from remat_kit.cli import report
+from remat_kit.cli import plots, report
 from remat_kit.cli.common import map_context, print_map
 from remat_kit.cli.inputs import (BadInput, check_folder, check_int, check_memory, check_seq,
                                   preset_policies, split_policies)
@@ -118,7 +118,7 @@ def _write(config, workdir: str, rows: list[dict], batch: int, seq: int, dtype: 
                        "devices": 1, "platform": platform,
                        **map_context(work)})
     report.write_csv(out / "records.csv", rows)
-    report.plot(out / "pareto.png", rows, title)
+    plots.plot(out / "pareto.png", rows, title)
     print_map(work)
     report.print_table(rows, title)
     return rows

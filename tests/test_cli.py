@@ -12,6 +12,7 @@ import pytest
 from remat_kit.cli import commands as cli
 from remat_kit.cli import inputs, sources
 from remat_kit.cli.report import SCHEMA_VERSION
+from remat_kit.units import fmt_bytes
 
 
 def run(capsys, *argv):
@@ -203,7 +204,7 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "2", "--seq", "16",
                          "--policies", "none,full,save_nothing,save_transformer_layer_output",
                          "--json", str(out_json),
-                         "--plot", str(out_png))
+                         "--plot", str(out_png), "--wide")
     assert code == 0, err
     assert "tiny: batch 2, seq 16, float32 (XLA CPU compile)" in out
     assert "full, save_nothing" in out and "its constants (the same in every layer" in out
@@ -233,6 +234,19 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
     # Predicted step time beside FLOPs: full remat's recompute costs time, as it costs FLOPs.
     assert "pred. step" in out and "pred. x none" in out
     full, none = doc["records"]
+    # The verdict under the map line (issue 46): full, the Pareto row with the least memory
+    # x predicted step, its figures those of the JSON; the CPU note, no --target given.
+    assert full["temp_ratio_to_none"] * full["predicted_ratio_to_none"] < 1
+    assert out.splitlines()[1:4] == [
+        f"cpu: use full: temp {fmt_bytes(full['temp_size_in_bytes'])} "
+        f"({full['temp_ratio_to_none']:.3f} x none), {full['flops_ratio_to_none'] - 1:+.2%} "
+        f"FLOPs, {full['predicted_ratio_to_none'] - 1:+.2%} pred. step (Pareto: least memory "
+        "x pred. step)",
+        'paste: rk.remat_model(model, "full")  or  --config.remat=full',
+        "note: CPU figures (no --target); TPU and GPU compilers rank policies differently: "
+        "--target tpu:v5p:1x1x1 or gpu:h100"]
+    assert [(v["target"], v["name"], v["paste"]) for v in doc["verdicts"]] == [
+        ("cpu", "full", 'rk.remat_model(model, "full")  or  --config.remat=full')]
     assert none["predicted_ratio_to_none"] == 1.0
     assert full["predicted_ratio_to_none"] == full["predicted_seconds"] / none["predicted_seconds"]
     assert 1.0 < full["predicted_ratio_to_none"] < 1.5 and full["flops_ratio_to_none"] > 1.0

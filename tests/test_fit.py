@@ -12,7 +12,7 @@ import pytest
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.cli import sources
+from remat_kit.cli import sources, verdict
 from remat_kit.errors import BudgetError
 from remat_kit.models.shortcuts import fit
 from remat_kit.decide.step import StepMemory
@@ -164,9 +164,16 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
     assert doc["step"].startswith("train step; gradients and optimizer state sharded")
     assert [r["size"] for r in doc["rows"]] == [4992, 4992]  # 1e6 + 100 * 2 * 4992 <= 2e6
     assert [r["picked"] for r in doc["rows"]] == [None, None]
+    assert (doc["verdict"]["name"], doc["verdict"]["gives"]) == (
+        "none", "seq 4992 in 1.91 MiB per device")
     line = ("2 x DecoderLayer, scanned: no; own remat: none; outside: embed, final_norm, "
             "pos_embed, logits, loss")  # the config's map opens fit too (issue 34)
     assert doc["model_map"]["line"] == line and stdout.splitlines()[0] == f"model map: {line}"
+    # The verdict under it (issue 46): both rows reach seq 4992 at the same FLOPs, so no
+    # remat, the first; no --target, so the CPU note.
+    assert stdout.splitlines()[1:4] == [
+        "cpu: use none: seq 4992 in 1.91 MiB per device, +0.00% FLOPs (largest seq)", 'paste: rk.remat_model(model, "none")  or  --config.remat=none',
+        verdict.cpu_note()]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -221,10 +221,15 @@ def test_path_tags_in_specs():
 
 def test_errors(setup):
     tokens, params, _ = setup
-    with pytest.raises(rk.UnknownModuleError) as info:
-        jax.eval_shape(rk.linen.apply_remat(Model(), {"Blok": "full"}).init,
+    # A name no linen class has is refused at the call, before any init (issue 46).
+    with pytest.raises(rk.UnknownModuleError, match="no linen Module class of this name") as info:
+        rk.linen.apply_remat(Model(), {"Blok": "full"})
+    assert info.value.closest == "Block" and {"Block", "Mlp"} <= set(info.value.choices)
+    # A loaded class the model never calls is found missing at the first call.
+    with pytest.raises(rk.UnknownModuleError, match="no submodule") as info:
+        jax.eval_shape(rk.linen.apply_remat(Model(), {"Conv": "full"}).init,
                        jax.random.key(1), tokens)
-    assert info.value.closest == "Block" and {"Block", "Mlp", "Dense"} <= set(info.value.choices)
+    assert {"Block", "Mlp", "Dense"} <= set(info.value.choices)
     with pytest.raises(rk.RematSpecError, match="minimal"):
         rk.linen.apply_remat(Model(), {"Block": "minimall"})
     with pytest.raises(TypeError, match="Module instance"):

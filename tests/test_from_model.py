@@ -222,12 +222,22 @@ def test_cli_compare_explain_plan_fit_on_a_model(capsys, tmp_path):
                      "--json", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
     assert "gpt_linen.py:model: batch 2, seq 16" in out and "minimal" in out
+    # The verdict on a zoo model (issue 46): minimal, its ratio that of the JSON.
+    minimal = next(r for r in json.loads((tmp_path / "c.json").read_text())["records"]
+                   if r["names"] == ["minimal"])
+    assert out.splitlines()[1].startswith(
+        f"cpu: use minimal: temp {rk.units.fmt_bytes(minimal['memory_bytes'])} "
+        f"({minimal['memory_ratio_to_none']:.3f} x none), "
+        f"{minimal['flops_ratio_to_none'] - 1:+.2%} FLOPs, ")
+    assert out.splitlines()[2] == (
+        'paste: rk.remat_model(model, "minimal")  or  --config.remat=minimal')
     assert cli.main(["explain", *common, "--policy", "minimal"]) == 0
     out = capsys.readouterr().out
     assert "qkv_proj" in out and "saved" in out
     assert cli.main(["plan", *common, "--budgets", "0.9", "--presets", "full,dots",
                      "--cache", ""]) == 0
-    assert "planned 1 budget" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "planned 1 budget" in out and "(plan for 0.9: fewest FLOPs within " in out
     assert cli.main(["fit", "--model", MODEL, "--batch", "2", "--budget", "64MiB",
                      "--policies", "full", "--multiple", "16",
                      "--json", str(tmp_path / "f.json")]) == 0
@@ -237,6 +247,9 @@ def test_cli_compare_explain_plan_fit_on_a_model(capsys, tmp_path):
     assert "32 (model's limit)" in out
     [row] = json.loads((tmp_path / "f.json").read_text())["rows"]
     assert row["size"] == 32 and row["capped"] and row["error"] is None
+    assert out.splitlines()[1:3] == [
+        f"cpu: use full: seq 32 in 64.00 MiB per device, {row['flop_overhead'] - 1:+.2%} "
+        "FLOPs (largest seq)", 'paste: rk.remat_model(model, "full")  or  --config.remat=full']
     assert "Incompatible shapes for broadcasting" in row["limit"]
     assert all(size <= 32 for size, _ in row["probes"])
 
@@ -300,7 +313,8 @@ def test_cli_plan_on_an_hf_style_model(capsys, tmp_path):
     assert cli.main(["plan", "--model", HF_LLAMA, "--batch", "2", "--seq", "16",
                      "--budgets", "0.6", "--presets", "full,minimal,selective", "--cache", "",
                      "--json", str(tmp_path / "p.json")]) == 0
-    assert "planned 1 budget" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "planned 1 budget" in out and "(plan for 0.9: fewest FLOPs within " in out
     doc = json.loads((tmp_path / "p.json").read_text())
     assert sorted(r["names"] for r in doc["presets"]) == [["full"], ["minimal"], ["selective"]]
     (budget,) = doc["budgets"]

@@ -4,6 +4,7 @@ import dataclasses
 import importlib
 import itertools
 import json
+import shlex
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from remat_kit.models import Transformer, TransformerConfig, get_config
 from remat_kit.policy.budget import Budget, parse_budget
 from remat_kit.decide.plan import CostModel, Planner, cost_model
 from remat_kit.models.shortcuts import config_planner, resolve_config
+from remat_kit.units import fmt_bytes
 
 BATCH, SEQ = 2, 32
 plan_module = importlib.import_module("remat_kit.decide.plan")  # rk.plan is the function
@@ -304,7 +306,21 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
     assert high["plan"]["spec"] == chosen.spec and high["plan"]["cached"]
     assert high["best_preset"]["names"] == ["full"]
     assert low["plan"] is None and low["best_preset"] is None
-    assert "below the minimum" in capsys.readouterr().out
+    stdout = capsys.readouterr().out
+    assert "below the minimum" in stdout
+    # The verdict under the map line (issue 46): the 0.9 plan, which is no preset's program,
+    # as the --json file to paste; its figures those of the JSON.
+    plan = high["plan"]
+    assert plan["measured_flops"] != doc["presets"][0]["flops"]
+    assert (doc["verdict"]["name"], doc["verdict"]["budget"]) == (str(out), "0.9")
+    assert stdout.splitlines()[1:3] == [
+        f"cpu: use {out}: temp {fmt_bytes(plan['measured_bytes'])} "
+        f"({plan['measured_bytes'] / plan['none_bytes']:.3f} x none), "
+        f"{plan['measured_flops'] / plan['none_flops'] - 1:+.2%} FLOPs, "
+        f"{plan['predicted_seconds'] / plan['none_seconds'] - 1:+.2%} pred. step (plan for "
+        f"0.9: fewest FLOPs within {fmt_bytes(high['budget_bytes'])})",
+        f'paste: rk.remat_model(model, "{out}", budget="0.9")  or  '
+        f"{shlex.quote('--config.remat=' + plan['spec'])}"]
 
 
 @pytest.mark.parametrize("argv, message", [

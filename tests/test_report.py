@@ -56,11 +56,15 @@ def test_tpu_rows_rank_by_the_peak(tmp_path):
     assert full["temp_ratio_to_none"] == pytest.approx(1.1184, abs=1e-4)  # kept, not ranked by
     # Each row is cheaper in peak memory or in FLOPs than every other: all Pareto-optimal.
     assert [d["pareto"] for d in rows] == [True, True, True]
-    t = report.table(rows)
+    t = report.table(rows)  # the default: temp only with --wide
+    assert headers(t) == ["", "policy", "peak", "peak x none", "FLOPs x none"]
+    t = report.table(rows, wide=True)
     assert headers(t)[2:4] == ["peak", "peak x none"] and "temp" in headers(t)
     assert "peak_memory_in_bytes" in t.caption
-    side = report.side_by_side([("tpu:v5e:1x1", rows)])
+    side = report.side_by_side([("tpu:v5e:1x1", rows)], wide=True)
     assert headers(side)[1:4] == ["peak\ntpu:v5e:1x1", "peak x none", "temp"]
+    assert headers(report.side_by_side([("tpu:v5e:1x1", rows)]))[1:] == [
+        "peak\ntpu:v5e:1x1", "peak\nx none", "FLOPs\nx none", "pred.\nx none"]
     path = tmp_path / "rows.csv"
     report.write_csv(path, rows)
     with open(path) as f:
@@ -81,7 +85,7 @@ def test_cpu_rows_still_rank_by_temp():
     assert headers(t)[2:4] == ["temp", "temp x none"] and "peak" not in headers(t)
     side = report.side_by_side([("cpu", rows), ("tpu:v5e:1x1", report.rows(
         [record(*r) for r in TPU]))])
-    assert headers(side)[1:3] == ["temp\ncpu", "temp x none"]
+    assert headers(side)[1:3] == ["temp\ncpu", "temp\nx none"]
     assert "peak\ntpu:v5e:1x1" in headers(side)
 
 

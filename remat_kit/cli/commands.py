@@ -3,7 +3,7 @@ explain), the cheapest policy for a memory budget (plan), the longest sequence t
 
     remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
         [--policies a,b,c] [--mesh data:2,fsdp:2,tensor:2] [--target cpu,tpu:v5e:1x1] \\
-        [--time N] [--json out.json] [--plot pareto.png]
+        [--time N] [--json out.json] [--plot pareto.png] [--wide]
     remat-kit explain --config tiny --policy selective [--batch B] [--seq S] [--target T]
     remat-kit plan --config gpt2_small --batch 8 --seq 1024 --budgets 0.2,0.4,6GiB \\
         [--presets a,b | --no-presets] [--json plan.json] [--plot plan.png]
@@ -11,9 +11,12 @@ explain), the cheapest policy for a memory budget (plan), the longest sequence t
         [--target T] [--mesh data:2,fsdp:2] [--policies a,b,auto] [--json out.json] \\
         [--plot fit.png]
 
-`compare` measures every policy compile-only (`remat_kit.measure.measure`) and prints
-a table sorted by memory (`remat_kit.cli.report`). `explain` lists what one
-decoder layer saves, offloads and recomputes under one policy. `plan` runs
+Each answer opens with the model map's line and the verdict (`remat_kit.cli.verdict`:
+the chip, the policy, what it gives and costs, what to paste), then a table that fits
+100 columns (`--wide` for every column). `compare` measures every policy compile-only
+(`remat_kit.measure.measure`) and prints a table sorted by memory
+(`remat_kit.cli.report`). `explain` lists what one decoder layer saves, offloads and
+recomputes under one policy. `plan` runs
 the budget planner (`remat_kit.decide.plan`) for each budget and sets its frontier
 against the best fixed preset that fits. `fit` finds the longest sequence
 (or largest batch) whose whole train step fits a per-device memory budget
@@ -92,23 +95,33 @@ def _source_flags(p) -> None:
                    help="activation dtype (default: the config's)")
 
 
+# --target's help, alike in every command: the chips first, then this machine's.
+TARGET_HELP = ("the chip whose compiler measures: tpu:<chip>:<topology> ahead of time via "
+               "libtpu (tpu:v5e:1x1, tpu:v5p:1x1x1, tpu:v6e:2x2), gpu:<chip> deviceless "
+               "(gpu:h100, gpu:h200, gpu:a100), cpu, or tpu / gpu (this machine's); default "
+               "JAX's default backend, which ranks policies as that machine does")
+
+
 def _add_compare(sub) -> None:
     """`compare` and its flags, on the subparsers `sub`."""
     compare = sub.add_parser("compare", help="measure every policy: memory, FLOPs, time")
     _source_flags(compare)
     compare.add_argument("--policies", default=None,
-                         help="comma-separated policy specs (default: every preset)")
+                         help="comma-separated policy specs, or all for every preset "
+                              "(default: every preset on the CPU; none,full,minimal,dots,"
+                              "selective on a TPU or GPU target, whose compiles are slow)")
     compare.add_argument("--mesh", default=None,
                          help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
     compare.add_argument("--target", default=None,
-                         help="whose compiler: cpu, tpu:<topology> (ahead of time via libtpu, "
-                              "e.g. tpu:v5e:2x2), tpu or gpu (this machine's); comma-separated "
-                              "targets go side by side (default: JAX's default backend)")
+                         help=TARGET_HELP + "; comma-separated targets go side by side")
     compare.add_argument("--time", type=_non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")
     compare.add_argument("--plot", default=None, metavar="PATH",
                          help="write a memory vs FLOPs PNG here")
+    compare.add_argument("--wide", action="store_true",
+                         help="every column (residuals, per layer, Korthikanti's estimate, "
+                              "FLOPs, compile seconds, ...), not the 100-column default")
     compare.add_argument("--peak", action="store_true",
                          help="also say what holds each policy's peak (XLA's buffer "
                               "assignment, grouped): a line per policy, and in --json")
@@ -149,12 +162,14 @@ def _add_plan(sub) -> None:
     plan.add_argument("--mesh", default=None,
                       help="e.g. data:2,fsdp:2,tensor:2: plan the per-device program")
     plan.add_argument("--target", default=None,
-                      help="plan against this target's compiled memory (cpu, tpu:v5e:1x1, "
-                           "gpu:h100, ...; default JAX's default backend)")
+                      help=TARGET_HELP + "; the plan is against its compiled memory")
     plan.add_argument("--cache", default=None, metavar="PATH",
                       help="plan cache file (default: $REMAT_KIT_CACHE or "
                            "~/.cache/remat_kit/plans.json); '' for none")
     plan.add_argument("--json", default=None, metavar="PATH", help="write plans and presets here")
+    plan.add_argument("--wide", action="store_true",
+                      help="every column (the budget's bytes, tries, the best preset that "
+                           "fits), not the 100-column default")
     plan.add_argument("--plot", default=None, metavar="PATH",
                       help="write a PNG of the plans over the presets' points")
     _plan_search_flags(plan)
@@ -216,9 +231,11 @@ def _add_fit(sub) -> None:
                      help="e.g. data:2,fsdp:2,tensor:2: the step sharded over a mesh; the "
                           "budget is per device, the batch global (default: one device)")
     fit.add_argument("--target", default=None,
-                     help="whose compiler: cpu, tpu:<topology> (ahead of time), gpu:h100, ... "
-                          "(default: JAX's default backend); the budget is per chip")
+                     help=TARGET_HELP + "; the budget is per chip")
     fit.add_argument("--json", default=None, metavar="PATH", help="write the result here")
+    fit.add_argument("--wide", action="store_true",
+                     help="every column (the step memory's parts, FLOPs/token, compiles), "
+                          "not the 100-column default")
     fit.add_argument("--plot", default=None, metavar="PATH",
                      help="write a bar chart of the sizes (PNG) here")
     fit.set_defaults(run=fit_command.run)

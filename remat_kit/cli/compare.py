@@ -17,16 +17,16 @@ from remat_kit.policy.spec import AutoSpec, parse
 def run(args) -> int:
     """`remat-kit compare` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
-    from remat_kit.cli import report
+    from remat_kit.cli import plots, report, verdict
     from remat_kit.decide.resolve import measure
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
     src, batch, seq = source_and_sizes(args)
     cfg, label = src.cfg, src.label
-    specs = split_policies(args.policies) if args.policies is not None else preset_policies()
+    target_list = targets_of(args.target)
+    specs = default_policies(args.policies, target_list)
     check_schedules(cfg, specs, "--policies")
     check_json_and_plot(args)
-    target_list = targets_of(args.target)
     if args.time and any(t.aot for t in target_list):
         raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
                        "of time (tpu:<topology>) cannot be timed")
@@ -43,6 +43,7 @@ def run(args) -> int:
         print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}",
               file=sys.stderr, flush=True)
 
+    print(estimate_line(specs, target_list), file=sys.stderr, flush=True)
     sections, contexts = [], []
     dtype = src.dtype(works[0])
     for target, asked, work in zip(target_list, meshes, works):
@@ -68,13 +69,15 @@ def run(args) -> int:
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
                          "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
                          "jax_version": found["jax"], "compiler_version": found["compiler"]})
-    print_map(works[0])
+    print_map(works[0])  # the map's line first, as in every report, then the verdict
+    for line in _verdict_lines(sections, args.target is not None):
+        print(line, flush=True)
     if len(sections) == 1:
-        report.print_table(sections[0][2], sections[0][1])
+        report.print_table(sections[0][2], sections[0][1], wide=args.wide)
     else:
         report.print_side_by_side(
             [(str(t), rows) for t, _, rows in sections],
-            f"{label}: {sizes_text(batch, seq)}, {dtype}, per device")
+            f"{label}: {sizes_text(batch, seq)}, {dtype}, per device", wide=args.wide)
     for target, _, rows in sections:
         if len(sections) > 1 and args.peak:
             print(f"{target}:")
@@ -86,11 +89,57 @@ def run(args) -> int:
         # The first target's fields stay at the top level (schema 1); "targets" has them all.
         context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                    **contexts[0], "targets": contexts, **map_context(works[0])}
-        report.write_json(args.json, [d for _, _, rows in sections for d in rows], context)
+        report.write_json(args.json, [d for _, _, rows in sections for d in rows], context,
+                          [v for t, _, rows in sections
+                           if (v := verdict.to_json(verdict.pick_compare(rows), t))])
     if args.plot is not None:
         for target, title, rows in sections:
-            report.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
+            plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
     return 0
 
 
-__all__ = ["run"]
+# compare's default on a TPU or GPU target, whose compiles take up to a minute or more
+# each on a long sequence: the policies that answer "which one" (`--policies all` for
+# every preset).
+ACCELERATOR_POLICIES = ("none", "full", "minimal", "dots", "selective")
+
+
+def default_policies(text: str | None, target_list) -> list[str]:
+    """--policies as specs; without it, every preset on the CPU and
+    `ACCELERATOR_POLICIES` where any target is a TPU or GPU; 'all' for every preset
+    anywhere."""
+    if text is not None and text.strip() != "all":
+        return split_policies(text)
+    if text is None and any(t.platform != "cpu" for t in target_list):
+        return list(ACCELERATOR_POLICIES)
+    return preset_policies()
+
+
+def estimate_line(specs, target_list) -> str:
+    """The line before the compiles: how many, for which targets, and how long on an
+    accelerator target, where each compile can take a minute (docs/speed.md)."""
+    n = len(specs) * len(target_list)
+    where = ", ".join(map(str, target_list))
+    slow = [t for t in target_list if t.platform != "cpu"]
+    return (f"compiling {n} program{'s' * (n != 1)} for {where} (policies that compile "
+            "alike are compiled once)"
+            + (f"; a TPU or GPU compile of a long sequence can take 30-90 s each, so up to "
+               f"{max(1, n * 90 // 60)} min cold (a repeat is read from the compile cache)"
+               if slow else ""))
+
+
+def _verdict_lines(sections, asked_target: bool) -> list[str]:
+    """The verdict (`verdict.verdict`) of each target's table; the CPU note once."""
+    from remat_kit.cli import verdict
+    lines = []
+    for target, _, rows in sections:
+        choice = verdict.pick_compare(rows)
+        if choice is None:
+            lines.append(f"{target}: no policy compiled; each row below says why")
+            continue
+        lines += [line for line in verdict.verdict(choice, target, asked_target=asked_target)
+                  if line not in lines]
+    return lines
+
+
+__all__ = ["ACCELERATOR_POLICIES", "default_policies", "estimate_line", "run"]

@@ -51,7 +51,8 @@ def run(args) -> int:
     fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
              "example)" if per_example else f"seq {seq}")
     origin = mesh_origin(first, mesh, target_list[0])
-    _report(args, src.label, result, (fixed, budget, dtype, multiple, origin), src.cfg, first)
+    _report(args, src.label, result, (fixed, budget, dtype, multiple, origin), src.cfg, first,
+            target_list[0])
     return 0
 
 
@@ -158,30 +159,37 @@ def _progress(vary: str):
     return progress
 
 
-def _report(args, label, result, words, cfg, first) -> None:
+def _report(args, label, result, words, cfg, first, target) -> None:
     """The model map, fit's table, the compiled step, what holds the floor, and --json and
     --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple, where
     the mesh came from: `common.mesh_origin`)."""
-    from rich.console import Console
-
-    from remat_kit.cli import fit_report
+    from remat_kit.cli import fit_report, verdict
+    from remat_kit.cli.report import print_title, terminal_console
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple, origin = words
     step = rk_mesh.compiled_step("train step", result.mesh, origin)
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
-    title = (f"{label}: longest {args.vary} within {fmt_bytes(budget)} {where}, {fixed}, "
+    longest = "longest seq" if args.vary == "seq" else "largest batch"
+    title = (f"{label}: {longest} within {fmt_bytes(budget)} {where}, {fixed}, "
              f"{dtype}, multiple {multiple} ({result.platform})")
-    console = Console() if sys.stdout.isatty() else Console(width=180)
+    console = terminal_console()
     the_map = config_map(cfg) if first is None else first
-    print_map(the_map)
-    console.print(fit_report.fit_table(result, title))
+    print_map(the_map)  # the map's line first, as in every report, then the verdict
+    choice = fit_report.pick_fit(result)
+    for line in (verdict.verdict(choice, target, asked_target=args.target is not None)
+                 if choice else [f"{target}: no policy fits {fmt_bytes(budget)} at any "
+                                 f"{args.vary} (see below)"]):
+        console.print(line, markup=False, emoji=False, soft_wrap=True)
+    print_title(console, title)
+    console.print(fit_report.fit_table(result, "", args.wide))
     console.print(f"compiled: {step}", markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:
         with outputs.atomic_write(args.json) as f:
             json.dump(fit_report.fit_to_dict(result) | {"config": label, "step": step}
+                      | {"verdict": verdict.to_json(choice, target)}
                       | map_context(the_map), f, indent=2)
             f.write("\n")
     if args.plot is not None:

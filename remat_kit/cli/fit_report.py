@@ -13,43 +13,84 @@ from remat_kit.cli.report import SCHEMA_VERSION, fmt_ratio, save_figure
 from remat_kit.units import fmt_bytes
 
 
-def fit_table(result, title: str = "") -> Table:
+# The default columns, which fit 100 columns; --wide adds the step memory's parts,
+# FLOPs per token and the compiles.
+_NARROW = ("policy", "picked", "step memory", "FLOPs x none")
+
+
+def fit_table(result, title: str = "", wide: bool = False) -> Table:
     """A rich Table of a `remat_kit.decide.fit.FitResult`: one line per policy with the
-    largest size, the step memory there (per device) and its parts, and the FLOP
-    overhead; a "picked" column with the auto row's policy where there is one."""
+    largest size, the step memory there (per device) and the FLOPs over no remat's at
+    that size, marked † where no remat does not fit there; a "picked" column with the
+    auto row's policy where there is one. `wide` adds the step memory's parts
+    (params, grads, opt state, activations+other), FLOPs/token and the compiles."""
     vary = result.vary
     where = (f"per device of mesh {result.mesh} ({result.devices} devices); sizes and "
              f"FLOPs/token global" if result.mesh else "per device")
+    source = result.rows[0].memory.source if result.rows and result.rows[0].memory else "n/a"
     t = Table(title=Text(title), caption=(
-        f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = "
-        f"{result.rows[0].memory.source if result.rows and result.rows[0].memory else 'n/a'}; "
-        f"x none = step FLOPs / no remat's at the same {vary}"), caption_justify="left")
+        f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = {source}; "
+        f"FLOPs x none = step FLOPs / no remat's at the same {vary}"
+        + ("; † no remat (`none`) does not fit there" if any(
+            r.none_fits is False for r in result.rows) else "")
+        + ("" if wide else "; --wide: the step memory's parts, FLOPs/token, compiles")),
+        caption_justify="left")
     auto = any(r.picked for r in result.rows)
-    for name in ("policy", *(("picked",) if auto else ()), f"max {vary}", "step memory",
-                 "params", "grads", "opt state", "activations+other", "FLOPs/token", "x none",
-                 "compiles"):
-        t.add_column(name, justify="left" if name in ("policy", "picked") else "right")
+    names = ("policy", *(("picked",) if auto else ()), f"max {vary}", "step memory", "params",
+             "grads", "opt state", "activations+other", "FLOPs/token", "FLOPs x none",
+             "compiles")
+    keep = [i for i, name in enumerate(names) if wide or name in (*_NARROW, f"max {vary}")]
+    for i in keep:
+        words = names[i] in ("policy", "picked")
+        t.add_column(names[i], justify="left" if words else "right", overflow="fold",
+                     max_width=None if wide or not words else 30)
     for r in result.rows:
-        picked = (escape(r.picked or "-"),) if auto else ()
-        if r.error and r.memory is None:
-            t.add_row(escape(r.policy), *picked,
-                      f"[red]error: {escape(r.error.splitlines()[0])}[/red]", *["-"] * 7,
-                      str(r.compiles))
-            continue
-        m = r.memory
-        cap = " (model's limit)" if r.limit else " (cap)"
-        size = str(r.size) + (cap if r.capped else "") if r.size else "no size fits"
-        overhead = fmt_ratio(r.flop_overhead)
-        if r.none_fits is False:
-            overhead += " (none over budget)"
-        if r.none_flops == "extrapolated":
-            overhead += " extrap."
-        cells = [fmt_bytes(x) for x in (m.total_bytes, m.params_bytes, m.grads_bytes,
-                                        m.opt_state_bytes, m.other_bytes)] if m else ["-"] * 5
-        t.add_row(escape(r.policy), *picked, size, *cells,
-                  "-" if r.flops_per_token is None else f"{r.flops_per_token:.4g}", overhead,
-                  str(r.compiles))
+        cells = _fit_cells(r, auto)
+        t.add_row(*(cells[i] for i in keep))
     return t
+
+
+def _fit_cells(r, auto: bool) -> list[str]:
+    """A FitRow's cells, in `fit_table`'s wide order."""
+    picked = [escape(r.picked or "-")] if auto else []
+    if r.error and r.memory is None:
+        return [escape(r.policy), *picked,
+                f"[red]error: {escape(r.error.splitlines()[0])}[/red]", *["-"] * 7,
+                str(r.compiles)]
+    m = r.memory
+    cap = " (model's limit)" if r.limit else " (cap)"
+    size = str(r.size) + (cap if r.capped else "") if r.size else "no size fits"
+    overhead = fmt_ratio(r.flop_overhead)
+    if r.none_flops == "extrapolated":
+        overhead += " extrap."
+    if r.none_fits is False:
+        overhead += " †"
+    cells = [fmt_bytes(x) for x in (m.total_bytes, m.params_bytes, m.grads_bytes,
+                                    m.opt_state_bytes, m.other_bytes)] if m else ["-"] * 5
+    return [escape(r.policy), *picked, size, *cells,
+            "-" if r.flops_per_token is None else f"{r.flops_per_token:.4g}", overhead,
+            str(r.compiles)]
+
+
+def pick_fit(result):
+    """fit's `verdict.Choice`: the row with the largest size (the fewest FLOPs over
+    no remat's among equals, an auto row's picked policy named); None where no
+    policy fits any size."""
+    from remat_kit.cli.verdict import Choice, cost_text
+    rows = [r for r in result.rows if r.size]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: (r.size, -(r.flop_overhead or 0.0)))
+    none = next((r for r in result.rows if r.policy == "none"), None)
+    against = ("" if none is None or best is none else
+               f"; no remat (`none`): {result.vary} {none.size}" if none.size else
+               f"; no remat (`none`) fits no {result.vary}")
+    name = best.picked if best.picked and not best.picked_layers else best.policy
+    return Choice(name=name, gives=f"{result.vary} {best.size} in "
+                  f"{fmt_bytes(result.budget_bytes)} per device",
+                  cost=cost_text(None if best.flop_overhead is None else best.flop_overhead - 1,
+                                 None),
+                  why=f"largest {result.vary}{against}")
 
 
 def fit_to_dict(result) -> dict:
@@ -83,4 +124,4 @@ def plot_fit(path, result, title: str = "") -> None:
     save_figure(fig, path)
 
 
-__all__ = ["fit_table", "fit_to_dict", "plot_fit"]
+__all__ = ["fit_table", "fit_to_dict", "pick_fit", "plot_fit"]

@@ -209,17 +209,19 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     can be met, else 0."""
     import json
 
-    from rich.console import Console
-
-    from remat_kit.cli import report
+    from remat_kit.cli import plots, report, verdict
     from remat_kit.measure.record import MEMORY_LABELS
 
     memory = MEMORY_LABELS[planner.memory_kind]
     title = _title(planner, found, shown, memory)
-    table, out = _table(title, planner, found, records, presets, shown.emit_to, memory,
-                        shown.own_tags)
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    print_map(work)
+    table, out = _table("", planner, found, records, presets, shown.emit_to, memory,
+                        args.wide, shown.own_tags)
+    console = report.terminal_console(200)
+    print_map(work)  # the map's line first, as in every report, then the verdict
+    choice = plan_choice(planner, found, records, args)
+    for line in verdict_lines(choice, planner, found, args):
+        console.print(line, markup=False, emoji=False, soft_wrap=True)
+    report.print_title(console, title)
     console.print(table)
     _print_notes(console, planner, found, shown.emit_to, shown.own_tags)
     # The presets' notes (a preset that compiles as its base rule on this model), as compare
@@ -234,18 +236,69 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
         from remat_kit.flax.measured import PLAN_SCHEMA_VERSION
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": PLAN_SCHEMA_VERSION,
-                       "context": _context(planner, work, found, shown), "budgets": out,
-                       "presets": [r.to_dict() for r in records]}, f, indent=2)
+                       "context": _context(planner, work, found, shown),
+                       "verdict": verdict.to_json(choice, planner.target),
+                       "budgets": out, "presets": [r.to_dict() for r in records]}, f, indent=2)
             f.write("\n")
     if args.plot is not None:
         planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
                    for b, p in found.plans.items()]
-        report.plot(args.plot, report.rows(records + planned), title)
+        plots.plot(args.plot, report.rows(records + planned), title)
     if not fits:
         print(f"error: no budget can be met: each is below the least compiled memory, "
               f"{fmt_bytes(found.full)} {memory}", file=sys.stderr)
         return 1
     return 0
+
+
+def plan_choice(planner, found: _Frontier, records, args):
+    """The `verdict.Choice` for the first budget that can be met: its plan, named by the
+    preset it compiles alike to where there is one, else with --json the file to paste,
+    else its spec; None where no budget can be met."""
+    from remat_kit.cli import verdict
+    from remat_kit.measure.record import MEMORY_LABELS
+    if not found.plans:
+        return None
+    b, p = next(iter(found.plans.items()))
+    preset = same_preset(p, records)
+    ratio = "" if p.memory_fraction is None else f" ({p.memory_fraction:.3f} x none)"
+    fewest = "pred. step" if planner.objective == "time" else "FLOPs"
+    why = (f"plan for {b}: fewest {fewest} within {fmt_bytes(found_limit(b, found))}"
+           + (f"; preset {preset}'s program" if preset and preset != p.spec else ""))
+    file = args.json if preset is None and args.json is not None else None
+    return verdict.Choice(name=file or preset or p.spec,
+                          gives=f"{MEMORY_LABELS[p.memory_kind]} {fmt_bytes(p.measured_bytes)}"
+                                f"{ratio}",
+                          cost=verdict.cost_text(p.flops_overhead, p.time_overhead), why=why,
+                          budget=b if file else None, spec=p.spec if file else None)
+
+
+def verdict_lines(choice, planner, found: _Frontier, args) -> list[str]:
+    """The verdict's lines (`verdict.verdict`) of `plan_choice`; with --emit, a pointer to
+    the text below. One line where no budget can be met."""
+    from remat_kit.cli import verdict
+    from remat_kit.measure.record import MEMORY_LABELS
+    if choice is None:
+        return [f"{planner.target}: no budget can be met: the least compiled memory is "
+                f"{fmt_bytes(found.full)} {MEMORY_LABELS[planner.memory_kind]} (see below)"]
+    lines = verdict.verdict(choice, planner.target, asked_target=args.target is not None)
+    if args.emit is not None:
+        lines.insert(2, f"--emit {args.emit}: the text under the table")
+    return lines
+
+
+def same_preset(p, records) -> str | None:
+    """The name of the preset whose program plan `p` is (the same canonical spec, or
+    the same compiled memory and FLOPs), None where none is."""
+    return next((r.names[0] for r in records if r.error is None and (
+        r.policy == p.spec or (r.memory_bytes == p.measured_bytes
+                               and r.flops == p.measured_flops))), None)
+
+
+def found_limit(budget, found: _Frontier) -> int:
+    """`budget` in bytes (a fraction of no remat's memory resolved)."""
+    from remat_kit.policy.budget import parse_budget
+    return parse_budget(budget).resolve(found.none)
 
 
 def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
@@ -259,21 +312,32 @@ def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
             f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
 
 
-def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, own=None):
-    """(the table, --json's budget entries): a row per budget, its plan set against the
-    best preset that fits by the planner's objective."""
+# plan's default columns, which fit 100 columns; --wide adds the budget's bytes, the
+# tries and the best preset that fits.
+_NARROW = (0, 2, 3, 4, 5, 6)  # of `_table`'s columns: budget, plan, memory, x none, FLOPs, time
+
+
+def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, wide=False,
+           own=None):
+    """(the table, --json's budget entries): a row per budget, its plan (named by the
+    preset it compiles alike to, where there is one), and with `wide` the budget's
+    bytes, the tries and the best preset that fits by the planner's objective."""
     from rich.table import Table
     from rich.text import Text
     kind = planner.memory_kind
     t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
-              f"FLOPs: over no remat; time: predicted step time over no remat "
-              f"({planner.roofline.source}); objective: {planner.objective}",
-              caption_justify="left")
-    for name in ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
-                 "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +"):
-        words = "polic" in name or "preset" in name  # a long spec folds, it is not cut
-        t.add_column(name, justify="left" if words else "right",
-                     overflow="fold" if words else "ellipsis")
+              f"FLOPs: over no remat; time: predicted step time over no remat"
+              + (f" ({planner.roofline.source}); objective: {planner.objective}" if wide else
+                 f"; objective: {planner.objective}; --wide: bytes, tries, best preset; "
+                 "docs/plan.md"), caption_justify="left")
+    names = ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
+             "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +")
+    keep = range(len(names)) if wide else _NARROW
+    for i in keep:
+        words = "polic" in names[i] or "preset" in names[i]  # a long spec folds, not cut
+        t.add_column(names[i] if wide or i != 4 else "x none",
+                     justify="left" if words else "right", overflow="fold" if words else
+                     "ellipsis", max_width=None if wide or not words else 30)
     ok = [r for r in records if r.error is None and r.memory_bytes is not None
           and r.memory_kind == kind]
     none_seconds = planner.seconds(parse("none"))
@@ -281,7 +345,11 @@ def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, 
     for b in found.budgets:
         cells, entry = _budget_row(b, planner, found, ok, bool(presets), none_seconds, emit_to,
                                    own)
-        t.add_row(*cells)
+        p = found.plans.get(b)
+        preset = None if wide or p is None else same_preset(p, records)
+        if preset is not None and preset != p.spec:
+            cells[2] = f"{preset} (same program)"
+        t.add_row(*(cells[i] for i in keep))
         out.append(entry)
     return t, out
 

@@ -1,4 +1,4 @@
-"""Reports of `measure` records: a rich table, JSON, CSV and a Pareto plot.
+"""Reports of `measure` records: a rich table, JSON and CSV (the Pareto plot: `plots`).
 
 Every output is built from the same rows (`rows`): each `Record` plus the
 figures derived across records, ratios to the `none` policy, Pareto
@@ -16,6 +16,8 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
                   "targets": [{"target": str, "platform": str, "devices": int,
                                "jax_version": str, "compiler_version": str}]},
       "formula_note": str,                             # FORMULA_NOTE
+      "verdicts": [{"target": str, "name": str, "gives": str, "cost": str, "why": str,
+                    "budget": null, "spec": null, "paste": str}],  # one per target
       "records": [                    # one object per policy and target;
         {                             # each target's sorted by memory_bytes
           "policy": str,                  # canonical spec
@@ -227,106 +229,125 @@ _MEMORY_NOTES = {
           "the peak counts)"}
 
 
-def table(report_rows: Sequence[dict], title: str = "") -> Table:
-    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *;
-    the caption names the target, the jax and compiler versions and the memory
-    figure. Rows are ranked by `memory_kind_of(report_rows)`, which names the
-    first two columns ("peak", "peak x none" on TPU and GPU; "temp", "temp x
-    none" on CPU); the other figure gets a column too, on CPU only with tensor
-    parallelism. With tensor parallelism (formula_sp_bytes set) it adds
-    Korthikanti's tensor + sequence parallel row."""
-    timed = any(d["step_time"] for d in report_rows)
-    predicted = any(d.get("predicted_seconds") is not None for d in report_rows)
-    sharded = any(d.get("formula_sp_bytes") is not None for d in report_rows)
-    kind = memory_kind_of(report_rows)
-    other = TEMP if kind == PEAK else PEAK if sharded else None
+# The default table's columns (`table`) besides the memory figure's two, which fit 100
+# columns; --wide adds the rest.
+NARROW = ("", "policy", "FLOPs x none", "pred. x none", "step x none")
+DOCS_POINTER = "each column: docs/compare.md"
+
+
+def _columns(report_rows: Sequence[dict], kind: str) -> list[tuple[str, object]]:
+    """(header, cell function of a row) per column of the wide table, in order; the
+    columns whose figure no row has (timed steps without --time, Korthikanti's rows
+    for a --model) left out."""
+    other = TEMP if kind == PEAK else PEAK if any(
+        d.get("formula_sp_bytes") is not None for d in report_rows) else None
     label = MEMORY_LABELS[kind]
+
+    def step(d):
+        st = d["step_time"]
+        return f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-"
+
+    columns = [
+        ("", lambda d: "*" if d["pareto"] else ""),
+        ("policy", lambda d: escape(", ".join(d["names"]))),  # specs hold [src->dst]
+        (label, lambda d: fmt_bytes(d["memory_bytes"])),
+        (f"{label} x none", lambda d: fmt_ratio(d["memory_ratio_to_none"])),
+        ("residuals (traced)", lambda d: fmt_bytes(d["activation_residual_bytes"])),
+        ("layer x L", lambda d: fmt_bytes(d["layers_residual_bytes"])),
+        ("Korthikanti x L", lambda d: fmt_bytes(d["formula_bytes"])),
+        ("FLOPs", lambda d: fmt_flops(d["flops"])),
+        ("FLOPs x none", lambda d: fmt_ratio(d["flops_ratio_to_none"])),
+        ("pred. step", lambda d: fmt_seconds(d.get("predicted_seconds"))),
+        ("pred. x none", lambda d: fmt_ratio(d.get("predicted_ratio_to_none"))),
+        ("Korthikanti SP x L", lambda d: fmt_bytes(d.get("formula_sp_bytes"))),
+        *(((MEMORY_LABELS[other], lambda d: fmt_bytes(d[other])),) if other else ()),
+        ("step s (min-max)", step),
+        ("step x none", lambda d: fmt_ratio(d["step_time"] and d["step_time"]["ratio_to_none"])),
+        ("compile s", lambda d: "-" if d["compile_seconds"] is None
+         else f"{d['compile_seconds']:.1f}")]
+    ok = [d for d in report_rows if not d["error"]]
+    return [(h, f) for h, f in columns
+            if h in ("", "policy") or any(f(d) not in ("-", "") for d in ok)]
+
+
+def table(report_rows: Sequence[dict], title: str = "", wide: bool = False) -> Table:
+    """A rich Table of `rows(...)`: one line per policy, Pareto-optimal rows marked *.
+
+    By default (`wide` False) the columns that fit a 100-column terminal (`NARROW`):
+    the policy, its memory (the figure `memory_kind_of(report_rows)` names: "peak"
+    on TPU and GPU, "temp" on CPU, in the header), and its memory, FLOPs,
+    predicted step and timed step (with --time) over no remat's; the caption names
+    the figure, the compiler and versions, and points to docs/compare.md. `wide`
+    gives every column with a figure: the traced residual bytes, each layer
+    measured alone x L, Korthikanti et al. 2022's estimate, FLOPs, predicted step,
+    the other memory figure, timed steps and compile seconds. A column no row has a
+    figure for is left out of either."""
+    kind = memory_kind_of(report_rows)
+    columns = _columns(report_rows, kind)
+    if not wide:
+        label = MEMORY_LABELS[kind]
+        columns = [(h, f) for h, f in columns if h in (*NARROW, label, f"{label} x none")]
     failed = labels.failed_caption(report_rows, compiled_by(report_rows))
     t = Table(title=Text(title), caption=escape(failed) if failed else (
-        "* Pareto-optimal (no row has less memory and fewer FLOPs)"
-        f"; ranked by {_MEMORY_NOTES[kind]}; {escape(compiled_by(report_rows))}"
-        + ("; pred.: the time model's step time (a roofline per compiled op, "
-           "remat_kit.measure.time_model)" if predicted else "")), caption_justify="left")
-    for name, justify in (("", "left"), ("policy", "left"), (label, "right"),
-                          (f"{label} x none", "right"), ("residuals", "right"),
-                          ("layer x L", "right"), ("Korthikanti x L", "right"),
-                          ("FLOPs", "right"), ("FLOPs x none", "right")):
-        t.add_column(name, justify=justify)
-    if predicted:
-        t.add_column("pred. step", justify="right")
-        t.add_column("pred. x none", justify="right")
-    if sharded:
-        t.add_column("Korthikanti SP x L", justify="right")
-    if other:
-        t.add_column(MEMORY_LABELS[other], justify="right")
-    if timed:
-        t.add_column("step s (min-max)", justify="right")
-        t.add_column("step x none", justify="right")
-    t.add_column("compile s", justify="right")
+        f"* Pareto-optimal (no row has less memory and fewer FLOPs); memory: "
+        f"{_MEMORY_NOTES[kind] if wide else MEMORY_LABELS[kind]}; "
+        f"{escape(compiled_by(report_rows))}; "
+        + ("" if wide else "--wide: every column; ") + DOCS_POINTER), caption_justify="left")
+    for header, _ in columns:  # a long spec folds in its column, never widens the table
+        t.add_column(header, justify="left" if header in ("", "policy") else "right",
+                     overflow="fold", max_width=None if wide or header != "policy" else 32)
     for d in report_rows:
-        names = escape(", ".join(d["names"]))  # specs hold [src->dst], not markup
         if d["error"]:
             error = escape(d["error"].splitlines()[0])
-            cells = ["", f"{names}\n[red]error: {error}[/red]"] + ["-"] * (len(t.columns) - 2)
-            t.add_row(*cells)
+            t.add_row("", f"{columns[1][1](d)}\n[red]error: {error}[/red]",
+                      *["-"] * (len(columns) - 2))
             continue
-        cells = ["*" if d["pareto"] else "", names, fmt_bytes(d["memory_bytes"]),
-                 fmt_ratio(d["memory_ratio_to_none"]),
-                 fmt_bytes(d["activation_residual_bytes"]),
-                 fmt_bytes(d["layers_residual_bytes"]),
-                 fmt_bytes(d["formula_bytes"]), fmt_flops(d["flops"]),
-                 fmt_ratio(d["flops_ratio_to_none"])]
-        if predicted:
-            cells += [fmt_seconds(d.get("predicted_seconds")),
-                      fmt_ratio(d.get("predicted_ratio_to_none"))]
-        if sharded:
-            cells.append(fmt_bytes(d["formula_sp_bytes"]))
-        if other:
-            cells.append(fmt_bytes(d[other]))
-        if timed:
-            st = d["step_time"]
-            cells += [f"{st['median_s']:.3f} ({st['min_s']:.3f}-{st['max_s']:.3f})" if st else "-",
-                      fmt_ratio(st and st["ratio_to_none"])]
-        cells.append("-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}")
-        t.add_row(*cells)
+        t.add_row(*(f(d) for _, f in columns))
     return t
 
 
 def print_table(report_rows: Sequence[dict], title: str = "", console: Console | None = None,
-                note: bool = True) -> None:
-    """Prints `table(...)` and, if `note`, FORMULA_NOTE. A console that is not a
-    terminal gets 180 columns, so piped tables do not wrap."""
+                note: bool = True, wide: bool = False) -> None:
+    """Prints `table(...)` and, if `note` and `wide`, FORMULA_NOTE where a row has
+    Korthikanti's figure. A console that is not a terminal gets 180 columns, so
+    piped tables do not wrap."""
     console = _console(console)
-    console.print(table(report_rows, title))
-    if note and any(d["formula_bytes"] is not None for d in report_rows):
+    print_title(console, title)
+    console.print(table(report_rows, "", wide))
+    if note and wide and any(d["formula_bytes"] is not None for d in report_rows):
         console.print(FORMULA_NOTE, style="dim", markup=False)
 
 
-def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "") -> Table:
+def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "",
+                 wide: bool = False) -> Table:
     """A rich Table with one line per policy and, per target, its memory (the
     figure that target is compared by, `memory_kind_of`: temp on CPU, peak on
     TPU and GPU, named in the column header), the ratio to `none` on that
-    target, the temp memory where peak is the figure, the FLOP ratio, the
-    predicted step-time ratio and the compile seconds.
+    target, the FLOP ratio and the predicted step-time ratio; `wide` adds the temp
+    memory where peak is the figure and the compile seconds.
 
     Args:
       sections: (target name, `rows(...)` of that target's records) pairs;
         lines follow the first target's order (by its memory figure).
     """
     kinds = [memory_kind_of(rows) for _, rows in sections]
-    peaks = [k == PEAK for k in kinds]
+    peaks = [k == PEAK and wide for k in kinds]  # the temp column beside the peak
     failed = [labels.failed_caption(rows, compiled_by(rows)) for _, rows in sections]
     t = Table(title=Text(title), caption="; ".join(
         [*(f"{name}: {escape(why or compiled_by(rows))}"
            for (name, rows), why in zip(sections, failed)),
          *(_MEMORY_NOTES[k] for k in dict.fromkeys(
-             k for k, why in zip(kinds, failed) if why is None))]), caption_justify="left")
-    t.add_column("policy", justify="left")
-    for (name, _), peak in zip(sections, peaks):
-        label = MEMORY_LABELS[PEAK if peak else TEMP]
-        for column in (f"{label}\n{escape(name)}", f"{label} x none",
-                       *(("temp",) if peak else ()), "FLOPs x none", "pred. x none",
-                       "compile s"):
+             k for k, why in zip(kinds, failed) if why is None)), DOCS_POINTER]),
+        caption_justify="left")
+    t.add_column("policy", justify="left", overflow="fold", max_width=None if wide else 16)
+    for (name, _), kind, peak in zip(sections, kinds, peaks):
+        label = MEMORY_LABELS[kind]
+        # Two-line headers by default: two targets' columns then fit 100 columns.
+        for column in ((f"{label}\n{escape(name)}", f"{label} x none",
+                        *(("temp",) if peak else ()), "FLOPs x none", "pred. x none",
+                        "compile s") if wide else
+                       (f"{label}\n{escape(name)}", f"{label}\nx none", "FLOPs\nx none",
+                        "pred.\nx none")):
             t.add_column(column, justify="right")
     by_target = [{d["policy"]: d for d in rows} for _, rows in sections]
     policies = list(dict.fromkeys(d["policy"] for _, rows in sections for d in rows))
@@ -338,35 +359,52 @@ def side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = ""
             d = found.get(policy)
             if d is None or d["error"]:
                 error = d["error"].splitlines()[0][:60] if d else "not measured"
-                cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (4 + peak)
+                cells += [f"[red]{escape(error)}[/red]"] + ["-"] * (3 + peak + wide)
                 continue
             cells += [fmt_bytes(d["memory_bytes"]), fmt_ratio(d["memory_ratio_to_none"]),
                       *((fmt_bytes(d["temp_size_in_bytes"]),) if peak else ()),
                       fmt_ratio(d["flops_ratio_to_none"]),
                       fmt_ratio(d.get("predicted_ratio_to_none")),
-                      "-" if d["compile_seconds"] is None else f"{d['compile_seconds']:.1f}"]
+                      *((("-" if d["compile_seconds"] is None
+                          else f"{d['compile_seconds']:.1f}"),) if wide else ())]
         t.add_row(*cells)
     return t
 
 
 def print_side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: str = "",
-                       console: Console | None = None) -> None:
+                       console: Console | None = None, wide: bool = False) -> None:
     """Prints `side_by_side(...)`; a console that is not a terminal gets 180 columns."""
-    _console(console).print(side_by_side(sections, title))
+    console = _console(console)
+    print_title(console, title)
+    console.print(side_by_side(sections, "", wide))
+
+
+def print_title(console: Console, title: str) -> None:
+    """A table's title on its own line above it: a narrow table would fold it."""
+    if title:
+        console.print(title, markup=False, emoji=False, soft_wrap=True, style="bold")
 
 
 def _console(console: Console | None) -> Console:
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=180)
-    return console
+    return terminal_console() if console is None else console
 
 
-def write_json(path, report_rows: Sequence[dict], context: dict) -> None:
+def terminal_console(piped: int = 180) -> Console:
+    """The console the commands print to: the terminal's width; where stdout is not a
+    terminal, $COLUMNS if set (COLUMNS=100 renders what a 100-column terminal shows),
+    else `piped` columns, so that piped tables do not wrap."""
+    console = Console()
+    if console.is_terminal:
+        return console
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else piped)
+
+
+def write_json(path, report_rows: Sequence[dict], context: dict,
+               verdicts: Sequence[dict] = ()) -> None:
     """Writes the schema in this module's docstring to `path`."""
     doc = {"schema_version": SCHEMA_VERSION, "context": context, "formula_note": FORMULA_NOTE,
-           "records": list(report_rows)}
+           "verdicts": list(verdicts), "records": list(report_rows)}
     with atomic_write(path) as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
@@ -412,59 +450,11 @@ def save_figure(fig, path) -> None:
         plt.close(fig)
 
 
-def plot(path, report_rows: Sequence[dict], title: str = "") -> None:
-    """PNG of memory (`memory_bytes`, GiB or MiB: temp on CPU, peak on TPU and GPU,
-    named on the axis) against FLOP overhead (% over `none`, or over the fewest
-    FLOPs if `none` is absent): one labelled point per policy, the Pareto front
-    as a step line. Rows with an error are left out. The title's last line
-    names the target and the jax and compiler versions."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter
-
-    pts = [d for d in report_rows if d["error"] is None and d["flops"] is not None
-           and d["memory_bytes"] is not None]
-    base = next((d["flops"] for d in pts if d["policy"] == "none"),
-                min((d["flops"] for d in pts), default=1.0))
-    top = max((d["memory_bytes"] for d in pts), default=0)
-    unit, size = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-    xy = [((d["flops"] / base - 1) * 100, d["memory_bytes"] / size) for d in pts]
-    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
-    ax.scatter([x for x, _ in xy], [y for _, y in xy],
-               c=["tab:red" if d["pareto"] else "tab:blue" for d in pts], zorder=3)
-    # One label per position (policies that compile alike coincide); labels
-    # alternate above and below their point so neighbours overlap less.
-    labels: dict[tuple, list[str]] = {}
-    for d, (x, y) in zip(pts, xy):
-        labels.setdefault((round(x, 2), round(y, 3)), []).append(d["names"][0])
-    for i, ((x, y), text) in enumerate(sorted(labels.items())):
-        ax.annotate(" / ".join(text), (x, y), fontsize=7, rotation=20,
-                    xytext=(4, 4 if i % 2 == 0 else -10), textcoords="offset points")
-    front = sorted(p for p, d in zip(xy, pts) if d["pareto"])
-    if front:
-        ax.step([x for x, _ in front], [y for _, y in front], where="post", color="tab:red",
-                alpha=0.6, label="Pareto front")
-        ax.legend()
-    platform = pts[0]["platform"] if pts else ""
-    ax.set_xlabel("FLOP overhead vs no remat (%)")
-    ax.set_ylabel(f"{MEMORY_LABELS[memory_kind_of(pts)]} memory, {unit} ({platform})")
-    ax.set_title(f"{title}\n{compiled_by(report_rows)}" if title else compiled_by(report_rows),
-                 fontsize=9)
-    ax.grid(alpha=0.3)
-    if xy and max(y for _, y in xy) / max(min(y for _, y in xy), 1e-12) > 5:
-        ax.set_yscale("log")  # a wide memory range would squash the low rows
-        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
-
 __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fmt_bytes",
-           "fmt_ratio", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags", "plot",
+           "fmt_ratio", "fmt_seconds", "formula_bytes", "memory_kind_of", "pareto_flags",
            "print_peaks", "print_side_by_side", "print_table", "rows", "save_figure",
-           "side_by_side", "table", "write_csv", "write_json"]
+           "print_title", "side_by_side", "table", "terminal_console", "write_csv",
+           "write_json"]
 
 
 def print_peaks(report_rows: Sequence[dict], console: Console | None = None) -> None:

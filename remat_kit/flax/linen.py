@@ -25,6 +25,7 @@ import flax.core.lift
 import flax.linen as nn
 import jax
 
+from remat_kit.errors import UnknownModuleError
 from remat_kit.trace import call_region, wrapping
 from remat_kit.policy.policy import Policy
 from remat_kit.trace.validate import emitted_tags
@@ -233,6 +234,33 @@ def _init_fields(module: nn.Module, *skip: str) -> dict:
             if f.init and f.name not in skip}
 
 
+def _loaded_classes() -> set[type]:
+    """Every linen Module subclass Python has loaded (flax's own included)."""
+    found, todo = set(), [nn.Module]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def _check_class_names(plan: wrapping.Plan, base: type) -> None:
+    """UnknownModuleError, at the call, for a mapping key naming no linen Module class
+    loaded at all: it can match no submodule, so it would fail at the first call. The
+    choices are the classes of the model's own module (else every class outside flax)."""
+    loaded = _loaded_classes()
+    names = {c.__name__ for c in loaded}
+    for key in plan.keys:
+        if isinstance(key, str) and key not in names:
+            own = {c.__name__ for c in loaded if c.__module__ == base.__module__}
+            raise UnknownModuleError(key, sorted(own or {
+                c.__name__ for c in loaded if not c.__module__.startswith("flax.")}),
+                message="rk.linen.apply_remat: no linen Module class of this name is "
+                        "loaded, so it matches no submodule (valid choices: the classes of "
+                        "the model's module)")
+
+
 def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
                 validate: bool = False, methods: Sequence[str] = ("__call__",)) -> nn.Module:
     """Runs every submodule whose class matches under that class's policy, without
@@ -267,8 +295,10 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
         `validate` is not a bool.
       ValueError: `methods` is empty.
       RematSpecError: a policy spec does not parse.
-      UnknownModuleError: on a call of `__call__`, a key matched no submodule;
-        lists the classes the model calls and the closest name.
+      UnknownModuleError: here, a key naming no linen Module class loaded (the
+        closest class of the model's module named); on a call of `__call__`, a
+        key matched no submodule; lists the classes the model calls and the
+        closest name.
       UnknownTagError: `validate` and a policy names a tag its submodules
         never emit.
     """
@@ -276,6 +306,7 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
         raise TypeError(f"rk.linen.apply_remat takes a flax.linen.Module instance, got "
                         f"{model!r}; for a class use rk.linen.remat(cls, policy)")
     plan = wrapping.Plan.of(mapping, nn.Module, "rk.linen.apply_remat")
+    _check_class_names(plan, type(model))
     methods = wrapping.options("rk.linen.apply_remat", prevent_cse, validate, methods)
     base = type(model)
     resolved_cache: dict = {}

@@ -21,6 +21,7 @@ policy: equal temp memory and FLOPs.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import warnings
@@ -136,13 +137,26 @@ def _checked(plan: Mapping, where: str = "the plan") -> tuple:
     return tuple(layers) or spec, context
 
 
+# How alike (difflib's ratio) an unknown tag and a vocabulary tag must be for the tag to
+# be refused at the call as a misspelling: 'attn_logit' and 'attn_logits' are 0.95.
+TYPO_RATIO = 0.9
+
+
 def _planned_first(spec) -> None:
     """RematSpecError for an `auto:budget=` spec: it is planned for a model, not run.
     A tag outside the vocabulary may be one of the model's own `checkpoint_name`s,
-    known once the model is traced (`_layers` registers them): checked there."""
+    known once the model is traced (`_layers` registers them): checked there, unless
+    it is a near miss of a vocabulary tag (`TYPO_RATIO`), refused here with the
+    "did you mean" of `parse`."""
     try:
         parsed = parse(spec) if isinstance(spec, (str, Policy)) else None
-    except UnknownTagError:
+    except UnknownTagError as e:
+        close = e.closest and difflib.SequenceMatcher(None, e.token, e.closest).ratio()
+        if close and close >= TYPO_RATIO:
+            raise UnknownTagError(e.token, e.choices, spec=e.spec, position=e.position,
+                                  message=f"rk.remat_model: unknown tag, too close to "
+                                  f"{e.closest!r} to be one of the model's own (if it is, "
+                                  f"rk.register_tag({e.token!r}) first)") from None
         return
     if isinstance(parsed, AutoSpec):
         raise RematSpecError(f"{spec} is planned for a model at its shapes: plan it "
@@ -243,6 +257,22 @@ def _program(fn, arrays, num_params: int, pick: blocks.Pick, spec, context):
             regions.passed_through(closed.jaxpr))
 
 
+def _shape_note(context: Mapping, args) -> None:
+    """Warns where a plan made at one batch and seq (a `remat-kit plan --json` file's
+    context) runs at others (the call's first array, [batch, seq, ...]): what a plan saves
+    and costs depends on the shapes, so its budget need not hold there."""
+    planned = (context.get("batch"), context.get("seq"))
+    first = next((a for a in args if hasattr(a, "shape")), None)
+    if not all(isinstance(n, int) for n in planned) or first is None or len(first.shape) < 2:
+        return
+    if tuple(first.shape[:2]) != planned:
+        b, s = first.shape[:2]
+        warnings.warn(f"rk.remat_model: the plan was made at batch {planned[0]}, seq "
+                      f"{planned[1]}; this call runs batch {b}, seq {s}: what it saves depends "
+                      f"on the shapes, so its budget may not hold here (plan again at these: "
+                      f"remat-kit plan --batch {b} --seq {s})", stacklevel=4)
+
+
 def _signature(arrays, rebuild, *extra):
     """The program's cache key: shapes, static arguments, `extra`; None if unhashable."""
     shapes = flax_linen._cache_key(arrays, rebuild)
@@ -263,6 +293,7 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
             return base.apply(self, {"params": p, **r}, *a, method=method, **kw)
 
         def make():
+            _shape_note(context, args)
             instances, _ = from_model._linen_instances(self, call, *arrays, params=params)
             pick = blocks.pick_block(instances, block)
 
@@ -301,6 +332,7 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
             leaves, tree = jax.tree.flatten(state)
 
             def make():
+                _shape_note(context, args)
                 pick = from_model.nnx_block(self, block, *args, **kwargs)
                 graphdef = nnx.split(from_model.nnx_marked(self, pick.cls))[0]
 
@@ -342,14 +374,16 @@ def remat_model(model, policy, *, block=None, budget=None):
       a copy (same arrays, same `nnx.state` paths) whose call runs the
       program; its state updates (RNG counts, statistics) land on the copy.
       Each new argument signature traces the model once (no FLOPs) before
-      its first run. A policy naming a role or tag the model does not emit
-      warns, as `compare` notes it; the model's own remat of whole layers is
-      replaced by the policy; its other remat regions stay, and warn.
+      its first run; a plan file's plan run at another batch or seq than it
+      was planned at warns (what it saves depends on the shapes). A policy
+      naming a role or tag the model does not emit warns, as `compare` notes
+      it; the model's own remat of whole layers is replaced by the policy;
+      its other remat regions stay, and warn.
     Raises:
       TypeError: not a linen or NNX module; a policy of another type.
       RematSpecError: a spec that does not parse (a tag neither in the vocabulary
         nor registered: at the first call, where the model's own checkpoint_names
-        count as tags), an `auto:budget=` spec (plan
+        count as tags; here where it is a near miss of a vocabulary tag), an `auto:budget=` spec (plan
         it first), a plan file that cannot be read, or (at the first call,
         before anything compiles) a plan or list for another layer count or
         block class.

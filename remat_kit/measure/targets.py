@@ -311,9 +311,19 @@ def is_out_of_memory(error: "BaseException | str") -> bool:
 # What a Target derives: devices, chip, versions
 # ---------------------------------------------------------------------------
 
+def install_command(extra: str) -> str:
+    """The pip command that adds `extra` where this package runs from: `pip install -e
+    '.[tpu]'` in a checkout (a pyproject.toml beside the package), else `pip install
+    'remat-kit[tpu]'`."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.exists(os.path.join(root, "pyproject.toml")):
+        return f"cd {root} && pip install -e '.[{extra}]'"
+    return f"pip install 'remat-kit[{extra}]'"
+
+
 def _need_libtpu() -> None:
     if importlib.util.find_spec("libtpu") is None:
-        raise TargetError("TPU targets need libtpu: pip install 'remat-kit[tpu]' "
+        raise TargetError(f"TPU targets need libtpu: {install_command('tpu')} "
                           "(or pip install libtpu)")
 
 
@@ -338,8 +348,9 @@ def _topology_devices(topology: str) -> tuple:
 
 def _need_cuda_plugin() -> None:
     if not _cuda_plugin_installed():
-        raise TargetError("GPU targets compiled ahead of time need the CUDA plugin: pip install "
-                          "'remat-kit[cuda]' (jax-cuda12-plugin and jax-cuda12-pjrt, about 200 MB)")
+        raise TargetError(f"GPU targets compiled ahead of time need the CUDA plugin: "
+                          f"{install_command('cuda')} (jax-cuda12-plugin and jax-cuda12-pjrt, "
+                          "about 200 MB)")
 
 
 def _gpu_config_text(name: str) -> str:
