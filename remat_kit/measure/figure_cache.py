@@ -67,7 +67,7 @@ _FIGURES = {"memory": sealed.mapping(sealed.optional(sealed.count)),
 MEASURED: sealed.Schema = {**_FIGURES, "predicted_seconds": sealed.optional(sealed.amount),
                            "kernel_flops": sealed.amount,
                            "cost_notes": sealed.texts, "time_notes": sealed.texts}
-COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts}
+COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts, "kernel_seconds": sealed.amount}
 
 
 @functools.cache

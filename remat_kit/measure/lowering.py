@@ -126,7 +126,7 @@ class Compiled:
       notes: where a figure came from, if not the target's compiler.
       kernel_seconds: the time model's seconds of the fused kernels priced from
         shapes (`kernels.seconds`), which `time_model.compiled_seconds` leaves out;
-        0.0 where there are none or the figures were kept.
+        0.0 where there are none.
     """
 
     compiled: object
@@ -219,7 +219,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                                             runs=not compile_only, schema=figure_cache.COMPILED)
     if kept is not None and dump is None:  # a program that will not run: kept figures
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
-                        time.perf_counter() - start, tuple(kept["notes"]))
+                        time.perf_counter() - start, tuple(kept["notes"]),
+                        kept["kernel_seconds"])
     if dump is None:
         compiled = lowered.compile(options)
     else:
@@ -230,12 +231,12 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     found, notes = (kernels.added(costs(compiled, target, flat, [_local(x) for x in leaves]),
                                   priced) if count_flops else ({}, ()))
     memory = memory_fields(compiled)
+    kernel_seconds = kernels.seconds(priced, target.roofline) if priced.kernels else 0.0
     figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
                                      "transcendentals": found.get("transcendentals"),
-                                     "notes": list(notes)})
+                                     "notes": list(notes), "kernel_seconds": kernel_seconds})
     return Compiled(compiled, target, memory, found.get("flops"),
-                    found.get("transcendentals"), seconds, notes,
-                    kernels.seconds(priced, target.roofline) if priced.kernels else 0.0)
+                    found.get("transcendentals"), seconds, notes, kernel_seconds)
 
 
 __all__ = ["Compiled", "compile_for", "compile_options", "costs", "lower", "on_target", "place"]
