@@ -303,8 +303,8 @@ def test_row13_leaves_without_a_leading_axis_are_named_with_or_without_batch(cap
     assert code == 2 and "share no leading (batch) axis (float32[4, 8], float32[3, 8])" in err
 
 
-SEQ1 = ("seq 1: the next-token loss needs seq >= 2 (each position predicts the next; at seq 1 "
-        "none has a target, and the loss is a mean over nothing, NaN)")
+SEQ1 = ("seq 1: the next-token loss needs seq >= 2 (at seq 1 no position has a next token: a "
+        "mean over nothing, NaN)")
 
 
 def test_row9_seq_1_is_refused_for_a_next_token_loss(capsys, mine, tmp_path):
@@ -318,7 +318,7 @@ def test_row9_seq_1_is_refused_for_a_next_token_loss(capsys, mine, tmp_path):
     config = tiny.get_config()
     config.update(model="mine.py:model", data="text.txt", batch_size=2, seq_len=1,
                   num_steps=2, warmup_steps=1, remat="full")
-    with pytest.raises(BadInput, match=r"seq 1: the next-token loss needs seq >= 2 \("):
+    with pytest.raises(BadInput, match=r"seq 1: the next-token loss needs seq >= 2 \(at"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()
 

@@ -20,6 +20,20 @@ from typing import NamedTuple
 from remat_kit.errors import UnknownModuleError
 from remat_kit.trace.model_map import Layer, stacks_of
 
+
+class ModelError(ValueError):
+    """The model is not a language model remat_kit can measure without glue."""
+
+
+def has_parameters(model, params) -> None:
+    """ModelError where `model` holds no parameters (`params`, a pytree): its loss has no
+    gradient, so there is no backward pass and nothing to rematerialize."""
+    import jax
+    if not jax.tree.leaves(params):
+        raise ModelError(f"{type(model).__name__} has no parameters: its loss has no gradient, "
+                         "so there is no backward pass and nothing to rematerialize")
+
+
 # Of a container's parameters, the share its inner layers hold that makes it a stack.
 _STACK_SHARE = 0.9
 
@@ -247,4 +261,5 @@ def _apart(by_class: dict, blocks: Blocks, composite) -> list[tuple[type, int]]:
             if not any(_inside(i.path, q) for i in ins for q in outer)]
 
 
-__all__ = ["Blocks", "Instance", "Pick", "pick_block", "unremat_note"]
+__all__ = ["Blocks", "Instance", "ModelError", "Pick", "has_parameters", "pick_block",
+           "unremat_note"]

@@ -33,7 +33,8 @@ from flax import nnx
 
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import linen_tags
-from remat_kit.flax.blocks import Instance, Pick, pick_block, unremat_note
+from remat_kit.flax.blocks import (Instance, ModelError, Pick, has_parameters, pick_block,
+                                   unremat_note)
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax import placement
@@ -46,10 +47,6 @@ from remat_kit.policy.spec import layer_policies
 from remat_kit.trace.workload import Workload
 
 KEY = "remat_kit_block"
-
-
-class ModelError(ValueError):
-    """The model is not a language model remat_kit can measure without glue."""
 
 
 def logits_of(out, batch: int, seq: int):
@@ -135,9 +132,8 @@ def next_token_loss(logits, tokens, vocab_chunks: int = 1):
     vocab_chunks below 1 or not dividing the vocabulary.
     """
     if tokens.shape[1] < 2:
-        raise ModelError(f"seq {tokens.shape[1]}: the next-token loss needs seq >= 2 (each "
-                         "position predicts the next; at seq 1 none has a target, and the "
-                         "loss is a mean over nothing, NaN)")
+        raise ModelError(f"seq {tokens.shape[1]}: the next-token loss needs seq >= 2 (at seq 1 "
+                         "no position has a next token: a mean over nothing, NaN)")
     if vocab_chunks == 1:
         logits = logits[:, :-1].astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -167,14 +163,6 @@ def _stacked(whole, seen) -> int:
     lead = {s[:len(s) - len(i)] for (_, s, _), (_, i, _) in zip(shapes, inner)
             if len(s) >= len(i) and s[len(s) - len(i):] == i}
     return math.prod(lead.pop()) if len(lead) == 1 else 1
-
-
-def _has_parameters(model, params) -> None:
-    """ModelError where `model` holds no parameters: its loss has no gradient, so there
-    is no backward pass, and nothing to rematerialize."""
-    if not jax.tree.leaves(params):
-        raise ModelError(f"{type(model).__name__} has no parameters: its loss has no gradient, "
-                         "so there is no backward pass and nothing to rematerialize")
 
 
 def _loose(params, instances) -> tuple:
@@ -245,7 +233,7 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
     from one abstract `init(*args)` (`model.init` on the inputs): the one way a linen
     model's blocks are found, for its tokens or any batch (`batch_model`)."""
     instances, variables = _linen_instances(model, init, *args)
-    _has_parameters(model, variables.get("params", {}))
+    has_parameters(model, variables.get("params", {}))
     return pick_block(instances, block, _loose(variables["params"], instances)), variables
 
 
@@ -324,7 +312,7 @@ def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
 def nnx_block(model: nnx.Module, block, *args, **kwargs) -> Pick:
     """The layers of `model` (`pick_block`); a stack held by one module (a scan)
     is counted by one abstract forward `model(*args, **kwargs)`."""
-    _has_parameters(model, nnx.state(model, nnx.Param))
+    has_parameters(model, nnx.state(model, nnx.Param))
     found = []
     for path, node in nnx.iter_graph(model):
         if path and isinstance(node, nnx.Module):
@@ -351,8 +339,7 @@ def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
 
 
 def nnx_root_call(model: nnx.Module, *args, **kwargs):
-    """`model(*args, **kwargs)` under a name scope of its class, as linen scopes its root:
-    the ops of its own call are then told from the loss's (`own_call`)."""
+    """`model(*args, **kwargs)` scoped by its class, as linen scopes its root (`own_call`)."""
     with jax.named_scope(type(model).__name__):
         return model(*args, **kwargs)
 
@@ -470,7 +457,6 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         return traced_regions.loss(layer_policies(policy, n) if n else ())
 
     label = name or type(model).__name__
-    # linen scopes its root by name; NNX's is scoped by class (`nnx_root_call`)
     root = ((model.name or type(model).__name__) if isinstance(model, nn.Module)
             else type(model).__name__)
     mine = own_call.own_call(traced.jaxpr, KEY, root)  # a tied head's bare matmul, say
