@@ -247,8 +247,8 @@ def test_the_attention_scores_are_named_where_they_hold_the_peak():
     found, scores = full.peak, 2 * 4 * 256 * 256 * 4
     recomputed = found["roles"]["recomputed values"]
     assert next(iter(recomputed)) == "attn_probs" and recomputed["attn_probs"] == 2 * scores
-    # The logits are not live at the peak; the masked logits and exp the softmax computes
-    # them from are, named attn_probs.
+    # The logits are not live at the peak; the softmax's exp and output are, each named
+    # attn_probs (the exp computes nothing else).
     assert "attn_logits" not in recomputed
     assert peak.summary(found).startswith(
         "9.13 MiB: recomputed values 6.38 MiB (attn_probs, mlpwi_0, mlpwi_1), ")
@@ -256,6 +256,9 @@ def test_the_attention_scores_are_named_where_they_hold_the_peak():
             "which no remat policy removes: a fused attention kernel (splash, cuDNN, "
             "jax.nn.dot_product_attention) never stores them")
     assert peak.scores_note(found) == note
+    # plan's and fit's line where no policy fits says it too.
+    assert peak.held_line(found, "full remat's temp") == (
+        f"full remat's temp {peak.summary(found)}; {note}")
     out = io.StringIO()
     print_peaks([{"names": ["full"], "peak": found}], Console(file=out, width=100))
     assert out.getvalue() == f"temp of full: {peak.summary(found)}\n  {note}\n"

@@ -450,7 +450,8 @@ def held_line(found: dict, what: str, chunked_bytes: "int | None" = None) -> str
       chunked_bytes: the same figure compiled with `vocab_chunks_for(found)`
         chunks, where that was compiled; else the line names the count only.
     The "no layer policy" clause is said where the largest part is none a layer
-    policy changes (not a residual, nor a recomputed value); the chunk count
+    policy changes (not a residual, nor a recomputed value); `scores_note` where
+    the attention scores hold the most; the chunk count
     where the logits are that part (`vocab_chunks_for`), unless its compile
     lowers the figure by less than `CHUNKS_WORTH` of it (on a small vocabulary
     the chunked loss's own temporaries take what the logits gave back)."""
@@ -461,6 +462,8 @@ def held_line(found: dict, what: str, chunked_bytes: "int | None" = None) -> str
     chunks = vocab_chunks_for(found)
     if chunked_bytes is not None and chunked_bytes > (1 - CHUNKS_WORTH) * found["bytes"]:
         chunks = None
+    if note := scores_note(found):
+        line += f"; {note}"
     if chunks is not None:
         line += (f"; --vocab-chunks {chunks} (the loss over {chunks} vocabulary chunks) "
                  f"lowers them" + (f", to {fmt_bytes(chunked_bytes)}"
