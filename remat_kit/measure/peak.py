@@ -74,7 +74,8 @@ def marked(program: ClosedJaxpr, residual_vars, residuals) -> ClosedJaxpr:
     """`program` (a `residuals._stage` program) with each residual's producing
     equation named ``rk_res:<kind>:<name>`` in its name stack. A residual that a
     call-like equation returns (a scanned layer stack, a jit, a remat region) is
-    marked where its body computes it. Only metadata changes: the lowered
+    marked where its body computes it. The producers of tagged values are
+    named too (`_mark_roles`), for `breakdown`'s roles. Only metadata changes: the lowered
     program's text (`Lowered.as_text()`, the figure cache's key) and its buffers
     are the same."""
     names = {v: f"{r.kind}:{r.name}" for v, r in zip(residual_vars, residuals)
@@ -84,8 +85,10 @@ def marked(program: ClosedJaxpr, residual_vars, residuals) -> ClosedJaxpr:
 
 def _mark_roles(jaxpr, memo: dict):
     """`jaxpr` and the jaxprs nested in it (a remat region's recomputation too) with
-    the producer of each value a vocabulary tag (`TAGS`, not a module path's) names ``rk_role:<tag>`` in its name stack;
-    a sub-jaxpr held twice is rewritten once (`memo`: id -> (old, new))."""
+    the producer of each value a vocabulary tag names (`TAGS`, not a module path)
+    named ``rk_role:<tag>`` in its name stack, and so the ops of any call it is;
+    a score's untagged same-shape inputs (a softmax's exp, a mask) take its tag.
+    A sub-jaxpr held twice is rewritten once (`memo`: id -> (old, new))."""
     if id(jaxpr) in memo:
         return memo[id(jaxpr)][1]
     tagged = {e.invars[0]: t for e in jaxpr.eqns
