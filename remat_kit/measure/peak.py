@@ -416,8 +416,8 @@ def scores_note(found: dict) -> str | None:
             for g, b in found["parts"].items()]
     if not total or total < max(rest, default=0):
         return None
-    named = ", ".join(f"{t} {fmt_bytes(b)}" for t, b in sorted(scores.items(), key=lambda kv: -kv[1])
-                      if b)
+    largest = sorted(scores.items(), key=lambda kv: -kv[1])
+    named = ", ".join(f"{t} {fmt_bytes(b)}" for t, b in largest if b)
     return (f"the s x s attention scores hold the most of it ({named} of "
             f"{fmt_bytes(found['bytes'])}), which no remat policy removes: a fused attention "
             f"kernel (splash, cuDNN, jax.nn.dot_product_attention) never stores them")
