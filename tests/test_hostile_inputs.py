@@ -256,8 +256,8 @@ def test_a_train_step_budget_below_full_remat_says_what_holds_it(capsys):
     held = [x for x in captured.out.splitlines() if x.startswith("below the minimum")]
     assert held == ["below the minimum: full remat's train step 551.79 KiB: optimizer state "
                     "256.75 KiB, parameters 128.00 KiB, backward temporaries 77.12 KiB, "
-                    "recomputed values 41.00 KiB, other 48.91 KiB; no layer policy lowers the "
-                    "optimizer state"]
+                    "recomputed values 41.00 KiB (attn_probs, key_proj), other 48.91 KiB; no layer "
+                    "policy lowers the optimizer state"]
 
 
 ONE_DEVICE = """

@@ -229,3 +229,39 @@ def test_plan_below_the_minimum_where_the_layers_hold_it_names_no_chunks(tmp_pat
     assert next(iter(held["parts"])) == "recomputed values"
     assert context["below_minimum"] == f"full remat's temp {peak.summary(held)}"
     assert f"below the minimum: {context['below_minimum']}\n" in capsys.readouterr().out
+
+
+def test_the_attention_scores_are_named_where_they_hold_the_peak():
+    """tiny_llama (einsum attention, 4 heads) at batch 2, seq 256 under full remat: the
+    s x s scores recomputed for the backward pass are the most of the temp, named
+    attn_probs (the softmax's output and its exp, [2, 4, 256, 256] f32 each), and the
+    note says no remat policy removes them."""
+    import io
+
+    from rich.console import Console
+
+    from remat_kit.cli.report import print_peaks
+    [full] = measure(workload(get_config("tiny_llama"), 2, 256), policies=["full"],
+                     target=CPU, peak=True)
+    _check_sums(full, "temp_size_in_bytes", 0.10)
+    found, scores = full.peak, 2 * 4 * 256 * 256 * 4
+    recomputed = found["roles"]["recomputed values"]
+    assert next(iter(recomputed)) == "attn_probs" and recomputed["attn_probs"] == 2 * scores
+    # The logits are not live at the peak; the softmax's exp and output are, each named
+    # attn_probs (the exp computes nothing else).
+    assert "attn_logits" not in recomputed
+    assert peak.summary(found).startswith(
+        "9.13 MiB: recomputed values 6.38 MiB (attn_probs, mlpwi_0, mlpwi_1), ")
+    note = ("the s x s attention scores hold the most of it (attn_probs 4.00 MiB of 9.13 MiB), "
+            "which no remat policy removes: a fused attention kernel (splash, cuDNN, "
+            "jax.nn.dot_product_attention) never stores them")
+    assert peak.scores_note(found) == note
+    # plan's and fit's line where no policy fits says it too.
+    assert peak.held_line(found, "full remat's temp") == (
+        f"full remat's temp {peak.summary(found)}; {note}")
+    out = io.StringIO()
+    print_peaks([{"names": ["full"], "peak": found}], Console(file=out, width=100))
+    assert out.getvalue() == f"temp of full: {peak.summary(found)}\n  {note}\n"
+    # Where the rest of a part outweighs the scores, or a policy saved them: no note.
+    assert peak.scores_note({**found, "parts": {**found["parts"], "parameters": 5 << 20}}) is None
+    assert peak.scores_note({**found, "roles": {}}) is None

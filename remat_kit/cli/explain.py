@@ -182,7 +182,8 @@ def _print_compiled(console, c) -> None:
 
 def _print_peak(console, work, policy, target) -> None:
     """--peak: the whole model compiled under `policy`, and what holds its peak
-    (`measure.peak.summary`); BadInput where it does not compile."""
+    (`measure.peak.summary`, and `scores_note` where the attention scores hold the
+    most); BadInput where it does not compile."""
     from remat_kit.decide.resolve import measure
     from remat_kit.measure import peak
     from remat_kit.measure.record import MEMORY_LABELS
@@ -191,7 +192,10 @@ def _print_peak(console, work, policy, target) -> None:
         raise BadInput(f"--peak: the whole model under {policy} did not compile: "
                        f"{record.error.splitlines()[0]}")
     console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
-                  f"({record.platform}): {peak.summary(record.peak)}", markup=False)
+                  f"({record.platform}): {peak.summary(record.peak)}", markup=False,
+                  soft_wrap=True)
+    if note := peak.scores_note(record.peak):
+        console.print(f"  {note}", markup=False, soft_wrap=True)
 
 
 def _constants_line(constants) -> str:

@@ -42,7 +42,9 @@ JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
             "figure": str,                # holds memory_kind's figure, from
             "bytes": int,                 # XLA's buffer assignment
             "step": int,                  # (remat_kit.measure.peak)
-            "parts": {str: int}},         # group -> bytes, largest first
+            "parts": {str: int},          # group -> bytes, largest first
+            "roles": {str: {str: int}},   # temporaries' group -> tag -> bytes
+            "logits_shape": [int] | null},
           "argument_size_in_bytes": int | null,
           "output_size_in_bytes": int | null,
           "alias_size_in_bytes": int | null,
@@ -459,10 +461,13 @@ __all__ = ["CSV_FIELDS", "FORMULA_NOTE", "SCHEMA_VERSION", "compiled_by", "fmt_b
 
 def print_peaks(report_rows: Sequence[dict], console: Console | None = None) -> None:
     """One line per policy measured with its peak breakdown (`Record.peak`):
-    "peak of full: 3.38 GiB: logits and their gradient 2.30 GiB, ...";
-    nothing for rows without one."""
+    "peak of full: 3.38 GiB: logits and their gradient 2.30 GiB, ...", and under
+    it `peak.scores_note` where the attention scores hold the most; nothing for
+    rows without one."""
     console = _console(console)
     for d in report_rows:
         if d.get("peak"):
             console.print(f"{MEMORY_LABELS[d['peak']['figure']]} of {', '.join(d['names'])}: "
-                          f"{peak.summary(d['peak'])}", markup=False)
+                          f"{peak.summary(d['peak'])}", markup=False, soft_wrap=True)
+            if note := peak.scores_note(d["peak"]):
+                console.print(f"  {note}", markup=False, soft_wrap=True)

@@ -17,7 +17,14 @@ live there:
 * ``logits and their gradient``: values shaped like the loss head's logits
   (`logits_shape`);
 * ``recomputed values`` (the backward pass's rematerialized forward values),
-  ``backward temporaries`` and ``other temporaries``.
+  ``backward temporaries`` and ``other temporaries``, each with the bytes of
+  the roles it holds (``roles``): a value a vocabulary tag names, and
+  what its producer computes, is marked ``rk_role:<tag>`` in the op metadata
+  the same way (`marked`), so a recomputed ``attn_probs`` is named as such.
+  Where the attention scores (``attn_logits``, ``attn_probs``: [batch, heads,
+  q_len, kv_len], quadratic in the sequence) are the most of it,
+  `scores_note` says so: no remat policy removes them, a fused attention
+  kernel never stores them.
 
 On TPU the compiler's peak also counts the program itself
 (``generated_code_size_in_bytes``), listed as ``program code``; what neither
@@ -35,6 +42,8 @@ import re
 from jax.extend.core import ClosedJaxpr, Literal
 
 from remat_kit.measure.residuals import call_body
+from remat_kit.policy.names import TAGS
+from remat_kit.trace.validate import tag_of
 from remat_kit.units import fmt_bytes
 
 LOGITS = "logits and their gradient"
@@ -44,6 +53,11 @@ MIN_CHUNK_WIDTH = 128
 # A chunk count is named only where it lowers the figure by at least this fraction.
 CHUNKS_WORTH = 0.05
 _MARK = "rk_res:"  # name-stack entry of a residual's producer: rk_res:<kind>:<name>
+_ROLE = "rk_role:"  # name-stack entry of a tagged value's producer: rk_role:<tag>
+# The attention scores, [batch, heads, q_len, kv_len]: quadratic in the sequence.
+SCORES = ("attn_logits", "attn_probs")
+# Groups whose roles are told: temporaries, which a remat policy does not save.
+_TEMPORARIES = ("recomputed values", "backward temporaries", "other temporaries")
 _ALLOCATION = re.compile(r"allocation (\d+): size (\d+),(.*)")
 _VALUE = re.compile(r"\s*value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=\d+\): (\S+)")
 _RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", re.M)
@@ -60,12 +74,56 @@ def marked(program: ClosedJaxpr, residual_vars, residuals) -> ClosedJaxpr:
     """`program` (a `residuals._stage` program) with each residual's producing
     equation named ``rk_res:<kind>:<name>`` in its name stack. A residual that a
     call-like equation returns (a scanned layer stack, a jit, a remat region) is
-    marked where its body computes it. Only metadata changes: the lowered
+    marked where its body computes it. The producers of tagged values are
+    named too (`_mark_roles`), for `breakdown`'s roles. Only metadata changes: the lowered
     program's text (`Lowered.as_text()`, the figure cache's key) and its buffers
     are the same."""
     names = {v: f"{r.kind}:{r.name}" for v, r in zip(residual_vars, residuals)
              if not isinstance(v, Literal)}
-    return ClosedJaxpr(_mark(program.jaxpr, names), program.consts)
+    return ClosedJaxpr(_mark_roles(_mark(program.jaxpr, names), {}), program.consts)
+
+
+def _mark_roles(jaxpr, memo: dict):
+    """`jaxpr` and the jaxprs nested in it (a remat region's recomputation too) with
+    the producer of each value a vocabulary tag names (`TAGS`, not a module path)
+    named ``rk_role:<tag>`` in its name stack, and so the ops of any call it is;
+    a score's untagged same-shape inputs (a softmax's exp, a mask) take its tag.
+    A sub-jaxpr held twice is rewritten once (`memo`: id -> (old, new))."""
+    if id(jaxpr) in memo:
+        return memo[id(jaxpr)][1]
+    tagged = {e.invars[0]: t for e in jaxpr.eqns
+              if (t := tag_of(e)) in TAGS and not isinstance(e.invars[0], Literal)}
+    for eqn in reversed(jaxpr.eqns):  # a score's untagged same-shape inputs (a softmax's exp)
+        found = {tagged[v] for v in eqn.outvars if tagged.get(v) in SCORES}
+        if len(found) == 1 and tag_of(eqn) is None:
+            tag = found.pop()
+            tagged.update({v: tag for v in eqn.invars if not isinstance(v, Literal)
+                           and v not in tagged and v.aval.shape == eqn.outvars[0].aval.shape})
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = {k: _roles_in(v, memo) for k, v in eqn.params.items()}
+        if any(params[k] is not eqn.params[k] for k in params):
+            eqn = eqn.replace(params=params)
+        tags = {tagged[v] for v in eqn.outvars if v in tagged}
+        if len(tags) == 1:
+            info = eqn.source_info
+            eqn = eqn.replace(source_info=info.replace(
+                name_stack=info.name_stack.extend(_ROLE + tags.pop())))
+        eqns.append(eqn)
+    memo[id(jaxpr)] = (jaxpr, jaxpr.replace(eqns=eqns))  # the old kept alive: ids stay its own
+    return memo[id(jaxpr)][1]
+
+
+def _roles_in(value, memo: dict):
+    """An equation's param with the jaxprs it holds (`_mark_roles`) rewritten."""
+    if isinstance(value, ClosedJaxpr):
+        return ClosedJaxpr(_mark_roles(value.jaxpr, memo), value.consts)
+    if hasattr(value, "eqns"):
+        return _mark_roles(value, memo)
+    if isinstance(value, tuple) and any(isinstance(v, ClosedJaxpr) or hasattr(v, "eqns")
+                                        for v in value):
+        return tuple(_roles_in(v, memo) for v in value)
+    return value
 
 
 def _mark(jaxpr, names: dict):
@@ -186,6 +244,23 @@ class _Program:
     def marks(self, instr: str, index: int) -> list[str]:
         return _marks(instr, index, self.instrs, self.comps, self.roots)
 
+    def role(self, instr: str) -> str | None:
+        """The tag whose value `instr` computes (`_mark_roles`): its own op's
+        innermost, else the one tag its fused computation computes, else (several)
+        its root's; None where none is marked."""
+        def tags(name):
+            return re.findall(re.escape(_ROLE) + r"(\w+)", self.instrs.get(name, ("", ""))[1])
+        if own := tags(instr):
+            return own[-1]
+        opcode, _, called, _ = self.instrs.get(instr, ("", "", [], []))
+        if opcode != "fusion" or not called:
+            return None
+        inner = {t for n in self.comps.get(called[0], ()) for t in tags(n)}
+        if len(inner) == 1:
+            return inner.pop()
+        root = tags(self.roots.get(called[0], ""))
+        return root[-1] if root else None
+
     def loop_tag(self, instr: str, index: int, size: int, dims: tuple) -> str | None:
         """The tag of a scanned stack's loop state `instr`{index} that no op
         computes (a layer's input, carried and stacked), by its shape: the one
@@ -260,7 +335,9 @@ def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
         as for a peak.
     Returns:
       {"figure": figure, "bytes": its value, "step": the schedule step of the
-      peak, "parts": {group: bytes}, largest first, "logits_shape":
+      peak, "parts": {group: bytes}, largest first, "roles": {temporaries'
+      group: {tag: bytes of its values that compute it}}, largest first (a
+      group absent where none of its values is tagged), "logits_shape":
       logits_shape as a list or None} (JSON-ready), the parts summing to the
       figure: "program code" and "compiler's own" (packing, padding, what the
       dump does not show) are parts too.
@@ -288,10 +365,15 @@ def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
         if live_now > best:
             best, step = live_now, t
     parts: dict[str, int] = {}
+    roles: dict[str, dict[str, int]] = {}
     for n, a, b in live:
         if a <= step < b:
             g = program.group(n, values[n])
             parts[g] = parts.get(g, 0) + values[n][3]
+            role = program.role(n.partition("{")[0]) if g in _TEMPORARIES else None
+            if role is not None:
+                held = roles.setdefault(g, {})
+                held[role] = held.get(role, 0) + values[n][3]
     whole = total if total is not None else memory.get(figure) or 0
     # The TPU peak holds the program's code (about 2% left unexplained at GPT-2 size), but a
     # small program's code can outgrow the whole peak (2.42 MiB beside a 1.57 MiB peak on
@@ -301,17 +383,44 @@ def breakdown(folder: str, memory: dict, *, figure: str, arg_groups=(),
     parts["compiler's own"] = whole - sum(parts.values())
     return {"figure": figure, "bytes": whole, "step": step,
             "parts": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+            "roles": {g: dict(sorted(r.items(), key=lambda kv: -kv[1])) for g, r in roles.items()},
             "logits_shape": None if logits_shape is None else list(logits_shape)}
 
 
-def summary(found: dict, top: int = 4) -> str:
-    """One line of a `breakdown`: '3.38 GiB: logits and their gradient 2.30 GiB,
-    parameters 474.97 MiB, ..., other 156.32 MiB' (its `top` largest parts, the
-    rest summed as "other")."""
-    parts = list(found["parts"].items())
-    shown = ", ".join(f"{g} {fmt_bytes(b)}" for g, b in parts[:top])
+def summary(found: dict, top: int = 4, roles: int = 3) -> str:
+    """One line of a `breakdown`: '9.13 MiB: recomputed values 6.38 MiB (attn_probs,
+    mlpwi_0, mlpwi_1), backward temporaries 1.75 MiB (mlpwi_0), ..., other 128.00
+    KiB' (its `top` largest parts, each with its `roles` largest roles, the rest
+    summed as "other")."""
+    parts, held = list(found["parts"].items()), found.get("roles", {})
+
+    def part(group, size):
+        names = list(held.get(group, {}))[:roles]
+        return f"{group} {fmt_bytes(size)}" + (f" ({', '.join(names)})" if names else "")
+    shown = ", ".join(part(g, b) for g, b in parts[:top])
     rest = sum(b for _, b in parts[top:])
     return f"{fmt_bytes(found['bytes'])}: {shown}" + (f", other {fmt_bytes(rest)}" if rest else "")
+
+
+def scores_note(found: dict) -> str | None:
+    """Where the attention scores (`SCORES` among a `breakdown`'s temporaries) hold
+    more than any part does without them, one line naming them and what lowers
+    them: "the s x s attention scores hold the most of it (attn_probs 4.00 MiB of
+    9.13 MiB), which no remat policy removes: ..."; else None. A policy that saves
+    the scores makes them ``residual attn_probs``, which a policy does remove:
+    those are not counted."""
+    held = found.get("roles", {})
+    scores = {t: sum(r.get(t, 0) for r in held.values()) for t in SCORES}
+    total = sum(scores.values())
+    rest = [b - sum(held.get(g, {}).get(t, 0) for t in SCORES)
+            for g, b in found["parts"].items()]
+    if not total or total < max(rest, default=0):
+        return None
+    largest = sorted(scores.items(), key=lambda kv: -kv[1])
+    named = ", ".join(f"{t} {fmt_bytes(b)}" for t, b in largest if b)
+    return (f"the s x s attention scores hold the most of it ({named} of "
+            f"{fmt_bytes(found['bytes'])}), which no remat policy removes: a fused attention "
+            f"kernel (splash, cuDNN, jax.nn.dot_product_attention) never stores them")
 
 
 def vocab_chunks_for(found: dict) -> int | None:
@@ -344,7 +453,8 @@ def held_line(found: dict, what: str, chunked_bytes: "int | None" = None) -> str
       chunked_bytes: the same figure compiled with `vocab_chunks_for(found)`
         chunks, where that was compiled; else the line names the count only.
     The "no layer policy" clause is said where the largest part is none a layer
-    policy changes (not a residual, nor a recomputed value); the chunk count
+    policy changes (not a residual, nor a recomputed value); `scores_note` where
+    the attention scores hold the most; the chunk count
     where the logits are that part (`vocab_chunks_for`), unless its compile
     lowers the figure by less than `CHUNKS_WORTH` of it (on a small vocabulary
     the chunked loss's own temporaries take what the logits gave back)."""
@@ -355,6 +465,8 @@ def held_line(found: dict, what: str, chunked_bytes: "int | None" = None) -> str
     chunks = vocab_chunks_for(found)
     if chunked_bytes is not None and chunked_bytes > (1 - CHUNKS_WORTH) * found["bytes"]:
         chunks = None
+    if note := scores_note(found):
+        line += f"; {note}"
     if chunks is not None:
         line += (f"; --vocab-chunks {chunks} (the loss over {chunks} vocabulary chunks) "
                  f"lowers them" + (f", to {fmt_bytes(chunked_bytes)}"

@@ -80,7 +80,8 @@ class Record:
         (a full-remat layer's bytes each). `measure_config` only.
       peak: what holds the compiler's figure (`memory_kind`), where asked
         (`measure(..., peak=True)`): `remat_kit.measure.peak.breakdown`'s
-        {"figure", "bytes", "step", "parts": {group: bytes}}; else None.
+        {"figure", "bytes", "step", "parts": {group: bytes}, "roles": {group:
+        {tag: bytes}}, "logits_shape"}; else None.
       notes: caveats on these numbers.
       train_step_bytes: where the record is of the whole train step (a planner
         with `step="train"`, `remat_kit.decide.step_records`): its device memory
