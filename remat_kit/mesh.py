@@ -291,10 +291,12 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 
 def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int | None) -> None:
-    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig`
-    (None: no model checks) and a global batch: batch by data x fsdp, query and key/value heads and mlp_dim
-    by tensor; for a config, an axis of size > 1 other than `AXES` splits nothing and is refused. batch None (a --model's batch whose leaves share no leading axis) only
-    a mesh without data-parallel devices takes. The message names the numbers.
+    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a
+    `TransformerConfig` (None: no model checks) and a global batch: batch by data x
+    fsdp, query and key/value heads and mlp_dim by tensor; for a config, an axis of
+    size > 1 other than `AXES` splits nothing and is refused. batch None (a --model's
+    batch whose leaves share no leading axis) only a mesh without data-parallel devices
+    takes. The message names the numbers.
     Dimensions that rules split but that need not divide (vocab, embed) are
     replicated instead (`shardings`)."""
     if mesh is None:
@@ -482,7 +484,8 @@ def is_sharded(leaf) -> bool:
     sharding = getattr(leaf, "sharding", None)
     return sharding is not None and len(sharding.device_set) > 1
 
-__all__ = ["AXES", "Fallback", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
-           "check_fits", "compiled_step", "constrain", "host_devices", "initialize",
-           "is_sharded", "local_shape", "make", "origin", "parse_spec", "per_device_config", "plain", "put",
-           "replicated", "rules", "shardings", "spanning", "spec_text", "use"]
+__all__ = ["AXES", "Fallback", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size",
+           "batch_sharding", "check_fits", "compiled_step", "constrain", "host_devices",
+           "initialize", "is_sharded", "local_shape", "make", "origin", "parse_spec",
+           "per_device_config", "plain", "put", "replicated", "rules", "shardings", "spanning",
+           "spec_text", "use"]

@@ -183,6 +183,7 @@ def test_any_axis_names_in_a_mesh_the_model_s_rules_use_and_none_other():
     with pytest.raises(rk_mesh.MeshError) as e:
         rk.from_model.workload(axes_linen.plain(), BATCH, SEQ, mesh=mesh)
     assert str(e.value) == (
-        f"mesh {rk_mesh.spec_text(axes_linen.FIVE)}: mesh axis 'replica' is named by no parameter of the model and "
+        f"mesh {rk_mesh.spec_text(axes_linen.FIVE)}: mesh axis 'replica' is named by no "
+        "parameter of the model and "
         "no logical-axis rule, so it would split nothing; the axes it can use: ['data', "
         "'fsdp', 'tensor']")
