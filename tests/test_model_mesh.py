@@ -117,8 +117,9 @@ def test_the_cli_measures_the_model_s_own_mesh_on_a_slice_or_refuses_another(tmp
     assert cli.main([*common, "--mesh", spec, "--json", str(out)]) == 0  # the same: taken
     context = json.loads(out.read_text())["context"]
     assert (context["devices"], context["mesh"]) == (4, spec)
-    assert context["step"] == (f"value-and-grad on the model's own mesh (12 axes {spec}; device "
-                               "order [0, 2, 1, 3]); gradients sharded like the parameters")
+    assert context["step"] == f"value-and-grad; gradients sharded like the parameters over {spec}"
+    assert context["mesh_origin"] == (f"the model's own mesh (12 axes {spec}; device order "
+                                      "[0, 2, 1, 3])")
     capsys.readouterr()
     assert cli.main([*common, "--mesh", "data:4"]) == 2
     assert capsys.readouterr().err.splitlines() == [
@@ -167,9 +168,9 @@ def test_on_two_slices_a_chip_holds_one_slice_s_shard_and_the_step_pays_the_dcn(
                      "--mesh", "fsdp:4", "--target", str(two), "--policies", "full",
                      "--json", str(out)]) == 0
     context = json.loads(out.read_text())["context"]
-    assert (context["devices"], context["mesh"], context["step"]) == (
-        8, "data:2,fsdp:4", "value-and-grad on --mesh over 2 slices, data parallel across them "
-        "(2 axes data:2,fsdp:4); gradients sharded like the parameters")
+    assert (context["devices"], context["mesh"], context["mesh_origin"]) == (
+        8, "data:2,fsdp:4", "--mesh over 2 slices, data parallel across them (2 axes "
+        "data:2,fsdp:4)")
 
 
 @needs_8
