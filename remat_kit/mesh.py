@@ -291,10 +291,12 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 
 def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int | None) -> None:
-    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a `TransformerConfig`
-    (None: no model checks) and a global batch: batch by data x fsdp, query and key/value heads and mlp_dim
-    by tensor; for a config, an axis of size > 1 other than `AXES` splits nothing and is refused. batch None (a --model's batch whose leaves share no leading axis) only
-    a mesh without data-parallel devices takes. The message names the numbers.
+    """Raises MeshError unless `mesh` (a Mesh or {axis: size}) can split a
+    `TransformerConfig` (None: no model checks) and a global batch: batch by data x
+    fsdp, query and key/value heads and mlp_dim by tensor; for a config, an axis of
+    size > 1 other than `AXES` splits nothing and is refused. batch None (a --model's
+    batch whose leaves share no leading axis) only a mesh without data-parallel devices
+    takes. The message names the numbers.
     Dimensions that rules split but that need not divide (vocab, embed) are
     replicated instead (`shardings`)."""
     if mesh is None:
@@ -398,20 +400,19 @@ def origin(mesh: Mesh, label: str) -> str:
 def compiled_step(step: str, mesh: "Mesh | Mapping[str, int] | str | None",
                   where: str | None = None) -> str:
     """What a report says was compiled, e.g. 'value-and-grad; gradients sharded like the
-    parameters over fsdp:4', or with `where` ('the model's own mesh (...)', `origin`)
-    'value-and-grad on the model's own mesh (...); gradients sharded like the parameters'.
+    parameters over fsdp:4', and with `where` (`origin`) where the mesh came from: '...
+    over fsdp:4; on the model's own mesh (1 axis fsdp:4)'.
 
     step: "value-and-grad" (`measure`: the loss and its gradients) or "train step"
     (`decide.step`: with the optimizer update). mesh: a Mesh, {axis: size} or spec
     string; None or one device: the step alone (on `where`, if given).
     """
     spec = mesh if isinstance(mesh, str) else spec_text(mesh)
-    on = f" on {where}" if where else ""
+    on = f"; on {where}" if where else ""
     if spec is None or all(n == "1" for n in re.findall(r":(\d+)", spec)):
         return step + on
     held = ("gradients and optimizer state" if step == "train step" else "gradients")
-    return (f"{step}{on}; {held} sharded like the parameters" if where else
-            f"{step}; {held} sharded like the parameters over {spec}")
+    return f"{step}; {held} sharded like the parameters over {spec}{on}"
 
 
 def _wait_for(address: str, timeout_s: float) -> bool:
@@ -482,7 +483,8 @@ def is_sharded(leaf) -> bool:
     sharding = getattr(leaf, "sharding", None)
     return sharding is not None and len(sharding.device_set) > 1
 
-__all__ = ["AXES", "Fallback", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size", "batch_sharding",
-           "check_fits", "compiled_step", "constrain", "host_devices", "initialize",
-           "is_sharded", "local_shape", "make", "origin", "parse_spec", "per_device_config", "plain", "put",
-           "replicated", "rules", "shardings", "spanning", "spec_text", "use"]
+__all__ = ["AXES", "Fallback", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size",
+           "batch_sharding", "check_fits", "compiled_step", "constrain", "host_devices",
+           "initialize", "is_sharded", "local_shape", "make", "origin", "parse_spec",
+           "per_device_config", "plain", "put", "replicated", "rules", "shardings", "spanning",
+           "spec_text", "use"]

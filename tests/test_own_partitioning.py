@@ -96,9 +96,9 @@ def test_train_step_of_a_model_s_partitioning_equals_a_hand_written_one():
 def test_compare_measures_a_model_on_its_own_mesh(capsys):
     assert cli.main(["compare", "--model", "tests/zoo/logical_linen.py:ordered", "--batch",
                      "8", "--seq", "16", "--policies", "full"]) == 0
-    assert ("per device of 4 (data:2,fsdp:2); value-and-grad on the model's own mesh (2 axes "
-            "data:2,fsdp:2; device order [0, 2, 1, 3]); gradients sharded like the parameters"
-            ) in " ".join(capsys.readouterr().out.split())
+    assert ("per device of 4 (data:2,fsdp:2); value-and-grad; gradients sharded like the "
+            "parameters over data:2,fsdp:2; on the model's own mesh (2 axes data:2,fsdp:2; "
+            "device order [0, 2, 1, 3])") in " ".join(capsys.readouterr().out.split())
 
 
 def test_another_mesh_than_the_model_s_own_is_refused_in_one_line(capsys):

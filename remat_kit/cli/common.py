@@ -108,4 +108,5 @@ def map_context(work) -> dict:
     return {} if _map_of(work) is None else {"model_map": _map_of(work).to_dict()}
 
 
-__all__ = ["make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes", "plot_path", "sizes_text", "targets_of"]
+__all__ = ["make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes",
+           "plot_path", "sizes_text", "targets_of"]

@@ -59,15 +59,18 @@ def run(args) -> int:
                           progress=progress, target=target, per_layer=True, peak=args.peak)
         found = target.versions
         mesh_text = rk_mesh.spec_text(mesh)
-        step = rk_mesh.compiled_step("value-and-grad", work.mesh,
-                                     mesh_origin(work, asked, target))
-        per_device = f", per device of {devices} ({mesh_text}); {step}" if devices > 1 else ""
+        step, origin = (rk_mesh.compiled_step("value-and-grad", work.mesh),
+                        mesh_origin(work, asked, target))
+        per_device = (f", per device of {devices} ({mesh_text}); "
+                      f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin)}"
+                      if devices > 1 else "")
         title = f"{label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
         share = None if batch is None else batch // batch_split  # None: leaves as declared
         sections.append((target, title, report.rows(records, cfg, share, seq,
                                                     tensor=tensor)))
         contexts.append({"target": str(target), "platform": target.label, "devices": devices,
                          "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
+                         "mesh_origin": origin,
                          "jax_version": found["jax"], "compiler_version": found["compiler"]})
     print_map(works[0])  # the map's line first, as in every report, then the verdict
     for line in _verdict_lines(sections, args.target is not None):

@@ -83,8 +83,9 @@ def _budget_bytes(text: str) -> int:
 def _sizes(args, src, target) -> tuple[int, int | None, int]:
     """(global batch, seq, the multiple searched): the flags, else the config file's or
     the model's, else the defaults; on a --mesh the batch's default and unit are its
-    data x fsdp split (times the slices of a multi-slice `target`, data parallel). seq None where a --model's batch has no sequence axis. BadInput
-    for a bad --mesh, a seq a config cannot take, or a multiple the mesh cannot split."""
+    data x fsdp split (times the slices of a multi-slice `target`, data parallel). seq
+    None where a --model's batch has no sequence axis. BadInput for a bad --mesh, a seq
+    a config cannot take, or a multiple the mesh cannot split."""
     from remat_kit.decide.fit import DEFAULT_MULTIPLE
     cfg, defaults = src.cfg, src.defaults
     try:  # the global batch splits over data x fsdp: its default and unit follow the mesh

@@ -140,9 +140,9 @@ class Target:
     Attributes:
       platform: "cpu", "tpu" or "gpu".
       topology: for an ahead-of-time target, the topology: a TPU topology
-        name (e.g. "v5e:2x2", "v5p:4x4x4:slices=2" for two such slices), or a GPU name or target config path with an
-        optional device count ("h100", "h100:8"); None for this machine's
-        devices.
+        name (e.g. "v5e:2x2", "v5p:4x4x4:slices=2" for two such slices), or a
+        GPU name or target config path with an optional device count ("h100",
+        "h100:8"); None for this machine's devices.
     """
 
     platform: str

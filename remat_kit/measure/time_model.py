@@ -350,8 +350,8 @@ def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
             shape = instr.shape
             dtype = None if shape.is_tuple() or not shape.is_array() else \
                 np.dtype(shape.numpy_dtype())
-            sent = dcn.dcn_bytes(instr, slices, _size(instr.operands()[0].shape)[1]
-                                 if instr.operands() else 0)
+            sent = (dcn.dcn_bytes(instr, slices, _size(instr.operands()[0].shape)[1])
+                    if slices and op == "kSend" else 0.0)
             ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
                               dtype, trips, sent))
 
