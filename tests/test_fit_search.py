@@ -76,15 +76,3 @@ def test_capped_and_nothing_fits():
     assert searched(memory, 10**6, 10**9, 50, 1, 1) == (50, [1, 50])
     assert searched(memory, 10**6, 10**6, 50, 1, 1) == (0, [1])
 
-
-def test_an_out_of_memory_compile_gives_its_bytes_where_xla_says_them():
-    from remat_kit.decide.fit_search import _over_bytes
-    from remat_kit.decide.step import StepMemory
-    oom = RuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, "
-                       "the total memory required for HLO temporaries (26.84G) exceeds "
-                       "available HBM (15.75G). HLO module: jit_step.")
-    # A compiled step of the policy: 3 GiB held besides its 9 GiB of temporaries.
-    step = StepMemory(12 << 30, "peak", 1, 1, 1, 1, 9 << 30, 3 << 30, 0, 0, 12 << 30, 1.0, 0.0)
-    assert _over_bytes(oom, {128: step}) == round(26.84 * 2**30) + (3 << 30)
-    assert _over_bytes(oom, {}) is None  # nothing compiled to say what else it holds
-    assert _over_bytes(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory"), {128: step}) is None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
 
 import numpy as np
@@ -92,9 +91,6 @@ class Steps:
     def __init__(self, measure: Callable[[Policy, int, Callable | None], StepMemory]):
         self._measure, self._cache, self.total = measure, {}, 0
         self._failed: dict[tuple, Exception] = {}  # raised again, not compiled again
-        # The last out-of-memory compile's bytes where its message gives them
-        # (`_over_bytes`), else None: a point for the search's prediction.
-        self.last_over: int | None = None
 
     def get(self, policy, size: int, loss: Callable | None = None) -> StepMemory | None:
         """The step at `size`, or None if its compile ran out of memory.
@@ -115,8 +111,6 @@ class Steps:
                     self._failed[key] = e
                     raise
                 self._cache[key] = None
-                self.last_over = _over_bytes(e, self.known(key[0]) if not isinstance(
-                    policy, tuple) else {})
         return self._cache[key]
 
     def known(self, policy: str) -> dict[int, StepMemory]:
@@ -126,23 +120,6 @@ class Steps:
     def at(self, size: int) -> dict[str, StepMemory]:
         """Every policy compiled at `size` that did not run out of memory, by key."""
         return {p: m for (p, s), m in self._cache.items() if s == size and m is not None}
-
-
-_HLO_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
-
-
-def _over_bytes(error: Exception, compiled: dict[int, StepMemory]) -> int | None:
-    """The step bytes an out-of-memory compile would have had: the temporaries XLA:TPU's
-    message gives ("... required for HLO temporaries (26.84G) exceeds available HBM"), plus
-    what a compiled step of the policy holds besides its temporaries (the arguments and
-    outputs, which barely change with the size); None without either."""
-    found = _HLO_TEMPS.search(str(error))
-    held = [m.total_bytes - m.temp_size_in_bytes for m in compiled.values()
-            if m.temp_size_in_bytes is not None]
-    if found is None or not held:
-        return None
-    scale = 1 << (10 * "_KMGT".index(found.group(2) or "_"))
-    return round(float(found.group(1)) * scale) + held[-1]
 
 
 class SizeRefused(Exception):
@@ -323,11 +300,10 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
 
     def fits(k: int) -> bool:
         trying[0] = k
-        steps.last_over = None
         _, m = at(k * multiple)
         probes.append((k * multiple, None if m is None else m.total_bytes))
-        if m is not None or steps.last_over is not None:
-            known[k] = m.total_bytes if m is not None else steps.last_over
+        if m is not None:
+            known[k] = m.total_bytes
         return m is not None and m.total_bytes <= budget
 
     def compiles() -> int:
