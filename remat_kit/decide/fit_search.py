@@ -139,11 +139,12 @@ def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None,
     grow with seq²; a batch's memory is affine, `degree` 1), else a line through two;
     None if no prediction can be made.
 
-    Compiled points come first, the last of them the farthest from the bracket. Unit 0 (no compile: the step's state alone) stands in
-    only while too few sizes were compiled, and only below every compiled figure (a
-    step need not hold its parameters, gradients and optimizer state all at once).
-    Where the quadratic's boundary falls outside the bracket (noise: XLA's buffer
-    choices), the line through the two nearest points answers."""
+    Compiled points come first, the last of them the farthest from the bracket. Unit 0
+    (no compile: the step's state alone) stands in only while too few sizes were
+    compiled, and only below every compiled figure (a step need not hold its
+    parameters, gradients and optimizer state all at once). Where the quadratic's
+    boundary falls outside the bracket (noise: XLA's buffer choices), the line
+    answers."""
     if 0 in points and any(b <= points[0] for k, b in points.items() if k):
         points = {k: b for k, b in points.items() if k}
     near = sorted(points, key=lambda k: (k == 0, min(abs(k - lo), abs(k - (hi or lo)))))
