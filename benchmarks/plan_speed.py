@@ -11,8 +11,8 @@
     --policies full --target tpu:v5p:4x4x4 --mesh fsdp:16,tensor:4`; goal: at most 4
     compiles.
 
---small runs (b) at batch 1, seq 256 and (c) on llama_1b on one v5e chip (budget
-12GiB), for a machine too loaded for real sizes (each real compile is 40-160 s on 2
+--small runs (b) at batch 1, seq 256 and (c) on experiments/configs/llama_1b_v5e.py
+(bf16, scanned, batch 1) on one v5e chip (budget 16GiB, the README's fit), for a machine too loaded for real sizes (each real compile is 40-160 s on 2
 shared cores). Prints, per case, the command, wall seconds, compiles and the answer,
 with the load average; writes each command's JSON under --out. No cache is read or
 written (`--cache ''` and a fresh compile cache folder), so every compile counts.
@@ -38,8 +38,9 @@ def commands(small: bool) -> dict[str, list[str]]:
     if small:
         return {"b": ["plan", "--config", "llama_1b", "--batch", "1", "--seq", "256",
                       "--dtype", "bfloat16", "--budgets", BUDGETS, "--no-presets"],
-                "c": ["fit", "--config", "llama_1b", "--batch", "8", "--budget", "12GiB",
-                      "--vary", "seq", "--policies", "full", "--target", "tpu:v5e:1x1"]}
+                "c": ["fit", "--config", "experiments/configs/llama_1b_v5e.py", "--budget",
+                      "16GiB", "--vary", "seq", "--policies", "full", "--target",
+                      "tpu:v5e:1x1"]}
     return {"b": ["plan", "--config", "llama_1b", "--batch", "4", "--seq", "2048",
                   "--dtype", "bfloat16", "--budgets", BUDGETS, "--no-presets"],
             "c": ["fit", *LLAMA2_70B, "--batch", "64", "--budget", "95GiB", "--vary", "seq",

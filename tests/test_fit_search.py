@@ -75,3 +75,4 @@ def test_capped_and_nothing_fits():
     memory = lambda k: 10**6 + 1000 * k  # noqa: E731
     assert searched(memory, 10**6, 10**9, 50, 1, 1) == (50, [1, 50])
     assert searched(memory, 10**6, 10**6, 50, 1, 1) == (0, [1])
+

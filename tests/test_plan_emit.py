@@ -314,9 +314,9 @@ def test_train_plan_for_emit_compiles_no_preset_beyond_none_and_full(monkeypatch
     compiled = []
     own = PlannerCompiles._train_record
 
-    def counted(self, loss, name, key, per_device):
+    def counted(self, loss, name, key, *rest):
         compiled.append(key)
-        return own(self, loss, name, key, per_device)
+        return own(self, loss, name, key, *rest)
     monkeypatch.setattr(PlannerCompiles, "_train_record", counted)
     out = tmp_path / "plan.json"
     assert commands.main(["plan", "--model", "tests/zoo/own_tags_linen.py:model", "--batch", "2",

@@ -134,11 +134,8 @@ def _preset_records(planner, presets) -> list:
     spec that compiled to it in `names`. Presets first: the planner takes any compiled
     policy that beats its own plan."""
     named: dict[int, tuple] = {}
-    planner.phase = "presets"  # the progress line's phase (`PlannerCompiles._progress`)
-    try:
+    with planner.in_phase("presets"):  # the progress line's phase
         measured = planner.measure_all(presets)
-    finally:
-        planner.phase = "search"
     for spec, r in zip(presets, measured):
         named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
     return [dataclasses.replace(r, names=names) for r, names in named.values()]

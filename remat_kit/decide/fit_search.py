@@ -139,11 +139,12 @@ def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None,
     grow with seq²; a batch's memory is affine, `degree` 1), else a line through two;
     None if no prediction can be made.
 
-    Compiled points come first, the last of them the farthest from the bracket. Unit 0 (no compile: the step's state alone) stands in
-    only while too few sizes were compiled, and only below every compiled figure (a
-    step need not hold its parameters, gradients and optimizer state all at once).
-    Where the quadratic's boundary falls outside the bracket (noise: XLA's buffer
-    choices), the line through the two nearest points answers."""
+    Compiled points come first, the last of them the farthest from the bracket. Unit 0
+    (no compile: the step's state alone) stands in only while too few sizes were
+    compiled, and only below every compiled figure (a step need not hold its
+    parameters, gradients and optimizer state all at once). Where the quadratic's
+    boundary falls outside the bracket (noise: XLA's buffer choices), the line
+    answers."""
     if 0 in points and any(b <= points[0] for k, b in points.items() if k):
         points = {k: b for k, b in points.items() if k}
     near = sorted(points, key=lambda k: (k == 0, min(abs(k - lo), abs(k - (hi or lo)))))
@@ -206,8 +207,12 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
             k, stalls = (lo + hi) // 2, 0
         else:
             k = guess
-        # At or below lo: verify lo + 1 fails; at or above hi: verify hi - 1 fits.
-        k = min(max(k, lo + 1), max_units if hi is None else hi - 1)
+        if hi is not None and k >= hi:
+            # The curve says hi fits, but it did not (an out-of-memory compile gives no
+            # bytes to learn from): bisect, rather than walk down from hi.
+            k = (lo + hi) // 2
+        # At or below lo: verify lo + 1 fails.
+        k = min(max(k, lo + 1), max_units)
 
 
 def _extrapolated_flops(known: dict[int, StepMemory], size: int, degree: int) -> float | None:

@@ -170,6 +170,16 @@ class CostModel:
             rank[i] = rank[2 * n + i] = 1 + place / n
         return rank
 
+    def _upper(self, width: int) -> np.ndarray:
+        """Upper bounds of `_rows`' columns: s_t 1 unless fixed, o_t 1 where offloadable,
+        r_t 1, e_g none."""
+        n, high = len(self.tags), np.ones(width)
+        high[:n] = [float(t not in self.fixed) for t in self.tags]
+        high[2 * n:3 * n] = [float(t in self.transfer and t not in self.fixed)
+                             for t in self.tags]
+        high[3 * n:] = np.inf
+        return high
+
     def _tie_bounds(self, x: np.ndarray, high: np.ndarray):
         """The third solve's bounds: an item with no twin (another of the same bytes,
         FLOPs and layer group) keeps its save and offload decisions `x` (the second
@@ -209,23 +219,15 @@ class CostModel:
         a third time for the items first by `tie_rank` (roles, the model's own names,
         module paths, each by name; earlier groups first): the tie rule.
 
-        Each run stops at `seconds` or a relative gap of `MIP_GAP`, whichever comes
-        first, with its incumbent (HiGHS's best plan so far); the status then says
-        which run stopped and its gap (for the FLOPs run: the FLOPs it may have left).
-        The third run may move only items that have a twin (`_tie_bounds`). It runs in a worker
-        thread (`bounded_milp`), so SIGINT and SIGTERM reach the caller within a
-        fraction of a second. scipy's `milp` takes no starting point, so the previous
-        budget's plan cannot warm-start it.
-
         Args:
           room: device bytes the saved items may take.
           flop_tolerance: cost the second solve may give up for fewer bytes (FLOPs or s).
           objective: "flops" (cost_t = flops) or "time" (cost_t = seconds).
-          seconds: the time limit of each of the three runs.
+          seconds: each run's time limit: it keeps its incumbent, the status says so
+            (`_status`); the third moves only twins (`_tie_bounds`); `bounded_milp`.
         Returns:
-          (saved items, offloaded items, HiGHS status message: "HiGHS: Optimization
-          terminated successfully. ...", or with "; the bytes run stopped at its time
-          limit, gap 0.31%" where a run kept its incumbent).
+          (saved items, offloaded items, HiGHS status message; "...; the bytes run
+          stopped at its time limit, gap 0.31%" where a run kept its incumbent).
         """
         # Imported here: scipy.optimize is half a second of every command's start-up.
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -255,11 +257,7 @@ class CostModel:
                                  np.zeros(len(groups))])
         cons = [LinearConstraint(np.array(rows), lower, upper)] if rows else []
         cons.append(LinearConstraint(memory[None], -np.inf, max(room, 0) / b_scale + 1e-9))
-        high = np.ones(width)
-        high[:n] = [float(t not in self.fixed) for t in self.tags]
-        high[2 * n:3 * n] = [float(t in self.transfer and t not in self.fixed)
-                             for t in self.tags]
-        high[3 * n:] = np.inf
+        high = self._upper(width)
         opts = dict(integrality=np.r_[np.ones(3 * n), np.zeros(len(groups))],
                     bounds=Bounds(0, high), options={"mip_rel_gap": MIP_GAP,
                                                      "time_limit": seconds})

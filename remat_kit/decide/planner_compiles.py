@@ -11,6 +11,7 @@ and which compiled policies may be a plan are read from those records.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -77,6 +78,16 @@ class PlannerCompiles:
         [record] = measure(self.loss_fn, *self.args, policies=[policy], target=self.target,
                            per_device=self.per_device, peak=True)
         return record.peak
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str):
+        """The progress line's phase ("presets", "verify") for the block; "search" after,
+        with no count of compiles left."""
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase, self.left = "search", None
 
     def _progress(self, i, n, record):
         """One line per compile: "[presets 3/18] compiled minimal" while the presets are

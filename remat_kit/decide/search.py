@@ -121,11 +121,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
     if starts:
         base = min(starts)[1]
         notes.append(f"base {base}")
-        try:
-            tried, status, best = _verify(planner, base, floors[base], groups, limit, unit,
-                                          notes)
-        finally:
-            planner.phase, planner.left = "search", None
+        tried, status, best = _verify(planner, base, floors[base], groups, limit, unit, notes)
     # Any other policy compiled for this loss (the base rules alone, the presets
     # remat-kit plan compares) that fits and scores better wins: it is verified
     # just the same.
@@ -186,48 +182,48 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
     tried, status, best = set(), "", None
     room, hi, fit = limit - floor.memory_bytes, None, False
     anchors = _anchors(planner, base, groups, floor, model)
-    planner.phase = "verify"
-    for i in range(planner.max_iterations):
-        planner.left = planner.max_iterations - i - 1
-        saved, offloaded, status = model.solve(room, unit, planner.objective)
-        if (saved, offloaded) in tried:
-            # The room moved, the answer did not. Where the last compile fit,
-            # the budget may hold more than the model says (XLA reuses buffers:
-            # the last layer's residuals often cost nothing): offer the next
-            # smallest item, below any room already found too much.
-            bump = min((model.byte_share * model.nbytes[t] for t in model.tags
-                        if model.nbytes[t] and t not in saved and t not in model.fixed),
-                       default=None)
-            if not fit or bump is None or (hi is not None and room + bump >= hi):
-                break
-            room, fit = room + bump, False
-            continue
-        tried.add((saved, offloaded))
-        # Predicted before its compile, from the nearest compile so far (`_predict`).
-        predicted = _predict(planner, base, floor, model, saved, offloaded, anchors)
-        policy = planner._policy(saved, base, groups, offloaded)
-        record = planner.record_of(policy)
-        tag_bytes = model.cost(saved, offloaded)[0]
-        name = record.policy
-        if record.error or record.memory_bytes is None or record.flops is None:
-            notes.append(f"{name}: no figures ({record.error}), skipped")
-            hi, room = tag_bytes, max(0, tag_bytes - 1)
-            continue
-        used = record.memory_bytes
-        anchors.append((saved, offloaded, used))
-        fit = used <= limit
-        notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
-        if fit:
-            found = (planner.score(record), policy, record, predicted)
-            best = found if best is None or found[0] < best[0] else best
-            # Fits with bytes to spare: the model over-predicted; offer the slack,
-            # but stay below a room that was already too much.
-            grown = room + limit - used
-            room = grown if hi is None else min(grown, (room + hi) / 2)
-        else:
-            # Over budget: shrink the room by the overshoot, and below this plan's bytes.
-            hi = tag_bytes
-            room = max(0, min(room - (used - limit), tag_bytes - 1))
+    with planner.in_phase("verify"):
+        for i in range(planner.max_iterations):
+            planner.left = planner.max_iterations - i - 1
+            saved, offloaded, status = model.solve(room, unit, planner.objective)
+            if (saved, offloaded) in tried:
+                # The room moved, the answer did not. Where the last compile fit,
+                # the budget may hold more than the model says (XLA reuses buffers:
+                # the last layer's residuals often cost nothing): offer the next
+                # smallest item, below any room already found too much.
+                bump = min((model.byte_share * model.nbytes[t] for t in model.tags
+                            if model.nbytes[t] and t not in saved and t not in model.fixed),
+                           default=None)
+                if not fit or bump is None or (hi is not None and room + bump >= hi):
+                    break
+                room, fit = room + bump, False
+                continue
+            tried.add((saved, offloaded))
+            # Predicted before its compile, from the nearest compile so far (`_predict`).
+            predicted = _predict(planner, base, floor, model, saved, offloaded, anchors)
+            policy = planner._policy(saved, base, groups, offloaded)
+            record = planner.record_of(policy)
+            tag_bytes = model.cost(saved, offloaded)[0]
+            name = record.policy
+            if record.error or record.memory_bytes is None or record.flops is None:
+                notes.append(f"{name}: no figures ({record.error}), skipped")
+                hi, room = tag_bytes, max(0, tag_bytes - 1)
+                continue
+            used = record.memory_bytes
+            anchors.append((saved, offloaded, used))
+            fit = used <= limit
+            notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
+            if fit:
+                found = (planner.score(record), policy, record, predicted)
+                best = found if best is None or found[0] < best[0] else best
+                # Fits with bytes to spare: the model over-predicted; offer the slack,
+                # but stay below a room that was already too much.
+                grown = room + limit - used
+                room = grown if hi is None else min(grown, (room + hi) / 2)
+            else:
+                # Over budget: shrink the room by the overshoot, and below this plan's bytes.
+                hi = tag_bytes
+                room = max(0, min(room - (used - limit), tag_bytes - 1))
     return tried, status, best
 
 
