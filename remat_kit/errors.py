@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Sequence
 
 
@@ -125,3 +126,11 @@ def check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def install_command(extra: str) -> str:
+    """The pip command that adds `extra` where this package runs from: `pip install -e
+    '.[tpu]'` in a checkout (a pyproject.toml beside the package), else `pip install
+    'remat-kit[tpu]'`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.exists(os.path.join(root, "pyproject.toml")):
+        return f"cd {root} && pip install -e '.[{extra}]'"
+    return f"pip install 'remat-kit[{extra}]'"

@@ -193,13 +193,14 @@ _TYPES = {
     "layer_residual_bytes": int, "layers_residual_bytes": int, "notes": list,
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
     "memory_kind": str, "memory_bytes": int, "memory_ratio_to_none": float,
-    "predicted_seconds": float, "predicted_ratio_to_none": float,
+    "predicted_seconds": float, "predicted_ratio_to_none": float, "kernel_flops": (int, float),
 }
 _NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes",
              "peak", "train_step_bytes")  # peak: with --peak only; the other: plan --step train
 
 
-def test_compare_table_json_and_plot(capsys, tmp_path):
+def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "180")  # the footnote wraps at the width
     out_json, out_png = tmp_path / "out.json", tmp_path / "pareto.png"
     code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "2", "--seq", "16",
                          "--policies", "none,full,save_nothing,save_transformer_layer_output",
@@ -220,7 +221,8 @@ def test_compare_table_json_and_plot(capsys, tmp_path):
                                "embed, final_norm, pos_embed, logits, loss")
     assert out.splitlines()[0] == f"model map: {the_map['line']}"
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
-                              "mesh": None, **cpu, "targets": [{**cpu, "mesh": None}]}
+                              "mesh": None, "mesh_origin": None, **cpu,
+                              "targets": [{**cpu, "mesh": None, "mesh_origin": None}]}
     # Saving the layer output changes nothing (the next layer keeps it anyway):
     # it lowers to full's program and joins full's row.
     assert [r["names"] for r in doc["records"]] == [

@@ -15,6 +15,7 @@ from rich.console import Console
 import remat_kit as rk
 from remat_kit.cli import commands as cli
 from remat_kit.cli import report, verdict
+from remat_kit import errors as rk_errors
 from remat_kit.measure import targets
 from remat_kit.measure.record import Record
 from tests.zoo import gpt_linen
@@ -120,7 +121,7 @@ def test_help_names_the_chips_and_the_install_command_fits_a_checkout(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "gpu:h100" in text and "tpu:v5p:1x1x1" in text and "--wide" in text
     root = os.path.dirname(os.path.dirname(os.path.abspath(rk.__file__)))
-    assert targets.install_command("cuda") == f"cd {root} && pip install -e '.[cuda]'"
+    assert rk_errors.install_command("cuda") == f"cd {root} && pip install -e '.[cuda]'"
 
 
 def test_a_misspelt_tag_is_refused_at_the_call():

@@ -314,7 +314,7 @@ def test_cli_plan_on_an_hf_style_model(capsys, tmp_path):
                      "--budgets", "0.6", "--presets", "full,minimal,selective", "--cache", "",
                      "--json", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
-    assert "planned 1 budget" in out and "(plan for 0.9: fewest FLOPs within " in out
+    assert "planned 1 budget" in out and "(plan for 0.6: fewest FLOPs within " in out
     doc = json.loads((tmp_path / "p.json").read_text())
     assert sorted(r["names"] for r in doc["presets"]) == [["full"], ["minimal"], ["selective"]]
     (budget,) = doc["budgets"]

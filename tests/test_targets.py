@@ -85,14 +85,14 @@ def test_missing_libtpu_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "libtpu" else real(name, *a))
     targets._topology_devices.cache_clear()
-    with pytest.raises(targets.TargetError, match=r"pip install 'remat-kit\[tpu\]'"):
+    with pytest.raises(targets.TargetError, match=r"pip install -e '\.\[tpu\]'"):
         targets.devices("tpu:v5e:7x7")
     targets._topology_devices.cache_clear()
 
 
 @pytest.mark.skipif(HAS_CUDA_PLUGIN, reason="the CUDA plugin is installed")
 def test_missing_cuda_plugin_says_what_to_install():
-    with pytest.raises(targets.TargetError, match=r"pip install 'remat-kit\[cuda\]'"):
+    with pytest.raises(targets.TargetError, match=r"pip install -e '\.\[cuda\]'"):
         targets.devices("gpu:h100")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from remat_kit import mesh as rk_mesh
+from remat_kit.trace import retarget
 from remat_kit.cli.common import (map_context, mesh_origin, plot_path, print_map, sizes_text,
                                   source_and_sizes, targets_of)
 from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
@@ -18,7 +19,6 @@ def run(args) -> int:
     """`remat-kit compare` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
     from remat_kit.cli import plots, report, verdict
-    from remat_kit.decide.resolve import measure
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
     src, batch, seq = source_and_sizes(args)
@@ -43,35 +43,18 @@ def run(args) -> int:
         print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}",
               file=sys.stderr, flush=True)
 
+    for target, work in zip(target_list, works):  # refused before the first compile
+        own = work.own_mesh
+        if own is not None and not set(own.devices.flat) <= set(target.devices):
+            retarget.check_fits(own, target.devices, str(target))
     print(estimate_line(specs, target_list), file=sys.stderr, flush=True)
     sections, contexts = [], []
     dtype = src.dtype(works[0])
     for target, asked, work in zip(target_list, meshes, works):
-        # a model's own mesh first
-        mesh = (work.mesh if work.mesh is not None or work.own_mesh is not None
-                else rk_mesh.plain(asked))
-        devices = 1 if mesh is None else mesh.size
-        batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
-        tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
-        if args.time and cfg is not None:
-            check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
-        records = measure(work, policies=specs, names=specs, time_steps=args.time,
-                          progress=progress, target=target, per_layer=True, peak=args.peak)
-        found = target.versions
-        mesh_text = rk_mesh.spec_text(mesh)
-        step, origin = (rk_mesh.compiled_step("value-and-grad", work.mesh),
-                        mesh_origin(work, asked, target))
-        per_device = (f", per device of {devices} ({mesh_text}); "
-                      f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin)}"
-                      if devices > 1 else "")
-        title = f"{label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
-        share = None if batch is None else batch // batch_split  # None: leaves as declared
-        sections.append((target, title, report.rows(records, cfg, share, seq,
-                                                    tensor=tensor)))
-        contexts.append({"target": str(target), "platform": target.label, "devices": devices,
-                         "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
-                         "mesh_origin": origin,
-                         "jax_version": found["jax"], "compiler_version": found["compiler"]})
+        section, context = _on_target(args, src, (batch, seq, dtype), specs, progress,
+                                      (target, asked, work))
+        sections.append(section)
+        contexts.append(context)
     print_map(works[0])  # the map's line first, as in every report, then the verdict
     for line in _verdict_lines(sections, args.target is not None):
         print(line, flush=True)
@@ -99,6 +82,38 @@ def run(args) -> int:
         for target, title, rows in sections:
             plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
     return 0
+
+
+def _on_target(args, src, sizes, specs, progress, where) -> tuple:
+    """((target, title, rows), the JSON context) of compare's policies measured on one
+    target: `where` = (the target, the --mesh asked, the workload); a model's own mesh
+    first."""
+    from remat_kit.cli import report
+    from remat_kit.decide.resolve import measure
+    (target, asked, work), (batch, seq, dtype), cfg = where, sizes, src.cfg
+    mesh = (work.mesh if work.mesh is not None or work.own_mesh is not None
+            else rk_mesh.plain(asked))
+    devices = 1 if mesh is None else mesh.size
+    batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
+    tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
+    if args.time and cfg is not None:
+        check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
+    records = measure(work, policies=specs, names=specs, time_steps=args.time,
+                      progress=progress, target=target, per_layer=True, peak=args.peak)
+    found = target.versions
+    mesh_text = rk_mesh.spec_text(mesh)
+    step, origin = (rk_mesh.compiled_step("value-and-grad", work.mesh),
+                    mesh_origin(work, asked, target))
+    per_device = (f", per device of {devices} ({mesh_text}); "
+                  f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin)}"
+                  if devices > 1 else "")
+    title = f"{src.label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
+    share = None if batch is None else batch // batch_split  # None: leaves as declared
+    context = {"target": str(target), "platform": target.label, "devices": devices,
+               "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
+               "mesh_origin": origin,
+               "jax_version": found["jax"], "compiler_version": found["compiler"]}
+    return (target, title, report.rows(records, cfg, share, seq, tensor=tensor)), context
 
 
 # compare's default on a TPU or GPU target, whose compiles take up to a minute or more

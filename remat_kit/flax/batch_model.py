@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from remat_kit.flax import from_model
+from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax.from_model import ModelError
 from remat_kit.trace.workload import Workload
 
@@ -211,8 +212,7 @@ class BatchInputs:
 
             def marked(params, b, rest):
                 args, kwargs = call_args(model, b)
-                out = from_model.nnx_root_call(nnx.merge(graphdef, params, rest), *args,
-                                               **kwargs)
+                out = flax_nnx.root_call(nnx.merge(graphdef, params, rest), *args, **kwargs)
                 return _scalar(loss(out, b), loss)
 
             shapes = lambda s: jax.tree.map(  # noqa: E731

@@ -338,19 +338,13 @@ def nnx_marked(model: nnx.Module, cls: type) -> nnx.Module:
     return tagged
 
 
-def nnx_root_call(model: nnx.Module, *args, **kwargs):
-    """`model(*args, **kwargs)` scoped by its class, as linen scopes its root (`own_call`)."""
-    with jax.named_scope(type(model).__name__):
-        return model(*args, **kwargs)
-
-
 def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     pick = nnx_block(model, block, tokens)
     graphdef, params, rest = nnx.split(nnx_marked(model, pick.cls), nnx.Param, ...)
 
     def marked(params, tokens, rest):
-        out = nnx_root_call(nnx.merge(graphdef, params, rest), tokens)
+        out = flax_nnx.root_call(nnx.merge(graphdef, params, rest), tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
     return pick, marked, (params, tokens, _plain(rest))

@@ -341,3 +341,9 @@ def tags(model: nnx.Module, *args, classes=None, **kwargs) -> dict[str, jax.core
 
 
 __all__ = ["AUTO_TAG_CLASSES", "apply_remat", "auto_tag", "path_name", "remat", "tags"]
+
+
+def root_call(model: nnx.Module, *args, **kwargs):
+    """`model(*args, **kwargs)` scoped by its class, as linen scopes its root (`own_call`)."""
+    with jax.named_scope(type(model).__name__):
+        return model(*args, **kwargs)

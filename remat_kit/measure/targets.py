@@ -60,7 +60,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
-from remat_kit.errors import _closest
+from remat_kit.errors import _closest, install_command
 # PEAKS re-exported: the table is read as targets.PEAKS beside the targets it lists.
 from remat_kit.measure.chip_peaks import PEAKS, Roofline, of_chip
 from remat_kit.mesh import spec_text
@@ -310,16 +310,6 @@ def is_out_of_memory(error: "BaseException | str") -> bool:
 # ---------------------------------------------------------------------------
 # What a Target derives: devices, chip, versions
 # ---------------------------------------------------------------------------
-
-def install_command(extra: str) -> str:
-    """The pip command that adds `extra` where this package runs from: `pip install -e
-    '.[tpu]'` in a checkout (a pyproject.toml beside the package), else `pip install
-    'remat-kit[tpu]'`."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if os.path.exists(os.path.join(root, "pyproject.toml")):
-        return f"cd {root} && pip install -e '.[{extra}]'"
-    return f"pip install 'remat-kit[{extra}]'"
-
 
 def _need_libtpu() -> None:
     if importlib.util.find_spec("libtpu") is None:

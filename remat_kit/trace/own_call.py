@@ -7,7 +7,7 @@ jaxpr (no extra trace), as "the model's own call: 2 ops (slice, add)".
 Attribution reads each equation's name stack, which holds the module path: Flax linen
 scopes every module call (`jax.named_scope`, on by default via `flax_profile`),
 `rk.nnx.auto_tag` every NNX submodule's, and the providers an NNX root's by its class
-(`from_model.nnx_root_call`). An equation whose stack is the root module's alone is the
+(`flax.nnx.root_call`). An equation whose stack is the root module's alone is the
 model's own call, in linen and NNX alike. Where a root is not scoped (root None), an
 equation with no stack is named only if it is a matmul or a convolution (the next-token
 loss holds none), the FLOPs that matter. Only equations that read the batch

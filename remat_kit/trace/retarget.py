@@ -45,15 +45,21 @@ def describe(mesh: Mesh) -> str:
     return f"{axes} over {mesh.size} {mesh.devices.flat[0].platform} devices"
 
 
+def check_fits(mesh: Mesh, devices: Sequence, label: str) -> None:
+    """Raises MeshError where the model's own `mesh` has more devices than target
+    `label`'s `devices` (so the CLI refuses before it starts compiling)."""
+    if mesh.size > len(devices):
+        raise MeshError(
+            f"the model builds its own mesh ({describe(mesh)}) and target {label} has "
+            f"{len(devices)} device{'s' if len(devices) != 1 else ''}: name a target with "
+            f"at least {mesh.size}, or build the model's mesh over at most {len(devices)}")
+
+
 def _mesh(mesh: Mesh, devices: tuple, label: str, memo: dict) -> Mesh:
     if not mesh.axis_names or set(mesh.devices.flat) <= set(devices):
         return mesh  # the empty context mesh, or already the target's
     if id(mesh) not in memo:
-        if mesh.size > len(devices):
-            raise MeshError(
-                f"the model builds its own mesh ({describe(mesh)}) and target {label} has "
-                f"{len(devices)} device{'s' if len(devices) != 1 else ''}: name a target with "
-                f"at least {mesh.size}, or build the model's mesh over at most {len(devices)}")
+        check_fits(mesh, devices, label)
         ids = [d.id for d in mesh.devices.flat]
         # The model's own device order ([0, 2, 1, 3]) kept on the target's devices.
         chosen = ([devices[i] for i in ids] if max(ids) < len(devices)
