@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from remat_kit.trace import stand_in
 from remat_kit.trace.roles import kernel_name
 from remat_kit.units import fmt_flops
 
@@ -118,6 +119,11 @@ class Priced:
                      for (name, how, mask), ks in by_name.items()]
             notes.append("kernels priced from shapes (FlashAttention-2 accounting): "
                          + ", ".join(parts))
+        if any(k.name in (stand_in.FWD, stand_in.BWD) for k in self.kernels):
+            notes.append("cuDNN attention stood in for: this machine cannot build the cuDNN "
+                         "call, so the program was traced with a stand-in of its inputs, "
+                         "outputs and residuals (remat_kit.trace.stand_in), the kernel "
+                         "priced from its shapes")
         if self.unpriced:
             notes.append("FLOPs are a lower bound: custom calls left unpriced: "
                          + ", ".join(self.unpriced))
@@ -126,8 +132,10 @@ class Priced:
 
 def has_kernels(lowered_text: str) -> bool:
     """Whether a lowered program's StableHLO text holds a custom call that is not an
-    annotation: what `price` would find (its trace is skipped otherwise)."""
-    return any(t not in _ANNOTATIONS for t in _TARGET.findall(lowered_text))
+    annotation, or the cuDNN stand-in's call (`remat_kit.trace.stand_in`): what `price`
+    would find (its trace is skipped otherwise)."""
+    return any(t not in _ANNOTATIONS for t in _TARGET.findall(lowered_text)) or any(
+        f"call @{name}(" in lowered_text for name in (stand_in.FWD, stand_in.BWD))
 
 
 def added(costs: tuple[dict, tuple[str, ...]], priced: Priced) -> tuple[dict, tuple[str, ...]]:
@@ -197,7 +205,25 @@ def _block_fraction(name: str, eqn, values: dict, qk: list[int], seq_axis: int
             s_q, s_k = (eqn.invars[i].aval.shape[seq_axis] for i in qk)
             computed = np.count_nonzero(mask) / mask.shape[0]
             return min(1.0, computed * sizes[0] * sizes[1] / (s_q * s_k)), ""
+    if "mask_type" in eqn.params:  # cuDNN's attention and its stand-in
+        s_q, s_k = (eqn.invars[i].aval.shape[seq_axis] for i in qk)
+        return _mask_fraction(eqn.params, s_q, s_k,
+                              bool(eqn.params.get("variadic_args", (False,))[0]))
     return 1.0, "mask not read: priced unmasked"
+
+
+def _mask_fraction(params: dict, s_q: int, s_k: int, mask_array: bool) -> tuple[float, str]:
+    """(fraction of the s_q x s_k scores a cuDNN attention call computes, note) from its
+    `mask_type` (causal: key j <= query i) and `sliding_window_length` w (keys
+    i - w < j <= i); a bias or mask array (cuDNN's `variadic_args[0]`, has_bias) is not
+    read: its scores count in full."""
+    kind = str(getattr(params["mask_type"], "name", params["mask_type"])).lower()
+    rows = np.arange(s_q)
+    high = np.minimum(rows + 1, s_k) if "causal" in kind else np.full(s_q, s_k)
+    window = params.get("sliding_window_length")
+    low = np.maximum(rows + 1 - window, 0) if window else np.zeros(s_q, int)
+    fraction = float(np.clip(high - low, 0, None).sum()) / (s_q * s_k)
+    return fraction, "bias or mask array not read" if mask_array else ""
 
 
 def attention_flops(q_shape, k_shape, seq_axis: int = -2, fraction: float = 1.0) -> float:
