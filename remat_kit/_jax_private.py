@@ -168,5 +168,6 @@ def replacing_cudnn_attention(stand_in):
                 _nn_functions.cudnn_dot_product_attention = _SWAPPED["original"]
 
 
-__all__ = ["cudnn_version", "has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
-           "replacing_cudnn_attention", "saved_residuals", "scan_parts", "without_compilation_cache"]
+__all__ = ["cudnn_version", "has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p",
+           "num_tpu_chips", "replacing_cudnn_attention", "saved_residuals", "scan_parts",
+           "without_compilation_cache"]

@@ -1,7 +1,8 @@
 """Fused attention kernels priced from their shapes (remat_kit.measure.kernels), named
 `context`, and planned: splash (causal, local, grouped-query heads, segment ids) and the
-TPU flash kernel compiled for a TPU ahead of time; splash's gradients in interpret mode
-on the CPU equal no remat's."""
+TPU flash kernel compiled for a TPU ahead of time; MaxText's decoder on splash through
+`compare --model`; splash's gradients in interpret mode on the CPU, and
+dot_product_attention's XLA path's, equal no remat's."""
 
 import json
 
@@ -172,8 +173,13 @@ def _traced(work):
     return work.loss_for_policy(rk.parse("full")), *work.args
 
 
-def test_splash_grads_in_interpret_mode_equal_no_remat():
-    model, params, forward = kernel_nnx.make(B, 128, attention="splash", interpret=True)
+@pytest.mark.parametrize("config", [
+    {"attention": "splash", "interpret": True},
+    # the cuDNN call cannot run on a CPU (its stand-in prices, never runs): its XLA path
+    {"attention": "dpa", "implementation": "xla", "head_dim": 64}])
+def test_grads_on_the_cpu_equal_no_remat(config):
+    """Splash in interpret mode, and dot_product_attention's XLA path."""
+    model, params, forward = kernel_nnx.make(B, 128, **config)
     work = rk.from_model.workload(model, B, 128)
     tokens = jax.random.randint(jax.random.key(1), (B, 128), 0, 128, jnp.int32)
     rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), work.args[2])

@@ -259,4 +259,5 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
                     found.get("transcendentals"), seconds, notes, kernel_seconds)
 
 
-__all__ = ["Compiled", "compile_for", "compile_options", "costs", "costs_with_kernels", "lower", "on_target", "place"]
+__all__ = ["Compiled", "compile_for", "compile_options", "costs", "costs_with_kernels", "lower",
+           "on_target", "place"]
