@@ -124,10 +124,27 @@ class Priced:
                          "call, so the program was traced with a stand-in of its inputs, "
                          "outputs and residuals (remat_kit.trace.stand_in), the kernel "
                          "priced from its shapes")
+        notes += self._cudnn_rerun()
         if self.unpriced:
             notes.append("FLOPs are a lower bound: custom calls left unpriced: "
                          + ", ".join(self.unpriced))
         return tuple(notes)
+
+
+    def _cudnn_rerun(self) -> list[str]:
+        """A line where cuDNN attention's forward runs more often than its backward: the
+        backward reruns it, whatever the policy saves (JAX's cuDNN rule names none of
+        its residuals, unlike splash's `residual_checkpoint_name`)."""
+        calls = {kind: sum(k.calls for k in self.kernels if _CUDNN.search(k.name)
+                           and kind in k.name) for kind in ("fwd", "bwd")}
+        if calls["fwd"] <= calls["bwd"]:
+            return []
+        return [f"cuDNN attention's forward runs {calls['fwd']} times for {calls['bwd']} "
+                "backward: the backward reruns it, as JAX's cuDNN rule names none of its "
+                "residuals (its output and logsumexp), so saving `context` cannot keep them"]
+
+
+_CUDNN = re.compile(r"^(dot_product_attention|cudnn_attention)_(fwd|bwd)")
 
 
 def has_kernels(lowered_text: str) -> bool:
