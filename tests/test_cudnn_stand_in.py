@@ -68,6 +68,7 @@ def test_the_stand_in_has_cudnns_outputs_residuals_and_gradients():
     ({"is_causal": True}, CAUSAL, ""),
     # cuDNN's window with a causal mask: keys i - 64 < j <= i (jax passes w + 1 = 64).
     ({"is_causal": True, "local_window_size": (63, 0)}, (64 * 65 / 2 + 192 * 64) / T**2, ""),
+    ({"local_window_size": (63, 0)}, (64 * 65 / 2 + 192 * 64) / T**2, ""),  # left: causal too
     ({"with_bias": True}, 1.0, "bias or mask array not read")])
 def test_the_stand_in_is_priced_from_its_shapes_and_mask(kwargs, fraction, mask):
     """Forward F x the share of scores computed (grouped-query heads counted at the query's

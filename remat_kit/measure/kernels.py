@@ -19,8 +19,10 @@ recomputed):
   `mha_preprocess_backward`: delta = rowsum(o x dO)) 2 FLOPs per element of o;
 - F scaled by the fraction of key/query blocks the kernel computes: splash's
   block mask (its mask info, a constant of the program: 0 = block skipped);
-  other kernels' masks are not read and they are priced unmasked (an upper
-  bound, said in the note).
+  cuDNN's (and its stand-in's, `remat_kit.trace.stand_in`) `mask_type` and
+  `sliding_window_length`, counted per score; other kernels' masks, and a
+  bias or mask array, are not read and priced unmasked (an upper bound, said
+  in the note).
 
 A kernel with a `cost_estimate` is priced by it; XLA:TPU's cost analysis
 already counts that estimate, so it is not added again there. A kernel run
@@ -235,9 +237,9 @@ def _mask_fraction(params: dict, s_q: int, s_k: int, mask_array: bool) -> tuple[
     i - w < j <= i); a bias or mask array (cuDNN's `variadic_args[0]`, has_bias) is not
     read: its scores count in full."""
     kind = str(getattr(params["mask_type"], "name", params["mask_type"])).lower()
-    rows = np.arange(s_q)
-    high = np.minimum(rows + 1, s_k) if "causal" in kind else np.full(s_q, s_k)
-    window = params.get("sliding_window_length")
+    rows, window = np.arange(s_q), params.get("sliding_window_length")
+    # cuDNN's window is a left one, (i - w, i]: it bounds the keys above as causal does.
+    high = np.minimum(rows + 1, s_k) if "causal" in kind or window else np.full(s_q, s_k)
     low = np.maximum(rows + 1 - window, 0) if window else np.zeros(s_q, int)
     fraction = float(np.clip(high - low, 0, None).sum()) / (s_q * s_k)
     return fraction, "bias or mask array not read" if mask_array else ""
