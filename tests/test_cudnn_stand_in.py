@@ -10,7 +10,9 @@ import json
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
+from flax import nnx
 
 import remat_kit as rk
 from remat_kit import cli
@@ -148,3 +150,22 @@ def test_a_deviceless_gpu_target_compiles_the_stand_in():
                          target="gpu:h100")
     assert none.error is None and none.kernel_flops == pytest.approx(LAYERS * 3.5 * F * CAUSAL)
 
+
+
+def test_remat_model_compiles_to_compares_row_inside_the_stand_in(compared):
+    """A user's own train step of `rk.remat_model`'s model, traced inside
+    `cudnn_stand_in()` on this CPU: compare's program, FLOPs for FLOPs."""
+    records, _ = compared
+    with stand_in.cudnn_stand_in():
+        model = rk.remat_model(kernel_nnx.cudnn(), "maxtext:minimal_with_context")
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def loss(p, tokens):
+            logits = nnx.merge(graphdef, p)(tokens)[:, :-1].astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        compiled = lowering.compile_for(jax.value_and_grad(loss), params,
+                                        jax.ShapeDtypeStruct((B, T), jnp.int32), target="cpu")
+    row = records["maxtext:minimal_with_context"]
+    assert compiled.flops == row["flops"]
+    assert compiled.memory["temp_size_in_bytes"] == row["temp_size_in_bytes"]
