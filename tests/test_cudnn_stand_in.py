@@ -60,6 +60,15 @@ def test_the_stand_in_has_cudnns_outputs_residuals_and_gradients():
     grads = jax.eval_shape(jax.grad(lambda q, k, v, b, m: stand_in.cudnn_attention(
         q, k, v, b, m).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)), q, k, k, bias, mask)
     assert [(g.shape, g.dtype) for g in grads] == [(a.shape, a.dtype) for a in (q, k, k, bias)]
+    # Under jax.vmap (over 3 groups of the batch) it stays one call, at the folded batch.
+    vmapped = jax.ShapeDtypeStruct((3,) + q.shape, q.dtype)
+    assert jax.eval_shape(jax.vmap(stand_in.cudnn_attention, (0, None, None)), vmapped, k,
+                          k).shape == vmapped.shape
+    priced = kernels.price(jax.make_jaxpr(jax.grad(lambda q, k: jax.vmap(
+        stand_in.cudnn_attention, (0, None, None))(q, k, k).astype(jnp.float32).sum()))(
+        vmapped, k), "gpu")
+    assert [x.flops for x in priced.kernels] == [3 * 4 * B * 4 * 128 * 128 * D * f
+                                                 for f in (1, 2.5)]
     if not stand_in.cudnn_buildable():
         with pytest.raises(RuntimeError, match="cuDNN"):
             jax.make_jaxpr(lambda q: jax.nn.dot_product_attention(

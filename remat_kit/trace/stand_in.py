@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from remat_kit._jax_private import cudnn_version, has_nvidia_gpu, replacing_cudnn_attention
 
@@ -80,8 +80,24 @@ def _primitive(name: str, values) -> jcore.Primitive:
     return prim
 
 
+def _batch_rule(prim: jcore.Primitive):
+    """`jax.vmap` of `prim`: the mapped axis folded into every operand's leading batch
+    axis (an unmapped operand broadcast), so the kernel stays one call, priced at the
+    folded batch."""
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is None
+                 else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+        outs = prim.bind(*[m.reshape((-1,) + m.shape[2:]) for m in moved], **params)
+        return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+    batching.primitive_batchers[prim] = rule
+
+
 _fwd_p = _primitive(FWD, _fwd_values)
 _bwd_p = _primitive(BWD, _bwd_values)
+_batch_rule(_fwd_p)
+_batch_rule(_bwd_p)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
