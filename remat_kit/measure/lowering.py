@@ -209,7 +209,9 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         `peak.breakdown`): the program is then compiled, never read back from
         the figure cache or JAX's compilation cache (which would write none).
     Returns:
-      A `Compiled`.
+      A `Compiled`; cuDNN attention traced as its stand-in where `target` cannot build
+      it here (`remat_kit.trace.stand_in`), its kernels' FLOPs in `flops`
+      (`costs_with_kernels`).
     Raises:
       TargetError: a bad target, or libtpu missing.
       Exception: whatever tracing or the compiler raises (e.g.

@@ -123,6 +123,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       peak: also say what holds each program's peak (`Record.peak`,
         `remat_kit.measure.peak.breakdown`): the compile then writes XLA's
         buffer assignment to a temporary folder and reads it back.
+    cuDNN attention is traced as a stand-in where `target` cannot build it here
+    (`remat_kit.trace.stand_in`; the records' notes say so).
     Returns:
       One `Record` per distinct policy, in first-seen order. A policy that
       fails to trace, compile or run gives a record with `error` set (for
