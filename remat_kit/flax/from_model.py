@@ -38,7 +38,7 @@ from remat_kit.flax.blocks import (Instance, ModelError, Pick, has_parameters, p
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax import placement
-from remat_kit.trace import model_map, own_call, own_remat, regions, retarget
+from remat_kit.trace import model_map, own_call, own_remat, regions, retarget, stand_in
 from remat_kit.trace.marked import count_marked
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
@@ -407,6 +407,7 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
     return _workload(model, batch, seq, block, name, mesh, vocab_chunks, inputs, placed=True)
 
 
+@stand_in.standing_in  # cuDNN attention traced where this machine cannot build it
 def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunks: int,
               inputs, placed: bool) -> Workload:
     """`workload`; placed=False: the program one device runs (off any mesh, the
