@@ -413,7 +413,7 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
                                lambda: 0, steps.known(specs[i]))
         rows[i], max_units = fit_one(specs[i], at, extra, steps, search.budget_bytes, multiple,
                                       max_units, search.size.vary, search.size.shape,
-                                      search.devices, start_units, seen, search.at_zero,
+                                      search.devices, start_units, seen, search.floor,
                                       search.exact, limit)
         limit = rows[i].limit or limit
         if auto[i] and rows[i].picked in chooser.layer_specs:
