@@ -195,14 +195,14 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     Prediction, then verification: each compile goes to the boundary a curve through
     the sizes compiled so far predicts (`_predict`), and the answer is proved by the
     pair k, k + 1 (fits, does not). Step memory is close to a quadratic in the size,
-    so a policy usually takes 4 compiles: `start`, the line's boundary, the
-    quadratic's, and its neighbour; a prediction that does not halve the bracket
+    so a policy usually takes at most 4 compiles: `start`, the boundary of the line
+    from the floor (bytes_at(0)) through it, the quadratic's, and its neighbour; a prediction that does not halve the bracket
     twice in a row gives way to bisection, so the worst case is a binary search's.
 
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
     already probed (None if not probed or out of memory), for prediction;
-    bytes_at(0) may give the memory the step holds at no size at all (its
-    parameters, gradients and optimizer state), which is never compiled.
+    bytes_at(0) may give what every step holds at least (its parameters and
+    optimizer state), which is never compiled.
     `start`: the first unit probed, e.g. another policy's answer. `degree`: of the
     memory in the size (2 for seq, 1 for batch), `_predict`.
     """
@@ -302,7 +302,7 @@ class AutoRow:
 def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
              extra_compiles: Callable[[], int], steps: Steps, budget: int, multiple: int,
              max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
-             start: int, seen: dict[int, StepMemory], at_zero: int,
+             start: int, seen: dict[int, StepMemory], floor: int,
              exact: bool = False, limit: str | None = None) -> tuple[FitRow, int]:
     """One row: search the largest size where `at(size)` gives a fitting step.
 
@@ -311,14 +311,14 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
 
     at(size) -> (picked spec or None for a fixed policy, step or None if out of memory).
     seen: steps of this row compiled before, by size, for the search's prediction.
-    at_zero: the step's bytes at size 0 (parameters, gradients, optimizer state), a
-    point for the prediction that needs no compile.
+    floor: parameters plus optimizer state, bytes per device: every step holds at least
+    that, the prediction's point at size 0 (no compile).
     exact: max_units is the most the budget allows (`size_bound`): fitting there is not capped.
     limit: the workload's own limit found by an earlier row (max_units is below it).
     """
     before, extra_before = steps.total, extra_compiles()
     probes = []
-    known = {0: at_zero} | {s // multiple: m.total_bytes for s, m in seen.items()
+    known = {0: floor} | {s // multiple: m.total_bytes for s, m in seen.items()
                             if s % multiple == 0}
 
     trying = [0]  # the unit being compiled, where an error comes from
