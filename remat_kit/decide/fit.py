@@ -15,11 +15,11 @@ default; batch sizes: 1) and predicts, then verifies (`fit_search._search`):
 each compile goes to the size where a curve through the sizes compiled so far
 crosses the budget (a quadratic in seq: attention scores are
 [batch, heads, seq, seq]; a line in the batch), bisecting where predictions
-do not shrink the bracket. The first jump goes where a line from
-the floor (parameters plus optimizer state) through the first size meets the
-budget; a policy costs at most 4 compiles on the reference configs and the
-zoo's models (tests/test_fit_compiles.py), 2 to 4 from another policy's answer. The size found is exact: it
-fits and size + multiple does not, both compiled.
+do not shrink the bracket. The first jump goes where a line from the floor
+(parameters plus optimizer state) through the first size meets the budget; a
+policy costs at most 4 compiles on the reference configs and the zoo's models
+(tests/test_fit_compiles.py), 2 to 4 from another policy's answer. The size
+found is exact: it fits and size + multiple does not, both compiled.
 
 On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
 the workload's loss plus the update; the budget and every byte

@@ -1,8 +1,9 @@
 """fit's search: for one policy, the largest size whose compiled train step fits.
 
 `fit_one` searches sizes (multiples of the unit) for one policy: sizes compiled
-before predict the next (`_predict`, a line through the step bytes), then a
-bisection between the last fit and the first miss (`_search`); `Steps` keeps
+before predict the next (`_predict`: from the floor's line through the first
+size, then a curve through the compiled sizes), bisecting where predictions do
+not close in (`_search`); `Steps` keeps
 every compiled step, so rows share them; `AutoRow` is the planner's row,
 choosing at each size among its plan and the steps already compiled. The public
 call and its checks are `remat_kit.decide.fit.fit`.
@@ -139,7 +140,8 @@ def _root(coef, budget: int) -> float | None:
     return max(roots) if roots else None
 
 
-def _two_point_root(a: tuple[int, int], b: tuple[int, int], budget: int, degree: int) -> float | None:
+def _two_point_root(a: tuple[int, int], b: tuple[int, int], budget: int,
+                    degree: int) -> float | None:
     """Where a curve through two (unit, bytes) points meets the budget: the line for degree 1;
     for degree 2 the middle of the line's answer and the pure square's (no linear term). Every
     curve c0 + c1 k + c2 k² with c1, c2 >= 0 through both points meets the budget between
@@ -196,8 +198,9 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     the sizes compiled so far predicts (`_predict`), and the answer is proved by the
     pair k, k + 1 (fits, does not). Step memory is close to a quadratic in the size,
     so a policy usually takes at most 4 compiles: `start`, the boundary of the line
-    from the floor (bytes_at(0)) through it, the quadratic's, and its neighbour; a prediction that does not halve the bracket
-    twice in a row gives way to bisection, so the worst case is a binary search's.
+    from the floor (bytes_at(0)) through it, the quadratic's, and its neighbour; a
+    prediction that does not halve the bracket twice in a row gives way to bisection,
+    so the worst case is a binary search's.
 
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
     already probed (None if not probed or out of memory), for prediction;
