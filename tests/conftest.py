@@ -37,10 +37,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # and the quick ones left for the end let both processes finish together.
 SLOW_FIRST = ("test_targets", "test_plan", "test_train", "test_remat", "test_scan",
               "test_resume", "test_train_faults", "test_mesh", "test_schedule", "test_fit",
-              "test_from_model", "test_wrappers_robust", "test_plan_layers",
-              "test_gpu_truth", "test_multiprocess", "test_docs", "test_batch_models",
-              "test_model_map", "test_own_partitioning", "test_time_floor", "test_plan_emit",
-              "test_sharded_step")
+              "test_from_model", "test_train_own_model", "test_remat_model",
+              "test_wrappers_robust", "test_plan_layers", "test_gpu_truth", "test_multiprocess",
+              "test_docs", "test_batch_models", "test_model_map", "test_own_partitioning",
+              "test_time_floor", "test_plan_emit", "test_sharded_step")
 
 
 def pytest_collection_modifyitems(items):
