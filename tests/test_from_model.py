@@ -252,6 +252,8 @@ def test_cli_compare_explain_plan_fit_on_a_model(capsys, tmp_path):
         "FLOPs (largest seq)", 'paste: rk.remat_model(model, "full")  or  --config.remat=full']
     assert "Incompatible shapes for broadcasting" in row["limit"]
     assert all(size <= 32 for size, _ in row["probes"])
+    # A refused size bounds the bracket: the search bisects to the limit, not walks down to it.
+    assert len(row["probes"]) <= 3, row["probes"]
 
 
 def test_a_file_named_like_the_package_it_imports_loads(tmp_path):

@@ -324,11 +324,19 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
     known = {0: floor} | {s // multiple: m.total_bytes for s, m in seen.items()
                             if s % multiple == 0}
 
-    trying = [0]  # the unit being compiled, where an error comes from
+    refused: dict[int, str] = {}  # units the workload itself refuses to build
 
     def fits(k: int) -> bool:
-        trying[0] = k
-        _, m = at(k * multiple)
+        try:
+            _, m = at(k * multiple)
+        except SizeRefused as e:
+            if not any(0 < u < k for u in known):
+                raise
+            # A smaller size was built: the workload stops at a limit of its own (e.g. a
+            # learned position table). The search bounds its bracket there, as it does at a
+            # size out of memory, so it bisects down to the limit instead of walking it.
+            refused[k] = str(e)
+            return False
         probes.append((k * multiple, None if m is None else m.total_bytes))
         if m is not None:
             known[k] = m.total_bytes
@@ -337,20 +345,17 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
     def compiles() -> int:
         return steps.total - before + extra_compiles() - extra_before
 
-    while True:
-        try:
-            units, capped = _search(fits, known.get, budget, max_units, start,
-                                    2 if vary == "seq" else 1)
-            break
-        except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
-            k = trying[0]
-            if not isinstance(e, SizeRefused) or not any(0 < u < k for u in known):
-                error = str(e) if isinstance(e, SizeRefused) else f"{type(e).__name__}: {e}"
-                return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
-                              error=error), max_units
-            # A smaller size was built: the workload stops at a limit of its own (e.g. a
-            # learned position table), so search below it.
-            limit, max_units, start = str(e), k - 1, min(start, k - 1)
+    try:
+        units, capped = _search(fits, known.get, budget, max_units, start,
+                                2 if vary == "seq" else 1)
+    except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
+        error = str(e) if isinstance(e, SizeRefused) else f"{type(e).__name__}: {e}"
+        return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
+                      error=error), max_units
+    if refused:
+        first = min(refused)
+        limit, max_units = refused[first], first - 1
+        capped = capped or units == max_units
     capped = capped and (limit is not None or not exact)
     size = units * multiple
     if size == 0:
