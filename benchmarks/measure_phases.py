@@ -8,7 +8,7 @@ temporary folder): the first run compiles everything, the second reads back
 what the first kept (`figure_cache`, JAX's persistent cache). Each phase is
 timed where measure calls it (wall seconds, summed over policies):
 
-  staging    the value-and-grad traced with its residuals (`residuals._stage`)
+  staging    the value-and-grad traced with its residuals (`residuals.stage`)
   lowering   the staged program lowered to StableHLO (`lowering.lower`)
   compile    XLA's compile, on measure's worker threads (overlaps the above)
   figures    memory, FLOPs and the time model read from the compile
@@ -37,7 +37,7 @@ from remat_kit.models import get_config  # noqa: E402
 
 measure = importlib.import_module("remat_kit.measure.measure")  # rk.measure is the function
 from remat_kit.models import shortcuts  # noqa: E402
-PHASES = {"staging": (measure, "_stage"), "lowering": (lowering, "lower"),
+PHASES = {"staging": (measure, "stage"), "lowering": (lowering, "lower"),
           "compile": (measure._Compiles, "_compile"), "figures": (measure, "_figures"),
           "layer": (measure, "stack_stored_bytes")}
 

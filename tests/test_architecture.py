@@ -162,3 +162,64 @@ def test_long_finder_names_a_long_function_and_module(tmp_path):
     assert _too_long(tmp_path / "pkg") == [
         f"module pkg/long.py: {MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines",
         f"function pkg/long.py:f: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def _module_names(tree: ast.Module) -> dict[str, str]:
+    """{local name: dotted module} for the package's modules `tree` imports as modules."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("remat_kit") and a.asname:
+                    names[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat_kit"):
+            for a in node.names:
+                dotted = f"{node.module}.{a.name}"
+                path = PACKAGE.parent / dotted.replace(".", "/")
+                if path.with_suffix(".py").exists() or (path / "__init__.py").exists():
+                    names[a.asname or a.name] = dotted
+    return names
+
+
+def _private_imports(source: str) -> list[str]:
+    """Each `_`-name of another of the package's modules that `source` imports
+    (`from remat_kit.x import _y`) or reaches through an imported module (`x._y`)."""
+    tree, found = ast.parse(source), []
+    modules = _module_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat_kit"):
+            found += [f"{node.module}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in modules and node.attr.startswith("_")
+              and not node.attr.startswith("__")):
+            found.append(f"{modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_each_module_imports_only_public_names():
+    # A name another module needs is public in its own module (issue 47): `_jax_private`
+    # is a module whose names are public (its `__all__`); its own `_` says it wraps JAX's
+    # private API, and it is the one module that imports `jax._src`.
+    stray, jax_private = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name, source = path.relative_to(PACKAGE).as_posix(), path.read_text()
+        stray += [f"remat_kit/{name}: {what}" for what in _private_imports(source)]
+        if name != "_jax_private.py" and "jax._src" in "".join(
+                ast.unparse(n) for n in ast.walk(ast.parse(source))
+                if isinstance(n, (ast.Import, ast.ImportFrom))):
+            jax_private.append(name)
+    assert stray == [], "make these public in their own module, named for what they are"
+    assert jax_private == [], "import JAX's private API only in remat_kit/_jax_private.py"
+
+
+def test_private_imports_are_found():
+    source = ("from remat_kit.measure import residuals, _hidden\n"
+              "from remat_kit.errors import _closest, BadInput\n"
+              "import remat_kit.trace.workload as wl\n"
+              "x = residuals._stage(1) + wl._as_factory + residuals.stage\n"
+              "self._mine = BadInput._cls\n")
+    assert sorted(_private_imports(source)) == [
+        "remat_kit.errors._closest", "remat_kit.measure._hidden",
+        "remat_kit.measure.residuals._stage", "remat_kit.trace.workload._as_factory"]
+

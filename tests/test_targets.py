@@ -404,8 +404,8 @@ def test_plan_verifies_on_the_target(capsys):
 def test_a_one_chip_mesh_measures_as_no_mesh_staging_each_policy_once(monkeypatch):
     # A one-chip target's data:1 mesh: the program is the per-device program.
     staged = []
-    stage = measure._stage
-    monkeypatch.setattr(measure, "_stage", lambda *a: staged.append(1) or stage(*a))
+    real = measure.stage
+    monkeypatch.setattr(measure, "stage", lambda *a: staged.append(1) or real(*a))
     cfg, tpu = get_config("tiny", num_layers=1), targets.parse_target("tpu:v5e:1x1")
     alone = shortcuts.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False)
     assert len(staged) == 2

@@ -119,12 +119,12 @@ def _policies(args, cfg) -> list[str]:
 
 
 def _check_autos(specs, budget: int) -> None:
-    """BadInput for an auto spec whose budget is not the fit budget (`decide.fit._is_auto`)."""
-    from remat_kit.decide.fit import _is_auto
+    """BadInput for an auto spec whose budget is not the fit budget (`decide.fit.is_auto_spec`)."""
+    from remat_kit.decide.fit import is_auto_spec
     from remat_kit.errors import BudgetError
     for spec in specs:
         try:
-            _is_auto(spec, budget)
+            is_auto_spec(spec, budget)
         except BudgetError as e:
             raise BadInput(f"--policies: {e}") from None
 

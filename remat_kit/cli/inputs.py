@@ -37,7 +37,8 @@ def check_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an int in 1..MAX_INT, else ArgumentTypeError naming `text`."""
     try:
         value = int(text)
     except ValueError:
@@ -48,11 +49,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
+    """argparse type: 0 or a positive int (`positive_int`)."""
     if text.strip() == "0":
         return 0
     try:
-        return _positive_int(text)
+        return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 0 or a positive int (at most {MAX_INT}), "
                                          f"got {text!r}") from None

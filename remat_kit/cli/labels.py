@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit.policy.policy import Policy
-from remat_kit.trace.validate import _eqns
+from remat_kit.trace.validate import all_eqns
 
 
 def _most(counts: Counter) -> str | None:
@@ -41,7 +41,7 @@ def activation_dtype(workload) -> str | None:
     scan's body, a jit-ed call) walked into. None where it has no float matmul."""
     loss = workload.loss_for_policy(Policy(remat=False))
     jaxpr = jax.make_jaxpr(loss)(*workload.args).jaxpr
-    return _most(Counter(str(eqn.outvars[0].aval.dtype) for eqn in _eqns(jaxpr)
+    return _most(Counter(str(eqn.outvars[0].aval.dtype) for eqn in all_eqns(jaxpr)
                          if eqn.primitive.name == "dot_general"
                          and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)))
 

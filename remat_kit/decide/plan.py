@@ -92,7 +92,7 @@ from remat_kit.measure import targets
 from remat_kit.measure.record import Record
 from remat_kit.measure.time_checks import time_check
 from remat_kit.measure.time_model import OBJECTIVES
-from remat_kit.trace.workload import Workload, _as_factory, from_loss
+from remat_kit.trace.workload import Workload, as_factory, from_loss
 
 
 def _check_differentiable(args) -> None:
@@ -222,7 +222,7 @@ class Planner(PlannerCompiles, PlannerCosts):
             self.workload = from_loss(loss_fn, *args)
         _check_differentiable(args)
         self.step, self.optimizer = check_step(step), optimizer
-        self.loss_fn, self.args = _as_factory(loss_fn, len(args)), args
+        self.loss_fn, self.args = as_factory(loss_fn, len(args)), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
         # The progress line's phase, compiles so far, and compiles left where known.

@@ -28,7 +28,7 @@ from remat_kit.measure import figure_cache, targets
 from remat_kit.measure.lowering import compile_options
 from remat_kit.measure.measure import measure
 from remat_kit.measure.record import Record
-from remat_kit.measure.residuals import _stage
+from remat_kit.measure.residuals import stage
 from remat_kit.decide.cost_model import SAVE_TAGS
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import parse
@@ -190,7 +190,7 @@ class PlannerCompiles:
     def staged(self):
         """The loss traced under `SAVE_TAGS` (for the cost model and the fingerprint)."""
         if self._staged is None:
-            self._staged = _stage(self.loss_fn(SAVE_TAGS), self.args)
+            self._staged = stage(self.loss_fn(SAVE_TAGS), self.args)
         return self._staged
 
     def fingerprint(self) -> str:

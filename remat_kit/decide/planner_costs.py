@@ -18,7 +18,7 @@ from remat_kit.decide.cost_model import SAVE_TAGS, CostModel, Program, forward_j
 from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.measure import time_model
 from remat_kit.measure.record import Record
-from remat_kit.measure.residuals import _stage
+from remat_kit.measure.residuals import stage
 from remat_kit.policy.names import TAGS, is_path, register_emitted
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import parse
@@ -121,7 +121,7 @@ class PlannerCosts:
     def _build_model(self, base: str, groups: int, host_bandwidth) -> CostModel:
         """The `CostModel` as measured from the program, offload at `host_bandwidth`."""
         free = set(self.measure(Policy()).residual_bytes_by_tag)
-        staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
+        staged = (stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
                   if self.per_device is not None else self.staged)
         needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
         model = self.program.model(
@@ -196,7 +196,7 @@ class PlannerCosts:
                     fn, args = per_device or ((lambda _: loss), self.args)
                 else:
                     fn, args = self.per_device or (self.loss_fn, self.args)
-                program = _stage(fn(None if layered else policy), args).program
+                program = stage(fn(None if layered else policy), args).program
                 found = time_model.program_seconds(program.jaxpr, self.roofline,
                                                    self._eqn_cache)
             self._seconds[key] = found + self.transfer_seconds(policy)

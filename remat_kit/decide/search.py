@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
-from remat_kit.decide.plan_cache import Plan, _write_cache, cached_plan, layers_summary
+from remat_kit.decide.plan_cache import Plan, write_cache, cached_plan, layers_summary
 from remat_kit.errors import BudgetError
 from remat_kit.measure.measure import measure
 from remat_kit.measure.peak import held_line, vocab_chunks_for
@@ -291,7 +291,7 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
         offload_notes=tuple(offload_notes), model=dict(planner.made_for), step=planner.step,
         aliases=planner.aliases_of(policy))
     if planner.cache:
-        _write_cache(planner.cache, key, result)
+        write_cache(planner.cache, key, result)
     return result
 
 def frontier(planner, budgets: Sequence) -> list[Plan]:

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering, peak
-from remat_kit.measure.residuals import _stage
+from remat_kit.measure.residuals import stage
 from remat_kit.measure.step_times import random_like  # measure's random data, for timed runs
 from remat_kit.errors import RematSpecError, check_positive
 from remat_kit.decide.floor import train_state, tree_bytes
@@ -288,7 +288,7 @@ def step_peak(workload: Workload, policy: Policy, optimizer, target) -> dict:
     Raises: whatever tracing or compiling the step raises.
     """
     params, _, rest = train_state(workload, optimizer)
-    staged = _stage(workload.loss_for_policy(policy), (params, *rest))
+    staged = stage(workload.loss_for_policy(policy), (params, *rest))
     # The value-and-grad program with its residuals named, so the dump says which is which.
     marked = jaxpr_as_fun(peak.marked(staged.program, staged.residual_vars, staged.residuals))
     tree = jax.tree.structure(params)

@@ -17,7 +17,7 @@ from remat_kit.measure import targets
 from remat_kit.measure import lowering
 from remat_kit.policy.names import TAGS
 from remat_kit.policy.policy import Policy
-from remat_kit.measure.residuals import Residual, _aval_bytes, residuals
+from remat_kit.measure.residuals import Residual, aval_bytes, residuals
 from remat_kit.policy.spec import layer_policies
 from remat_kit.policy.spec import parse
 from remat_kit.trace import marked
@@ -114,7 +114,8 @@ class LayerBreakdown:
         return self.saved_bytes + self.offloaded_bytes
 
 
-def _is_param(r: Residual) -> bool:
+def is_param_residual(r: Residual) -> bool:
+    """Whether a residual is a parameter (an argument under `params`), not an activation."""
     return r.kind == "argument" and r.name.startswith("params")
 
 
@@ -122,7 +123,7 @@ def _block_stored_bytes(workload: Workload, policy: Policy) -> int:
     """One block's stored bytes: its residuals, less parameters and constants (the
     same in every block: `LayerBreakdown.constants`)."""
     fn, args = workload.block(policy)
-    return sum(r.nbytes for r in residuals(fn, *args) if not _is_param(r) and not r.constant)
+    return sum(r.nbytes for r in residuals(fn, *args) if not is_param_residual(r) and not r.constant)
 
 
 def _block_regions(jaxpr):
@@ -150,7 +151,7 @@ def blocks_differ(workload: Workload) -> str:
     shapes = [tuple((v.aval.shape, str(v.aval.dtype)) for v in e.invars) for e in found]
     if len(set(shapes)) == 1:
         return ""
-    sizes = [sum(_aval_bytes(v.aval) for v in e.invars) for e in found]
+    sizes = [sum(aval_bytes(v.aval) for v in e.invars) for e in found]
     return (f"the {len(found)} blocks differ in shape: their inputs (parameters and "
             f"activations) are {', '.join(f'{b:,}' for b in sizes)} bytes; one block's "
             "figures are the first block's, and L x them is no figure for the model")
@@ -211,7 +212,7 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
             decision = ("recomputed" if all(policy.decide(n) == "recompute" for n in names)
                         else "not needed")
             rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
-                                 _aval_bytes(aval), decision, names[1:]))
+                                 aval_bytes(aval), decision, names[1:]))
     unlisted = sum(r.nbytes for r in found if r not in listed)
     compiled = (None if target is None
                 else lowering.compile_for(jax.value_and_grad(f), *args, target=target))
@@ -261,10 +262,10 @@ def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
                              "its loss as a function instead")
         block, block_args = fn.block(layer_policies(policy, fn.num_layers)[0])
         return dataclasses.replace(
-            breakdown(policy, block, block_args, lambda r: not _is_param(r), fn.num_layers,
+            breakdown(policy, block, block_args, lambda r: not is_param_residual(r), fn.num_layers,
                       target, fn.notes), blocks_differ=blocks_differ(fn))
     return breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
 
 
 __all__ = ["LayerBreakdown", "LayerRow", "blocks_differ", "breakdown", "explain",
-           "stack_stored_bytes"]
+           "is_param_residual", "stack_stored_bytes"]

@@ -50,7 +50,7 @@ from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import Record, memory_kind
 from remat_kit.measure.costs import memory_fields
-from remat_kit.measure.residuals import _stage, split
+from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
 from remat_kit.trace import model_map
@@ -267,9 +267,9 @@ def _traced(run: _Run, policy: Policy, loss, staged) -> tuple:
     figures); where tracing fails, (the exception, {}), raised once the compile
     is known, so that a compile error is reported before a tracing one."""
     try:
-        local = (_stage(run.per_device[0](policy), run.per_device[1])
+        local = (stage(run.per_device[0](policy), run.per_device[1])
                  if run.per_device is not None
-                 else _stage(loss, run.local_args) if run.local_args is not None else staged)
+                 else stage(loss, run.local_args) if run.local_args is not None else staged)
         return local, (stack_stored_bytes(run.workload, policy, not run.differ)
                        if run.per_layer else {})
     except Exception as e:  # noqa: BLE001 - raised once the compile is known
@@ -428,7 +428,7 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target,
         begin = time.perf_counter()
         try:
             loss = loss_for_policy(policy)
-            staged = _stage(loss, args)
+            staged = stage(loss, args)
             program = (peak_of.marked(staged.program, staged.residual_vars, staged.residuals)
                        if marked else staged.program)
             lowered = lowering.lower(jaxpr_as_fun(lowering.on_target(program, target)),

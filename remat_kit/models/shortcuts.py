@@ -19,7 +19,7 @@ from remat_kit.decide import step as stepping
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.resolve import measure
 from remat_kit.measure import targets
-from remat_kit.measure.explain import LayerBreakdown, _is_param, breakdown
+from remat_kit.measure.explain import LayerBreakdown, is_param_residual, breakdown
 from remat_kit.measure.record import Record
 from remat_kit.models.config import TransformerConfig
 from remat_kit.models.program import layer_program, sized
@@ -117,7 +117,7 @@ def layer_residuals(cfg: TransformerConfig, batch: int, seq: int,
     cfg = _config(cfg, "layer_residuals")
     policy = parse(cfg.remat if policy is None else policy)
     apply, args = layer_program(cfg, batch, seq, policy)
-    return breakdown(policy, apply, args, lambda r: not _is_param(r), cfg.num_layers, target)
+    return breakdown(policy, apply, args, lambda r: not is_param_residual(r), cfg.num_layers, target)
 
 
 def config_planner(cfg, batch: int, seq: int, *, dtype: str | None = None, mesh=None,

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from remat_kit.policy import names
 from remat_kit.policy.budget import parse_budget
 from remat_kit.errors import RematSpecError, UnknownTagError
-from remat_kit.policy.policy import BASES, DECISIONS, MEMORY_KINDS, Policy, _use_parser
+from remat_kit.policy.policy import BASES, DECISIONS, MEMORY_KINDS, Policy, use_parser
 from remat_kit.policy.presets import (BARE_NAMES, CODEBASES, JAX_NAME_FUNCTIONS, PRESET_TABLE,
                                       PRESETS)
 from remat_kit.policy.schedule import Schedule, parse_schedule
@@ -467,4 +467,4 @@ def layer_policies(policy, num_layers: int) -> tuple:
     return out
 
 
-_use_parser(parse)  # `Policy() | "minimal"` parses through this module
+use_parser(parse)  # `Policy() | "minimal"` parses through this module
