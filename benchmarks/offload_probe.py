@@ -36,7 +36,7 @@ import sys
 from remat_kit.cli import commands as cli
 from remat_kit.errors import BudgetError
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 
 # name -> (config, batch, seq): scanned stacks, bf16 activations.
 MODELS = {

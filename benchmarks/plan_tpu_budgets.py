@@ -32,7 +32,7 @@ import time
 
 from remat_kit.cli import commands as cli
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 
 PRESETS = "none,full,dots_no_batch,selective,minimal,save_dot_with_context_except_mlp,save_qkv_proj"
 BUDGETS = "0.5,0.6,0.7,0.8"

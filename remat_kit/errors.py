@@ -42,6 +42,11 @@ def _around(spec: str, position: int) -> str:
             f"({len(spec)} characters)")
 
 
+class BadInput(ValueError):
+    """Input a command or script cannot use (a size, a path, a flag); the message is one
+    line for the user, naming the bad value."""
+
+
 class RematSpecError(ValueError):
     """A policy spec string (or Policy field) is malformed.
 

@@ -16,7 +16,7 @@ from remat_kit.measure.explain import explain
 from remat_kit.measure.lowering import compile_for
 from remat_kit.measure.residuals import stage
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import layer_residuals
+from remat_kit.api.configs import layer_residuals
 from remat_kit.policy.spec import parse
 
 GEMMA = importlib.import_module("tests.zoo.gemma_linen")  # rotary from position ids, a mask

@@ -14,7 +14,7 @@ from remat_kit.measure import targets
 from remat_kit.decide.cost_model import CostModel
 from remat_kit.models import get_config
 from remat_kit.decide.plan import CPU_OFFLOAD_NOTE, Planner
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 
 needs_libtpu = pytest.mark.skipif(
     __import__("importlib").util.find_spec("libtpu") is None, reason="needs libtpu")

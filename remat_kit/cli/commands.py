@@ -15,7 +15,7 @@ Each answer opens with the model map's line and the verdict (`remat_kit.cli.verd
 the chip, the policy, what it gives and costs, what to paste), then a table that fits
 100 columns (`--wide` for every column). `compare` measures every policy compile-only
 (`remat_kit.measure.measure`) and prints a table sorted by memory
-(`remat_kit.cli.report`). `explain` lists what one decoder layer saves, offloads and
+(`remat_kit.api.report`). `explain` lists what one decoder layer saves, offloads and
 recomputes under one policy. `plan` runs
 the budget planner (`remat_kit.decide.plan`) for each budget and sets its frontier
 against the best fixed preset that fits. `fit` finds the longest sequence
@@ -47,7 +47,7 @@ from remat_kit.cli import fit as fit_command
 from remat_kit.cli import plan as plan_command
 from remat_kit.cli import stops
 from remat_kit.cli.common import make_host_devices
-from remat_kit.cli.inputs import BadInput, non_negative_int, positive_int
+from remat_kit.api.inputs import BadInput, non_negative_int, positive_int
 from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS
 from remat_kit.models.config import DTYPES

@@ -84,7 +84,7 @@ def resizer(model, mesh: Mesh | None) -> tuple[Callable[[int, int], Workload], W
 
     model: a `Workload` (resized by `Workload.at`; its own mesh), or a function
     (batch, seq) -> Workload. A reference config becomes one of these above this
-    part (`remat_kit.models.shortcuts`).
+    part (`remat_kit.api.configs`).
     """
     if isinstance(model, Workload):
         if mesh is not None:

@@ -159,7 +159,7 @@ class TransformerConfig:
     @property
     def policy(self) -> Policy:
         """The parsed remat policy. Raises RematSpecError for an auto:budget= spec
-        not yet planned for this model's shapes (`remat_kit.models.shortcuts.resolve_config`)."""
+        not yet planned for this model's shapes (`remat_kit.api.configs.resolve_config`)."""
         policy = parse(self.remat)
         if isinstance(policy, AutoSpec):
             policy.to_jax()  # raises, naming how to resolve it

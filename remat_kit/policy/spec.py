@@ -70,7 +70,7 @@ class AutoSpec:
     def to_jax(self, tags=None):
         """Raises RematSpecError: an unresolved budget has no JAX policy."""
         raise RematSpecError(f"{self} must be resolved for a model before use: "
-                             "remat_kit.models.shortcuts.resolve_config(cfg, batch, seq) or "
+                             "remat_kit.api.configs.resolve_config(cfg, batch, seq) or "
                              "remat_kit.decide.plan(loss_fn, *args, budget=...)", token=str(self))
 
 
