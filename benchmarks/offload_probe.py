@@ -86,7 +86,7 @@ def run(name: str, budgets: list[float], target: str, bandwidth) -> list[str]:
         # policy that offloads nothing and fits: the bases, the plans tried, and the
         # probe's twin that saves every decided tag (the least recompute of all).
         best_plain = min([without[3]] + [
-            r.flops / plain.none_flops() for r in asked._compiled() + plain._compiled()
+            r.flops / plain.none_flops() for r in asked.compiled_records() + plain.compiled_records()
             if not r.offloaded_bytes and r.memory_bytes <= b * plain.none().memory_bytes])
         if with_[4] and with_[2] and with_[3] < best_plain * (1 - 1e-6):
             paid.append(f"{name} at {b}: {with_[0]} x{with_[3]:.4f} FLOPs (predicted step "

@@ -135,7 +135,7 @@ def test_plan_does_not_offload_where_the_probe_says_no(cpu_planner):
         "planned" in plan.offload_notes[0]
     # A compiled preset that offloads is no candidate either (it would be budgeted as saving).
     cpu_planner.measure_all(["minimal_offloaded"])
-    assert all(not r.offloaded_bytes for r in cpu_planner._compiled())
+    assert all(not r.offloaded_bytes for r in cpu_planner.compiled_records())
 
 
 def test_cost_model_charges_offload_its_share():

@@ -237,9 +237,9 @@ class PlannerCompiles:
         can give another policy less."""
         self.measure(Policy())
         none = self.none()
-        return min(r.memory_bytes for r in self._compiled()), none and none.memory_bytes
+        return min(r.memory_bytes for r in self.compiled_records()), none and none.memory_bytes
 
-    def _compiled(self) -> list[Record]:
+    def compiled_records(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures and,
         where offload is not planned (not asked for, or the offload probe shows it
         does not pay), offloads nothing (a preset such as minimal_offloaded is then
@@ -251,7 +251,7 @@ class PlannerCompiles:
     def _allowed(self, record: Record) -> bool:
         """Whether a compiled policy keeps to `bases`, `decide` and `no_remat` (full
         always does)."""
-        policy = self._policy_of(record)
+        policy = self.policy_of(record)
         for p in policy if isinstance(policy, tuple) else (policy,):
             if not p.remat and not self.no_remat:
                 return False

@@ -98,6 +98,11 @@ class PlannerCosts:
                 self._byte_share = min(1.0, max(MIN_BYTE_SHARE, grown))
         return self._byte_share
 
+    @property
+    def byte_share_measured(self) -> bool:
+        """Whether `byte_share` has been measured (its compile made), without measuring it."""
+        return self._byte_share is not None
+
     def offload_free_model(self) -> CostModel:
         """The uniform `CostModel` (base nothing, one decision per tag) without offload:
         what the offload probe reads its tag set from."""
@@ -161,7 +166,7 @@ class PlannerCosts:
                              f"to {max(layers, 1)} (the program's layers), or 'layers'")
         return self.groups, None
 
-    def _policy(self, saved, base: str, groups: int, offloaded=frozenset()):
+    def policy_from_items(self, saved, base: str, groups: int, offloaded=frozenset()):
         """The policy saving `saved` items and offloading `offloaded`: one Policy, or
         one per layer where they differ."""
         if groups == 1:
@@ -202,7 +207,7 @@ class PlannerCosts:
             self._seconds[key] = found + self.transfer_seconds(policy)
         return self._seconds[key]
 
-    def _policy_of(self, record: Record):
+    def policy_of(self, record: Record):
         """The Policy (or per-layer tuple) a compiled record measured."""
         return self._policies.get(record.policy) or parse(record.policy)
 
@@ -211,7 +216,7 @@ class PlannerCosts:
         predicted seconds), then its memory. Predicted seconds within
         `TIME_RESOLUTION` of no remat's are a tie, broken by FLOPs: the time
         model is not that accurate, and fewer FLOPs never cost time."""
-        policy = self._policy_of(record)
+        policy = self.policy_of(record)
         stored = record.memory_bytes + record.offloaded_bytes  # saving beats offloading
         if self.objective == "time":
             step = TIME_RESOLUTION * self.seconds(Policy(remat=False))
