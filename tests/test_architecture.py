@@ -8,6 +8,7 @@ run by `make test`); these tests keep what the contracts cannot say.
 
 import ast
 import pathlib
+import re
 
 import grimp
 import pytest
@@ -235,7 +236,7 @@ POLICY_PARSE_LEFT = {
     "decide/plan_cache.py": {"Plan.from_dict"},  # a cached plan's spec text, read back
     "decide/planner_compiles.py": {"PlannerCompiles.measure", "PlannerCompiles.peak",
                                    "PlannerCompiles.measure_all"},
-    "decide/planner_costs.py": {"PlannerCosts.seconds", "PlannerCosts._policy_of"},
+    "decide/planner_costs.py": {"PlannerCosts.seconds", "PlannerCosts.policy_of"},
     "decide/resolve.py": {"resolve"},
     "decide/step.py": {"one_policy"},
     "flax/measured.py": {"_planned_first"},
@@ -276,3 +277,41 @@ def test_the_root_imports_the_front_floor_and_the_value_types():
     sources = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
     assert sources <= ROOT_SOURCES, sorted(sources - ROOT_SOURCES)
     assert not any(isinstance(n, ast.Import) for n in tree.body)
+
+
+PLANNER_MODULES = {"decide/plan.py", "decide/planner_compiles.py", "decide/planner_costs.py"}
+
+
+def test_the_planner_is_used_through_its_public_methods():
+    # search.py, the offload probe, fit, the CLI: `planner.x`, never `planner._x` (issue 47).
+    stray = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name in PLANNER_MODULES:
+            continue
+        stray += [f"remat_kit/{name}:{n.lineno}: planner.{n.attr}"
+                  for n in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                  and n.value.id == "planner" and n.attr.startswith("_")]
+    assert stray == []
+
+
+# The parts top to bottom, as pyproject.toml's layers (flax and models side by side).
+PART_ORDER = {"api": 0, "decide": 1, "measure": 2, "flax": 3, "models": 3, "trace": 4,
+              "policy": 5}
+
+
+def _walk(text: str) -> list[str]:
+    """The modules of docs/architecture.md's walk: the `path.py`s before each numbered
+    line's first ": "."""
+    section = text.split("## The walk", 1)[1].split("\n## ", 1)[0]
+    return [path for line in section.splitlines() if re.match(r"\d+\. ", line)
+            for path in re.findall(r"`([\w/]+\.py)`", line.split(": ", 1)[0])]
+
+
+def test_the_walk_lists_real_modules_in_the_parts_order():
+    walk = _walk((PACKAGE.parent / "docs" / "architecture.md").read_text())
+    assert len(walk) > 10 and len(set(walk)) == len(walk), "each module once"
+    assert [p for p in walk if not (PACKAGE / p).exists()] == []
+    rank = [PART_ORDER.get(p.split("/")[0], len(PART_ORDER)) for p in walk]
+    assert rank == sorted(rank), list(zip(walk, rank))
