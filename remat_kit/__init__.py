@@ -17,23 +17,23 @@ specs and targets once); `rk.plan` is `remat_kit.api.answers.plan`, the `Planner
 friends are in `remat_kit.decide.plan`.
 """
 
-# The answers and namespaces from the front floor (`remat_kit.api`), the value types from
-# their own modules; nothing from the CLI.
-from remat_kit.api import (batch_model, estimate, explain, fit, from_model, layer_residuals,
-                           linen, measure, measure_config, mesh, models, nnx, plan, remat_model,
-                           report, roles, step_memory, targets)
+# The answers, functions and namespaces from the front floor (`remat_kit.api`); the value
+# types (and the constants of the vocabulary) from their own modules; nothing from the CLI.
+from remat_kit.api import (batch_model, checkpointed, emitted_tags, estimate, explain, fit,
+                           from_custom, from_model, layer_residuals, linen, measure,
+                           measure_config, mesh, models, nnx, parse, plan, register_tag,
+                           remat_model, report, residuals, roles, step_memory, tag, targets,
+                           validate)
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.plan_cache import Plan
 from remat_kit.errors import (BudgetError, MeshError, RematSpecError, UnknownModuleError,
                               UnknownTagError)
 from remat_kit.measure.record import Record
-from remat_kit.measure.residuals import residuals
-from remat_kit.policy.names import ALIASES, TAGS, register_tag, tag
+from remat_kit.policy.names import ALIASES, TAGS
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.presets import PRESETS
-from remat_kit.policy.spec import AutoSpec, from_custom, parse
-from remat_kit.trace.validate import emitted_tags, validate
-from remat_kit.trace.workload import Workload, checkpointed
+from remat_kit.policy.spec import AutoSpec
+from remat_kit.trace.workload import Workload
 
 __all__ = [
     "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
