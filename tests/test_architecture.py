@@ -240,7 +240,6 @@ POLICY_PARSE_LEFT = {
     "decide/resolve.py": {"resolve"},
     "decide/step.py": {"one_policy"},
     "flax/measured.py": {"_planned_first"},
-    "measure/explain.py": {"explain"},
     "measure/measure.py": {"_prepare", "measure"},
     "models/config.py": {"TransformerConfig.policy", "TransformerConfig.__post_init__"},
     "trace/validate.py": {"validate"},

@@ -12,7 +12,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from remat_kit.cli import main
 from remat_kit.flax.from_model import workload as model_workload
-from remat_kit.measure.explain import explain
+from remat_kit.api.answers import explain
 from remat_kit.measure.lowering import compile_for
 from remat_kit.measure.residuals import stage
 from remat_kit.models import get_config

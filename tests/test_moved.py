@@ -10,6 +10,7 @@ from remat_kit import errors
 
 MOVED = [
     ("remat_kit.decide.resolve", "measure", answers.measure, "remat_kit.api.answers"),
+    ("remat_kit.measure.explain", "explain", answers.explain, "remat_kit.api.answers"),
     ("remat_kit.models.shortcuts", "fit", configs.fit, "remat_kit.api.configs"),
     ("remat_kit.models.shortcuts", "measure_config", configs.measure_config,
      "remat_kit.api.configs"),

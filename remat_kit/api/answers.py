@@ -64,26 +64,44 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
 
 def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
             target: "str | targets.Target | None" = None) -> LayerBreakdown:
-    """What `fn` (a Workload's first block, or a function) saves, offloads and
-    recomputes under `policy`: one row per residual, bytes per row.
+    """What `fn` saves, offloads and recomputes under `policy`: one row per residual.
 
-    `remat_kit.measure.explain.explain` (see it for every argument), the policy
-    and the target parsed here once.
+    For a `Workload`, its first block alone under the policy, as the workload
+    wraps it (`Workload.block`); its input is a row, its parameters are
+    `parameter_bytes`. A function is wrapped in one remat region (`checkpointed`).
+    Either is traced under `jax.vjp`; nothing is computed or allocated.
 
     >>> import jax.numpy as jnp, remat_kit as rk
     >>> layer = lambda w, x: jnp.sum(jnp.tanh(x @ w))
     >>> rk.explain("full", layer, jnp.ones((8, 8)), jnp.ones((4, 8))).saved_bytes
     0
 
+    Args:
+      policy: a spec string or Policy (parsed here once).
+      fn: a `Workload` with blocks, or a function of arrays returning a scalar,
+        without remat of its own (e.g. one layer and a sum).
+      args: for a function, arrays or `jax.ShapeDtypeStruct`s.
+      target: if given (e.g. "tpu:v5e:1x1", `remat_kit.measure.targets`), also
+        compile `fn`'s value-and-grad (w.r.t. the first argument) for it:
+        `LayerBreakdown.compiled`.
+    Returns:
+      A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape, dtype,
+      bytes, decision) for every stored residual, then a row for each emitted tag
+      the policy recomputes ("recomputed") or keeps but the backward pass never
+      reads ("not needed"); values that depend on no parameter or activation are
+      `constants`, apart. Arguments are not rows: they are kept by reference, and
+      their bytes are `parameter_bytes`.
     Raises:
-      RematSpecError: the policy does not parse. TargetError: a bad target.
+      RematSpecError: the policy does not parse.
+      TargetError: a bad target, or libtpu / the CUDA plugin missing.
       TypeError: the workload given first, or `fn` not returning a scalar.
+      ValueError: a workload without blocks.
     """
     if isinstance(policy, Workload):  # rk.measure takes the workload first; explain does not
         raise TypeError(f"rk.explain takes (policy, workload): got the workload "
                         f"{policy.name!r} first; write rk.explain({fn!r:.40}, workload)")
-    return explaining.explain(parse(policy), fn, *args,
-                              target=None if target is None else targets.parse_target(target))
+    return explaining.explain_policy(
+        parse(policy), fn, *args, target=None if target is None else targets.parse_target(target))
 
 
 def plan(loss_fn: Callable, *args, budget, target=None, **kwargs) -> Plan:

@@ -1,5 +1,5 @@
 """`remat-kit explain`: what one decoder layer saves, offloads and recomputes under one
-policy (`remat_kit.measure.explain`), its constants on one line apart, and the whole
+policy (`rk.explain`, `remat_kit.api.answers`), its constants on one line apart, and the whole
 step's peak where asked."""
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def _one_target(args):
 def _breakdown(src, cfg, batch, seq, policy, target):
     """(the `LayerBreakdown` of one layer under `policy`, what the layer is called, the
     dtype for the title), after printing the model map: a config's decoder layer
-    (`layer_residuals`), or a --model's first block (`measure.explain`); BadInput for a
+    (`layer_residuals`), or a --model's first block (`rk.explain`); BadInput for a
     model with no block."""
-    from remat_kit.measure.explain import explain
+    from remat_kit.api.answers import explain
     from remat_kit.models.program import config_map
     from remat_kit.api.configs import layer_residuals
     if cfg is not None:

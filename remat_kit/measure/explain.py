@@ -1,8 +1,8 @@
 """What one block saves, offloads and recomputes under a policy, value by value.
 
-`explain` lists one row per residual of one block of a workload (or of any
-function), then each emitted tag the policy does not store, with the
-policy's decision. `stack_stored_bytes` sums the blocks of a stack measured
+`explain_policy` (for `rk.explain`) lists one row per residual of one block of a
+workload (or of any function), then each emitted tag the policy does not store, with
+the policy's decision. `stack_stored_bytes` sums the blocks of a stack measured
 one at a time: the figure Korthikanti et al. (2022, Table 2) tabulate.
 """
 
@@ -15,11 +15,11 @@ import jax
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
+from remat_kit.moved import moved
 from remat_kit.policy.names import TAGS
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.residuals import Residual, aval_bytes, residuals
 from remat_kit.policy.spec import layer_policies
-from remat_kit.policy.spec import parse
 from remat_kit.trace import marked
 from remat_kit.trace.validate import emitted_tags, policy_notes, tag_aliases
 from remat_kit.trace.workload import Workload, checkpointed
@@ -221,41 +221,14 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
                           notes=policy_notes(policy, tuple(emitted), missing))
 
 
-def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
-            target: "str | targets.Target | None" = None) -> LayerBreakdown:
-    """What `fn` saves, offloads and recomputes under `policy`: one row per residual.
+def explain_policy(policy: Policy, fn: "Callable | Workload", *args,
+                   target: "targets.Target | None" = None) -> LayerBreakdown:
+    """`rk.explain` (`remat_kit.api.answers.explain`, which parses the spec and the target
+    and documents every argument) on values: a `Policy`, a `Target` or None.
 
-    For a `Workload`, its first block alone under the policy, as the
-    workload wraps it (`Workload.block`); its input is a row, its parameters
-    are `parameter_bytes`. A function is wrapped in one remat region
-    (`checkpointed`). Either is traced under `jax.vjp`; nothing is computed
-    or allocated.
-
-    Args:
-      policy: a spec string or Policy.
-      fn: a `Workload` with blocks, or a function of arrays returning a
-        scalar, without remat of its own (e.g. one layer and a sum).
-      args: for a function, arrays or `jax.ShapeDtypeStruct`s.
-      target: if given (e.g. "tpu:v5e:1x1", `remat_kit.measure.targets`), also
-        compile `fn`'s value-and-grad (w.r.t. the first argument) for it:
-        `LayerBreakdown.compiled`.
-    Returns:
-      A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape,
-      dtype, bytes, decision) for every stored residual, then a row for each
-      emitted tag the policy recomputes ("recomputed") or keeps but the
-      backward pass never reads ("not needed"); values that depend on no
-      parameter or activation are `constants`, apart. Arguments are not rows:
-      they are kept by reference, and their bytes are `parameter_bytes`.
     Raises:
-      RematSpecError: the policy does not parse.
-      TargetError: a bad target, or libtpu / the CUDA plugin missing.
-      TypeError: `fn` does not return a scalar.
-      ValueError: a workload without blocks.
+      ValueError: a workload without blocks. TypeError: `fn` does not return a scalar.
     """
-    if isinstance(policy, Workload):  # rk.measure takes the workload first; explain does not
-        raise TypeError(f"rk.explain takes (policy, workload): got the workload "
-                        f"{policy.name!r} first; write rk.explain({fn!r:.40}, workload)")
-    policy = parse(policy)
     if isinstance(fn, Workload):
         if fn.block is None:
             raise ValueError(f"workload {fn.name!r} has no blocks to explain one of; explain "
@@ -267,5 +240,8 @@ def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
     return breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
 
 
-__all__ = ["LayerBreakdown", "LayerRow", "blocks_differ", "breakdown", "explain",
+__all__ = ["LayerBreakdown", "LayerRow", "blocks_differ", "breakdown", "explain_policy",
            "is_param_residual", "stack_stored_bytes"]
+
+# `explain` (it took a spec) moved to `remat_kit.api.answers` in round 5.
+__getattr__ = moved(__name__, {"explain": "remat_kit.api.answers"})
