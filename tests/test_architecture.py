@@ -164,6 +164,11 @@ def test_long_finder_names_a_long_function_and_module(tmp_path):
         f"function pkg/long.py:f: {MAX_FUNCTION_LINES + 1} lines"]
 
 
+MODULES = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
+                    if p.name == "__init__.py" else p.relative_to(PACKAGE.parent)
+                    .with_suffix("").parts) for p in PACKAGE.rglob("*.py")}
+
+
 def _module_names(tree: ast.Module) -> dict[str, str]:
     """{local name: dotted module} for the package's modules `tree` imports as modules."""
     names = {}
@@ -175,16 +180,16 @@ def _module_names(tree: ast.Module) -> dict[str, str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat_kit"):
             for a in node.names:
                 dotted = f"{node.module}.{a.name}"
-                path = PACKAGE.parent / dotted.replace(".", "/")
-                if path.with_suffix(".py").exists() or (path / "__init__.py").exists():
+                if dotted in MODULES:
                     names[a.asname or a.name] = dotted
     return names
 
 
-def _private_imports(source: str) -> list[str]:
-    """Each `_`-name of another of the package's modules that `source` imports
-    (`from remat_kit.x import _y`) or reaches through an imported module (`x._y`)."""
-    tree, found = ast.parse(source), []
+def _private_imports(source: "str | ast.Module") -> list[str]:
+    """Each `_`-name of another of the package's modules that `source` (text or its tree)
+    imports (`from remat_kit.x import _y`) or reaches through an imported module (`x._y`)."""
+    tree = ast.parse(source) if isinstance(source, str) else source
+    found = []
     modules = _module_names(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat_kit"):
@@ -203,11 +208,11 @@ def test_each_module_imports_only_public_names():
     # private API, and it is the one module that imports `jax._src`.
     stray, jax_private = [], []
     for path in sorted(PACKAGE.rglob("*.py")):
-        name, source = path.relative_to(PACKAGE).as_posix(), path.read_text()
-        stray += [f"remat_kit/{name}: {what}" for what in _private_imports(source)]
-        imported = [a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import)
-                    for a in n.names] + [n.module or "" for n in ast.walk(ast.parse(source))
-                                         if isinstance(n, ast.ImportFrom)]
+        name, tree = path.relative_to(PACKAGE).as_posix(), ast.parse(path.read_text())
+        stray += [f"remat_kit/{name}: {what}" for what in _private_imports(tree)]
+        imported = [a.name if isinstance(n, ast.Import) else n.module or ""
+                    for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                    for a in n.names]
         if name != "_jax_private.py" and any(m.startswith("jax._src") for m in imported):
             jax_private.append(name)
     assert stray == [], "make these public in their own module, named for what they are"
