@@ -26,7 +26,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fit.json"
-        cmd = [sys.executable, "-m", "remat_kit.cli.commands", "fit", "--config", "gpt2_small",
+        cmd = [sys.executable, "-m", "remat_kit.cli", "fit", "--config", "gpt2_small",
                "--budget", args.budget, "--vary", "seq", "--json", str(out)]
         start = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)

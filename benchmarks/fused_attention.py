@@ -1,13 +1,15 @@
 """Fused attention priced and planned: splash against its einsum twin at Llama-8B widths.
 
     python benchmarks/fused_attention.py [--seqs 2048,8192] [--target tpu:v5p:2x2x1]
-        [--batch 4] [--layers 4] [--attentions splash,einsum] [--policies none,full,...]
+        [--batch 4] [--layers 4] [--attentions splash,einsum,cudnn,xla]
+        [--policies none,full,...]
         [--json out.json]
 
 The model is `tests/zoo/kernel_nnx.py`'s Llama (d 4096, 32 query and 8 key/value heads
 of 128, MLP 14336, vocab 128256, bf16 activations) with its attention a splash kernel
 (causal, grouped-query heads, segment ids, `residual_checkpoint_name="context"`, as
-MaxText calls it) or the same attention written as einsums. Per sequence length,
+MaxText calls it), jax.nn.dot_product_attention's cuDNN kernel or its XLA path, or the
+same attention written as einsums. Per sequence length,
 attention and policy (none, full, minimal, minimal_with_context): FLOPs and the
 kernels' share (`remat_kit.measure.kernels`), the peak per chip, the predicted step
 and the compile seconds. Compile-only: no accelerator is needed.
@@ -21,6 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "full", "minimal", "maxtext:minimal_with_context")
+# --attentions: the zoo model's attention settings. cudnn: jax.nn.dot_product_attention's
+# cuDNN kernel (traced as remat_kit.trace.stand_in's stand-in where it cannot be built);
+# xla: its XLA path (dots and a softmax).
+ATTENTIONS = {"splash": {"attention": "splash"}, "einsum": {"attention": "einsum"},
+              "cudnn": {"attention": "dpa", "implementation": "cudnn"},
+              "xla": {"attention": "dpa", "implementation": "xla"}}
 LLAMA_8B = {"vocab": 128256, "dim": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
             "hidden": 14336, "dtype": "bfloat16"}
 
@@ -42,8 +50,8 @@ def main() -> None:
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
         for attention in args.attentions.split(","):
-            model, _, _ = kernel_nnx.make(args.batch, seq, abstract=True, attention=attention,
-                                          layers=args.layers, **LLAMA_8B)
+            model, _, _ = kernel_nnx.make(args.batch, seq, abstract=True, layers=args.layers,
+                                          **ATTENTIONS[attention], **LLAMA_8B)
             work = rk.from_model.workload(model, args.batch, seq)
             start = time.perf_counter()
             records = rk.measure(work, policies=args.policies.split(","), target=args.target)

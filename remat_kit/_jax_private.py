@@ -9,7 +9,10 @@ whether TPU chips or NVIDIA GPUs are attached (to set up the plugins for
 compile-only use on a machine without them); `jax._src.hardware_utils` does. Nor
 can one compile skip the persistent compilation cache (whose key leaves out
 `xla_dump_to`, so a hit writes no dump); `jax._src.config`'s thread-local
-state can. JAX
+state can. Nor can `jax.nn.dot_product_attention(implementation="cudnn")` be traced
+without the cuDNN library; the name it calls, `jax._src.nn.functions`'
+`cudnn_dot_product_attention`, is swapped for a stand-in while a program is traced
+for a target that cannot build the cuDNN call (`replacing_cudnn_attention`). JAX
 0.12 exports the `checkpoint_name` primitive as `jax.ad_checkpoint.name_p`; 0.11
 (the GPU machines' JAX) has it only in `jax._src.ad_checkpoint`. If a JAX release
 moves any of these, only this module changes.
@@ -41,6 +44,8 @@ from jax._src import compilation_cache as _compilation_cache  # noqa: E402
 from jax._src import config as _config  # noqa: E402
 from jax._src import hardware_utils  # noqa: E402
 from jax._src.lib import _jax, hlo  # noqa: E402
+from jax._src.nn import functions as _nn_functions  # noqa: E402
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention  # noqa: E402
 
 
 def hlo_text_cost_analysis(text: str, client) -> dict[str, float]:
@@ -131,5 +136,38 @@ def without_compilation_cache():
         _UNCACHED.on = before
 
 
-__all__ = ["has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p", "num_tpu_chips",
-           "saved_residuals", "scan_parts", "without_compilation_cache"]
+def cudnn_version() -> int | None:
+    """The cuDNN library's version JAX finds (e.g. 91900), or None where it finds none."""
+    try:
+        return int(_cudnn_attention.check_cudnn_version())
+    except (RuntimeError, AttributeError):
+        return None
+
+
+_SWAP = threading.Lock()
+_SWAPPED = {"depth": 0, "original": None}
+
+
+@contextlib.contextmanager
+def replacing_cudnn_attention(stand_in):
+    """A context (the whole process: tracing may run on any thread) in which
+    `jax.nn.dot_product_attention(implementation="cudnn")` calls `stand_in`, with the
+    arguments of jax's cuDNN `dot_product_attention`; nested uses keep the outermost
+    stand-in. The original is restored when the outermost context exits."""
+    with _SWAP:
+        if _SWAPPED["depth"] == 0:
+            _SWAPPED["original"] = _nn_functions.cudnn_dot_product_attention
+            _nn_functions.cudnn_dot_product_attention = stand_in
+        _SWAPPED["depth"] += 1
+    try:
+        yield
+    finally:
+        with _SWAP:
+            _SWAPPED["depth"] -= 1
+            if _SWAPPED["depth"] == 0:
+                _nn_functions.cudnn_dot_product_attention = _SWAPPED["original"]
+
+
+__all__ = ["cudnn_version", "has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p",
+           "num_tpu_chips", "replacing_cudnn_attention", "saved_residuals", "scan_parts",
+           "without_compilation_cache"]

@@ -1,7 +1,10 @@
 """Fused attention kernels priced from their shapes (remat_kit.measure.kernels), named
 `context`, and planned: splash (causal, local, grouped-query heads, segment ids) and the
-TPU flash kernel compiled for a TPU ahead of time; splash's gradients in interpret mode
-on the CPU equal no remat's."""
+TPU flash kernel compiled for a TPU ahead of time; MaxText's decoder on splash through
+`compare --model`; splash's gradients in interpret mode on the CPU, and
+dot_product_attention's XLA path's, equal no remat's."""
+
+import json
 
 import chex
 import jax
@@ -10,6 +13,7 @@ import optax
 import pytest
 
 import remat_kit as rk
+from remat_kit import cli
 from remat_kit.measure import kernels, lowering
 from remat_kit.trace.validate import policy_notes
 from tests.zoo import kernel_nnx
@@ -169,8 +173,13 @@ def _traced(work):
     return work.loss_for_policy(rk.parse("full")), *work.args
 
 
-def test_splash_grads_in_interpret_mode_equal_no_remat():
-    model, params, forward = kernel_nnx.make(B, 128, attention="splash", interpret=True)
+@pytest.mark.parametrize("config", [
+    {"attention": "splash", "interpret": True},
+    # the cuDNN call cannot run on a CPU (its stand-in prices, never runs): its XLA path
+    {"attention": "dpa", "implementation": "xla", "head_dim": 64}])
+def test_grads_on_the_cpu_equal_no_remat(config):
+    """Splash in interpret mode, and dot_product_attention's XLA path."""
+    model, params, forward = kernel_nnx.make(B, 128, **config)
     work = rk.from_model.workload(model, B, 128)
     tokens = jax.random.randint(jax.random.key(1), (B, 128), 0, 128, jnp.int32)
     rest = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), work.args[2])
@@ -185,3 +194,24 @@ def test_splash_grads_in_interpret_mode_equal_no_remat():
         s: jax.grad(loss)(p, t, r) for s, loss in losses.items()}))(params, tokens, rest)
     for spec, grads in got.items():
         chex.assert_trees_all_close(grads, want, rtol=1e-4, atol=1e-5, custom_message=spec)
+
+
+def test_maxtexts_decoder_on_splash_through_compare(tmp_path):
+    """MaxText's production TPU attention (flash: splash, `residual_checkpoint_name=
+    "context"`, a segment-id mask, scanned layers) through `compare --model`:
+    minimal_with_context keeps the kernel's result and logsumexp (and the out projection's
+    input, the result transposed), so it runs the kernel's forward once a layer;
+    save_out_proj keeps none of them and reruns it."""
+    out = tmp_path / "records.json"
+    assert cli.main(["compare", "--model", "tests/zoo/kernel_nnx.py:maxtext_splash",
+                     "--target", "tpu:v5e:1x1", "--batch", str(B), "--seq", str(T_TPU),
+                     "--policies", "maxtext:minimal_with_context,save_out_proj",
+                     "--json", str(out)]) == 0
+    rows = {r["names"][0]: r for r in json.loads(out.read_text())["records"]}
+    kept, out_proj = rows["maxtext:minimal_with_context"], rows["save_out_proj"]
+    result, lse = B * T_TPU * HEADS * D * 2, B * T_TPU * HEADS * 4  # bf16 result, f32 lse
+    assert kept["residual_bytes_by_tag"]["context"] == 2 * (2 * result + lse)
+    assert "context" not in out_proj["residual_bytes_by_tag"]
+    once = 2 * F_TPU * CAUSAL * (1 + 1.5 + 2)  # two layers: forward, dq, dk/dv
+    assert kept["kernel_flops"] == once and kept["kernel_flops"] <= kept["flops"]
+    assert out_proj["kernel_flops"] == once + 2 * F_TPU * CAUSAL

@@ -1,8 +1,9 @@
 """fit's search: for one policy, the largest size whose compiled train step fits.
 
 `fit_one` searches sizes (multiples of the unit) for one policy: sizes compiled
-before predict the next (`_predict`, a line through the step bytes), then a
-bisection between the last fit and the first miss (`_search`); `Steps` keeps
+before predict the next (`_predict`: from the floor's line through the first
+size, then a curve through the compiled sizes), bisecting where predictions do
+not close in (`_search`); `Steps` keeps
 every compiled step, so rows share them; `AutoRow` is the planner's row,
 choosing at each size among its plan and the steps already compiled. The public
 call and its checks are `remat_kit.decide.fit.fit`.
@@ -132,37 +133,61 @@ def _key(policy) -> str:
     return layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
 
 
+def _root(coef, budget: int) -> float | None:
+    """The largest positive real size where the polynomial `coef` (numpy order) meets `budget`."""
+    roots = [r.real for r in np.roots(np.asarray(coef, float) - np.eye(len(coef))[-1] * budget)
+             if abs(r.imag) < 1e-9 and r.real > 0]
+    return max(roots) if roots else None
+
+
+def _two_point_root(a: tuple[int, int], b: tuple[int, int], budget: int,
+                    degree: int) -> float | None:
+    """Where a curve through two (unit, bytes) points meets the budget: the line for degree 1;
+    for degree 2 the middle of the line's answer and the pure square's (no linear term). Every
+    curve c0 + c1 k + c2 k² with c1, c2 >= 0 through both points meets the budget between
+    those two, so the middle is off by at most half their distance."""
+    (k1, m1), (k2, m2) = sorted((a, b))
+    if m2 <= m1:
+        return None  # flat or falling: XLA's noise, no slope to go by
+    line = _root(np.polyfit([k1, k2], [m1, m2], 1), budget)
+    if degree == 1 or line is None:
+        return line
+    c2 = (m2 - m1) / (k2 * k2 - k1 * k1)
+    square = _root([c2, 0.0, m1 - c2 * k1 * k1], budget)
+    return line if square is None else (line + square) / 2
+
+
 def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None,
              degree: int = 2) -> int | None:
-    """The largest unit k whose memory a curve through the points nearest the bracket
-    predicts to fit: a quadratic through three where `degree` is 2 (attention scores
-    grow with seq²; a batch's memory is affine, `degree` 1), else a line through two;
-    None if no prediction can be made.
+    """The unit nearest to where a curve through the compiled points meets the budget; None
+    if no prediction can be made.
 
-    Compiled points come first, the last of them the farthest from the bracket. Unit 0
-    (no compile: the step's state alone) stands in only while too few sizes were
-    compiled, and only below every compiled figure (a step need not hold its
-    parameters, gradients and optimizer state all at once). Where the quadratic's
-    boundary falls outside the bracket (noise: XLA's buffer choices), the line
-    answers."""
-    if 0 in points and any(b <= points[0] for k, b in points.items() if k):
-        points = {k: b for k, b in points.items() if k}
-    near = sorted(points, key=lambda k: (k == 0, min(abs(k - lo), abs(k - (hi or lo)))))
-    guess = None
-    for n in (3, 2)[2 - degree:]:
-        if len(near) < n:
-            continue
-        # The nearest points, the last swapped for the farthest compiled one: adjacent
-        # sizes differ by little more than XLA's noise, so a wide base gives the slope.
-        far = max(near[n - 1:], key=lambda k: (k != 0, abs(k - near[0])))
-        xs = np.array([*near[:n - 1], far], float)
-        coef = np.polyfit(xs, np.array([points[k] for k in xs.astype(int)], float), n - 1)
-        roots = [r.real for r in np.roots(coef - np.eye(n)[-1] * budget)
-                 if abs(r.imag) < 1e-9 and r.real > 0]
-        guess = int(math.floor(max(roots))) if roots else None
-        if guess is not None and lo <= guess and (hi is None or guess < hi):
-            return guess
-    return guess
+    points: bytes by unit; unit 0, if given, is the step's floor (parameters and optimizer
+    state: every step holds at least that), used only while one size is compiled: the line
+    from it through that size over-estimates the slope by the step's constant workspace, so
+    the first jump lands below the answer, where a compile gives bytes (an out-of-memory
+    compile gives none). With two sizes, `_two_point_root`; with three or more and
+    `degree` 2 (attention scores grow with seq²), a quadratic through the two nearest the
+    bracket and the farthest (adjacent sizes differ by little more than XLA's noise, so a
+    wide base gives the slope), the two-point answer where it falls outside the bracket."""
+    real = {k: b for k, b in points.items() if k}
+    if not real:
+        return None
+    near = sorted(real, key=lambda k: min(abs(k - lo), abs(k - (hi or lo))))
+    far = max(near, key=lambda k: abs(k - near[0]))
+    if len(real) == 1:
+        floor = points.get(0)
+        if floor is None or floor >= real[near[0]]:
+            return None
+        guess = _two_point_root((0, floor), (near[0], real[near[0]]), budget, 1)
+    else:
+        guess = _two_point_root((near[0], real[near[0]]), (far, real[far]), budget, degree)
+    if degree == 2 and len(real) >= 3:
+        xs = [near[0], near[1] if near[1] != far else near[2], far]
+        quad = _root(np.polyfit(xs, [real[k] for k in xs], 2), budget)
+        if quad is not None and lo - 0.5 < quad < (hi if hi is not None else math.inf) - 0.5:
+            guess = quad
+    return None if guess is None else int(math.floor(guess + 0.5))
 
 
 def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
@@ -172,14 +197,15 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     Prediction, then verification: each compile goes to the boundary a curve through
     the sizes compiled so far predicts (`_predict`), and the answer is proved by the
     pair k, k + 1 (fits, does not). Step memory is close to a quadratic in the size,
-    so a policy usually takes 4 compiles: `start`, the line's boundary, the
-    quadratic's, and its neighbour; a prediction that does not halve the bracket
-    twice in a row gives way to bisection, so the worst case is a binary search's.
+    so a policy usually takes at most 4 compiles: `start`, the boundary of the line
+    from the floor (bytes_at(0)) through it, the quadratic's, and its neighbour; a
+    prediction that does not halve the bracket twice in a row gives way to bisection,
+    so the worst case is a binary search's.
 
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
     already probed (None if not probed or out of memory), for prediction;
-    bytes_at(0) may give the memory the step holds at no size at all (its
-    parameters, gradients and optimizer state), which is never compiled.
+    bytes_at(0) may give what every step holds at least (its parameters and
+    optimizer state), which is never compiled.
     `start`: the first unit probed, e.g. another policy's answer. `degree`: of the
     memory in the size (2 for seq, 1 for batch), `_predict`.
     """
@@ -208,9 +234,10 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
         else:
             k = guess
         if hi is not None and k >= hi:
-            # The curve says hi fits, but it did not (an out-of-memory compile gives no
-            # bytes to learn from): bisect, rather than walk down from hi.
-            k = (lo + hi) // 2
+            # The curve through hi's bytes puts the answer just below it; where hi ran out
+            # of memory (no bytes to learn from) the curve says hi fits: bisect, rather than
+            # walk down from hi.
+            k = hi - 1 if bytes_at(hi) is not None else (lo + hi) // 2
         # At or below lo: verify lo + 1 fails.
         k = min(max(k, lo + 1), max_units)
 
@@ -278,7 +305,7 @@ class AutoRow:
 def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
              extra_compiles: Callable[[], int], steps: Steps, budget: int, multiple: int,
              max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
-             start: int, seen: dict[int, StepMemory], at_zero: int,
+             start: int, seen: dict[int, StepMemory], floor: int,
              exact: bool = False, limit: str | None = None) -> tuple[FitRow, int]:
     """One row: search the largest size where `at(size)` gives a fitting step.
 
@@ -287,14 +314,14 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
 
     at(size) -> (picked spec or None for a fixed policy, step or None if out of memory).
     seen: steps of this row compiled before, by size, for the search's prediction.
-    at_zero: the step's bytes at size 0 (parameters, gradients, optimizer state), a
-    point for the prediction that needs no compile.
+    floor: parameters plus optimizer state, bytes per device: every step holds at least
+    that, the prediction's point at size 0 (no compile).
     exact: max_units is the most the budget allows (`size_bound`): fitting there is not capped.
     limit: the workload's own limit found by an earlier row (max_units is below it).
     """
     before, extra_before = steps.total, extra_compiles()
     probes = []
-    known = {0: at_zero} | {s // multiple: m.total_bytes for s, m in seen.items()
+    known = {0: floor} | {s // multiple: m.total_bytes for s, m in seen.items()
                             if s % multiple == 0}
 
     trying = [0]  # the unit being compiled, where an error comes from

@@ -7,11 +7,10 @@ a dict or object with a `logits` entry. `workload(model, batch, seq)`
    tokens[:, 1:] (`optax.softmax_cross_entropy_with_integer_labels`);
 2. finds its layers (`blocks.pick_block`): the unit its own library would remat,
    layers of one class differing in structure included; `block=` names them;
-3. traces the loss once with each layer call wrapped in a marked remat region
-   and every submodule output tagged by its path (`rk.linen.auto_tag`,
-   `rk.nnx.auto_tag`), infers each value's role (`remat_kit.trace.roles`), finds
-   the model's own remat (`remat_kit.trace.own_remat`: a whole layer's is taken
-   over by the policy), and
+3. traces the loss once, each layer call in a marked remat region and every submodule
+   output tagged by its path (`rk.linen.auto_tag`, `rk.nnx.auto_tag`), infers each value's
+   role (`trace.roles`), finds the model's own remat (`trace.own_remat`: a whole
+   layer's is taken over by the policy), and
 4. returns a workload whose loss runs each layer under the policy
    (`remat_kit.trace.regions`), with its model map (`Workload.model_map`).
 """
@@ -38,7 +37,7 @@ from remat_kit.flax.blocks import (Instance, ModelError, Pick, has_parameters, p
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax import placement
-from remat_kit.trace import model_map, own_call, own_remat, regions, retarget
+from remat_kit.trace import model_map, own_call, own_remat, regions, retarget, stand_in
 from remat_kit.trace.marked import count_marked
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
@@ -407,6 +406,7 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
     return _workload(model, batch, seq, block, name, mesh, vocab_chunks, inputs, placed=True)
 
 
+@stand_in.standing_in  # cuDNN attention traced where this machine cannot build it
 def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunks: int,
               inputs, placed: bool) -> Workload:
     """`workload`; placed=False: the program one device runs (off any mesh, the

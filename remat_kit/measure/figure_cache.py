@@ -15,7 +15,7 @@ The key is a SHA-256 of the lowered program's text (StableHLO, with its
 shardings), the target, the compiler and JAX versions, the compile options,
 the target's roofline figures, $XLA_FLAGS and $LIBTPU_INIT_ARGS, `FORMAT` and
 the source of the modules that compute the figures (`chip_peaks`, `costs`,
-`gpu_calls`, `loops`, `peak`, `targets`, `time_checks`, `time_model`): any
+`gpu_calls`, `kernels`, `loops`, `peak`, `targets`, `time_checks`, `time_model`): any
 change to the program or to what reads it misses. A hit skips the compile;
 residuals still come from the traced program. The folder sits beside JAX's cache
 (`cli.use_compile_cache`: $REMAT_KIT_COMPILE_CACHE, then "-figures"); with
@@ -45,6 +45,7 @@ import jax
 from remat_kit.measure import chip_peaks
 from remat_kit.measure import costs
 from remat_kit.measure import gpu_calls
+from remat_kit.measure import kernels
 from remat_kit.measure import loops
 from remat_kit.measure import peak
 from remat_kit.measure import sealed
@@ -74,7 +75,7 @@ COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts, "kernel_seconds": 
 def _code() -> str:
     """A digest of the code that turns a compile into figures."""
     return hashlib.sha256("".join(inspect.getsource(m) for m in (
-        chip_peaks, costs, gpu_calls, loops, peak, targets, time_checks,
+        chip_peaks, costs, gpu_calls, kernels, loops, peak, targets, time_checks,
         time_model)).encode()).hexdigest()
 
 

@@ -19,8 +19,10 @@ recomputed):
   `mha_preprocess_backward`: delta = rowsum(o x dO)) 2 FLOPs per element of o;
 - F scaled by the fraction of key/query blocks the kernel computes: splash's
   block mask (its mask info, a constant of the program: 0 = block skipped);
-  other kernels' masks are not read and they are priced unmasked (an upper
-  bound, said in the note).
+  cuDNN's (and its stand-in's, `remat_kit.trace.stand_in`) `mask_type` and
+  `sliding_window_length`, counted per score; other kernels' masks, and a
+  bias or mask array, are not read and priced unmasked (an upper bound, said
+  in the note).
 
 A kernel with a `cost_estimate` is priced by it; XLA:TPU's cost analysis
 already counts that estimate, so it is not added again there. A kernel run
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from remat_kit.trace import stand_in
 from remat_kit.trace.roles import kernel_name
 from remat_kit.units import fmt_flops
 
@@ -118,16 +121,40 @@ class Priced:
                      for (name, how, mask), ks in by_name.items()]
             notes.append("kernels priced from shapes (FlashAttention-2 accounting): "
                          + ", ".join(parts))
+        if any(k.name in (stand_in.FWD, stand_in.BWD) for k in self.kernels):
+            notes.append("cuDNN attention stood in for: this machine cannot build the cuDNN "
+                         "call, so the program was traced with a stand-in of its inputs, "
+                         "outputs and residuals (remat_kit.trace.stand_in), the kernel "
+                         "priced from its shapes")
+        notes += self._cudnn_rerun()
         if self.unpriced:
             notes.append("FLOPs are a lower bound: custom calls left unpriced: "
                          + ", ".join(self.unpriced))
         return tuple(notes)
 
 
+    def _cudnn_rerun(self) -> list[str]:
+        """A line where cuDNN attention's forward runs more often than its backward: the
+        backward reruns it, whatever the policy saves (JAX's cuDNN rule names none of
+        its residuals, unlike splash's `residual_checkpoint_name`)."""
+        calls = {kind: sum(k.calls for k in self.kernels if _CUDNN.search(k.name)
+                           and kind in k.name) for kind in ("fwd", "bwd")}
+        if calls["fwd"] <= calls["bwd"]:
+            return []
+        return [f"cuDNN attention's forward runs {calls['fwd']} times for {calls['bwd']} "
+                "backward: the backward reruns it, as JAX's cuDNN rule names none of its "
+                "residuals (its output and logsumexp), so saving `context` cannot keep them"]
+
+
+_CUDNN = re.compile(r"^(dot_product_attention|cudnn_attention)_(fwd|bwd)")
+
+
 def has_kernels(lowered_text: str) -> bool:
     """Whether a lowered program's StableHLO text holds a custom call that is not an
-    annotation: what `price` would find (its trace is skipped otherwise)."""
-    return any(t not in _ANNOTATIONS for t in _TARGET.findall(lowered_text))
+    annotation, or the cuDNN stand-in's call (`remat_kit.trace.stand_in`): what `price`
+    would find (its trace is skipped otherwise)."""
+    return any(t not in _ANNOTATIONS for t in _TARGET.findall(lowered_text)) or any(
+        f"call @{name}(" in lowered_text for name in (stand_in.FWD, stand_in.BWD))
 
 
 def added(costs: tuple[dict, tuple[str, ...]], priced: Priced) -> tuple[dict, tuple[str, ...]]:
@@ -197,7 +224,25 @@ def _block_fraction(name: str, eqn, values: dict, qk: list[int], seq_axis: int
             s_q, s_k = (eqn.invars[i].aval.shape[seq_axis] for i in qk)
             computed = np.count_nonzero(mask) / mask.shape[0]
             return min(1.0, computed * sizes[0] * sizes[1] / (s_q * s_k)), ""
+    if "mask_type" in eqn.params:  # cuDNN's attention and its stand-in
+        s_q, s_k = (eqn.invars[i].aval.shape[seq_axis] for i in qk)
+        return _mask_fraction(eqn.params, s_q, s_k,
+                              bool(eqn.params.get("variadic_args", (False,))[0]))
     return 1.0, "mask not read: priced unmasked"
+
+
+def _mask_fraction(params: dict, s_q: int, s_k: int, mask_array: bool) -> tuple[float, str]:
+    """(fraction of the s_q x s_k scores a cuDNN attention call computes, note) from its
+    `mask_type` (causal: key j <= query i) and `sliding_window_length` w (keys
+    i - w < j <= i); a bias or mask array (cuDNN's `variadic_args[0]`, has_bias) is not
+    read: its scores count in full."""
+    kind = str(getattr(params["mask_type"], "name", params["mask_type"])).lower()
+    rows, window = np.arange(s_q), params.get("sliding_window_length")
+    # cuDNN's window is a left one, (i - w, i]: it bounds the keys above as causal does.
+    high = np.minimum(rows + 1, s_k) if "causal" in kind or window else np.full(s_q, s_k)
+    low = np.maximum(rows + 1 - window, 0) if window else np.zeros(s_q, int)
+    fraction = float(np.clip(high - low, 0, None).sum()) / (s_q * s_k)
+    return fraction, "bias or mask array not read" if mask_array else ""
 
 
 def attention_flops(q_shape, k_shape, seq_axis: int = -2, fraction: float = 1.0) -> float:

@@ -24,7 +24,7 @@ from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.peak import dump_options
 from remat_kit.measure.targets import Target, TargetError, parse_target
-from remat_kit.trace import retarget
+from remat_kit.trace import retarget, stand_in
 from remat_kit.mesh import local_shape as _local
 
 # XLA CPU: LLVM optimization only changes the speed of the generated code,
@@ -166,12 +166,25 @@ def costs(compiled, target: Target, fn: Callable, local_leaves: Sequence):
                                f"{target} compile {why})",)
 
 
-def _kernels(lowered, fn: Callable, leaves: Sequence, target: Target) -> kernels.Priced:
-    """The custom calls of a lowered program priced from shapes (`kernels.price`);
-    traced again only where the program holds one (`kernels.has_kernels`)."""
+def costs_with_kernels(compiled, target: Target, fn: Callable, local_leaves: Sequence,
+                       program) -> tuple[dict, tuple[str, ...], kernels.Priced]:
+    """(`costs` of `compiled` with its fused kernels' FLOPs, notes, the kernels): the
+    one place a program's kernels priced from shapes (`kernels.price` of `program`,
+    its ClosedJaxpr; None where it holds no custom call) join its count, where the
+    compiler left them out (`kernels.added`). `measure`'s records and `compile_for`
+    both count here."""
+    priced = kernels.price(program, target.platform) if program is not None \
+        else kernels.Priced()
+    found, notes = kernels.added(costs(compiled, target, fn, local_leaves), priced)
+    return found, notes, priced
+
+
+def _kernel_program(lowered, fn: Callable, local_leaves: Sequence):
+    """The jaxpr of a lowered program, traced again only where it holds a custom call
+    that is not an annotation (`kernels.has_kernels`); else None."""
     if not kernels.has_kernels(lowered.as_text()):
-        return kernels.Priced()
-    return kernels.price(jax.make_jaxpr(fn)(*[_local(x) for x in leaves]), target.platform)
+        return None
+    return jax.make_jaxpr(fn)(*local_leaves)
 
 
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
@@ -196,13 +209,21 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         `peak.breakdown`): the program is then compiled, never read back from
         the figure cache or JAX's compilation cache (which would write none).
     Returns:
-      A `Compiled`.
+      A `Compiled`; cuDNN attention traced as its stand-in where `target` cannot build
+      it here (`remat_kit.trace.stand_in`), its kernels' FLOPs in `flops`
+      (`costs_with_kernels`).
     Raises:
       TargetError: a bad target, or libtpu missing.
       Exception: whatever tracing or the compiler raises (e.g.
         `jax.errors.JaxRuntimeError` for a program the compiler rejects).
     """
     target = parse_target(target)
+    with stand_in.for_target(target):  # cuDNN attention where it cannot be built
+        return _compile_for(fn, args, target, compile_only, donate, count_flops, dump)
+
+
+def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
+                 donate: tuple[int, ...], count_flops: bool, dump: str | None) -> Compiled:
     placed = place(args, target)
     leaves, tree = jax.tree.flatten(placed)
 
@@ -227,9 +248,10 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         with without_compilation_cache():
             compiled = lowered.compile(dump_options(options, dump))
     seconds = time.perf_counter() - start
-    priced = _kernels(lowered, flat, leaves, target) if count_flops else kernels.Priced()
-    found, notes = (kernels.added(costs(compiled, target, flat, [_local(x) for x in leaves]),
-                                  priced) if count_flops else ({}, ()))
+    local = [_local(x) for x in leaves]
+    found, notes, priced = (costs_with_kernels(compiled, target, flat, local,
+                                               _kernel_program(lowered, flat, local))
+                            if count_flops else ({}, (), kernels.Priced()))
     memory = memory_fields(compiled)
     kernel_seconds = kernels.seconds(priced, target.roofline) if priced.kernels else 0.0
     figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
@@ -239,4 +261,5 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                     found.get("transcendentals"), seconds, notes, kernel_seconds)
 
 
-__all__ = ["Compiled", "compile_for", "compile_options", "costs", "lower", "on_target", "place"]
+__all__ = ["Compiled", "compile_for", "compile_options", "costs", "costs_with_kernels", "lower",
+           "on_target", "place"]

@@ -53,7 +53,7 @@ from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
-from remat_kit.trace import model_map
+from remat_kit.trace import model_map, stand_in
 from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
 
@@ -123,6 +123,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       peak: also say what holds each program's peak (`Record.peak`,
         `remat_kit.measure.peak.breakdown`): the compile then writes XLA's
         buffer assignment to a temporary folder and reads it back.
+    cuDNN attention is traced as a stand-in where `target` cannot build it here
+    (`remat_kit.trace.stand_in`; the records' notes say so).
     Returns:
       One `Record` per distinct policy, in first-seen order. A policy that
       fails to trace, compile or run gives a record with `error` set (for
@@ -138,17 +140,18 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     workload = _as_workload(workload, args)
     parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
     names = names if names is not None else [str(p) for p in policies]
-    run, groups, data = _prepare(workload, parsed, names, target, time_steps, sample_args,
-                                 per_device, per_layer, peak)
-    programs = _lowered(run, groups, time_steps)
-    records, timed = [], {}  # timed: index in records -> compiled, run after every compile
-    for i, program in enumerate(programs):
-        record, compiled = _measured(run, *program)
-        if compiled is not None and data is not None:
-            timed[len(records)] = compiled
-        records.append(record)
-        if progress is not None:
-            progress(i + 1, len(programs), record)
+    with stand_in.for_target(target):  # cuDNN attention where it cannot be built
+        run, groups, data = _prepare(workload, parsed, names, target, time_steps,
+                                     sample_args, per_device, per_layer, peak)
+        programs = _lowered(run, groups, time_steps)
+        records, timed = [], {}  # timed: index in records -> compiled, run after compiles
+        for i, program in enumerate(programs):
+            record, compiled = _measured(run, *program)
+            if compiled is not None and data is not None:
+                timed[len(records)] = compiled
+            records.append(record)
+            if progress is not None:
+                progress(i + 1, len(programs), record)
     return step_times.with_step_times(records, timed, data, time_steps) if timed else records
 
 
@@ -322,15 +325,14 @@ def _figures(compiled, target, local) -> dict:
     """What a record reads from a compile, JSON-ready (`figure_cache` keeps it):
     {"memory": `memory_fields`, "flops", "transcendentals" (`lowering.costs`, at
     the per-device program `local`, with its kernels priced from shapes:
-    `kernels.price`), "kernel_flops" (theirs, in "flops"), "predicted_seconds",
+    `lowering.costs_with_kernels`), "kernel_flops" (theirs, in "flops"), "predicted_seconds",
     "cost_notes", "time_notes"}.
 
     Raises:
       time_checks.BelowFloor: a predicted step faster than the target's peaks.
     """
-    priced = kernels.price(local.program, target.platform)
-    costs, cost_notes = kernels.added(lowering.costs(
-        compiled, target, jaxpr_as_fun(local.program), local.leaves), priced)
+    costs, cost_notes, priced = lowering.costs_with_kernels(
+        compiled, target, jaxpr_as_fun(local.program), local.leaves, local.program)
     predicted, time_notes = _predicted_seconds(compiled, target, priced)
     if predicted is not None and costs.get("flops") is not None:
         time_checks.check_floor(predicted, target.roofline, costs["flops"],

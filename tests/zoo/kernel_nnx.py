@@ -7,10 +7,14 @@
   `residual_checkpoint_name="context"` naming the kernel's result and
   logsumexp;
 - "flash": the TPU flash kernel (`pallas.ops.tpu.flash_attention`, causal);
-- "dpa": `jax.nn.dot_product_attention`, `implementation` None or "xla";
+- "dpa": `jax.nn.dot_product_attention`, `implementation` None, "xla" or "cudnn"
+  (traced with remat_kit's stand-in where this machine cannot build the cuDNN call,
+  `remat_kit.trace.stand_in`);
 - "einsum": the same causal attention written out (the twin the kernels are
   checked against).
-`interpret=True` runs splash in interpret mode (on a CPU).
+`interpret=True` runs splash in interpret mode (on a CPU). `scan=True` stacks the
+layers and runs them by `nnx.scan`, as MaxText's scanned decoder does.
+`maxtext_splash()` and `cudnn()` are `--model` factories.
 
 tokens int32 [batch, seq] -> logits float32 [batch, seq, vocab].
 """
@@ -41,6 +45,7 @@ class KernelConfig:
     implementation: str | None = None  # "dpa" only
     interpret: bool = False
     dtype: str = "float32"  # of the activations (parameters stay float32)
+    scan: bool = False  # the layers stacked and run by nnx.scan
 
 
 def _splash(c: KernelConfig, q, k, v):
@@ -107,14 +112,28 @@ class Block(nnx.Module):
 
 class KernelLM(nnx.Module):
     def __init__(self, c: KernelConfig, *, rngs: nnx.Rngs):
+        self.scan = c.scan
         self.embed = nnx.Embed(c.vocab, c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
-        self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
+        if c.scan:
+            @nnx.split_rngs(splits=c.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs):
+                return Block(c, rngs=rngs)
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
         self.norm = nnx.RMSNorm(c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
+        if self.scan:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x, block):
+                return block(x)
+            x = run(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.embed.attend(self.norm(x))
 
 
@@ -126,3 +145,18 @@ def make(batch: int, seq: int, abstract: bool = False, **config):
     model = nnx.eval_shape(build) if abstract else nnx.jit(build)()
     graphdef, params = nnx.split(model, nnx.Param)
     return model, params, lambda p, tok: nnx.merge(graphdef, p)(tok)
+
+
+def maxtext_splash() -> KernelLM:
+    """`--model` factory: MaxText's decoder at its TPU production setting (attention=flash,
+    i.e. splash with `residual_checkpoint_name="context"` and a segment-id mask; scanned
+    layers), 2 layers of d 256, bf16 activations; abstract."""
+    c = KernelConfig(attention="splash", scan=True, dtype="bfloat16")
+    return nnx.eval_shape(lambda: KernelLM(c, rngs=nnx.Rngs(0)))
+
+
+def cudnn() -> KernelLM:
+    """`--model` factory: `jax.nn.dot_product_attention(implementation="cudnn")`, causal,
+    grouped-query heads (2 of 64 over 1 key/value head), bf16 activations; abstract."""
+    c = KernelConfig(attention="dpa", implementation="cudnn", head_dim=64, dtype="bfloat16")
+    return nnx.eval_shape(lambda: KernelLM(c, rngs=nnx.Rngs(0)))

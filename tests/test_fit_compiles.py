@@ -1,0 +1,93 @@
+"""fit on real compiles: the answer of a plain binary search (`binary_search`, the test helper
+of tests/test_fit_search.py) in at most 4 compiles of the policy, from nothing (the row's first
+probe is one unit), on the reference configs and two zoo models, varying seq and the batch, on
+the XLA CPU compiler and XLA:TPU (v5e, ahead of time).
+
+Both searches share one memo of compiled steps, so the binary search compiles only the sizes
+fit did not; a module fixture runs each case once. Shapes are tiny: a compile is seconds."""
+
+import importlib
+import importlib.util
+
+import jax
+import pytest
+
+from remat_kit.decide.step import default_optimizer, one_policy, resizer
+from remat_kit.flax.from_model import workload
+from remat_kit.models import TransformerConfig, get_config
+from remat_kit.models.program import workload as config_workload
+from remat_kit.api.configs import fit
+from tests.test_fit_search import binary_search
+from tests.zoo import gpt_linen, llama_nnx
+
+fit_mod = importlib.import_module("remat_kit.decide.fit")
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed")
+
+
+def _zoo(module, abstract_make=False):
+    model = module.make(1, 16, abstract=True)[0] if abstract_make else module.model()
+    return workload(model, 2, 16)
+
+
+# (model, vary, fit's sizes, budget bytes, target): answers of 5 to 7 units.
+CASES = {
+    "tiny-seq-cpu": (lambda: get_config("tiny"), "seq", dict(batch=2, multiple=16), 4 * 2**20,
+                     None),
+    "tiny_llama-batch-cpu": (lambda: get_config("tiny_llama"), "batch", dict(seq=32),
+                             4 * 2**20, None),
+    "gpt_linen-seq-cpu": (lambda: _zoo(gpt_linen), "seq", dict(batch=2, multiple=4), 580_000,
+                          None),
+    "llama_nnx-batch-cpu": (lambda: _zoo(llama_nnx, True), "batch", dict(seq=16), 700_000,
+                            None),
+    "tiny_llama-seq-v5e": (lambda: get_config("tiny_llama"), "seq", dict(batch=2, multiple=16),
+                           4_800_000, "tpu:v5e:1x1"),
+    "gpt_linen-batch-v5e": (lambda: _zoo(gpt_linen), "batch", dict(seq=16), 1_550_000,
+                            "tpu:v5e:1x1"),
+}
+
+
+@pytest.fixture(scope="module")
+def memo():
+    """Compiled steps by (policy, argument shapes, target), shared by fit and the binary search."""
+    return {}
+
+
+def _run(case: str, memo: dict, monkeypatch) -> tuple[int, int, tuple]:
+    """(fit's size, the binary search's size, fit's probes) of one case."""
+    make, vary, sizes, budget, target = CASES[case]
+    model = make()
+    compile_step = fit_mod.compile_step
+
+    def memoized(work, policy, optimizer, target_):
+        key = (str(policy), str([a.shape for a in jax.tree.leaves(work.args)]), target_.label)
+        if key not in memo:
+            memo[key] = compile_step(work, policy, optimizer, target_)
+        return memo[key]
+    monkeypatch.setattr(fit_mod, "compile_step", memoized)
+    (row,) = fit(model, budget, vary=vary, policies=["full"], target=target, **sizes).rows
+    assert row.error is None and not row.capped
+    unit = sizes.get("multiple", 1)
+    shape = ((lambda k: (sizes["batch"], k * unit)) if vary == "seq"
+             else (lambda k: (k * unit, sizes["seq"])))
+    # A config is resized as a workload of its program (as fit's shortcut does).
+    at = resizer(config_workload(model, 2, 16) if isinstance(model, TransformerConfig)
+                 else model, None)[0]
+    parsed = fit_mod.targets.parse_target(target)
+
+    def fits(k):
+        step = memoized(at(*shape(k)), one_policy("full"), default_optimizer(), parsed)
+        return step.total_bytes <= budget
+    return row.size, binary_search(fits, 4096) * unit, row.probes
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=needs_libtpu) if c.endswith("v5e") else c for c in CASES])
+def test_fit_gives_the_binary_search_answer_in_4_compiles(case, memo, monkeypatch):
+    size, expect, probes = _run(case, memo, monkeypatch)
+    assert size == expect > 0, probes
+    assert len(probes) <= 4, probes
+    # The answer is proved by compiles: it fits, one unit more does not.
+    sizes = dict(probes)
+    unit = CASES[case][2].get("multiple", 1)
+    assert sizes[size] <= CASES[case][3] < sizes[size + unit]
