@@ -242,12 +242,10 @@ POLICY_PARSE_LEFT = {
     "decide/planner_compiles.py": {"PlannerCompiles.measure", "PlannerCompiles.peak",
                                    "PlannerCompiles.measure_all"},
     "decide/planner_costs.py": {"PlannerCosts.seconds", "PlannerCosts.policy_of"},
-    "decide/resolve.py": {"resolve"},
     "decide/step.py": {"one_policy"},
     "flax/measured.py": {"_planned_first"},
-    "measure/measure.py": {"_prepare", "measure"},
+    "measure/measure.py": {"measure"},
     "models/config.py": {"TransformerConfig.policy", "TransformerConfig.__post_init__"},
-    "trace/validate.py": {"validate"},
     "trace/wrapping.py": {"module_policy"},
 }
 

@@ -11,6 +11,7 @@ from remat_kit import errors
 MOVED = [
     ("remat_kit.decide.resolve", "measure", answers.measure, "remat_kit.api.answers"),
     ("remat_kit.measure.explain", "explain", answers.explain, "remat_kit.api.answers"),
+    ("remat_kit.trace.validate", "validate", answers.validate, "remat_kit.api.answers"),
     ("remat_kit.models.shortcuts", "fit", configs.fit, "remat_kit.api.configs"),
     ("remat_kit.models.shortcuts", "measure_config", configs.measure_config,
      "remat_kit.api.configs"),
@@ -35,3 +36,11 @@ def test_an_old_path_gives_the_same_object_and_names_the_new_one(old, name, valu
 def test_a_name_that_never_was_there_is_an_attribute_error():
     with pytest.raises(AttributeError, match="remat_kit.decide.resolve.*'nothing'"):
         importlib.import_module("remat_kit.decide.resolve").nothing
+
+
+def test_resolve_takes_parsed_policies_only():
+    # rk.measure parses the specs once (README, "Changes"); a string below it is a TypeError.
+    from remat_kit.decide.resolve import resolve
+    from remat_kit.measure import targets
+    with pytest.raises(TypeError, match="resolve takes parsed policies.*rk.parse"):
+        resolve(["full"], lambda x: x, target=targets.parse_target(None))

@@ -18,7 +18,7 @@ namespaces `rk` shows (`report`, `linen`,
 
 from remat_kit import mesh, models
 from remat_kit.api import report
-from remat_kit.api.answers import explain, measure, plan, remat_model
+from remat_kit.api.answers import explain, measure, plan, remat_model, validate
 from remat_kit.api.configs import fit, layer_residuals, measure_config, step_memory
 from remat_kit.flax import batch_model, from_model, linen, nnx
 from remat_kit.measure import estimate, targets
@@ -26,7 +26,7 @@ from remat_kit.measure.residuals import residuals
 from remat_kit.policy.names import register_tag, tag
 from remat_kit.policy.spec import from_custom, parse
 from remat_kit.trace import roles
-from remat_kit.trace.validate import emitted_tags, validate
+from remat_kit.trace.validate import emitted_tags
 from remat_kit.trace.workload import checkpointed
 
 __all__ = ["batch_model", "checkpointed", "emitted_tags", "estimate", "explain", "fit",

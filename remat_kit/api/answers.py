@@ -18,6 +18,7 @@ from remat_kit.measure.explain import LayerBreakdown
 from remat_kit.measure.record import Record
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.trace.validate import check_policy
 from remat_kit.trace.workload import Workload, from_loss
 
 
@@ -104,6 +105,22 @@ def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
         parse(policy), fn, *args, target=None if target is None else targets.parse_target(target))
 
 
+def validate(policy: "str | Policy", fn, *args) -> Policy:
+    """`policy` parsed here once and checked against the tags `fn(*args)` emits
+    (`trace.validate.check_policy`, which says what is refused and warned).
+
+    >>> import jax.numpy as jnp, remat_kit as rk
+    >>> layer = lambda x: jnp.sum(rk.tag(jnp.tanh(x), "mlpwi") ** 2)
+    >>> str(rk.validate("save:mlpwi", layer, jnp.ones((4, 8))))
+    'save:mlpwi'
+
+    Raises:
+      RematSpecError: the spec does not parse. UnknownTagError: a pattern matches no
+        emitted tag (the tags present and the closest match in the message).
+    """
+    return check_policy(parse(policy), fn, *args)
+
+
 def plan(loss_fn: Callable, *args, budget, target=None, **kwargs) -> Plan:
     """The cheapest policy (fewest FLOPs) whose compiled memory fits `budget` (bytes,
     "6GiB", or a fraction of no remat's memory), verified by compiling.
@@ -125,4 +142,4 @@ def plan(loss_fn: Callable, *args, budget, target=None, **kwargs) -> Plan:
                          **kwargs)
 
 
-__all__ = ["explain", "measure", "plan", "remat_model"]
+__all__ = ["explain", "measure", "plan", "remat_model", "validate"]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.decide.plan import Planner
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.policy.spec import AutoSpec
 from remat_kit.measure import targets
 from remat_kit.moved import moved
 
@@ -17,15 +17,18 @@ from remat_kit.moved import moved
 def resolve(policies: Sequence, loss_fn: Callable, *args,
             target: targets.Target, cache: "str | bool | None" = True,
             per_device=None) -> list[Policy]:
-    """`policies` with every `auto:budget=...` replaced by its planned Policy, planned
-    for `target`.
+    """`policies` (parsed values: `Policy` or `AutoSpec`, as `rk.measure` parses them)
+    with every `auto:budget=...` replaced by its planned Policy, planned for `target`.
 
     per_device: as `Planner` takes it, for args sharded over a mesh.
 
     Raises:
-      RematSpecError: a spec does not parse. BudgetError: as `plan`.
+      TypeError: a spec string (parse it first: `rk.parse`). BudgetError: as `plan`.
     """
-    parsed = [parse(p) for p in policies]
+    parsed = list(policies)
+    if any(not isinstance(p, (Policy, AutoSpec)) for p in parsed):
+        raise TypeError(f"resolve takes parsed policies, got {parsed!r:.80}: parse them "
+                        "first (rk.parse), or call rk.measure, which takes specs")
     if not any(isinstance(p, AutoSpec) for p in parsed):
         return parsed
     planner = Planner(loss_fn, *args, cache=cache, target=target, per_device=per_device)

@@ -214,7 +214,7 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
         if isinstance(p, AutoSpec):  # planning is decide's, above this part
             raise RematSpecError(f"{p} is planned, not measured: give it to rk.measure, which "
                                  "plans it first (remat_kit.decide.resolve)", token=str(p))
-    emitted = tuple(emitted_tags(workload.loss_for_policy(parse("none")), *args))
+    emitted = tuple(emitted_tags(workload.loss_for_policy(Policy(remat=False)), *args))  # "none"
     local_args = (jax.tree.map(rk_mesh.local_shape, args)
                   if any(rk_mesh.is_sharded(x) for x in jax.tree.leaves(args)) else None)
     data = (step_times.sample_data(args, sample_args or workload.sample_args)

@@ -17,7 +17,7 @@ from remat_kit.policy import names
 from remat_kit._jax_private import name_p, saved_residuals
 from remat_kit.errors import UnknownTagError
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import parse
+from remat_kit.moved import moved
 
 # Ops that keep a value's bytes: a tag on their output names their input's value.
 _LAYOUT = ("reshape", "transpose", "squeeze", "expand_dims", "copy")
@@ -130,8 +130,9 @@ def check_names(policy: Policy, emitted, where: str = "the function") -> None:
                 f"tags present: {list(emitted) or 'none'}"))
 
 
-def validate(policy: "str | Policy", fn, *args) -> Policy:
-    """Checks `policy` against the tags `fn(*args)` emits, and returns it parsed.
+def check_policy(policy: Policy, fn, *args) -> Policy:
+    """Checks `policy` against the tags `fn(*args)` emits, and returns it (`rk.validate`
+    parses a spec first).
 
     `fn` is the function a remat wrapper would cover (for example one decoder
     layer without remat), taking array or ShapeDtypeStruct arguments.
@@ -146,7 +147,6 @@ def validate(policy: "str | Policy", fn, *args) -> Policy:
         (for example a layer's output, which the next layer consumes), so
         saving it changes nothing.
     """
-    policy = parse(policy)
     emitted = tuple(emitted_tags(fn, *args))
     check_names(policy, emitted)
     if not policy.remat:
@@ -218,5 +218,8 @@ def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str])
     return tuple(out)
 
 
-__all__ = ["all_eqns", "check_names", "emitted_tags", "lacking", "policy_notes", "tag_aliases",
-           "tag_of", "validate"]
+__all__ = ["all_eqns", "check_names", "check_policy", "emitted_tags", "lacking", "policy_notes",
+           "tag_aliases", "tag_of"]
+
+# `validate` (a spec parsed here) is `rk.validate` in `remat_kit.api.answers` (round 5).
+__getattr__ = moved(__name__, {"validate": "remat_kit.api.answers"})
