@@ -38,9 +38,13 @@ def test_a_name_that_never_was_there_is_an_attribute_error():
         importlib.import_module("remat_kit.decide.resolve").nothing
 
 
-def test_resolve_takes_parsed_policies_only():
-    # rk.measure parses the specs once (README, "Changes"); a string below it is a TypeError.
+def test_below_the_front_floor_a_spec_string_is_a_type_error():
+    # rk.measure parses the specs once (README, "Changes"); below it, values only.
+    import jax.numpy as jnp
     from remat_kit.decide.resolve import resolve
-    from remat_kit.measure import targets
-    with pytest.raises(TypeError, match="resolve takes parsed policies.*rk.parse"):
-        resolve(["full"], lambda x: x, target=targets.parse_target(None))
+    from remat_kit.measure import measure, targets
+    loss, x, here = (lambda x: jnp.sum(x * x)), jnp.ones(3), targets.parse_target(None)
+    with pytest.raises(TypeError, match="resolve takes parsed policies.*'full'.*rk.parse"):
+        resolve(["full"], loss, x, target=here)
+    with pytest.raises(TypeError, match="measure takes parsed policies.*'full'.*rk.parse"):
+        measure.measure(loss, x, policies=["full"], target=here)

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 from remat_kit.measure import peak, targets
-from remat_kit.measure.measure import measure
+from remat_kit.api.answers import measure
 from remat_kit.models import get_config
 from remat_kit.models.program import workload
 
@@ -168,7 +168,7 @@ def test_plan_below_the_minimum_names_the_chunks_where_the_logits_hold_it(tmp_pa
     import json
 
     from remat_kit.cli import main
-    from remat_kit.measure.measure import measure
+    from remat_kit.api.answers import measure
     from remat_kit.units import fmt_bytes
     config, path = tmp_path / "vocab.py", tmp_path / "plan.json"
     config.write_text(VOCAB_CONFIG)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from remat_kit.api import answers
 from remat_kit.cli import commands as cli
 from remat_kit.api import report
 from remat_kit.measure import targets
@@ -262,7 +263,7 @@ def test_a_failed_aot_compile_is_a_row_with_the_compilers_message():
         return jnp.sum(jnp.tanh(x) * jnp.sin(x))
 
     x = jax.ShapeDtypeStruct((1 << 17, 1 << 14), jnp.float32)
-    records = measure.measure(loss, x, policies=["none", "full"],
+    records = answers.measure(loss, x, policies=["none", "full"],
                               target=targets.parse_target("tpu:v5e:1x1"))
     assert len(records) == 2
     for r in records:

@@ -50,8 +50,9 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
     parsed = [parse(p) for p in policies]
     target = targets.parse_target(target)  # the one parse: below here a Target is handed on
     if not any(isinstance(p, AutoSpec) for p in parsed):
-        return measuring.measure(workload, *args, policies=policies, names=names, target=target,
-                                 **kwargs)
+        return measuring.measure(workload, *args, policies=parsed,
+                                 names=names if names is not None else [str(p) for p in policies],
+                                 target=target, **kwargs)
     if isinstance(workload, Workload) and args:
         raise TypeError("measure takes a Workload or a loss and its args, not both")
     work = workload if isinstance(workload, Workload) else from_loss(workload, *args)

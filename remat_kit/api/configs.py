@@ -207,9 +207,9 @@ def step_memory(model, batch: int, seq: int, policy: "str | Policy", *, mesh=Non
     >>> rk.step_memory(cfg, 1, 16, "full").total_bytes > 0
     True
     """
-    stepping.check_args(None, batch=batch, seq=seq)
+    stepping.check_args(kwargs.get("optimizer"), batch=batch, seq=seq)
     model, mesh = _config_steps(model, mesh)
-    return stepping.step_memory(model, batch, seq, policy, mesh=mesh, **kwargs)
+    return stepping.step_memory(model, batch, seq, parse(policy), mesh=mesh, **kwargs)
 
 
 def train_step(model, batch: int, seq: int, policy: "str | Policy", *, mesh=None,
@@ -223,8 +223,9 @@ def train_step(model, batch: int, seq: int, policy: "str | Policy", *, mesh=None
     >>> type(step).__name__
     'TrainStep'
     """
+    stepping.check_args(kwargs.get("optimizer"), batch=batch, seq=seq)
     model, mesh = _config_steps(model, mesh)
-    return stepping.train_step(model, batch, seq, policy, mesh=mesh, **kwargs)
+    return stepping.train_step(model, batch, seq, parse(policy), mesh=mesh, **kwargs)
 
 
 __all__ = ["config_planner", "fit", "layer_residuals", "measure_config", "resolve_config",

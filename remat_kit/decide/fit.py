@@ -341,7 +341,7 @@ def _check_schedules(specs: list[str], auto: list[bool], smallest) -> None:
     """Bad specs (a layer schedule that does not fit the model) fail before anything compiles."""
     for p, is_auto in zip(specs, auto):
         if not is_auto and smallest.num_layers:
-            one_policy(p).schedule.check(smallest.num_layers)
+            one_policy(parse(p)).schedule.check(smallest.num_layers)
 
 
 def _floor(smallest, optimizer, budget, budget_bytes: int, mesh: Mesh | None,
@@ -448,7 +448,7 @@ def _what_holds(steps: Steps, work, size: int, vary: str, optimizer, target,
     compiled = {}
     for key, m in steps.at(size).items():
         try:
-            compiled[key] = (one_policy(key), m)
+            compiled[key] = (one_policy(parse(key)), m)
         except Exception:  # noqa: BLE001 - a per-layer plan's runs of layers, not a spec
             continue
     if not compiled:

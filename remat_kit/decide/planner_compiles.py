@@ -60,7 +60,8 @@ class PlannerCompiles:
                                                      (i + 1, len(distinct)))
                 self._policies[k] = policy
         elif todo:
-            for record in measure(self.loss_fn, *self.args, policies=todo,
+            for record in measure(self.loss_fn, *self.args, policies=[parse(p) for p in todo],
+                                  names=[str(p) for p in todo],
                                   progress=self._progress, target=self.target,
                                   per_device=self.per_device):
                 for name in record.names:
@@ -75,7 +76,8 @@ class PlannerCompiles:
         if self.step == "train":  # the whole step's, parameters and optimizer state named
             return step_peak(self.workload, parse(policy), self.optimizer or default_optimizer(),
                              self.target)
-        [record] = measure(self.loss_fn, *self.args, policies=[policy], target=self.target,
+        [record] = measure(self.loss_fn, *self.args, policies=[parse(policy)],
+                           names=[str(policy)], target=self.target,
                            per_device=self.per_device, peak=True)
         return record.peak
 

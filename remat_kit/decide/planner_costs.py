@@ -21,7 +21,7 @@ from remat_kit.measure.record import Record
 from remat_kit.measure.residuals import stage
 from remat_kit.policy.names import TAGS, is_path, register_emitted
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import parse
+from remat_kit.policy.spec import parse, parsed_only
 
 # Predicted step times closer than this fraction of no remat's are ranked by FLOPs.
 TIME_RESOLUTION = 5e-3
@@ -184,16 +184,15 @@ class PlannerCosts:
         return host_offload.transfer_seconds(self, policy)
 
     def seconds(self, policy) -> float:
-        """Predicted step seconds of `policy` (a Policy, spec or per-layer tuple), per
+        """Predicted step seconds of `policy` (a Policy or per-layer tuple), per
         device: its compiled record's (`Record.predicted_seconds`, a roofline per
         compiled op; compiles it if not yet), else where that has none the
         roofline of every equation of its value-and-grad program
         (`time_model.program_seconds`); plus its host transfers not hidden behind
         compute (`transfer_seconds`)."""
-        key = layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
+        layered = isinstance(policy, tuple)
+        key = layers_summary(policy) if layered else str(*parsed_only([policy], "seconds"))
         if key not in self._seconds:
-            layered = isinstance(policy, tuple)
-            policy = policy if layered else parse(policy)
             found = self.record_of(policy).predicted_seconds
             if found is None:
                 if layered:

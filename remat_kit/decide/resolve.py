@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.decide.plan import Planner
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import AutoSpec
+from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.measure import targets
 from remat_kit.moved import moved
 
@@ -25,10 +25,7 @@ def resolve(policies: Sequence, loss_fn: Callable, *args,
     Raises:
       TypeError: a spec string (parse it first: `rk.parse`). BudgetError: as `plan`.
     """
-    parsed = list(policies)
-    if any(not isinstance(p, (Policy, AutoSpec)) for p in parsed):
-        raise TypeError(f"resolve takes parsed policies, got {parsed!r:.80}: parse them "
-                        "first (rk.parse), or call rk.measure, which takes specs")
+    parsed = parsed_only(policies, "resolve")
     if not any(isinstance(p, AutoSpec) for p in parsed):
         return parsed
     planner = Planner(loss_fn, *args, cache=cache, target=target, per_device=per_device)

@@ -52,7 +52,7 @@ from remat_kit.measure.record import Record, memory_kind
 from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
-from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.trace import model_map, stand_in
 from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
@@ -92,8 +92,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       args: with a loss, its arguments: arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to measure a
         sharded program; figures are then per device, and residuals are
         traced at the per-device shard shapes).
-      policies: spec strings or `Policy`s, resolved: an "auto:budget=..."
-        spec is planned first by `rk.measure` (`remat_kit.decide.resolve`).
+      policies: `Policy`s, parsed and resolved: `rk.measure` takes spec strings, parses
+        them and plans an "auto:budget=..." spec first (`remat_kit.decide.resolve`).
         Policies that decide every tag
         the loss emits alike, or that lower to the same program (their
         decisions differ only on values the backward pass never reads), are
@@ -131,14 +131,14 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       an AOT target, the compiler's message); the other records still come
       out.
     Raises:
-      RematSpecError: a policy spec does not parse, or is an auto:budget= spec.
+      TypeError: a spec string among `policies`. RematSpecError: an auto:budget= spec.
       TargetError: target not a `Target`, libtpu missing, args sharded over
         other devices, or `time_steps` > 0 for a target compiled ahead of time.
-      ValueError: `names` and `policies` differ in length.
-      TypeError: a workload and args both given.
+      ValueError: `names` and `policies` differ in length. TypeError: a workload and args
+        both given.
     """
     workload = _as_workload(workload, args)
-    parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    parsed = parsed_only(policies, "measure")
     names = names if names is not None else [str(p) for p in policies]
     with stand_in.for_target(target):  # cuDNN attention where it cannot be built
         run, groups, data = _prepare(workload, parsed, names, target, time_steps,

@@ -429,6 +429,20 @@ def reference_table() -> str:
     return "\n".join(rows)
 
 
+def parsed_only(policies, where: str) -> list:
+    """`policies` as a list of values (`Policy`, `AutoSpec`), for a function below the
+    front floor (`remat_kit.api`), which parses what the user typed.
+
+    Raises:
+      TypeError: an entry that is not a value (a spec string), naming `where`.
+    """
+    values = list(policies)
+    if any(not isinstance(p, (Policy, AutoSpec)) for p in values):
+        raise TypeError(f"{where} takes parsed policies, got {values!r:.80}: parse them "
+                        "first (rk.parse), or call rk.measure, which takes specs")
+    return values
+
+
 def layer_policies(policy, num_layers: int) -> tuple:
     """The policy each of `num_layers` layers runs under, without schedules.
 
