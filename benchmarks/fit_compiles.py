@@ -17,7 +17,7 @@ import os
 import time
 
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import fit
+from remat_kit.api.configs import fit
 
 CASES = [("tiny", "seq", dict(batch=2, multiple=16), 6 * 2**20),
          ("tiny_llama", "seq", dict(batch=2, multiple=16), 5 * 2**20),

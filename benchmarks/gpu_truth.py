@@ -263,7 +263,7 @@ def model_step(run: ModelRun, spec: str):
 def _made(run, spec: str, row: dict, target: str | None = None):
     """The `TrainStep` of one row: an auto spec is planned first (on `target`, default
     this device) and row["resolved"] says what ran."""
-    from remat_kit.models.shortcuts import config_planner, train_step
+    from remat_kit.api.configs import config_planner, train_step
     if isinstance(run, ModelRun):
         row["resolved"] = spec
         return model_step(run, spec)

@@ -8,7 +8,7 @@ temporary folder): the first run compiles everything, the second reads back
 what the first kept (`figure_cache`, JAX's persistent cache). Each phase is
 timed where measure calls it (wall seconds, summed over policies):
 
-  staging    the value-and-grad traced with its residuals (`residuals._stage`)
+  staging    the value-and-grad traced with its residuals (`residuals.stage`)
   lowering   the staged program lowered to StableHLO (`lowering.lower`)
   compile    XLA's compile, on measure's worker threads (overlaps the above)
   figures    memory, FLOPs and the time model read from the compile
@@ -36,8 +36,8 @@ from remat_kit.measure import lowering  # noqa: E402
 from remat_kit.models import get_config  # noqa: E402
 
 measure = importlib.import_module("remat_kit.measure.measure")  # rk.measure is the function
-from remat_kit.models import shortcuts  # noqa: E402
-PHASES = {"staging": (measure, "_stage"), "lowering": (lowering, "lower"),
+from remat_kit.api import configs  # noqa: E402
+PHASES = {"staging": (measure, "stage"), "lowering": (lowering, "lower"),
           "compile": (measure._Compiles, "_compile"), "figures": (measure, "_figures"),
           "layer": (measure, "stack_stored_bytes")}
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     for run in ("cold", "cached"):
         spent.clear()
         load, start = os.getloadavg()[0], time.perf_counter()
-        records = shortcuts.measure_config(cfg, args.batch, args.seq, policies,
+        records = configs.measure_config(cfg, args.batch, args.seq, policies,
                                          target=args.target)
         total = time.perf_counter() - start
         bad = [r.error for r in records if r.error]

@@ -40,7 +40,7 @@ def main() -> None:
     for name, model in (("gpt_linen", gpt_linen.model()),
                         ("maxtext_scan_linen", maxtext_scan_linen.model())):
         whole = _best(lambda: rk.from_model.workload(model, args.batch, args.seq), args.repeats)
-        instances, _ = from_model._linen_instances(
+        instances, _ = from_model.linen_instances(
             model, lambda t: model.init(jax.random.key(0), t),
             jax.ShapeDtypeStruct((1, args.seq), jnp.int32))
         pick = blocks.pick_block(instances)

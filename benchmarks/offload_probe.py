@@ -36,7 +36,7 @@ import sys
 from remat_kit.cli import commands as cli
 from remat_kit.errors import BudgetError
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 
 # name -> (config, batch, seq): scanned stacks, bf16 activations.
 MODELS = {
@@ -86,7 +86,7 @@ def run(name: str, budgets: list[float], target: str, bandwidth) -> list[str]:
         # policy that offloads nothing and fits: the bases, the plans tried, and the
         # probe's twin that saves every decided tag (the least recompute of all).
         best_plain = min([without[3]] + [
-            r.flops / plain.none_flops() for r in asked._compiled() + plain._compiled()
+            r.flops / plain.none_flops() for r in asked.compiled_records() + plain.compiled_records()
             if not r.offloaded_bytes and r.memory_bytes <= b * plain.none().memory_bytes])
         if with_[4] and with_[2] and with_[3] < best_plain * (1 - 1e-6):
             paid.append(f"{name} at {b}: {with_[0]} x{with_[3]:.4f} FLOPs (predicted step "

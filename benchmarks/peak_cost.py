@@ -9,7 +9,7 @@ import sys
 import time
 
 from remat_kit.measure import targets
-from remat_kit.measure.measure import measure
+from remat_kit.api.answers import measure
 from remat_kit.models import get_config
 from remat_kit.models.program import workload
 

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="tiny,tiny_llama")
     args = parser.parse_args(argv)
     from remat_kit.models import get_config
-    from remat_kit.models.shortcuts import config_planner
+    from remat_kit.api.configs import config_planner
 
     failed = 0
     start = time.perf_counter()

@@ -32,7 +32,8 @@ import time
 
 from remat_kit.cli import commands as cli
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
+from remat_kit.policy.spec import parse
 
 PRESETS = "none,full,dots_no_batch,selective,minimal,save_dot_with_context_except_mlp,save_qkv_proj"
 BUDGETS = "0.5,0.6,0.7,0.8"
@@ -50,7 +51,7 @@ def run(cfg, batch: int, seq: int, budgets: list[float], target: str, presets: l
     plans = dict(zip(fits, planner.frontier(fits)))
     seconds = time.perf_counter() - start
     print(f"\nobjective {objective}: no remat {none.memory_bytes / 2**30:.2f} GiB peak, "
-          f"{none.flops:.4g} FLOPs, predicted {planner.seconds('none') * 1e3:.3g} ms; "
+          f"{none.flops:.4g} FLOPs, predicted {planner.seconds(parse('none')) * 1e3:.3g} ms; "
           f"full {planner.measure('full').memory_bytes / none.memory_bytes:.3f} of its peak; "
           f"planned in {seconds:.0f} s")
     print(f"{'budget':>6} {'planned policy':<44} {'peak x none':>11} {'FLOPs +':>8} "

@@ -2,7 +2,7 @@
 
 Runs itself once with JAX_REMAT3=0 and once with JAX_REMAT3=1, measures what
 one decoder layer of each model stores under every preset
-(`remat_kit.models.shortcuts.layer_residuals`), and prints the presets whose stored
+(`remat_kit.api.configs.layer_residuals`), and prints the presets whose stored
 tags or bytes differ.
 
     .venv/bin/python benchmarks/remat_modes.py [--config tiny] [--batch 2] [--seq 64]
@@ -24,7 +24,7 @@ EXTRA = ["save_only_these_names:query_proj", "save_any_names_but_these:query_pro
 
 def snapshot(config: str, batch: int, seq: int) -> dict:
     """{policy name: {"bytes": stored bytes per layer, "stored": sorted stored rows}}."""
-    from remat_kit.models.shortcuts import layer_residuals
+    from remat_kit.api.configs import layer_residuals
     from remat_kit.models import get_config
     from remat_kit.policy.presets import PRESET_TABLE
 

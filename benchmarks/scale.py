@@ -9,7 +9,7 @@ logical axes) at Llama-2-7B width (Touvron et al. 2023: d_model 4096, 32 heads, 
 For each (layers, scanned, policy):
 
 * remat_kit: the train step `fit` and `rk.step_memory(cfg, ..., target=tpu:v5p:2x2x1,
-  mesh=fsdp:4)` compile (`models.shortcuts.train_step`, `lowering.compile_for`):
+  mesh=fsdp:4)` compile (`models.configs.train_step`, `lowering.compile_for`):
   value_and_grad, AdamW, parameters and optimizer state donated, gradients and optimizer state sharded like the
   parameters. Its FLOPs are the TPU compile's own (`loop_scaled_costs`, a scan's trip
   count read from its loop condition, `remat_kit.measure.loops`), and its predicted step
@@ -52,7 +52,7 @@ from remat_kit.decide import step as stepping
 from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.models import Transformer, TransformerConfig, make_loss_fn
-from remat_kit.models.shortcuts import train_step
+from remat_kit.api.configs import train_step
 
 TARGET = "tpu:v5p:2x2x1"
 BATCH, SEQ = 4, 4096

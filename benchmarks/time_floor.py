@@ -15,14 +15,13 @@ policy on 2 cores.
 """
 
 import argparse
-import importlib
 
+from remat_kit.api import answers
 from remat_kit.measure import targets, time_model
 from remat_kit.measure.time_checks import floor_seconds
 from remat_kit.models import get_config, workload
 from remat_kit.units import fmt_bytes
 
-measure = importlib.import_module("remat_kit.measure.measure")
 TARGET = "tpu:v5p:2x2x1"
 
 
@@ -44,7 +43,7 @@ def main(argv=None) -> int:
     print(f"{args.layers} layers, scanned, {TARGET} fsdp:4, batch 4, seq 4096, bf16")
     print("| policy | peak per chip | TFLOP per chip | predicted ms | FLOP floor ms | x floor |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in measure.measure(work, policies=args.policies.split(","), target=TARGET):
+    for r in answers.measure(work, policies=args.policies.split(","), target=TARGET):
         if r.error:
             print(f"| {r.policy} | error: {r.error.splitlines()[0][:100]} | | | | |")
             continue

@@ -30,10 +30,10 @@ import sys
 
 from remat_kit.cli import commands as cli
 from remat_kit.measure import targets
-from remat_kit.measure.measure import measure
+from remat_kit.api.answers import measure
 from remat_kit.models import CONFIGS
 from remat_kit.models.program import workload
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 
 TOLERANCE = 0.10  # predicted ratio to none within 10% of the measured one
 

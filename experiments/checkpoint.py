@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from remat_kit.cli.inputs import BadInput
+from remat_kit.errors import BadInput
 
 CHECKSUMS = "sha256.json"
 DAMAGED = "damaged"

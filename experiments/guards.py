@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from remat_kit.cli.inputs import BadInput
+from remat_kit.errors import BadInput
 
 LOCK = ".lock"
 

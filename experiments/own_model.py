@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import remat_kit as rk
 from experiments.common import SIZE_FIELDS
-from remat_kit.cli.inputs import BadInput
+from remat_kit.errors import BadInput
 from remat_kit.decide import step as stepping
 from remat_kit.errors import RematSpecError
 from remat_kit.flax import batch_model, from_model, user_model

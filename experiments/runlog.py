@@ -25,7 +25,7 @@ import ml_collections
 
 from experiments.common import warn_line
 from remat_kit import files
-from remat_kit.cli.inputs import BadInput
+from remat_kit.errors import BadInput
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"

@@ -22,7 +22,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 
 from experiments import checkpoint, guards, runlog
-from remat_kit.cli.inputs import BadInput
+from remat_kit.errors import BadInput
 
 
 @dataclasses.dataclass(frozen=True)

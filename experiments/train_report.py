@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from experiments import checkpoint, own_model
-from remat_kit.cli.inputs import BadInput
+from remat_kit.errors import BadInput
 
 
 def summary(config: ml_collections.ConfigDict, policy_text: str, policies: list,

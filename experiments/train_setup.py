@@ -17,12 +17,13 @@ import optax
 
 from experiments import data, guards, own_model, runlog, synthetic
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.inputs import BadInput, check_folder, check_int, check_memory, check_seq
+from remat_kit.api.inputs import check_folder, check_int, check_memory, check_seq
+from remat_kit.errors import BadInput
 from remat_kit.decide import floor
 from remat_kit.errors import BudgetError, MeshError, RematSpecError
 from remat_kit.models import from_config_dict
 from remat_kit.models import workload as config_workload
-from remat_kit.models.shortcuts import resolve_config
+from remat_kit.api.configs import resolve_config
 from remat_kit.policy.budget import parse_budget
 from remat_kit.policy.spec import AutoSpec, parse
 

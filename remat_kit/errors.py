@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 
 
-def _closest(word: str, choices: Sequence[str]) -> str | None:
+def closest_choice(word: str, choices: Sequence[str]) -> str | None:
     """The closest choice, case-insensitively (MINIMAL -> minimal), or None."""
     lowered = {c.lower(): c for c in choices}
     found = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.5)
@@ -42,6 +42,11 @@ def _around(spec: str, position: int) -> str:
             f"({len(spec)} characters)")
 
 
+class BadInput(ValueError):
+    """Input a command or script cannot use (a size, a path, a flag); the message is one
+    line for the user, naming the bad value."""
+
+
 class RematSpecError(ValueError):
     """A policy spec string (or Policy field) is malformed.
 
@@ -58,7 +63,7 @@ class RematSpecError(ValueError):
                  position: int | None = None, choices: Sequence[str] = ()):
         self.message, self.spec, self.token, self.position = message, spec, token, position
         self.choices = tuple(choices)
-        self.closest = _closest(token, self.choices) if token and self.choices else None
+        self.closest = closest_choice(token, self.choices) if token and self.choices else None
         if self.closest == token:  # the token is valid here, the syntax around it is not
             self.closest = None
         parts = [shorten(message, 2 * _SHOWN)]

@@ -57,7 +57,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from remat_kit.errors import MeshError, _closest
+from remat_kit.errors import MeshError, closest_choice
 
 AXES = ("data", "fsdp", "tensor")
 LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers")
@@ -318,7 +318,7 @@ def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int | None) 
     shape = _shape(mesh)
     other = next((a for a, size in shape.items() if a not in AXES and size > 1), None)
     if other is not None:
-        hint = _closest(other, AXES)
+        hint = closest_choice(other, AXES)
         raise MeshError(f"mesh {spec_text(shape)}: unknown axis {other!r} for the reference "
                         f"models, which shard over {list(AXES)}"
                         + (f"; did you mean {hint!r}?" if hint else "")
@@ -331,7 +331,7 @@ def check_fits(mesh: "Mesh | Mapping[str, int] | None", cfg, batch: int | None) 
                             f"the heads and the MLP")
 
 
-def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def divisible_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """`spec` with every mesh axis that does not divide its dimension dropped."""
     out = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -352,7 +352,7 @@ def shardings(boxed, mesh: Mesh):
     """
     specs = nn.logical_to_mesh(nn.get_partition_spec(boxed),
                                rules(_mesh(mesh, "rk.mesh.shardings")))
-    return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, divisible_spec(spec, x.shape, mesh)),
                         specs, nn.unbox(boxed), is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
@@ -484,7 +484,7 @@ def is_sharded(leaf) -> bool:
     return sharding is not None and len(sharding.device_set) > 1
 
 __all__ = ["AXES", "Fallback", "LOGICAL_AXES", "MAX_DEVICES", "RULES", "axis_size",
-           "batch_sharding", "check_fits", "compiled_step", "constrain", "host_devices",
-           "initialize", "is_sharded", "local_shape", "make", "origin", "parse_spec",
-           "per_device_config", "plain", "put", "replicated", "rules", "shardings", "spanning",
-           "spec_text", "use"]
+           "batch_sharding", "check_fits", "compiled_step", "constrain", "divisible_spec",
+           "host_devices", "initialize", "is_sharded", "local_shape", "make", "origin",
+           "parse_spec", "per_device_config", "plain", "put", "replicated", "rules", "shardings",
+           "spanning", "spec_text", "use"]

@@ -16,7 +16,7 @@ from remat_kit.measure import targets
 from remat_kit.models import get_config
 
 measure = importlib.import_module("remat_kit.measure.measure")  # rk.measure is the function
-from remat_kit.models import shortcuts  # noqa: E402
+from remat_kit.api import configs  # noqa: E402
 POLICIES = ["none", "full", "minimal"]
 
 
@@ -25,7 +25,7 @@ def _figures(records):
 
 
 def _measure(target=None):
-    return shortcuts.measure_config(get_config("tiny", num_layers=1), 1, 16, POLICIES,
+    return configs.measure_config(get_config("tiny", num_layers=1), 1, 16, POLICIES,
                                   per_layer=False, target=target)
 
 

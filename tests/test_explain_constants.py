@@ -12,11 +12,11 @@ from jax.extend.core import jaxpr_as_fun
 
 from remat_kit.cli import main
 from remat_kit.flax.from_model import workload as model_workload
-from remat_kit.measure.explain import explain
+from remat_kit.api.answers import explain
 from remat_kit.measure.lowering import compile_for
-from remat_kit.measure.residuals import _stage
+from remat_kit.measure.residuals import stage
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import layer_residuals
+from remat_kit.api.configs import layer_residuals
 from remat_kit.policy.spec import parse
 
 GEMMA = importlib.import_module("tests.zoo.gemma_linen")  # rotary from position ids, a mask
@@ -113,7 +113,7 @@ def test_the_compiled_model_holds_no_buffer_of_a_constant_per_layer(layers, tmp_
     sin/cos tables or the mask, at 2 layers or 4 (the fusions compute them in place);
     the position ids are one buffer, the model's argument."""
     work = model_workload(GEMMA.Gemma(GEMMA.GemmaConfig(layers=layers)), 2, 16)
-    staged = _stage(work.loss_for_policy(parse("none")), work.args)
+    staged = stage(work.loss_for_policy(parse("none")), work.args)
     compile_for(jaxpr_as_fun(staged.program), *staged.leaves, count_flops=False,
                 dump=str(tmp_path))
     [text] = glob.glob(str(tmp_path / "*after_optimizations-buffer-assignment.txt"))

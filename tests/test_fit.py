@@ -12,11 +12,12 @@ import pytest
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.cli import sources, verdict
+from remat_kit.api import sources
+from remat_kit.cli import verdict
 from remat_kit.errors import BudgetError
-from remat_kit.models.shortcuts import fit
+from remat_kit.api.configs import fit
 from remat_kit.decide.step import StepMemory
-from remat_kit.models.shortcuts import step_memory
+from remat_kit.api.configs import step_memory
 from remat_kit.models import bounds
 from remat_kit.models import Transformer, get_config
 
@@ -397,7 +398,7 @@ def test_train_step_runs_the_step_that_step_memory_compiles():
     # remat's loss and parameters, in less memory.
     from remat_kit.measure import lowering
     from remat_kit.decide.step import TrainStep, step_figures
-    from remat_kit.models.shortcuts import train_step
+    from remat_kit.api.configs import train_step
     state = {}
     for policy in ("none", "full"):
         made = train_step(CFG, 2, 16, policy)

@@ -16,7 +16,8 @@ from remat_kit.decide.step import default_optimizer, one_policy, resizer
 from remat_kit.flax.from_model import workload
 from remat_kit.models import TransformerConfig, get_config
 from remat_kit.models.program import workload as config_workload
-from remat_kit.models.shortcuts import fit
+from remat_kit.policy.spec import parse
+from remat_kit.api.configs import fit
 from tests.test_fit_search import binary_search
 from tests.zoo import gpt_linen, llama_nnx
 
@@ -72,7 +73,7 @@ def _run(case: str, memo: dict, monkeypatch) -> tuple[int, int, tuple]:
     parsed = fit_mod.targets.parse_target(target)
 
     def fits(k):
-        step = memoized(at(*shape(k)), one_policy("full"), default_optimizer(), parsed)
+        step = memoized(at(*shape(k)), one_policy(parse("full")), default_optimizer(), parsed)
         return step.total_bytes <= budget
     return row.size, binary_search(fits, 4096) * unit, row.probes
 

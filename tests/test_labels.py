@@ -11,14 +11,14 @@ import pytest
 from rich.console import Console
 
 import remat_kit as rk
+from remat_kit.api import answers
 from remat_kit.cli import commands as cli
-from remat_kit.cli import labels, report
+from remat_kit.api import labels, report
 from remat_kit.flax import from_model
 from remat_kit.measure import targets
 from remat_kit.measure.record import Record
 from tests.zoo import scan_linen
 
-measure = importlib.import_module("remat_kit.measure.measure")
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed")
 
@@ -105,9 +105,9 @@ def test_layer_x_l_is_per_chip_on_a_mesh():
     mesh = rk.mesh.make("fsdp:4", jax.devices()[:4])
     work = from_model.workload(scan_linen.model(), 8, 16, mesh=mesh)
     here = targets.parse_target(None)
-    [full] = measure.measure(work, policies=["full"], per_layer=True, target=here)
+    [full] = answers.measure(work, policies=["full"], per_layer=True, target=here)
     assert full.layers_residual_bytes == scan_linen.LAYERS * 2 * 16 * scan_linen.EMBED * 4
-    [alone] = measure.measure(from_model.workload(scan_linen.model(), 8, 16), policies=["full"],
+    [alone] = answers.measure(from_model.workload(scan_linen.model(), 8, 16), policies=["full"],
                               per_layer=True, target=here)
     assert alone.layers_residual_bytes == 4 * full.layers_residual_bytes
 

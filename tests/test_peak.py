@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 from remat_kit.measure import peak, targets
-from remat_kit.measure.measure import measure
+from remat_kit.api.answers import measure
 from remat_kit.models import get_config
 from remat_kit.models.program import workload
 
@@ -128,7 +128,7 @@ def test_fit_below_the_minimum_breaks_down_the_step_and_names_the_chunks(tmp_pat
     from remat_kit.cli import main
     from remat_kit.decide.floor import tree_bytes, train_state
     from remat_kit.decide.step import default_optimizer
-    from remat_kit.models.shortcuts import step_memory
+    from remat_kit.api.configs import step_memory
     from remat_kit.units import fmt_bytes
     config, path = tmp_path / "vocab.py", tmp_path / "fit.json"
     config.write_text(VOCAB_CONFIG)
@@ -156,7 +156,7 @@ def test_fit_below_the_minimum_breaks_down_the_step_and_names_the_chunks(tmp_pat
 
 
 def test_fit_below_the_minimum_where_the_layers_hold_it_names_no_chunks():
-    from remat_kit.models.shortcuts import fit
+    from remat_kit.api.configs import fit
     result = fit(get_config("tiny"), "3MiB", batch=8, multiple=64, policies=["full"])
     held = result.minimum_peak
     assert result.rows[0].size == 0 and sum(held["parts"].values()) == held["bytes"]
@@ -168,7 +168,7 @@ def test_plan_below_the_minimum_names_the_chunks_where_the_logits_hold_it(tmp_pa
     import json
 
     from remat_kit.cli import main
-    from remat_kit.measure.measure import measure
+    from remat_kit.api.answers import measure
     from remat_kit.units import fmt_bytes
     config, path = tmp_path / "vocab.py", tmp_path / "plan.json"
     config.write_text(VOCAB_CONFIG)
@@ -240,7 +240,7 @@ def test_the_attention_scores_are_named_where_they_hold_the_peak():
 
     from rich.console import Console
 
-    from remat_kit.cli.report import print_peaks
+    from remat_kit.api.report import print_peaks
     [full] = measure(workload(get_config("tiny_llama"), 2, 256), policies=["full"],
                      target=CPU, peak=True)
     _check_sums(full, "temp_size_in_bytes", 0.10)

@@ -15,7 +15,7 @@ from remat_kit.cli import commands as cli
 from remat_kit.models import Transformer, TransformerConfig, get_config
 from remat_kit.policy.budget import Budget, parse_budget
 from remat_kit.decide.plan import CostModel, Planner, cost_model
-from remat_kit.models.shortcuts import config_planner, resolve_config
+from remat_kit.api.configs import config_planner, resolve_config
 from remat_kit.units import fmt_bytes
 
 BATCH, SEQ = 2, 32

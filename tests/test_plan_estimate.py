@@ -6,7 +6,7 @@ import pytest
 from remat_kit.decide.plan import Planner
 from remat_kit.flax import from_model
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 from remat_kit.policy.policy import Policy
 from tests.zoo import own_tags_linen
 

@@ -12,7 +12,7 @@ from remat_kit.cli import commands as cli
 from remat_kit.decide.cost_model import PLANNED_BASES, CostModel, with_region_policies
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.decide.plan import Planner, cost_model
-from remat_kit.models.shortcuts import config_planner, resolve_config
+from remat_kit.api.configs import config_planner, resolve_config
 from tests.test_plan import _brute_force
 
 BATCH, SEQ = 2, 32

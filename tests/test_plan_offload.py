@@ -14,7 +14,7 @@ from remat_kit.measure import targets
 from remat_kit.decide.cost_model import CostModel
 from remat_kit.models import get_config
 from remat_kit.decide.plan import CPU_OFFLOAD_NOTE, Planner
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 
 needs_libtpu = pytest.mark.skipif(
     __import__("importlib").util.find_spec("libtpu") is None, reason="needs libtpu")
@@ -135,7 +135,7 @@ def test_plan_does_not_offload_where_the_probe_says_no(cpu_planner):
         "planned" in plan.offload_notes[0]
     # A compiled preset that offloads is no candidate either (it would be budgeted as saving).
     cpu_planner.measure_all(["minimal_offloaded"])
-    assert all(not r.offloaded_bytes for r in cpu_planner._compiled())
+    assert all(not r.offloaded_bytes for r in cpu_planner.compiled_records())
 
 
 def test_cost_model_charges_offload_its_share():

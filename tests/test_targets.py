@@ -14,20 +14,21 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from remat_kit.api import answers
 from remat_kit.cli import commands as cli
-from remat_kit.cli import report
+from remat_kit.api import report
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
 from remat_kit.policy.budget import parse_budget
-from remat_kit.models.shortcuts import layer_residuals
+from remat_kit.api.configs import layer_residuals
 from remat_kit.measure.record import PEAK, TEMP
 from remat_kit.models import get_config
-from remat_kit.models.shortcuts import config_planner
+from remat_kit.api.configs import config_planner
 from remat_kit.policy.spec import parse
 
 # The module, not rk.measure (the function the package exports under that name).
 measure = importlib.import_module("remat_kit.measure.measure")
-from remat_kit.models import shortcuts  # noqa: E402
+from remat_kit.api import configs  # noqa: E402
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed "
                                   "(pip install 'remat-kit[tpu]'; `make test` installs it)")
@@ -247,7 +248,7 @@ def test_slice_gives_per_device_figures(side_by_side):
     chip's, and so (within 2%) are the FLOPs."""
     _, by, _ = side_by_side
     one = by["tpu:v5e:1x1"][str(parse("minimal"))]
-    records = shortcuts.measure_config(get_config("tiny"), B, S, ["minimal"],
+    records = configs.measure_config(get_config("tiny"), B, S, ["minimal"],
                                      target="tpu:v5e:2x2", per_layer=False)
     (four,) = records
     assert four.error is None and four.target == "tpu:v5e:2x2"
@@ -262,7 +263,7 @@ def test_a_failed_aot_compile_is_a_row_with_the_compilers_message():
         return jnp.sum(jnp.tanh(x) * jnp.sin(x))
 
     x = jax.ShapeDtypeStruct((1 << 17, 1 << 14), jnp.float32)
-    records = measure.measure(loss, x, policies=["none", "full"],
+    records = answers.measure(loss, x, policies=["none", "full"],
                               target=targets.parse_target("tpu:v5e:1x1"))
     assert len(records) == 2
     for r in records:
@@ -404,12 +405,12 @@ def test_plan_verifies_on_the_target(capsys):
 def test_a_one_chip_mesh_measures_as_no_mesh_staging_each_policy_once(monkeypatch):
     # A one-chip target's data:1 mesh: the program is the per-device program.
     staged = []
-    stage = measure._stage
-    monkeypatch.setattr(measure, "_stage", lambda *a: staged.append(1) or stage(*a))
+    real = measure.stage
+    monkeypatch.setattr(measure, "stage", lambda *a: staged.append(1) or real(*a))
     cfg, tpu = get_config("tiny", num_layers=1), targets.parse_target("tpu:v5e:1x1")
-    alone = shortcuts.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False)
+    alone = configs.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False)
     assert len(staged) == 2
-    on_mesh = shortcuts.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False,
+    on_mesh = configs.measure_config(cfg, 2, 16, ["none", "full"], target=tpu, per_layer=False,
                                      mesh=targets.make_mesh(tpu, {"data": 1}))
     assert len(staged) == 4  # once per policy, not again for a per-device program
     strip = lambda rs: [dataclasses.replace(r, compile_seconds=None) for r in rs]  # noqa: E731

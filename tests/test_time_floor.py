@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from remat_kit.api import answers
 from remat_kit import mesh as rk_mesh
 from remat_kit._jax_private import hlo
 from remat_kit.measure import figure_cache, lowering, targets, time_model
@@ -20,7 +21,6 @@ from remat_kit.measure.time_checks import (BelowFloor, FLOOR_SLACK, check_floor,
 from remat_kit.models import get_config, workload
 from remat_kit.policy.presets import PRESET_TABLE
 
-measure = importlib.import_module("remat_kit.measure.measure")
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed")
 TPU = targets.parse_target("tpu:v5e:2x2")
@@ -106,7 +106,7 @@ def test_a_loop_priced_once_falls_below_the_floor_and_raises(monkeypatch):
             compiled))
     monkeypatch.setattr(time_model, "compiled_seconds", body_once)
     monkeypatch.setattr(figure_cache, "folder", lambda: None)  # figures kept would hide it
-    [record] = measure.measure(_matmul_scan, w, x, policies=["none"], target=TPU)
+    [record] = answers.measure(_matmul_scan, w, x, policies=["none"], target=TPU)
     assert record.error.startswith("BelowFloor: predicted step")
 
 
@@ -121,7 +121,7 @@ def _assert_above_floor(records, target):
 
 @needs_libtpu
 def test_every_preset_of_tiny_llama_is_above_the_floor_on_tpu():
-    records = measure.measure(workload(get_config("tiny_llama"), 2, 64),
+    records = answers.measure(workload(get_config("tiny_llama"), 2, 64),
                               policies=PRESET_SPECS, target=TPU)
     assert {n for r in records for n in r.names} == set(PRESET_SPECS)
     _assert_above_floor(records, TPU)
@@ -137,14 +137,14 @@ def test_a_scanned_config_on_a_tpu_mesh_is_priced_per_layer():
     every layer (those of the same layers unrolled, within 1%), and each layer
     adds the same predicted time: 8 layers less 4 is twice 4 less 2."""
     mesh = rk_mesh.make("fsdp:4", targets.devices(TPU)[:4])
-    records = measure.measure(workload(_scanned(4), 4, 128, mesh=mesh),
+    records = answers.measure(workload(_scanned(4), 4, 128, mesh=mesh),
                               policies=["none", "full", "minimal", "dots"], target=TPU)
     _assert_above_floor(records, TPU)
-    unrolled = measure.measure(workload(_scanned(4).replace(scan_layers=False), 4, 128,
+    unrolled = answers.measure(workload(_scanned(4).replace(scan_layers=False), 4, 128,
                                         mesh=mesh), policies=["full"], target=TPU)[0]
     [full] = [r for r in records if "full" in r.names]
     assert full.flops == pytest.approx(unrolled.flops, rel=0.01)
-    step = {n: measure.measure(workload(_scanned(n), 4, 128, mesh=mesh), policies=["full"],
+    step = {n: answers.measure(workload(_scanned(n), 4, 128, mesh=mesh), policies=["full"],
                                target=TPU)[0].predicted_seconds for n in (2, 8)}
     step[4] = full.predicted_seconds
     assert step[8] - step[4] == pytest.approx(2 * (step[4] - step[2]), rel=0.05)

@@ -219,8 +219,8 @@ def test_time_objective_on_cpu():
     full, none = p.minimum()
     plan = p.plan((full + none) // 2)
     assert plan.objective == "time" and plan.predicted_seconds is not None
-    fitting = [r for r in p._compiled() if r.memory_bytes <= plan.budget_bytes]
-    assert plan.predicted_seconds == pytest.approx(min(p.seconds(p._policy_of(r))
+    fitting = [r for r in p.compiled_records() if r.memory_bytes <= plan.budget_bytes]
+    assert plan.predicted_seconds == pytest.approx(min(p.seconds(p.policy_of(r))
                                                        for r in fitting))
     with pytest.raises(ValueError, match="objective must be one of flops, time"):
         Planner(loss, w, x, cache=None, objective="speed")

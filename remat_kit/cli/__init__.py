@@ -1,9 +1,9 @@
-"""cli: the `remat-kit` command. The model's source (`sources`) and inputs checked before
-anything compiles (`inputs`, `common`), one module per command (`compare`, `explain`,
-`plan`, `fit`), the parser and entry point (`commands`), tables, JSON, CSV and plots
-(`report`).
+"""cli: the `remat-kit` command. The flags every command shares (`common`), one module
+per command (`compare`, `explain`, `plan`, `fit`), the verdict line (`verdict`), the
+parser and entry point (`commands`); the checks of its inputs, the model's source and the
+tables, JSON, CSV and plots are the front floor's (`remat_kit.api`).
 
-May import: every part of remat_kit. Nothing imports it but the entry point.
+May import: every part of remat_kit (`api` first). Nothing imports it but the entry point.
 
 Public names: `main` (the `remat-kit` entry point).
 """

@@ -15,7 +15,7 @@ Each answer opens with the model map's line and the verdict (`remat_kit.cli.verd
 the chip, the policy, what it gives and costs, what to paste), then a table that fits
 100 columns (`--wide` for every column). `compare` measures every policy compile-only
 (`remat_kit.measure.measure`) and prints a table sorted by memory
-(`remat_kit.cli.report`). `explain` lists what one decoder layer saves, offloads and
+(`remat_kit.api.report`). `explain` lists what one decoder layer saves, offloads and
 recomputes under one policy. `plan` runs
 the budget planner (`remat_kit.decide.plan`) for each budget and sets its frontier
 against the best fixed preset that fits. `fit` finds the longest sequence
@@ -47,7 +47,7 @@ from remat_kit.cli import fit as fit_command
 from remat_kit.cli import plan as plan_command
 from remat_kit.cli import stops
 from remat_kit.cli.common import make_host_devices
-from remat_kit.cli.inputs import BadInput, _non_negative_int, _positive_int
+from remat_kit.api.inputs import BadInput, non_negative_int, positive_int
 from remat_kit.errors import RematSpecError
 from remat_kit.models import CONFIGS
 from remat_kit.models.config import DTYPES
@@ -82,12 +82,12 @@ def _source_flags(p) -> None:
                    help="with --model: the repeated block class(es) to remat (default: the "
                         "class whose instances hold the most parameters, and any other "
                         "repeated one apart from it, e.g. an encoder's layers)")
-    p.add_argument("--batch", type=_positive_int, default=None,
+    p.add_argument("--batch", type=positive_int, default=None,
                    help="global batch size (default: the config file's batch_size, or 8)")
-    p.add_argument("--seq", type=_positive_int, default=None,
+    p.add_argument("--seq", type=positive_int, default=None,
                    help="sequence length (default: the config file's seq_len, or "
                         "min(max_len, 1024))")
-    p.add_argument("--vocab-chunks", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--vocab-chunks", type=positive_int, default=None, metavar="N",
                    help="compute the loss over N vocabulary slices, each recomputed in "
                         "the backward pass, so the float32 logits and their gradient "
                         "never exist whole (N must divide the vocabulary; default 1)")
@@ -114,7 +114,7 @@ def _add_compare(sub) -> None:
                          help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
     compare.add_argument("--target", default=None,
                          help=TARGET_HELP + "; comma-separated targets go side by side")
-    compare.add_argument("--time", type=_non_negative_int, default=0, metavar="N",
+    compare.add_argument("--time", type=non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")
     compare.add_argument("--plot", default=None, metavar="PATH",
@@ -221,7 +221,7 @@ def _add_fit(sub) -> None:
     fit.add_argument("--vary", choices=("seq", "batch"), default="seq",
                      help="search the sequence length (global batch fixed, default 1, or "
                           "data x fsdp on a mesh) or the global batch (seq fixed)")
-    fit.add_argument("--multiple", type=_positive_int, default=None,
+    fit.add_argument("--multiple", type=positive_int, default=None,
                      help="search in multiples of this (default 128 for seq; 1 for batch, or "
                           "data x fsdp on a mesh)")
     fit.add_argument("--policies", default=None,

@@ -8,8 +8,9 @@ import math
 import os
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.inputs import check_seq
-from remat_kit.cli.sources import Source, load_source
+from remat_kit.api.inputs import check_seq
+from remat_kit.api.report import map_context, print_map
+from remat_kit.api.sources import Source, load_source
 
 
 def make_host_devices(args) -> None:
@@ -86,26 +87,6 @@ def plot_path(path: str, target, several: bool) -> str:
         return path
     stem, ext = os.path.splitext(path)
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
-
-
-def _map_of(work):
-    # A Workload's map, or a ModelMap itself (`program.config_map` of a --config report
-    # that builds no workload).
-    return getattr(work, "model_map", work)
-
-
-def print_map(work) -> None:
-    """Every report's first line: the model map's (`remat_kit.trace.model_map`): the
-    layers remat applies to, the model's own remat, what runs outside every layer.
-    `work`: a Workload, or a ModelMap; nothing printed where it has none."""
-    if _map_of(work) is not None:
-        print(f"model map: {_map_of(work).line()}", flush=True)
-
-
-def map_context(work) -> dict:
-    """`--json`'s `context.model_map`: the whole map (`work` a Workload or a ModelMap),
-    where there is one."""
-    return {} if _map_of(work) is None else {"model_map": _map_of(work).to_dict()}
 
 
 __all__ = ["make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes",

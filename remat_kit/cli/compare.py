@@ -1,5 +1,5 @@
-"""`remat-kit compare`: every policy measured compile-only (`remat_kit.decide.resolve.measure`),
-one table per target sorted by memory (`remat_kit.cli.report`), with --json, --csv and
+"""`remat-kit compare`: every policy measured compile-only (`remat_kit.api.answers.measure`),
+one table per target sorted by memory (`remat_kit.api.report`), with --json, --csv and
 --plot."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
 from remat_kit.cli.common import (map_context, mesh_origin, plot_path, print_map, sizes_text,
                                   source_and_sizes, targets_of)
-from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
+from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
 
@@ -18,7 +18,8 @@ from remat_kit.policy.spec import AutoSpec, parse
 def run(args) -> int:
     """`remat-kit compare` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
-    from remat_kit.cli import plots, report, verdict
+    from remat_kit.api import plots, report
+    from remat_kit.cli import verdict
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
     src, batch, seq = source_and_sizes(args)
@@ -88,8 +89,8 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
     """((target, title, rows), the JSON context) of compare's policies measured on one
     target: `where` = (the target, the --mesh asked, the workload); a model's own mesh
     first."""
-    from remat_kit.cli import report
-    from remat_kit.decide.resolve import measure
+    from remat_kit.api import report
+    from remat_kit.api.answers import measure
     (target, asked, work), (batch, seq, dtype), cfg = where, sizes, src.cfg
     mesh = (work.mesh if work.mesh is not None or work.own_mesh is not None
             else rk_mesh.plain(asked))

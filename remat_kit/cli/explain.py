@@ -1,5 +1,5 @@
 """`remat-kit explain`: what one decoder layer saves, offloads and recomputes under one
-policy (`remat_kit.measure.explain`), its constants on one line apart, and the whole
+policy (`rk.explain`, `remat_kit.api.answers`), its constants on one line apart, and the whole
 step's peak where asked."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import Counter
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import print_map, sizes_text, source_and_sizes, targets_of
-from remat_kit.cli.inputs import BadInput
+from remat_kit.api.inputs import BadInput
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
 from remat_kit.units import fmt_bytes
@@ -110,11 +110,11 @@ def _one_target(args):
 def _breakdown(src, cfg, batch, seq, policy, target):
     """(the `LayerBreakdown` of one layer under `policy`, what the layer is called, the
     dtype for the title), after printing the model map: a config's decoder layer
-    (`layer_residuals`), or a --model's first block (`measure.explain`); BadInput for a
+    (`layer_residuals`), or a --model's first block (`rk.explain`); BadInput for a
     model with no block."""
-    from remat_kit.measure.explain import explain
+    from remat_kit.api.answers import explain
     from remat_kit.models.program import config_map
-    from remat_kit.models.shortcuts import layer_residuals
+    from remat_kit.api.configs import layer_residuals
     if cfg is not None:
         print_map(config_map(cfg))
         return (layer_residuals(cfg, batch, seq, policy, target=target), "one decoder layer",
@@ -184,7 +184,7 @@ def _print_peak(console, work, policy, target) -> None:
     """--peak: the whole model compiled under `policy`, and what holds its peak
     (`measure.peak.summary`, and `scores_note` where the attention scores hold the
     most); BadInput where it does not compile."""
-    from remat_kit.decide.resolve import measure
+    from remat_kit.api.answers import measure
     from remat_kit.measure import peak
     from remat_kit.measure.record import MEMORY_LABELS
     [record] = measure(work, policies=[policy], target=target, peak=True)

@@ -10,9 +10,9 @@ import sys
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import map_context, mesh_origin, print_map, targets_of
-from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
+from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
-from remat_kit.cli.sources import load_source, rechunked
+from remat_kit.api.sources import load_source, rechunked
 from remat_kit.units import fmt_bytes
 
 
@@ -21,7 +21,7 @@ def run(args) -> int:
     turns bad input into one line and 2)."""
     from remat_kit.decide.fit import DEFAULT_MAX_SIZE
     from remat_kit.errors import BudgetError
-    from remat_kit.models.shortcuts import fit
+    from remat_kit.api.configs import fit
 
     src = load_source(args)
     budget = _budget_bytes(args.budget)
@@ -119,12 +119,12 @@ def _policies(args, cfg) -> list[str]:
 
 
 def _check_autos(specs, budget: int) -> None:
-    """BadInput for an auto spec whose budget is not the fit budget (`decide.fit._is_auto`)."""
-    from remat_kit.decide.fit import _is_auto
+    """BadInput for an auto spec whose budget is not the fit budget (`decide.fit.is_auto_spec`)."""
+    from remat_kit.decide.fit import is_auto_spec
     from remat_kit.errors import BudgetError
     for spec in specs:
         try:
-            _is_auto(spec, budget)
+            is_auto_spec(spec, budget)
         except BudgetError as e:
             raise BadInput(f"--policies: {e}") from None
 
@@ -165,7 +165,7 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple, where
     the mesh came from: `common.mesh_origin`)."""
     from remat_kit.cli import fit_report, verdict
-    from remat_kit.cli.report import print_title, terminal_console
+    from remat_kit.api.report import print_title, terminal_console
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple, origin = words
     step = rk_mesh.compiled_step("train step", result.mesh, origin)

@@ -14,10 +14,10 @@ from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import (map_context, mesh_origin, print_map, sizes_text,
                                   source_and_sizes, targets_of)
-from remat_kit.cli.inputs import (BadInput, check_json_and_plot, check_planner_floor,
+from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_planner_floor,
                                   check_schedules, device_mesh, plan_groups, preset_policies,
                                   split_budgets, split_policies)
-from remat_kit.cli.sources import rechunked
+from remat_kit.api.sources import rechunked
 from remat_kit.policy.spec import parse
 from remat_kit.units import fmt_bytes
 
@@ -206,7 +206,8 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     can be met, else 0."""
     import json
 
-    from remat_kit.cli import plots, report, verdict
+    from remat_kit.api import plots, report
+    from remat_kit.cli import verdict
     from remat_kit.measure.record import MEMORY_LABELS
 
     memory = MEMORY_LABELS[planner.memory_kind]

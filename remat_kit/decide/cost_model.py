@@ -32,8 +32,8 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from remat_kit.decide.milp import CostModel, tie_rank
 from remat_kit.measure import time_model
-from remat_kit.measure.residuals import _COPIES, _stage, call_body
-from remat_kit.trace.workload import _as_factory
+from remat_kit.measure.residuals import COPY_PRIMITIVES, stage, call_body
+from remat_kit.trace.workload import as_factory
 from remat_kit.policy.policy import BASES, Policy
 from remat_kit.trace.validate import tag_of
 
@@ -148,7 +148,7 @@ class Program:
     def _source(self, key):
         """The node producing `key`, through copies and layout changes."""
         node = self.producers.get(key)
-        while node is not None and node.eqn.primitive in _COPIES and node.ins:
+        while node is not None and node.eqn.primitive in COPY_PRIMITIVES and node.ins:
             node = self.producers.get(node.ins[0])
         return node
 
@@ -365,13 +365,13 @@ def cost_model(loss_fn: Callable, *args, free: Sequence[str] = (), staged=None,
       loss_fn: a loss or a policy -> loss factory, as `measure` takes.
       args: arrays or `jax.ShapeDtypeStruct`s; nothing is computed.
       free: tags the remat region keeps whatever the policy (its inputs).
-      staged: the loss already traced under `SAVE_TAGS` (`residuals._stage`), if at hand.
+      staged: the loss already traced under `SAVE_TAGS` (`residuals.stage`), if at hand.
       base, groups, roofline: as `Program.model`.
     Raises:
       TypeError: the loss does not return a scalar.
     """
-    loss = _as_factory(loss_fn)(SAVE_TAGS)
-    staged = staged or _stage(loss, args)
+    loss = as_factory(loss_fn)(SAVE_TAGS)
+    staged = staged or stage(loss, args)
     needed = {r.name for r in staged.residuals if r.kind == "tag"} - set(free)
     return Program(forward_jaxpr(loss, args).jaxpr).model(
         free=free, needed=needed, base=base, groups=groups, roofline=roofline)

@@ -69,7 +69,7 @@ DEFAULT_MULTIPLE = {"seq": 128, "batch": 1}
 # Sizes beyond these are not searched, and a policy that still fits there is
 # reported as capped.
 DEFAULT_MAX_SIZE = {"seq": 1 << 19, "batch": 1 << 16}
-def _is_auto(spec: str, budget_bytes: int) -> bool:
+def is_auto_spec(spec: str, budget_bytes: int) -> bool:
     """Whether `spec` is fit's auto row: "auto", or auto:budget= the fit budget.
 
     Raises:
@@ -327,21 +327,21 @@ def _specs(policies, budget_bytes: int) -> tuple[list[str], list[bool]]:
     """(the distinct spec strings in order, whether each is the auto row).
 
     Raises:
-      ValueError: no policies. BudgetError, RematSpecError: see `_is_auto`.
+      ValueError: no policies. BudgetError, RematSpecError: see `is_auto_spec`.
     """
     if isinstance(policies, (str, Policy)):
         policies = [policies]
     specs = list(dict.fromkeys(p if isinstance(p, str) else str(p) for p in policies))
     if not specs:
         raise ValueError("policies is empty; give at least one spec, e.g. ['none', 'full']")
-    return specs, [_is_auto(p, budget_bytes) for p in specs]
+    return specs, [is_auto_spec(p, budget_bytes) for p in specs]
 
 
 def _check_schedules(specs: list[str], auto: list[bool], smallest) -> None:
     """Bad specs (a layer schedule that does not fit the model) fail before anything compiles."""
     for p, is_auto in zip(specs, auto):
         if not is_auto and smallest.num_layers:
-            one_policy(p).schedule.check(smallest.num_layers)
+            one_policy(parse(p)).schedule.check(smallest.num_layers)
 
 
 def _floor(smallest, optimizer, budget, budget_bytes: int, mesh: Mesh | None,
@@ -448,7 +448,7 @@ def _what_holds(steps: Steps, work, size: int, vary: str, optimizer, target,
     compiled = {}
     for key, m in steps.at(size).items():
         try:
-            compiled[key] = (one_policy(key), m)
+            compiled[key] = (one_policy(parse(key)), m)
         except Exception:  # noqa: BLE001 - a per-layer plan's runs of layers, not a spec
             continue
     if not compiled:

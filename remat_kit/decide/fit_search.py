@@ -106,7 +106,7 @@ class Steps:
             self.total += 1
             try:
                 self._cache[key] = self._measure(
-                    Policy() if loss is not None else one_policy(policy), size, loss)
+                    Policy() if loss is not None else one_policy(parse(policy)), size, loss)
             except Exception as e:  # noqa: BLE001 - only memory errors mean "does not fit"
                 if not is_out_of_memory(e):
                     self._failed[key] = e

@@ -1,76 +1,8 @@
-"""Budget planner: the policy with the fewest FLOPs whose compiled memory fits a budget.
-
-`plan(loss_fn, *args, budget=...)` answers "what should I save for this much
-memory?" in three steps:
-
-1. A cost model, measured from the program itself (`remat_kit.decide.cost_model`).
-   The loss is traced under `save:*`; the tags the backward pass then reads
-   are the *needed* tags. Each tag's *segment* (the equations between it and
-   its nearest tagged ancestors, the remat region's inputs, or values the
-   base rule saves) gives its recompute FLOPs and predicted seconds
-   (`remat_kit.measure.time_model`); its bytes are its values' bytes. Tags inside
-   `jax.jit`-ed calls are seen; tags inside a scan count once per trip. Tags
-   that the remat region keeps anyway (its inputs, e.g.
-   `decoder_layer_input`, found as the tag residuals of `full`) are always
-   available. Decisions are per tag, or per tag and group of layers
-   (`groups`), over each base rule for untagged values (nothing,
-   dots_no_batch, dots), each compiled alone as the floor the tags fill above.
-2. A mixed-integer program over the tags, after Checkmate (Jain et al. 2020,
-   "Checkmate: Breaking the Memory Wall with Optimal Tensor
-   Rematerialization") with one recompute stage, as in PyTorch's
-   `activation_memory_budget` min-cut partitioner (torch/_functorch/partitioners.py),
-   which chooses saved values by their recompute cost, but with the
-   dependencies between tags as constraints rather than a knapsack over
-   independent items. Binary s_t (save t) and r_t (recompute t):
-
-       minimize    sum_t cost_t r_t           cost: FLOPs, or predicted seconds
-       subject to  s_t + r_t >= 1              t needed by the backward pass
-                   s_p + r_p >= r_t            p a parent of t (recomputing t reads p)
-                   sum_t k bytes_t s_t <= room room = budget - memory of the base alone
-
-   where k, what a saved byte adds to the compiled figure, is measured on the
-   program by one compile (every tag saved, against `full`: `Planner.byte_share`);
-   solved with `scipy.optimize.milp` (HiGHS), then again for the fewest bytes
-   among solutions within `search.FLOP_RESOLUTION` of the cheapest, so nothing
-   useless is saved. Where offload is asked for (`offload`), a third
-   binary o_t offloads t where the offload probe (`remat_kit.decide.offload_probe`:
-   two compiles of the loss, its tags offloaded and saved) shows that offload
-   lowers device memory: it takes 1 - the probe's figure of its bytes on the
-   device, and its transfer (bytes
-   over the target's host bandwidth, each way) hides behind its layers'
-   predicted forward compute; only the excess is charged (as seconds, or for
-   objective "flops" as the FLOPs the device could have run meanwhile), see
-   `CostModel.solve`. Recomputing
-   `mlpwo`'s input means recomputing `mlp_act`, which reads `mlpwi`: the
-   parent constraints carry such chains.
-3. Verification: the chosen policy (`save:` the tags with s_t = 1; one per
-   layer for a per-layer plan, the model's program with each layer's remat
-   region under its own policy) is compiled
-   and its real memory checked. Over budget, the room shrinks
-   by the overshoot (and below the rejected plan's bytes) and the program is
-   solved again; under budget, the unused bytes are offered back (XLA's
-   buffer reuse often makes saved tags cost less than their size). Up to
-   `max_iterations` policies are compiled; the one with the fewest measured
-   FLOPs (or least predicted time) that fits is returned, and `full` always fits.
-   A plan that offloads is compiled once more with those tags saved instead:
-   its notes give the probe's figure, how far device memory fell beside what
-   the probe predicted, and the compiler's host temp memory
-   (`Plan.offload_notes`, `Plan.host_bytes`). Every other policy
-   the `Planner` has compiled for this loss (e.g. the presets `remat-kit plan`
-   compares) is a candidate too. A budget that holds no remat returns `none`.
-
-Memory is the figure `remat_kit.measure.measure.memory_kind` names for the target
-(`Record.memory_bytes`), per device, as `remat-kit compare` ranks by: XLA's
-`temp_size_in_bytes` on the XLA CPU backend (its peak figure leaves temp
-buffers out), the compiler's `peak_memory_in_bytes` on TPU and GPU targets
-(XLA:TPU's temp figure leaves out buffers its peak counts, and can rank full
-remat above no remat). A fractional budget is a fraction of the `none`
-policy's figure, the minimum is the least figure of any compiled policy, and
-the room the MILP fills is the budget minus `full`'s figure; saved tags add
-to either figure about their bytes, and verification by compiling corrects
-what they do not. `Plan.memory_kind` says which figure a plan's bytes are.
-
-Plans are cached (`remat_kit.decide.plan_cache`), so a restarted run does not plan again.
+"""The budget planner: the policy with the fewest FLOPs (or least predicted time) whose
+compiled memory fits a budget, for one loss and any number of budgets (`Planner`, `plan`).
+A cost model measured from the program (`cost_model`), a MILP over its tags (`milp`),
+each answer verified by compiling (`search`), plans cached (`plan_cache`).
+How it works, the arguments and the figures: docs/plan.md.
 """
 
 from __future__ import annotations
@@ -92,7 +24,7 @@ from remat_kit.measure import targets
 from remat_kit.measure.record import Record
 from remat_kit.measure.time_checks import time_check
 from remat_kit.measure.time_model import OBJECTIVES
-from remat_kit.trace.workload import Workload, _as_factory, from_loss
+from remat_kit.trace.workload import Workload, as_factory, from_loss
 
 
 def _check_differentiable(args) -> None:
@@ -113,78 +45,14 @@ def _check_differentiable(args) -> None:
 
 
 class Planner(PlannerCompiles, PlannerCosts):
-    """Plans one loss for any number of budgets, sharing the measurements.
-
-    `Planner(loss_fn, *args).plan("6GiB")`; `.frontier([0.1, 0.2])`.
-
-    Args:
-      loss_fn: a loss(*args) returning a scalar (wrapped whole in one remat
-        region per policy) or a factory policy -> loss (the model applies the
-        policy, e.g. per layer), as `measure` takes; differentiated with
-        respect to args[0].
-      args: arrays or `jax.ShapeDtypeStruct`s (with shardings for a mesh).
-      cache: path of the JSON plan cache; True for `default_cache_path()`;
-        None or False for none.
-      max_iterations: policies compiled per budget before falling back to
-        `full`, which always fits.
-      progress: called with a one-line message as each policy is compiled.
-      target: whose compiler the plan is verified with and whose memory it
-        fits (`remat_kit.measure.targets`, e.g. "tpu:v5e:1x1"); default JAX's
-        default backend. It sets the memory figure budgeted:
-        `temp_size_in_bytes` on CPU, `peak_memory_in_bytes` on TPU and GPU
-        (`remat_kit.measure.measure.memory_kind`).
-      per_device: for args sharded over a mesh, (factory, args) of the
-        program one device runs (`Workload.per_device`), as `measure`
-        takes it: the cost model's bytes and FLOPs are then per device, like
-        the compiled figures. Needed where a shard is not a valid input
-        (parameters split over fsdp or tensor).
-      groups: layer groups each tag is decided in: "layers" (the default: one
-        group per layer, up to `MAX_DEFAULT_GROUPS` groups), 1 (one decision
-        per tag for every layer), or an int G from 1 to the number of layers
-        (G runs of consecutive layers, as even as possible). The layers are the remat
-        regions that hold tags (`cost_model.Program`); where they cannot take
-        their own policies (a scanned stack, one remat region) plans are
-        uniform and say why in their status.
-      objective: "flops" (fewest FLOPs) or "time" (least predicted step time,
-        `remat_kit.measure.time_model`); default "time" on a TPU or GPU target whose
-        time model came within reach of measured step times
-        (`time_checks.time_check`), else "flops" (today every target: on the
-        A100, predicted full recompute is 1.22x no remat's step against the
-        1.39x Korthikanti et al. 2022 measured). `time_check` is the line
-        saying how far the target's model was checked.
-      predict_time: also predict each plan's step time (`Plan.predicted_seconds`);
-        always on for objective "time" and where offload is planned.
-      offload: plan offload to host memory as a third decision per tag (see
-        the module docstring): None (default) or False for none, True to ask
-        for it at the target's host bandwidth (`targets.PEAKS`: TPU v5e / v5p,
-        H100, H200; on the CPU at its memory bandwidth), or a host bandwidth in
-        bytes/s in place of the target's (a what-if for a faster link). Asked
-        for, it is planned only where the offload probe's figure is above 0
-        (`offload_probe`, `plans_offload`): XLA's TPU and GPU compiles keep part
-        of an offloaded residual on the device, and on the CPU, where host
-        memory is device memory, the figure is what its compile shows (0).
-      decide: tag names the plan may save or offload; the others are always
-        recomputed. Default every tag (the optimality benchmark narrows it).
-      step: the step a budget covers: "grad" (the default), the value-and-grad
-        step `compare` measures, or "train", the whole train step as `fit`
-        measures it (parameters, gradients, optimizer state and update, the
-        batch: `remat_kit.decide.step_records`); every record is then that
-        step's, so a budget can be the device's memory as it is.
-      optimizer: with step "train", the optax optimizer of the step; default
-        AdamW (`step.default_optimizer`).
-      bases: the base rules for untagged values a plan may take (default
-        `cost_model.PLANNED_BASES`); ("nothing",) for a framework that names
-        every value it keeps (`remat_kit.decide.emit`). With `decide`, it also
-        narrows which compiled policies (presets) may be the plan.
-      no_remat: whether no remat may be the plan. False for a framework whose every
-        setting recomputes what it does not name: MaxText (`--emit maxtext`), whose
-        config reads remat_policy 'none' as None, which checkpoints every layer
-        (maxtext 0.2.5, configs/pyconfig.py and layers/nnx_decoders.py).
+    """Plans one loss for any number of budgets, sharing the measurements:
+    `Planner(loss_fn, *args).plan("6GiB")`, `.frontier([0.1, 0.2])`. Every argument
+    (loss_fn, args, cache, max_iterations, progress, target, per_device, groups,
+    objective, predict_time, offload, decide, step, optimizer, bases, no_remat) and the
+    errors raised: docs/plan.md, "`Planner`'s arguments".
 
     Raises:
-      ValueError: max_iterations not a positive int, groups not a positive int
-        or "layers", or above the number of layers (the message gives the
-        range), an objective other than "flops" or "time".
+      ValueError: a bad max_iterations, groups, offload, bases or objective (named).
       TargetError: offload=True on a target that lists no host bandwidth.
     """
 
@@ -222,7 +90,7 @@ class Planner(PlannerCompiles, PlannerCosts):
             self.workload = from_loss(loss_fn, *args)
         _check_differentiable(args)
         self.step, self.optimizer = check_step(step), optimizer
-        self.loss_fn, self.args = _as_factory(loss_fn, len(args)), args
+        self.loss_fn, self.args = as_factory(loss_fn, len(args)), args
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations, self.progress = max_iterations, progress
         # The progress line's phase, compiles so far, and compiles left where known.
@@ -277,7 +145,7 @@ def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,
 
     `rk.plan(loss_fn, *args, budget="6GiB")`: a mixed-integer program over the
     tags `loss_fn` emits, costs measured from its jaxpr and XLA, verified by
-    compiling (see the module docstring and `Planner`).
+    compiling (docs/plan.md, "How it works").
 
     Args:
       loss_fn: a `Workload`, a loss(*args) -> scalar, or a policy -> loss factory.

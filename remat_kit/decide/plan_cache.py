@@ -237,7 +237,9 @@ def cached_plan(path: str, key: str) -> Plan | None:
         return None
 
 
-def _write_cache(path: str, key: str, plan: Plan) -> None:
+def write_cache(path: str, key: str, plan: Plan) -> None:
+    """Adds `plan` under `key` to the JSON plan cache at `path`, atomically; warns (never
+    raises) where the file is not a plan cache or cannot be written."""
     data = read_cache(path)
     if data is None:
         warnings.warn(f"plan cache {path!r} is not a plan cache (a JSON object); left as it "
@@ -252,4 +254,5 @@ def _write_cache(path: str, key: str, plan: Plan) -> None:
                       stacklevel=3)
 
 
-__all__ = ["Plan", "cached_plan", "default_cache_path", "layers_summary", "read_cache"]
+__all__ = ["Plan", "cached_plan", "default_cache_path", "layers_summary", "read_cache",
+           "write_cache"]

@@ -28,7 +28,7 @@ from remat_kit.measure import figure_cache, targets
 from remat_kit.measure.lowering import compile_options
 from remat_kit.measure.measure import measure
 from remat_kit.measure.record import Record
-from remat_kit.measure.residuals import _stage
+from remat_kit.measure.residuals import stage
 from remat_kit.decide.cost_model import SAVE_TAGS
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import parse
@@ -60,7 +60,8 @@ class PlannerCompiles:
                                                      (i + 1, len(distinct)))
                 self._policies[k] = policy
         elif todo:
-            for record in measure(self.loss_fn, *self.args, policies=todo,
+            for record in measure(self.loss_fn, *self.args, policies=[parse(p) for p in todo],
+                                  names=[str(p) for p in todo],
                                   progress=self._progress, target=self.target,
                                   per_device=self.per_device):
                 for name in record.names:
@@ -75,7 +76,8 @@ class PlannerCompiles:
         if self.step == "train":  # the whole step's, parameters and optimizer state named
             return step_peak(self.workload, parse(policy), self.optimizer or default_optimizer(),
                              self.target)
-        [record] = measure(self.loss_fn, *self.args, policies=[policy], target=self.target,
+        [record] = measure(self.loss_fn, *self.args, policies=[parse(policy)],
+                           names=[str(policy)], target=self.target,
                            per_device=self.per_device, peak=True)
         return record.peak
 
@@ -190,7 +192,7 @@ class PlannerCompiles:
     def staged(self):
         """The loss traced under `SAVE_TAGS` (for the cost model and the fingerprint)."""
         if self._staged is None:
-            self._staged = _stage(self.loss_fn(SAVE_TAGS), self.args)
+            self._staged = stage(self.loss_fn(SAVE_TAGS), self.args)
         return self._staged
 
     def fingerprint(self) -> str:
@@ -237,9 +239,9 @@ class PlannerCompiles:
         can give another policy less."""
         self.measure(Policy())
         none = self.none()
-        return min(r.memory_bytes for r in self._compiled()), none and none.memory_bytes
+        return min(r.memory_bytes for r in self.compiled_records()), none and none.memory_bytes
 
-    def _compiled(self) -> list[Record]:
+    def compiled_records(self) -> list[Record]:
         """Every policy compiled for this loss that has memory and FLOP figures and,
         where offload is not planned (not asked for, or the offload probe shows it
         does not pay), offloads nothing (a preset such as minimal_offloaded is then
@@ -251,7 +253,7 @@ class PlannerCompiles:
     def _allowed(self, record: Record) -> bool:
         """Whether a compiled policy keeps to `bases`, `decide` and `no_remat` (full
         always does)."""
-        policy = self._policy_of(record)
+        policy = self.policy_of(record)
         for p in policy if isinstance(policy, tuple) else (policy,):
             if not p.remat and not self.no_remat:
                 return False

@@ -18,10 +18,10 @@ from remat_kit.decide.cost_model import SAVE_TAGS, CostModel, Program, forward_j
 from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.measure import time_model
 from remat_kit.measure.record import Record
-from remat_kit.measure.residuals import _stage
+from remat_kit.measure.residuals import stage
 from remat_kit.policy.names import TAGS, is_path, register_emitted
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import parse
+from remat_kit.policy.spec import parse, parsed_only
 
 # Predicted step times closer than this fraction of no remat's are ranked by FLOPs.
 TIME_RESOLUTION = 5e-3
@@ -98,6 +98,11 @@ class PlannerCosts:
                 self._byte_share = min(1.0, max(MIN_BYTE_SHARE, grown))
         return self._byte_share
 
+    @property
+    def byte_share_measured(self) -> bool:
+        """Whether `byte_share` has been measured (its compile made), without measuring it."""
+        return self._byte_share is not None
+
     def offload_free_model(self) -> CostModel:
         """The uniform `CostModel` (base nothing, one decision per tag) without offload:
         what the offload probe reads its tag set from."""
@@ -121,7 +126,7 @@ class PlannerCosts:
     def _build_model(self, base: str, groups: int, host_bandwidth) -> CostModel:
         """The `CostModel` as measured from the program, offload at `host_bandwidth`."""
         free = set(self.measure(Policy()).residual_bytes_by_tag)
-        staged = (_stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
+        staged = (stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
                   if self.per_device is not None else self.staged)
         needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
         model = self.program.model(
@@ -161,7 +166,7 @@ class PlannerCosts:
                              f"to {max(layers, 1)} (the program's layers), or 'layers'")
         return self.groups, None
 
-    def _policy(self, saved, base: str, groups: int, offloaded=frozenset()):
+    def policy_from_items(self, saved, base: str, groups: int, offloaded=frozenset()):
         """The policy saving `saved` items and offloading `offloaded`: one Policy, or
         one per layer where they differ."""
         if groups == 1:
@@ -179,16 +184,15 @@ class PlannerCosts:
         return host_offload.transfer_seconds(self, policy)
 
     def seconds(self, policy) -> float:
-        """Predicted step seconds of `policy` (a Policy, spec or per-layer tuple), per
+        """Predicted step seconds of `policy` (a Policy or per-layer tuple), per
         device: its compiled record's (`Record.predicted_seconds`, a roofline per
         compiled op; compiles it if not yet), else where that has none the
         roofline of every equation of its value-and-grad program
         (`time_model.program_seconds`); plus its host transfers not hidden behind
         compute (`transfer_seconds`)."""
-        key = layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
+        layered = isinstance(policy, tuple)
+        key = layers_summary(policy) if layered else str(*parsed_only([policy], "seconds"))
         if key not in self._seconds:
-            layered = isinstance(policy, tuple)
-            policy = policy if layered else parse(policy)
             found = self.record_of(policy).predicted_seconds
             if found is None:
                 if layered:
@@ -196,13 +200,13 @@ class PlannerCosts:
                     fn, args = per_device or ((lambda _: loss), self.args)
                 else:
                     fn, args = self.per_device or (self.loss_fn, self.args)
-                program = _stage(fn(None if layered else policy), args).program
+                program = stage(fn(None if layered else policy), args).program
                 found = time_model.program_seconds(program.jaxpr, self.roofline,
                                                    self._eqn_cache)
             self._seconds[key] = found + self.transfer_seconds(policy)
         return self._seconds[key]
 
-    def _policy_of(self, record: Record):
+    def policy_of(self, record: Record):
         """The Policy (or per-layer tuple) a compiled record measured."""
         return self._policies.get(record.policy) or parse(record.policy)
 
@@ -211,7 +215,7 @@ class PlannerCosts:
         predicted seconds), then its memory. Predicted seconds within
         `TIME_RESOLUTION` of no remat's are a tie, broken by FLOPs: the time
         model is not that accurate, and fewer FLOPs never cost time."""
-        policy = self._policy_of(record)
+        policy = self.policy_of(record)
         stored = record.memory_bytes + record.offloaded_bytes  # saving beats offloading
         if self.objective == "time":
             step = TIME_RESOLUTION * self.seconds(Policy(remat=False))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
-from remat_kit.decide.plan_cache import Plan, _write_cache, cached_plan, layers_summary
+from remat_kit.decide.plan_cache import Plan, write_cache, cached_plan, layers_summary
 from remat_kit.errors import BudgetError
 from remat_kit.measure.measure import measure
 from remat_kit.measure.peak import held_line, vocab_chunks_for
@@ -41,7 +41,7 @@ def what_holds(planner, rechunk: "Callable[[int], object] | None" = None
     vocabulary chunks), one more, of full remat with that loss, whose figure
     the line gives."""
     full = planner.measure(Policy())
-    least = min(planner._compiled(), key=lambda r: r.memory_bytes)
+    least = min(planner.compiled_records(), key=lambda r: r.memory_bytes)
     try:
         found = planner.peak(Policy() if least is full else least.policy)
     except Exception:  # noqa: BLE001 - a budget's error must not be lost to it
@@ -125,10 +125,10 @@ def plan(planner, budget: "str | int | float") -> Plan:
     # Any other policy compiled for this loss (the base rules alone, the presets
     # remat-kit plan compares) that fits and scores better wins: it is verified
     # just the same.
-    other = min((r for r in planner._compiled() if r.memory_bytes <= limit),
+    other = min((r for r in planner.compiled_records() if r.memory_bytes <= limit),
                 key=planner.score)  # `least` fits
     if best is None or planner.score(other) < best[0]:
-        policy, record = planner._policy_of(other), other
+        policy, record = planner.policy_of(other), other
         predicted = (other.memory_bytes, other.flops)
         if best is not None:
             notes.append(f"{other.policy} (compiled before) scores better")
@@ -158,7 +158,7 @@ def _cache_key(planner, parsed, groups: int) -> str:
 def _check_minimum(planner, budget, limit: int, full, none) -> None:
     """BudgetError where `limit` bytes are below the least memory any compiled policy
     reaches (normally `full`'s, the records `full` and `none`), saying what holds it."""
-    least = min(planner._compiled(), key=lambda r: r.memory_bytes)
+    least = min(planner.compiled_records(), key=lambda r: r.memory_bytes)
     if limit < least.memory_bytes:
         lo = least.memory_bytes
         which = "full remat" if least is full else f"{least.policy} (below full remat's)"
@@ -201,7 +201,7 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
             tried.add((saved, offloaded))
             # Predicted before its compile, from the nearest compile so far (`_predict`).
             predicted = _predict(planner, base, floor, model, saved, offloaded, anchors)
-            policy = planner._policy(saved, base, groups, offloaded)
+            policy = planner.policy_from_items(saved, base, groups, offloaded)
             record = planner.record_of(policy)
             tag_bytes = model.cost(saved, offloaded)[0]
             name = record.policy
@@ -232,7 +232,7 @@ def _anchors(planner, base: str, groups: int, floor, model) -> list[tuple]:
     (saved, offloaded, compiled bytes): the base alone (`floor`), and above base
     nothing every decidable tag saved (`Planner.byte_share`'s compile)."""
     found = [(frozenset(), frozenset(), floor.memory_bytes)]
-    if base == "nothing" and planner._byte_share is not None:
+    if base == "nothing" and planner.byte_share_measured:
         kept = frozenset(t for t in model.tags if t not in model.fixed)
         # Compiled for the share where it holds bytes; looked up, never compiled here.
         every = planner.records.get(str(Policy(save=frozenset(
@@ -291,7 +291,7 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
         offload_notes=tuple(offload_notes), model=dict(planner.made_for), step=planner.step,
         aliases=planner.aliases_of(policy))
     if planner.cache:
-        _write_cache(planner.cache, key, result)
+        write_cache(planner.cache, key, result)
     return result
 
 def frontier(planner, budgets: Sequence) -> list[Plan]:

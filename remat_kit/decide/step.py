@@ -29,13 +29,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering, peak
-from remat_kit.measure.residuals import _stage
+from remat_kit.measure.residuals import stage
 from remat_kit.measure.step_times import random_like  # measure's random data, for timed runs
 from remat_kit.errors import RematSpecError, check_positive
 from remat_kit.decide.floor import train_state, tree_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import PEAK, memory_kind
-from remat_kit.policy.spec import parse
+from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.trace.workload import Workload
 
 
@@ -84,7 +84,7 @@ def resizer(model, mesh: Mesh | None) -> tuple[Callable[[int, int], Workload], W
 
     model: a `Workload` (resized by `Workload.at`; its own mesh), or a function
     (batch, seq) -> Workload. A reference config becomes one of these above this
-    part (`remat_kit.models.shortcuts`).
+    part (`remat_kit.api.configs`).
     """
     if isinstance(model, Workload):
         if mesh is not None:
@@ -106,9 +106,10 @@ def check_args(optimizer, **sizes) -> None:
         check_positive(name, value)
 
 
-def one_policy(spec) -> Policy:
-    """parse(spec), refusing an auto:budget= spec: a step compiles one policy."""
-    policy = parse(spec)
+def one_policy(policy: "Policy | AutoSpec") -> Policy:
+    """`policy`, parsed (`rk.step_memory` parses a spec), refusing an auto:budget= spec: a
+    step compiles one policy. Raises TypeError for a spec string."""
+    [policy] = parsed_only([policy], "a train step")
     if not isinstance(policy, Policy):
         raise RematSpecError(f"step_memory compiles one policy, not {policy}: fit's auto row "
                              "plans it for each size, remat-kit plan for one", token=str(policy))
@@ -187,7 +188,8 @@ def step_memory(model, batch: int, seq: int, policy: "str | Policy", *,
         type, or sizes not positive.
       MeshError: the mesh does not split the batch or the heads
         (`remat_kit.mesh.check_fits`).
-      RematSpecError: the policy does not parse, or is an auto:budget= spec.
+      RematSpecError: an auto:budget= spec. TypeError: a spec string (`rk.step_memory`
+        parses it).
       TargetError: a bad target, or libtpu missing.
       Any compiler error, e.g. an out-of-memory error from an accelerator's
       compiler (see `is_out_of_memory`).
@@ -288,7 +290,7 @@ def step_peak(workload: Workload, policy: Policy, optimizer, target) -> dict:
     Raises: whatever tracing or compiling the step raises.
     """
     params, _, rest = train_state(workload, optimizer)
-    staged = _stage(workload.loss_for_policy(policy), (params, *rest))
+    staged = stage(workload.loss_for_policy(policy), (params, *rest))
     # The value-and-grad program with its residuals named, so the dump says which is which.
     marked = jaxpr_as_fun(peak.marked(staged.program, staged.residual_vars, staged.residuals))
     tree = jax.tree.structure(params)

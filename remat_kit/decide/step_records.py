@@ -27,7 +27,7 @@ from collections.abc import Callable
 from remat_kit.decide.step import TrainStep, default_optimizer, step_figures, workload_step
 from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.record import Record
-from remat_kit.measure.residuals import _stage, split
+from remat_kit.measure.residuals import stage, split
 from remat_kit.policy.policy import Policy
 from remat_kit.trace.workload import Workload
 
@@ -91,8 +91,8 @@ def train_record(workload: Workload, loss: Callable, name: str, key: str, *,
                              Policy(), optimizer or default_optimizer())
         c = lowering.compile_for(made.step, *made.args, target=target,
                                  donate=TrainStep.DONATED)
-        staged = (_stage(per_device[0](None), per_device[1]) if per_device is not None
-                  else _stage(loss, workload.args))
+        staged = (stage(per_device[0](None), per_device[1]) if per_device is not None
+                  else stage(loss, workload.args))
         memory = step_figures(c, made.args)
         fields = {k: v for k, v in c.memory.items() if hasattr(record, k)}
         return dataclasses.replace(

@@ -227,7 +227,7 @@ class BatchInputs:
 
         def marked(params, b, rest):
             args, kwargs = call_args(model, b)
-            with from_model.marking_linen(pick.cls), from_model._applied_plainly(batch=True):
+            with from_model.marking_linen(pick.cls), from_model.applied_plainly(batch=True):
                 out = model.apply({"params": params, **rest}, *args, **kwargs)
             return _scalar(loss(out, b), loss)
 

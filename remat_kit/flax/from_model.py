@@ -7,11 +7,10 @@ a dict or object with a `logits` entry. `workload(model, batch, seq)`
    tokens[:, 1:] (`optax.softmax_cross_entropy_with_integer_labels`);
 2. finds its layers (`blocks.pick_block`): the unit its own library would remat,
    layers of one class differing in structure included; `block=` names them;
-3. traces the loss once with each layer call wrapped in a marked remat region
-   and every submodule output tagged by its path (`rk.linen.auto_tag`,
-   `rk.nnx.auto_tag`), infers each value's role (`remat_kit.trace.roles`), finds
-   the model's own remat (`remat_kit.trace.own_remat`: a whole layer's is taken
-   over by the policy), and
+3. traces the loss once, each layer call in a marked remat region and every submodule
+   output tagged by its path (`rk.linen.auto_tag`, `rk.nnx.auto_tag`), infers each value's
+   role (`trace.roles`), finds the model's own remat (`trace.own_remat`: a whole
+   layer's is taken over by the policy), and
 4. returns a workload whose loss runs each layer under the policy
    (`remat_kit.trace.regions`), with its model map (`Workload.model_map`).
 """
@@ -94,7 +93,7 @@ def _describe(out) -> str:
 
 
 @contextlib.contextmanager
-def _applied_plainly(batch: bool = False):
+def applied_plainly(batch: bool = False):
     """Inside: a linen model that needs more than its variables at apply (an rng
     stream, a collection it writes) is a ModelError saying so, in one line: the
     loss applies it as `model.apply(variables, tokens)` (`batch`: to the batch of a
@@ -176,7 +175,7 @@ def _loose(params, instances) -> tuple:
 # linen
 # ---------------------------------------------------------------------------
 
-def _linen_instances(model: nn.Module, fn: Callable, *args,
+def linen_instances(model: nn.Module, fn: Callable, *args,
                      params=None) -> tuple[list[Instance], dict]:
     """Every submodule holding parameters (`blocks.Instance`: path, class, structure,
     the layers it runs by `_stacked`), in call order, from one abstract run of
@@ -223,7 +222,7 @@ def marking_linen(cls: type):
         return
     plan = wrapping.Plan.of({c: "full" for c in cls}, nn.Module, "remat_kit.flax.from_model")
     markers = {k: wrapping.Marker(KEY) for k in plan.keys}
-    with flax_linen._intercepting(plan, markers, True, ("__call__",), check=False), \
+    with flax_linen.intercepting(plan, markers, True, ("__call__",), check=False), \
             linen_tags.auto_tag():
         yield
 
@@ -232,7 +231,7 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
     """(the block classes of `model`, `pick_block`; its variables as ShapeDtypeStructs),
     from one abstract `init(*args)` (`model.init` on the inputs): the one way a linen
     model's blocks are found, for its tokens or any batch (`batch_model`)."""
-    instances, variables = _linen_instances(model, init, *args)
+    instances, variables = linen_instances(model, init, *args)
     has_parameters(model, variables.get("params", {}))
     return pick_block(instances, block, _loose(variables["params"], instances)), variables
 
@@ -246,7 +245,7 @@ def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1)
     rest = {k: v for k, v in variables.items() if k != "params"}
 
     def marked(params, tokens, rest):
-        with marking_linen(cls), _applied_plainly():
+        with marking_linen(cls), applied_plainly():
             out = model.apply({"params": params, **rest}, tokens)
         return next_token_loss(logits_of(out, batch, seq), tokens, vocab_chunks)
 
@@ -276,7 +275,7 @@ def _nnx_marked_class(cls: type) -> type:
 
         return nnx.remat(body, policy=wrapping.Marker(KEY))(self, *arrays)
 
-    return flax_nnx._subclass(cls, {"__call__": __call__})
+    return flax_nnx.same_named_subclass(cls, {"__call__": __call__})
 
 
 def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
@@ -284,7 +283,7 @@ def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
     forward `model(*args, **kwargs)` of a copy whose modules there record the
     parameters their call sees."""
     seen: dict[tuple, object] = {}
-    copy = flax_nnx._copy(model)
+    copy = flax_nnx.copy_model(model)
 
     def recorder(cls, path):
         orig = cls.__call__
@@ -292,7 +291,7 @@ def _nnx_copies(model: nnx.Module, paths, *args, **kwargs) -> dict:
         def __call__(self, *args, **kwargs):
             seen.setdefault(path, nnx.state(self, nnx.Param))
             return orig(self, *args, **kwargs)
-        return flax_nnx._subclass(cls, {"__call__": __call__})
+        return flax_nnx.same_named_subclass(cls, {"__call__": __call__})
 
     for path, node in nnx.iter_graph(copy):
         if tuple(path) in paths:
@@ -497,4 +496,5 @@ def trace(fn: Callable, args, where: "placement.Placement | None" = None,
         traced, shape = make()
     return traced, shape
 
-__all__ = ["ModelError", "logits_of", "next_token_loss", "workload"]
+__all__ = ["ModelError", "applied_plainly", "linen_instances", "logits_of", "next_token_loss",
+           "workload"]

@@ -82,7 +82,7 @@ def _region(module: nn.Module, method: str, jax_policy, prevent_cse: bool, args,
         # Path tags differ per layer; the program does only where a pattern names a path.
         paths = any("/" in p for p in jax_policy.policy.patterns())
         key = call_region.key_of(cls or type(module), module.path if paths else None, method,
-                                 jax_policy, tuple(_init_fields(module, "parent", "name").items()),
+                                 jax_policy, tuple(init_fields(module, "parent", "name").items()),
                                  repr(rebuild([None] * len(arrays))))
         outs = nn.transforms.lift_transform(
             _role_checkpoint, body, jax_policy, key,
@@ -215,7 +215,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
 def _emitted_alone(cls: type, module: nn.Module, method: str, args, kwargs) -> tuple[str, ...]:
     """The tags `module.method(*args, **kwargs)` emits, traced on an unbound copy of
     class `cls` (auto tags named by `module`'s path)."""
-    alone = cls(**_init_fields(module, "parent", "name"), parent=None)
+    alone = cls(**init_fields(module, "parent", "name"), parent=None)
     arrays, rebuild = wrapping.split_static(args, kwargs)
     rngs = {name: jax.random.key(0) for name in ("params", *module.scope.rngs)}
 
@@ -227,7 +227,7 @@ def _emitted_alone(cls: type, module: nn.Module, method: str, args, kwargs) -> t
         return tuple(emitted_tags(run, *arrays))
 
 
-def _init_fields(module: nn.Module, *skip: str) -> dict:
+def init_fields(module: nn.Module, *skip: str) -> dict:
     """The constructor arguments of `module`: its init fields (not ClassVars, not
     `init=False` fields) other than `skip`, with their values."""
     return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
@@ -316,7 +316,7 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
         part = ("linen.apply_remat", plan, prevent_cse, methods, validate)
         resolved, key = _resolved(plan, fn, args, kwargs, validate, prevent_cse, methods,
                                   method is None, part, resolved_cache)
-        with _intercepting(plan, resolved, prevent_cse, methods, check=method is None,
+        with intercepting(plan, resolved, prevent_cse, methods, check=method is None,
                            part=(*part, key)):
             return fn(*args, **kwargs)
 
@@ -331,7 +331,7 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
     sub = type(base.__name__, (base,), {"init_with_output": init_with_output, "apply": apply,
                                         "__qualname__": base.__qualname__,
                                         "__module__": base.__module__})
-    return sub(**_init_fields(model, "parent"))
+    return sub(**init_fields(model, "parent"))
 
 
 def _resolved(plan, fn, args, kwargs, validate: bool, prevent_cse: bool, methods,
@@ -340,16 +340,16 @@ def _resolved(plan, fn, args, kwargs, validate: bool, prevent_cse: bool, methods
 
     Policies that name tags by glob or check them (`validate`) need the names the model
     emits: one trace with markers in the matched regions, kept in `cache` per argument
-    signature (`_cache_key`; None where unhashable, traced at each call).
+    signature (`call_cache_key`; None where unhashable, traced at each call).
     """
     if not plan.needs_trace(validate):
         return plan.resolve(None, validate=False), ()
     arrays, rebuild = wrapping.split_static(args, kwargs)
-    key = _cache_key(arrays, rebuild)
+    key = call_cache_key(arrays, rebuild)
     resolved = cache.get(key) if key is not None else None
     if resolved is None:
         markers = {k: wrapping.Marker(plan.label(k)) for k in plan.keys}
-        with _intercepting(plan, markers, prevent_cse, methods, check=check,
+        with intercepting(plan, markers, prevent_cse, methods, check=check,
                            part=(*part, "markers", key)):
             emitted = wrapping.traced_names(
                 lambda *xs: fn(*rebuild(xs)[0], **rebuild(xs)[1]), arrays)
@@ -359,7 +359,7 @@ def _resolved(plan, fn, args, kwargs, validate: bool, prevent_cse: bool, methods
     return resolved, key
 
 
-def _cache_key(arrays, rebuild):
+def call_cache_key(arrays, rebuild):
     """Argument shapes, static arguments and active auto_tag contexts, or None if unhashable."""
     try:
         key = (tuple((a.shape, str(a.dtype)) for a in arrays),
@@ -370,14 +370,14 @@ def _cache_key(arrays, rebuild):
         return None
 
 
-# {jit cache key: (plan keys matched, classes seen)} of `_intercepting` traces. Under
+# {jit cache key: (plan keys matched, classes seen)} of `intercepting` traces. Under
 # `nn.jit` a cached trace runs no interceptor, so a call at a key traced before takes
 # what that trace saw.
 _MATCHED: dict = {}
 
 
 @contextlib.contextmanager
-def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
+def intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
                   part=None):
     """An interceptor that runs matching submodule calls as remat regions; on exit,
     if `check`, raises for plan keys that matched nothing.
@@ -425,4 +425,5 @@ def _intercepting(plan, policies: dict, prevent_cse: bool, methods, check: bool,
         plan.check_matched(matched, seen)
 
 
-__all__ = ["AUTO_TAG_CLASSES", "apply_remat", "auto_tag", "path_name", "remat", "tags"]
+__all__ = ["AUTO_TAG_CLASSES", "apply_remat", "auto_tag", "call_cache_key", "init_fields",
+           "intercepting", "path_name", "remat", "tags"]

@@ -275,7 +275,7 @@ def _shape_note(context: Mapping, args) -> None:
 
 def _signature(arrays, rebuild, *extra):
     """The program's cache key: shapes, static arguments, `extra`; None if unhashable."""
-    shapes = flax_linen._cache_key(arrays, rebuild)
+    shapes = flax_linen.call_cache_key(arrays, rebuild)
     return None if shapes is None else call_region.key_of(shapes, *extra)
 
 
@@ -294,7 +294,7 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
 
         def make():
             _shape_note(context, args)
-            instances, _ = from_model._linen_instances(self, call, *arrays, params=params)
+            instances, _ = from_model.linen_instances(self, call, *arrays, params=params)
             pick = blocks.pick_block(instances, block)
 
             def marked(*xs):
@@ -307,8 +307,8 @@ def _linen(model: nn.Module, spec, context, block) -> nn.Module:
         run, tree, _ = call_region.once(built, _signature(arrays, rebuild, method), make)
         return jax.tree.unflatten(tree, run(*arrays))
 
-    sub = flax_nnx._subclass(base, {"apply": apply})
-    return sub(**flax_linen._init_fields(model, "parent"))
+    sub = flax_nnx.same_named_subclass(base, {"apply": apply})
+    return sub(**flax_linen.init_fields(model, "parent"))
 
 
 @contextlib.contextmanager
@@ -349,8 +349,8 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
             flax_nnx.update_changed(self, new_state, passed[len(passed) - len(leaves):])
         return out
 
-    out = flax_nnx._copy(model)
-    out.__class__ = flax_nnx._subclass(base, {"__call__": __call__})
+    out = flax_nnx.copy_model(model)
+    out.__class__ = flax_nnx.same_named_subclass(base, {"__call__": __call__})
     return out
 
 

@@ -30,7 +30,7 @@ AUTO_TAG_CLASSES: tuple[type, ...] = (
     nnx.MultiHeadAttention)
 
 
-def _subclass(cls: type, namespace: dict) -> type:
+def same_named_subclass(cls: type, namespace: dict) -> type:
     """A subclass of `cls` that prints and pickles by the same name; an nnx class
     keeps its `pytree=` setting (flax reads it per class, not from the base: a
     `pytree=False` model's plain lists of blocks would become static)."""
@@ -40,7 +40,8 @@ def _subclass(cls: type, namespace: dict) -> type:
                                        "__module__": cls.__module__, **namespace}, **kwargs)
 
 
-def _copy(model: nnx.Module) -> nnx.Module:
+def copy_model(model: nnx.Module) -> nnx.Module:
+    """A copy of `model` that shares no state with it (split, then merged)."""
     return nnx.merge(*nnx.split(model))
 
 
@@ -72,7 +73,7 @@ def _tagging_class(cls: type, name: str) -> type:
         with jax.named_scope(name):  # its ops' name stack, as linen's flax_profile gives
             return wrapping.tag_output(cls.__call__(self, *args, **kwargs), name)
 
-    return _subclass(cls, {"__call__": __call__})
+    return same_named_subclass(cls, {"__call__": __call__})
 
 
 def _defines_call(cls: type) -> bool:
@@ -110,7 +111,7 @@ def auto_tag(model: nnx.Module,
     _check_module(model, "rk.nnx.auto_tag")
     if classes is not None:
         classes = wrapping.module_classes(classes, nnx.Module, "rk.nnx.auto_tag")
-    out = _copy(model)
+    out = copy_model(model)
     for path, node in nnx.iter_graph(out):
         if (path and isinstance(node, classes or nnx.Module)
                 and _defines_call(type(node))):
@@ -202,7 +203,7 @@ def _remat_class(cls: type, policy: Policy, prevent_cse: bool, validate: bool,
 
         return functools.wraps(orig)(method)
 
-    return _subclass(cls, {name: wrap(name) for name in methods})
+    return same_named_subclass(cls, {name: wrap(name) for name in methods})
 
 
 def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequence[int] = (),
@@ -250,7 +251,7 @@ def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequenc
             return module_or_fn
         if is_class:
             return _remat_class(module_or_fn, policy, prevent_cse, validate, methods)
-        out = _copy(module_or_fn)
+        out = copy_model(module_or_fn)
         out.__class__ = _remat_class(type(out), policy, prevent_cse, validate, methods)
         return out
     if isinstance(module_or_fn, type) or not callable(module_or_fn):
@@ -298,7 +299,7 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
     _check_module(model, "rk.nnx.apply_remat")
     plan = wrapping.Plan.of(mapping, nnx.Module, "rk.nnx.apply_remat")
     wrapping.options("rk.nnx.apply_remat", prevent_cse, validate, methods)
-    out = _copy(model)
+    out = copy_model(model)
     matched, seen = set(), {}
     for _, node in nnx.iter_graph(out):
         if not isinstance(node, nnx.Module):
@@ -340,7 +341,8 @@ def tags(model: nnx.Module, *args, classes=None, **kwargs) -> dict[str, jax.core
     return emitted_tags(run, state, *arrays)
 
 
-__all__ = ["AUTO_TAG_CLASSES", "apply_remat", "auto_tag", "path_name", "remat", "tags"]
+__all__ = ["AUTO_TAG_CLASSES", "apply_remat", "auto_tag", "copy_model", "path_name", "remat",
+           "same_named_subclass", "tags"]
 
 
 def root_call(model: nnx.Module, *args, **kwargs):

@@ -240,7 +240,7 @@ def _spec(names, logical: bool, rules, shape, mesh: Mesh) -> PartitionSpec:
         axes = [a if a is None or all(x in mesh.shape for x in ((a,) if isinstance(a, str)
                                                                  else a)) else None
                 for a in names]
-    return rk_mesh._fit(PartitionSpec(*axes), shape, mesh)
+    return rk_mesh.divisible_spec(PartitionSpec(*axes), shape, mesh)
 
 
 def place(found: Annotations, placement: Placement, args):

@@ -10,6 +10,6 @@ May import: `remat_kit.flax`, `remat_kit.trace`, `remat_kit.policy` and the bott
 modules. Never the planner (`decide`) nor the reference models (`models`): a config
 becomes a `Workload` before it reaches this part.
 
-Public names: `measure.measure`, `explain.explain`, `residuals.residuals`,
+Public names: `measure.measure`, `explain.explain_policy`, `residuals.residuals`,
 `record.Record`, `targets.Target` / `parse_target`, `lowering.compile_for`.
 """

@@ -1,8 +1,8 @@
 """What one block saves, offloads and recomputes under a policy, value by value.
 
-`explain` lists one row per residual of one block of a workload (or of any
-function), then each emitted tag the policy does not store, with the
-policy's decision. `stack_stored_bytes` sums the blocks of a stack measured
+`explain_policy` (for `rk.explain`) lists one row per residual of one block of a
+workload (or of any function), then each emitted tag the policy does not store, with
+the policy's decision. `stack_stored_bytes` sums the blocks of a stack measured
 one at a time: the figure Korthikanti et al. (2022, Table 2) tabulate.
 """
 
@@ -15,11 +15,11 @@ import jax
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
+from remat_kit.moved import moved
 from remat_kit.policy.names import TAGS
 from remat_kit.policy.policy import Policy
-from remat_kit.measure.residuals import Residual, _aval_bytes, residuals
+from remat_kit.measure.residuals import Residual, aval_bytes, residuals
 from remat_kit.policy.spec import layer_policies
-from remat_kit.policy.spec import parse
 from remat_kit.trace import marked
 from remat_kit.trace.validate import emitted_tags, policy_notes, tag_aliases
 from remat_kit.trace.workload import Workload, checkpointed
@@ -114,7 +114,8 @@ class LayerBreakdown:
         return self.saved_bytes + self.offloaded_bytes
 
 
-def _is_param(r: Residual) -> bool:
+def is_param_residual(r: Residual) -> bool:
+    """Whether a residual is a parameter (an argument under `params`), not an activation."""
     return r.kind == "argument" and r.name.startswith("params")
 
 
@@ -122,7 +123,7 @@ def _block_stored_bytes(workload: Workload, policy: Policy) -> int:
     """One block's stored bytes: its residuals, less parameters and constants (the
     same in every block: `LayerBreakdown.constants`)."""
     fn, args = workload.block(policy)
-    return sum(r.nbytes for r in residuals(fn, *args) if not _is_param(r) and not r.constant)
+    return sum(r.nbytes for r in residuals(fn, *args) if not is_param_residual(r) and not r.constant)
 
 
 def _block_regions(jaxpr):
@@ -150,7 +151,7 @@ def blocks_differ(workload: Workload) -> str:
     shapes = [tuple((v.aval.shape, str(v.aval.dtype)) for v in e.invars) for e in found]
     if len(set(shapes)) == 1:
         return ""
-    sizes = [sum(_aval_bytes(v.aval) for v in e.invars) for e in found]
+    sizes = [sum(aval_bytes(v.aval) for v in e.invars) for e in found]
     return (f"the {len(found)} blocks differ in shape: their inputs (parameters and "
             f"activations) are {', '.join(f'{b:,}' for b in sizes)} bytes; one block's "
             "figures are the first block's, and L x them is no figure for the model")
@@ -211,7 +212,7 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
             decision = ("recomputed" if all(policy.decide(n) == "recompute" for n in names)
                         else "not needed")
             rows.append(LayerRow(t, "tag", tuple(aval.shape), str(aval.dtype),
-                                 _aval_bytes(aval), decision, names[1:]))
+                                 aval_bytes(aval), decision, names[1:]))
     unlisted = sum(r.nbytes for r in found if r not in listed)
     compiled = (None if target is None
                 else lowering.compile_for(jax.value_and_grad(f), *args, target=target))
@@ -220,51 +221,27 @@ def breakdown(policy: Policy, f: Callable, args, keep_argument: Callable[[Residu
                           notes=policy_notes(policy, tuple(emitted), missing))
 
 
-def explain(policy: "str | Policy", fn: "Callable | Workload", *args,
-            target: "str | targets.Target | None" = None) -> LayerBreakdown:
-    """What `fn` saves, offloads and recomputes under `policy`: one row per residual.
+def explain_policy(policy: Policy, fn: "Callable | Workload", *args,
+                   target: "targets.Target | None" = None) -> LayerBreakdown:
+    """`rk.explain` (`remat_kit.api.answers.explain`, which parses the spec and the target
+    and documents every argument) on values: a `Policy`, a `Target` or None.
 
-    For a `Workload`, its first block alone under the policy, as the
-    workload wraps it (`Workload.block`); its input is a row, its parameters
-    are `parameter_bytes`. A function is wrapped in one remat region
-    (`checkpointed`). Either is traced under `jax.vjp`; nothing is computed
-    or allocated.
-
-    Args:
-      policy: a spec string or Policy.
-      fn: a `Workload` with blocks, or a function of arrays returning a
-        scalar, without remat of its own (e.g. one layer and a sum).
-      args: for a function, arrays or `jax.ShapeDtypeStruct`s.
-      target: if given (e.g. "tpu:v5e:1x1", `remat_kit.measure.targets`), also
-        compile `fn`'s value-and-grad (w.r.t. the first argument) for it:
-        `LayerBreakdown.compiled`.
-    Returns:
-      A `LayerBreakdown` (num_layers=1): rows of (tag or primitive, shape,
-      dtype, bytes, decision) for every stored residual, then a row for each
-      emitted tag the policy recomputes ("recomputed") or keeps but the
-      backward pass never reads ("not needed"); values that depend on no
-      parameter or activation are `constants`, apart. Arguments are not rows:
-      they are kept by reference, and their bytes are `parameter_bytes`.
     Raises:
-      RematSpecError: the policy does not parse.
-      TargetError: a bad target, or libtpu / the CUDA plugin missing.
-      TypeError: `fn` does not return a scalar.
-      ValueError: a workload without blocks.
+      ValueError: a workload without blocks. TypeError: `fn` does not return a scalar.
     """
-    if isinstance(policy, Workload):  # rk.measure takes the workload first; explain does not
-        raise TypeError(f"rk.explain takes (policy, workload): got the workload "
-                        f"{policy.name!r} first; write rk.explain({fn!r:.40}, workload)")
-    policy = parse(policy)
     if isinstance(fn, Workload):
         if fn.block is None:
             raise ValueError(f"workload {fn.name!r} has no blocks to explain one of; explain "
                              "its loss as a function instead")
         block, block_args = fn.block(layer_policies(policy, fn.num_layers)[0])
         return dataclasses.replace(
-            breakdown(policy, block, block_args, lambda r: not _is_param(r), fn.num_layers,
+            breakdown(policy, block, block_args, lambda r: not is_param_residual(r), fn.num_layers,
                       target, fn.notes), blocks_differ=blocks_differ(fn))
     return breakdown(policy, checkpointed(fn)(policy), args, lambda r: False, 1, target)
 
 
-__all__ = ["LayerBreakdown", "LayerRow", "blocks_differ", "breakdown", "explain",
-           "stack_stored_bytes"]
+__all__ = ["LayerBreakdown", "LayerRow", "blocks_differ", "breakdown", "explain_policy",
+           "is_param_residual", "stack_stored_bytes"]
+
+# `explain` (it took a spec) moved to `remat_kit.api.answers` in round 5.
+__getattr__ = moved(__name__, {"explain": "remat_kit.api.answers"})

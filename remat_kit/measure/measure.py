@@ -50,9 +50,9 @@ from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import Record, memory_kind
 from remat_kit.measure.costs import memory_fields
-from remat_kit.measure.residuals import _stage, split
+from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
-from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.trace import model_map, stand_in
 from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
@@ -92,8 +92,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       args: with a loss, its arguments: arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to measure a
         sharded program; figures are then per device, and residuals are
         traced at the per-device shard shapes).
-      policies: spec strings or `Policy`s, resolved: an "auto:budget=..."
-        spec is planned first by `rk.measure` (`remat_kit.decide.resolve`).
+      policies: `Policy`s, parsed and resolved: `rk.measure` takes spec strings, parses
+        them and plans an "auto:budget=..." spec first (`remat_kit.decide.resolve`).
         Policies that decide every tag
         the loss emits alike, or that lower to the same program (their
         decisions differ only on values the backward pass never reads), are
@@ -131,14 +131,14 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       an AOT target, the compiler's message); the other records still come
       out.
     Raises:
-      RematSpecError: a policy spec does not parse, or is an auto:budget= spec.
+      TypeError: a spec string among `policies`. RematSpecError: an auto:budget= spec.
       TargetError: target not a `Target`, libtpu missing, args sharded over
         other devices, or `time_steps` > 0 for a target compiled ahead of time.
-      ValueError: `names` and `policies` differ in length.
-      TypeError: a workload and args both given.
+      ValueError: `names` and `policies` differ in length. TypeError: a workload and args
+        both given.
     """
     workload = _as_workload(workload, args)
-    parsed = [parse(p) for p in policies]  # bad specs fail before any tracing
+    parsed = parsed_only(policies, "measure")
     names = names if names is not None else [str(p) for p in policies]
     with stand_in.for_target(target):  # cuDNN attention where it cannot be built
         run, groups, data = _prepare(workload, parsed, names, target, time_steps,
@@ -214,7 +214,7 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
         if isinstance(p, AutoSpec):  # planning is decide's, above this part
             raise RematSpecError(f"{p} is planned, not measured: give it to rk.measure, which "
                                  "plans it first (remat_kit.decide.resolve)", token=str(p))
-    emitted = tuple(emitted_tags(workload.loss_for_policy(parse("none")), *args))
+    emitted = tuple(emitted_tags(workload.loss_for_policy(Policy(remat=False)), *args))  # "none"
     local_args = (jax.tree.map(rk_mesh.local_shape, args)
                   if any(rk_mesh.is_sharded(x) for x in jax.tree.leaves(args)) else None)
     data = (step_times.sample_data(args, sample_args or workload.sample_args)
@@ -270,9 +270,9 @@ def _traced(run: _Run, policy: Policy, loss, staged) -> tuple:
     figures); where tracing fails, (the exception, {}), raised once the compile
     is known, so that a compile error is reported before a tracing one."""
     try:
-        local = (_stage(run.per_device[0](policy), run.per_device[1])
+        local = (stage(run.per_device[0](policy), run.per_device[1])
                  if run.per_device is not None
-                 else _stage(loss, run.local_args) if run.local_args is not None else staged)
+                 else stage(loss, run.local_args) if run.local_args is not None else staged)
         return local, (stack_stored_bytes(run.workload, policy, not run.differ)
                        if run.per_layer else {})
     except Exception as e:  # noqa: BLE001 - raised once the compile is known
@@ -430,7 +430,7 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target,
         begin = time.perf_counter()
         try:
             loss = loss_for_policy(policy)
-            staged = _stage(loss, args)
+            staged = stage(loss, args)
             program = (peak_of.marked(staged.program, staged.residual_vars, staged.residuals)
                        if marked else staged.program)
             lowered = lowering.lower(jaxpr_as_fun(lowering.on_target(program, target)),

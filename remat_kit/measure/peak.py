@@ -71,7 +71,7 @@ def dump_options(options: dict | None, folder: str) -> dict:
 
 
 def marked(program: ClosedJaxpr, residual_vars, residuals) -> ClosedJaxpr:
-    """`program` (a `residuals._stage` program) with each residual's producing
+    """`program` (a `residuals.stage` program) with each residual's producing
     equation named ``rk_res:<kind>:<name>`` in its name stack. A residual that a
     call-like equation returns (a scanned layer stack, a jit, a remat region) is
     marked where its body computes it. The producers of tagged values are
@@ -475,7 +475,7 @@ def held_line(found: dict, what: str, chunked_bytes: "int | None" = None) -> str
 
 
 def logits_shape(program: ClosedJaxpr) -> tuple | None:
-    """The shape of the loss head's logits in a `residuals._stage` program: the
+    """The shape of the loss head's logits in a `residuals.stage` program: the
     operand of the forward pass's last `reduce_max` of rank >= 2 (a softmax's or
     log-sum-exp's stabilizer), found before the loss value is computed; None if
     there is none (a loss without a softmax over its last axis)."""

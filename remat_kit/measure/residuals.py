@@ -26,7 +26,7 @@ from remat_kit.trace.validate import tag_of
 
 # Copies and layout changes (the same bytes in another shape or memory): the
 # value they take is the residual's real source, e.g. a reshaped query_proj.
-_COPIES = (reduce_precision_p, device_put_p, copy_p, reshape_p, squeeze_p, transpose_p)
+COPY_PRIMITIVES = (reduce_precision_p, device_put_p, copy_p, reshape_p, squeeze_p, transpose_p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ class _Sources:
             if tag := tag_of(eqn):
                 return ("tag", tag)
             i = eqn.outvars.index(var)
-            if eqn.primitive in _COPIES:
+            if eqn.primitive in COPY_PRIMITIVES:
                 var = eqn.invars[i]
                 continue
             body = call_body(eqn)
@@ -147,7 +147,8 @@ def _dependent(jaxpr, live: Sequence[bool]) -> set:
     return found
 
 
-def _aval_bytes(aval) -> int:
+def aval_bytes(aval) -> int:
+    """Bytes of one abstract value: the product of its shape x its dtype's item size."""
     return math.prod(aval.shape) * aval.dtype.itemsize
 
 
@@ -176,7 +177,9 @@ def _leaf_names(f, args) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Staged:
+class Staged:
+    """A loss's value-and-grad traced once (`stage`): the program and its residuals."""
+
     program: ClosedJaxpr  # value_and_grad w.r.t. args[0], flat inputs and outputs
     residuals: tuple[Residual, ...]
     leaves: list
@@ -197,7 +200,7 @@ def _held_like_params(grads, params):
             for g, p in zip(grads, params)]
 
 
-def _stage(f, args) -> _Staged:
+def stage(f, args) -> Staged:
     """Traces f's forward and backward pass once: the program and its residuals.
 
     The program's outputs are the loss and the gradients with respect to args[0],
@@ -232,10 +235,10 @@ def _stage(f, args) -> _Staged:
         src = sources.source(var, jaxpr)
         kind, name = ("argument", names[src]) if isinstance(src, int) else src
         found.append(Residual(kind, name, tuple(var.aval.shape), str(var.aval.dtype),
-                              _aval_bytes(var.aval), _memory(var.aval),
+                              aval_bytes(var.aval), _memory(var.aval),
                               isinstance(var, Literal) or var not in varying))
         kept.append(var)
-    return _Staged(program, tuple(found), leaves, tuple(kept))
+    return Staged(program, tuple(found), leaves, tuple(kept))
 
 
 def residuals(f: Callable, *args) -> list[Residual]:
@@ -256,7 +259,7 @@ def residuals(f: Callable, *args) -> list[Residual]:
     Raises:
       TypeError: `f` does not return a scalar.
     """
-    return list(_stage(f, args).residuals)
+    return list(stage(f, args).residuals)
 
 
 def split(found: Sequence[Residual]) -> dict:
@@ -271,4 +274,4 @@ def split(found: Sequence[Residual]) -> dict:
 
 
 
-__all__ = ["Residual", "residuals", "split"]
+__all__ = ["COPY_PRIMITIVES", "Residual", "Staged", "aval_bytes", "residuals", "split", "stage"]

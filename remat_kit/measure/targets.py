@@ -60,7 +60,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
-from remat_kit.errors import _closest, install_command
+from remat_kit.errors import closest_choice, install_command
 # PEAKS re-exported: the table is read as targets.PEAKS beside the targets it lists.
 from remat_kit.measure.chip_peaks import PEAKS, Roofline, of_chip
 from remat_kit.mesh import spec_text
@@ -234,7 +234,7 @@ def parse_target(text: "str | Target | None") -> Target:
     if kind == "gpu":
         return Target("gpu", _gpu_topology(text.strip()[4:], text) if topology else None)
     if kind != "tpu":
-        closest = _closest(kind, ("cpu", "tpu", "gpu"))
+        closest = closest_choice(kind, ("cpu", "tpu", "gpu"))
         hint = f"; did you mean {closest!r}?" if closest else ""
         raise TargetError(f"unknown target {text!r}{hint}; valid: {', '.join(KINDS)} "
                           f"(e.g. {', '.join(EXAMPLES)})")
@@ -242,7 +242,7 @@ def parse_target(text: "str | Target | None") -> Target:
         return Target("tpu")
     generation, _, shape = topology.partition(":")
     if generation not in TPU_GENERATIONS:
-        closest = _closest(generation, TPU_GENERATIONS)
+        closest = closest_choice(generation, TPU_GENERATIONS)
         hint = f"; did you mean {closest!r}?" if closest else ""
         raise TargetError(f"unknown TPU generation {generation!r} in target {text!r}{hint}; "
                           f"valid: {', '.join(TPU_GENERATIONS)}")
@@ -276,7 +276,7 @@ def _gpu_topology(topology: str, text: str) -> str:
         if not os.path.isfile(name):
             raise TargetError(f"GPU target config file {name!r} in target {text!r} not found")
     elif name.lower() not in GPU_TARGET_CONFIGS:
-        closest = _closest(name, tuple(GPU_TARGET_CONFIGS))
+        closest = closest_choice(name, tuple(GPU_TARGET_CONFIGS))
         hint = f"; did you mean {closest!r}?" if closest else ""
         raise TargetError(f"unknown GPU {name!r} in target {text!r}{hint}; valid: "
                           f"{', '.join(GPU_TARGET_CONFIGS)}, or a GpuTargetConfigProto "

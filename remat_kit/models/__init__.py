@@ -1,11 +1,10 @@
 """models: our reference tagged decoder-only transformers (GPT-2 and Llama families), one
-provider of a `Workload` among others (`program.workload`), and the answers for a
-config (`shortcuts`: `rk.measure_config`, `rk.layer_residuals`, `rk.fit` and
-`rk.step_memory` on a `TransformerConfig`, `config_planner`, `resolve_config`).
+provider of a `Workload` among others (`program.workload`), beside `flax` (the
+answers for a config, `rk.measure_config` and friends, are `remat_kit.api.configs`).
 
-May import: `remat_kit.decide`, `remat_kit.measure` and every part below them (the
-shortcuts alone use decide and measure; the models themselves use the policy language
-and the mesh rules). Nothing below this part imports it.
+May import: `remat_kit.flax` (the chunked loss), `remat_kit.trace` and every part below
+them: the models use the policy language and the mesh rules. `measure` and `decide`
+never import it; `api` makes a config a workload.
 
 Public names: `TransformerConfig`, `get_config`, `CONFIGS`, `from_config_dict`,
 `Transformer`, `DecoderLayer`, `lm_loss`, `make_loss_fn`, `stack_layers`,

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from remat_kit.errors import RematSpecError, _closest
+from remat_kit.errors import RematSpecError, closest_choice
 from remat_kit.flax.chunked_loss import check_chunks
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import layer_policies
@@ -159,7 +159,7 @@ class TransformerConfig:
     @property
     def policy(self) -> Policy:
         """The parsed remat policy. Raises RematSpecError for an auto:budget= spec
-        not yet planned for this model's shapes (`remat_kit.models.shortcuts.resolve_config`)."""
+        not yet planned for this model's shapes (`remat_kit.api.configs.resolve_config`)."""
         policy = parse(self.remat)
         if isinstance(policy, AutoSpec):
             policy.to_jax()  # raises, naming how to resolve it
@@ -185,7 +185,7 @@ class TransformerConfig:
 
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        hint = _closest(value, choices)
+        hint = closest_choice(value, choices)
         raise ValueError(f"TransformerConfig.{field}={value!r} is not one of {list(choices)}"
                          + (f"; did you mean {hint!r}?" if hint else ""))
 
@@ -213,7 +213,7 @@ def get_config(name: str, **overrides) -> TransformerConfig:
       KeyError: unknown name; the message lists the names and the closest one.
     """
     if not isinstance(name, str) or name not in CONFIGS:
-        hint = _closest(name, tuple(CONFIGS)) if isinstance(name, str) else None
+        hint = closest_choice(name, tuple(CONFIGS)) if isinstance(name, str) else None
         raise KeyError(f"unknown model config {name!r}; valid: {', '.join(CONFIGS)}"
                        + (f"; did you mean {hint!r}?" if hint else ""))
     return CONFIGS[name].replace(**overrides) if overrides else CONFIGS[name]

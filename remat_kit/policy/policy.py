@@ -37,7 +37,8 @@ DECISIONS = ("save", "offload", "recompute")
 _parse_text: "Callable[[str], Policy] | None" = None
 
 
-def _use_parser(parse: "Callable[[str], Policy]") -> None:
+def use_parser(parse: "Callable[[str], Policy]") -> None:
+    """Sets the text parser `Policy | str` uses (spec.parse, which calls this on import)."""
     global _parse_text
     _parse_text = parse
 

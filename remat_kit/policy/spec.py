@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from remat_kit.policy import names
 from remat_kit.policy.budget import parse_budget
 from remat_kit.errors import RematSpecError, UnknownTagError
-from remat_kit.policy.policy import BASES, DECISIONS, MEMORY_KINDS, Policy, _use_parser
+from remat_kit.policy.policy import BASES, DECISIONS, MEMORY_KINDS, Policy, use_parser
 from remat_kit.policy.presets import (BARE_NAMES, CODEBASES, JAX_NAME_FUNCTIONS, PRESET_TABLE,
                                       PRESETS)
 from remat_kit.policy.schedule import Schedule, parse_schedule
@@ -70,7 +70,7 @@ class AutoSpec:
     def to_jax(self, tags=None):
         """Raises RematSpecError: an unresolved budget has no JAX policy."""
         raise RematSpecError(f"{self} must be resolved for a model before use: "
-                             "remat_kit.models.shortcuts.resolve_config(cfg, batch, seq) or "
+                             "remat_kit.api.configs.resolve_config(cfg, batch, seq) or "
                              "remat_kit.decide.plan(loss_fn, *args, budget=...)", token=str(self))
 
 
@@ -429,6 +429,20 @@ def reference_table() -> str:
     return "\n".join(rows)
 
 
+def parsed_only(policies, where: str) -> list:
+    """`policies` as a list of values (`Policy`, `AutoSpec`), for a function below the
+    front floor (`remat_kit.api`), which parses what the user typed.
+
+    Raises:
+      TypeError: an entry that is not a value (a spec string), naming `where`.
+    """
+    values = list(policies)
+    if any(not isinstance(p, (Policy, AutoSpec)) for p in values):
+        raise TypeError(f"{where} takes parsed policies, got {values!r:.80}: parse them "
+                        "first (rk.parse), or call rk.measure, which takes specs")
+    return values
+
+
 def layer_policies(policy, num_layers: int) -> tuple:
     """The policy each of `num_layers` layers runs under, without schedules.
 
@@ -467,4 +481,4 @@ def layer_policies(policy, num_layers: int) -> tuple:
     return out
 
 
-_use_parser(parse)  # `Policy() | "minimal"` parses through this module
+use_parser(parse)  # `Policy() | "minimal"` parses through this module

@@ -41,7 +41,7 @@ def sub_jaxprs(eqn):
     prim = eqn.params.get("_prim")
     params = getattr(prim, "params", {}) if prim is not None else eqn.params
     for value in params.values():
-        yield from wrapping._jaxprs(value)
+        yield from wrapping.jaxprs_in(value)
 
 
 def count_marked(jaxpr, key: str, trips: bool = True) -> int:

@@ -17,7 +17,7 @@ from remat_kit.policy import names
 from remat_kit._jax_private import name_p, saved_residuals
 from remat_kit.errors import UnknownTagError
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import parse
+from remat_kit.moved import moved
 
 # Ops that keep a value's bytes: a tag on their output names their input's value.
 _LAYOUT = ("reshape", "transpose", "squeeze", "expand_dims", "copy")
@@ -46,7 +46,7 @@ def tag_of(eqn) -> str | None:
     return None
 
 
-def _eqns(jaxpr):
+def all_eqns(jaxpr):
     """Every equation of `jaxpr` and of the jaxprs nested in it (scan, cond, remat, jit
     bodies, jax_remat3 hi-primitives), in trace order."""
     for eqn in jaxpr.eqns:
@@ -55,7 +55,7 @@ def _eqns(jaxpr):
         params = getattr(prim, "params", {}) if prim is not None else eqn.params
         for value in params.values():
             for sub in _sub_jaxprs(value):
-                yield from _eqns(sub)
+                yield from all_eqns(sub)
 
 
 def _traced(fn, args, kwargs):
@@ -76,7 +76,7 @@ def emitted_tags(fn, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
     trace order.
     """
     found: dict = {}
-    for eqn in _eqns(_traced(fn, args, kwargs)):
+    for eqn in all_eqns(_traced(fn, args, kwargs)):
         if (tag := tag_of(eqn)) is not None:
             found.setdefault(tag, eqn.outvars[0].aval)
     return found
@@ -92,7 +92,7 @@ def tag_aliases(fn, *args, **kwargs) -> dict[str, tuple[str, ...]]:
     value of its own is absent. Returns {tag: (other tags, in trace order)}.
     """
     group_of, groups = {}, []  # a tag's output var -> the tags of its value
-    for eqn in _eqns(_traced(fn, args, kwargs)):
+    for eqn in all_eqns(_traced(fn, args, kwargs)):
         if (tag := tag_of(eqn)) is None:
             if (eqn.primitive.name in _LAYOUT and eqn.invars
                     and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in group_of):
@@ -130,8 +130,9 @@ def check_names(policy: Policy, emitted, where: str = "the function") -> None:
                 f"tags present: {list(emitted) or 'none'}"))
 
 
-def validate(policy: "str | Policy", fn, *args) -> Policy:
-    """Checks `policy` against the tags `fn(*args)` emits, and returns it parsed.
+def check_policy(policy: Policy, fn, *args) -> Policy:
+    """Checks `policy` against the tags `fn(*args)` emits, and returns it (`rk.validate`
+    parses a spec first).
 
     `fn` is the function a remat wrapper would cover (for example one decoder
     layer without remat), taking array or ShapeDtypeStruct arguments.
@@ -146,7 +147,6 @@ def validate(policy: "str | Policy", fn, *args) -> Policy:
         (for example a layer's output, which the next layer consumes), so
         saving it changes nothing.
     """
-    policy = parse(policy)
     emitted = tuple(emitted_tags(fn, *args))
     check_names(policy, emitted)
     if not policy.remat:
@@ -218,4 +218,8 @@ def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str])
     return tuple(out)
 
 
-__all__ = ["check_names", "emitted_tags", "lacking", "policy_notes", "tag_aliases", "tag_of", "validate"]
+__all__ = ["all_eqns", "check_names", "check_policy", "emitted_tags", "lacking", "policy_notes",
+           "tag_aliases", "tag_of"]
+
+# `validate` (a spec parsed here) is `rk.validate` in `remat_kit.api.answers` (round 5).
+__getattr__ = moved(__name__, {"validate": "remat_kit.api.answers"})

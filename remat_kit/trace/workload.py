@@ -133,7 +133,7 @@ def from_loss(loss_for_policy: Callable, *args, name: str = "loss") -> Workload:
     callable) is wrapped whole in one remat region per policy
     (`checkpointed`): its arguments are always kept.
     """
-    return Workload(_as_factory(loss_for_policy, len(args)), tuple(args), name=name)
+    return Workload(as_factory(loss_for_policy, len(args)), tuple(args), name=name)
 
 
 def checkpointed(loss_fn: Callable) -> Callable:
@@ -188,7 +188,7 @@ def _takes(fn: Callable, n: int) -> bool:
     return True
 
 
-def _as_factory(fn: Callable, nargs: int | None = None) -> Callable:
+def as_factory(fn: Callable, nargs: int | None = None) -> Callable:
     """`fn` if it maps a Policy to a loss, else `checkpointed(fn)` (fn is a plain loss).
 
     nargs: how many arguments the loss is called with. Where `fn` takes one
@@ -215,4 +215,4 @@ def _as_factory(fn: Callable, nargs: int | None = None) -> Callable:
     return fn if callable(made) else checkpointed(fn)
 
 
-__all__ = ["Workload", "checkpointed", "from_loss", "has_gradient_path"]
+__all__ = ["Workload", "as_factory", "checkpointed", "from_loss", "has_gradient_path"]

@@ -335,21 +335,23 @@ def region_tags(jaxpr) -> dict[str, set[str]]:
                 inner = keys + (params["policy"].key,)
                 found.setdefault(params["policy"].key, set())
             for value in params.values():
-                for sub in _jaxprs(value):
+                for sub in jaxprs_in(value):
                     walk(sub, inner)
 
     walk(jaxpr, ())
     return found
 
 
-def _jaxprs(value):
+def jaxprs_in(value):
+    """The jaxprs in one equation parameter `value` (a Jaxpr, a ClosedJaxpr's, or those
+    of a tuple or list of them), outermost first."""
     if hasattr(value, "eqns"):
         yield value
     elif hasattr(getattr(value, "jaxpr", None), "eqns"):
         yield value.jaxpr
     elif isinstance(value, (tuple, list)):
         for v in value:
-            yield from _jaxprs(v)
+            yield from jaxprs_in(v)
 
 
 def module_policy(spec) -> Policy:
