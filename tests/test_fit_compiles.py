@@ -12,12 +12,12 @@ import importlib.util
 import jax
 import pytest
 
+from remat_kit.api.configs import fit
 from remat_kit.decide.step import default_optimizer, one_policy, resizer
 from remat_kit.flax.from_model import workload
 from remat_kit.models import TransformerConfig, get_config
 from remat_kit.models.program import workload as config_workload
 from remat_kit.policy.spec import parse
-from remat_kit.api.configs import fit
 from tests.test_fit_search import binary_search
 from tests.zoo import gpt_linen, llama_nnx
 
