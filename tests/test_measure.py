@@ -87,8 +87,8 @@ def test_failing_policy_is_a_row_and_the_others_still_come_out(tiny):
             return lambda *a: loss(*a) + jnp.ones(3) @ jnp.ones(4)
         return rk.checkpointed(loss)(policy)
 
-    records = M.measure(loss_for_policy, *args, policies=["none", "full", "minimal"],
-                        target=HERE)
+    records = rk.measure(loss_for_policy, *args, policies=["none", "full", "minimal"],
+                         target=HERE)
     bad = by_name(records, "full")
     assert bad.error.startswith("TypeError:") and "dot_general" in bad.error
     assert bad.temp_size_in_bytes is None and bad.flops is None
@@ -202,8 +202,8 @@ def _mlp_loss(w, x):
 @remat_mode
 def test_generic_measure_with_checkpointed_loss_and_timing():
     w, x = jnp.ones((16, 16)), jnp.ones((4, 16))
-    recs = M.measure(_mlp_loss, w, x, policies=["none", "full"], time_steps=3,
-                     target=HERE)  # a plain loss
+    recs = rk.measure(_mlp_loss, w, x, policies=["none", "full"], time_steps=3,
+                      target=HERE)  # a plain loss
     none, full = recs
     # Without remat the tanh outputs are kept; full remat keeps only the arguments.
     assert none.residual_bytes_by_primitive.get("tanh", 0) > 0
@@ -229,8 +229,8 @@ def test_progress_counts_compiled_programs():
 
     calls = []
     w, x = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32)
-    recs = M.measure(loss, w, x, policies=["none", "full", "save:mlpwo", "save:mlpwi"],
-                     progress=lambda i, n, r: calls.append((i, n, r.names)), target=HERE)
+    recs = rk.measure(loss, w, x, policies=["none", "full", "save:mlpwo", "save:mlpwi"],
+                      progress=lambda i, n, r: calls.append((i, n, r.names)), target=HERE)
     if jax.config.jax_remat3:  # the hi-primitive remat lowers save:mlpwo apart from full
         assert calls == [(1, 4, ("none",)), (2, 4, ("full",)), (3, 4, ("save:mlpwo",)),
                          (4, 4, ("save:mlpwi",))]
