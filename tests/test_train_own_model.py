@@ -64,7 +64,9 @@ def files(tmp_path_factory):
     (folder / "text.txt").write_text(TEXT)
     for name, body in MODELS.items():
         (folder / f"{name}.py").write_text(
-            f"import sys\nsys.path.insert(0, {str(ZOO)!r})\nimport jax.numpy as jnp\n{body}")
+            # Appended, not first: tests/zoo/nano_moe.py would shadow the nano_moe package
+            # for the rest of the process (test_roles imports the package).
+            f"import sys\nsys.path.append({str(ZOO)!r})\nimport jax.numpy as jnp\n{body}")
     return folder / "text.txt", folder / "gpt256.py", folder
 
 
