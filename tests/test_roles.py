@@ -94,8 +94,6 @@ def trace(fwd, params):
 def zoo():
     out = {}
     for name in EXPECTED:
-        if name == "nano_moe":
-            pytest.importorskip("nano_moe", reason="nano-moe-jax (requirements.txt) not installed")
         _, params, fwd = importlib.import_module(f"tests.zoo.{name}").make(B, T, abstract=True)
         out[name] = trace(fwd, params)
     return out
@@ -120,8 +118,6 @@ def test_a_batch_of_one_has_the_same_roles(name):
     """At batch 1 jnp.matmul squeezes the batch axis and broadcasts it back (a
     broadcast_in_dim adding a size-1 axis before the output projection): out_proj
     must still be found, and every other role, in the same count."""
-    if name == "nano_moe":
-        pytest.importorskip("nano_moe", reason="nano-moe-jax (requirements.txt) not installed")
     _, params, fwd = importlib.import_module(f"tests.zoo.{name}").make(1, T, abstract=True)
     jaxpr = jax.make_jaxpr(fwd)(params, jnp.zeros((1, T), jnp.int32))
     roles = infer_roles(jaxpr, [True] * len(jax.tree.leaves(params)) + [False])
