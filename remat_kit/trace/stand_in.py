@@ -5,7 +5,7 @@ at trace time and lowers only for CUDA: on a machine without a GPU (a CPU, or a
 deviceless `gpu:h100` target, whose FLOPs come from a CPU compile) tracing fails.
 Inside `cudnn_stand_in()` that call is answered instead by a `jax.custom_vjp` of the
 same inputs, outputs and residuals as jax's cuDNN one
-(`jax._src.cudnn.fused_attention_stablehlo`):
+(JAX's `fused_attention_stablehlo` module, reached through `_jax_private`):
 
 - forward `cudnn_attention_fwd_stand_in`: q [b, s_q, h, d], k/v [b, s_k, kv, d]
   (and the bias, boolean mask and sequence lengths where given) -> the output
