@@ -191,7 +191,9 @@ class PlannerCosts:
         (`time_model.program_seconds`); plus its host transfers not hidden behind
         compute (`transfer_seconds`)."""
         layered = isinstance(policy, tuple)
-        key = layers_summary(policy) if layered else str(*parsed_only([policy], "seconds"))
+        if not layered:
+            (policy,) = parsed_only([policy], "Planner.seconds")
+        key = layers_summary(policy) if layered else str(policy)
         if key not in self._seconds:
             found = self.record_of(policy).predicted_seconds
             if found is None:
