@@ -169,23 +169,49 @@ def resolve_config(cfg, batch: int, seq: int, *, mesh=None, cache: "str | bool |
     return cfg.replace(remat=planned.spec)
 
 def fit(model, budget: "int | str", *, mesh=None, seq: int | None = None,
-        **kwargs) -> "fitting.FitResult":
+        policies: Sequence = fitting.FIT_POLICIES, **kwargs) -> "fitting.FitResult":
     """`remat_kit.decide.fit.fit` (see it for every argument and error), where
     `model` may also be a `TransformerConfig`, built on `mesh`; its search is
     bounded by the config's attention scores (`remat_kit.models.bounds`); a
-    config's `rechunk` is itself with that many `vocab_chunks`.
+    config's `rechunk` is itself with that many `vocab_chunks`. `policies` are
+    specs or Policies (or one), parsed here once (`fit_rows`).
 
     >>> import remat_kit as rk
     >>> cfg = rk.models.get_config("tiny", num_layers=1)
     >>> r = rk.fit(cfg, "64MiB", vary="batch", seq=16, policies=["full"], max_size=2)
     >>> r.rows[0].policy, r.rows[0].size
     ('full', 2)
+
+    Raises:
+      RematSpecError: a spec does not parse (before anything is traced).
     """
+    rows = fit_rows(policies, budget)
     if isinstance(model, TransformerConfig) and kwargs.get("rechunk") is None:
         kwargs["rechunk"] = lambda n, cfg=model, mesh=mesh: _as_workload(
             cfg.replace(vocab_chunks=n), mesh, seq)[0]
     model, mesh = _as_workload(model, mesh, seq)
-    return fitting.fit(model, budget, mesh=mesh, seq=seq, **kwargs)
+    return fitting.fit(model, budget, mesh=mesh, seq=seq, policies=rows, **kwargs)
+
+
+def fit_rows(policies: Sequence, budget: "int | str") -> dict:
+    """fit's rows as {the label a row shows (the spec as given): its parsed policy},
+    in order, each spec parsed once; "auto" is the planner's row at the fit budget.
+
+    >>> from remat_kit.api.configs import fit_rows
+    >>> {k: str(v) for k, v in fit_rows(["minimal", "auto"], "1MiB").items()}["auto"]
+    'auto:budget=1048576B'
+
+    Raises:
+      RematSpecError: a spec does not parse. BudgetError: "auto" with a budget that is
+        not a size in bytes (`decide.fit.fit_budget_bytes`).
+    """
+    if isinstance(policies, (str, Policy)):  # one spec, not its letters
+        policies = [policies]
+    given: dict = {}
+    for p in policies:
+        given.setdefault(p if isinstance(p, str) else str(p), p)
+    return {label: (AutoSpec(f"{fitting.fit_budget_bytes(budget)}B") if label == "auto"
+                    else parse(p)) for label, p in given.items()}
 
 
 def _config_steps(model, mesh):
@@ -228,5 +254,5 @@ def train_step(model, batch: int, seq: int, policy: "str | Policy", *, mesh=None
     return stepping.train_step(model, batch, seq, parse(policy), mesh=mesh, **kwargs)
 
 
-__all__ = ["config_planner", "fit", "layer_residuals", "measure_config", "resolve_config",
-           "step_memory", "train_step"]
+__all__ = ["config_planner", "fit", "fit_rows", "layer_residuals", "measure_config",
+           "resolve_config", "step_memory", "train_step"]

@@ -120,11 +120,12 @@ def _policies(args, cfg) -> list[str]:
 
 def _check_autos(specs, budget: int) -> None:
     """BadInput for an auto spec whose budget is not the fit budget (`decide.fit.is_auto_spec`)."""
+    from remat_kit.api.configs import fit_rows
     from remat_kit.decide.fit import is_auto_spec
     from remat_kit.errors import BudgetError
-    for spec in specs:
+    for spec, policy in fit_rows(specs, budget).items():
         try:
-            is_auto_spec(spec, budget)
+            is_auto_spec(policy, budget, spec)
         except BudgetError as e:
             raise BadInput(f"--policies: {e}") from None
 

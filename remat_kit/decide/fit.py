@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import optax
 from jax.sharding import Mesh
@@ -57,7 +57,7 @@ from remat_kit.decide.floor import train_state, tree_bytes
 from remat_kit.decide.plan import Planner
 from remat_kit.policy.policy import Policy
 from remat_kit.units import fmt_bytes
-from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.decide.step import (StepMemory, check_args, check_mesh, compile_step, default_optimizer,
                             one_policy, resizer, step_peak)
 from remat_kit.measure.peak import held_line, vocab_chunks_for
@@ -69,23 +69,22 @@ DEFAULT_MULTIPLE = {"seq": 128, "batch": 1}
 # Sizes beyond these are not searched, and a policy that still fits there is
 # reported as capped.
 DEFAULT_MAX_SIZE = {"seq": 1 << 19, "batch": 1 << 16}
-def is_auto_spec(spec: str, budget_bytes: int) -> bool:
-    """Whether `spec` is fit's auto row: "auto", or auto:budget= the fit budget.
+def is_auto_spec(policy: "Policy | AutoSpec", budget_bytes: int, label: str | None = None) -> bool:
+    """Whether `policy` (parsed) is fit's auto row: an `AutoSpec` at the fit budget.
 
     Raises:
-      RematSpecError: a spec that does not parse. BudgetError: an auto spec
-        with another budget (in fit, auto's budget is the step budget).
+      TypeError: a spec string (parse it first: `rk.fit` does). BudgetError: an auto
+        spec with another budget (in fit, auto's budget is the step budget), named by
+        `label` (the spec as the user wrote it; default its canonical spec).
     """
-    if spec == "auto":
-        return True
-    policy = parse(spec)
+    [policy] = parsed_only([policy], "fit's rows")
     if not isinstance(policy, AutoSpec):
         return False
     if parse_budget(policy.budget).bytes != budget_bytes:
         raise BudgetError(
             f"in fit, auto's budget is the fit budget ({fmt_bytes(budget_bytes)}, "
             f"{budget_bytes} bytes per device, of the whole step); write 'auto' or "
-            f"'auto:budget={budget_bytes}B', not {spec!r}", budget=policy.budget)
+            f"'auto:budget={budget_bytes}B', not {label or str(policy)!r}", budget=policy.budget)
     return True
 
 
@@ -128,7 +127,7 @@ class FitResult:
 
 
 def fit(model, budget: "int | str", *, vary: str = "seq",
-        policies: Sequence["str | Policy"] = FIT_POLICIES,
+        policies: "Mapping[str, Policy | AutoSpec] | Sequence[Policy | AutoSpec]",
         batch: int | None = None, seq: int | None = None, multiple: int | None = None,
         max_size: int | None = None, optimizer: optax.GradientTransformation | None = None,
         target: "str | targets.Target | None" = None, mesh: Mesh | None = None,
@@ -155,8 +154,10 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         fraction: there is no fixed no-remat figure to take it of).
       vary: "seq" (find the longest sequence at a fixed batch) or "batch"
         (the largest global batch at a fixed sequence length).
-      policies: spec strings or `Policy`s, and "auto" for the planner's row;
-        "none" is compiled as well when absent, for the FLOP overhead.
+      policies: the rows, parsed (`rk.fit` parses specs): {the label a row
+        shows: a `Policy`, or an `AutoSpec` at the fit budget for the planner's
+        row}, or a sequence of them labelled by their specs; "none" is compiled
+        as well when absent, for the FLOP overhead.
       batch: the fixed global batch when vary="seq" (default: the mesh's
         data x fsdp size, 1 without a mesh).
       seq: the fixed sequence length when vary="batch" (default: a config's
@@ -181,7 +182,8 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
       A `FitResult`; its rows follow `policies`' order.
     Raises:
       TypeError: model not one of the above, optimizer not an optax
-        transformation, mesh not a `jax.sharding.Mesh`.
+        transformation, mesh not a `jax.sharding.Mesh`, a policy given as
+        a spec string (parse it first, or call `rk.fit`).
       ValueError: vary not in VARY; batch, seq, multiple or max_size not a
         positive int; a layer schedule that does not fit the model; vary "seq"
         for a workload without a sequence axis (`Workload.seq` None).
@@ -191,7 +193,8 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         parameters plus the optimizer state per device (the floor, stated
         in bytes), so no size can fit, or an auto spec with another budget.
       TargetError: a bad target, or libtpu missing.
-      RematSpecError: a policy does not parse (before anything compiles).
+      RematSpecError: an auto:budget= spec compiled as a fixed row (never with
+        `rk.fit`, which makes every auto spec the auto row).
     """
     search = _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, optimizer,
                       target, mesh)
@@ -211,9 +214,9 @@ class _Search:
 
     Attributes:
       size: the sizes searched. budget_bytes: the budget per device, bytes.
-      target: whose compiler. specs: the distinct spec strings, in order; auto: whether
-        each is the auto row. at_size: size -> the workload at that size (cached);
-        smallest: the workload at `size.multiple`. optimizer: the step's optimizer.
+      target: whose compiler. labels: the rows' labels (the specs as given), in order;
+        policies: their parsed policies; auto: whether each is the auto row.
+        at_size: size -> the workload at that size (cached); smallest: the workload at `size.multiple`. optimizer: the step's optimizer.
       floor: parameters plus optimizer state, bytes per device (every step holds at
         least that: the search's point at size 0). max_units: the most units searched;
         exact: whether that bound is the budget's own (`_max_units`).
@@ -223,7 +226,8 @@ class _Search:
     size: "_Sizes"
     budget_bytes: int
     target: targets.Target
-    specs: list[str]
+    labels: list[str]
+    policies: list
     auto: list[bool]
     at_size: Callable
     smallest: object
@@ -249,17 +253,17 @@ def _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, opti
     make, given = resizer(model, mesh)
     mesh = mesh if given is None else given.mesh
     size = _search_sizes(vary, given, mesh, batch, seq, multiple, max_size, optimizer)
-    budget_bytes = _budget_bytes(budget)
+    budget_bytes = fit_budget_bytes(budget)
     target = targets.parse_target(target)
-    specs, auto = _specs(policies, budget_bytes)
+    labels, parsed, auto = _rows(policies, budget_bytes)
     at_size = functools.lru_cache(maxsize=None)(lambda n: make(*size.shape(n)))
     smallest = at_size(size.multiple)
-    _check_schedules(specs, auto, smallest)
+    _check_schedules(parsed, auto, smallest)
     optimizer = optimizer or default_optimizer()
     floor = _floor(smallest, optimizer, budget, budget_bytes, mesh, vary)
     max_units, exact = _max_units(given, size, budget_bytes, floor, target)
-    return _Search(size, budget_bytes, target, specs, auto, at_size, smallest, optimizer, floor,
-                   max_units, exact, mesh)
+    return _Search(size, budget_bytes, target, labels, parsed, auto, at_size, smallest,
+                   optimizer, floor, max_units, exact, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +317,7 @@ def _search_sizes(vary: str, given, mesh: Mesh | None, batch: int | None, seq: i
     return _Sizes(vary, batch, seq, multiple, max_size)
 
 
-def _budget_bytes(budget: "int | str") -> int:
+def fit_budget_bytes(budget: "int | str") -> int:
     """The fit budget in bytes. Raises BudgetError for a fraction or a non-size."""
     budget_bytes = parse_budget(budget).bytes
     if budget_bytes is None:
@@ -323,25 +327,33 @@ def _budget_bytes(budget: "int | str") -> int:
     return budget_bytes
 
 
-def _specs(policies, budget_bytes: int) -> tuple[list[str], list[bool]]:
-    """(the distinct spec strings in order, whether each is the auto row).
+def _rows(policies, budget_bytes: int) -> tuple[list[str], list, list[bool]]:
+    """(the rows' distinct labels in order, their parsed policies, whether each is the
+    auto row), from `fit`'s `policies`.
 
     Raises:
-      ValueError: no policies. BudgetError, RematSpecError: see `is_auto_spec`.
+      ValueError: no policies. TypeError, BudgetError: see `is_auto_spec`.
     """
-    if isinstance(policies, (str, Policy)):
+    if isinstance(policies, (str, Policy, AutoSpec)):
         policies = [policies]
-    specs = list(dict.fromkeys(p if isinstance(p, str) else str(p) for p in policies))
-    if not specs:
+    if not isinstance(policies, Mapping):
+        labelled: dict = {}
+        for p in parsed_only(policies, "fit"):
+            labelled.setdefault(str(p), p)
+        policies = labelled
+    if not policies:
         raise ValueError("policies is empty; give at least one spec, e.g. ['none', 'full']")
-    return specs, [is_auto_spec(p, budget_bytes) for p in specs]
+    labels, parsed = list(policies), list(policies.values())
+    return labels, parsed, [is_auto_spec(p, budget_bytes, label)
+                            for label, p in policies.items()]
 
 
-def _check_schedules(specs: list[str], auto: list[bool], smallest) -> None:
-    """Bad specs (a layer schedule that does not fit the model) fail before anything compiles."""
-    for p, is_auto in zip(specs, auto):
+def _check_schedules(policies: list, auto: list[bool], smallest) -> None:
+    """Bad policies (a layer schedule that does not fit the model) fail before anything
+    compiles."""
+    for p, is_auto in zip(policies, auto):
         if not is_auto and smallest.num_layers:
-            one_policy(parse(p)).schedule.check(smallest.num_layers)
+            one_policy(p).schedule.check(smallest.num_layers)
 
 
 def _floor(smallest, optimizer, budget, budget_bytes: int, mesh: Mesh | None,
@@ -389,12 +401,12 @@ def _step_measurer(search: _Search) -> Callable[[Policy, int, Callable | None], 
 
 def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
                  progress) -> list[FitRow]:
-    """One `FitRow` per spec, in `search.specs`' order, by `fit_one`.
+    """One `FitRow` per row, in `search.labels`' order, by `fit_one`.
 
     Fixed policies are searched first (the auto row picks among what they compiled), each
     starting at the largest size found so far: policies land near each other.
     """
-    specs, auto, multiple = search.specs, search.auto, search.size.multiple
+    specs, auto, multiple = search.labels, search.auto, search.size.multiple
     rows: list[FitRow | None] = [None] * len(specs)
     limit = None  # the workload's own limit, once a row finds it (`FitRow.limit`)
     max_units = search.max_units
@@ -410,8 +422,8 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
             at, extra, seen = chooser.at, lambda: chooser.planner_compiles, {}
         else:
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
-            at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
-                               lambda: 0, steps.known(specs[i]))
+            at, extra, seen = ((lambda size, p=search.policies[i]: (None, steps.get(p, size))),
+                               lambda: 0, steps.known(search.policies[i]))
         rows[i], max_units = fit_one(specs[i], at, extra, steps, search.budget_bytes, multiple,
                                       max_units, search.size.vary, search.size.shape,
                                       search.devices, start_units, seen, search.floor,
@@ -445,12 +457,9 @@ def _what_holds(steps: Steps, work, size: int, vary: str, optimizer, target,
     of full remat at `remade(n)` (the workload at `size` with its loss over n
     vocabulary chunks) where the line names a chunk count. ("", None) where
     nothing compiled at `size` or the breakdown cannot be had."""
-    compiled = {}
-    for key, m in steps.at(size).items():
-        try:
-            compiled[key] = (one_policy(parse(key)), m)
-        except Exception:  # noqa: BLE001 - a per-layer plan's runs of layers, not a spec
-            continue
+    # A per-layer plan's step (its runs of layers) is not one policy to break down.
+    compiled = {key: (p, m) for key, m in steps.at(size).items()
+                if isinstance(p := steps.policy(key), Policy)}
     if not compiled:
         return "", None
     key = min(compiled, key=lambda k: compiled[k][1].total_bytes)

@@ -20,7 +20,6 @@ import numpy as np
 from remat_kit.errors import BudgetError
 from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import parse
 from remat_kit.decide.step import (StepMemory, one_policy)
 from remat_kit.measure.targets import is_out_of_memory
 
@@ -30,7 +29,7 @@ class FitRow:
     """The largest size one policy allows within the budget.
 
     Attributes:
-      policy: the spec as given.
+      policy: the row's label: the spec as the user gave it.
       size: the largest fitting sequence length or global batch size (a
         multiple of `multiple`); 0 if not even one multiple fits.
       memory: the step at `size` (`StepMemory`, per device); None if size is
@@ -80,6 +79,10 @@ class FitRow:
     picked_layers: tuple[str, ...] = ()
     limit: str | None = None
 
+# The policies every search compiles: no remat (the FLOP overhead), full remat (the auto row).
+NONE, FULL = Policy(remat=False), Policy()
+
+
 class Steps:
     """Compiled step figures by (policy key, size), so no policy is compiled
     twice at a size, whichever name (or planner) asked for it.
@@ -92,21 +95,24 @@ class Steps:
     def __init__(self, measure: Callable[[Policy, int, Callable | None], StepMemory]):
         self._measure, self._cache, self.total = measure, {}, 0
         self._failed: dict[tuple, Exception] = {}  # raised again, not compiled again
+        self._policies: dict[str, "Policy | tuple[Policy, ...]"] = {}  # key -> its policy
 
     def get(self, policy, size: int, loss: Callable | None = None) -> StepMemory | None:
         """The step at `size`, or None if its compile ran out of memory.
 
-        policy: a spec or `Policy`; or, with `loss`, the per-layer tuple of
-        Policies that loss runs (its key: their runs of layers, `layers_summary`).
+        policy: a `Policy` (its key: its canonical spec); or, with `loss`, the
+        per-layer tuple of Policies that loss runs (its key: their runs of layers,
+        `layers_summary`). Raises TypeError for a spec string (`one_policy`).
         """
         key = (_key(policy), size)
+        self._policies.setdefault(key[0], policy)
         if key in self._failed:
             raise self._failed[key]
         if key not in self._cache:
             self.total += 1
             try:
                 self._cache[key] = self._measure(
-                    Policy() if loss is not None else one_policy(parse(policy)), size, loss)
+                    Policy() if loss is not None else one_policy(policy), size, loss)
             except Exception as e:  # noqa: BLE001 - only memory errors mean "does not fit"
                 if not is_out_of_memory(e):
                     self._failed[key] = e
@@ -114,13 +120,17 @@ class Steps:
                 self._cache[key] = None
         return self._cache[key]
 
-    def known(self, policy: str) -> dict[int, StepMemory]:
+    def known(self, policy: "Policy | tuple[Policy, ...]") -> dict[int, StepMemory]:
         policy = _key(policy)
         return {s: m for (p, s), m in self._cache.items() if p == policy and m is not None}
 
     def at(self, size: int) -> dict[str, StepMemory]:
         """Every policy compiled at `size` that did not run out of memory, by key."""
         return {p: m for (p, s), m in self._cache.items() if s == size and m is not None}
+
+    def policy(self, key: str) -> "Policy | tuple[Policy, ...]":
+        """The policy (or per-layer tuple) a step key stands for."""
+        return self._policies[key]
 
 
 class SizeRefused(Exception):
@@ -130,7 +140,7 @@ class SizeRefused(Exception):
 def _key(policy) -> str:
     """A step's policy as one string: its canonical spec, or for one Policy per
     layer their runs of layers ('0-6 save:mlpwi / 7-11 full')."""
-    return layers_summary(policy) if isinstance(policy, tuple) else str(parse(policy))
+    return layers_summary(policy) if isinstance(policy, tuple) else str(policy)
 
 
 def _root(coef, budget: int) -> float | None:
@@ -270,7 +280,7 @@ class AutoRow:
         return self._chosen[size]
 
     def _choose(self, size: int) -> tuple[str | None, StepMemory | None]:
-        full = self.steps.get("full", size)
+        full = self.steps.get(FULL, size)
         if full is not None:
             planner = self.planner_at(size)
             # Take off what the step holds besides the value-and-grad memory the planner
@@ -284,7 +294,7 @@ class AutoRow:
                         self.layer_specs[_key(plan.policy)] = plan.layer_specs
                         step = self.steps.get(plan.policy, size, planner.loss_of(plan.policy))
                     else:
-                        step = self.steps.get(plan.spec, size)
+                        step = self.steps.get(plan.policy, size)
                     if step is not None and step.total_bytes <= self.budget:
                         break
                     # Over: take the overshoot off the planner's budget (an out-of-memory
@@ -362,7 +372,7 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
         return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes)), max_units
     picked, memory = at(size)
     try:
-        none = steps.get("none", size)
+        none = steps.get(NONE, size)
     except Exception as e:  # noqa: BLE001
         none, error = None, f"no remat at {size}: {type(e).__name__}: {e}"
     else:
@@ -370,7 +380,7 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
     if none is not None:
         none_flops, how = none.flops, "compiled"
     else:
-        none_flops = _extrapolated_flops(steps.known("none"), size, 2 if vary == "seq" else 1)
+        none_flops = _extrapolated_flops(steps.known(NONE), size, 2 if vary == "seq" else 1)
         how = "extrapolated" if none_flops is not None else None
     b, s = sizes(size)
     return FitRow(
