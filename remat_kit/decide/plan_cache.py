@@ -140,14 +140,11 @@ class Plan:
                     "flops_overhead": self.flops_overhead, "time_overhead": self.time_overhead}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        """The inverse of `to_dict`."""
+    def from_dict(cls, d: dict, policy: "Policy | tuple[Policy, ...]") -> "Plan":
+        """The inverse of `to_dict`, given the `policy` its spec (or `layer_specs`) names,
+        parsed where the dict was read (`cached_plan`)."""
         fields = {f.name for f in dataclasses.fields(cls)}
         layers = tuple(d.get("layer_specs") or ())
-        # A tag of the model's own outside the vocabulary (attention_out) parses once known.
-        register_emitted([t for tag, names in (d.get("aliases") or {}).items()
-                          for t in (tag, *names)])
-        policy = tuple(parse(s) for s in layers) if layers else parse(d["spec"])
         return cls(**{k: v for k, v in d.items() if k in fields}
                    | {"policy": policy, "layer_specs": layers,
                       "offload_notes": tuple(d.get("offload_notes") or ())})
@@ -231,8 +228,13 @@ def cached_plan(path: str, key: str) -> Plan | None:
     entry = sealed.unseal((read_cache(path) or {}).get(key), _PLAN)
     if entry is None:
         return None
-    try:
-        return dataclasses.replace(Plan.from_dict(entry), cached=True)
+    try:  # the file's text is parsed here, where it is read: the plan holds values
+        # A tag of the model's own outside the vocabulary (attention_out) parses once known.
+        register_emitted([t for tag, names in (entry.get("aliases") or {}).items()
+                          for t in (tag, *names)])
+        layers = entry.get("layer_specs")
+        policy = tuple(parse(s) for s in layers) if layers else parse(entry["spec"])
+        return dataclasses.replace(Plan.from_dict(entry, policy), cached=True)
     except (TypeError, ValueError):  # a spec that no longer parses
         return None
 
