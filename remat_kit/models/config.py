@@ -125,7 +125,8 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.dropout_rate must be in [0, 1), "
                              f"got {self.dropout_rate}")
         try:
-            policy = parse(self.remat)
+            policy = parse(self.remat)  # once, here: `policy` hands the value on
+            object.__setattr__(self, "_policy", policy)
             if isinstance(policy, AutoSpec):
                 # Planned for known shapes before the model is built (remat_kit.decide.plan).
                 if self.layer_remat:
@@ -160,7 +161,7 @@ class TransformerConfig:
     def policy(self) -> Policy:
         """The parsed remat policy. Raises RematSpecError for an auto:budget= spec
         not yet planned for this model's shapes (`remat_kit.api.configs.resolve_config`)."""
-        policy = parse(self.remat)
+        policy = self._policy  # parsed by __post_init__
         if isinstance(policy, AutoSpec):
             policy.to_jax()  # raises, naming how to resolve it
         return policy
