@@ -220,7 +220,7 @@ def marking_linen(cls: type):
         with linen_tags.auto_tag():
             yield
         return
-    plan = wrapping.Plan.of({c: "full" for c in cls}, nn.Module, "remat_kit.flax.from_model")
+    plan = wrapping.Plan.marking(cls)
     markers = {k: wrapping.Marker(KEY) for k in plan.keys}
     with flax_linen.intercepting(plan, markers, True, ("__call__",), check=False), \
             linen_tags.auto_tag():

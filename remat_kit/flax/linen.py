@@ -28,6 +28,7 @@ import jax
 from remat_kit.errors import UnknownModuleError
 from remat_kit.trace import call_region, wrapping
 from remat_kit.policy.policy import Policy
+from remat_kit.policy.spec import parse
 from remat_kit.trace.validate import emitted_tags
 from remat_kit.flax.linen_tags import (AUTO_TAG_CLASSES, auto_tag, path_name, prefixed, tagging,
                                        tags)
@@ -187,7 +188,7 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
                         "for a model instance use rk.linen.apply_remat(model, {...})")
     methods = wrapping.options("rk.linen.remat", prevent_cse, validate, methods, cls, nn.Module)
     static_argnums = wrapping.static_positions(static_argnums, "rk.linen.remat", minimum=1)
-    policy = wrapping.module_policy(policy)
+    policy = wrapping.module_policy(parse(policy))  # the public entry: parsed once, here
     if not policy.remat:
         return cls
     if not (validate or wrapping.needs_names(policy) or wrapping.names_roles(policy)):
@@ -305,7 +306,8 @@ def apply_remat(model: nn.Module, mapping, *, prevent_cse: bool = True,
     if not isinstance(model, nn.Module) or isinstance(model, type):
         raise TypeError(f"rk.linen.apply_remat takes a flax.linen.Module instance, got "
                         f"{model!r}; for a class use rk.linen.remat(cls, policy)")
-    plan = wrapping.Plan.of(mapping, nn.Module, "rk.linen.apply_remat")
+    wrapping.Plan.check(mapping, nn.Module, "rk.linen.apply_remat")
+    plan = wrapping.Plan.of({key: parse(p) for key, p in mapping.items()})  # once, here
     _check_class_names(plan, type(model))
     methods = wrapping.options("rk.linen.apply_remat", prevent_cse, validate, methods)
     base = type(model)

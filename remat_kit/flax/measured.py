@@ -142,26 +142,26 @@ def _checked(plan: Mapping, where: str = "the plan") -> tuple:
 TYPO_RATIO = 0.9
 
 
-def _planned_first(spec) -> None:
-    """RematSpecError for an `auto:budget=` spec: it is planned for a model, not run.
-    A tag outside the vocabulary may be one of the model's own `checkpoint_name`s,
-    known once the model is traced (`_layers` registers them): checked there, unless
-    it is a near miss of a vocabulary tag (`TYPO_RATIO`), refused here with the
-    "did you mean" of `parse`."""
-    try:
-        parsed = parse(spec) if isinstance(spec, (str, Policy)) else None
-    except UnknownTagError as e:
-        close = e.closest and difflib.SequenceMatcher(None, e.token, e.closest).ratio()
-        if close and close >= TYPO_RATIO:
-            raise UnknownTagError(e.token, e.choices, spec=e.spec, position=e.position,
-                                  message=f"rk.remat_model: unknown tag, too close to "
-                                  f"{e.closest!r} to be one of the model's own (if it is, "
-                                  f"rk.register_tag({e.token!r}) first)") from None
-        return
+def _planned_first(spec, parsed) -> None:
+    """RematSpecError for an `auto:budget=` spec (`parsed`: the value of `spec`, or None
+    where it is no spec): it is planned for a model, not run."""
     if isinstance(parsed, AutoSpec):
         raise RematSpecError(f"{spec} is planned for a model at its shapes: plan it "
                              "first (rk.plan, remat-kit plan --json) and give the plan",
                              token=str(spec))
+
+
+def _near_miss(e: UnknownTagError) -> None:
+    """A tag outside the vocabulary may be one of the model's own `checkpoint_name`s,
+    known once the model is traced (`_layers` registers them): checked there, unless
+    it is a near miss of a vocabulary tag (`TYPO_RATIO`), refused here with the
+    "did you mean" of `parse`."""
+    close = e.closest and difflib.SequenceMatcher(None, e.token, e.closest).ratio()
+    if close and close >= TYPO_RATIO:
+        raise UnknownTagError(e.token, e.choices, spec=e.spec, position=e.position,
+                              message=f"rk.remat_model: unknown tag, too close to "
+                              f"{e.closest!r} to be one of the model's own (if it is, "
+                              f"rk.register_tag({e.token!r}) first)") from None
 
 
 def _spec_of(policy, budget):
@@ -188,8 +188,6 @@ def _spec_of(policy, budget):
     else:
         raise TypeError(f"rk.remat_model takes a spec, a Policy, one per block, a Plan or a "
                         f"plan JSON file, got {type(policy).__name__} {policy!r:.80}")
-    for one in spec if isinstance(spec, tuple) else (spec,):
-        _planned_first(one)
     return spec, context
 
 
@@ -390,6 +388,11 @@ def remat_model(model, policy, *, block=None, budget=None):
       UnknownModuleError: (at the first call) `block` matches none.
     """
     spec, context = _spec_of(policy, budget)
+    for one in spec if isinstance(spec, tuple) else (spec,):
+        try:  # the text given, checked before the model's own tags are known (`_near_miss`)
+            _planned_first(one, parse(one) if isinstance(one, (str, Policy)) else None)
+        except UnknownTagError as e:
+            _near_miss(e)
     if isinstance(model, nnx.Module):
         return _nnx(model, spec, context, block)
     if isinstance(model, nn.Module) and not isinstance(model, type):

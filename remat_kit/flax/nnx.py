@@ -22,6 +22,7 @@ from flax import nnx
 
 from remat_kit.trace import call_region, wrapping
 from remat_kit.policy.policy import Policy, TagPolicy
+from remat_kit.policy.spec import parse
 from remat_kit.trace.validate import emitted_tags
 
 # Standard nnx layers: `auto_tag(model, AUTO_TAG_CLASSES)` names only their outputs.
@@ -238,7 +239,7 @@ def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequenc
       RematSpecError: the policy does not parse.
       UnknownTagError: `validate` and the policy names a tag never emitted.
     """
-    policy = wrapping.module_policy(policy)
+    policy = wrapping.module_policy(parse(policy))  # the public entry: parsed once, here
     is_class = isinstance(module_or_fn, type) and issubclass(module_or_fn, nnx.Module)
     if is_class or isinstance(module_or_fn, nnx.Module):
         if static_argnums != ():
@@ -297,7 +298,8 @@ def apply_remat(model: nnx.Module, mapping, *, prevent_cse: bool = True,
         the first call).
     """
     _check_module(model, "rk.nnx.apply_remat")
-    plan = wrapping.Plan.of(mapping, nnx.Module, "rk.nnx.apply_remat")
+    wrapping.Plan.check(mapping, nnx.Module, "rk.nnx.apply_remat")
+    plan = wrapping.Plan.of({key: parse(p) for key, p in mapping.items()})  # once, here
     wrapping.options("rk.nnx.apply_remat", prevent_cse, validate, methods)
     out = copy_model(model)
     matched, seen = set(), {}

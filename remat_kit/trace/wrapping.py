@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from remat_kit.policy import names
 from remat_kit.errors import RematSpecError, UnknownModuleError
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import AutoSpec, parse
+from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.trace.validate import check_names, policy_notes, tag_of
 
 
@@ -354,17 +354,18 @@ def jaxprs_in(value):
             yield from jaxprs_in(v)
 
 
-def module_policy(spec) -> Policy:
-    """`parse(spec)` for one module's region.
+def module_policy(policy: "Policy | AutoSpec") -> Policy:
+    """`policy` (parsed where the user gave it: `rk.linen.remat`, `rk.nnx.apply_remat`,
+    ...) checked for one module's region.
 
     Raises:
-      RematSpecError: the spec does not parse, is an auto:budget= spec, or has
-        a layer schedule
+      TypeError: a spec string (parse it first).
+      RematSpecError: an auto:budget= spec, or one with a layer schedule
         (`full@every:2`, `nested`): a schedule picks layers of a stack, which
         one wrapped module does not have (set it on the stack, e.g.
         `TransformerConfig.remat`, or map each layer class to its own policy).
     """
-    policy = parse(spec)
+    [policy] = parsed_only([policy], "a wrapped module's policy")
     if isinstance(policy, AutoSpec):
         raise RematSpecError(
             "an auto:budget= spec is planned for a whole model's shapes; plan it first "
@@ -385,14 +386,14 @@ class Plan:
     keys: tuple
     policies: tuple[Policy, ...]
 
-    @classmethod
-    def of(cls, mapping, module_base: type, where: str) -> "Plan":
-        """Checks an `apply_remat` mapping {class name or type: policy spec or Policy}.
+    @staticmethod
+    def check(mapping, module_base: type, where: str) -> None:
+        """Checks an `apply_remat` mapping {class name or type: policy spec or Policy},
+        before its policies are parsed.
 
         Raises:
           TypeError: `mapping` is not a non-empty mapping, or a key is neither
             a string nor a subclass of `module_base`.
-          RematSpecError: a policy spec does not parse.
         """
         if not isinstance(mapping, Mapping) or not mapping:
             raise TypeError(f"{where} takes a non-empty mapping {{class name or type: policy}}, "
@@ -402,7 +403,19 @@ class Plan:
                                              and issubclass(key, module_base))):
                 raise TypeError(f"{where}: mapping key {key!r} must be a class name or a "
                                 f"{module_base.__module__}.{module_base.__name__} subclass")
-        return cls(tuple(mapping), tuple(module_policy(p) for p in mapping.values()))
+
+    @classmethod
+    def of(cls, policies: Mapping) -> "Plan":
+        """The plan of a mapping {class name or type: parsed policy} (`check`ed), each
+        policy checked by `module_policy`."""
+        return cls(tuple(policies), tuple(module_policy(p) for p in policies.values()))
+
+    @classmethod
+    def marking(cls, classes) -> "Plan":
+        """A plan of `classes` under full remat, for regions marked rather than run
+        (`remat_kit.flax.from_model`: the markers stand in for its policies)."""
+        keys = tuple(classes)
+        return cls(keys, (Policy(),) * len(keys))
 
     def label(self, key) -> str:
         return key if isinstance(key, str) else key.__name__
