@@ -193,8 +193,6 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         parameters plus the optimizer state per device (the floor, stated
         in bytes), so no size can fit, or an auto spec with another budget.
       TargetError: a bad target, or libtpu missing.
-      RematSpecError: an auto:budget= spec compiled as a fixed row (never with
-        `rk.fit`, which makes every auto spec the auto row).
     """
     search = _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, optimizer,
                       target, mesh)
@@ -216,7 +214,8 @@ class _Search:
       size: the sizes searched. budget_bytes: the budget per device, bytes.
       target: whose compiler. labels: the rows' labels (the specs as given), in order;
         policies: their parsed policies; auto: whether each is the auto row.
-        at_size: size -> the workload at that size (cached); smallest: the workload at `size.multiple`. optimizer: the step's optimizer.
+        at_size: size -> the workload at that size (cached); smallest: the workload at
+        `size.multiple`. optimizer: the step's optimizer.
       floor: parameters plus optimizer state, bytes per device (every step holds at
         least that: the search's point at size 0). max_units: the most units searched;
         exact: whether that bound is the budget's own (`_max_units`).

@@ -79,6 +79,7 @@ class FitRow:
     picked_layers: tuple[str, ...] = ()
     limit: str | None = None
 
+
 # The policies every search compiles: no remat (the FLOP overhead), full remat (the auto row).
 NONE, FULL = Policy(remat=False), Policy()
 
@@ -105,11 +106,11 @@ class Steps:
         `layers_summary`). Raises TypeError for a spec string (`one_policy`).
         """
         key = (_key(policy), size)
-        self._policies.setdefault(key[0], policy)
         if key in self._failed:
             raise self._failed[key]
         if key not in self._cache:
             self.total += 1
+            self._policies.setdefault(key[0], policy)
             try:
                 self._cache[key] = self._measure(
                     Policy() if loss is not None else one_policy(policy), size, loss)
