@@ -239,9 +239,6 @@ POLICY_PARSE_LEFT = {
     "decide/fit.py": {"is_auto_spec", "_check_schedules", "_what_holds"},
     "decide/fit_search.py": {"_key", "Steps.get"},
     "decide/plan_cache.py": {"Plan.from_dict"},  # a cached plan's spec text, read back
-    "decide/planner_compiles.py": {"PlannerCompiles.measure", "PlannerCompiles.peak",
-                                   "PlannerCompiles.measure_all"},
-    "decide/planner_costs.py": {"PlannerCosts.policy_of"},
     "flax/measured.py": {"_planned_first"},
     "models/config.py": {"TransformerConfig.policy", "TransformerConfig.__post_init__"},
     "trace/wrapping.py": {"module_policy"},
