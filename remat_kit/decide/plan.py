@@ -90,13 +90,12 @@ class Planner:
                                                ("num_layers", loss_fn.num_layers),
                                                ("parameters", loss_fn.parameter_count))
                              if v is not None}
-            self.workload = loss_fn
+            workload = loss_fn
             loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
         else:
-            self.workload = from_loss(loss_fn, *args)
+            workload = from_loss(loss_fn, *args)
         _check_differentiable(args)
-        self.step, self.optimizer = check_step(step), optimizer
-        self.loss_fn, self.args = as_factory(loss_fn, len(args)), args
+        self.step = check_step(step)
         self.cache = default_cache_path() if cache is True else (cache or None)
         self.max_iterations = max_iterations
         self.target = targets.parse_target(target)
@@ -114,8 +113,8 @@ class Planner:
         self.predict_time = (predict_time or self.objective == "time"
                              or self.host_bandwidth is not None)
         self.compiles = PlannerCompiles(
-            self.loss_fn, args, target=self.target, per_device=per_device, step=self.step,
-            optimizer=optimizer, workload=self.workload, progress=progress)
+            as_factory(loss_fn, len(args)), args, target=self.target, per_device=per_device,
+            step=self.step, optimizer=optimizer, workload=workload, progress=progress)
         self.costs = PlannerCosts(
             self.compiles, groups=groups, decide=None if decide is None else frozenset(decide),
             host_bandwidth=self.host_bandwidth, predict_time=self.predict_time,
@@ -265,6 +264,10 @@ class Planner:
     def seconds(self, policy) -> float:
         """`PlannerCosts.seconds`."""
         return self.costs.seconds(policy)
+
+    def score(self, record: Record) -> tuple:
+        """`PlannerCosts.score`."""
+        return self.costs.score(record)
 
     def aliases_of(self, policy) -> dict[str, list[str]]:
         """`PlannerCosts.aliases_of`."""
