@@ -270,11 +270,11 @@ def test_frontier_monotone_and_cache(planner, tmp_path, monkeypatch):
     assert plans[2].spec == "none" and plans[2].flops_overhead == 0
     assert len(json.load(open(path))) == 3
 
-    def no_compiles(self, policies):
+    def no_compiles(self, policies, names=None):
         raise AssertionError("a cached plan compiled")
 
     again = config_planner(get_config("tiny"), BATCH, SEQ, cache=path, groups=1)  # restarted
-    monkeypatch.setattr(Planner, "measure_all", no_compiles)
+    monkeypatch.setattr(compiles_module.PlannerCompiles, "measure_all", no_compiles)
     cached = again.plan(0.75)
     assert cached.cached and cached.policy == plans[1].policy
 
@@ -402,3 +402,18 @@ def test_damaged_and_oversized_caches(tmp_path, monkeypatch):
     assert plan_module.read_cache(str(path)) == {"k": {"v": "v" * 1000}}
     monkeypatch.setattr(importlib.import_module("remat_kit.decide.plan_cache"), "CACHE_LIMIT", 100)
     assert plan_module.read_cache(str(path)) is None  # over the limit: not read past it
+
+
+def test_the_planner_takes_policies_and_keeps_the_callers_labels():
+    # Its methods take values (README, "Changes"); the CLI passes its preset names as labels.
+    planner = Planner(lambda x: jnp.sum(jnp.sin(x) ** 2), jnp.ones(8), cache=None)
+    for call in (planner.measure, planner.compiles.peak, planner.seconds,
+                 lambda p: planner.measure_all([p])):
+        with pytest.raises(TypeError, match=r"Planner\.\w+ takes parsed policies.*'full'"):
+            call("full")
+    assert planner.records == {}  # refused before any compile
+    minimal = rk.parse("minimal")
+    [record, full] = planner.measure_all([minimal, rk.Policy()], names=["minimal", "full!"])
+    assert record is full and record.names == ("minimal", "full!")  # no tags: one program
+    assert set(planner.records) == {str(minimal), "full"}
+    assert planner.policy_of(record) == minimal and record.policy == str(minimal)

@@ -455,7 +455,8 @@ def layered(planner):
     """`planner` deciding each tag per layer (its default groups), sharing its compiles:
     the per-layer plan `--uniform` is set against."""
     other = copy.copy(planner)
-    other.groups = "layers"
+    other.costs = copy.copy(planner.costs)  # its cost models shared, keyed by groups
+    other.costs.groups = "layers"
     return other
 
 

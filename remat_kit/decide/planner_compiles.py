@@ -226,7 +226,6 @@ class PlannerCompiles:
         return self._measure_layers(policy) if isinstance(policy, tuple) \
             else self.measure_all([policy])[0]
 
-
     @property
     def program(self) -> Program:
         """The forward program the cost model reads (`cost_model.Program`), per device."""
