@@ -1,6 +1,7 @@
 """The budget planner: the policy with the fewest FLOPs (or least predicted time) whose
 compiled memory fits a budget, for one loss and any number of budgets (`Planner`, `plan`).
-A cost model measured from the program (`cost_model`), a MILP over its tags (`milp`),
+The `Planner` holds its compile cache (`planner_compiles`) and its cost model
+(`planner_costs`, measured from the program: `cost_model`); a MILP over the tags (`milp`),
 each answer verified by compiling (`search`), plans cached (`plan_cache`).
 How it works, the arguments and the figures: docs/plan.md.
 """
