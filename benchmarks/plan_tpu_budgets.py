@@ -44,7 +44,7 @@ def run(cfg, batch: int, seq: int, budgets: list[float], target: str, presets: l
     """Plans every budget by `objective`; prints the table; returns the failed checks."""
     planner = config_planner(cfg, batch, seq, dtype="bfloat16", cache=None, target=target,
                              objective=objective)
-    records = planner.measure_all(presets)
+    records = planner.measure_all([parse(p) for p in presets], names=presets)
     none = planner.none()
     start = time.perf_counter()
     fits = [b for b in budgets if b * none.memory_bytes >= planner.minimum()[0]]
@@ -52,7 +52,7 @@ def run(cfg, batch: int, seq: int, budgets: list[float], target: str, presets: l
     seconds = time.perf_counter() - start
     print(f"\nobjective {objective}: no remat {none.memory_bytes / 2**30:.2f} GiB peak, "
           f"{none.flops:.4g} FLOPs, predicted {planner.seconds(parse('none')) * 1e3:.3g} ms; "
-          f"full {planner.measure('full').memory_bytes / none.memory_bytes:.3f} of its peak; "
+          f"full {planner.measure(parse('full')).memory_bytes / none.memory_bytes:.3f} of its peak; "
           f"planned in {seconds:.0f} s")
     print(f"{'budget':>6} {'planned policy':<44} {'peak x none':>11} {'FLOPs +':>8} "
           f"{'time +':>7}  {'best preset that fits':<34} {'FLOPs +':>8}")

@@ -230,18 +230,9 @@ def test_private_imports_are_found():
         "remat_kit.measure.residuals._stage", "remat_kit.trace.workload._as_factory"]
 
 
-# Where a policy spec may still be parsed below the front floor (`api/`, which parses
-# each spec once; `cli/` above it; `policy/`, which defines `parse`). Each of these
-# takes a spec or a Policy for callers of its old signature, and parses a Policy as
-# itself; the list only shrinks (issue 47): a new call below `api/` fails, and so does
-# an entry whose call is gone.
-POLICY_PARSE_LEFT = {
-    "decide/planner_compiles.py": {"PlannerCompiles.measure", "PlannerCompiles.peak",
-                                   "PlannerCompiles.measure_all"},
-    "decide/planner_costs.py": {"PlannerCosts.policy_of"},
-}
-# The edges below `api/` where a spec comes in as text, parsed once there and handed on as
-# a value. Module -> the functions that parse it.
+# Below the front floor (`api/`, which parses each spec once; `cli/` above it; `policy/`,
+# which defines `parse`) a spec is parsed only where it comes in as text (issue 47): these
+# edges parse it once and hand the value on. Module -> the functions that parse it.
 POLICY_EDGES = {
     "decide/plan_cache.py": {"cached_plan"},  # a plan cache file's spec text, where it is read
     "flax/linen.py": {"remat", "apply_remat"},  # rk.linen's public wrappers take specs
@@ -263,14 +254,12 @@ def test_a_policy_is_parsed_at_the_front_floor():
         calls = set(_parse_target_calls(path.read_text(), "parse"))
         if calls:
             found[name] = calls
-    allowed = {m: POLICY_PARSE_LEFT.get(m, set()) | POLICY_EDGES.get(m, set())
-               for m in {*POLICY_PARSE_LEFT, *POLICY_EDGES}}
-    stray = {m: c - allowed.get(m, set()) for m, c in found.items()}
-    gone = {m: c - found.get(m, set()) for m, c in allowed.items()}
+    stray = {m: c - POLICY_EDGES.get(m, set()) for m, c in found.items()}
+    gone = {m: c - found.get(m, set()) for m, c in POLICY_EDGES.items()}
     assert {m: c for m, c in stray.items() if c} == {}, (
         "parse a policy spec in api/ and hand the Policy down")
     assert {m: c for m, c in gone.items() if c} == {}, (
-        "take these off POLICY_PARSE_LEFT or POLICY_EDGES")
+        "take these off POLICY_EDGES")
 
 
 def test_the_root_imports_the_front_floor_and_the_value_types():

@@ -109,10 +109,10 @@ def test_an_offload_probe_that_does_not_fit_the_chip_is_an_answer(monkeypatch):
         return jnp.sum(x ** 2)
     w, x = jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((4, 16), jnp.float32)
     planner = Planner(loss, w, x, cache=None, groups=1, offload=True)
-    real = planner.record_of
+    real = planner.compiles.record_of  # what the offload probe compiles with
     monkeypatch.setattr(offload_probe, "figure_cache", types.SimpleNamespace(
         lookup=lambda *a, **k: ("key", None), store=lambda *a: pytest.fail("cached")))
-    monkeypatch.setattr(planner, "record_of", lambda p: dataclasses.replace(
+    monkeypatch.setattr(planner.compiles, "record_of", lambda p: dataclasses.replace(
         real(p), error=OOM, temp_size_in_bytes=None) if not p.offload else real(p))
     probe = planner.offload_probe
     assert (probe.figure, probe.pays, planner.plans_offload) == (0.0, False, False)

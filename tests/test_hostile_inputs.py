@@ -51,7 +51,7 @@ def test_offload_on_the_cpu_never_plans_negative_memory(gpt):
 
 def test_no_offload_never_returns_an_offload_preset(gpt):
     planner = Planner(gpt, cache=None, offload=False, groups=1, max_iterations=1)
-    [preset] = planner.measure_all(["minimal_offloaded"])
+    [preset] = planner.measure_all([rk.parse("minimal_offloaded")])
     assert preset.offloaded_bytes > 0
     plan = planner.plan(0.9)
     assert plan.offloaded_bytes == 0 and not plan.policy.offload, plan.spec

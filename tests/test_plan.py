@@ -120,7 +120,7 @@ def test_milp_matches_brute_force(planner):
 
 def test_cost_model_predicts_compiled_flops(planner):
     """Predicted FLOPs of two policies against their compiled FLOPs (within 2%)."""
-    model, full = planner.model, planner.measure("full")
+    model, full = planner.model, planner.measure(rk.parse("full"))
     base = full.flops - model.cost(frozenset())[1]
     for saved in ({"mlpwi", "mlp_act"}, {"query_proj", "key_proj", "value_proj", "out_proj"}):
         measured = planner.measure(rk.Policy(save=saved)).flops
@@ -149,7 +149,7 @@ def test_scanned_stack_costs_as_unrolled(planner):
     assert plan.spec != "full" and plan.measured_bytes <= plan.budget_bytes
     assert plan.iterations == 1 and f"{plan.spec}: {plan.measured_bytes:,} bytes, fits" in \
         plan.status  # the MILP's own choice, verified; not a base rule alone
-    assert plan.measured_flops < scanned_planner.measure("full").flops
+    assert plan.measured_flops < scanned_planner.measure(rk.parse("full")).flops
 
 
 def _out_of_memory(monkeypatch, *policies):
@@ -170,7 +170,7 @@ def test_plan_when_no_remat_runs_out_of_memory(planner, monkeypatch):
     contexts: byte budgets still plan (no remat's FLOPs from the cost model), a
     fraction budget has nothing to be a fraction of, and full out of memory means
     nothing fits."""
-    full, none = planner.measure("full").memory_bytes, planner.measure("none")
+    full, none = planner.measure(rk.parse("full")).memory_bytes, planner.measure(rk.parse("none"))
     _out_of_memory(monkeypatch, "none")
     oom = config_planner(get_config("tiny"), BATCH, SEQ, cache=None)
     assert oom.minimum() == (full, None)
@@ -217,7 +217,7 @@ def test_plan_fits_and_errors(planner):
     assert p.minimum_bytes == planner.minimum()[0] <= full and p.none_bytes == none
     assert p.measured_bytes == planner.measure(p.policy).temp_size_in_bytes
     # A policy compiled before (here a preset) is a candidate: the plan is never worse.
-    minimal = planner.measure("minimal")
+    minimal = planner.measure(rk.parse("minimal"))
     at_minimal = planner.plan(minimal.temp_size_in_bytes)
     assert at_minimal.measured_flops <= minimal.flops
     assert at_minimal.measured_bytes <= minimal.temp_size_in_bytes
@@ -232,7 +232,7 @@ def test_plan_fits_and_errors(planner):
 
 def test_verify_and_tighten(planner, monkeypatch):
     """A compiled policy over budget makes the planner tighten and solve again."""
-    none = planner.measure("none")
+    none = planner.measure(rk.parse("none"))
     planner.byte_share  # its compile (every tag saved) made honestly, before the patch
     budget = int(0.95 * none.temp_size_in_bytes)
     honest, over = compiles_module.measure, []
@@ -270,11 +270,11 @@ def test_frontier_monotone_and_cache(planner, tmp_path, monkeypatch):
     assert plans[2].spec == "none" and plans[2].flops_overhead == 0
     assert len(json.load(open(path))) == 3
 
-    def no_compiles(self, policies):
+    def no_compiles(self, policies, names=None):
         raise AssertionError("a cached plan compiled")
 
     again = config_planner(get_config("tiny"), BATCH, SEQ, cache=path, groups=1)  # restarted
-    monkeypatch.setattr(Planner, "measure_all", no_compiles)
+    monkeypatch.setattr(compiles_module.PlannerCompiles, "measure_all", no_compiles)
     cached = again.plan(0.75)
     assert cached.cached and cached.policy == plans[1].policy
 
@@ -402,3 +402,18 @@ def test_damaged_and_oversized_caches(tmp_path, monkeypatch):
     assert plan_module.read_cache(str(path)) == {"k": {"v": "v" * 1000}}
     monkeypatch.setattr(importlib.import_module("remat_kit.decide.plan_cache"), "CACHE_LIMIT", 100)
     assert plan_module.read_cache(str(path)) is None  # over the limit: not read past it
+
+
+def test_the_planner_takes_policies_and_keeps_the_callers_labels():
+    # Its methods take values (README, "Changes"); the CLI passes its preset names as labels.
+    planner = Planner(lambda x: jnp.sum(jnp.sin(x) ** 2), jnp.ones(8), cache=None)
+    for call in (planner.measure, planner.compiles.peak, planner.seconds,
+                 lambda p: planner.measure_all([p])):
+        with pytest.raises(TypeError, match=r"Planner\.\w+ takes parsed policies.*'full'"):
+            call("full")
+    assert planner.records == {}  # refused before any compile
+    minimal = rk.parse("minimal")
+    [record, full] = planner.measure_all([minimal, rk.Policy()], names=["minimal", "full!"])
+    assert record is full and record.names == ("minimal", "full!")  # no tags: one program
+    assert set(planner.records) == {str(minimal), "full"}
+    assert planner.policy_of(record) == minimal and record.policy == str(minimal)

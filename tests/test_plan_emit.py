@@ -287,7 +287,7 @@ def test_train_step_plan_of_a_model_on_a_tpu_target():
     tpu = targets.parse_target("tpu:v5e:1x1")
     work = from_model.workload(own_tags_linen.model(), 2, 16, mesh=device_mesh(None, 2, None, tpu))
     planner = Planner(work, cache=None, target=tpu, step="train", groups=1)
-    full = planner.measure("full")
+    full = planner.measure(rk.parse("full"))
     assert full.error is None and full.memory_kind == "train_step_bytes"
     assert full.train_step_bytes == full.peak_memory_in_bytes > 0
     p = planner.plan(f"{full.train_step_bytes}B")

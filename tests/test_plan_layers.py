@@ -9,7 +9,7 @@ import pytest
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.decide.cost_model import PLANNED_BASES, CostModel, with_region_policies
+from remat_kit.decide.cost_model import PLANNED_BASES, CostModel
 from remat_kit.models import Transformer, get_config, make_loss_fn
 from remat_kit.decide.plan import Planner, cost_model
 from remat_kit.api.configs import config_planner, resolve_config
@@ -49,19 +49,19 @@ def test_tags_inside_jit_are_planned():
     full, none = p.minimum()
     plan = p.plan((full + none) // 2)
     assert plan.spec != "full" and plan.measured_bytes <= plan.budget_bytes
-    assert plan.measured_flops < p.measure("full").flops
+    assert plan.measured_flops < p.measure(rk.parse("full")).flops
 
 
 def test_loose_budget_tries_dots_uncompiled(planner):
     """dots is compiled by the planner itself, and at a budget it fits it is never beaten
     by a plan with more FLOPs."""
     assert "dots" not in planner.records
-    none = planner.measure("none")
+    none = planner.measure(rk.parse("none"))
     plan = planner.plan(0.95)
     dots = planner.records["dots"]
     assert dots.memory_bytes <= plan.budget_bytes  # dots fits this budget on tiny
     assert plan.measured_flops <= dots.flops and plan.measured_bytes <= plan.budget_bytes
-    assert plan.measured_flops < planner.measure("full").flops
+    assert plan.measured_flops < planner.measure(rk.parse("full")).flops
     for base in PLANNED_BASES:  # never worse than a base rule alone that fits
         r = planner.records["full" if base == "nothing" else base]
         if r.memory_bytes <= plan.budget_bytes:
@@ -108,7 +108,7 @@ def test_grouped_milp_matches_brute_force(planner):
 def layered(planner):
     """Layer 0 saves the MLP's tags, layer 1 nothing: compiled through the rewrite."""
     policies = (rk.Policy(save={"mlpwi", "mlp_act"}), rk.Policy())
-    return policies, planner._measure_layers(policies)
+    return policies, planner.record_of(policies)
 
 
 def test_per_layer_program_is_the_models(planner, layered):
@@ -119,7 +119,7 @@ def test_per_layer_program_is_the_models(planner, layered):
     [ref] = rk.measure_config(cfg, BATCH, SEQ, policies=["none"], per_layer=False)
     assert record.temp_size_in_bytes == ref.temp_size_in_bytes
     assert record.flops == ref.flops
-    free = set(planner.measure("full").residual_bytes_by_tag)
+    free = set(planner.measure(rk.parse("full")).residual_bytes_by_tag)
     saved = {("mlpwi", 0), ("mlp_act", 0)}
     model = planner.model_for("nothing", 2)
     stored = sum(b for t, b in record.residual_bytes_by_tag.items() if t not in free)
@@ -139,8 +139,7 @@ def test_per_layer_grads_equal_no_remat(planner, layered):
     layered_cfg = cfg.replace(layer_remat=tuple(map(str, policies)))
     got = jax.jit(jax.grad(make_loss_fn(Transformer(layered_cfg), True)))(params, tokens,
                                                                           tokens, key)
-    rewritten = with_region_policies(planner._forward("global"),
-                                     dict(zip(planner.program.layers, policies)))
+    rewritten = planner.loss_of(policies)  # the rewrite (`with_region_policies`) of full's
     got_rewritten = jax.jit(jax.grad(rewritten))(params, tokens, tokens, key)
     for g in (got, got_rewritten):
         for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(g)):

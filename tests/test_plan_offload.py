@@ -134,7 +134,7 @@ def test_plan_does_not_offload_where_the_probe_says_no(cpu_planner):
     assert "0.000 removed per byte offloaded; offload does not pay here and is not " \
         "planned" in plan.offload_notes[0]
     # A compiled preset that offloads is no candidate either (it would be budgeted as saving).
-    cpu_planner.measure_all(["minimal_offloaded"])
+    cpu_planner.measure_all([rk.parse("minimal_offloaded")])
     assert all(not r.offloaded_bytes for r in cpu_planner.compiled_records())
 
 
@@ -197,7 +197,7 @@ def test_tpu_plan_offloads_where_the_probe_pays_and_fits(tpu_planner):
     plan = tpu_planner.plan(off.memory_bytes)
     assert plan.policy.offload and plan.offloaded_bytes > 0
     assert plan.measured_bytes <= plan.budget_bytes
-    assert plan.measured_flops < tpu_planner.measure("full").flops
+    assert plan.measured_flops < tpu_planner.measure(rk.parse("full")).flops
     assert plan.offload_notes[0] == tpu_planner.offload_probe.note
     assert any("the probe predicted 0.468" in n for n in plan.offload_notes)
 

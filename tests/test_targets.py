@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import remat_kit as rk
 from remat_kit.api import answers
 from remat_kit.cli import commands as cli
 from remat_kit.api import report
@@ -216,7 +217,7 @@ def test_planner_budgets_the_peak_on_tpu(tmp_path):
     cache = tmp_path / "plans.json"
     planner = config_planner(get_config("tiny"), B, S, target="tpu:v5e:1x1", cache=str(cache),
                              groups=1, offload=False)
-    none, full = planner.measure("none"), planner.measure("full")
+    none, full = planner.measure(rk.parse("none")), planner.measure(rk.parse("full"))
     assert planner.memory_kind == PEAK
     budget = (none.peak_memory_in_bytes + full.peak_memory_in_bytes) // 2
     assert none.temp_size_in_bytes < full.peak_memory_in_bytes < budget < none.peak_memory_in_bytes

@@ -135,7 +135,7 @@ def _preset_records(planner, presets) -> list:
     policy that beats its own plan."""
     named: dict[int, tuple] = {}
     with planner.in_phase("presets"):  # the progress line's phase
-        measured = planner.measure_all(presets)
+        measured = planner.measure_all([parse(p) for p in presets], names=presets)
     for spec, r in zip(presets, measured):
         named[id(r)] = (r, named.get(id(r), (r, ()))[1] + (spec,))
     return [dataclasses.replace(r, names=names) for r, names in named.values()]
@@ -304,7 +304,7 @@ def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
     the least compiled memory."""
     full, none, devices = found.full, found.none, shown.devices
     return (f"{shown.label}: {sizes_text(shown.batch, shown.seq)}, {shown.dtype} "
-            f"({planner.measure('full').platform}"
+            f"({planner.measure(parse('full')).platform}"
             f"{f', per device of {devices}; {shown.compiled}' if devices > 1 else ''}); "
             f"no remat: {fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
             f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
@@ -417,7 +417,7 @@ def _context(planner, work, found: _Frontier, shown: _Shown) -> dict:
     planning's seconds, what holds the minimum, and the offload probe."""
     return {**map_context(work), "config": shown.label, "batch": shown.batch, "seq": shown.seq,
             "dtype": shown.dtype, "devices": shown.devices, "step": shown.compiled,
-            "platform": planner.measure("full").platform,
+            "platform": planner.measure(parse("full")).platform,
             "memory_kind": planner.memory_kind, "none_bytes": found.none,
             "minimum_bytes": found.full, "minimum_peak": found.held_parts,
             "below_minimum": found.held, "plan_seconds": found.seconds,
@@ -455,7 +455,8 @@ def layered(planner):
     """`planner` deciding each tag per layer (its default groups), sharing its compiles:
     the per-layer plan `--uniform` is set against."""
     other = copy.copy(planner)
-    other.groups = "layers"
+    other.costs = copy.copy(planner.costs)  # its cost models shared, keyed by groups
+    other.costs.groups = "layers"
     return other
 
 

@@ -54,16 +54,17 @@ def offload_bandwidth(target: targets.Target, offload: "bool | float | None") ->
     return found
 
 
-def transfer_seconds(planner, policy) -> float:
+def transfer_seconds(costs, policy) -> float:
     """Predicted seconds of `policy`'s host transfers not hidden behind its layers'
-    forward compute (`CostModel.excess` of the tags it offloads), under `planner`'s
-    cost model; 0 where it offloads nothing or the planner plans no offload.
+    forward compute (`CostModel.excess` of the tags it offloads), under the planner's
+    cost model `costs` (`PlannerCosts`); 0 where it offloads nothing or the planner plans
+    no offload.
 
     policy: a `Policy`, or a tuple of one per layer (`Planner` plans).
     """
     layered = isinstance(policy, tuple)
     policies = policy if layered else (policy,)
-    if planner.host_bandwidth is None or not any(p.remat and p.offload for p in policies):
+    if costs.host_bandwidth is None or not any(p.remat and p.offload for p in policies):
         return 0.0
 
     def deciding(item):  # (the policy that decides item, its tag name)
@@ -71,8 +72,8 @@ def transfer_seconds(planner, policy) -> float:
 
     total = 0.0
     for base in {p.base for p in policies}:
-        model = planner.model_for(base if base in PLANNED_BASES else "nothing",
-                                  len(policies) if layered else 1)
+        model = costs.model_for(base if base in PLANNED_BASES else "nothing",
+                                len(policies) if layered else 1)
         total += model.excess([t for t in model.transfer if deciding(t)[0].base == base
                                and deciding(t)[0].decide(deciding(t)[1]) == "offload"])
     return total

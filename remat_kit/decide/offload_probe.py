@@ -19,7 +19,7 @@ offloading {mlpwi, mlp_act}: tpu:v5e:1x1 scanned 0.468, unrolled -0.319; the
 CPU 0.0 either way (tests/test_plan_offload.py). A scanned stack and an unrolled
 one are compiled differently (XLA:TPU keeps a scan's stacked residuals in host
 memory), so the figure is kept per stack kind: the figure cache holds it under
-the traced program (`Planner.fingerprint`, which holds the target and the
+the traced program (`PlannerCompiles.fingerprint`, which holds the target and the
 compiler), the stack kind and the tag set (`figure_cache`).
 
 On the CPU host memory is device memory (`CPU_OFFLOAD_NOTE`): its compile counts
@@ -126,26 +126,27 @@ def probe_tags(model) -> tuple:
                  if t in model.needed and t not in model.fixed and model.nbytes[t])
 
 
-def probe(planner) -> Probe:
-    """Compiles `planner`'s loss with its decided tags offloaded and saved (two
+def probe(model, compiles) -> Probe:
+    """Compiles the planner's loss with its decided tags offloaded and saved (two
     compiles, or none on a figure cache hit) and returns the `Probe`.
 
-    planner: a `remat_kit.decide.plan.Planner` (its `target`, `fingerprint`,
-      `record_of`, and its offload-free uniform cost model for the tags).
+    model: the planner's offload-free uniform `CostModel` (the tags probed).
+    compiles: its `PlannerCompiles` (the `target`, `program`, `fingerprint`
+      and `record_of` compiled with).
     A compile that gives no memory figure (the program does not fit the chip:
     XLA's RESOURCE_EXHAUSTED at compile time) is an answer, not a failure: the
     `Probe` says so in `unfit` and offload is not planned. It is not cached.
     """
-    tags = probe_tags(planner.offload_free_model())
-    stack = stack_kind(planner.program)
-    target = planner.target
+    tags = probe_tags(model)
+    stack = stack_kind(compiles.program)
+    target = compiles.target
     program_key, kept = figure_cache.lookup(
-        f"{planner.fingerprint()}|{stack}|{','.join(tags)}", target,
+        f"{compiles.fingerprint()}|{stack}|{','.join(tags)}", target,
         compile_options(target, True), "offload_probe", schema=SCHEMA)
     if kept is not None:
         return Probe(str(target), stack, tags, cached=True, **{k: kept[k] for k in SCHEMA})
-    saved, offloaded = (planner.record_of(Policy(save=frozenset(tags))),
-                        planner.record_of(Policy(offload=frozenset(tags))))
+    saved, offloaded = (compiles.record_of(Policy(save=frozenset(tags))),
+                        compiles.record_of(Policy(offload=frozenset(tags))))
     figures = {"saved_bytes": saved.memory_bytes or 0,
                "offloaded_device_bytes": offloaded.memory_bytes or 0,
                "offloaded_bytes": offloaded.offloaded_bytes or 0}

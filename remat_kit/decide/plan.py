@@ -1,6 +1,7 @@
 """The budget planner: the policy with the fewest FLOPs (or least predicted time) whose
 compiled memory fits a budget, for one loss and any number of budgets (`Planner`, `plan`).
-A cost model measured from the program (`cost_model`), a MILP over its tags (`milp`),
+The `Planner` holds its compile cache (`planner_compiles`) and its cost model
+(`planner_costs`, measured from the program: `cost_model`); a MILP over the tags (`milp`),
 each answer verified by compiling (`search`), plans cached (`plan_cache`).
 How it works, the arguments and the figures: docs/plan.md.
 """
@@ -22,6 +23,7 @@ from remat_kit.decide.planner_costs import MAX_DEFAULT_GROUPS, TIME_RESOLUTION, 
 from remat_kit.decide.step_records import check_step, default_step
 from remat_kit.measure import targets
 from remat_kit.measure.record import Record
+from remat_kit.policy.policy import Policy
 from remat_kit.measure.time_checks import time_check
 from remat_kit.measure.time_model import OBJECTIVES
 from remat_kit.trace.workload import Workload, as_factory, from_loss
@@ -44,12 +46,17 @@ def _check_differentiable(args) -> None:
                          "rk.plan(loss_fn, params, *batch, budget=...)")
 
 
-class Planner(PlannerCompiles, PlannerCosts):
+class Planner:
     """Plans one loss for any number of budgets, sharing the measurements:
     `Planner(loss_fn, *args).plan("6GiB")`, `.frontier([0.1, 0.2])`. Every argument
     (loss_fn, args, cache, max_iterations, progress, target, per_device, groups,
     objective, predict_time, offload, decide, step, optimizer, bases, no_remat) and the
     errors raised: docs/plan.md, "`Planner`'s arguments".
+
+    It holds two parts: `compiles` (`PlannerCompiles`: each policy's record, made
+    once) and `costs` (`PlannerCosts`: the cost model and the scores, reading
+    `compiles`); `remat_kit.decide.search` plans with them. Its methods take
+    `Policy` values (or a tuple of one per layer), never spec strings.
 
     Raises:
       ValueError: a bad max_iterations, groups, offload, bases or objective (named).
@@ -84,17 +91,14 @@ class Planner(PlannerCompiles, PlannerCosts):
                                                ("num_layers", loss_fn.num_layers),
                                                ("parameters", loss_fn.parameter_count))
                              if v is not None}
-            self.workload = loss_fn
+            workload = loss_fn
             loss_fn, args = loss_fn.loss_for_policy, loss_fn.args
         else:
-            self.workload = from_loss(loss_fn, *args)
+            workload = from_loss(loss_fn, *args)
         _check_differentiable(args)
-        self.step, self.optimizer = check_step(step), optimizer
-        self.loss_fn, self.args = as_factory(loss_fn, len(args)), args
+        self.step = check_step(step)
         self.cache = default_cache_path() if cache is True else (cache or None)
-        self.max_iterations, self.progress = max_iterations, progress
-        # The progress line's phase, compiles so far, and compiles left where known.
-        self.phase, self.compiles, self.left = "search", 0, None
+        self.max_iterations = max_iterations
         self.target = targets.parse_target(target)
         checked, self.time_check = time_check(self.target)
         self.objective = objective or ("time" if checked and self.target.platform != "cpu"
@@ -102,28 +106,20 @@ class Planner(PlannerCompiles, PlannerCosts):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
                              f"{objective!r}")
-        self.groups = groups
-        self.decide = None if decide is None else frozenset(decide)
         if not bases or set(bases) - set(PLANNED_BASES):
             raise ValueError(f"bases must be some of {', '.join(PLANNED_BASES)}, got {bases!r}")
         self.bases = tuple(b for b in PLANNED_BASES if b in bases)
         self.no_remat = bool(no_remat)
-        self.per_device = per_device
-        self.records: dict[str, Record] = {}
-        self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
-        self._models: dict[tuple, CostModel] = {}
-        self._seconds: dict[str, float] = {}
-        self._eqn_cache: dict = {}
-        self._program: Program | None = None
-        self._forwards: dict = {}
-        self._roofline = None
-        self._fingerprint: str | None = None
-        self._staged = None
-        self._probe = None
-        self._byte_share: float | None = None
         self.host_bandwidth = offload_bandwidth(self.target, offload)
         self.predict_time = (predict_time or self.objective == "time"
                              or self.host_bandwidth is not None)
+        self.compiles = PlannerCompiles(
+            as_factory(loss_fn, len(args)), args, target=self.target, per_device=per_device,
+            step=self.step, optimizer=optimizer, workload=workload, progress=progress)
+        self.costs = PlannerCosts(
+            self.compiles, groups=groups, decide=None if decide is None else frozenset(decide),
+            host_bandwidth=self.host_bandwidth, predict_time=self.predict_time,
+            objective=self.objective)
         if groups != "layers":
             self.group_count()  # a group count outside 1..layers fails here, not at plan
 
@@ -135,6 +131,148 @@ class Planner(PlannerCompiles, PlannerCosts):
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: `remat_kit.decide.search.frontier`."""
         return search.frontier(self, budgets)
+
+    @property
+    def decide(self) -> "frozenset | None":
+        """The tags a plan may save or offload (None: every one); settable, as
+        `remat-kit plan --emit maxtext` keeps to those MaxText names."""
+        return self.costs.decide
+
+    @decide.setter
+    def decide(self, tags: "Collection[str] | None") -> None:
+        self.costs.decide = None if tags is None else frozenset(tags)
+
+    def none_flops(self) -> float:
+        """No remat's FLOPs: compiled, or where it runs out of memory, the cost
+        model's (`full`'s measured FLOPs less its predicted recompute)."""
+        none = self.none()
+        if none is not None:
+            return none.flops
+        return self.measure(Policy()).flops - self.model.cost(frozenset())[1]
+
+    def minimum(self) -> tuple[int, int | None]:
+        """(least memory of any compiled policy, memory of `none` or None where
+        it runs out of memory), bytes of `memory_kind`, after compiling `full`
+        and `none`. The least is `full`'s except on small models, where XLA
+        can give another policy less."""
+        self.measure(Policy())
+        none = self.none()
+        return min(r.memory_bytes for r in self.compiled_records()), none and none.memory_bytes
+
+    def compiled_records(self) -> list[Record]:
+        """Every policy compiled for this loss that has memory and FLOP figures and,
+        where offload is not planned (not asked for, or the offload probe shows it
+        does not pay), offloads nothing (a preset such as minimal_offloaded is then
+        never a plan)."""
+        return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
+                if r.error is None and r.flops is not None and r.memory_bytes is not None
+                and (not r.offloaded_bytes or self.plans_offload) and self._allowed(r)]
+
+    def _allowed(self, record: Record) -> bool:
+        """Whether a compiled policy keeps to `bases`, `decide` and `no_remat` (full
+        always does)."""
+        policy = self.policy_of(record)
+        for p in policy if isinstance(policy, tuple) else (policy,):
+            if not p.remat and not self.no_remat:
+                return False
+            if p.remat and p.base not in self.bases:
+                return False
+            if self.decide is not None and p.remat and not (p.save | p.offload) <= self.decide:
+                return False
+        return True
+
+    # The parts' answers, as callers of the Planner know them (one line each).
+    @property
+    def records(self) -> dict[str, Record]:
+        """`PlannerCompiles.records`."""
+        return self.compiles.records
+
+    def measure(self, policy: Policy) -> Record:
+        """`PlannerCompiles.measure`."""
+        return self.compiles.measure(policy)
+
+    def measure_all(self, policies: Sequence[Policy], names=None) -> list[Record]:
+        """`PlannerCompiles.measure_all`."""
+        return self.compiles.measure_all(policies, names)
+
+    def record_of(self, policy) -> Record:
+        """`PlannerCompiles.record_of`."""
+        return self.compiles.record_of(policy)
+
+    def policy_of(self, record: Record):
+        """`PlannerCompiles.policy_of`."""
+        return self.compiles.policy_of(record)
+
+    def loss_of(self, policy) -> Callable:
+        """`PlannerCompiles.loss_of`."""
+        return self.compiles.loss_of(policy)
+
+    def none(self) -> Record | None:
+        """`PlannerCompiles.none`."""
+        return self.compiles.none()
+
+    def in_phase(self, phase: str):
+        """`PlannerCompiles.in_phase`."""
+        return self.compiles.in_phase(phase)
+
+    @property
+    def memory_kind(self) -> str:
+        """`PlannerCompiles.memory_kind`."""
+        return self.compiles.memory_kind
+
+    @property
+    def program(self) -> Program:
+        """`PlannerCompiles.program`."""
+        return self.compiles.program
+
+    @property
+    def roofline(self):
+        """`PlannerCosts.roofline`."""
+        return self.costs.roofline
+
+    @property
+    def model(self) -> CostModel:
+        """`PlannerCosts.model`."""
+        return self.costs.model
+
+    def model_for(self, base: str = "nothing", groups: int = 1) -> CostModel:
+        """`PlannerCosts.model_for`."""
+        return self.costs.model_for(base, groups)
+
+    def offload_free_model(self) -> CostModel:
+        """`PlannerCosts.offload_free_model`."""
+        return self.costs.offload_free_model()
+
+    @property
+    def byte_share(self) -> float:
+        """`PlannerCosts.byte_share`."""
+        return self.costs.byte_share
+
+    @property
+    def offload_probe(self):
+        """`PlannerCosts.offload_probe`."""
+        return self.costs.offload_probe
+
+    @property
+    def plans_offload(self) -> bool:
+        """`PlannerCosts.plans_offload`."""
+        return self.costs.plans_offload
+
+    def group_count(self) -> tuple[int, str | None]:
+        """`PlannerCosts.group_count`."""
+        return self.costs.group_count()
+
+    def seconds(self, policy) -> float:
+        """`PlannerCosts.seconds`."""
+        return self.costs.seconds(policy)
+
+    def score(self, record: Record) -> tuple:
+        """`PlannerCosts.score`."""
+        return self.costs.score(record)
+
+    def aliases_of(self, policy) -> dict[str, list[str]]:
+        """`PlannerCosts.aliases_of`."""
+        return self.costs.aliases_of(policy)
 
 
 def plan(loss_fn: Callable, *args, budget, cache: "str | bool | None" = True,

@@ -1,12 +1,14 @@
-"""The planner's compiles: each policy's record, made once, and the figures read from them.
+"""The planner's compiles: each policy's record, made once, and the programs traced for them.
 
-`PlannerCompiles` is the part of `remat_kit.decide.plan.Planner` that compiles:
+`PlannerCompiles` is the compile cache a `remat_kit.decide.plan.Planner` holds:
 a policy (or one per layer, the model's program with each layer's remat region
 under its own) is compiled once, as the value-and-grad step `compare` measures
 (`remat_kit.measure.measure`) or, for a planner of step "train", as the whole
-train step (`remat_kit.decide.step_records`), and its `Record` kept; no remat's
-and the least figures, the program's fingerprint (what the plan cache keys by),
-and which compiled policies may be a plan are read from those records.
+train step (`remat_kit.decide.step_records`), and its `Record` kept, keyed by
+`str(policy)` (`layers_summary` for one per layer); no remat's figures, the
+program's fingerprint (what the plan cache keys by) and the forward program the
+cost model reads come from here. It takes `Policy` values only: text is parsed
+above it (`remat_kit.api`, the CLI).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from remat_kit.decide.cost_model import forward_jaxpr, with_region_policies
+from remat_kit.decide.cost_model import Program, forward_jaxpr, with_region_policies
 from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.decide.step import default_optimizer, step_peak
 from remat_kit.decide.step_records import train_record
@@ -31,7 +33,7 @@ from remat_kit.measure.record import Record
 from remat_kit.measure.residuals import stage
 from remat_kit.decide.cost_model import SAVE_TAGS
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import parse
+from remat_kit.policy.spec import parsed_only
 
 # Bumped where the planner's answers change for the same program (the measured share of
 # a saved byte), so plans cached by an older planner are planned again.
@@ -39,44 +41,79 @@ _PLANNER_REVISION = "byte-share"
 
 
 class PlannerCompiles:
-    """The compiles of a `Planner` (a mixin: `Planner` sets the attributes it reads:
-    loss_fn, args, per_device, target, step, optimizer, workload, records,
-    _policies, _forwards, _staged, _fingerprint, bases, decide, progress, phase,
-    compiles, left)."""
+    """The compiles of a `Planner`: each policy's `Record`, made once.
 
-    def measure_all(self, policies: Sequence) -> list[Record]:
-        """Records of `policies` (specs or Policies; auto specs not allowed),
-        compiling only those not measured yet, in one `measure` call (so
-        policies that compile alike compile once). Records may carry errors."""
-        keys = [str(parse(p)) for p in policies]
-        todo = [p for p, k in zip(policies, keys) if k not in self.records]
+    Args:
+      loss_fn: policy -> loss(*args) (`trace.workload.as_factory`).
+      args: the loss's arguments, arrays or `jax.ShapeDtypeStruct`s.
+      target: the `measure.targets.Target` compiled for.
+      per_device: (factory, args) of one device's program, or None.
+      step: "grad" (the value-and-grad step) or "train" (the whole train step of
+        `workload` with `optimizer`, `step_records.train_record`).
+      progress: called with one line per compile, or None.
+
+    Attributes:
+      records: `str(policy)` (or `layers_summary`) -> its `Record`.
+      phase, count, left: the progress line's phase, compiles so far, and
+        compiles left where known (`remat_kit.decide.search` sets `left`).
+    """
+
+    def __init__(self, loss_fn: Callable, args: tuple, *, target, per_device, step: str,
+                 optimizer, workload, progress: Callable[[str], None] | None):
+        self.loss_fn, self.args, self.target, self.per_device = loss_fn, args, target, per_device
+        self.step, self.optimizer, self.workload = step, optimizer, workload
+        self.progress = progress
+        self.phase, self.count, self.left = "search", 0, None
+        self.records: dict[str, Record] = {}
+        self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
+        self._forwards: dict = {}
+        self._staged = None
+        self._program: Program | None = None
+        self._fingerprint: str | None = None
+
+    def measure_all(self, policies: Sequence[Policy],
+                    names: Sequence[str] | None = None) -> list[Record]:
+        """Records of `policies` (`Policy` values), compiling only those not
+        measured yet, in one `measure` call (so policies that compile alike
+        compile once); `names`: what the progress line and a new record call
+        each (default `str(policy)`). Records may carry errors.
+
+        Raises:
+          TypeError: a spec string among `policies` (parse it above the planner).
+        """
+        policies = parsed_only(policies, "Planner.measure_all")
+        keys = [str(p) for p in policies]
+        names = keys if names is None else list(names)
+        todo = [i for i, k in enumerate(keys) if k not in self.records]
         if todo and self.step == "train":
-            distinct = list(dict.fromkeys(str(parse(p)) for p in todo))  # each policy once
+            distinct = list(dict.fromkeys(keys[i] for i in todo))  # each policy once
             for i, k in enumerate(distinct):
-                policy = parse(k)
+                policy = policies[keys.index(k)]
                 local = self.per_device and (lambda _: self.per_device[0](policy),
                                              self.per_device[1])
                 self.records[k] = self._train_record(self.loss_fn(policy), k, k, local,
                                                      (i + 1, len(distinct)))
                 self._policies[k] = policy
         elif todo:
-            for record in measure(self.loss_fn, *self.args, policies=[parse(p) for p in todo],
-                                  names=[str(p) for p in todo],
+            by_name = {names[i]: policies[i] for i in todo}
+            for record in measure(self.loss_fn, *self.args, policies=[policies[i] for i in todo],
+                                  names=[names[i] for i in todo],
                                   progress=self._progress, target=self.target,
                                   per_device=self.per_device):
                 for name in record.names:
-                    self.records.setdefault(str(parse(name)), record)
-                    self._policies.setdefault(str(parse(name)), parse(name))
+                    self.records.setdefault(str(by_name[name]), record)
+                    self._policies.setdefault(str(by_name[name]), by_name[name])
         return [self.records[k] for k in keys]
 
-    def peak(self, policy: "Policy | str") -> dict | None:
+    def peak(self, policy: Policy) -> dict | None:
         """What holds `policy`'s compiled figure (`Record.peak`,
         `remat_kit.measure.peak.breakdown`): one more compile, which writes
-        XLA's buffer assignment; None where it fails."""
+        XLA's buffer assignment; None where it fails. TypeError for a spec string."""
+        (policy,) = parsed_only([policy], "Planner.peak")
         if self.step == "train":  # the whole step's, parameters and optimizer state named
-            return step_peak(self.workload, parse(policy), self.optimizer or default_optimizer(),
+            return step_peak(self.workload, policy, self.optimizer or default_optimizer(),
                              self.target)
-        [record] = measure(self.loss_fn, *self.args, policies=[parse(policy)],
+        [record] = measure(self.loss_fn, *self.args, policies=[policy],
                            names=[str(policy)], target=self.target,
                            per_device=self.per_device, peak=True)
         return record.peak
@@ -96,16 +133,16 @@ class PlannerCompiles:
         compiled (`phase`), else "[verify, compile 7, at most 2 left for this budget]
         compiled save:...": the phase (search: the base rules and the byte share;
         verify: a budget's plans), the compiles so far and, where known, those left."""
-        self.compiles += 1
+        self.count += 1
         if not self.progress:
             return
         where = (f"presets {i}/{n}" if self.phase == "presets" else
-                 f"{self.phase}, compile {self.compiles}" + (
+                 f"{self.phase}, compile {self.count}" + (
                      f", at most {self.left} left for this budget" if self.left is not None
                      else ""))
         self.progress(f"[{where}] compiled {', '.join(record.names)}")
 
-    def measure(self, policy: "Policy | str") -> Record:
+    def measure(self, policy: Policy) -> Record:
         """The compiled record of `policy` (memoized).
 
         Raises:
@@ -115,7 +152,7 @@ class PlannerCompiles:
             the backend gives no memory or FLOP figures.
         """
         record = self.measure_all([policy])[0]
-        key = str(parse(policy))
+        key = str(policy)
         if record.error and key == "full" and targets.is_out_of_memory(record.error):
             raise BudgetError(f"even full remat runs out of {self.target}'s memory at these "
                               f"shapes, so no policy fits: {record.error.splitlines()[0]}")
@@ -129,11 +166,11 @@ class PlannerCompiles:
         each layer's remat region under its policy, `cost_model.with_region_policies`)."""
         key = layers_summary(policies)
         if key not in self.records and self.step == "train":
-            loss, per_device = self._layer_program(policies)
+            loss, per_device = self.layer_program(policies)
             self.records[key] = self._train_record(loss, key, key, per_device)
             self._policies[key] = policies
         elif key not in self.records:
-            loss, per_device = self._layer_program(policies)
+            loss, per_device = self.layer_program(policies)
             [record] = measure(lambda _: loss, *self.args, policies=[Policy()], names=[key],
                                progress=self._progress, target=self.target,
                                per_device=per_device)
@@ -170,10 +207,12 @@ class PlannerCompiles:
         (the model's program with each layer's remat region under its own, as
         a per-layer plan is verified), e.g. to compile a plan inside a train
         step (`remat_kit.decide.fit`)."""
-        return self._layer_program(policy)[0] if isinstance(policy, tuple) else \
+        return self.layer_program(policy)[0] if isinstance(policy, tuple) else \
             self.loss_fn(policy)
 
-    def _layer_program(self, policies: tuple):
+    def layer_program(self, policies: tuple) -> tuple[Callable, tuple | None]:
+        """(loss(*args), per_device or None) of the model's program with each layer's
+        remat region under its own of `policies` (`cost_model.with_region_policies`)."""
         regions = dict(zip(self.program.layers, policies))
         loss = with_region_policies(self._forward("global"), regions)
         per_device = None
@@ -187,6 +226,13 @@ class PlannerCompiles:
         return self._measure_layers(policy) if isinstance(policy, tuple) \
             else self.measure_all([policy])[0]
 
+    @property
+    def program(self) -> Program:
+        """The forward program the cost model reads (`cost_model.Program`), per device."""
+        if self._program is None:
+            fn, args = self.per_device or (self.loss_fn, self.args)
+            self._program = Program(forward_jaxpr(fn(SAVE_TAGS), args).jaxpr)
+        return self._program
 
     @property
     def staged(self):
@@ -224,44 +270,9 @@ class PlannerCompiles:
             return None
         return self.measure(Policy(remat=False))
 
-    def none_flops(self) -> float:
-        """No remat's FLOPs: compiled, or where it runs out of memory, the cost
-        model's (`full`'s measured FLOPs less its predicted recompute)."""
-        none = self.none()
-        if none is not None:
-            return none.flops
-        return self.measure(Policy()).flops - self.model.cost(frozenset())[1]
-
-    def minimum(self) -> tuple[int, int | None]:
-        """(least memory of any compiled policy, memory of `none` or None where
-        it runs out of memory), bytes of `memory_kind`, after compiling `full`
-        and `none`. The least is `full`'s except on small models, where XLA
-        can give another policy less."""
-        self.measure(Policy())
-        none = self.none()
-        return min(r.memory_bytes for r in self.compiled_records()), none and none.memory_bytes
-
-    def compiled_records(self) -> list[Record]:
-        """Every policy compiled for this loss that has memory and FLOP figures and,
-        where offload is not planned (not asked for, or the offload probe shows it
-        does not pay), offloads nothing (a preset such as minimal_offloaded is then
-        never a plan)."""
-        return [r for r in {id(r): r for r in self.records.values()}.values()  # no hash
-                if r.error is None and r.flops is not None and r.memory_bytes is not None
-                and (not r.offloaded_bytes or self.plans_offload) and self._allowed(r)]
-
-    def _allowed(self, record: Record) -> bool:
-        """Whether a compiled policy keeps to `bases`, `decide` and `no_remat` (full
-        always does)."""
-        policy = self.policy_of(record)
-        for p in policy if isinstance(policy, tuple) else (policy,):
-            if not p.remat and not self.no_remat:
-                return False
-            if p.remat and p.base not in self.bases:
-                return False
-            if self.decide is not None and p.remat and not (p.save | p.offload) <= self.decide:
-                return False
-        return True
+    def policy_of(self, record: Record):
+        """The Policy (or per-layer tuple) a record of this planner measured."""
+        return self._policies[record.policy]
 
 
 __all__ = ["PlannerCompiles"]

@@ -1,11 +1,12 @@
 """The planner's costs: the cost model of the program, and how a compiled policy is ranked.
 
-`PlannerCosts` is the part of `remat_kit.decide.plan.Planner` that predicts:
-the forward program the cost model reads (`cost_model.Program`), one
-`CostModel` per base rule and layer grouping (with the offload probe's device
-share where offload is planned), the policy a MILP solution stands for, each
-policy's predicted step seconds (`remat_kit.measure.time_model`), and the score
-the objective ranks compiled records by.
+`PlannerCosts` is the cost model a `remat_kit.decide.plan.Planner` holds: one
+`CostModel` per base rule and layer grouping, read from the forward program of
+its compiles (`PlannerCompiles.program`), with the measured share of a saved byte
+and the offload probe's device share where offload is planned; the policy a MILP
+solution stands for, each policy's predicted step seconds
+(`remat_kit.measure.time_model`), and the score the objective ranks compiled
+records by.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import dataclasses
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide import offload_probe
-from remat_kit.decide.cost_model import SAVE_TAGS, CostModel, Program, forward_jaxpr
+from remat_kit.decide.cost_model import SAVE_TAGS, CostModel
 from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.measure import time_model
 from remat_kit.measure.record import Record
 from remat_kit.measure.residuals import stage
 from remat_kit.policy.names import TAGS, is_path, register_emitted
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import parse, parsed_only
+from remat_kit.policy.spec import parsed_only
 
 # Predicted step times closer than this fraction of no remat's are ranked by FLOPs.
 TIME_RESOLUTION = 5e-3
@@ -34,18 +35,26 @@ MIN_BYTE_SHARE = 0.1
 
 
 class PlannerCosts:
-    """The cost model and scores of a `Planner` (a mixin: `Planner` sets the attributes
-    it reads: per_device, loss_fn, args, groups, decide, host_bandwidth, predict_time,
-    objective, target, _program, _roofline, _models, _seconds, _eqn_cache, _probe,
-    _byte_share)."""
+    """The cost model and scores of a `Planner`.
 
-    @property
-    def program(self) -> Program:
-        """The forward program the cost model reads (`cost_model.Program`), per device."""
-        if self._program is None:
-            fn, args = self.per_device or (self.loss_fn, self.args)
-            self._program = Program(forward_jaxpr(fn(SAVE_TAGS), args).jaxpr)
-        return self._program
+    Args:
+      compiles: the planner's `PlannerCompiles` (the program, the records measured).
+      groups, decide, objective, predict_time: as the `Planner` takes them (decide a
+        frozenset or None; objective "flops" or "time").
+      host_bandwidth: bytes/s offload is planned at, or None for no offload.
+    """
+
+    def __init__(self, compiles, *, groups: "int | str", decide: "frozenset | None",
+                 host_bandwidth: "float | None", predict_time: bool, objective: str):
+        self.compiles, self.target = compiles, compiles.target
+        self.groups, self.decide, self.objective = groups, decide, objective
+        self.host_bandwidth, self.predict_time = host_bandwidth, predict_time
+        self._models: dict[tuple, CostModel] = {}
+        self._seconds: dict[str, float] = {}
+        self._eqn_cache: dict = {}
+        self._roofline = None
+        self._probe = None
+        self._byte_share: float | None = None
 
     @property
     def roofline(self):
@@ -90,11 +99,11 @@ class PlannerCosts:
             model = self.offload_free_model()
             kept = frozenset(t for t in model.tags if t not in model.fixed)
             total = sum(model.nbytes[t] for t in kept)
-            every = self.measure_all([Policy(save=kept)])[0] if total else None
+            every = self.compiles.measure_all([Policy(save=kept)])[0] if total else None
             if every is None or every.error or every.memory_bytes is None:
                 self._byte_share = 1.0
             else:
-                grown = (every.memory_bytes - self.measure(Policy()).memory_bytes) / total
+                grown = (every.memory_bytes - self.compiles.measure(Policy()).memory_bytes) / total
                 self._byte_share = min(1.0, max(MIN_BYTE_SHARE, grown))
         return self._byte_share
 
@@ -115,7 +124,7 @@ class PlannerCosts:
         """The offload probe of this loss on this target (`remat_kit.decide.offload_probe`,
         two compiles or a figure cache hit, made once); None where offload is not asked for."""
         if self.host_bandwidth is not None and self._probe is None:
-            self._probe = offload_probe.probe(self)
+            self._probe = offload_probe.probe(self.offload_free_model(), self.compiles)
         return self._probe
 
     @property
@@ -125,11 +134,12 @@ class PlannerCosts:
 
     def _build_model(self, base: str, groups: int, host_bandwidth) -> CostModel:
         """The `CostModel` as measured from the program, offload at `host_bandwidth`."""
-        free = set(self.measure(Policy()).residual_bytes_by_tag)
-        staged = (stage(self.per_device[0](SAVE_TAGS), self.per_device[1])
-                  if self.per_device is not None else self.staged)
+        compiles = self.compiles
+        free = set(compiles.measure(Policy()).residual_bytes_by_tag)
+        staged = (stage(compiles.per_device[0](SAVE_TAGS), compiles.per_device[1])
+                  if compiles.per_device is not None else compiles.staged)
         needed = {r.name for r in staged.residuals if r.kind == "tag"} - free
-        model = self.program.model(
+        model = compiles.program.model(
             free=free, needed=needed, base=base, groups=groups,
             roofline=self.roofline if self.predict_time else None, cache=self._eqn_cache,
             host_bandwidth=host_bandwidth)
@@ -154,7 +164,7 @@ class PlannerCosts:
         Raises:
           ValueError: an int `groups` above the number of layers.
         """
-        why, layers = self.program.per_layer, len(self.program.layers)
+        why, layers = self.compiles.program.per_layer, len(self.compiles.program.layers)
         if self.groups == "layers":
             return (1, None) if why else (min(layers, MAX_DEFAULT_GROUPS), None)
         if self.groups == 1:
@@ -171,11 +181,11 @@ class PlannerCosts:
         one per layer where they differ."""
         if groups == 1:
             return Policy(save=frozenset(saved), offload=frozenset(offloaded), base=base)
-        group = self.program.groups(groups)
+        group = self.compiles.program.groups(groups)
         layers = tuple(Policy(save=frozenset(t for t, g in saved if g == group[r]),
                               offload=frozenset(t for t, g in offloaded if g == group[r]),
                               base=base)
-                       for r in self.program.layers)
+                       for r in self.compiles.program.layers)
         return layers[0] if len(set(layers)) == 1 else layers
 
     def transfer_seconds(self, policy) -> float:
@@ -195,29 +205,26 @@ class PlannerCosts:
             (policy,) = parsed_only([policy], "Planner.seconds")
         key = layers_summary(policy) if layered else str(policy)
         if key not in self._seconds:
-            found = self.record_of(policy).predicted_seconds
+            compiles = self.compiles
+            found = compiles.record_of(policy).predicted_seconds
             if found is None:
                 if layered:
-                    loss, per_device = self._layer_program(policy)
-                    fn, args = per_device or ((lambda _: loss), self.args)
+                    loss, per_device = compiles.layer_program(policy)
+                    fn, args = per_device or ((lambda _: loss), compiles.args)
                 else:
-                    fn, args = self.per_device or (self.loss_fn, self.args)
+                    fn, args = compiles.per_device or (compiles.loss_fn, compiles.args)
                 program = stage(fn(None if layered else policy), args).program
                 found = time_model.program_seconds(program.jaxpr, self.roofline,
                                                    self._eqn_cache)
             self._seconds[key] = found + self.transfer_seconds(policy)
         return self._seconds[key]
 
-    def policy_of(self, record: Record):
-        """The Policy (or per-layer tuple) a compiled record measured."""
-        return self._policies.get(record.policy) or parse(record.policy)
-
     def score(self, record: Record) -> tuple:
         """What the objective ranks a compiled record by (measured FLOPs, or
         predicted seconds), then its memory. Predicted seconds within
         `TIME_RESOLUTION` of no remat's are a tie, broken by FLOPs: the time
         model is not that accurate, and fewer FLOPs never cost time."""
-        policy = self.policy_of(record)
+        policy = self.compiles.policy_of(record)
         stored = record.memory_bytes + record.offloaded_bytes  # saving beats offloading
         if self.objective == "time":
             step = TIME_RESOLUTION * self.seconds(Policy(remat=False))

@@ -34,16 +34,17 @@ def what_holds(planner, rechunk: "Callable[[int], object] | None" = None
     """What holds the least memory any compiled policy reaches (normally full
     remat's), for a budget below it: ("full remat's peak 3.38 GiB: logits and
     their gradient 2.30 GiB, ...; no layer policy lowers the logits and their
-    gradient; --vocab-chunks 29 ...", `Planner.peak`'s breakdown), the line as
+    gradient; --vocab-chunks 29 ...", `PlannerCompiles.peak`'s breakdown), the line as
     `peak.held_line` says it. ("", None) where the breakdown cannot be had. One
     more compile; where the line names a vocabulary chunk count and `rechunk`
     is given (rechunk(n) -> the planner's workload with its loss over n
     vocabulary chunks), one more, of full remat with that loss, whose figure
     the line gives."""
-    full = planner.measure(Policy())
+    full = planner.compiles.measure(Policy())
     least = min(planner.compiled_records(), key=lambda r: r.memory_bytes)
     try:
-        found = planner.peak(Policy() if least is full else least.policy)
+        found = planner.compiles.peak(Policy() if least is full
+                                      else planner.compiles.policy_of(least))
     except Exception:  # noqa: BLE001 - a budget's error must not be lost to it
         found = None
     if not found:
@@ -86,11 +87,11 @@ def plan(planner, budget: "str | int | float") -> Plan:
       ValueError: more groups than layers (`group_count`).
     """
     parsed = parse_budget(budget)
-    groups, group_note = planner.group_count()
+    groups, group_note = planner.costs.group_count()
     key = _cache_key(planner, parsed, groups)
     if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
         return kept
-    full, none = planner.measure(Policy()), planner.none()
+    full, none = planner.compiles.measure(Policy()), planner.compiles.none()
     if none is None and parsed.bytes is None:
         raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "
                           f"runs out of {planner.target}'s memory at these shapes; give the "
@@ -103,16 +104,16 @@ def plan(planner, budget: "str | int | float") -> Plan:
                             groups)
     notes = [group_note] if group_note else []
     time_objective = planner.objective == "time"
-    unit = FLOP_RESOLUTION * (planner.seconds(Policy(remat=False)) if time_objective
+    unit = FLOP_RESOLUTION * (planner.costs.seconds(Policy(remat=False)) if time_objective
                               else planner.none_flops())
     # Each base rule alone is compiled: its memory is the floor the MILP fills above.
-    floors = dict(zip(planner.bases, planner.measure_all([Policy(base=b)
-                                                       for b in planner.bases])))
+    floors = dict(zip(planner.bases, planner.compiles.measure_all(
+        [Policy(base=b) for b in planner.bases])))
     starts = []
     for base, floor in floors.items():
         if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
             continue
-        model = planner.model_for(base, groups)
+        model = planner.costs.model_for(base, groups)
         saved, offloaded, _ = model.solve(limit - floor.memory_bytes, unit, planner.objective)
         predicted = _predict(planner, base, floor, model, saved, offloaded)
         starts.append((predicted[2] if time_objective else predicted[1]
@@ -126,16 +127,16 @@ def plan(planner, budget: "str | int | float") -> Plan:
     # remat-kit plan compares) that fits and scores better wins: it is verified
     # just the same.
     other = min((r for r in planner.compiled_records() if r.memory_bytes <= limit),
-                key=planner.score)  # `least` fits
-    if best is None or planner.score(other) < best[0]:
-        policy, record = planner.policy_of(other), other
+                key=planner.costs.score)  # `least` fits
+    if best is None or planner.costs.score(other) < best[0]:
+        policy, record = planner.compiles.policy_of(other), other
         predicted = (other.memory_bytes, other.flops)
         if best is not None:
             notes.append(f"{other.policy} (compiled before) scores better")
     else:
         _, policy, record, predicted = best
         predicted = predicted[:2]
-    probe = planner.offload_probe  # the figure offload was planned with, or why not
+    probe = planner.costs.offload_probe  # the figure offload was planned with, or why not
     offload_notes = ([probe.note] if probe else []) + host_offload.verify(planner, policy, record)
     return _finish(planner, key, budget, limit, policy, record, *predicted,
                         "; ".join([status, *notes, "chose " + (
@@ -146,9 +147,9 @@ def plan(planner, budget: "str | int | float") -> Plan:
 def _cache_key(planner, parsed, groups: int) -> str:
     """What the plan cache keys a budget's plan by: the program, the figure budgeted (a
     temp plan never answers a peak budget), the budget and every setting of the planner."""
-    return (f"{planner.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
+    return (f"{planner.compiles.fingerprint()}|{memory_kind(planner.target.platform)}|{parsed}"
             f"|groups={groups}|{planner.objective}|offload={planner.host_bandwidth}"
-            f"|step={planner.step}{planner.optimizer_key()}"
+            f"|step={planner.step}{planner.compiles.optimizer_key()}"
             + (f"|decide={','.join(sorted(planner.decide))}" if planner.decide is not None
                else "")
             + (f"|bases={','.join(planner.bases)}" if planner.bases != PLANNED_BASES else "")
@@ -178,13 +179,13 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
     compiled and the room corrected, up to `max_iterations` compiles: (the
     (saved, offloaded) pairs tried, HiGHS's last status, the best fitting
     (score, policy, record, prediction) or None). Appends a note per compile."""
-    model = planner.model_for(base, groups)
+    model = planner.costs.model_for(base, groups)
     tried, status, best = set(), "", None
     room, hi, fit = limit - floor.memory_bytes, None, False
     anchors = _anchors(planner, base, groups, floor, model)
-    with planner.in_phase("verify"):
+    with planner.compiles.in_phase("verify"):
         for i in range(planner.max_iterations):
-            planner.left = planner.max_iterations - i - 1
+            planner.compiles.left = planner.max_iterations - i - 1
             saved, offloaded, status = model.solve(room, unit, planner.objective)
             if (saved, offloaded) in tried:
                 # The room moved, the answer did not. Where the last compile fit,
@@ -201,8 +202,8 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
             tried.add((saved, offloaded))
             # Predicted before its compile, from the nearest compile so far (`_predict`).
             predicted = _predict(planner, base, floor, model, saved, offloaded, anchors)
-            policy = planner.policy_from_items(saved, base, groups, offloaded)
-            record = planner.record_of(policy)
+            policy = planner.costs.policy_from_items(saved, base, groups, offloaded)
+            record = planner.compiles.record_of(policy)
             tag_bytes = model.cost(saved, offloaded)[0]
             name = record.policy
             if record.error or record.memory_bytes is None or record.flops is None:
@@ -214,7 +215,7 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
             fit = used <= limit
             notes.append(f"{name}: {used:,} bytes, " + ("fits" if fit else "over"))
             if fit:
-                found = (planner.score(record), policy, record, predicted)
+                found = (planner.costs.score(record), policy, record, predicted)
                 best = found if best is None or found[0] < best[0] else best
                 # Fits with bytes to spare: the model over-predicted; offer the slack,
                 # but stay below a room that was already too much.
@@ -230,12 +231,12 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
 def _anchors(planner, base: str, groups: int, floor, model) -> list[tuple]:
     """The compiles a prediction above base rule `base` may start from, as
     (saved, offloaded, compiled bytes): the base alone (`floor`), and above base
-    nothing every decidable tag saved (`Planner.byte_share`'s compile)."""
+    nothing every decidable tag saved (`PlannerCosts.byte_share`'s compile)."""
     found = [(frozenset(), frozenset(), floor.memory_bytes)]
-    if base == "nothing" and planner.byte_share_measured:
+    if base == "nothing" and planner.costs.byte_share_measured:
         kept = frozenset(t for t in model.tags if t not in model.fixed)
         # Compiled for the share where it holds bytes; looked up, never compiled here.
-        every = planner.records.get(str(Policy(save=frozenset(
+        every = planner.compiles.records.get(str(Policy(save=frozenset(
             t if groups == 1 else t[0] for t in kept))))
         if every is not None and not every.error and every.memory_bytes is not None:
             found.append((kept, frozenset(), every.memory_bytes))
@@ -264,7 +265,7 @@ def _predict(planner, base, floor, model, saved, offloaded=frozenset(),
     empty = model.cost(frozenset())[1]
     seconds = None
     if planner.objective == "time":
-        seconds = planner.seconds(Policy(base=base)) - model.time(frozenset()) + \
+        seconds = planner.costs.seconds(Policy(base=base)) - model.time(frozenset()) + \
             model.time(saved, offloaded)
     return nbytes, floor.flops - empty + flops, seconds
 
@@ -281,15 +282,16 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
         predicted_flops=predicted_flops, measured_bytes=record.memory_bytes,
         measured_flops=record.flops, none_bytes=none, none_flops=planner.none_flops(),
         minimum_bytes=least, status=status, iterations=iterations,
-        platform=record.platform, memory_kind=planner.memory_kind,
+        platform=record.platform, memory_kind=planner.compiles.memory_kind,
         none_out_of_memory=none is None,
         layer_specs=tuple(map(str, policy)) if layered else (), groups=groups,
         objective=planner.objective,
-        predicted_seconds=planner.seconds(policy) if planner.predict_time else None,
-        none_seconds=planner.seconds(Policy(remat=False)) if planner.predict_time else None,
+        predicted_seconds=planner.costs.seconds(policy) if planner.predict_time else None,
+        none_seconds=(planner.costs.seconds(Policy(remat=False)) if planner.predict_time
+                      else None),
         offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
         offload_notes=tuple(offload_notes), model=dict(planner.made_for), step=planner.step,
-        aliases=planner.aliases_of(policy))
+        aliases=planner.costs.aliases_of(policy))
     if planner.cache:
         write_cache(planner.cache, key, result)
     return result

@@ -105,7 +105,7 @@ def compiler_parts(target: "targets.Target", options: dict | None) -> list:
     the target, the compiler and JAX versions, the compile `options`, the
     target's roofline figures and the compiler flags in the environment
     (`COMPILER_FLAGS`). The plan cache keys its plans by the same parts
-    (`remat_kit.decide.plan.Planner.fingerprint`)."""
+    (`remat_kit.decide.planner_compiles.PlannerCompiles.fingerprint`)."""
     return [str(target), sorted(target.versions.items()),
             sorted((options or {}).items()), repr(target.roofline),
             [os.environ.get(v, "") for v in COMPILER_FLAGS]]
