@@ -101,25 +101,24 @@ class Planner:
         self.max_iterations = max_iterations
         self.target = targets.parse_target(target)
         checked, self.time_check = time_check(self.target)
-        self.objective = objective or ("time" if checked and self.target.platform != "cpu"
-                                       else "flops")
-        if self.objective not in OBJECTIVES:
+        objective = objective or ("time" if checked and self.target.platform != "cpu"
+                                  else "flops")
+        if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
                              f"{objective!r}")
         if not bases or set(bases) - set(PLANNED_BASES):
             raise ValueError(f"bases must be some of {', '.join(PLANNED_BASES)}, got {bases!r}")
         self.bases = tuple(b for b in PLANNED_BASES if b in bases)
         self.no_remat = bool(no_remat)
-        self.host_bandwidth = offload_bandwidth(self.target, offload)
-        self.predict_time = (predict_time or self.objective == "time"
-                             or self.host_bandwidth is not None)
+        host_bandwidth = offload_bandwidth(self.target, offload)
         self.compiles = PlannerCompiles(
             as_factory(loss_fn, len(args)), args, target=self.target, per_device=per_device,
             step=self.step, optimizer=optimizer, workload=workload, progress=progress)
+        # The cost model holds objective, host_bandwidth and predict_time; the Planner reads them.
         self.costs = PlannerCosts(
             self.compiles, groups=groups, decide=None if decide is None else frozenset(decide),
-            host_bandwidth=self.host_bandwidth, predict_time=self.predict_time,
-            objective=self.objective)
+            host_bandwidth=host_bandwidth, objective=objective,
+            predict_time=predict_time or objective == "time" or host_bandwidth is not None)
         if groups != "layers":
             self.group_count()  # a group count outside 1..layers fails here, not at plan
 
@@ -131,6 +130,21 @@ class Planner:
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: `remat_kit.decide.search.frontier`."""
         return search.frontier(self, budgets)
+
+    @property
+    def objective(self) -> str:
+        """What a plan minimises among those that fit: "flops" or "time" (`OBJECTIVES`)."""
+        return self.costs.objective
+
+    @property
+    def host_bandwidth(self) -> "float | None":
+        """Bytes/s each way to host memory where offload is planned, else None."""
+        return self.costs.host_bandwidth
+
+    @property
+    def predict_time(self) -> bool:
+        """Whether plans carry a predicted step time."""
+        return self.costs.predict_time
 
     @property
     def decide(self) -> "frozenset | None":
