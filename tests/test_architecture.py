@@ -311,3 +311,27 @@ def test_the_walk_lists_real_modules_in_the_parts_order():
     assert [p for p in walk if not (PACKAGE / p).exists()] == []
     rank = [PART_ORDER.get(p.split("/")[0], len(PART_ORDER)) for p in walk]
     assert rank == sorted(rank), list(zip(walk, rank))
+
+
+def test_the_walk_names_every_module_rk_measure_enters():
+    # The walk is a description kept true: run it under a profiler and every module of the
+    # package it enters is named in the section (issue 47).
+    import sys
+    import remat_kit as rk
+    work = rk.models.workload(rk.models.get_config("tiny", num_layers=1), 1, 16)
+    entered = set()
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and str(PACKAGE) in name:
+            entered.add(pathlib.Path(name).relative_to(PACKAGE).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        rk.measure(work, policies=["none", "full"], per_layer=False)
+    finally:
+        sys.setprofile(None)
+    section = (PACKAGE.parent / "docs" / "architecture.md").read_text().split(
+        "## The walk", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w/]+\.py)`", section))
+    assert len(entered) > 15 and sorted(entered - named) == []
