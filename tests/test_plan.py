@@ -305,6 +305,7 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
     high, low = doc["budgets"]
     assert high["plan"]["spec"] == chosen.spec and high["plan"]["cached"]
     assert high["best_preset"]["names"] == ["full"]
+    assert [r["compiled"] for r in doc["presets"]] == [True]  # asked: compiled, none predicted
     assert low["plan"] is None and low["best_preset"] is None
     stdout = capsys.readouterr().out
     assert "below the minimum" in stdout

@@ -18,6 +18,8 @@ from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_planner_f
                                   check_schedules, device_mesh, plan_groups, preset_policies,
                                   split_budgets, split_policies)
 from remat_kit.api.sources import rechunked
+from remat_kit.cli.plan_table import (LEGEND, extras, report_lines, rows, same_preset, split,
+                                      table)
 from remat_kit.policy.spec import parse
 from remat_kit.units import fmt_bytes
 
@@ -53,9 +55,11 @@ def run(args) -> int:
     groups = plan_groups(args.groups, work.num_layers or 1)
     planner = _planner(args, work, target_list[0], 1 if args.uniform else groups, step,
                        emit_to)
-    records = _preset_records(planner, presets)
+    compiled, predicted = split(planner, presets, args.presets is not None)
+    records = _preset_records(planner, compiled)
     found = _frontier(args, planner, budgets, target_list[0],
                       lambda n: rechunked(args, n).workload(batch, seq, mesh))
+    preset_rows = rows(planner, records, predicted)  # after planning: predicts from its compiles
     used = (work.mesh if work.mesh is not None or work.own_mesh is not None  # the model's own
             else rk_mesh.plain(mesh))
     shown = _Shown(src.label, batch, seq, src.dtype(work), 1 if used is None else used.size,
@@ -63,7 +67,7 @@ def run(args) -> int:
                                          else "value-and-grad", work.mesh,
                                          mesh_origin(work, mesh, target_list[0])), emit_to,
                    _own_tags(src, batch, seq) if emit_to == "jax" else None)
-    return _report(args, planner, work, found, records, presets, shown)
+    return _report(args, planner, work, found, records, preset_rows, shown)
 
 
 # What a train-step plan for a training run (--step train --emit ...) is set against by
@@ -73,7 +77,8 @@ EMIT_PRESETS = ("none", "full")
 
 def _presets(args, cfg, step: str, emit_to: str | None) -> list[str]:
     """The presets to set against the plans (--presets; none with --no-presets; by
-    default every preset, or `EMIT_PRESETS` only with --step train and --emit);
+    default every preset, compiled or predicted as `plan_table.split` says, or
+    `EMIT_PRESETS` only with --step train and --emit);
     BadInput for a spec the model cannot take or an auto spec."""
     default = (list(EMIT_PRESETS) if step == "train" and emit_to is not None
                else preset_policies())
@@ -201,9 +206,11 @@ class _Shown:
     own_tags: frozenset | None = None  # the names the model emits itself (--emit jax)
 
 
-def _report(args, planner, work, found: _Frontier, records, presets, shown: _Shown) -> int:
-    """The model map, the table, the lines under it, --json and --plot; 1 where no budget
-    can be met, else 0."""
+def _report(args, planner, work, found: _Frontier, records, preset_rows: tuple,
+            shown: _Shown) -> int:
+    """The model map, the table, the lines under it (the legend of predicted figures,
+    the presets the cost model cannot predict), --json and --plot (`preset_rows`:
+    `plan_table.rows`); 1 where no budget can be met, else 0."""
     import json
 
     from remat_kit.api import plots, report
@@ -212,15 +219,21 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
 
     memory = MEMORY_LABELS[planner.memory_kind]
     title = _title(planner, found, shown, memory)
-    table, out = _table("", planner, found, records, presets, shown.emit_to, memory,
-                        args.wide, shown.own_tags)
+    presets, unpriced = preset_rows
+    shown_table, out, marked = table("", planner, found, records, presets, shown.emit_to,
+                                     memory, args.wide, shown.own_tags)
     console = report.terminal_console(200)
     print_map(work)  # the map's line first, as in every report, then the verdict
     choice = plan_choice(planner, found, records, args)
     for line in verdict_lines(choice, planner, found, args):
         console.print(line, markup=False, emoji=False, soft_wrap=True)
     report.print_title(console, title)
-    console.print(table)
+    console.print(shown_table)
+    if marked:
+        console.print(LEGEND, markup=False)
+    if unpriced and args.wide:
+        console.print(f"not compared (the cost model cannot predict them; --presets compiles "
+                      f"them): {', '.join(unpriced)}", markup=False, soft_wrap=True)
     _print_notes(console, planner, found, shown.emit_to, shown.own_tags)
     # The presets' notes (a preset that compiles as its base rule on this model), as compare
     # prints them: never in the JSON only.
@@ -229,14 +242,16 @@ def _report(args, planner, work, found: _Frontier, records, presets, shown: _Sho
     fits = found.fits
     console.print(f"planned {len(fits)} budget{'' if len(fits) == 1 else 's'} in "
                   f"{found.seconds:.1f} s"
-                  + (" (the presets compiled before, not counted)" if presets else ""))
+                  + (" (the presets compiled before, not counted)" if records else ""))
     if args.json is not None:
         from remat_kit.flax.measured import PLAN_SCHEMA_VERSION
         with outputs.atomic_write(args.json) as f:
             json.dump({"schema_version": PLAN_SCHEMA_VERSION,
                        "context": _context(planner, work, found, shown),
                        "verdict": verdict.to_json(choice, planner.target),
-                       "budgets": out, "presets": [r.to_dict() for r in records]}, f, indent=2)
+                       "budgets": out,
+                       "presets": [r.to_dict(planner.memory_kind) for r in presets]}, f,
+                      indent=2)
             f.write("\n")
     if args.plot is not None:
         planned = [dataclasses.replace(planner.records[p.spec], names=(f"auto:budget={b}",))
@@ -285,14 +300,6 @@ def verdict_lines(choice, planner, found: _Frontier, args) -> list[str]:
     return lines
 
 
-def same_preset(p, records) -> str | None:
-    """The name of the preset whose program plan `p` is (the same canonical spec, or
-    the same compiled memory and FLOPs), None where none is."""
-    return next((r.names[0] for r in records if r.error is None and (
-        r.policy == p.spec or (r.memory_bytes == p.measured_bytes
-                               and r.flops == p.measured_flops))), None)
-
-
 def found_limit(budget, found: _Frontier) -> int:
     """`budget` in bytes (a fraction of no remat's memory resolved)."""
     from remat_kit.policy.budget import parse_budget
@@ -308,81 +315,6 @@ def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
             f"{f', per device of {devices}; {shown.compiled}' if devices > 1 else ''}); "
             f"no remat: {fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "
             f"least compiled: {fmt_bytes(full)}{f' ({full / none:.3f})' if none else ''}")
-
-
-# plan's default columns, which fit 100 columns; --wide adds the budget's bytes, the
-# tries and the best preset that fits.
-_NARROW = (0, 2, 3, 4, 5, 6)  # of `_table`'s columns: budget, plan, memory, x none, FLOPs, time
-
-
-def _table(title, planner, found: _Frontier, records, presets, emit_to, memory, wide=False,
-           own=None):
-    """(the table, --json's budget entries): a row per budget, its plan (named by the
-    preset it compiles alike to, where there is one), and with `wide` the budget's
-    bytes, the tries and the best preset that fits by the planner's objective."""
-    from rich.table import Table
-    from rich.text import Text
-    kind = planner.memory_kind
-    t = Table(title=Text(title), caption=f"memory: compiled {kind}, budgets and x none of it; "
-              f"FLOPs: over no remat; time: predicted step time over no remat"
-              + (f" ({planner.roofline.source}); objective: {planner.objective}" if wide else
-                 f"; objective: {planner.objective}; --wide: bytes, tries, best preset; "
-                 "docs/plan.md"), caption_justify="left")
-    names = ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
-             "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +")
-    keep = range(len(names)) if wide else _NARROW
-    for i in keep:
-        words = "polic" in names[i] or "preset" in names[i]  # a long spec folds, not cut
-        t.add_column(names[i] if wide or i != 4 else "x none",
-                     justify="left" if words else "right", overflow="fold" if words else
-                     "ellipsis", max_width=None if wide or not words else 30)
-    ok = [r for r in records if r.error is None and r.memory_bytes is not None
-          and r.memory_kind == kind]
-    none_seconds = planner.seconds(parse("none"))
-    out = []
-    for b in found.budgets:
-        cells, entry = _budget_row(b, planner, found, ok, bool(presets), none_seconds, emit_to,
-                                   own)
-        p = found.plans.get(b)
-        preset = None if wide or p is None else same_preset(p, records)
-        if preset is not None and preset != p.spec:
-            cells[2] = f"{preset} (same program)"
-        t.add_row(*(cells[i] for i in keep))
-        out.append(entry)
-    return t, out
-
-
-def _budget_row(b, planner, found: _Frontier, ok, presets: bool, none_seconds, emit_to,
-                own=None):
-    """(a budget's table cells, its --json entry): its plan, or below the minimum, and the
-    best preset that fits (fewest FLOPs or least predicted time, the planner's objective)."""
-    from remat_kit.policy.budget import parse_budget
-    full, none = found.full, found.none
-    limit = parse_budget(b).resolve(none)
-    fitting = [r for r in ok if r.memory_bytes <= limit]
-    best = min(fitting, key=planner.score, default=None)
-    best_time = best and planner.seconds(parse(best.policy)) / none_seconds - 1
-    p = found.plans.get(b)
-    preset_cells = ([", ".join(best.names), fmt_bytes(best.memory_bytes),
-                     f"{best.flops / planner.none_flops() - 1:+.2%}", f"{best_time:+.2%}"]
-                    if best else ["no preset fits" if presets else "not compared", "-", "-",
-                                  "-"])
-    if p is None:
-        cells = [b, fmt_bytes(limit), "below the minimum"
-                 + (f" ({full / none:.3f})" if none else f" ({fmt_bytes(full)})"),
-                 "-", "-", "-", "-", "-", *preset_cells]
-    else:
-        cells = [b, fmt_bytes(limit), p.spec, fmt_bytes(p.measured_bytes),
-                 "-" if p.memory_fraction is None else f"{p.memory_fraction:.3f}",
-                 f"{p.flops_overhead:+.2%}",
-                 "-" if p.time_overhead is None else f"{p.time_overhead:+.2%}",
-                 "cached" if p.cached else str(p.iterations), *preset_cells]
-    entry = ({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
-              "best_preset": best and (best.to_dict() | {
-                  "predicted_seconds": planner.seconds(parse(best.policy)),
-                  "time_overhead": best_time})}
-             | extras(p, found.per_layer.get(b), emit_to, own))
-    return cells, entry
 
 
 def _print_notes(console, planner, found: _Frontier, emit_to, own=None) -> None:
@@ -458,43 +390,6 @@ def layered(planner):
     other.costs = copy.copy(planner.costs)  # its cost models shared, keyed by groups
     other.costs.groups = "layers"
     return other
-
-
-def _uniformity(p, per_layer) -> dict:
-    """What one decision per tag costs against the per-layer plan: FLOPs (over no
-    remat's) and bytes more."""
-    return {"flops": p.flops_overhead - per_layer.flops_overhead,
-            "bytes": p.measured_bytes - per_layer.measured_bytes}
-
-
-def extras(p, per_layer, emit_to: str | None, own=None) -> dict:
-    """A budget's --json entries for --uniform ("per_layer", "uniformity_cost") and
-    --emit ("emit": `emit.emit_entry`, `own` the names the model emits itself)."""
-    from remat_kit.decide.emit import emit_entry
-    out = {}
-    if per_layer is not None and p is not None:
-        out |= {"per_layer": per_layer.to_dict(), "uniformity_cost": _uniformity(p, per_layer)}
-    if emit_to is not None:
-        out["emit"] = p and emit_entry(p, emit_to, own)
-    return out
-
-
-def report_lines(budget, p, per_layer, emit_to: str | None, own=None) -> list[str]:
-    """The lines under the table for one budget: what uniformity costs, and the plan
-    written out for --emit (or the one line saying why it cannot be; `own` as `extras`)."""
-    from remat_kit.decide.emit import emit_entry
-    lines = []
-    if per_layer is not None:
-        cost = _uniformity(p, per_layer)
-        lines.append(f"budget {budget}: one decision per tag costs {cost['flops']:+.2%} of no "
-                     f"remat's FLOPs and {fmt_bytes(cost['bytes'])} against the per-layer plan "
-                     f"({per_layer.spec}: {per_layer.flops_overhead:+.2%}, "
-                     f"{fmt_bytes(per_layer.measured_bytes)})")
-    if emit_to is not None:
-        entry = emit_entry(p, emit_to, own)
-        lines.append(f"budget {budget}, --emit {emit_to}:")
-        lines.append(entry["text"] if entry["refused"] is None else f"refused: {entry['refused']}")
-    return lines
 
 
 __all__ = ["run"]

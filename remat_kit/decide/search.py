@@ -269,6 +269,33 @@ def _predict(planner, base, floor, model, saved, offloaded=frozenset(),
             model.time(saved, offloaded)
     return nbytes, floor.flops - empty + flops, seconds
 
+def predict(planner, policy: Policy) -> tuple[int, float, float | None] | None:
+    """(device bytes of `memory_kind`, FLOPs, predicted step seconds or None) of a uniform
+    `policy` without compiling it: the cost model's figures above its base rule's compile,
+    from the nearest compile (`_predict`), as the search predicts a plan before verifying
+    it. None where the model cannot say: no remat, a layer schedule, a base rule not
+    planned or not compiled yet, offload where it is not planned. Compiles nothing
+    (before the byte share is measured, saved bytes count whole: an upper estimate)."""
+    floor = planner.records.get(str(Policy(base=policy.base)))
+    if (not policy.remat or policy.schedule != Policy().schedule or floor is None
+            or policy.base not in planner.bases or floor.error or floor.memory_bytes is None
+            or policy.offload and not (planner.plans_offload and planner.byte_share_measured)):
+        return None
+    model = (planner.model_for(policy.base, 1) if policy.base != "nothing"
+             or planner.byte_share_measured else planner.offload_free_model())
+    kept = {t: next((d for d in map(policy.decide, (t, *model.aliases.get(t, ())))
+                     if d != "recompute"), "recompute")  # kept where its name or an alias is
+            for t in model.tags}
+    saved = frozenset(t for t, d in kept.items() if d == "save")
+    offloaded = frozenset(t for t, d in kept.items() if d == "offload")
+    nbytes, flops, seconds = _predict(planner, policy.base, floor, model, saved, offloaded,
+                                      _anchors(planner, policy.base, 1, floor, model))
+    if seconds is None and planner.predict_time:
+        seconds = planner.seconds(Policy(base=policy.base)) - model.time(frozenset()) + \
+            model.time(saved, offloaded)
+    return nbytes, flops, seconds
+
+
 def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
             status, iterations, groups, offload_notes=()) -> Plan:
     least, none = planner.minimum()
@@ -320,4 +347,4 @@ def frontier(planner, budgets: Sequence) -> list[Plan]:
     return plans
 
 
-__all__ = ["frontier", "plan"]
+__all__ = ["frontier", "plan", "predict"]
