@@ -43,7 +43,7 @@ def case(config: str, target: str, batch: int, seq: int) -> list[tuple]:
         figures = predict(planner, parse(key))
         if figures is None:
             continue
-        record = planner.measure_all([key])[0]
+        record = planner.measure_all([parse(key)])[0]
         if record.error is None and record.memory_bytes is not None:
             out.append((name, figures[0], record.memory_bytes, figures[1], record.flops))
     return out

@@ -67,7 +67,7 @@ def test_predicted_presets_compile_nothing_and_say_none_where_they_cannot(planne
     assert all(predict(planner, parse(p)) is None for p in UNPRICED)
     nbytes, flops, seconds = predict(planner, parse("minimal"))
     assert planner.records == before and seconds > 0
-    full = planner.measure("full")
+    full = planner.measure(parse("full"))
     assert full.memory_bytes < nbytes and flops < full.flops
 
 
@@ -77,6 +77,6 @@ def test_predicted_figures_beside_their_compiles(planner):
     for name, low, high in [("save_context", 0.0, 0.07), ("selective", 0.1, 0.2),
                             ("minimal", 0.35, 0.45)]:
         nbytes, flops, _ = predict(planner, parse(name))
-        record = planner.measure(name)
+        record = planner.measure(parse(name))
         assert low <= nbytes / record.memory_bytes - 1 <= high, name
         assert abs(flops / record.flops - 1) < 0.016, name

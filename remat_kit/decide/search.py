@@ -276,13 +276,13 @@ def predict(planner, policy: Policy) -> tuple[int, float, float | None] | None:
     it. None where the model cannot say: no remat, a layer schedule, a base rule not
     planned or not compiled yet, offload where it is not planned. Compiles nothing
     (before the byte share is measured, saved bytes count whole: an upper estimate)."""
-    floor = planner.records.get(str(Policy(base=policy.base)))
+    floor = planner.compiles.records.get(str(Policy(base=policy.base)))
     if (not policy.remat or policy.schedule != Policy().schedule or floor is None
             or policy.base not in planner.bases or floor.error or floor.memory_bytes is None
-            or policy.offload and not (planner.plans_offload and planner.byte_share_measured)):
+            or policy.offload and not (planner.costs.plans_offload and planner.costs.byte_share_measured)):
         return None
-    model = (planner.model_for(policy.base, 1) if policy.base != "nothing"
-             or planner.byte_share_measured else planner.offload_free_model())
+    model = (planner.costs.model_for(policy.base, 1) if policy.base != "nothing"
+             or planner.costs.byte_share_measured else planner.costs.offload_free_model())
     kept = {t: next((d for d in map(policy.decide, (t, *model.aliases.get(t, ())))
                      if d != "recompute"), "recompute")  # kept where its name or an alias is
             for t in model.tags}
@@ -291,7 +291,7 @@ def predict(planner, policy: Policy) -> tuple[int, float, float | None] | None:
     nbytes, flops, seconds = _predict(planner, policy.base, floor, model, saved, offloaded,
                                       _anchors(planner, policy.base, 1, floor, model))
     if seconds is None and planner.predict_time:
-        seconds = planner.seconds(Policy(base=policy.base)) - model.time(frozenset()) + \
+        seconds = planner.costs.seconds(Policy(base=policy.base)) - model.time(frozenset()) + \
             model.time(saved, offloaded)
     return nbytes, flops, seconds
 
