@@ -62,6 +62,7 @@ from remat_kit.decide.step import (StepMemory, check_args, check_mesh, compile_s
                             one_policy, resizer, step_peak)
 from remat_kit.measure.peak import held_line, vocab_chunks_for
 from remat_kit.decide.fit_search import FitRow, Steps, SizeRefused, AutoRow, fit_one
+from remat_kit.decide import fit_estimate
 
 VARY = ("seq", "batch")
 FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
@@ -218,6 +219,11 @@ class _Search:
         least that: the search's point at size 0). max_units: the most units searched;
         exact: whether that bound is the budget's own (`_max_units`).
       mesh: the workload's mesh, or None.
+      policies: each spec's Policy (None for the auto row), for the estimates.
+      state: parameters + gradients + optimizer state, bytes per device: the estimate's
+        point at size 0 (`fit_estimate.Estimate`).
+      capacity: the device memory an out-of-memory compile reported (key "bytes"), once one
+        did (`fit_estimate.capacity`).
     """
 
     size: "_Sizes"
@@ -232,6 +238,9 @@ class _Search:
     max_units: int
     exact: bool
     mesh: Mesh | None
+    policies: tuple = ()
+    state: int = 0
+    capacity: dict = dataclasses.field(default_factory=dict)
 
     @property
     def devices(self) -> int:
@@ -258,8 +267,14 @@ def _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, opti
     optimizer = optimizer or default_optimizer()
     floor = _floor(smallest, optimizer, budget, budget_bytes, mesh, vary)
     max_units, exact = _max_units(given, size, budget_bytes, floor, target)
+    state = floor + tree_bytes(train_state(smallest, optimizer)[0])  # + the gradients
     return _Search(size, budget_bytes, target, specs, auto, at_size, smallest, optimizer, floor,
-                   max_units, exact, mesh)
+                   max_units, exact, mesh, _row_policies(specs, auto), state)
+
+
+def _row_policies(specs: list[str], auto: list[bool]) -> tuple:
+    """Each spec's Policy for its traced estimate (None for the auto row, which has none)."""
+    return tuple(None if a else one_policy(parse(p)) for p, a in zip(specs, auto))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +398,12 @@ def _step_measurer(search: _Search) -> Callable[[Policy, int, Callable | None], 
             raise SizeRefused(f"{search.size.vary} {size}: {type(e).__name__}: {e}") from e
         if loss is not None:
             work = dataclasses.replace(work, loss_for_policy=lambda _: loss)
-        return compile_step(work, policy, search.optimizer, search.target)
+        try:
+            return compile_step(work, policy, search.optimizer, search.target)
+        except Exception as e:  # noqa: BLE001 - re-raised; an out-of-memory one says the HBM
+            if targets.is_out_of_memory(e) and (found := fit_estimate.capacity(e)):
+                search.capacity["bytes"] = found
+            raise
     return measure_step
 
 
@@ -412,10 +432,11 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
             at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
                                lambda: 0, steps.known(specs[i]))
+        estimate, none_far = _estimates(search, search.policies[i])
         rows[i], max_units = fit_one(specs[i], at, extra, steps, search.budget_bytes, multiple,
                                       max_units, search.size.vary, search.size.shape,
                                       search.devices, start_units, seen, search.floor,
-                                      search.exact, limit)
+                                      search.exact, limit, estimate, none_far)
         limit = rows[i].limit or limit
         if auto[i] and rows[i].picked in chooser.layer_specs:
             rows[i] = dataclasses.replace(rows[i], picked_layers=chooser.layer_specs[
@@ -423,6 +444,31 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
     return rows
+
+
+def _estimates(search: _Search, policy: Policy | None):
+    """(the row's `fit_estimate.Estimate`, its none_far for `fit_one`); (None, None) for
+    the auto row. none_far(size): the ratio of no remat's traced FLOPs to the policy's
+    where no remat's estimate is far over the budget (`fit_estimate.far_over`), else
+    None (no remat is compiled there)."""
+    if policy is None:
+        return None, None
+    unit, optimizer = search.size.multiple, search.optimizer
+    estimate = fit_estimate.Estimate(
+        fit_estimate.estimator(search.at_size, policy, optimizer, unit), search.state,
+        lambda: search.capacity.get("bytes"))
+    none_at = fit_estimate.estimator(search.at_size, Policy(remat=False), optimizer, unit)
+
+    def none_far(size: int) -> float | None:
+        if not fit_estimate.far_over(none_at(size // unit), search.state, search.budget_bytes):
+            return None
+        try:
+            work = search.at_size(size)
+            return (fit_estimate.traced_flops(work, Policy(remat=False), optimizer)
+                    / fit_estimate.traced_flops(work, policy, optimizer))
+        except Exception:  # noqa: BLE001 - no count: no remat is compiled instead
+            return None
+    return estimate, none_far
 
 
 def _below_minimum(search: _Search, steps: Steps, rows: list[FitRow],
