@@ -222,8 +222,8 @@ class _Search:
       policies: each spec's Policy (None for the auto row), for the estimates.
       state: parameters + gradients + optimizer state, bytes per device: the estimate's
         point at size 0 (`fit_estimate.Estimate`).
-      capacity: the device memory an out-of-memory compile reported (key "bytes"), once one
-        did (`fit_estimate.capacity`).
+      capacity: the device memory the compiler holds a step to (key "bytes"), where it says
+        (`fit_estimate.compiler_capacity`; else once an out-of-memory compile did).
     """
 
     size: "_Sizes"
@@ -269,7 +269,8 @@ def _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, opti
     max_units, exact = _max_units(given, size, budget_bytes, floor, target)
     state = floor + tree_bytes(train_state(smallest, optimizer)[0])  # + the gradients
     return _Search(size, budget_bytes, target, specs, auto, at_size, smallest, optimizer, floor,
-                   max_units, exact, mesh, _row_policies(specs, auto), state)
+                   max_units, exact, mesh, _row_policies(specs, auto), state,
+                   {"bytes": fit_estimate.compiler_capacity(target)})
 
 
 def _row_policies(specs: list[str], auto: list[bool]) -> tuple:

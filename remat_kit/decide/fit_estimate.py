@@ -23,11 +23,13 @@ import re
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.decide.floor import train_state
 from remat_kit.decide.step import workload_step
+from remat_kit.measure import lowering
 from remat_kit.measure.residuals import aval_bytes, stage
 from remat_kit.policy.policy import Policy
 
@@ -112,6 +114,11 @@ class Estimate:
     # compiled steps measured grow by 0.4x (llama_1b, XLA:TPU v5e) to 1.09x (70B on a
     # v5p mesh) of it, so the first compile lands below the answer, where it gives bytes.
     MARGIN = 1.25
+    # Scaled through one size and the state, the estimate's curve is off by the step's
+    # constant (XLA:TPU held 0.5 GB less than llama_1b's gradients at seq 128): the jump
+    # aims ONE_SIZE of the way short, so it lands below the answer, where a compile gives
+    # bytes, rather than out of memory, where it gives none.
+    ONE_SIZE = 0.25
 
     def first(self, budget: int, max_units: int) -> int | None:
         """The first unit to compile: where state + MARGIN x estimate meets the budget."""
@@ -126,6 +133,8 @@ class Estimate:
         else through the one and the state. None where it cannot say."""
         near = sorted(real, key=lambda k: min(abs(k - lo), abs(k - (hi or lo))))
         a, far = near[0], [k for k in near[1:] if abs(k - near[0]) > 1]
+        if not far and hi is not None and hi not in real:
+            return (lo + hi) // 2  # one size's curve ran out of memory: how far over, unknown
         ea, eb = self.at(a), self.at(far[0]) if far else 0
         if not ea or eb is None:
             return None
@@ -135,9 +144,11 @@ class Estimate:
         scale = (real[a] - b_bytes) / (ea - eb)
         if scale <= 0:
             return None
-        base = real[a] - scale * ea
-        return _largest_within(lambda k: self._scaled(k, base, scale), min(
-            budget, self.capacity() or budget), lo + 1, max_units if hi is None else hi - 1)
+        base, room = real[a] - scale * ea, min(budget, self.capacity() or budget)
+        if not far:  # one size: aim short of the budget (`ONE_SIZE`)
+            room -= self.ONE_SIZE * max(0, room - real[a])
+        return _largest_within(lambda k: self._scaled(k, base, scale), room, lo + 1,
+                               max_units if hi is None else hi - 1)
 
     def _scaled(self, k: int, base: float, scale: float) -> float | None:
         e = self.at(k)
@@ -180,7 +191,7 @@ def _flops(jaxpr) -> float:
             total += 2.0 * math.prod(out[0].shape) * math.prod(lhs[d] for d in lhs_contract)
         else:
             total += sum(math.prod(a.shape) for a in out
-                         if jax.numpy.issubdtype(a.dtype, jax.numpy.floating))
+                         if jnp.issubdtype(a.dtype, jnp.floating))
     return total
 
 
@@ -218,5 +229,23 @@ def capacity(error: BaseException | str) -> int | None:
     return None if found is None else int(float(found.group(1)) * 2**30)
 
 
-__all__ = ["Estimate", "activation_bytes", "capacity", "estimator", "far_over",
-           "traced_flops"]
+def compiler_capacity(target) -> int | None:
+    """The device memory the target's compiler holds a program to, bytes per device, where
+    it says (XLA:TPU: 15.75 GiB on a v5e chip, 95.73 GiB on v5p): read from the
+    out-of-memory error of a one-op program over a 256 GiB argument, a compile of under a
+    second. None elsewhere (XLA CPU, GPU) or where that compile does not fail so.
+
+    target: a parsed `targets.Target`.
+    """
+    if target.platform != "tpu":
+        return None
+    try:
+        lowering.compile_for(lambda x: x * 2, jax.ShapeDtypeStruct((2**38,), jnp.int8),
+                             target=target, count_flops=False)
+    except Exception as e:  # noqa: BLE001 - the failure is the answer
+        return capacity(e)
+    return None
+
+
+__all__ = ["Estimate", "activation_bytes", "capacity", "compiler_capacity", "estimator",
+           "far_over", "traced_flops"]

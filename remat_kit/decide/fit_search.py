@@ -245,9 +245,11 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
             guess = _predict(points, room, lo, hi, degree)
         if hi is None:
             k = 2 * lo if guess is None else guess
-        elif guess is None or stalls >= (3 if guess <= lo + 1 or guess >= hi - 1 else 2):
+        elif guess is None or stalls >= (3 if guess <= lo + 1 or (
+                guess >= hi - 1 and bytes_at(hi) is not None) else 2):
             # (A guess at the bracket's edge is the proof of the answer it predicts: a
-            # stall more is let through for it.)
+            # stall more is let through for it; not below a size out of memory, which
+            # says nothing of how far over it is.)
             k, stalls = (lo + hi) // 2, 0
         else:
             k = guess
