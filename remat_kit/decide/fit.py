@@ -15,11 +15,17 @@ default; batch sizes: 1) and predicts, then verifies (`fit_search._search`):
 each compile goes to the size where a curve through the sizes compiled so far
 crosses the budget (a quadratic in seq: attention scores are
 [batch, heads, seq, seq]; a line in the batch), bisecting where predictions
-do not shrink the bracket. The first jump goes where a line from the floor
-(parameters plus optimizer state) through the first size meets the budget; a
-policy costs at most 4 compiles on the reference configs and the zoo's models
-(tests/test_fit_compiles.py), 2 to 4 from another policy's answer. The size
-found is exact: it fits and size + multiple does not, both compiled.
+do not shrink the bracket. Where the policy's step can be traced
+(`fit_estimate`: its residuals and largest value at each size, no compile),
+the first compile goes a little below where that estimate puts the answer, and
+the curve between compiles is the estimate scaled through them; on XLA:TPU the
+compiler's HBM limit is read first (a one-op compile), so no jump aims above
+it. A policy costs at most 4 compiles on the reference configs and the zoo's
+models (tests/test_fit_compiles.py) and on step shapes like llama_1b's on a v5e
+chip and a 70B's on a v5p mesh (tests/test_fit_search.py). The size found is
+exact: it fits and size + multiple does not, both compiled. No remat's
+overhead figure is compiled at the answer, unless its estimate is far over the
+budget: then its FLOPs come from the traced programs (`FitRow.none_flops`).
 
 On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
 the workload's loss plus the update; the budget and every byte
@@ -433,7 +439,9 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
             at, extra, seen = ((lambda size, spec=specs[i]: (None, steps.get(spec, size))),
                                lambda: 0, steps.known(specs[i]))
-        estimate, none_far = _estimates(search, search.policies[i])
+        estimate, none_far = fit_estimate.for_row(
+            search.at_size, search.policies[i], search.optimizer, multiple, search.state,
+            search.budget_bytes, lambda: search.capacity.get("bytes"))
         rows[i], max_units = fit_one(specs[i], at, extra, steps, search.budget_bytes, multiple,
                                       max_units, search.size.vary, search.size.shape,
                                       search.devices, start_units, seen, search.floor,
@@ -445,31 +453,6 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
         if progress is not None:
             progress(n + 1, len(specs), rows[i])
     return rows
-
-
-def _estimates(search: _Search, policy: Policy | None):
-    """(the row's `fit_estimate.Estimate`, its none_far for `fit_one`); (None, None) for
-    the auto row. none_far(size): the ratio of no remat's traced FLOPs to the policy's
-    where no remat's estimate is far over the budget (`fit_estimate.far_over`), else
-    None (no remat is compiled there)."""
-    if policy is None:
-        return None, None
-    unit, optimizer = search.size.multiple, search.optimizer
-    estimate = fit_estimate.Estimate(
-        fit_estimate.estimator(search.at_size, policy, optimizer, unit), search.state,
-        lambda: search.capacity.get("bytes"))
-    none_at = fit_estimate.estimator(search.at_size, Policy(remat=False), optimizer, unit)
-
-    def none_far(size: int) -> float | None:
-        if not fit_estimate.far_over(none_at(size // unit), search.state, search.budget_bytes):
-            return None
-        try:
-            work = search.at_size(size)
-            return (fit_estimate.traced_flops(work, Policy(remat=False), optimizer)
-                    / fit_estimate.traced_flops(work, policy, optimizer))
-        except Exception:  # noqa: BLE001 - no count: no remat is compiled instead
-            return None
-    return estimate, none_far
 
 
 def _below_minimum(search: _Search, steps: Steps, rows: list[FitRow],

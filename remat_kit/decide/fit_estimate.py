@@ -229,6 +229,30 @@ def capacity(error: BaseException | str) -> int | None:
     return None if found is None else int(float(found.group(1)) * 2**30)
 
 
+def for_row(at_size: Callable[[int], object], policy: Policy | None, optimizer, unit: int,
+            state: int, budget: int, capacity: Callable[[], int | None]):
+    """(a fit row's `Estimate`, its none_far for `fit_search.fit_one`); (None, None) for
+    the auto row (policy None). at_size: size -> the workload; unit: the search's
+    multiple; state, capacity: as `Estimate`'s. none_far(size): the ratio of no remat's
+    traced FLOPs to the policy's where no remat's estimate is far over `budget`
+    (`far_over`), else None (no remat is then compiled there)."""
+    if policy is None:
+        return None, None
+    estimate = Estimate(estimator(at_size, policy, optimizer, unit), state, capacity)
+    none = Policy(remat=False)
+    none_at = estimator(at_size, none, optimizer, unit)
+
+    def none_far(size: int) -> float | None:
+        if not far_over(none_at(size // unit), state, budget):
+            return None
+        try:
+            work = at_size(size)
+            return traced_flops(work, none, optimizer) / traced_flops(work, policy, optimizer)
+        except Exception:  # noqa: BLE001 - no count: no remat is compiled instead
+            return None
+    return estimate, none_far
+
+
 def compiler_capacity(target) -> int | None:
     """The device memory the target's compiler holds a program to, bytes per device, where
     it says (XLA:TPU: 15.75 GiB on a v5e chip, 95.73 GiB on v5p): read from the
@@ -248,4 +272,4 @@ def compiler_capacity(target) -> int | None:
 
 
 __all__ = ["Estimate", "activation_bytes", "capacity", "compiler_capacity", "estimator",
-           "far_over", "traced_flops"]
+           "far_over", "for_row", "traced_flops"]
