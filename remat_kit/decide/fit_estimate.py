@@ -157,13 +157,25 @@ class Estimate:
 
 def _largest_within(f: Callable[[int], float | None], budget: float, a: int,
                     b: int) -> int | None:
-    """The largest k in [a, b] with f(k) <= budget, f non-decreasing (by bisection); a
-    where none is; None where f gives None."""
+    """The largest k in [a, b] with f(k) <= budget, f non-decreasing; a where none is; None
+    where f gives None. Galloping from a, then bisection: f (a trace) is asked only at
+    sizes up to twice the answer's distance from a, never at b's (2**19 tokens) unless the
+    answer is near it."""
     if b < a:
         return None
     at_a = f(a)
     if at_a is None or at_a > budget:
         return None if at_a is None else a
+    step = 1
+    while a < b:  # a fits: gallop up to the first size over, or b
+        nxt = min(a + step, b)
+        y = f(nxt)
+        if y is None:
+            return None
+        if y > budget:
+            b = nxt - 1
+            break
+        a, step = nxt, 2 * step
     while a < b:
         mid = (a + b + 1) // 2
         y = f(mid)
