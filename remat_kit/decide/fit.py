@@ -15,8 +15,8 @@ default; batch sizes: 1) and predicts, then verifies (`fit_search._search`):
 each compile goes to the size where a curve through the sizes compiled so far
 crosses the budget (a quadratic in seq: attention scores are
 [batch, heads, seq, seq]; a line in the batch), bisecting where predictions
-do not shrink the bracket. Where the policy's step can be traced
-(`fit_estimate`: its residuals and largest value at each size, no compile),
+do not shrink the bracket. On XLA:TPU and GPU the policy's step is traced
+(`fit_estimate`: its residuals and largest value at each size, no compile):
 the first compile goes a little below where that estimate puts the answer, and
 the curve between compiles is the estimate scaled through them; on XLA:TPU the
 compiler's HBM limit is read first (a one-op compile), so no jump aims above
@@ -441,7 +441,7 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
                                lambda: 0, steps.known(specs[i]))
         estimate, none_far = fit_estimate.for_row(
             search.at_size, search.policies[i], search.optimizer, multiple, search.state,
-            search.budget_bytes, lambda: search.capacity.get("bytes"))
+            search.budget_bytes, lambda: search.capacity.get("bytes"), search.target.platform)
         rows[i], max_units = fit_one(specs[i], at, extra, steps, search.budget_bytes, multiple,
                                       max_units, search.size.vary, search.size.shape,
                                       search.devices, start_units, seen, search.floor,

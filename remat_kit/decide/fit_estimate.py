@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from remat_kit import mesh as rk_mesh
@@ -47,29 +48,23 @@ def _bodies(eqn):
                 yield v
 
 
-def _largest(jaxpr, skip: set) -> int:
-    """Bytes of the largest value any equation of `jaxpr` (or a body it calls, at one
-    trip's shapes) computes, those in `skip` left out."""
-    most = 0
+def _values(jaxpr, skip: set) -> list[int]:
+    """Bytes of every value the equations of `jaxpr` (and the bodies they call, at one
+    trip's shapes) compute, in program order, those in `skip` left out."""
+    found = []
     for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            if v not in skip and hasattr(v.aval, "shape"):
-                most = max(most, aval_bytes(v.aval))
+        found += [aval_bytes(v.aval) for v in eqn.outvars
+                  if v not in skip and hasattr(v.aval, "shape")]
         for body in _bodies(eqn):
-            most = max(most, _largest(body, skip))
-    return most
+            found += _values(body, skip)
+    return found
 
 
-def activation_bytes(workload, policy: Policy, optimizer) -> int:
-    """The estimate of what a train step of `workload` under `policy` holds beyond
-    its parameters, gradients and optimizer state, bytes per device (see the module).
-
-    Raises: whatever tracing the workload's loss raises (e.g. a size it refuses).
-    """
+def _parts(workload, policy: Policy, optimizer) -> tuple[float, float, list[int]]:
+    """(residual bytes per device, 1 / devices, every other value's bytes) of one trace."""
     params, _, rest = train_state(workload, optimizer)
     staged = stage(workload.loss_for_policy(policy), (params, *rest))
     saved = sum(r.nbytes for r in staged.residuals if r.kind != "argument")
-    largest = _largest(staged.program.jaxpr, set(staged.residual_vars))
     # Per device: the residuals by the share of the batch's tokens one device holds (that
     # of the largest input); the largest value, attention scores or logits, over every
     # device (batch over data and fsdp, heads or vocabulary over tensor).
@@ -78,21 +73,64 @@ def activation_bytes(workload, policy: Policy, optimizer) -> int:
     share = (1.0 if tokens is None or not math.prod(tokens.shape) else
              math.prod(rk_mesh.local_shape(tokens).shape) / math.prod(tokens.shape))
     devices = 1 if workload.mesh is None else workload.mesh.size
-    return int(saved * share + largest / devices)
+    return saved * share, 1 / devices, _values(staged.program.jaxpr, set(staged.residual_vars))
+
+
+def activation_bytes(workload, policy: Policy, optimizer) -> int:
+    """The estimate of what a train step of `workload` under `policy` holds beyond
+    its parameters, gradients and optimizer state, bytes per device (see the module).
+
+    Raises: whatever tracing the workload's loss raises (e.g. a size it refuses).
+    """
+    saved, per_device, values = _parts(workload, policy, optimizer)
+    return int(saved + max(values, default=0) * per_device)
+
+
+def _quadratic(parts: list) -> Callable[[int], int] | None:
+    """units -> the estimate, from `_parts` traced at units 1 to 4: every figure a
+    quadratic in the size through units 1, 2, 3 (shapes are linear in it, attention
+    scores square), checked at 4; None where one is not (a program whose values change
+    with the size otherwise), so each size is traced."""
+    if any(p is None for p in parts) or len({len(p[2]) for p in parts}) != 1:
+        return None
+    ys = np.array([[p[0], *p[2]] for p in parts], dtype=float)  # [unit 1..4, figure]
+    c = (ys[2] - 2 * ys[1] + ys[0]) / 2
+    b = ys[1] - ys[0] - 3 * c
+    a = ys[0] - b - c
+    if not np.allclose(a + 4 * b + 16 * c, ys[3], rtol=1e-9, atol=1.0):
+        return None
+    per_device = parts[0][1]
+
+    def at(units: int) -> int:
+        f = a + b * units + c * units * units
+        return int(f[0] + (f[1:].max(initial=0.0)) * per_device)
+    return at
 
 
 def estimator(at_size: Callable[[int], object], policy: Policy, optimizer,
               multiple: int) -> Callable[[int], int | None]:
     """units -> `activation_bytes` of the workload at units x multiple (`at_size`:
-    size -> workload), each size traced once; None where the trace fails."""
+    size -> workload); None where the trace fails. Four traces (units 1 to 4) give every
+    size where the program's values are quadratics in it (`_quadratic`); else each size
+    is traced, once."""
     cache: dict[int, int | None] = {}
+    fitted: list = []
+
+    def parts(units: int):
+        try:
+            return _parts(at_size(units * multiple), policy, optimizer)
+        except Exception:  # noqa: BLE001 - no estimate: the search predicts without
+            return None
 
     def at(units: int) -> int | None:
+        if not fitted:
+            fitted.append(_quadratic([parts(u) for u in (1, 2, 3, 4)]))
+        if fitted[0] is not None:
+            return fitted[0](units)
         if units not in cache:
-            try:
-                cache[units] = activation_bytes(at_size(units * multiple), policy, optimizer)
-            except Exception:  # noqa: BLE001 - no estimate: the search predicts without
-                cache[units] = None
+            found = parts(units)
+            cache[units] = None if found is None else int(
+                found[0] + max(found[2], default=0) * found[1])
         return cache[units]
     return at
 
@@ -245,24 +283,31 @@ def capacity(error: BaseException | str) -> int | None:
     return None if found is None else int(float(found.group(1)) * 2**30)
 
 
+# Where the estimate is used: compilers whose step is minutes at real size and close to
+# it (XLA:TPU's peak grew by 0.5x to 1.09x of it). XLA CPU's step grew by 3.4x of it, and
+# the sizes run there (tests, the tiny configs) compile in seconds, where four traces a
+# row cost as much as a compile: the floor's line did as well there (docs/speed.md).
+PLATFORMS = ("tpu", "gpu")
+
+
 def for_row(at_size: Callable[[int], object], policy: Policy | None, optimizer, unit: int,
-            state: int, budget: int, capacity: Callable[[], int | None]):
+            state: int, budget: int, capacity: Callable[[], int | None], platform: str):
     """(a fit row's `Estimate`, its none_far for `fit_search.fit_one`); (None, None) for
-    the auto row (policy None). at_size: size -> the workload; unit: the search's
-    multiple; state, capacity: as `Estimate`'s. none_far(size): the ratio of no remat's
+    the auto row (policy None) and off `PLATFORMS` (`platform`: the target's). at_size:
+    size -> the workload; unit: the search's multiple; state, capacity: as `Estimate`'s.
+    none_far(size): the ratio of no remat's
     traced FLOPs to the policy's where no remat's estimate is far over `budget`
     (`far_over`), else None (no remat is then compiled there)."""
-    if policy is None:
+    if policy is None or platform not in PLATFORMS:
         return None, None
     estimate = Estimate(estimator(at_size, policy, optimizer, unit), state, capacity)
     none = Policy(remat=False)
-    none_at = estimator(at_size, none, optimizer, unit)
 
     def none_far(size: int) -> float | None:
-        if not far_over(none_at(size // unit), state, budget):
-            return None
-        try:
+        try:  # one trace at the answer, two more where no remat is far over
             work = at_size(size)
+            if not far_over(activation_bytes(work, none, optimizer), state, budget):
+                return None
             return traced_flops(work, none, optimizer) / traced_flops(work, policy, optimizer)
         except Exception:  # noqa: BLE001 - no count: no remat is compiled instead
             return None
@@ -287,5 +332,5 @@ def compiler_capacity(target) -> int | None:
     return None
 
 
-__all__ = ["Estimate", "activation_bytes", "capacity", "compiler_capacity", "estimator",
-           "far_over", "for_row", "traced_flops"]
+__all__ = ["PLATFORMS", "Estimate", "activation_bytes", "capacity", "compiler_capacity",
+           "estimator", "far_over", "for_row", "traced_flops"]
