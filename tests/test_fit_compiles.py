@@ -13,7 +13,8 @@ import jax
 import pytest
 
 from remat_kit.api.configs import fit
-from remat_kit.decide.step import default_optimizer, one_policy, resizer
+from remat_kit.decide import fit_estimate
+from remat_kit.decide.step import compile_step, default_optimizer, one_policy, resizer
 from remat_kit.flax.from_model import workload
 from remat_kit.models import TransformerConfig, get_config
 from remat_kit.models.program import workload as config_workload
@@ -50,8 +51,8 @@ def memo():
     return {}
 
 
-def _run(case: str, memo: dict, monkeypatch) -> tuple[int, int, tuple]:
-    """(fit's size, the binary search's size, fit's probes) of one case."""
+def _run(case: str, memo: dict, monkeypatch) -> tuple[int, int, object]:
+    """(fit's size, the binary search's size, fit's row) of one case."""
     make, vary, sizes, budget, target = CASES[case]
     model = make()
     compile_step = fit_mod.compile_step
@@ -75,16 +76,37 @@ def _run(case: str, memo: dict, monkeypatch) -> tuple[int, int, tuple]:
     def fits(k):
         step = memoized(at(*shape(k)), one_policy(parse("full")), default_optimizer(), parsed)
         return step.total_bytes <= budget
-    return row.size, binary_search(fits, 4096) * unit, row.probes
+    return row.size, binary_search(fits, 4096) * unit, row
 
 
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=needs_libtpu) if c.endswith("v5e") else c for c in CASES])
 def test_fit_gives_the_binary_search_answer_in_4_compiles(case, memo, monkeypatch):
-    size, expect, probes = _run(case, memo, monkeypatch)
+    size, expect, row = _run(case, memo, monkeypatch)
+    probes = row.probes
     assert size == expect > 0, probes
     assert len(probes) <= 4, probes
+    # As the CLI counts them: the policy's, and no remat's at the answer for the overhead
+    # (compiled here: these tiny steps are within 2x of the budget without remat).
+    assert row.compiles == len(probes) + (row.none_flops == "compiled")
     # The answer is proved by compiles: it fits, one unit more does not.
     sizes = dict(probes)
     unit = CASES[case][2].get("multiple", 1)
     assert sizes[size] <= CASES[case][3] < sizes[size + unit]
+
+
+def test_no_remat_far_over_the_budget_is_traced_not_compiled(memo, monkeypatch):
+    # FAR lowered so that a tiny scanned step's no remat counts as far over: its overhead
+    # is then the traced programs' ratio, within 1.5% of the compiled one, and it costs
+    # no compile. (Off XLA:TPU and GPU fit compiles no remat without the estimate.)
+    monkeypatch.setattr(fit_estimate, "FAR", 0.5)
+    monkeypatch.setattr(fit_estimate, "PLATFORMS", ("cpu",))  # the estimate on XLA CPU
+    cfg = get_config("tiny", scan_layers=True)
+    (row,) = fit(cfg, 4 * 2**20, vary="seq", policies=["full"], batch=2, multiple=16).rows
+    assert row.size > 0 and row.none_flops == "traced" and row.none_fits is False
+    assert row.compiles == len(row.probes) <= 4
+    work = config_workload(cfg, 2, row.size)
+    cpu = fit_mod.targets.parse_target(None)
+    compiled = [compile_step(work, one_policy(parse(p)), default_optimizer(), cpu).flops
+                for p in ("full", "none")]
+    assert row.flop_overhead == pytest.approx(compiled[0] / compiled[1], rel=0.015)

@@ -33,6 +33,9 @@ def fit_table(result, title: str = "", wide: bool = False) -> Table:
         f"FLOPs x none = step FLOPs / no remat's at the same {vary}"
         + ("; † no remat (`none`) does not fit there" if any(
             r.none_fits is False for r in result.rows) else "")
+        + ("; traced: no remat not compiled, its traced estimate far over the budget, its "
+           "FLOPs from the traced programs' ratio" if any(
+               r.none_flops == "traced" for r in result.rows) else "")
         + ("" if wide else "; --wide: the step memory's parts, FLOPs/token, compiles")),
         caption_justify="left")
     auto = any(r.picked for r in result.rows)
@@ -61,8 +64,8 @@ def _fit_cells(r, auto: bool) -> list[str]:
     cap = " (model's limit)" if r.limit else " (cap)"
     size = str(r.size) + (cap if r.capped else "") if r.size else "no size fits"
     overhead = fmt_ratio(r.flop_overhead)
-    if r.none_flops == "extrapolated":
-        overhead += " extrap."
+    if r.none_flops in ("extrapolated", "traced"):
+        overhead += " extrap." if r.none_flops == "extrapolated" else " traced"
     if r.none_fits is False:
         overhead += " †"
     cells = [fmt_bytes(x) for x in (m.total_bytes, m.params_bytes, m.grads_bytes,

@@ -15,11 +15,17 @@ default; batch sizes: 1) and predicts, then verifies (`fit_search._search`):
 each compile goes to the size where a curve through the sizes compiled so far
 crosses the budget (a quadratic in seq: attention scores are
 [batch, heads, seq, seq]; a line in the batch), bisecting where predictions
-do not shrink the bracket. The first jump goes where a line from the floor
-(parameters plus optimizer state) through the first size meets the budget; a
-policy costs at most 4 compiles on the reference configs and the zoo's models
-(tests/test_fit_compiles.py), 2 to 4 from another policy's answer. The size
-found is exact: it fits and size + multiple does not, both compiled.
+do not shrink the bracket. On XLA:TPU and GPU the policy's step is traced
+(`fit_estimate`: its residuals and largest value at each size, no compile):
+the first compile goes a little below where that estimate puts the answer, and
+the curve between compiles is the estimate scaled through them; on XLA:TPU the
+compiler's HBM limit is read first (a one-op compile), so no jump aims above
+it. A policy costs at most 4 compiles on the reference configs and the zoo's
+models (tests/test_fit_compiles.py) and on step shapes like llama_1b's on a v5e
+chip and a 70B's on a v5p mesh (tests/test_fit_search.py). The size found is
+exact: it fits and size + multiple does not, both compiled. No remat's
+overhead figure is compiled at the answer, unless its estimate is far over the
+budget: then its FLOPs come from the traced programs (`FitRow.none_flops`).
 
 On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
 the workload's loss plus the update; the budget and every byte
@@ -62,6 +68,7 @@ from remat_kit.decide.step import (StepMemory, check_args, check_mesh, compile_s
                             one_policy, resizer, step_peak)
 from remat_kit.measure.peak import held_line, vocab_chunks_for
 from remat_kit.decide.fit_search import FitRow, Steps, SizeRefused, AutoRow, fit_one
+from remat_kit.decide import fit_estimate
 
 VARY = ("seq", "batch")
 FIT_POLICIES = ("none", "full", "minimal", "selective", "dots")  # the default rows
@@ -219,7 +226,10 @@ class _Search:
       floor: parameters plus optimizer state, bytes per device (every step holds at
         least that: the search's point at size 0). max_units: the most units searched;
         exact: whether that bound is the budget's own (`_max_units`).
-      mesh: the workload's mesh, or None.
+      mesh: the workload's mesh, or None. estimated: each row's Policy for its traced
+        estimate (None for the auto row). state: parameters + gradients + optimizer state,
+        bytes per device, the estimate's point at size 0 (`fit_estimate.Estimate`).
+      capacity: the device memory a step is held to (key "bytes"), where the compiler says.
     """
 
     size: "_Sizes"
@@ -235,6 +245,9 @@ class _Search:
     max_units: int
     exact: bool
     mesh: Mesh | None
+    estimated: tuple = ()
+    state: int = 0
+    capacity: dict = dataclasses.field(default_factory=dict)
 
     @property
     def devices(self) -> int:
@@ -261,8 +274,11 @@ def _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, opti
     optimizer = optimizer or default_optimizer()
     floor = _floor(smallest, optimizer, budget, budget_bytes, mesh, vary)
     max_units, exact = _max_units(given, size, budget_bytes, floor, target)
+    state = floor + tree_bytes(train_state(smallest, optimizer)[0])  # + the gradients
     return _Search(size, budget_bytes, target, labels, parsed, auto, at_size, smallest,
-                   optimizer, floor, max_units, exact, mesh)
+                   optimizer, floor, max_units, exact, mesh,
+                   tuple(None if a else one_policy(p) for p, a in zip(parsed, auto)), state,
+                   {"bytes": fit_estimate.compiler_capacity(target)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +410,12 @@ def _step_measurer(search: _Search) -> Callable[[Policy, int, Callable | None], 
             raise SizeRefused(f"{search.size.vary} {size}: {type(e).__name__}: {e}") from e
         if loss is not None:
             work = dataclasses.replace(work, loss_for_policy=lambda _: loss)
-        return compile_step(work, policy, search.optimizer, search.target)
+        try:
+            return compile_step(work, policy, search.optimizer, search.target)
+        except Exception as e:  # noqa: BLE001 - re-raised; an out-of-memory one says the HBM
+            if targets.is_out_of_memory(e) and (found := fit_estimate.capacity(e)):
+                search.capacity["bytes"] = found
+            raise
     return measure_step
 
 
@@ -423,10 +444,13 @@ def _search_rows(search: _Search, steps: Steps, cache: "str | bool | None",
             # A policy's sizes compiled before (no remat's, for the overhead) help predict.
             at, extra, seen = ((lambda size, p=search.policies[i]: (None, steps.get(p, size))),
                                lambda: 0, steps.known(search.policies[i]))
+        estimate, none_far = fit_estimate.for_row(
+            search.at_size, search.estimated[i], search.optimizer, multiple, search.state,
+            search.budget_bytes, lambda: search.capacity.get("bytes"), search.target.platform)
         rows[i], max_units = fit_one(specs[i], at, extra, steps, search.budget_bytes, multiple,
                                       max_units, search.size.vary, search.size.shape,
                                       search.devices, start_units, seen, search.floor,
-                                      search.exact, limit)
+                                      search.exact, limit, estimate, none_far)
         limit = rows[i].limit or limit
         if auto[i] and rows[i].picked in chooser.layer_specs:
             rows[i] = dataclasses.replace(rows[i], picked_layers=chooser.layer_specs[

@@ -21,6 +21,7 @@ from remat_kit.errors import BudgetError
 from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.policy.policy import Policy
 from remat_kit.decide.step import (StepMemory, one_policy)
+from remat_kit.decide.fit_estimate import Estimate
 from remat_kit.measure.targets import is_out_of_memory
 
 
@@ -38,10 +39,14 @@ class FitRow:
         per-device step FLOPs x devices / (global batch * seq), at `size`.
       flop_overhead: step FLOPs / no remat's step FLOPs at the same size.
       none_fits: whether no remat fits the budget at `size`.
-      none_flops: how no remat's FLOPs at `size` were found: "compiled", or
+      none_flops: how no remat's FLOPs at `size` were found: "compiled";
         "extrapolated" (its compile failed for memory; FLOPs are a
         polynomial in the size, degree 2 in seq and 1 in batch, fitted
-        exactly through compiled smaller sizes).
+        exactly through compiled smaller sizes); or "traced" (not compiled:
+        its traced estimate is far over the budget, `fit_estimate.far_over`,
+        so `none_fits` is False; FLOPs are this row's compiled FLOPs times the
+        ratio of the two programs' traced counts, `fit_estimate.traced_flops`:
+        the overhead within 1.1% of the compiled one on the tiny configs).
       capped: `size` is the search's upper limit and still fits.
       compiles: train-step compiles this row needed (cached ones not
         counted); for an auto row, plus the planner's value-and-grad compiles.
@@ -202,28 +207,35 @@ def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None,
 
 
 def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
-            budget: int, max_units: int, start: int = 1, degree: int = 2) -> tuple[int, bool]:
+            budget: int, max_units: int, start: int = 1, degree: int = 2,
+            estimate: Estimate | None = None) -> tuple[int, bool]:
     """The largest k in [0, max_units] with fits(k), assuming fits is monotone.
 
     Prediction, then verification: each compile goes to the boundary a curve through
-    the sizes compiled so far predicts (`_predict`), and the answer is proved by the
-    pair k, k + 1 (fits, does not). Step memory is close to a quadratic in the size,
-    so a policy usually takes at most 4 compiles: `start`, the boundary of the line
-    from the floor (bytes_at(0)) through it, the quadratic's, and its neighbour; a
-    prediction that does not halve the bracket twice in a row gives way to bisection,
-    so the worst case is a binary search's.
+    the sizes compiled so far predicts, and the answer is proved by the pair k, k + 1
+    (fits, does not). With an `estimate` (the policy's step traced at each size, no
+    compile), the first compile goes where it puts the answer, a little below
+    (`Estimate.first`), and the curve is the estimate scaled through the compiled sizes
+    (`Estimate.guess`): 3 or 4 compiles on step shapes like llama_1b's on XLA:TPU v5e and a
+    70B's on a v5p mesh (4 for issue 49's 70B fit). Without one, or where it cannot say,
+    `_predict`: `start`, the line from
+    the floor (bytes_at(0)) through it, the quadratic's boundary, its neighbour. A
+    prediction that does not halve the bracket twice in a row gives way to bisection, so
+    the worst case is a binary search's.
 
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
     already probed (None if not probed or out of memory), for prediction;
     bytes_at(0) may give what every step holds at least (its parameters and
     optimizer state), which is never compiled.
-    `start`: the first unit probed, e.g. another policy's answer. `degree`: of the
-    memory in the size (2 for seq, 1 for batch), `_predict`.
+    `start`: the first unit probed, e.g. another policy's answer (an estimate's first
+    probe is taken only where start is 1). `degree`: of the memory in the size (2 for
+    seq, 1 for batch), `_predict`.
     """
     if max_units < 1:
         return 0, False
     lo, hi = 0, None  # fits(lo) (size 0 trivially); not fits(hi)
-    k, stalls = min(max(start, 1), max_units), 0
+    first = estimate.first(budget, max_units) if estimate is not None and start <= 1 else None
+    k, stalls = min(max(first or start, 1), max_units), 0
     while True:
         width = None if hi is None else hi - lo
         if fits(k):
@@ -237,10 +249,19 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
         # A prediction that does not halve the bracket twice in a row gives way to bisection.
         stalls = stalls + 1 if width is not None and hi - lo > width / 2 else 0
         points = {u: b for u in range(0, (hi or lo) + 1) if (b := bytes_at(u)) is not None}
-        guess = _predict(points, budget, lo, hi, degree)
+        real = {u: b for u, b in points.items() if u}
+        guess = (estimate.guess(real, budget, lo, hi, max_units)
+                 if estimate is not None and real else None)
+        if guess is None:
+            room = budget if estimate is None else min(budget, estimate.capacity() or budget)
+            guess = _predict(points, room, lo, hi, degree)
         if hi is None:
             k = 2 * lo if guess is None else guess
-        elif guess is None or stalls >= 2:
+        elif guess is None or stalls >= (3 if guess <= lo + 1 or (
+                guess >= hi - 1 and bytes_at(hi) is not None) else 2):
+            # (A guess at the bracket's edge is the proof of the answer it predicts: a
+            # stall more is let through for it; not below a size out of memory, which
+            # says nothing of how far over it is.)
             k, stalls = (lo + hi) // 2, 0
         else:
             k = guess
@@ -313,11 +334,36 @@ class AutoRow:
         return spec, self.steps.at(size)[spec]
 
 
+def _none_at(steps: Steps, size: int, budget: int, vary: str, flops: float | None,
+             none_far: Callable[[int], float | None] | None):
+    """(none_fits, no remat's FLOPs, how they were found, error) at `size`, for a row's
+    overhead (`flops`: the row's step FLOPs there): compiled (or compiled before); where
+    no remat is not compiled yet and `none_far(size)` gives the ratio of its traced
+    FLOPs to the row's policy's (its estimate far over the budget), `flops` times that,
+    "traced", and it does not fit; else extrapolated from its compiled sizes where its
+    compile runs out of memory."""
+    ratio = (None if flops is None or none_far is None or size in steps.known(NONE)
+             else none_far(size))
+    if ratio is not None:
+        return False, flops * ratio, "traced", None
+    try:
+        none = steps.get(NONE, size)
+    except Exception as e:  # noqa: BLE001
+        none, error = None, f"no remat at {size}: {type(e).__name__}: {e}"
+    else:
+        error = None
+    if none is not None:
+        return none.total_bytes <= budget, none.flops, "compiled", error
+    flops = _extrapolated_flops(steps.known(NONE), size, 2 if vary == "seq" else 1)
+    return None, flops, "extrapolated" if flops is not None else None, error
+
+
 def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
              extra_compiles: Callable[[], int], steps: Steps, budget: int, multiple: int,
              max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
              start: int, seen: dict[int, StepMemory], floor: int,
-             exact: bool = False, limit: str | None = None) -> tuple[FitRow, int]:
+             exact: bool = False, limit: str | None = None, estimate: Estimate | None = None,
+             none_far: Callable[[int], float | None] | None = None) -> tuple[FitRow, int]:
     """One row: search the largest size where `at(size)` gives a fitting step.
 
     Returns (the row, max_units for the next rows: below the model's own
@@ -329,6 +375,9 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
     that, the prediction's point at size 0 (no compile).
     exact: max_units is the most the budget allows (`size_bound`): fitting there is not capped.
     limit: the workload's own limit found by an earlier row (max_units is below it).
+    estimate: the policy's traced estimate, for the search (`_search`).
+    none_far: size -> the ratio of no remat's traced FLOPs to this policy's where no remat's
+    estimate is far over the budget (it is not compiled there, `_none_at`), else None.
     """
     before, extra_before = steps.total, extra_compiles()
     probes = []
@@ -358,7 +407,7 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
 
     try:
         units, capped = _search(fits, known.get, budget, max_units, start,
-                                2 if vary == "seq" else 1)
+                                2 if vary == "seq" else 1, estimate)
     except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
         error = str(e) if isinstance(e, SizeRefused) else f"{type(e).__name__}: {e}"
         return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),
@@ -372,24 +421,15 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
     if size == 0:
         return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes)), max_units
     picked, memory = at(size)
-    try:
-        none = steps.get(NONE, size)
-    except Exception as e:  # noqa: BLE001
-        none, error = None, f"no remat at {size}: {type(e).__name__}: {e}"
-    else:
-        error = None
-    if none is not None:
-        none_flops, how = none.flops, "compiled"
-    else:
-        none_flops = _extrapolated_flops(steps.known(NONE), size, 2 if vary == "seq" else 1)
-        how = "extrapolated" if none_flops is not None else None
+    none_fits, none_flops, how, error = _none_at(steps, size, budget, vary, memory.flops,
+                                                  none_far)
     b, s = sizes(size)
     return FitRow(
         spec, size, memory, limit=limit,
         flops_per_token=None if memory.flops is None else memory.flops * devices / (b * s),
         flop_overhead=(None if memory.flops is None or not none_flops
                        else memory.flops / none_flops),
-        none_fits=None if none is None else none.total_bytes <= budget, none_flops=how,
+        none_fits=none_fits, none_flops=how,
         capped=capped, compiles=compiles(), probes=tuple(probes), error=error,
         picked=picked), max_units
 
