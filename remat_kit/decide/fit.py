@@ -177,8 +177,7 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         attention scores alone outgrow the budget, or XLA's limit
         (`size_bound`), are not searched either.
       optimizer, target, mesh: see `step_memory`.
-      cache: the plan cache of the auto row's planner (`remat_kit.decide.plan.Planner`);
-        default none.
+      cache: the auto row's planner's plan cache (`decide.plan.Planner`); default none.
       progress: called as progress(i, n, row) after the i-th of n policies.
       rechunk: rechunk(n) -> `model` (of the same kinds) with its loss over n
         vocabulary chunks. Where no policy fits the smallest size and the
@@ -275,9 +274,9 @@ def _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, opti
     floor = _floor(smallest, optimizer, budget, budget_bytes, mesh, vary)
     max_units, exact = _max_units(given, size, budget_bytes, floor, target)
     state = floor + tree_bytes(train_state(smallest, optimizer)[0])  # + the gradients
-    return _Search(size, budget_bytes, target, labels, parsed, auto, at_size, smallest,
-                   optimizer, floor, max_units, exact, mesh,
-                   tuple(None if a else one_policy(p) for p, a in zip(parsed, auto)), state,
+    estimated = tuple(None if a else one_policy(p) for p, a in zip(parsed, auto))
+    return _Search(size, budget_bytes, target, labels, parsed, auto, at_size, smallest, optimizer,
+                   floor, max_units, exact, mesh, estimated, state,
                    {"bytes": fit_estimate.compiler_capacity(target)})
 
 
