@@ -23,7 +23,9 @@ UNPRICED = ["everything", "everything_saveable", "save_everything", "save_all", 
             "levanter:nested", "qkv_proj_offloaded", "minimal_offloaded", "offload"]
 
 
-def test_plain_plan_compiles_the_starting_points_and_predicts_the_rest(capsys, tmp_path):
+def test_plain_plan_compiles_the_starting_points_and_predicts_the_rest(capsys, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # --wide's cells whole, whatever ran before
     out = tmp_path / "plan.json"
     assert cli.main(["plan", "--config", "tiny", "--batch", "2", "--seq", "32", "--budgets",
                      "0.6,0.9", "--cache", "", "--wide", "--json", str(out)]) == 0
