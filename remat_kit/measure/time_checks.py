@@ -3,7 +3,7 @@ the floor no predicted step may beat.
 
 `time_check` says whether a target's predictions came within `REACH` of measured step-time
 ratios (`benchmarks/time_model_cpu.py`; `benchmarks/published_ratios.py`: Korthikanti et al.
-2022, Table 4, and torchtitan's docs/performance.md), so the planner may minimize time there.
+2022, Table 4, and torchtitan's performance.md), so the planner may minimize time there.
 `check_floor` raises `BelowFloor` for a step below max(FLOPs / peak, bytes written / bandwidth).
 The checks, tabled: docs/plan.md; the floor: docs/targets.md ("Physics").
 """
