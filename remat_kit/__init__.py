@@ -2,19 +2,10 @@
 
     import remat_kit as rk
     policy = rk.parse("minimal")            # MaxText's minimal, as a Policy
-    nn.remat(Block, policy=policy.to_jax())
     rk.plan(loss_fn, *args, budget="6GiB")  # the cheapest policy that fits, verified
 
-Every answer (`measure`, `explain`, `plan`, `fit`) takes a `Workload`, the
-value that says what to measure: `rk.models.workload(cfg, batch, seq)` for
-the reference transformers, `rk.from_model.workload(model, batch, seq)` for
-any linen or NNX language model, `rk.batch_model.workload(model, batch, loss)` for
-a model of other inputs (images, latents and timesteps, a dict batch), or one of
-the user's own.
-
-Every answer is defined or assembled in `remat_kit.api` (the front floor, which parses
-specs and targets once); `rk.plan` is `remat_kit.api.answers.plan`, the `Planner` and
-friends are in `remat_kit.decide.plan`.
+Every answer (`measure`, `explain`, `plan`, `fit`) takes a `Workload` and is defined in
+`remat_kit.api`, the front floor. Start at README.md; the parts: docs/architecture.md.
 """
 
 # The answers, functions and namespaces from the front floor (`remat_kit.api`); the value

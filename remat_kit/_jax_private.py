@@ -1,25 +1,10 @@
 """Every import from jax._src, in one place, behind version checks.
 
-JAX's public API has `print_saved_residuals` but no function that *returns*
-the saved residuals; `jax._src.ad_checkpoint.saved_residuals` does. Nor does
-it run XLA's cost analysis on one computation of a compiled module (needed to
-count a while loop's body once per trip), nor parse the optimized HLO module it
-prints; `jax._src.lib` does. Nor does it say
-whether TPU chips or NVIDIA GPUs are attached (to set up the plugins for
-compile-only use on a machine without them); `jax._src.hardware_utils` does. Nor
-can one compile skip the persistent compilation cache (whose key leaves out
-`xla_dump_to`, so a hit writes no dump); `jax._src.config`'s thread-local
-state can. Nor can `jax.nn.dot_product_attention(implementation="cudnn")` be traced
-without the cuDNN library; the name it calls, `jax._src.nn.functions`'
-`cudnn_dot_product_attention`, is swapped for a stand-in while a program is traced
-for a target that cannot build the cuDNN call (`replacing_cudnn_attention`). JAX
-0.12 exports the `checkpoint_name` primitive as `jax.ad_checkpoint.name_p`; 0.11
-(the GPU machines' JAX) has it only in `jax._src.ad_checkpoint`. If a JAX release
-moves any of these, only this module changes.
-
-A `scan` equation's parameters changed shape too: jax 0.11 gives `num_consts`,
-`num_carry` and a ClosedJaxpr body; 0.12 a flat tree `ft_in` of (consts, carry,
-xs) and an open Jaxpr. `scan_parts` reads both.
+JAX's public API does not return saved residuals, cost one computation of a compiled module,
+say which accelerators are attached, skip the compilation cache for one compile or trace cuDNN
+attention without cuDNN; the private names that do live here (and `scan_parts`, which reads a
+scan equation in jax 0.11 and 0.12). If a JAX release moves any, only this module changes.
+Why each is needed: docs/architecture.md (after the parts' list).
 """
 
 from __future__ import annotations

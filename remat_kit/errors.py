@@ -1,4 +1,8 @@
-"""The library's exceptions. Each names the bad input, the valid choices and the closest match."""
+"""The library's exceptions. Each names the bad input, the valid choices and the closest match.
+
+Where they are raised: docs/policies.md (`UnknownTagError`), docs/plan.md (`BudgetError`),
+docs/meshes.md (`MeshError`).
+"""
 
 from __future__ import annotations
 

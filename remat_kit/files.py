@@ -1,12 +1,9 @@
 """Files the toolkit writes (reports, plots, the plan cache): written whole or not at all.
 
-Every output goes through `atomic_write`: the bytes go to a temporary file in
-the destination's folder, which then replaces the destination in one
-`os.replace`. A reader never sees half a file, and a write that fails (a full
-disk, a signal) leaves the old file as it was. `problem` says, before any long
-work, why a path could not be written; `read_regular` reads a file only if it
-is a regular one, and only up to a limit, so a FIFO or a device given as an
-input never blocks or reads forever.
+`atomic_write` writes to a temporary file in the destination's folder that replaces it in one
+`os.replace`: a reader never sees half a file, and a failed write leaves the old one. `problem`
+says before any long work why a path could not be written (`OutputError`); `read_regular` reads
+only a regular file, up to a limit. Docs: docs/compare.md ("Flags"), docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
 """Device meshes, logical-axis sharding rules and multi-process start.
 
-    mesh = rk.mesh.make("data:2,fsdp:2,tensor:2")      # jax.make_mesh, 8 devices
-    with rk.mesh.use(mesh):                             # activation constraints on
-        ...jit with rk.mesh.shardings / batch_sharding...  # (trace inside `use`)
-
-Mesh axes: any name; `AXES` are those of the reference models and `RULES`
-(a model's own logical-axis rules may map to others):
-
-* ``data``: data parallelism; the batch is split, parameters are replicated.
-* ``fsdp``: fully sharded data parallelism (ZeRO-3): the batch is split and
-  parameters (and so gradients and optimizer state) are sharded along their
-  ``embed`` dimension; XLA all-gathers a weight where a layer uses it.
-* ``tensor``: Megatron-style tensor parallelism (Shoeybi et al. 2019): the
-  attention heads and the MLP hidden units are split, the vocabulary too.
-
-The reference models (`remat_kit.models`) name every parameter dimension
-with `nn.with_logical_partitioning` and constrain activations with
-`constrain` (`nn.with_logical_constraint` on the mesh of the enclosing
-`use`), in the logical axes of MaxText and the Flax
-examples (`LOGICAL_AXES`). `RULES` maps them to mesh axes, written once
-here. Flax assigns the rules in order and never uses a mesh axis twice in
-one array, so an activation [batch, length, embed] is split over
-(data, fsdp) along batch and kept whole along embed, while a weight
-[embed, mlp] is split over fsdp along embed and over tensor along mlp.
-
-The sharding constraints sit before the model's `checkpoint_name` tags, so
-a tagged value is the constrained one and a policy decides over it like
-any other tag: `recompute:query_proj` recomputes the head-sharded query
-projection in the backward pass instead of keeping it. Parameters are not
-tagged: XLA re-gathers an FSDP weight in the backward pass whatever the
-policy (the all-gather is inserted after remat decisions are made).
-
-`use` is read while tracing and is not part of JAX's trace cache key: a
-function jitted and traced outside `use` stays unconstrained inside it, so
-build the jitted function (or the model's loss) inside or for the mesh.
-
-Multi-process: `initialize` starts JAX's own distributed runtime
-(`jax.distributed.initialize`) with gloo collectives on CPU.
+`make("data:2,fsdp:2,tensor:2")` builds a mesh; inside `use(mesh)` the models' activation
+constraints (`constrain`) apply, before their `checkpoint_name` tags. `RULES` maps the logical
+axes (`LOGICAL_AXES`, MaxText's names) to the mesh `AXES`; `shardings`, `batch_sharding`,
+`replicated` give NamedShardings; `initialize` starts JAX's distributed runtime.
+Axes (data, FSDP/ZeRO-3, Megatron tensor: Shoeybi et al. 2019): docs/meshes.md ("Sharded").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Old import paths that still work for one round: a module-level `__getattr__` that
 hands a moved name on from its new home, with a DeprecationWarning naming it
-(the moves are listed under "Changes" in README.md)."""
+(the moves are listed in README.md ("Changes"))."""
 
 from __future__ import annotations
 

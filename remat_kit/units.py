@@ -2,6 +2,7 @@
 
 At the bottom of the package: the planner's messages and the CLI's tables
 print sizes the same way.
+Docs: docs/compare.md ("What it prints").
 """
 
 

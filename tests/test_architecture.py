@@ -335,3 +335,65 @@ def test_the_walk_names_every_module_rk_measure_enters():
         "## The walk", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([\w/]+\.py)`", section))
     assert len(entered) > 15 and sorted(entered - named) == []
+
+
+MAX_MODULE_DOC_LINES = 8
+_DOCS_PAGE = re.compile(r"(docs/\w+\.md|README\.md)(?: \(([^)]*)\))?")
+
+
+def _docstring_problems(root: pathlib.Path) -> list[str]:
+    """Module docstrings that are essays or lead nowhere: over MAX_MODULE_DOC_LINES lines;
+    or, in a module with public names (a public top-level def or class, or a package's
+    `__init__.py`), naming no page (docs/*.md or README.md); or naming a page, or a quoted
+    section of it (a heading or a bold paragraph label), that is not there."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent).as_posix()
+        tree = ast.parse(path.read_text())
+        doc = ast.get_docstring(tree) or ""
+        if len(doc.splitlines()) > MAX_MODULE_DOC_LINES:
+            found.append(f"{where}: {len(doc.splitlines())} lines")
+        public = path.name == "__init__.py" or any(
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and not n.name.startswith("_") for n in tree.body)
+        pages = _DOCS_PAGE.findall(" ".join(doc.split()))
+        if public and not pages:
+            found.append(f"{where}: names no docs page")
+        for page, sections in pages:
+            if not (root.parent / page).exists():
+                found.append(f"{where}: {page} does not exist")
+                continue
+            text = (root.parent / page).read_text()
+            for section in re.findall(r'"([^"]+)"', sections):
+                label = re.escape(section.rstrip(". "))
+                if not re.search(rf"^(#+ |\s*(- )?\*\*)?{label}", text, re.M):
+                    found.append(f"{where}: no section {section!r} in {page}")
+    return found
+
+
+def test_module_docstrings_are_short_and_point_to_their_docs_page():
+    # A module docstring says what the module is for and where its reference is; the
+    # reference itself lives in docs/ (issue 47, item 4).
+    found = _docstring_problems(PACKAGE)
+    assert found == [], "cut or point these to docs/:\n" + "\n".join(found)
+
+
+def test_docstring_checker_names_an_essay_a_dead_end_and_a_missing_section(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text("# Page\n\n## Real section\n\n**Label.** x\n")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    essay = "\n".join(f"line {i}" for i in range(MAX_MODULE_DOC_LINES + 1))
+    (pkg / "__init__.py").write_text('"""pkg: see docs/page.md."""\n')
+    (pkg / "essay.py").write_text(f'"""{essay}\ndocs/page.md\n"""\n')
+    (pkg / "nowhere.py").write_text('"""Does a thing."""\n\ndef thing():\n    pass\n')
+    (pkg / "private.py").write_text('"""Helpers."""\n\ndef _helper():\n    pass\n')
+    (pkg / "good.py").write_text('"""Good.\n\nDocs: docs/page.md ("Real section"),\n'
+                                 'docs/page.md ("Label").\n"""\n\ndef f():\n    pass\n')
+    (pkg / "dead.py").write_text('"""Docs: docs/gone.md, docs/page.md ("Imagined").\n"""\n\n'
+                                 'class C:\n    pass\n')
+    assert _docstring_problems(pkg) == [
+        "pkg/dead.py: docs/gone.md does not exist",
+        "pkg/dead.py: no section 'Imagined' in docs/page.md",
+        f"pkg/essay.py: {MAX_MODULE_DOC_LINES + 2} lines",
+        "pkg/nowhere.py: names no docs page"]

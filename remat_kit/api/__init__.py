@@ -1,19 +1,10 @@
-"""api: the front floor, where every public answer is. What the user typed is parsed
-here once (policy specs into `Policy`, targets into `Target`) and only values go
-below: `answers` (`rk.measure`, `rk.explain`, `rk.plan`, `rk.remat_model` for any
-`Workload`), `configs` (the same for a reference `TransformerConfig`: `rk.measure_config`,
-`rk.fit`, `rk.step_memory`, ...), the checks of what a command or script takes
-(`inputs`, `sources`) and the reports (`report`, `labels`, `plots`). The walk from
-`rk.measure` to a `Record`: docs/architecture.md.
-
-May import: every part but `cli`. Nothing imports it but `cli`, the package root and
-the research scripts (`experiments/`).
-
+"""api: the front floor, where every public answer is. Specs and targets are parsed here once
+and only values go below: `answers` (`rk.measure`, `explain`, `plan`, `remat_model`), `configs`
+(the same for a `TransformerConfig`), the input checks (`inputs`, `sources`), the reports.
+May import: every part but `cli`; imported only by `cli`, the package root and `experiments/`.
 Public names: `measure`, `explain`, `plan`, `remat_model`, `fit`, `step_memory`,
-`measure_config`, `layer_residuals`, the policy language's `parse`, `from_custom`, `tag`,
-`register_tag`, the checks `validate`, `emitted_tags`, `residuals`, `checkpointed`, and the
-namespaces `rk` shows (`report`, `linen`,
-`nnx`, `from_model`, `batch_model`, `models`, `mesh`, `targets`, `estimate`, `roles`).
+`measure_config`, `layer_residuals`, `parse`, `from_custom`, `tag`, `register_tag`, `validate`,
+`emitted_tags`, `residuals`, `checkpointed`. The walk to a `Record`: docs/architecture.md.
 """
 
 from remat_kit import mesh, models

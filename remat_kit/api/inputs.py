@@ -1,6 +1,7 @@
 """What the `remat-kit` commands take, checked before JAX starts: sizes, policy lists,
 budgets, meshes and output paths (the model itself: `sources`). Each check raises
 `BadInput`, one line for the user; `experiments/` use the same checks for their flags.
+Docs: docs/compare.md ("Flags").
 """
 
 from __future__ import annotations

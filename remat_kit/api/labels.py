@@ -5,6 +5,7 @@
   `param_dtype`), so the parameters alone would title a bf16 run "float32".
 * A table where every policy failed (`failed_caption`) says what failed,
   not how the rows would have been ranked.
+Docs: docs/compare.md ("What it prints").
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """compare's Pareto plot: memory against FLOP overhead, one labelled point per policy
-(`plot`), written with `report.save_figure`."""
+(`plot`), written with `report.save_figure`.
+Docs: docs/compare.md (`--plot`).
+"""
 
 from __future__ import annotations
 

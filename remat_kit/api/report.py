@@ -1,89 +1,10 @@
 """Reports of `measure` records: a rich table, JSON and CSV (the Pareto plot: `plots`).
 
-Every output is built from the same rows (`rows`): each `Record` plus the
-figures derived across records, ratios to the `none` policy, Pareto
-optimality, and the Korthikanti et al. 2022 estimate for policies that have
-one.
-
-JSON schema (`write_json`, `SCHEMA_VERSION` = 1)::
-
-    {
-      "schema_version": 1,
-      "context": {"config": str, "batch": int, "seq": int, "dtype": str,
-                  "devices": int, "mesh": str | null,
-                  "platform": str,                  # of the first target
-                  "target": str, "jax_version": str, "compiler_version": str,
-                  "targets": [{"target": str, "platform": str, "devices": int,
-                               "jax_version": str, "compiler_version": str}]},
-      "formula_note": str,                             # FORMULA_NOTE
-      "verdicts": [{"target": str, "name": str, "gives": str, "cost": str, "why": str,
-                    "budget": null, "spec": null, "paste": str}],  # one per target
-      "records": [                    # one object per policy and target;
-        {                             # each target's sorted by memory_bytes
-          "policy": str,                  # canonical spec
-          "names": [str],                 # every name that maps to it
-          "platform": str,                # e.g. "XLA CPU compile",
-                                          # "XLA TPU compile (v5e:2x2, AOT)"
-          "target": str,                  # e.g. "cpu", "tpu:v5e:2x2"
-          "jax_version": str,             # e.g. "0.12.0.1"
-          "compiler_version": str,        # e.g. "jaxlib 0.12.0.1", "libtpu 0.0.52"
-          "residual_bytes_by_tag": {str: int},
-          "residual_bytes_by_primitive": {str: int},
-          "residual_bytes_by_argument": {str: int},
-          "activation_residual_bytes": int,   # tags + primitives
-          "offloaded_bytes": int,
-          "temp_size_in_bytes": int | null,
-          "peak_memory_in_bytes": int | null, # on CPU: no temp buffers
-          "memory_kind": str,             # which of the two rows are compared
-                                          # by: "temp_size_in_bytes" on CPU,
-                                          # "peak_memory_in_bytes" on TPU/GPU
-          "memory_bytes": int | null,     # that figure's value
-          "peak": {                       # with --peak only, else null: what
-            "figure": str,                # holds memory_kind's figure, from
-            "bytes": int,                 # XLA's buffer assignment
-            "step": int,                  # (remat_kit.measure.peak)
-            "parts": {str: int},          # group -> bytes, largest first
-            "roles": {str: {str: int}},   # temporaries' group -> tag -> bytes
-            "logits_shape": [int] | null},
-          "argument_size_in_bytes": int | null,
-          "output_size_in_bytes": int | null,
-          "alias_size_in_bytes": int | null,
-          "host_temp_size_in_bytes": int | null,     # host memory: where
-          "host_argument_size_in_bytes": int | null, # offloaded residuals
-          "host_output_size_in_bytes": int | null,   # live (0 on CPU)
-          "flops": float | null,          # loops counted per trip
-          "transcendentals": float | null,
-          "compile_seconds": float | null,
-          "predicted_seconds": float | null, # time model's step seconds
-          "step_time": null | {"median_s": float, "min_s": float, "max_s": float,
-                               "q1_s": float, "q3_s": float, "steps": int,
-                               "ratio_to_none": float | null},
-          "layer_residual_bytes": int | null, # one layer measured alone
-          "layers_residual_bytes": int | null, # each layer alone, summed
-          "notes": [str],
-          "error": str | null,
-          "memory_ratio_to_none": float | null, # memory_bytes / none's
-          "temp_ratio_to_none": float | null,   # temp / none's temp
-          "flops_ratio_to_none": float | null,
-          "predicted_ratio_to_none": float | null, # predicted_seconds / none's
-          "pareto": bool,                 # no other row has less or equal
-                                          # memory_bytes and FLOPs, one strictly
-          "formula_bytes": int | null,    # Korthikanti per layer x layers (tensor
-                                      # parallel row when devices split heads)
-      "formula_sp_bytes": int | null  # tensor + sequence parallel row, or null
-        }
-      ]
-    }
-
-Ratios and the Pareto front are computed among the records of one target.
-All byte figures are per device. Memory is compared (sorting, ratios, Pareto
-front, plot) by `Record.memory_bytes`, the figure `measure.memory_kind` names
-for the target: `temp_size_in_bytes` on the XLA CPU backend, whose
-`peak_memory_in_bytes` leaves temp buffers out (it is about arguments +
-outputs - aliased bytes, alike for every policy); the compiler's
-`peak_memory_in_bytes` on TPU and GPU targets, whose temp figure leaves out
-buffers the peak counts. Tables name the figure in their headers ("peak",
-"peak x none") and keep the other one in a column beside it.
+Every output is built from the same `rows`: each `Record` plus ratios to the `none` policy,
+Pareto optimality and the Korthikanti et al. 2022 estimate (`formula_bytes`), among the records
+of one target, memory compared by `Record.memory_kind`'s figure. Main names: `rows`, `table`,
+`print_table`, `side_by_side`, `write_json` (`SCHEMA_VERSION`), `write_csv`.
+Columns and the JSON schema: docs/compare.md ("What it prints").
 """
 
 from __future__ import annotations

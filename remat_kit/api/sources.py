@@ -3,6 +3,7 @@
 user's model or Workload function), as a `Source` that builds the workload at any
 sizes. Each failure raises `BadInput`, one line naming the file or flag;
 `experiments/` load their config files the same way.
+Docs: docs/models.md ("From the command line"), docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """remat-kit: what each remat policy costs on your model before you launch (compare,
 explain), the cheapest policy for a memory budget (plan), the longest sequence that fits (fit).
 
-    remat-kit compare --config gpt2_small --batch 8 --seq 1024 --dtype bfloat16 \\
-        [--policies a,b,c] [--mesh data:2,fsdp:2,tensor:2] [--target cpu,tpu:v5e:1x1] \\
-        [--time N] [--json out.json] [--plot pareto.png] [--wide]
-    remat-kit explain --config tiny --policy selective [--batch B] [--seq S] [--target T]
-    remat-kit plan --config gpt2_small --batch 8 --seq 1024 --budgets 0.2,0.4,6GiB \\
-        [--presets a,b | --no-presets] [--json plan.json] [--plot plan.png]
-    remat-kit fit --config llama_1b --budget 16GiB --vary seq [--batch 1] [--multiple 128] \\
-        [--target T] [--mesh data:2,fsdp:2] [--policies a,b,auto] [--json out.json] \\
-        [--plot fit.png]
+    remat-kit compare --config gpt2_small --batch 8 --seq 1024 --target cpu,tpu:v5e:1x1
 
-Each answer opens with the model map's line and the verdict (`remat_kit.cli.verdict`:
-the chip, the policy, what it gives and costs, what to paste), then a table that fits
-100 columns (`--wide` for every column). `compare` measures every policy compile-only
-(`remat_kit.measure.measure`) and prints a table sorted by memory
-(`remat_kit.api.report`). `explain` lists what one decoder layer saves, offloads and
-recomputes under one policy. `plan` runs
-the budget planner (`remat_kit.decide.plan`) for each budget and sets its frontier
-against the best fixed preset that fits. `fit` finds the longest sequence
-(or largest batch) whose whole train step fits a per-device memory budget
-under each policy (`remat_kit.decide.fit`). `--target` names the compiler
-(`remat_kit.measure.targets`): `tpu:v5e:2x2` compiles for a TPU slice ahead of time,
-on a machine without one.
-
-Bad input (unknown config or policy, a config file that does not load, a
-batch or sequence length that is not a positive int or too long for the
-model, a mesh that does not fit the batch or the devices, an unknown target or
-topology, libtpu missing, an output path that cannot be written or that is one
-of the command's inputs or another output) prints one line on stderr and exits
-with status 2, before anything is measured.
+`main` parses the flags and runs one command; each answer opens with the model map's line and
+the verdict, then a table; bad input is one line on stderr, exit status 2.
+The commands and their flags: docs/compare.md, docs/plan.md, docs/fit.md.
 """
 
 from __future__ import annotations

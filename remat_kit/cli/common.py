@@ -1,6 +1,8 @@
 """Flag values every command reads alike: the model's source with --batch and --seq (a
 config file's defaults otherwise), the --target list (libtpu and each TPU topology
-checked before anything is measured), and a plot's path per target."""
+checked before anything is measured), and a plot's path per target.
+Docs: docs/compare.md ("Flags"), docs/targets.md.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """`remat-kit compare`: every policy measured compile-only (`remat_kit.api.answers.measure`),
 one table per target sorted by memory (`remat_kit.api.report`), with --json, --csv and
---plot."""
+--plot.
+Docs: docs/compare.md.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """`remat-kit explain`: what one decoder layer saves, offloads and recomputes under one
 policy (`rk.explain`, `remat_kit.api.answers`), its constants on one line apart, and the whole
-step's peak where asked."""
+step's peak where asked.
+Docs: docs/compare.md ("`remat-kit explain`: what one layer keeps").
+"""
 
 from __future__ import annotations
 

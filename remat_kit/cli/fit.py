@@ -1,6 +1,8 @@
 """`remat-kit fit`: the longest sequence (or largest batch) whose whole train step fits
 a per-device memory budget under each policy (`remat_kit.decide.fit`), with what holds
-the floor and its remedy."""
+the floor and its remedy.
+Docs: docs/fit.md.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """`remat-kit fit`'s outputs: the table, the JSON and the bar chart of a
-`remat_kit.decide.fit.FitResult`."""
+`remat_kit.decide.fit.FitResult`.
+Docs: docs/fit.md.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """`remat-kit plan`: the budget planner (`remat_kit.decide.plan`) for each budget, set
 against the best fixed preset that fits, with what holds a budget below the minimum,
-the offload probe's figure, --json (for `rk.remat_model` and training) and --plot."""
+the offload probe's figure, --json (for `rk.remat_model` and training) and --plot.
+Docs: docs/plan.md.
+"""
 
 from __future__ import annotations
 

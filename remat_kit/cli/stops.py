@@ -1,13 +1,9 @@
 """How a command ends on Ctrl-C (SIGINT) or SIGTERM: one line and 128 + the signal.
 
-Without this, Ctrl-C during a compile, a --model import or its FUNCTION printed
-a traceback of 20-195 lines, and SIGTERM XLA's "*** SIGTERM received" stack
-trace. `catching` turns either signal into `Stopped` in the main thread,
-wherever it is (the user's code too: it is a BaseException, so the `except
-Exception` that turns one policy's failure into its row lets it through), and
-`kept` says what the run leaves: every cache write is whole or not at all
-(`remat_kit.files.atomic_write`, the figure cache's rename), so what was kept
-is the cache entries written before the signal.
+`catching` turns either signal into `Stopped` (a BaseException, so the `except Exception` that
+makes one policy's failure its row lets it through) in the main thread, wherever it is, instead
+of a long traceback; `kept` says what the run leaves: the cache entries written before the signal
+(every write is whole or not at all). Docs: docs/compare.md ("Flags").
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The verdict: the first lines of every compare, plan and fit. One line says which
-policy to use on which chip, what it gives and what it costs against no remat; the
-next says what to paste; on the CPU without --target a third says the figures are
-the CPU's.
+"""The verdict: the first lines of every compare, plan and fit.
 
-Each command picks its `Choice` (compare: `pick_compare`; plan: the plan for the
-first budget, named by the preset it equals; fit: `fit_report.pick_fit`), and
-`verdict` words it the same way for all three.
+One line says which policy to use on which chip, what it gives and what it costs against no
+remat; the next says what to paste; on the CPU without --target a third says the figures are the
+CPU's. Each command picks its `Choice` (compare: `pick_compare`; plan: the first budget's plan;
+fit: `fit_report.pick_fit`), and `verdict` words it alike. Docs: docs/compare.md ("What it prints").
 """
 
 from __future__ import annotations

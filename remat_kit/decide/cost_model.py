@@ -1,24 +1,10 @@
 """The planner's cost model: what saving or recomputing each tag costs, measured from the program.
 
-The loss is traced forward (`jax.make_jaxpr`) and flattened (`Program`): calls
-that only group equations (`jax.jit` / `nn.jit` / `nnx.jit`, `closed_call`,
-custom_jvp / custom_vjp functions) are inlined, so tags inside them are seen;
-every remat region (`checkpoint`) is a *region*, whose inputs the remat keeps
-(a recompute never reaches past them); a `scan` body is a level of its own whose
-tags count once per trip. The regions outside any scan that hold tags are the
-*layers*, in forward order: per-layer decisions (`Program.model(groups=G)`)
-decide each tag per group of consecutive layers. A scanned stack's layers are
-one body, so its tags are decided for all layers at once (`Program.per_layer`
-says why not otherwise).
-
-In the forward pass each tag has a *segment*: the equations between it and its
-nearest tagged ancestors (its *parents*), the region's or level's inputs, and
-the values the base rule saves (`dots` saves every `dot_general` output, so a
-segment stops there and the dot is never recomputed). A tag's recompute cost is
-its segment's FLOPs (each equation's from XLA's cost analysis of that equation
-alone) and predicted seconds (the segment priced as one fusion,
-`time_model.segment_seconds`); its bytes are its values' bytes, none where the
-base rule saves them anyway.
+`Program` flattens the traced loss into regions, scan levels and layers; each tag's segment (the
+equations back to its tagged parents, the region's inputs or what the base rule saves) gives its
+recompute FLOPs and seconds, its values their bytes. Main names: `cost_model` (the items, for
+`milp.CostModel`), `Program`, `forward_jaxpr`, `with_region_policies`.
+How costs are measured and where they fall short: docs/plan.md ("How it works").
 """
 
 from __future__ import annotations

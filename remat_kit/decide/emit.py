@@ -1,19 +1,10 @@
 """A plan written out for the framework that runs it: MaxText overrides, a JAX policy, a call.
 
-`emit(plan, "maxtext")` gives MaxText's command-line overrides for a plan that is
-one policy for every layer: `remat_policy=custom` and one `TENSOR=device|offload|remat`
-for each tensor MaxText's custom policy knows (the names its `configs/base.yml` lists
-under `remat_policy`, `MAXTEXT_TENSORS`). `emit(plan, "jax")` gives the
-`jax.checkpoint_policies` expression, for a model that tags its own values with
-`checkpoint_name`. `emit(plan, "remat_kit")` gives the `rk.remat_model` call, which
-runs any plan, per layer or not, on a Flax model.
-
-A tag the plan keeps is written under each name the model gives that value
-(`Plan.aliases`: a role and the model's own `checkpoint_name`, e.g. `context` and
-MaxText's `attention_out`), so the setting takes whichever name the model emits.
-Where the framework cannot say the plan, `emit` raises `EmitError` with one line
-saying why: a per-layer plan or a base rule (MaxText and a JAX name policy take one
-setting per tensor), no remat, or a tag the framework has no name for.
+`emit(plan, "maxtext")` gives MaxText's `remat_policy=custom` overrides (`MAXTEXT_TENSORS`, from
+its configs/base.yml), `emit(plan, "jax")` the `jax.checkpoint_policies` expression,
+`emit(plan, "remat_kit")` the `rk.remat_model` call; a kept tag is written under each of its
+names (`Plan.aliases`). A plan the framework cannot say raises `EmitError`, one line why.
+The rules and an example: docs/plan.md ("The model's own tags ..."; `--emit`).
 """
 
 from __future__ import annotations

@@ -1,48 +1,10 @@
 """Fit: the longest sequence or the largest batch each policy allows within a device-memory budget.
 
-The question remat answers for most users is not "how many bytes does
-`minimal` use" but "with 16 GiB per chip, how long a context can I train
-with each policy, and what does each cost in FLOPs?". MaxText's memory
-estimator answers a narrower version for its own models: it binary-searches
-the batch size against an out-of-memory compile. `fit` answers it for the
-workload (a reference config, a model of the user's) under any policy,
-compile-only.
-
-What is measured is the whole train step (`remat_kit.decide.step.step_memory`).
-
-The search (`fit`) works in units of `multiple` (sequence lengths: 128 by
-default; batch sizes: 1) and predicts, then verifies (`fit_search._search`):
-each compile goes to the size where a curve through the sizes compiled so far
-crosses the budget (a quadratic in seq: attention scores are
-[batch, heads, seq, seq]; a line in the batch), bisecting where predictions
-do not shrink the bracket. On XLA:TPU and GPU the policy's step is traced
-(`fit_estimate`: its residuals and largest value at each size, no compile):
-the first compile goes a little below where that estimate puts the answer, and
-the curve between compiles is the estimate scaled through them; on XLA:TPU the
-compiler's HBM limit is read first (a one-op compile), so no jump aims above
-it. A policy costs at most 4 compiles on the reference configs and the zoo's
-models (tests/test_fit_compiles.py) and on step shapes like llama_1b's on a v5e
-chip and a 70B's on a v5p mesh (tests/test_fit_search.py). The size found is
-exact: it fits and size + multiple does not, both compiled. No remat's
-overhead figure is compiled at the answer, unless its estimate is far over the
-budget: then its FLOPs come from the traced programs (`FitRow.none_flops`).
-
-On a mesh (`mesh=`, `remat-kit fit --mesh`) the step is the SPMD program of
-the workload's loss plus the update; the budget and every byte
-figure are per device, the sizes global (the batch is split over data x
-fsdp).
-
-The auto row ("auto", or "auto:budget=" the same budget) is the budget
-planner's choice at each size (`remat_kit.decide.plan`, each tag decided per
-layer, so a plan may differ from layer to layer): the whole-step budget is
-translated into the planner's value-and-grad budget (its temp memory on CPU)
-by taking off what the step holds besides (full remat's step memory minus the
-planner's figure for full remat at that size, `Planner.minimum`), the planned
-policy's whole step is compiled, and an over-budget plan is planned again with
-the overshoot taken off (3 tries). Of it and every policy already compiled at
-that size (the other rows', `full`), the one with the fewest FLOPs whose step
-fits is picked (`FitRow.picked`). The auto row is searched last, from the
-largest size the other rows found.
+`fit` compiles the whole train step (`step.step_memory`) at sizes a curve predicts and proves the
+answer exact (size fits, size + multiple does not); an "auto" row lets the planner pick per size.
+Main names: `fit`, `FitResult`, `FitRow`. MaxText's memory estimator answers a narrower form
+(a binary search on the batch against an out-of-memory compile).
+The search, meshes and the auto row: docs/fit.md (and "The auto row").
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """What a train step holds beyond its state, estimated from one trace: no compile.
 
-`fit` (`fit_search._search`) compiles a size only to verify; where to compile first,
-and how the memory bends between compiled sizes, come from this estimate, traced at
-each size it asks about (a trace is a second at 70B's shapes, a compile minutes).
-
-The estimate at a size is the bytes of the residuals the policy's value-and-grad
-saves (`residuals.stage`; parameters kept by reference left out: the state holds
-them) plus the largest value the program computes that is not a residual (one
-layer's attention scores, the logits' gradient): what the backward pass holds on
-top of them at its peak. Per device: the residuals by the share of the batch's
-tokens a device holds, the largest value over all devices. It misses the
-compiler's fusion and scheduling, so it is a shape, not a figure: `Estimate`
-scales it through compiled sizes (the compiled step grew by 0.5x of it for
-llama_1b on XLA:TPU v5e, 1.09x for a 70B-shaped step on a v5p mesh, 3.4x for a
-zoo model on XLA CPU).
-
-Also here, for the same search: FLOPs counted on the traced program
-(`traced_flops`), and the HBM the compiler holds a program to (`compiler_capacity`).
+`fit` compiles a size only to verify; where to compile first, and how memory bends between
+compiled sizes, come from this estimate: the residuals the policy's value-and-grad saves plus the
+largest other value it computes, per device, scaled through compiled sizes (`Estimate`). Also
+`traced_flops` (FLOPs of the traced program) and `compiler_capacity` (the HBM a compile may use).
+The estimate, its scales as measured and the search: docs/fit.md (the search's paragraphs).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """fit's search: for one policy, the largest size whose compiled train step fits.
 
-`fit_one` searches sizes (multiples of the unit) for one policy: sizes compiled
-before predict the next (`_predict`: from the floor's line through the first
-size, then a curve through the compiled sizes), bisecting where predictions do
-not close in (`_search`); `Steps` keeps
-every compiled step, so rows share them; `AutoRow` is the planner's row,
-choosing at each size among its plan and the steps already compiled. The public
-call and its checks are `remat_kit.decide.fit.fit`.
+`fit_one` searches sizes (multiples of the unit): compiled sizes predict the next, bisecting where
+predictions do not close in; `Steps` keeps every compiled step so rows share them; `AutoRow` is
+the planner's row, choosing at each size among its plan and the steps already compiled.
+The public call and its checks are `remat_kit.decide.fit.fit`. Docs: docs/fit.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """What a memory budget cannot go below, known before anything compiles.
 
-No policy saves the parameters or the optimizer state: a train step holds
-them whatever it rematerializes, so a budget below them fits nothing, and
-saying so costs a `jax.eval_shape`, where finding it out costs compiles (a
-53 s compile in experiments/train.py, 17 in `remat-kit plan`).
-
-* The whole train step (`remat-kit fit`, experiments/train.py's
-  `memory_budget`): parameters + optimizer state (`step_floor`).
-* The planner's value-and-grad figure (`remat-kit plan`, `auto:budget=`):
-  on targets whose figure is the compiler's peak (TPU, GPU), the parameters
-  (arguments) and their gradients (outputs), which are live together when
-  the step ends (`planner_floor`). On the XLA CPU backend the planner's
-  figure is temp memory, which holds neither, so there is no floor to check
-  before compiling.
-
-All bytes are per device: parameters and optimizer state sharded as the
-mesh shards them.
+No policy saves the parameters or the optimizer state, so a budget below them fits nothing; a
+`jax.eval_shape` says so where compiles would. `step_floor`: the whole train step's (parameters +
+optimizer state); `planner_floor`: the planner's figure on TPU and GPU (parameters and their
+gradients; none on XLA CPU, whose figure is temp); `check` raises `BudgetError`. Per device.
+The rule and the figures: docs/plan.md ("A floor known before compiling").
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The planner's decision program: save, offload or recompute each item, as a MILP.
 
-`CostModel` holds what each decision item (a tag, or a tag in a group of layers)
-costs, as `remat_kit.decide.cost_model.Program.model` measures it from the
-program, and `CostModel.solve` picks the cheapest items to keep within a room of
-bytes. Ties are broken by a stated rule (`solve`): fewer FLOPs (or predicted
-seconds), then fewer stored bytes, then roles before the model's own names before
-module paths, then by name (`tie_rank`), so the same costs give the same plan in
-any process.
+`CostModel` holds what each item (a tag, or a tag in a group of layers) costs, and
+`CostModel.solve` picks the cheapest within a room of bytes (`scipy.optimize.milp`, each run
+bounded by `SOLVE_SECONDS`). Ties go by a stated rule (`tie_rank`), so the same costs give the
+same plan in any process. Source: Checkmate (Jain et al. 2020), one recompute stage.
+The program and the tie rule: docs/plan.md ("How it works", "The tie rule").
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Offload in the planner: where transfers go, what they cost, and what they did.
 
-The planner's third decision per tag moves its values to host memory in the
-forward pass and back in the backward pass (`Policy.offload`, JAX's
-`Offloadable` to "pinned_host"). Here: the host bandwidth a target plans with
-(`offload_bandwidth`, figures and sources in `targets.PEAKS`), the transfer
-seconds a policy's offloads leave unhidden behind its layers' compute
-(`transfer_seconds`, from `cost_model.CostModel.excess`), and the verification
-of a plan that offloads: compiled against the same policy with those tags saved
-on the device (`verify`), with the compiler's host memory figure.
-
-How far the device memory falls is measured before planning, on the model
-itself (`remat_kit.decide.offload_probe`): the cost model charges an offloaded
-byte 1 - the probe's figure, and offload is planned only where the figure is
-above 0. `verify` shows the plan's own fall beside the probe's prediction.
+The planner's third decision per tag moves its values to host memory and back (`Policy.offload`,
+JAX's `Offloadable` to "pinned_host"). Here: the host bandwidth a target plans with
+(`offload_bandwidth`, `targets.PEAKS`), the transfer seconds left unhidden by its layers'
+compute (`transfer_seconds`), and a plan's check against the same tags saved (`verify`).
+The probe, the bandwidths and measured cases: docs/plan.md ("Offload").
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """The offload probe: what the compiler really does with an offloaded residual, on this model.
 
-The cost model's ideal is that an offloaded residual leaves the device. XLA's
-TPU and GPU compiles keep part of it there (the transfer's device buffers stay
-live), and for an unrolled stack XLA:TPU's device peak often rose above saving
-the same values. So before the planner trusts offload on a target it compiles
-the user's own loss twice: the tag set the plan decides offloaded, and the same
-set saved (`probe`). Its figure, device bytes removed per byte offloaded,
-
-    figure = (device memory saving S - device memory offloading S) / bytes offloaded,
-
-is 1 where offload frees all it moves, 0 where it frees nothing, and negative
-where the peak rose. The cost model then charges (1 - figure) of an offloaded
-item's bytes to the device (`CostModel.offload_share`), and offload is planned
-only where the figure is above 0 (`Probe.pays`).
-
-Measured on the tiny GPT-2 (2 layers, batch 8, seq 128, f32; libtpu 0.0.52),
-offloading {mlpwi, mlp_act}: tpu:v5e:1x1 scanned 0.468, unrolled -0.319; the
-CPU 0.0 either way (tests/test_plan_offload.py). A scanned stack and an unrolled
-one are compiled differently (XLA:TPU keeps a scan's stacked residuals in host
-memory), so the figure is kept per stack kind: the figure cache holds it under
-the traced program (`PlannerCompiles.fingerprint`, which holds the target and the
-compiler), the stack kind and the tag set (`figure_cache`).
-
-On the CPU host memory is device memory (`CPU_OFFLOAD_NOTE`): its compile counts
-the offloaded residuals in temp just as saved ones, so the figure there is what
-the compile says: 0.000 for the tiny GPT-2's MLP tags, 0.098 for all its tags at
-batch 2, seq 32 (where XLA's CPU buffer assignment differs between the two
-compiles by 64,512 bytes), and offload is planned by that figure like any other.
+XLA's TPU and GPU compiles keep part of an offloaded residual on the device, so before the planner
+trusts offload it compiles the user's loss twice, a tag set offloaded and saved (`probe`), and
+takes figure = (peak saving - peak offloading) / bytes offloaded: 1 frees all, 0 nothing.
+The cost model charges (1 - figure) of an offloaded byte to the device (`Probe.pays` if > 0).
+The figure, measured values and the CPU case: docs/plan.md ("Offload").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A plan, the planner's answer for one budget, and the JSON file plans are cached in.
 
-Plans are cached keyed by a fingerprint of the traced program (model, shapes,
-dtypes, shardings), the JAX version, the target, the memory figure, the budget,
-the layer groups and the objective (`Planner.plan` builds the key), so a
-restarted run does not plan again and a plan made for one figure is never
-returned for another. Each plan is sealed (`remat_kit.measure.sealed`): one
-whose checksum or figures fail the check when read back (a changed digit, a
-negative byte count, a missing field) is planned again and overwritten.
+`Plan` is the answer; `read_cache`, `cached_plan` and `write_cache` keep plans keyed by the
+traced program's fingerprint, the JAX version, the target, the memory figure, the budget, the
+groups and the objective, each sealed (`measure.sealed`): one failing its check is planned again.
+Docs: docs/plan.md ("Plans are cached", in "How it works").
 """
 
 from __future__ import annotations

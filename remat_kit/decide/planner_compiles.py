@@ -1,14 +1,10 @@
 """The planner's compiles: each policy's record, made once, and the programs traced for them.
 
-`PlannerCompiles` is the compile cache a `remat_kit.decide.plan.Planner` holds:
-a policy (or one per layer, the model's program with each layer's remat region
-under its own) is compiled once, as the value-and-grad step `compare` measures
-(`remat_kit.measure.measure`) or, for a planner of step "train", as the whole
-train step (`remat_kit.decide.step_records`), and its `Record` kept, keyed by
-`str(policy)` (`layers_summary` for one per layer); no remat's figures, the
-program's fingerprint (what the plan cache keys by) and the forward program the
-cost model reads come from here. It takes `Policy` values only: text is parsed
-above it (`remat_kit.api`, the CLI).
+`PlannerCompiles` is the compile cache a `Planner` holds: a policy (or one per layer) is compiled
+once, as the value-and-grad step `compare` measures or, for step "train", the whole train step,
+and its `Record` kept by `str(policy)`; no remat's figures, the program's fingerprint (the plan
+cache's key) and the forward program the cost model reads come from here. `Policy` values only.
+Docs: docs/architecture.md ("The planner's parts").
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The planner's costs: the cost model of the program, and how a compiled policy is ranked.
 
-`PlannerCosts` is the cost model a `remat_kit.decide.plan.Planner` holds: one
-`CostModel` per base rule and layer grouping, read from the forward program of
-its compiles (`PlannerCompiles.program`), with the measured share of a saved byte
-and the offload probe's device share where offload is planned; the policy a MILP
-solution stands for, each policy's predicted step seconds
-(`remat_kit.measure.time_model`), and the score the objective ranks compiled
-records by.
+`PlannerCosts` is the cost model a `Planner` holds: one `milp.CostModel` per base rule and layer
+grouping, with the measured share of a saved byte (`MIN_BYTE_SHARE`) and the offload probe's
+figure; the policy a MILP solution stands for, each policy's predicted step seconds, and the
+score the objective ranks compiled records by (`TIME_RESOLUTION`).
+Docs: docs/architecture.md ("The planner's parts"), docs/plan.md ("How it works").
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The planner's search: a budget's plan solved, verified by compiling, and kept.
 
-`plan(planner, budget)` is `Planner.plan`: each base rule whose own compile fits
-is a starting point, the MILP (`remat_kit.decide.cost_model`) fills the room the
-budget leaves above it, the best predicted candidate is compiled and solved again
-with the room corrected (up to `max_iterations` compiles), and every compiled
-policy is a candidate; `frontier` makes a list of budgets' plans monotone. The
-`Planner` (`remat_kit.decide.plan`) holds the measurements these read.
+`plan(planner, budget)` is `Planner.plan`: each base rule whose compile fits is a starting point,
+the MILP fills the room the budget leaves above it, the best predicted candidate is compiled and
+solved again with the room corrected (up to `max_iterations`), every compiled policy a candidate;
+`frontier` makes budgets' plans monotone; `predict`, `what_holds`. Reads the `Planner`'s parts.
+Docs: docs/plan.md ("How it works"), docs/architecture.md ("The planner's parts").
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """One train step of a workload: its device memory per device, compiled, or run.
 
-The step is the whole train step: forward, backward and the optimizer update
-(optax AdamW unless another optimizer is given), jitted with the parameters
-and optimizer state donated, lowered on `jax.ShapeDtypeStruct`s and compiled;
-nothing is allocated. Its device memory in use at the step's peak is
-
-* on the XLA CPU backend: argument + temp + output - alias bytes
-  (`memory_analysis()`), because CPU's `peak_memory_in_bytes` leaves out temp
-  buffers;
-* on backends whose compiler reports a peak (TPU, GPU):
-  `peak_memory_in_bytes`.
-
-`StepMemory.source` says which one a figure is. `train_step` gives the same
-step as a function to run (`benchmarks/gpu_truth.py` times it on a GPU).
+The step is forward, backward and the optimizer update (optax AdamW unless given), parameters and
+optimizer state donated, compiled on `jax.ShapeDtypeStruct`s. Its memory (`in_use_bytes`) is
+argument + temp + output - alias on XLA CPU (whose peak leaves out temp), the compiler's peak on
+TPU and GPU; `StepMemory.source` says which. Main names: `step_memory`, `train_step`, `StepMemory`.
+What is counted and why: docs/fit.md (the paragraph after the flags).
 """
 
 from __future__ import annotations

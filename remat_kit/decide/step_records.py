@@ -1,22 +1,10 @@
 """The planner's figures of the whole train step: each policy compiled as `fit` compiles it.
 
-A `Planner` made with `step="train"` budgets the device memory of the whole
-training step (`remat_kit.decide.step`: value and grad, then the optimizer
-update, the parameters and optimizer state donated): the parameters, their
-gradients, the optimizer state and its update, the batch, and what the policy
-keeps for the backward pass. So a budget can be the device's memory as it is
-(a TPU v5e chip's 15.75 GiB), with no value-and-grad figure to work out first.
-`train_record` compiles that step under one policy (or one per layer) and
-returns a `Record` whose memory (`Record.train_step_bytes`, `fit`'s
-`StepMemory.total_bytes`: the compiler's peak on TPU and GPU, argument + temp +
-output - alias on the XLA CPU backend), FLOPs and predicted seconds (the time
-model read from the compiled step, where its executable is at hand) are the
-step's; its residuals are those of the value-and-grad program, traced (nothing
-compiled for them).
-
-The cost model is unchanged: what a saved tag adds to the value-and-grad step
-it adds to the train step (the optimizer's memory is the same under every
-policy), and each plan is verified by compiling its train step.
+A `Planner` made with `step="train"` budgets the whole training step's device memory
+(`remat_kit.decide.step`: value and grad, then the update), so a budget can be the device's
+memory as it is. `train_record` compiles that step under one policy (or one per layer) into a
+`Record`; `default_step` and `check_step` pick and check the step.
+The `--step` rule and what it changes: docs/plan.md (`--step grad|train`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """A `Workload` from a Flax model that is not a token LM: a batch of any inputs and a loss.
 
-A vision transformer on images, a diffusion transformer on latents and
-timesteps, an encoder on a dict of token ids and masks: `workload(model, batch,
-loss)` measures `loss(model(...batch...), batch)` as `from_model` measures a
-language model's next-token loss, with the same block finding
-(`from_model.linen_block`, `from_model.nnx_block`), tagging and dataflow roles
-(`remat_kit.trace.roles`).
-
-The model is called on the batch by one rule (`call_args`):
-
-| batch | call |
-| --- | --- |
-| a tuple or list `(x, t)` | `model(x, t)` |
-| a dict `{"input_ids": ..., "attention_mask": ..., "labels": ...}` | `model(input_ids=..., attention_mask=...)`: the entries its `__call__` names (all of them where it takes `**kwargs`) |
-| an array, or any other pytree | `model(batch)` |
-
-`loss(output, batch) -> scalar` always sees the whole batch, so labels ride in a
-dict entry the model does not take. Without a loss, a batch of one int array
-[batch, seq] is a token LM's (`from_model`'s next-token loss); any other batch
-is refused: a scalar of the output chosen for the user (a mean of squares) would
-measure a backward pass, but train nothing the user meant.
-
-Sizes: every leaf's leading axis is the batch; the sequence axis is axis 1 of
-the integer or boolean leaves of rank 2 or more whose axis 1 is as long as the
-first int array of rank 2 in the batch (token ids, masks, per-token labels).
-A batch with no such leaf (images, latents) has no sequence axis: its workload's
-`seq` is None.
+`workload(model, batch, loss)` measures `loss(model(...batch...), batch)` (a ViT on images, a DiT
+on latents, an encoder on a dict) with `from_model`'s block finding, tagging and roles. The model
+is called on the batch by one rule (`call_args`: a tuple, a dict by its `__call__`'s names, or the
+batch); every leaf's leading axis is the batch. Main names: `workload`, `call_args`.
+The call rule, the sizes and the loss: docs/models.md ("Models that are not token LMs").
 """
 
 from __future__ import annotations

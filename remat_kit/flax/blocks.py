@@ -1,14 +1,10 @@
-"""Which modules of a model not ours are its layers (the units each remat region wraps), from
-its module instances: the unit its own library would remat, the outermost module called once
-per layer, even where the layers of one class differ in structure.
+"""Which modules of a model not ours are its layers (the units each remat region wraps).
 
-Found: of the module classes holding submodules of their own (not a Dense or a norm) and
-running at least two layers (a scanned instance runs its scan's length), the one whose
-instances hold the most parameters (ties: the outermost), unless it is a container of
-stacks (each instance holds two or more layers of another such class, named as a sequence
-or holding nine tenths of its parameters: a T5 stack class used for the encoder and the
-decoder); with it every other such class whose instances lie apart from its layers (an
-encoder's layers beside a decoder's).
+`pick_block` takes the unit its own library would remat: of the classes holding submodules and
+running at least two layers, the one whose instances hold the most parameters (ties: the
+outermost), unless it is a container of stacks, plus every other such class lying apart from
+those layers (an encoder's beside a decoder's). `block=` names them instead (`ModelError`).
+The rule, with examples: docs/models.md ("A Flax model, no glue", step 2).
 """
 
 from __future__ import annotations

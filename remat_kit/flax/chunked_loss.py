@@ -1,15 +1,10 @@
 """Next-token cross-entropy computed over vocabulary chunks, for a smaller peak.
 
-The plain loss materializes the logits [batch, seq, vocab] in float32, and its
-gradient as large again: for GPT-2 small at batch 8, seq 1024 that is 1.5 GiB
-each, more than a remat policy of the layers can free. Here the logits are made
-one vocabulary chunk at a time inside a `jax.lax.scan` whose body is
-rematerialized (`jax.checkpoint`): the forward pass keeps a running max, sum of
-exponentials and target logit per token (Milakov & Gimelshein 2018, "Online
-normalizer calculation for softmax"), and the backward pass recomputes each
-chunk's logits. The largest temporary is one chunk, [batch, seq, vocab /
-chunks]. MaxText's `num_vocab_tiling` makes the same trade by tiling the
-tokens; Liger-Kernel's fused linear cross-entropy by tiling both.
+The float32 logits and their gradient are made one vocabulary chunk at a time in a rematerialized
+`lax.scan` keeping a running max, sum of exponentials and target logit (Milakov & Gimelshein 2018,
+"Online normalizer calculation for softmax"); the largest temporary is one chunk.
+Main names: `chunked_head_loss`, `chunked_logits_loss`, `check_chunks`.
+Docs: docs/plan.md (`--vocab-chunks`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """A `Workload` from any Flax language model, linen or NNX, with no glue code.
 
-The model maps int32 tokens [batch, seq] to logits [batch, seq, vocab], or to
-a dict or object with a `logits` entry. `workload(model, batch, seq)`
-
-1. builds the next-token loss: mean cross-entropy of logits[:, :-1] against
-   tokens[:, 1:] (`optax.softmax_cross_entropy_with_integer_labels`);
-2. finds its layers (`blocks.pick_block`): the unit its own library would remat,
-   layers of one class differing in structure included; `block=` names them;
-3. traces the loss once, each layer call in a marked remat region and every submodule
-   output tagged by its path (`rk.linen.auto_tag`, `rk.nnx.auto_tag`), infers each value's
-   role (`trace.roles`), finds the model's own remat (`trace.own_remat`: a whole
-   layer's is taken over by the policy), and
-4. returns a workload whose loss runs each layer under the policy
-   (`remat_kit.trace.regions`), with its model map (`Workload.model_map`).
+`workload(model, batch, seq)` takes a model of int32 tokens [batch, seq] -> logits [batch, seq,
+vocab] (or a dict/object with `logits`), builds the next-token loss (`next_token_loss`), finds
+its layers (`blocks.pick_block`), traces it once with layers marked and values tagged by path and
+role, takes over the model's own remat, and returns a workload that runs each layer under a policy.
+The steps and the model map: docs/models.md ("A Flax model, no glue").
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Drop-in remat for flax.linen models: class form, instance form, auto-tagging.
 
-Auto-tagging (`auto_tag`, `path_name`, `tags`) lives in `remat_kit.flax.linen_tags`;
-`rk.linen` offers it here with the remat forms.
-
-    import remat_kit as rk
     Block = rk.linen.remat(Block, "selective")                 # class form
     model = rk.linen.apply_remat(model, {"Block": "full"})     # instance form, source untouched
-    with rk.linen.auto_tag():                                  # name Dense/LayerNorm/... outputs
-        loss = ...model.apply(...)                             # by module path
 
-Parameters keep their structure and names under every form: a checkpoint of
-the unwrapped model applies unchanged.
+`auto_tag` (from `linen_tags`) names module outputs by path. Parameters keep their structure
+and names under every form: a checkpoint of the unwrapped model applies unchanged.
+The forms, role presets and their notes: docs/wrappers.md.
 """
 
 from __future__ import annotations

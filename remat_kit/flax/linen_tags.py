@@ -4,9 +4,7 @@
         loss = ...model.apply(...)
     rk.linen.tags(model, x)                    # {path tag: ShapedArray} the model emits
 
-The names are what path-glob specs select (`save:*/attn/query;recompute:*`); the
-remat forms in `remat_kit.flax.linen` read the active contexts (`tagging`) and name a
-module traced on its own by its path in the model (`prefixed`).
+Path-glob specs select these names (`save:*/attn/query;recompute:*`). Docs: docs/wrappers.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The measured program, applied: a user's Flax model run exactly as `compare --model` measured it.
 
-`remat_model(model, policy)` returns the model (linen: a module with the same
-`init`/`apply` and parameter tree; NNX: a copy with the same arrays and state
-paths) whose forward pass is made the way `remat_kit.flax.from_model` makes the
-program `compare`, `plan` and `fit` measure: the call is traced once per
-argument signature with each layer (`blocks.pick_block`) marked and every
-submodule output tagged by path, the dataflow roles are inferred
-(`query_proj`, `attn_probs`, ...), and `remat_kit.trace.regions` runs each block
-under its layer's policy, the model's own remat of whole layers taken over
-(`regions.build`, `own_remat.find`: one code path for both). So the
-gradients of a loss of its output compile to the program measured for that
-policy: equal temp memory and FLOPs.
-
-    model = rk.remat_model(model, "minimal")                 # a preset, on every block
-    model = rk.remat_model(model, ("full", "minimal"))       # one policy per block
-    model = rk.remat_model(model, rk.plan(...))              # a Plan, per layer or not
-    model = rk.remat_model(model, "plan.json", budget="0.5") # remat-kit plan --json
+`remat_model(model, policy)` returns the model (linen: the same `init`/`apply` and parameters;
+NNX: a copy with the same arrays) whose forward pass is made by the code that makes the measured
+program (`trace.regions.build`), so its gradients compile to equal temp memory and FLOPs.
+`policy`: a spec, one per block, a `Plan`, or a plan file (`read_plan`, with `budget=`).
+The forms and an example: docs/models.md ("Train with the measured program").
 """
 
 from __future__ import annotations

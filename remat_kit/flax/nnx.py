@@ -1,14 +1,11 @@
 """Drop-in remat for flax.nnx models: class form, instance form, auto-tagging.
 
-    import remat_kit as rk
     Block = rk.nnx.remat(Block, "selective")                   # class form
     model = rk.nnx.apply_remat(model, {"Block": "full"})       # instance form
     model = rk.nnx.auto_tag(model)                             # name Linear/LayerNorm/... outputs
 
-NNX modules are mutable graphs of Python objects. The instance forms return a
-new graph (`nnx.split` then `nnx.merge`: the same arrays, new Variables) whose
-matching nodes are switched to a subclass of their class that wraps the
-method; the input model is left as it was. `nnx.state` paths do not change.
+The instance forms return a new graph sharing the arrays; the input model is left as it was.
+The forms and their rules: docs/wrappers.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """A model's own partitioning: where its parameters and its batch go on a mesh.
 
-A model library names each parameter's dimensions and maps them to mesh axes:
-linen with `nn.with_logical_partitioning` (logical names, mapped by logical-axis
-rules: the boxes' own `rules=`, or `nn.logical_axis_rules` /
-`nn.set_logical_axis_rules` where the workload is built) or `nn.with_partitioning`
-(mesh axes), NNX with `sharding=` / `nnx.with_partitioning` metadata on
-`nnx.Param` (mesh axes, or logical names where rules are set), and the mesh
-itself where the model is built over one of its own (`mesh=` on the boxes or
-metadata, or a `NamedSharding` in its code). `resolve` puts that together with a
-`--mesh` given for the axes the model leaves open:
-
-* the mesh: the model's own, in its own device order; else `--mesh`;
-* the rules: the model's; else `remat_kit.mesh.rules` (MaxText's names);
-* each parameter: sharded as its names map (a dimension that its mesh axes do
-  not divide stays whole), unnamed ones whole on every device;
-* the batch: split over the mesh axes the rules give the logical axis `batch`
-  (or the first logical axis whose name holds "batch", e.g. MaxText's
-  `activation_batch`), else over the mesh's `data` and `fsdp` axes.
-
-This is how a training codebase places a step it compiles ahead of time
-(`jax.jit(train_step, in_shardings=..., out_shardings=...)`), so the program
-measured is the one it runs.
+`resolve` reads a model's partitioning (linen `nn.with_logical_partitioning` / `with_partitioning`,
+NNX `nnx.with_partitioning`, its own mesh and logical-axis rules) and puts it together with a
+`--mesh` for the axes it leaves open: the mesh, the rules, each parameter's sharding and the
+batch's, as a training codebase places a step it compiles ahead of time.
+The rules it follows: docs/meshes.md ("A model's own partitioning").
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The user's model for `--model FILE.py:FUNCTION` or `--model package.module:FUNCTION`.
 
-FUNCTION either takes no arguments and returns a linen or NNX language model
-(tokens [batch, seq] -> logits; `remat_kit.flax.from_model`), or `(model, batch)`
-or `(model, batch, loss)` for a model of other inputs (images, latents and
-timesteps, a dict of token ids and masks; `remat_kit.flax.batch_model`), or takes
-(batch, seq) and returns a `remat_kit.Workload`. Every failure (the file or
-module does not import, FUNCTION is missing or returns the wrong type, the
-model's output has no logits, no repeated block, a --block that matches
-nothing) is a `ModelError` naming the value and what was expected, raised
-before anything compiles.
+FUNCTION returns a linen or NNX language model, `(model, batch[, loss])` for other inputs, or
+takes (batch, seq) and returns a `Workload`; `load` gives the workload. Every failure (does not
+import, wrong return type, no logits, no repeated block, a --block that matches nothing) is a
+`ModelError` naming the value and what was expected, before anything compiles.
+The forms: docs/models.md ("From the command line").
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ naming its source); the CPU's are measured once on this machine
 (`calibrate_cpu`) and kept in a small JSON file. `of_chip` picks one for a
 chip as `remat_kit.measure.targets.Target.chip` names it; a `Target` keeps
 its own (`Target.roofline`), so a report reads the figures once.
+Docs: docs/targets.md ("The time model").
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Figures of a compiled program: XLA's memory analysis, and FLOPs with loop bodies
-counted once per trip."""
+counted once per trip.
+Docs: docs/targets.md ("FLOPs"), docs/compare.md.
+"""
 
 from __future__ import annotations
 

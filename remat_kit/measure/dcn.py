@@ -1,20 +1,10 @@
 """What a multi-slice TPU program sends across its slices, over the data-center network.
 
-On several TPU slices (`tpu:v5p:4x4x4:slices=2`) the chips of one slice talk over
-their inter-chip links and the slices over the data-center network (DCN), an
-order of magnitude slower per chip (`chip_peaks.PEAKS`' dcn_bandwidth). XLA:TPU
-compiles a multi-slice job as one program per slice (`num_partitions` the chips
-of a slice): a collective over a mesh axis across the slices (the gradient
-all-reduce of a data-parallel axis) is split into its part within the slice
-(ICI collectives) and a host transfer to the Megascale runtime, a `send` with
-`is_host_transfer=true` and `_xla_megascale_transfer_type` ALL_REDUCE,
-ALL_GATHER, REDUCE_SCATTER, ... (seen in libtpu 0.0.52's compiles). Each chip
-sends its buffer of B bytes to its peers in the other k - 1 slices; over a ring
-of k slices, per chip:
-
-* ALL_REDUCE: 2 (k - 1) / k x B (a reduce-scatter, then an all-gather);
-* REDUCE_SCATTER: (k - 1) / k x B; ALL_GATHER (B its own piece): (k - 1) x B;
-* any other transfer: B.
+XLA:TPU compiles a multi-slice job one program per slice; a collective across slices becomes a
+Megascale host transfer (`_xla_megascale_transfer_type`, seen in libtpu 0.0.52). `dcn_bytes`
+gives what one chip sends over the DCN for it, ring-reduced over k slices (all-reduce
+2 (k - 1) / k x B), for the time model at `chip_peaks.PEAKS`' dcn_bandwidth.
+The formulas and the measured 70B case: docs/meshes.md ("Several slices").
 """
 
 from __future__ import annotations

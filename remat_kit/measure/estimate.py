@@ -1,61 +1,9 @@
-"""Closed-form activation-memory estimates for one transformer layer.
+"""Closed-form activation-memory estimates for one transformer layer, in bytes per device.
 
-Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models" (arXiv 2205.05198): Section 4.1 (per-op accounting),
-Section 4.2 (tensor and sequence parallelism), Section 5 (selective
-recompute) and Table 2 (the summary rows below). Notation follows the paper:
-
-    s  sequence length          a  attention heads
-    b  micro-batch size         t  tensor-parallel size
-    h  hidden size              L  number of layers
-
-Every function returns BYTES stored for the backward pass, per device. With
-the defaults (2-byte activations, 1-byte dropout masks, dropout on) the
-numbers are exactly the paper's:
-
-    no parallelism                        sbh(34 + 5as/h)
-    tensor parallel                       sbh(10 + 24/t + 5as/(ht))
-    tensor + sequence parallel            sbh(34/t + 5as/(ht))
-    tensor parallel + selective           sbh(10 + 24/t)
-    tensor + sequence par. + selective    sbh(34/t)
-    full recompute                        2sbh   (2sbh/t with sequence parallel)
-
-`layer_terms` gives the sum term by term (`ActivationTerms`), so each
-constant can be traced to one tensor of Section 4.1.
-
-Return type: every term is an element count times a byte size. `t` is
-required to divide both `a` and `h`, so every element count is an exact
-integer; results are therefore `int` whenever `bytes_per_elem` and
-`mask_bytes` are ints, and `float` otherwise (e.g. `mask_bytes=0.125` for
-bit-packed masks).
-
-Where the formula and what JAX actually stores differ
------------------------------------------------------
-The formula is a model of Megatron-LM's GPT layer, not a measurement. For
-JAX/Flax code, expect these gaps (measure with `jax.ad_checkpoint.
-print_saved_residuals` or the rest of remat_kit):
-
-* Precision. The paper assumes 16-bit activations. Pure f32 training doubles
-  every non-mask term (`bytes_per_elem=4`). Mixed setups are not uniform:
-  Flax's attention can compute and keep the softmax in f32
-  (`force_fp32_for_softmax`), which makes the softmax-output term 4as²b, and
-  norms often save f32 statistics or upcast inputs.
-* Dropout masks. `jax.random.bernoulli` returns bool, stored as 1 byte per
-  element, matching the paper's 1-byte mask. Under `jax.checkpoint` the mask
-  may instead be regenerated from the RNG key (model that with
-  `mask_bytes=0`). With no dropout at all use `dropout=False`.
-* Scope. Only the L transformer layers are counted: the embedding, final
-  layer norm, logits (s·b·vocab, often f32) and the loss are ignored, as are
-  pipeline-parallel in-flight micro-batches.
-* Architecture. A GeLU MLP with a 4h intermediate and full multi-head
-  attention is assumed. Llama-style SwiGLU (gate and up projections of a
-  different width), grouped-query attention (smaller K and V), rotary
-  embeddings and RMSNorm all change the constants.
-* Attention kernels. Fused/flash attention (e.g. cuDNN via
-  `jax.nn.dot_product_attention`) never materializes the as²b tensors, so
-  its real footprint is close to the selective-recompute row.
-* XLA. Fusion may save a different but equivalent tensor (e.g. the
-  normalized output instead of the layer-norm input), or keep extra copies.
+Source: Korthikanti et al. 2022, arXiv 2205.05198, Sections 4.1-5 and Table 2.
+Main names: `layer_terms` (`ActivationTerms`, term by term), `per_layer`, `model_total`, and
+one function per Table 2 row (`no_parallelism`, `tensor_parallel`, `selective_recompute`, ...).
+The rows, notation and where JAX differs: docs/compare.md ("The Korthikanti estimate").
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 workload (or of any function), then each emitted tag the policy does not store, with
 the policy's decision. `stack_stored_bytes` sums the blocks of a stack measured
 one at a time: the figure Korthikanti et al. (2022, Table 2) tabulate.
+Docs: docs/compare.md ("`remat-kit explain`: what one layer keeps").
 """
 
 from __future__ import annotations

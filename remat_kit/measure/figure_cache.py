@@ -1,33 +1,10 @@
 """What a compile that will not run gave, kept for a repeated run.
 
-JAX's persistent compilation cache cannot load back an executable compiled
-ahead of time for devices this machine lacks (a TPU or GPU target: "PjRtCompiler
-must be constructed with a Client to call DeserializeLoadedExecutable"), so
-a repeated `remat-kit compare --target tpu:v5e:1x1` would compile every
-program again, 1-3 minutes each for gpt2_small on 2 cores. What the reports
-read from such a compile is kept instead: XLA's memory figures, the FLOPs,
-the time model's step time, and their notes, one JSON file per program.
-A CPU program that is only measured is kept the same way: reading the
-figures back skips loading the executable from JAX's cache and reading its
-HLO again (0.4-0.6 s of the ~3 s a cached gpt2_small program took).
-
-The key is a SHA-256 of the lowered program's text (StableHLO, with its
-shardings), the target, the compiler and JAX versions, the compile options,
-the target's roofline figures, $XLA_FLAGS and $LIBTPU_INIT_ARGS, `FORMAT` and
-the source of the modules that compute the figures (`chip_peaks`, `costs`,
-`gpu_calls`, `kernels`, `loops`, `peak`, `targets`, `time_checks`, `time_model`): any
-change to the program or to what reads it misses. A hit skips the compile;
-residuals still come from the traced program. The folder sits beside JAX's cache
-(`cli.use_compile_cache`: $REMAT_KIT_COMPILE_CACHE, then "-figures"); with
-no JAX cache folder set nothing is kept. Past `MAX_ENTRIES` files the least
-recently used half is removed, and so are temporary files a killed writer
-left (`STALE_SECONDS` old).
-
-Each entry is sealed (`remat_kit.measure.sealed`): a checksum of the entry and
-the kind and range of every field (`MEASURED`, `COMPILED`) are checked when it
-is read back. An entry that fails (a changed digit, a negative or missing
-figure, a string where a list belongs) is a miss: the program is compiled
-again and the entry rewritten.
+JAX cannot load back an executable compiled ahead of time for devices this machine lacks, so the
+figures the reports read from a compile (memory, FLOPs, predicted time, notes) are kept as one
+sealed JSON file per program, beside JAX's cache, keyed by the program and what reads it.
+Main names: `lookup`, `key`, `load`, `store`, `folder`, `FORMAT`, `MAX_ENTRIES`.
+The key, eviction and the check on read: docs/speed.md ("What a repeated run reuses").
 """
 
 from __future__ import annotations

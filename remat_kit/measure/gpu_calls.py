@@ -1,18 +1,10 @@
 """The matrix products XLA:GPU hands to cuBLAS, read off the compiled HLO.
 
-XLA:GPU rewrites most `dot`s into custom calls (`__cublas$lt$matmul`,
-`__cublas$gemm`) whose HLO holds no `dot` instruction: the product's
-dimension numbers live in the call's `backend_config` JSON
-(`gemm_backend_config.dot_dimension_numbers`), and the call returns a tuple of
-(product, workspace), the workspace being cuBLAS scratch (`s8[bytes]`). The
-time model (`time_model.compiled_ops`) counts such a call's FLOPs from those
-dimension numbers, as XLA's `HloCostAnalysis` counts the dot it replaced, its
-bytes without the workspace, and prices it at the product's element type's
-peak (a bf16 product at bf16's, not float32's).
-
-Checked on the programs `benchmarks/gpu_truth.py` compiled on an H200: with
-these FLOPs the time model's total equals XLA's count of the same step
-(tests/test_gpu_truth.py).
+XLA:GPU rewrites most `dot`s into cuBLAS custom calls that hold no `dot`; `cublas_gemm` reads a
+call's dot dimension numbers from its `backend_config` (a `Gemm`), so the time model counts its
+FLOPs as XLA's `HloCostAnalysis` counts the dot, its bytes without the cuBLAS workspace, at the
+product's element type's peak. The step's total then equals XLA's count (tests/test_gpu_truth.py).
+How it was found on an H200: docs/gpu.md ("The time model, fixed").
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Fused attention kernels priced from their shapes, where the compiler gives them none.
 
-XLA's cost analysis gives a custom call no FLOPs: a Pallas kernel compiled for
-a TPU (`tpu_custom_call`) or a GPU, and a cuDNN fused attention call, count 0
-unless the kernel's author passed `cost_estimate=` (the TPU flash kernel's
-forward does, splash does not: jax issue #29463). Attention is most of a
-long-context step, so `price` reads every kernel call of a program's jaxpr
-and prices the attention ones by the FlashAttention-2 accounting (Dao 2023,
-"FlashAttention-2", section 3: forward 2 matmuls, backward 5 with the scores
-recomputed):
-
-- forward: F = 4 x (query rows: every axis of q but its last) x s_k x d,
-  so grouped-query heads count at the query's head count;
-- a backward kernel that gives dq, dk and dv: 2.5 F; one that gives dq only
-  (scores, dP, dS.K: 3 matmuls): 1.5 F; one that gives dk and dv only
-  (scores, dP, dS^T.Q, P^T.dO: 4 matmuls): 2.0 F. Split kernels (splash,
-  the TPU flash kernel) recompute the scores twice, so their backward is
-  3.5 F, the work they do; a backward's preprocessing kernel (Pallas GPU
-  `mha_preprocess_backward`: delta = rowsum(o x dO)) 2 FLOPs per element of o;
-- F scaled by the fraction of key/query blocks the kernel computes: splash's
-  block mask (its mask info, a constant of the program: 0 = block skipped);
-  cuDNN's (and its stand-in's, `remat_kit.trace.stand_in`) `mask_type` and
-  `sliding_window_length`, counted per score; other kernels' masks, and a
-  bias or mask array, are not read and priced unmasked (an upper bound, said
-  in the note).
-
-A kernel with a `cost_estimate` is priced by it; XLA:TPU's cost analysis
-already counts that estimate, so it is not added again there. A kernel run
-in interpret mode is ordinary HLO that the compiler counts itself. Any other
-custom call (a Pallas kernel not named like attention, an FFI call) is left
-unpriced and named: the program's FLOPs are then a lower bound.
+XLA's cost analysis gives a custom call (Pallas, cuDNN) no FLOPs; `price` reads every kernel call
+of a program's jaxpr and prices the attention ones by the FlashAttention-2 accounting (Dao 2023,
+section 3; `attention_flops`), masks where it can read them; any other is named, unpriced.
+Main names: `price` (a `Priced` of `Kernel`s), `attention_flops`, `added`, `seconds`.
+The accounting, per kernel and mask: docs/targets.md ("Fused attention kernels").
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """How many times each while loop of a compiled program runs.
 
-XLA's CPU and GPU compilers write a loop's trip count into its backend config
-(`"known_trip_count":{"n":"4"}`); XLA:TPU drops it, so a scanned stack of 32
-layers reads as one layer to anything that walks its HLO. The count is still
-in the program: a `jax.lax.scan` (and `fori_loop`) lowers to a while loop
-whose induction variable starts at a constant, steps by a constant and runs
-while it is below a constant (`i = 0; while i < length: ...; i += 1`), and
-XLA's optimizations (loop rotation, unrolling, sinking constants into the
-body, copies into other memory spaces) keep that shape. `trip_count` reads
-the backend config where there is one, else those three constants, as XLA's
-own `ComputeWhileLoopTripCount` does for the loops it annotates.
+XLA's CPU and GPU compilers write a loop's trip count into its backend config; XLA:TPU drops it,
+so `trip_count` reads it, else the loop's own constants (`i = start; while i < bound; i += step`,
+a shape XLA's optimizations keep), as XLA's `ComputeWhileLoopTripCount` does.
+Why it matters for FLOPs and time: docs/targets.md ("FLOPs").
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Lowering and compiling a program for a target, with its memory and FLOPs.
 
-`compile_for(fn, *args, target=...)` is the one compile site of a program
-whose figures the reports use: it places the arguments on the target's
-devices (`remat_kit.measure.targets`), lowers for the target's platform (an
-ahead-of-time compile for a TPU or GPU this machine lacks), and reads memory
-(`costs.memory_fields`) and FLOPs (`costs.loop_scaled_costs`, while loops
-counted per trip), keeping the figures of a program that will not run
-(`figure_cache`).
+`compile_for(fn, *args, target=...)` is the one compile site of the reports' figures: it places
+the arguments on the target's devices (`place`), lowers for its platform (ahead of time where
+this machine lacks it), reads memory and FLOPs (while loops per trip; fused kernels priced), and
+keeps the figures of a program that will not run (`figure_cache`). Returns a `Compiled`.
+Docs: docs/targets.md (the example at the end of its first part).
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """What each remat policy costs, measured compile-only: residuals by tag, memory, FLOPs, time.
 
-`measure(workload, policies=...)` takes a `Workload` (what to measure: a loss
-under a policy and its abstract arguments, from any provider) and, for every
-policy, traces the loss's forward and backward pass once with
-`jax.make_jaxpr(jax.vjp(...))`. That one trace gives both
-
-* the *residuals*, the values the forward pass saves for the backward pass,
-  each attributed to the `checkpoint_name` tag, untagged primitive or
-  function argument that produced it (`remat_kit.measure.residuals`), and
-* the program that is lowered and compiled, `jax.jit(...).lower(...).compile()`
-  on `jax.ShapeDtypeStruct`s, with the outputs of `jax.value_and_grad(loss)`
-  with respect to the first argument. No arrays are allocated.
-
-The compiled executable gives XLA's memory figures and FLOPs corrected for
-loop trip counts (`remat_kit.measure.costs`). These numbers come from the compiler of
-the *target* (`remat_kit.measure.targets`): JAX's default backend, or e.g. a TPU v5e
-slice compiled ahead of time with libtpu on a machine without a TPU. Records
-say which ("XLA CPU compile", "XLA TPU compile (v5e:2x2, AOT)"): accelerator
-compilers fuse differently, so CPU temp bytes are not a GPU/TPU figure.
-Policies are compared on CPU by `temp_size_in_bytes`, on accelerator targets
-by the compiler's `peak_memory_in_bytes` (`remat_kit.measure.record.memory_kind`).
-
-The workload decides where a policy applies (per block, with the block
-inputs kept). A plain loss function is accepted too and is wrapped whole in
-one remat region per policy (`remat_kit.trace.workload.checkpointed`).
+`measure(workload, policies=...)` traces each policy's forward and backward pass once: the trace
+gives the residuals by tag (`measure.residuals`) and the program compiled for the target
+(`measure.targets`), whose memory, FLOPs and predicted time fill one `Record` per distinct
+program. A plain loss is wrapped whole in one remat region per policy.
+How a workload walks through here: docs/architecture.md ("The data flow"); figures: docs/compare.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """What holds a compiled program's peak: the buffers live at its peak, grouped by what they are.
 
-XLA writes its buffer assignment and each value's live range when asked to dump
-(`dump_options`: the compile option ``xla_dump_to``; the XLA CPU compiler and
-libtpu both honor it, for ahead-of-time compiles too). `breakdown` reads the
-dump back: every value's allocation (entry parameter, output, temp; memory
-space, ``color`` 0 being device memory) and its live range over the schedule,
-finds the step where the device memory live is largest and groups the values
-live there:
-
-* ``parameters`` and ``inputs``: entry parameters, by argument (`arg_groups`);
-* ``outputs``: the loss and the gradients, written as the step ends;
-* ``residual <tag>``: a value the forward pass saves for the backward pass,
-  named by the ``checkpoint_name`` tag (or primitive) that produced it;
-  `marked` puts the name into the program's op metadata (the name stack),
-  which changes no instruction, only the metadata the dump shows;
-* ``logits and their gradient``: values shaped like the loss head's logits
-  (`logits_shape`);
-* ``recomputed values`` (the backward pass's rematerialized forward values),
-  ``backward temporaries`` and ``other temporaries``, each with the bytes of
-  the roles it holds (``roles``): a value a vocabulary tag names, and
-  what its producer computes, is marked ``rk_role:<tag>`` in the op metadata
-  the same way (`marked`), so a recomputed ``attn_probs`` is named as such.
-  Where the attention scores (``attn_logits``, ``attn_probs``: [batch, heads,
-  q_len, kv_len], quadratic in the sequence) are the most of it,
-  `scores_note` says so: no remat policy removes them, a fused attention
-  kernel never stores them.
-
-On TPU the compiler's peak also counts the program itself
-(``generated_code_size_in_bytes``), listed as ``program code``; what neither
-explains (packing, padding, reserved space: about 2% measured) is
-``compiler's own``.
+XLA dumps its buffer assignment (`dump_options`: `xla_dump_to`); `breakdown` reads it back and
+groups the values live at the peak (parameters, inputs, outputs, `residual <tag>`, logits and
+their gradient, recomputed values, temporaries, program code, compiler's own), naming values by
+the tags `marked` writes into the op metadata. Also `summary`, `scores_note`, `held_line`.
+The groups and how they are found: docs/compare.md (`--peak`, in "Flags").
 """
 
 from __future__ import annotations

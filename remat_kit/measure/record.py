@@ -1,4 +1,6 @@
-"""What one policy costs: the `Record` of a measurement, and which memory figure counts."""
+"""What one policy costs: the `Record` of a measurement, and which memory figure counts.
+Its fields, as JSON: docs/compare.md (the JSON schema).
+"""
 
 from __future__ import annotations
 

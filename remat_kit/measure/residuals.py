@@ -3,6 +3,7 @@
 One trace of `jax.vjp` gives both the program `measure` compiles and the
 residuals, each attributed to the `checkpoint_name` tag, the untagged
 primitive or the function argument that produced it (`residuals`).
+Docs: docs/compare.md, docs/architecture.md ("The data flow").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Cache entries sealed with a checksum, and checked against a schema when read back.
 
-Every cache remat_kit keeps on disk (the figure cache, the CPU roofline, the
-plan cache) stores each entry as {"sha256": the digest of the entry's
-canonical JSON, "entry": the entry}. `unseal` returns the entry only where
-the digest matches and every field has its kind and range (`Schema`): a
-flipped digit, a deleted field, a string where a list belongs, a negative or
-NaN figure, or a file of another layout is a miss, never a figure shown to
-the user, and the caller measures again and overwrites it.
+Every cache kept on disk (the figure cache, the CPU roofline, the plan cache) stores an entry as
+{"sha256": digest of its canonical JSON, "entry": ...} (`seal`). `unseal` returns it only where
+the digest matches and every field has its kind and range (`Schema`; `count`, `amount`, ...);
+anything else is a miss, measured again and overwritten. Docs: docs/speed.md.
 """
 
 from __future__ import annotations

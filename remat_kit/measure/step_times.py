@@ -1,11 +1,9 @@
 """Timed steps: each compiled program run on the same data, in rounds.
 
-`measure(..., time_steps=N)` runs every policy's compiled value-and-grad on
-one batch of sample data (`sample_data`; `random_like` where the workload
-brings none), one step per policy per round (`time_rounds`), so that load
-which comes and goes on a shared machine falls on every policy alike; each
-record gets a `StepTime` whose ratio to no remat is taken within each round
-(`with_step_times`).
+`measure(..., time_steps=N)` runs every policy's compiled value-and-grad on one batch of sample
+data (`sample_data`, `random_like`), one step per policy per round (`time_rounds`), so load that
+comes and goes falls on every policy alike; each record gets a `StepTime` whose ratio to no remat
+is taken within each round (`with_step_times`). Docs: docs/compare.md (`--time N`).
 """
 
 from __future__ import annotations

@@ -1,47 +1,10 @@
 """Targets: whose compiler the figures come from, and for which devices.
 
-The XLA CPU compiler fuses and schedules very differently from an
-accelerator's: on GPT-2-small shapes, no remat needs 20 GiB of temp on CPU
-against 3.85 GiB on a TPU v5e, and the policies rank differently. A
-*target* names the compiler and the devices a program is compiled for, so
-a report can give an accelerator's figures on a machine that has none:
-
-==================  ========================================================
-``cpu``             XLA's CPU compiler on this machine.
-``tpu``             the TPU devices of this machine (``jax.devices("tpu")``).
-``tpu:<topology>``  ahead of time with libtpu for a TPU slice, e.g.
-                    ``tpu:v5e:2x2``, ``tpu:v5p:2x2x1``, ``tpu:v4:2x2x1``;
-                    runs on a machine without a TPU (``pip install
-                    remat-kit[tpu]``). Figures are per device of the slice.
-``tpu:<topology>:slices=N``  N such slices joined by the data-center network
-                    (DCN), compiled as a multi-slice job is
-                    (``get_topology_desc(..., num_slices=N)``): e.g.
-                    ``tpu:v5p:4x4x4:slices=2``, 128 chips; the mesh gets a
-                    data-parallel axis across the slices (`make_mesh`).
-``gpu``             the GPU devices of this machine (``jax.devices("gpu")``).
-``gpu:<name>[:N]``  ahead of time with the CUDA PJRT plugin for N (default
-                    1) NVIDIA GPUs on one host, described by an XLA
-                    ``GpuTargetConfigProto``: ``gpu:a100`` (A100 SXM4 80 GB),
-                    ``gpu:h100`` (H100 SXM 80 GB), ``gpu:h200`` (H200 SXM
-                    141 GB), all shipped, or
-                    ``gpu:/path/to/spec.txtpb``; runs on a
-                    machine without a GPU (``pip install remat-kit[cuda]``:
-                    jax-cuda12-plugin and jax-cuda12-pjrt, about 200 MB). The GPU compiler gives no cost analysis,
-                    so FLOPs come from the CPU compile of the same program.
-==================  ========================================================
-
-Ahead-of-time compiles follow JAX's AOT API: the topology's devices come
-from `jax.experimental.topologies.get_topology_desc`, arguments are
-`jax.ShapeDtypeStruct`s with a `NamedSharding` over them, and the program is
-compiled with ``jax.jit(f).trace(*structs).lower(lowering_platforms=(p,))
-.compile()``. No device memory is touched.
-
-A target is text only at the edge: the CLI's --target and the target= of
-the public functions (`rk.measure`, `rk.plan`, `rk.fit`, ...) parse it once
-(`parse_target`) into a `Target`, and everything below takes that value and
-reads what it derives (`Target.devices`, `.chip`, `.peaks`, `.roofline`,
-`.versions`), each worked out once. The module functions of the same names
-(`devices`, `chip`, ...) take text too, for scripts.
+A target (`cpu`, `tpu`, `tpu:v5e:2x2[:slices=N]`, `gpu`, `gpu:h100[:N]`) names the compiler and
+the devices a program is compiled for, ahead of time where the machine lacks them.
+Main names: `parse_target` (text to `Target`, at the edge only), `Target`, `TargetError`,
+`make_mesh`, `devices`, `chip`, `peaks`, `roofline`, `versions`.
+The targets, the AOT compile and what each needs: docs/targets.md.
 """
 
 from __future__ import annotations

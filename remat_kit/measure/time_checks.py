@@ -1,20 +1,11 @@
 """How far each target's time model was checked against measured step times, and
 the floor no predicted step may beat.
 
-The planner minimizes predicted step time by default only on a target whose
-predictions came within `REACH` of measured step-time ratios (`time_check`);
-elsewhere its default is FLOPs, and asking for time (`--objective time`)
-prints the line saying how far that target's model was checked. The figures
-come from `benchmarks/time_model_cpu.py` (the CPU, measured here) and
-`benchmarks/published_ratios.py` (deviceless compiles at the shapes of
-published A100 measurements: Korthikanti et al. 2022, Table 4; torchtitan's
-docs/performance.md), tabled in docs/plan.md.
-
-Whatever its accuracy, a prediction obeys physics: no step runs faster than
-its FLOPs at the chip's peak FLOP/s, nor than the bytes it must write at its
-memory bandwidth (`check_floor`). A prediction below that floor is a bug in
-the time model (a loop priced once instead of once per trip, as XLA:TPU's
-dropped trip counts once caused), and raises.
+`time_check` says whether a target's predictions came within `REACH` of measured step-time
+ratios (`benchmarks/time_model_cpu.py`; `benchmarks/published_ratios.py`: Korthikanti et al.
+2022, Table 4, and torchtitan's performance.md), so the planner may minimize time there.
+`check_floor` raises `BelowFloor` for a step below max(FLOPs / peak, bytes written / bandwidth).
+The checks, tabled: docs/plan.md; the floor: docs/targets.md ("Physics").
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """Predicted time: a roofline per op, max(FLOPs / peak FLOP/s, bytes / bandwidth).
 
-Williams et al. 2009, "Roofline: an insightful visual performance model". What
-counts as one op decides the answer, and XLA fuses: an element-wise chain runs
-as one kernel that reads its inputs and writes its outputs once, its
-intermediates never leaving registers or cache. So:
-
-* A compiled program (`compiled_seconds`, what records, `compare` and the
-  planner's verified plans report) is priced op by op from its optimized HLO
-  (`compiled_ops`): each fusion XLA emits is one op, its FLOPs those of every
-  instruction fused into it, its bytes only those at its boundary (operands
-  read, outputs written) that live in device memory, loop bodies once per
-  trip. XLA:TPU's memory-space assignment keeps buffers in the core's
-  on-chip VMEM (memory space S(1) in the HLO layouts) and moves them with
-  asynchronous DMAs (copy-start / copy-done, sliced prefetches slice-start /
-  slice-done): a DMA costs the HBM bytes of its ends once, at its start; its
-  done is a wait; an operand or output in VMEM costs no HBM bytes. (Counting
-  every start, done and VMEM read as HBM traffic priced gpt2_small's no
-  remat program at 1.6x its HBM bytes against full remat's 1.5x, so full
-  remat came out 12.8% faster.) On the CPU and GPU, where layouts name no
-  memory space, the figures add up to XLA's own `cost_analysis()` totals of
-  the module ("flops", "bytes accessed"), which it cannot split per op.
-* A recomputed segment of the forward program, which the planner's cost model
-  prices before anything is compiled (`segment_seconds`), is priced as one
-  fusion: the FLOPs of its equations (XLA's cost analysis of each lowered
-  alone, `eqn_costs`), the bytes of the values it reads from outside and of
-  the value it recomputes.
-
-The peaks are the target's `Roofline` (`Target.roofline`, from
-`remat_kit.measure.chip_peaks`: vendor pages; on the CPU target measured once on
-this machine and cached in a small JSON file). `program_seconds`, a roofline
-per jaxpr equation with no fusion, stays for programs that are not compiled;
-it charges every element-wise equation a read and a write, so it predicts
-memory-bound programs high.
+Source: Williams et al. 2009, "Roofline: an insightful visual performance model".
+Main names: `compiled_seconds` (a compiled program, op by op from its fused HLO: `compiled_ops`),
+`segment_seconds` (a recomputed forward segment, as one fusion), `program_seconds` (a jaxpr, no
+fusion), `eqn_costs`, `OpCost`. What an op's bytes are (TPU VMEM, DMAs):
+docs/targets.md ("The time model").
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""models: our reference tagged decoder-only transformers (GPT-2 and Llama families), one
-provider of a `Workload` among others (`program.workload`), beside `flax` (the
-answers for a config, `rk.measure_config` and friends, are `remat_kit.api.configs`).
-
-May import: `remat_kit.flax` (the chunked loss), `remat_kit.trace` and every part below
-them: the models use the policy language and the mesh rules. `measure` and `decide`
-never import it; `api` makes a config a workload.
-
-Public names: `TransformerConfig`, `get_config`, `CONFIGS`, `from_config_dict`,
-`Transformer`, `DecoderLayer`, `lm_loss`, `make_loss_fn`, `stack_layers`,
-`unstack_layers`, `workload`.
+"""models: our reference tagged decoder-only transformers (GPT-2 and Llama families), one provider
+of a `Workload` among others (`program.workload`), beside `flax`.
+May import: `remat_kit.flax` (the chunked loss), `remat_kit.trace` and every part below them;
+`measure` and `decide` never import it.
+Public names: `TransformerConfig`, `get_config`, `CONFIGS`, `from_config_dict`, `Transformer`,
+`DecoderLayer`, `lm_loss`, `make_loss_fn`, `stack_layers`, `unstack_layers`, `workload`.
+Where it sits: docs/architecture.md; scanned stacks: docs/scan.md.
 """
 
 from remat_kit.models.config import CONFIGS, TransformerConfig, from_config_dict, get_config

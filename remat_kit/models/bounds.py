@@ -4,6 +4,7 @@
 `TransformerConfig` from its attention scores, logits and MLP buffers; the
 reference models' `Workload.size_bound` is this function with the config and
 mesh bound.
+Docs: docs/fit.md.
 """
 
 from __future__ import annotations

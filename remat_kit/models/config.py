@@ -1,4 +1,6 @@
-"""`TransformerConfig` and the named reference configs."""
+"""`TransformerConfig` and the named reference configs.
+Docs: docs/training.md ("Training config fields"), docs/scan.md.
+"""
 
 from __future__ import annotations
 

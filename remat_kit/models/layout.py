@@ -1,13 +1,10 @@
 """Parameter layouts of the reference transformer: looped (one subtree per layer) and scanned
 (one subtree, leaves stacked on a leading layer axis).
 
-Looped: params["layers_0"], ..., params["layers_{L-1}"], for every schedule.
-Scanned (`scan_layers=True`): params["layers"]["layer"], leaves [L, ...], for
-the uniform and the nested schedule alike.
-Both converters keep every other entry (embeddings, final norm, lm_head)
-as is, so a checkpoint of one layout loads into the other model. Parameters
-boxed with logical axis names (`model.init`'s output, see remat_kit.mesh)
-gain or lose the "layers" name with the stacked axis.
+Looped: params["layers_0"], ..., params["layers_{L-1}"]; scanned: params["layers"]["layer"],
+leaves [L, ...]. `stack_layers` and `unstack_layers` convert, keeping every other entry and the
+logical "layers" axis name of boxed parameters, so a checkpoint of one loads into the other.
+Docs: docs/scan.md.
 """
 
 from __future__ import annotations

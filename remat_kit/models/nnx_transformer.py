@@ -1,16 +1,9 @@
 """The reference transformer in Flax NNX: the twin of `models.transformer.Transformer`.
 
-The layer computation is the linen model's own (`attention`, `mlp`,
-`decoder_layer`, `rope`, `causal_attention`): only the parameter holders
-differ, so both emit the same tags and, with converted parameters
-(`from_linen` / `to_linen`), compute the same loss and gradients.
-
-Stacks, as in linen: a Python loop over `nnx.List` layers (every schedule of
-`TransformerConfig.remat`: uniform, every:k, first:n, nested, and
-`layer_remat`), or with `scan_layers=True` one `nnx.scan` over layers created
-by `nnx.vmap` (parameters stacked [num_layers, ...]; uniform schedule).
-
-Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
+It calls the linen model's layer functions, so it emits the same tags and, with converted
+parameters (`from_linen` / `to_linen`), gives the same loss and gradients; a looped stack takes
+every schedule, `scan_layers=True` is one `nnx.scan` (uniform). Tokens int32 [batch, seq] ->
+logits float32 [batch, seq, vocab]. Also `make_loss_fn`. Docs: docs/scan.md ("NNX twin").
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
 parameters from `jax.eval_shape` (nothing allocated), sharded by their
 logical axes on a mesh; one decoder layer alone for `explain`; and the
 program one device runs, for per-device residuals on a mesh.
+Docs: docs/architecture.md ("The data flow").
 """
 
 from __future__ import annotations

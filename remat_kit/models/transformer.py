@@ -1,20 +1,10 @@
 """Reference decoder-only transformers in flax.linen, with every vocabulary value tagged.
 
-Two families share one layer structure (`TransformerConfig.family`):
-GPT-2 (LayerNorm, GELU, learned positions, multi-head attention) and Llama
-(RMSNorm, RoPE, SwiGLU, grouped-query attention). Each decoder layer runs
-under `nn.remat` with the config's policy, unless the policy is "none"; the
-policy's layer schedule (`remat_kit.policy.schedule`) picks the layers or nests
-them in rematerialized groups.
-
-Shapes: tokens int32 [batch, seq]; logits float32 [batch, seq, vocab].
-
-Sharding: every parameter dimension carries a logical axis name
-(`nn.with_logical_partitioning`: batch, length, embed, mlp, heads, kv, vocab,
-layers), so `model.init` returns `nn.LogicallyPartitioned` boxes (`nn.unbox`
-strips them; `apply` takes either). Activations are constrained with
-`remat_kit.mesh.constrain` before they are tagged; outside
-`remat_kit.mesh.use(mesh)` that is a no-op. Rules: `remat_kit.mesh.RULES`.
+`Transformer(cfg)`: GPT-2 (LayerNorm, GELU, learned positions, MHA) or Llama (RMSNorm, RoPE,
+SwiGLU, GQA) by `cfg.family`; tokens int32 [batch, seq] -> logits float32 [batch, seq, vocab].
+Each layer runs under `nn.remat` with the config's policy and schedule; parameters carry
+logical axes and activations are constrained (`mesh.constrain`) before they are tagged.
+Also `make_loss_fn`, `lm_loss`. Sharding: docs/meshes.md ("Sharded"); schedules: docs/scan.md.
 """
 
 from __future__ import annotations

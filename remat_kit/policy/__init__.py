@@ -5,7 +5,7 @@ May import: `remat_kit.errors`, `remat_kit._jax_private` (nothing else of ours).
 
 Public names: `Policy`, `TagPolicy` (`policy`); `PRESETS` (`presets`); `parse`, `AutoSpec`,
 `from_custom`, `layer_policies` (`spec`); `TAGS`, `ALIASES`, `tag`, `register_tag`
-(`names`); `Schedule` (`schedule`); `parse_budget`, `Budget` (`budget`).
+(`names`); `Schedule` (`schedule`); `parse_budget`, `Budget` (`budget`). Docs: docs/policies.md.
 """
 
 from remat_kit.policy.policy import Policy, TagPolicy

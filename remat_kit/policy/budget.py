@@ -1,14 +1,10 @@
 """Memory budgets: what `--budget`, `--budgets`, `auto:budget=` and a config's
 `memory_budget` mean.
 
-A budget is a size ("6GiB", "512MiB", "24B") or a fraction of no remat's
-memory ("0.25", "25%"). A bare number above 1 ("24") is refused rather than
-read as bytes: a user who types 24 means 24 GiB far more often than 24 bytes,
-and taking it as bytes cost a full planning run before saying "below the
-minimum".
-
-This module parses only; what a budget cannot go below (parameters plus
-optimizer state) is `remat_kit.decide.floor`, which builds on the models.
+`parse_budget` gives a `Budget`: a size ("6GiB", "512MiB", "24B") or a fraction of no remat's
+memory ("0.25", "25%"); a bare number above 1 is refused (24 means 24 GiB more often than 24 bytes).
+It parses only; the floor a budget cannot go below is `remat_kit.decide.floor`.
+Docs: docs/plan.md (`--budgets`), docs/fit.md (`--budget`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Tags are MaxText's `checkpoint_name` names where MaxText has one
 (MaxText `layers/decoders.py`, `layers/attentions.py`, `layers/linears.py`),
 so JAX users already know them. Other codebases' names are accepted as
 aliases that expand to one or more canonical tags.
+Docs: docs/policies.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """`Policy`: one declarative, hashable description of what a remat region saves.
 
-A policy decides, for every value JAX could keep for the backward pass (a
-*residual*), whether to save it on device, offload it to another memory kind,
-or recompute it. Tagged values (`checkpoint_name`) are decided by tag pattern;
-untagged values by a base rule. `to_jax()` turns the description into the
-`policy=` argument of `jax.checkpoint` / `nn.remat` / `nnx.remat`, preferring
-JAX's own policy objects (`jax.checkpoint_policies`).
+A policy decides, for every residual, whether to save it on device, offload it to another memory
+kind, or recompute it: tagged values (`checkpoint_name`) by tag pattern (`TagPolicy`), untagged
+ones by a base rule. `to_jax()` gives the `policy=` of `jax.checkpoint` / `nn.remat` /
+`nnx.remat`, JAX's own policy objects where one expresses it. Docs: docs/policies.md.
 """
 
 from __future__ import annotations

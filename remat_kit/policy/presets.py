@@ -1,16 +1,10 @@
 """The named presets: every codebase's remat policy names, as specs in the clause language.
 
-One table, PRESET_TABLE, drives every named preset: each row is (codebase, name,
-spec, what it is), the spec written in `remat_kit.policy.spec`'s clause language
-(the parser lives there). Bare names resolve through BARE_NAMES; the codebase
-prefix picks one where two codebases use one word. JAX_NAME_FUNCTIONS are JAX's
-policy factories that take tag names (`save_only_these_names:TAGS`).
-
-Sources: JAX `jax.checkpoint_policies` (jax/_src/ad_checkpoint.py), MaxText
-`remat_policy` (MaxText/layers/decoders.py), Praxis `AutodiffCheckpointType`
-(praxis/layers/checkpoint_policy.py), Levanter `gradient_checkpointing` (haliax
-ScanCheckpointPolicy), Megatron-LM `--recompute-granularity`, Korthikanti et al.
-2022 (selective), Chen et al. 2016 (sqrt(N) nested).
+One table, `PRESET_TABLE` (codebase, name, spec, meaning), drives every preset; bare names
+resolve through `BARE_NAMES`, a codebase prefix picks one where two codebases share a word;
+`JAX_NAME_FUNCTIONS` are JAX's policy factories that take tag names.
+Sources: jax.checkpoint_policies, MaxText remat_policy, Praxis AutodiffCheckpointType, Levanter,
+Megatron-LM, Korthikanti et al. 2022, Chen et al. 2016. The table: docs/policies.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Layer schedules: which decoder layers of a stack run under the remat policy.
 
-A `Schedule` is part of a `Policy` (its `schedule` field), written as a
-spec suffix after "@":
-
-    uniform       every layer under the policy (the default, printed as nothing)
-    every:k       layers 0, k, 2k, ... under the policy, the others without remat
-    first:n       layers 0 .. n-1 under the policy, the others without remat
-                  (Megatron-LM --recompute-method block --recompute-num-layers n)
-    nested[:g]    Chen et al. 2016, "Training Deep Nets with Sublinear Memory
-                  Cost", sqrt(N) checkpointing: layers in groups of g, each
-                  group rematerialized as a whole (only group inputs are stored),
-                  each layer inside a group under the policy. g must divide the
-                  number of layers; the default is the divisor g minimizing
-                  g + L/g (4 for 16 layers, 8 for 64). nested:1 is uniform.
-
-So `full@every:2`, `selective@first:4`, `full@nested:4`. `nested` alone means
-`full@nested`, as Levanter's gradient_checkpointing="nested".
-
-A per-layer list of policies (`TransformerConfig.layer_remat`,
-`layer_policies(list, num_layers)`) covers any other pattern.
+A `Schedule` is a `Policy`'s `schedule` field, the spec suffix after "@": `uniform` (default),
+`every:k`, `first:n` (Megatron-LM --recompute-num-layers), `nested[:g]` (Chen et al. 2016,
+sqrt(N) checkpointing; `nested` alone is Levanter's `full@nested`).
+The schedules, their defaults and errors: docs/scan.md.
 """
 
 from __future__ import annotations

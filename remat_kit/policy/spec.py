@@ -1,35 +1,9 @@
 """Spec strings (for flags and configs) <-> `Policy`, and the named presets.
 
-Grammar::
-
-    spec     := policy ["@" schedule]            # e.g. full@every:2, selective@first:4
-              | "nested" [":" g]                 # = full@nested[:g] (Levanter "nested")
-    policy   := term ("|" term)*                 # union: saves what either saves
-    term     := clause (";" clause)*             # clauses of one policy, merged
-    clause   := preset                           # a name from PRESETS, e.g. minimal
-              | codebase ":" preset              # e.g. maxtext:minimal, praxis:save_out_proj
-              | decision [kinds] ":" patterns    # save:query_proj,key_proj  offload:mlpwo
-              | jax_fn ":" patterns              # save_only_these_names:query_proj
-    auto     := "auto:budget=" size | fraction   # alone: a budget, planned per model
-    decision := "save" | "offload" | "recompute"
-    kinds    := "[" memory_kind "->" memory_kind "]"   # offload only; default device->pinned_host
-    patterns := pattern ("," pattern)*           # tags, aliases (ffn1, core_attn) or globs (mlp*)
-    schedule := "uniform" | "every:" k | "first:" n | "nested" [":" g]   # remat_kit.policy.schedule
-
-The schedule picks the layers of a stack that run under the policy (the
-default, uniform, is every layer); see `remat_kit.policy.schedule`.
-
-A term with `recompute:` clauses but no `save:` clause and no base preset
-saves every other tag (Megatron's --recompute-modules: recompute these
-modules, keep the rest); it is stored as `save:*`.
-
-The named presets (PRESET_TABLE, PRESETS, BARE_NAMES) live in
-`remat_kit.policy.presets`, each row a spec in the clause language above; a
-bare name resolves through BARE_NAMES, the codebase prefix picks one where two
-codebases use one word.
-
-`auto:budget=6GiB` / `auto:budget=0.25` parse to an `AutoSpec`, a marker
-that only a model can turn into a Policy (`remat_kit.decide.resolve.resolve`).
+`parse("minimal;save:context@every:2")` gives a `Policy` (its schedule: `remat_kit.policy.schedule`;
+its presets: `remat_kit.policy.presets`); `auto:budget=...` gives an `AutoSpec`, which only a model
+turns into a Policy. Main names: `parse`, `AutoSpec`, `from_custom`, `reference_table`.
+The grammar and the presets: docs/policies.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """One call of a block, run under a role-named policy on a model that tags no roles itself.
 
-The path-tag wrappers (`rk.linen`, `rk.nnx`) name module outputs by path. A
-preset that keeps values by their dataflow role (MaxText's `minimal` keeps
-`query_proj`, ..., Megatron's `selective` recomputes `attn_logits`) selects
-nothing on a model that does not call `checkpoint_name` with those names, and
-would compile as its base rule. For such a call the wrappers trace the block
-alone (`jax.make_jaxpr`, no FLOPs), mark it as one region, and run it through
-`remat_kit.trace.regions.build`: the roles are inferred and tagged and the
-region is checkpointed under the policy by the same code that makes
-`compare --model`'s program, so the wrapped model compiles to the program
-compare measured.
+A preset that keeps values by dataflow role (MaxText's `minimal`, Megatron's `selective`) selects
+nothing on a model without those `checkpoint_name`s; for such a call the wrappers trace the block
+alone, mark it as one region and `build` it through `trace.regions`, so the wrapped model
+compiles to the program `compare --model` measured. Also `Region`, `once`, `policy_line`.
+Docs: docs/wrappers.md ("Role presets on a model that tags no roles").
 """
 
 from __future__ import annotations

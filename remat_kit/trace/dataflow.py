@@ -1,16 +1,10 @@
 """A jaxpr as one dataflow graph: calls inlined, loop bodies walked, parameters followed.
 
-`remat_kit.trace.roles` reads roles from this graph. Each value knows its producer and
-consumers, whether it is made from parameters alone (`param`: a cast, reshape or
-`1 + scale` of a weight still is one) or from the data inputs (`data`), and the
-Var to name it by: the one of the (sub-)jaxpr it is computed in, or the
-outermost var of a value a call returns.
-
-Calls whose sub-jaxpr maps inputs and outputs one to one are inlined: jit/pjit,
-closed_call, checkpoint/remat (either remat mode), custom_jvp_call,
-custom_vjp_call, shard_map. scan, while and cond bodies are walked as regions:
-their consts and branch operands are the outer values; a scanned slice of a
-parameter is a parameter; carries are new values.
+`Graph` gives each value (`Val`) its producer and consumers (`Node`), whether it is made from
+parameters alone or from the data, and the Var to name it by; calls that map inputs to outputs
+one to one (jit, closed_call, checkpoint, custom_jvp/vjp, shard_map) are inlined, scan, while
+and cond bodies walked as regions. `remat_kit.trace.roles` reads roles from it (`back`, `fwd_chain`).
+What the walk sees through: docs/models.md ("A Flax model, no glue", step 4).
 """
 
 from __future__ import annotations

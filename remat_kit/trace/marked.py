@@ -5,6 +5,7 @@ forward pass enters, and the jaxprs an equation runs inside (sub-jaxprs, a call'
 Both remat modes are read: `remat2`/`checkpoint` equations, and jax_remat3's staged
 hi-primitive (`RematTraced`). `remat_kit.trace.regions` runs the blocks found here under
 policies.
+Docs: docs/models.md ("A Flax model, no glue").
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The model map: what a model's layers are, as remat_kit found them in its one trace.
 
-Every stack of layers (unrolled, or scanned: `nn.scan`, `nnx.scan`, `jax.lax.scan`; several,
-such as an encoder's and a decoder's), each layer's class and parameter structure (layers of
-one class may differ: a first layer holding a relative-position-bias table, a hybrid of
-recurrent and attention blocks), the remat the model already applies (`own_remat`), and what
-runs outside every layer under every policy (embedding, final norm, head, loss). A layer is
-the unit the model's own library would remat: the outermost module called once per layer.
-
-The providers make it (`remat_kit.flax.from_model` from the trace of a user's model,
-`remat_kit.models` for our reference configs) and put it on the `Workload` (`model_map`);
-every report prints `ModelMap.line()` first, `--json` carries `to_dict()`, and
-`remat-kit explain --map` prints `lines()`.
+`ModelMap`: every stack of layers (`Stack`, unrolled or scanned), each `Layer`'s class and
+structure, the model's own remat, and what runs outside every layer under every policy. The
+providers put it on the `Workload`; every report prints `ModelMap.line()` first, `--json` carries
+`to_dict()`, `remat-kit explain --map` prints `lines()`. Also `notes`, `stacks_of`, `uniform`.
+What a layer is and the line's parts: docs/models.md ("The model map").
 """
 
 from __future__ import annotations

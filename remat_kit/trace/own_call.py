@@ -1,17 +1,9 @@
-"""What a model's own `__call__` computes outside every layer and every module: a bare
-`x @ w.T` with a tied embedding, a final `jnp.tanh`, a position slice added to the
-embeddings. The model map names modules and loose parameters outside every layer; these
-operations hold no parameter of their own, so they are named here, from the one traced
-jaxpr (no extra trace), as "the model's own call: 2 ops (slice, add)".
+"""What a model's own `__call__` computes outside every layer and every module.
 
-Attribution reads each equation's name stack, which holds the module path: Flax linen
-scopes every module call (`jax.named_scope`, on by default via `flax_profile`),
-`rk.nnx.auto_tag` every NNX submodule's, and the providers an NNX root's by its class
-(`flax.nnx.root_call`). An equation whose stack is the root module's alone is the
-model's own call, in linen and NNX alike. Where a root is not scoped (root None), an
-equation with no stack is named only if it is a matmul or a convolution (the next-token
-loss holds none), the FLOPs that matter. Only equations that read the batch
-or the parameters count: a position table built from `jnp.arange` is a constant.
+A bare `x @ w.T` with a tied embedding, a final `jnp.tanh`, a position slice added: operations
+that hold no parameter of their own, which `own_call` names from the one traced jaxpr's name
+stacks, as "the model's own call: 2 ops (slice, add)" in the model map.
+How equations are attributed: docs/models.md ("The model map").
 """
 
 from __future__ import annotations

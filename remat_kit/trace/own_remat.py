@@ -1,15 +1,10 @@
 """A model's own remat regions (`nn.remat`, `nnx.remat`, `jax.checkpoint` in its code), and
 which of them remat_kit takes over.
 
-A library's `gradient_checkpointing` flag wraps each layer class in `nn.remat`; MaxText's
-scanned decoder runs its scan body under `jax.checkpoint` with a policy of its own. Traced
-with its layers marked (`remat_kit.trace.regions`), such a region either holds exactly one
-marked layer and no matmul beside it, or is the whole of one marked layer (beside it only
-tags, reshapes and casts): it is that layer's remat, and the policy being measured replaces
-it (`Found.taken`: the interpreter runs it inline, inside the policy's region), so `none`
-means no remat. Any other own
-region (around part of a layer, around several, outside every layer) stays under every
-policy, and the model map says so.
+`find` lists them (`Found`, `OwnRegion`): a region that is exactly one marked layer's remat (a
+library's `gradient_checkpointing` flag, MaxText's scan body) is taken over by the policy being
+measured, so `none` means no remat; any other stays under every policy, and the map says so.
+Also `count`, `policy_name`. Docs: docs/models.md ("A Flax model, no glue", step 5).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """A traced loss, run again under any policy: its block regions re-policied, its values tagged.
 
-A model that is not ours is traced once (`jax.make_jaxpr`) with each of its
-repeated blocks wrapped in a remat region whose policy is a `Marker`
-(`remat_kit.trace.wrapping`). `Regions.loss(policies)` evaluates that jaxpr again,
-equation by equation, with
-
-* each marked region run as `jax.checkpoint(block, policy=...)` under its
-  layer's policy (in the order the forward pass meets them), or inline for
-  `none`;
-* `checkpoint_name(value, role)` applied to each value whose role in the
-  dataflow `remat_kit.trace.roles` inferred (`query_proj`, `attn_probs`, ...), so
-  name-based presets (MaxText's `minimal`, Megatron's `selective`) select the
-  same values on the user's model as on ours;
-* jit-ed calls (`nn.jit`, `nnx.jit`, `jax.jit`) inlined and scans rebuilt
-  where they hold a region or a tagged value, so tags inside them are seen.
-
-Every other equation is bound as traced. The model is traced once for all
-policies, so flax's trace caches (which ignore interceptors) play no part.
+A model that is not ours is traced once with each block in a remat region marked by a `Marker`;
+`Regions.loss(policies)` evaluates that jaxpr again with each region under its layer's policy
+(`jax.checkpoint`, or inline for `none`) and each value `trace.roles` inferred tagged with
+`checkpoint_name`, so MaxText's and Megatron's presets select the same values as on ours.
+Main names: `build`, `Regions`. How: docs/models.md ("A Flax model, no glue", step 5).
 """
 
 from __future__ import annotations

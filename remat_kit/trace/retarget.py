@@ -1,15 +1,10 @@
 """A model's own mesh, rebuilt on the devices of the target it is compiled for.
 
-A model may carry a mesh of its own: built at import over this machine's devices
-and used in `with_sharding_constraint` / `NamedSharding` inside its code (a
-training codebase pinning its data-parallel layout). Traced, those shardings sit
-in the jaxpr's equations. Compiled for another target (`--target tpu:v5e:2x4`,
-deviceless), they name devices the target has not, and JAX refuses the program.
-Inside `retargeting(devices)` (the compile functions enter it), every equation
-`remat_kit.trace.regions` binds has each such mesh replaced by one with the same
-axis names, shape and axis types over the target's devices (those of the same
-index where the mesh's device ids fit, so its device order is kept), inner jaxprs
-(jit-ed calls bound whole) included; a mesh larger than the target is refused.
+A model may build a mesh over this machine's devices and use it in its own sharding constraints;
+compiled for another target those name devices the target has not. Inside `retargeting(devices)`
+every equation `trace.regions` binds has each such mesh rebuilt (same axis names, shape, types,
+device order) over the target's devices; a mesh larger than the target is refused (`check_fits`).
+Docs: docs/meshes.md ("A model that carries its own mesh").
 """
 
 from __future__ import annotations

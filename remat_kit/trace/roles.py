@@ -1,34 +1,10 @@
 """Role inference: which canonical tag each value of a third-party model's jaxpr plays.
 
-A model from a library names its values its own way (or not at all), so MaxText's
-presets (`minimal`, `save_qkv_proj`, ...) would save nothing on it. `infer_roles`
-reads the roles from the dataflow instead, the way a reader of the model would:
-
-- a softmax over one axis (`exp(x - max) / sum(exp(...))`, as `jax.nn.softmax`
-  traces, inline or inside a custom_jvp) whose input comes from a dot_general of
-  two activations is attention: that dot is `attn_logits`, the value that enters
-  the next dot is `attn_probs` (after dropout, masking or a dtype cast), that dot
-  is `context` and the parameter matmul consuming it is `out_proj`;
-- the parameter matmuls feeding the scores are the query (the operand carrying
-  the softmax's kept axis) and the key (the one carrying the reduced, key axis);
-  the one feeding context's other operand is the value; one matmul feeding all
-  three is `qkv_proj`, one feeding key and value is `kv_proj`;
-- a parameter matmul whose input is a nonlinearity (tanh, erf, logistic, max) or
-  a product of matmuls, all of them from one input, is an MLP: `mlpwi` (or
-  `mlpwi_0` through the nonlinearity and `mlpwi_1` beside it when gated),
-  `mlp_act`, `mlpwo`. A fused gate/up matmul, split in two, is `mlpwi`, as
-  MaxText's `fused_mlp` tags it;
-- a normalized value (a reduce_sum over the last axis and an rsqrt) feeding the
-  query/key/value matmuls is `attn_norm`, feeding the MLP's input matmuls `mlp_norm`;
-- a fused attention op (cuDNN's `dot_product_attention_fwd`, a custom call or
-  Pallas kernel named like attention) has only `context`: its scores never exist.
-
-The walk (`remat_kit.trace.dataflow`) sees through calls (jit/pjit, closed_call,
-checkpoint/remat in either remat mode, custom_jvp_call, custom_vjp_call,
-shard_map) and into scan, while and cond bodies; a parameter stays a parameter
-through layout ops and casts. Names already in the jaxpr (`checkpoint_name`'s
-`name` primitive) are transparent: a role goes to the named value itself, never
-to the `name` equation's output.
+A model from a library names its values its own way, so MaxText's presets (`minimal`,
+`save_qkv_proj`, ...) would save nothing on it; `infer_roles` reads the roles (`ROLES`) from the
+dataflow instead: the softmax and the dots around it are attention, the parameter matmuls around
+a nonlinearity the MLP, a normalized value feeding them a norm. Also `Roles`, `kernel_name`.
+The rules: docs/models.md ("A Flax model, no glue", step 4).
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """A stand-in for cuDNN fused attention, for tracing where the cuDNN call cannot be built.
 
-`jax.nn.dot_product_attention(..., implementation="cudnn")` needs the cuDNN library
-at trace time and lowers only for CUDA: on a machine without a GPU (a CPU, or a
-deviceless `gpu:h100` target, whose FLOPs come from a CPU compile) tracing fails.
-Inside `cudnn_stand_in()` that call is answered instead by a `jax.custom_vjp` of the
-same inputs, outputs and residuals as jax's cuDNN one
-(JAX's `fused_attention_stablehlo` module, reached through `_jax_private`):
-
-- forward `cudnn_attention_fwd_stand_in`: q [b, s_q, h, d], k/v [b, s_k, kv, d]
-  (and the bias, boolean mask and sequence lengths where given) -> the output
-  [b, s_q, h, d] in q's dtype and the softmax logsumexp [b, h, s_q] float32;
-- saved for the backward: q, k, v, the extras, the output and the logsumexp;
-- backward `cudnn_attention_bwd_stand_in`: -> dq, dk, dv (and dbias) of their
-  primals' shapes and dtypes.
-
-Its work is a few sums and adds per element (every operand is read, so the
-compiler keeps each residual alive as long as cuDNN's would); its values are not
-attention's. `remat_kit.measure.kernels` prices the two primitives from their
-shapes and mask (`mask_type`, `sliding_window_length`, `variadic_args`: has_bias, as
-cuDNN's own carry them),
-and names them in the record's notes. Its gradients are not attention's: a
-program traced with it is for measuring, never for running.
+Inside `cudnn_stand_in()`, `jax.nn.dot_product_attention(..., implementation="cudnn")` is answered
+by a `jax.custom_vjp` with cuDNN's inputs, outputs and residuals (JAX's `fused_attention_stablehlo`,
+through `_jax_private`), whose work is a few sums per element: for measuring, never for running.
+Main names: `cudnn_stand_in`, `for_target`, `standing_in`.
+Shapes, pricing and the notes: docs/targets.md ("cuDNN attention without a GPU").
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 Every codebase that selects residuals by name (MaxText, Praxis, Levanter)
 treats a name the model never emits as a silent no-op. Here it is an error.
+Docs: docs/policies.md (`rk.validate`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What to measure: one value that every command takes (`Workload`).
 
-A workload is a loss under a policy, the abstract arguments it takes, and how
-to build it again at another size. `measure`, `explain`, `plan`, `fit` and
-the CLI take one and know nothing else about the model behind it. Three
-providers make them:
-
-* `remat_kit.models.workload(cfg, batch, seq)`: our reference transformers;
-* `remat_kit.flax.from_model.workload(model, batch, seq)`: any linen or NNX
-  language model (tokens [batch, seq] -> logits [batch, seq, vocab]), its
-  repeated block found and rematerialized, its values tagged by role;
-* a function `(batch, seq) -> Workload` of the user's, for anything else
-  (`as_workload` calls it).
+A workload is a loss under a policy, its abstract arguments, and how to build it again at another
+size; `measure`, `explain`, `plan`, `fit` and the CLI know nothing else of the model. Providers:
+`remat_kit.models.workload`, `remat_kit.flax.from_model.workload`, `from_loss`, or a function
+`(batch, seq) -> Workload` of the user's (`as_factory`). Also `checkpointed`.
+The providers: docs/models.md ("Full control"); the data flow: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What the linen and NNX wrappers share: matching submodules to policies by class,
 splitting call arguments into traced arrays and static values, and turning a
 `Policy` into JAX's policy with the names a region really emits.
+Docs: docs/wrappers.md.
 """
 
 from __future__ import annotations
