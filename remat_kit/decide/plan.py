@@ -58,6 +58,12 @@ class Planner:
     `compiles`); `remat_kit.decide.search` plans with them. Its methods take
     `Policy` values (or a tuple of one per layer), never spec strings.
 
+    >>> import jax.numpy as jnp, remat_kit as rk
+    >>> loss = lambda w, x: jnp.sum(jnp.sin(jnp.sin(x @ w) @ w))
+    >>> planner = rk.Planner(loss, jnp.ones((8, 8)), jnp.ones((64, 8)), cache=False)
+    >>> [p.spec for p in planner.frontier([0.8, 1.0])]  # fractions of no remat's memory
+    ['full', 'none']
+
     Raises:
       ValueError: a bad max_iterations, groups, offload, bases or objective (named).
       TargetError: offload=True on a target that lists no host bandwidth.

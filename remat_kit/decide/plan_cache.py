@@ -25,6 +25,12 @@ class Plan:
     """The planner's answer for one budget. Bytes are per device, of the compiled
     figure `memory_kind` names.
 
+    >>> import jax.numpy as jnp, remat_kit as rk
+    >>> loss = lambda w, x: jnp.sum(jnp.sin(jnp.sin(x @ w) @ w))
+    >>> plan = rk.plan(loss, jnp.ones((8, 8)), jnp.ones((64, 8)), budget="0.8", cache=False)
+    >>> plan.spec, plan.measured_bytes <= plan.budget_bytes
+    ('full', True)
+
     Attributes:
       budget: the budget as given (e.g. "6GiB", 0.25).
       budget_bytes: it in bytes (a fraction resolved against none_bytes).

@@ -146,6 +146,11 @@ def remat(cls: type, policy: "str | Policy", *, static_argnums: int | Sequence[i
           methods: Sequence[str] | None = None) -> type:
     """`nn.remat(cls)` under a remat_kit policy: a class with `cls`'s constructor.
 
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, remat_kit as rk
+    >>> Dense = rk.linen.remat(nn.Dense, "full")  # nn.remat(nn.Dense, policy=...)
+    >>> jax.tree.map(jnp.shape, jax.eval_shape(Dense(8).init, jax.random.key(0), jnp.ones((4, 8))))
+    {'params': {'bias': (8,), 'kernel': (8, 8)}}
+
     Args:
       cls: a `flax.linen.Module` subclass, e.g. a transformer block.
       policy: a spec string (`rk.parse`) or a `Policy`. "none" returns `cls`.

@@ -344,6 +344,12 @@ def _nnx(model: nnx.Module, spec, context, block) -> nnx.Module:
 def remat_model(model, policy, *, block=None, budget=None):
     """`model` running exactly the program `compare --model` / `plan --model` measured.
 
+    >>> import remat_kit as rk
+    >>> model = rk.models.Transformer(rk.models.get_config("tiny"))
+    >>> fast = rk.remat_model(model, "minimal")  # or a Plan from rk.plan
+    >>> isinstance(fast, rk.models.Transformer), fast.config == model.config
+    (True, True)
+
     Args:
       model: a `flax.linen.Module` instance (unbound) or a `flax.nnx.Module`.
       policy: a spec string or `Policy` (a layer schedule picks the blocks), a

@@ -209,6 +209,11 @@ def remat(module_or_fn, policy: "str | Policy", *, static_argnums: int | Sequenc
           methods: Sequence[str] = ("__call__",)):
     """`nnx.remat` under a remat_kit policy, for a Module class, instance or function.
 
+    >>> import jax.numpy as jnp, flax.nnx as nnx, remat_kit as rk
+    >>> layer = rk.nnx.remat(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), "full")  # a copy: same params
+    >>> layer(jnp.ones((4, 8))).shape
+    (4, 8)
+
     Args:
       module_or_fn: an nnx Module class (returns a subclass with the same
         constructor), a Module instance (returns a copy whose `methods` run

@@ -36,6 +36,12 @@ class StepTime:
 class Record:
     """What one policy costs. All byte figures are per device.
 
+    >>> import jax.numpy as jnp, remat_kit as rk
+    >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+    >>> r = rk.measure(loss, jnp.ones((8, 8)), jnp.ones((4, 8)), policies="full")[0]
+    >>> r.policy, r.memory_kind, r.memory_bytes  # CPU: the compiled temp bytes
+    ('full', 'temp_size_in_bytes', 128)
+
     Attributes:
       policy: the canonical spec string (`str(Policy)`).
       names: every name the user gave that maps to this measurement

@@ -250,6 +250,13 @@ def residuals(f: Callable, *args) -> list[Residual]:
     produced them in the loop body, with their stacked [layers, ...] shape;
     offloaded values (`device_put` to host) and reshaped or transposed values
     by the value they copy; and values computed in a `jit`-wrapped function by
+    >>> import jax.numpy as jnp, remat_kit as rk
+    >>> loss = lambda w, x: jnp.sum(jnp.tanh(rk.tag(x @ w, "mlpwi")))
+    >>> saving = rk.checkpointed(loss)(rk.parse("save:mlpwi"))
+    >>> saved = rk.residuals(saving, jnp.ones((8, 8)), jnp.ones((4, 8)))
+    >>> [(r.kind, r.name, r.nbytes) for r in saved]
+    [('argument', 'w', 256), ('argument', 'x', 128), ('tag', 'mlpwi', 128)]
+
     the primitive inside it.
 
     Args:

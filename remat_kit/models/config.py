@@ -212,6 +212,11 @@ CONFIGS: dict[str, TransformerConfig] = {
 def get_config(name: str, **overrides) -> TransformerConfig:
     """A named config from CONFIGS, with field `overrides`.
 
+    >>> import remat_kit as rk
+    >>> cfg = rk.models.get_config("tiny", num_layers=2)
+    >>> cfg.family, cfg.num_layers, cfg.d_model
+    ('gpt2', 2, 64)
+
     Raises:
       KeyError: unknown name; the message lists the names and the closest one.
     """

@@ -97,6 +97,11 @@ def workload(cfg: TransformerConfig, batch: int, seq: int, *, dtype: str | None 
              mesh: jax.sharding.Mesh | None = None, name: str | None = None) -> Workload:
     """The `Workload` of a reference transformer's language-model loss.
 
+    >>> import remat_kit as rk
+    >>> work = rk.models.workload(rk.models.get_config("tiny"), batch=2, seq=16)
+    >>> work.num_layers, work.block_name
+    (2, 'DecoderLayer')
+
     Args:
       cfg: the model config; its `remat` is replaced by each policy measured.
       batch, seq: the global batch size (split over the mesh's data x fsdp

@@ -73,6 +73,11 @@ _REGISTERED: set[str] = set()
 def register_tag(*names: str) -> None:
     """Adds custom tag names, so specs and `tag(..., strict=True)` accept them.
 
+    >>> import remat_kit as rk
+    >>> rk.register_tag("router_logits")  # a value outside the vocabulary (an MoE router's)
+    >>> str(rk.parse("save:router_logits"))
+    'save:router_logits'
+
     Raises:
       ValueError: a name is empty, holds a glob character, or is an alias.
     """
@@ -146,6 +151,13 @@ def expand(name: str) -> tuple[str, ...]:
 
 def tag(x, name: str, *, strict: bool = True):
     """Names `x` for remat policies: `jax.ad_checkpoint.checkpoint_name(x, name)`.
+
+    >>> import jax.numpy as jnp, remat_kit as rk
+    >>> rk.tag(jnp.ones((8, 8)), "mlpwi").shape  # the same value, now a policy can save it
+    (8, 8)
+    >>> rk.tag(jnp.ones((8, 8)), "mlp_wi")
+    Traceback (most recent call last):
+    remat_kit.errors.UnknownTagError: unknown tag; got 'mlp_wi'; did you mean 'mlpwi'?...
 
     Args:
       x: an array or pytree of arrays, any shape and dtype; returned unchanged.

@@ -93,6 +93,11 @@ class Policy:
 
     `str(policy)` is the canonical spec string; `remat_kit.parse(str(p)) == p`.
 
+    >>> import remat_kit as rk
+    >>> p = rk.Policy(save=frozenset({"query_proj"}), base="dots_no_batch")
+    >>> str(p), rk.parse(str(p)) == p
+    ('dots_no_batch;save:query_proj', True)
+
     Raises:
       RematSpecError: an unknown base or memory kind, offload to the same
         memory kind, a pattern under two decisions, two equally specific

@@ -30,6 +30,11 @@ class AutoSpec:
     `measure`, `measure_config`, `remat-kit compare` and experiments/train.py
     call). `str()` gives the spec back.
 
+    >>> import remat_kit as rk
+    >>> spec = rk.parse("auto:budget=6GiB")
+    >>> spec, str(spec)
+    (AutoSpec(budget='6GiB'), 'auto:budget=6GiB')
+
     Attributes:
       budget: the budget as written: bytes ("6GiB", "512MiB", "6000000000B")
         or a fraction 0 < f <= 1 of the no-remat temp memory ("0.25").
@@ -104,6 +109,12 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
     "save:query_proj,key_proj,value_proj", "save:mlp*",
     "save:query_proj;offload:mlpwo", "recompute:core_attn,mlp", "dots|save:context",
     "full@every:2", "selective@first:4", "nested", "nested:4", "minimal@nested:4".
+
+    >>> import remat_kit as rk
+    >>> str(rk.parse("save:query_proj;offload:mlpwo"))
+    'save:query_proj;offload:mlpwo'
+    >>> "query_proj" in rk.parse("minimal").save  # MaxText's minimal saves the projections
+    True
 
     Raises:
       RematSpecError: malformed spec; the message names the bad token, its
@@ -360,6 +371,10 @@ def from_custom(mapping: Mapping[str, str]) -> Policy:
 
     "device" saves the tag, "offload" moves it to pinned host memory, "remat"
     recomputes it. Tags left out are recomputed.
+
+    >>> import remat_kit as rk
+    >>> str(rk.from_custom({"query_proj": "device", "mlpwo": "offload", "mlpwi": "remat"}))
+    'save:query_proj;offload:mlpwo'
 
     Raises:
       RematSpecError: an unknown tag or decision.

@@ -75,6 +75,12 @@ def emitted_tags(fn, *args, **kwargs) -> dict[str, jax.core.ShapedArray]:
     `jax.ShapeDtypeStruct`s; `fn` may return any Python value. A tag emitted several times (one per layer) is
     listed once, with the first shape seen. Returns {tag: ShapedArray}, in
     trace order.
+    >>> import jax, jax.numpy as jnp, remat_kit as rk
+    >>> f = lambda x: jnp.sum(rk.tag(x * 2, "mlpwi"))
+    >>> x = jax.ShapeDtypeStruct((4, 8), jnp.float32)  # traced only
+    >>> {tag: value.shape for tag, value in rk.emitted_tags(f, x).items()}
+    {'mlpwi': (4, 8)}
+
     """
     found: dict = {}
     for eqn in all_eqns(_traced(fn, args, kwargs)):

@@ -26,6 +26,12 @@ from remat_kit.trace.model_map import ModelMap
 class Workload:
     """A loss under a policy, its abstract arguments, and how it resizes.
 
+    >>> import jax.numpy as jnp, remat_kit as rk
+    >>> loss = lambda w, x: jnp.sum(jnp.sin(jnp.sin(x @ w) @ w))
+    >>> work = rk.Workload(rk.checkpointed(loss), (jnp.ones((8, 8)), jnp.ones((64, 8))), name="mlp")
+    >>> [(r.policy, r.memory_bytes) for r in rk.measure(work, policies=["none", "full"])]
+    [('none', 8200), ('full', 6144)]
+
     Attributes:
       loss_for_policy: policy -> loss(*args) returning a float scalar. The
         policy is a `Policy` (with an optional layer schedule) or a list of
@@ -136,6 +142,13 @@ def checkpointed(loss_fn: Callable) -> Callable:
     policy -> `jax.checkpoint(loss_fn, policy=policy.to_jax())`, or `loss_fn`
     itself for the `none` policy. The region's inputs (all of `loss_fn`'s
     arguments) are always kept.
+    >>> import jax, jax.numpy as jnp, remat_kit as rk
+    >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+    >>> full = rk.checkpointed(loss)(rk.parse("full"))  # all recomputed in the backward pass
+    >>> w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    >>> bool(jnp.allclose(jax.grad(full)(w, x), jax.grad(loss)(w, x)))
+    True
+
     """
     def factory(policy: Policy):
         if not policy.remat:
