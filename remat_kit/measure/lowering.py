@@ -220,6 +220,16 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
         return _compile_for(fn, args, target, compile_only, donate, count_flops, dump)
 
 
+def compile_lowered(lowered, options: dict | None, target: Target):
+    """`lowered.compile(options)`; for an ahead-of-time target, past JAX's persistent
+    compilation cache: this machine cannot load such an executable back (a read warns and
+    compiles anyway), and `figure_cache` keeps what is read from it."""
+    if not target.aot:
+        return lowered.compile(options)
+    with without_compilation_cache():
+        return lowered.compile(options)
+
+
 def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
                  donate: tuple[int, ...], count_flops: bool, dump: str | None) -> Compiled:
     placed = place(args, target)
@@ -241,7 +251,7 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
                         time.perf_counter() - start, tuple(kept["notes"]),
                         kept["kernel_seconds"])
     if dump is None:
-        compiled = lowered.compile(options)
+        compiled = compile_lowered(lowered, options, target)
     else:
         with without_compilation_cache():
             compiled = lowered.compile(dump_options(options, dump))
@@ -259,5 +269,5 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
                     found.get("transcendentals"), seconds, notes, kernel_seconds)
 
 
-__all__ = ["Compiled", "compile_for", "compile_options", "costs", "costs_with_kernels", "lower",
-           "on_target", "place"]
+__all__ = ["Compiled", "compile_for", "compile_lowered", "compile_options", "costs",
+           "costs_with_kernels", "lower", "on_target", "place"]

@@ -367,7 +367,7 @@ class _Compiles:
         start = time.perf_counter()
         try:
             if dump is None:
-                compiled = lowered.compile(self._options)
+                compiled = lowering.compile_lowered(lowered, self._options, self._target)
             else:  # a compile read back from JAX's cache would write no dump
                 with without_compilation_cache():
                     compiled = lowered.compile(peak_of.dump_options(self._options, dump))
