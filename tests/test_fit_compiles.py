@@ -110,3 +110,12 @@ def test_no_remat_far_over_the_budget_is_traced_not_compiled(memo, monkeypatch):
     compiled = [compile_step(work, one_policy(parse(p)), default_optimizer(), cpu).flops
                 for p in ("full", "none")]
     assert row.flop_overhead == pytest.approx(compiled[0] / compiled[1], rel=0.015)
+
+
+def test_no_remat_has_a_traced_estimate_on_a_reference_config():
+    # No remat's residuals include literals (constants it keeps); the estimate skips them
+    # instead of failing, so fit can trace no remat's overhead rather than compile it.
+    work = config_workload(get_config("tiny"), 2, 128)
+    none, full = (fit_estimate.activation_bytes(work, parse(p), default_optimizer())
+                  for p in ("none", "full"))
+    assert (none, full) == (8691484, 1187588)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,9 @@ def _parts(workload, policy: Policy, optimizer) -> tuple[float, float, list[int]
     share = (1.0 if tokens is None or not math.prod(tokens.shape) else
              math.prod(rk_mesh.local_shape(tokens).shape) / math.prod(tokens.shape))
     devices = 1 if workload.mesh is None else workload.mesh.size
-    return saved * share, 1 / devices, _values(staged.program.jaxpr, set(staged.residual_vars))
+    # A residual may be a literal (no remat keeps constants): not a value the program makes.
+    skip = {v for v in staged.residual_vars if isinstance(v, Hashable)}
+    return saved * share, 1 / devices, _values(staged.program.jaxpr, skip)
 
 
 def activation_bytes(workload, policy: Policy, optimizer) -> int:
