@@ -289,3 +289,27 @@ def test_a_plan_file_given_as_a_policy_says_where_plan_files_go(capsys, command)
     assert ("'plan.json' is a plan file, not a policy spec: apply it with "
             "rk.remat_model(model, PATH.json) or train with --config.remat=PATH.json "
             "(docs/models.md)") in err
+
+
+def test_fit_names_a_mesh_given_as_text():
+    import remat_kit as rk
+    from remat_kit.models import get_config
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*'data:2'"):
+        rk.fit(get_config("tiny"), "24MiB", policies=["full"], mesh="data:2")
+
+
+def test_a_plan_of_a_loss_without_flops_has_no_overhead():
+    import jax.numpy as jnp
+    import remat_kit as rk
+    ws = jnp.ones((8,))
+    plan = rk.plan(lambda w, x: jnp.sum(x * 2.0), ws, ws, budget=0.9, cache=None)
+    assert (plan.none_flops, plan.flops_overhead) == (0, 0.0)  # was a ZeroDivisionError
+
+
+def test_planner_names_must_be_one_a_policy():
+    import jax.numpy as jnp
+    import remat_kit as rk
+    planner = rk.Planner(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((8, 8)),
+                         jnp.ones((4, 8)), cache=None)
+    with pytest.raises(ValueError, match="0 names for 1 policies"):
+        planner.measure_all([rk.parse("full")], names=[])

@@ -184,8 +184,10 @@ def fit(model, budget: "int | str", *, mesh=None, seq: int | None = None,
 
     Raises:
       RematSpecError: a spec does not parse (before anything is traced).
+      TypeError: mesh not a `jax.sharding.Mesh` (`rk.mesh.make`).
     """
     rows = fit_rows(policies, budget)
+    stepping.check_mesh(mesh)  # before the mesh sizes the batch
     if isinstance(model, TransformerConfig) and kwargs.get("rechunk") is None:
         kwargs["rechunk"] = lambda n, cfg=model, mesh=mesh: _as_workload(
             cfg.replace(vocab_chunks=n), mesh, seq)[0]

@@ -76,10 +76,14 @@ class PlannerCompiles:
 
         Raises:
           TypeError: a spec string among `policies` (parse it above the planner).
+          ValueError: `names` not one a policy.
         """
         policies = parsed_only(policies, "Planner.measure_all")
         keys = [str(p) for p in policies]
         names = keys if names is None else list(names)
+        if len(names) != len(keys):
+            raise ValueError(f"Planner.measure_all: {len(names)} names for {len(keys)} "
+                             f"policies; give one name a policy, or none")
         todo = [i for i, k in enumerate(keys) if k not in self.records]
         if todo and self.step == "train":
             distinct = list(dict.fromkeys(keys[i] for i in todo))  # each policy once
