@@ -124,9 +124,8 @@ class Plan:
 
     @property
     def flops_overhead(self) -> float:
-        """measured_flops / none_flops - 1 (0.05 is 5% more FLOPs than no remat); 0 for a
-        program of no FLOPs at all (nothing to recompute)."""
-        return self.measured_flops / self.none_flops - 1 if self.none_flops else 0.0
+        """measured_flops / none_flops - 1 (0.05 is 5% more FLOPs than no remat)."""
+        return self.measured_flops / self.none_flops - 1
 
     @property
     def time_overhead(self) -> float | None:
