@@ -48,3 +48,16 @@ def test_below_the_front_floor_a_spec_string_is_a_type_error():
         resolve(["full"], loss, x, target=here)
     with pytest.raises(TypeError, match="measure takes parsed policies.*'full'.*rk.parse"):
         measure.measure(loss, x, policies=["full"], target=here)
+
+
+def test_the_planners_old_attributes_warn_and_read_its_parts():
+    import jax.numpy as jnp
+    from remat_kit.decide.plan import Planner
+    planner = Planner(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((8, 8)),
+                      jnp.ones((4, 8)), cache=None)
+    with pytest.warns(DeprecationWarning, match=r"Planner.loss_fn is planner.compiles.loss_fn"):
+        assert planner.loss_fn is planner.compiles.loss_fn
+    with pytest.warns(DeprecationWarning, match=r"planner.costs.groups"):
+        assert planner.groups == planner.costs.groups == "layers"
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        planner.nonsense

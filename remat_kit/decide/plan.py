@@ -9,6 +9,7 @@ How it works, the arguments and the figures: docs/plan.md.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Collection, Sequence
 
 import jax
@@ -127,6 +128,16 @@ class Planner:
             predict_time=predict_time or objective == "time" or host_bandwidth is not None)
         if groups != "layers":
             self.group_count()  # a group count outside 1..layers fails here, not at plan
+
+    def __getattr__(self, name: str):
+        # Round 5 moved these onto the two parts; they keep working, with a warning, for
+        # one round (README.md, "Changes").
+        part = _MOVED_TO_PARTS.get(name)
+        if part is None or part not in self.__dict__:
+            raise AttributeError(f"'Planner' object has no attribute {name!r}")
+        warnings.warn(f"Planner.{name} is planner.{part}.{name} (round 5)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self.__dict__[part], name)
 
     def plan(self, budget: "str | int | float") -> Plan:
         """The policy with the fewest FLOPs (or least predicted time) whose
