@@ -458,3 +458,16 @@ def test_cli_fit_a_model_on_a_mesh_searches_sharded_steps(capsys):
     assert "within 1.00 MiB per device of mesh data:2 (2 devices; sizes global)" in stdout
     assert ("compiled: train step; gradients and optimizer state sharded like the parameters "
             "over data:2") in stdout
+
+
+def test_the_verdict_pastes_a_spec_not_an_auto_rows_per_layer_pick():
+    import types
+    from remat_kit.cli.fit_report import pick_fit
+    from remat_kit.decide.fit_search import FitRow
+    auto = FitRow("auto:budget=12MiB", 384, flop_overhead=1.017, picked="0 full / 1 dots",
+                  picked_layers=("full", "dots"))
+    full = FitRow("full", 384, flop_overhead=1.25)
+    result = types.SimpleNamespace(rows=[full, auto], vary="seq", budget_bytes=12 << 20)
+    assert pick_fit(result).name == "full"
+    result.rows = [auto]  # the only row that fits: named as it is
+    assert pick_fit(result).name == "auto:budget=12MiB"

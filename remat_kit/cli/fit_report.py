@@ -79,12 +79,15 @@ def _fit_cells(r, auto: bool) -> list[str]:
 
 def pick_fit(result):
     """fit's `verdict.Choice`: the row with the largest size (the fewest FLOPs over
-    no remat's among equals, an auto row's picked policy named); None where no
-    policy fits any size."""
+    no remat's among equals, an auto row's picked policy named; an auto row's per-layer
+    pick only where no other row fits); None where no policy fits any size."""
     from remat_kit.cli.verdict import Choice, cost_text
     rows = [r for r in result.rows if r.size]
     if not rows:
         return None
+    # An auto row that picked one policy per layer names no spec to paste: another row's
+    # policy is the verdict where one fits.
+    rows = [r for r in rows if not r.picked_layers] or rows
     best = max(rows, key=lambda r: (r.size, -(r.flop_overhead or 0.0)))
     none = next((r for r in result.rows if r.policy == "none"), None)
     against = ("" if none is None or best is none else
