@@ -82,3 +82,9 @@ def test_predicted_figures_beside_their_compiles(planner):
         record = planner.measure(parse(name))
         assert low <= nbytes / record.memory_bytes - 1 <= high, name
         assert abs(flops / record.flops - 1) < 0.016, name
+
+
+def test_a_predicted_step_is_never_faster_than_no_remat(planner):
+    none = planner.seconds(Policy(remat=False))
+    times = [predict(planner, parse(p)) for p in ("selective", "minimal", "save_context")]
+    assert all(t is not None and (t[2] is None or t[2] >= none) for t in times)

@@ -292,6 +292,8 @@ def predict(planner, policy: Policy) -> tuple[int, float, float | None] | None:
     if seconds is None and planner.predict_time:
         seconds = planner.costs.seconds(Policy(base=policy.base)) - model.time(frozenset()) + \
             model.time(saved, offloaded)
+    if seconds is not None and seconds < planner.costs.seconds(Policy(remat=False)):
+        seconds = None  # faster than no remat: the per-tag time terms cannot say
     return nbytes, flops, seconds
 
 
