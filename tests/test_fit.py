@@ -471,3 +471,13 @@ def test_the_verdict_pastes_a_spec_not_an_auto_rows_per_layer_pick():
     assert pick_fit(result).name == "full"
     result.rows = [auto]  # the only row that fits: named as it is
     assert pick_fit(result).name == "auto:budget=12MiB"
+
+
+def test_cli_fit_says_why_nothing_compiled_below_the_smallest_size(capsys):
+    # 1.5 MiB passes the floor (parameters, optimizer state) but not one seq's scores: no
+    # compile, so no breakdown below; the verdict says why instead of "(see below)".
+    cli.main(["fit", "--config", "tiny", "--budget", "1.5MiB", "--policies", "none,full"])
+    stdout = " ".join(capsys.readouterr()[0].split())
+    assert ("cpu: no policy fits 1.50 MiB at any seq (none compiled: at seq 128 the largest "
+            "buffer alone") in stdout
+    assert "see below" not in stdout and "below the minimum" not in stdout

@@ -181,9 +181,14 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     the_map = config_map(cfg) if first is None else first
     print_map(the_map)  # the map's line first, as in every report, then the verdict
     choice = fit_report.pick_fit(result)
+    why = ("see below" if result.below_minimum else
+           f"none compiled: at {args.vary} {multiple} the largest buffer alone (one layer's "
+           "attention scores, or the logits) needs more than the budget less the parameters "
+           "and optimizer state"
+           if not any(r.compiles for r in result.rows) else "")
     for line in (verdict.verdict(choice, target, asked_target=args.target is not None)
                  if choice else [f"{target}: no policy fits {fmt_bytes(budget)} at any "
-                                 f"{args.vary} (see below)"]):
+                                 f"{args.vary}" + (f" ({why})" if why else "")]):
         console.print(line, markup=False, emoji=False, soft_wrap=True)
     print_title(console, title)
     console.print(fit_report.fit_table(result, "", args.wide))
