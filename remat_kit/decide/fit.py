@@ -119,7 +119,7 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         `rk.from_model.workload(model, batch, seq)`), or a function
         (batch, seq) -> Workload.
       budget: device memory per device: bytes as an int, or a size string
-        ("16GiB", "512MiB", "8e9"; `remat_kit.policy.budget.parse_budget`, but not a
+        ("16GiB", "512MiB", "8e9B"; `remat_kit.policy.budget.parse_budget`, but not a
         fraction: there is no fixed no-remat figure to take it of).
       vary: "seq" (find the longest sequence at a fixed batch) or "batch"
         (the largest global batch at a fixed sequence length).
