@@ -47,6 +47,14 @@ def _check_differentiable(args) -> None:
                          "rk.plan(loss_fn, params, *batch, budget=...)")
 
 
+# Attributes of the Planner before round 5 -> the part that holds them now.
+_MOVED_TO_PARTS = {**dict.fromkeys(("loss_fn", "args", "workload", "fingerprint", "staged",
+                                    "peak", "optimizer", "per_device", "progress", "phase",
+                                    "left", "optimizer_key"), "compiles"),
+                   **dict.fromkeys(("groups", "byte_share_measured", "policy_from_items",
+                                    "transfer_seconds"), "costs")}
+
+
 class Planner:
     """Plans one loss for any number of budgets, sharing the measurements:
     `Planner(loss_fn, *args).plan("6GiB")`, `.frontier([0.1, 0.2])`. Every argument
