@@ -17,7 +17,6 @@ from collections.abc import Callable, Hashable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.decide.floor import train_state
@@ -25,15 +24,7 @@ from remat_kit.decide.step import workload_step
 from remat_kit.measure import lowering
 from remat_kit.measure.residuals import aval_bytes, stage
 from remat_kit.policy.policy import Policy
-
-
-def _bodies(eqn):
-    """The jaxprs an equation calls (a jit, a scan's body, a cond's branches, a remat)."""
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            v = v.jaxpr if isinstance(v, ClosedJaxpr) else v
-            if hasattr(v, "eqns"):
-                yield v
+from remat_kit.trace.marked import sub_jaxprs
 
 
 def _values(jaxpr, skip: set) -> list[int]:
@@ -43,7 +34,7 @@ def _values(jaxpr, skip: set) -> list[int]:
     for eqn in jaxpr.eqns:
         found += [aval_bytes(v.aval) for v in eqn.outvars
                   if v not in skip and hasattr(v.aval, "shape")]
-        for body in _bodies(eqn):
+        for body in sub_jaxprs(eqn):
             found += _values(body, skip)
     return found
 
@@ -222,7 +213,7 @@ def _flops(jaxpr) -> float:
     of every other float op; a scan's body times its length."""
     total = 0.0
     for eqn in jaxpr.eqns:
-        bodies = list(_bodies(eqn))
+        bodies = list(sub_jaxprs(eqn))
         if bodies:
             inner = [_flops(b) for b in bodies]
             times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
