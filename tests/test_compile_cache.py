@@ -11,7 +11,7 @@ import pytest
 from jax._src import compilation_cache, monitoring
 
 from remat_kit.cli import commands as cli
-from remat_kit.measure import figure_cache
+from remat_kit.measure import figure_cache, pool
 from remat_kit.measure import targets
 from remat_kit.models import get_config
 
@@ -46,11 +46,11 @@ def test_cache_hits_and_concurrent_compiles_give_the_same_figures(empty_cache, m
     listener = lambda event, **_: events.append(event)  # noqa: E731
     monitoring.register_event_listener(listener)
     try:
-        monkeypatch.setattr(measure, "COMPILE_WORKERS", 1)
-        fresh = _measure()  # compiled one at a time, written to the empty cache
+        with pool.using(1):
+            fresh = _measure()  # compiled one at a time, written to the empty cache
         assert "/jax/compilation_cache/cache_hits" not in events
-        monkeypatch.setattr(measure, "COMPILE_WORKERS", 3)
-        cached = _measure()  # read back, three at a time
+        with pool.using(2):
+            cached = _measure()  # read back, two at a time
     finally:
         monitoring.unregister_event_listener(listener)
     assert events.count("/jax/compilation_cache/cache_hits") == len(POLICIES)

@@ -140,3 +140,39 @@ def test_capacity_and_far_over():
     # No remat taken not to fit, uncompiled, only where 0.4x its estimate puts it over 2x.
     assert far_over(3 * 10**9, 10**9, 10**9) and not far_over(2 * 10**9, 10**9, 10**9)
     assert not far_over(None, 10**9, 10**6)
+
+
+def rounds_of(memory, at_zero: int, budget: int, max_units: int, degree: int, jobs: int):
+    """(answer, rounds, sizes probed) of `_search` probing up to `jobs` sizes a round."""
+    probes, rounds = [], []
+
+    def fits_many(ks):
+        rounds.append(list(ks))
+        probes.extend(ks)
+        return [memory(k) <= budget for k in ks]
+    units, _ = _search(lambda k: fits_many([k])[0],
+                       lambda k: at_zero if k == 0 else (memory(k) if k in probes else None),
+                       budget, max_units, 1, degree, jobs=jobs, fits_many=fits_many)
+    return units, rounds, probes
+
+
+@pytest.mark.parametrize("stairs", [0, 5, 7])
+def test_probing_several_sizes_a_round_gives_the_serial_answer_in_no_more_rounds(stairs):
+    # A round probes the serial search's next size and its neighbours (or the bracket split
+    # in jobs + 1 where it bisects): every round's sizes inside the bracket, none twice.
+    # Stairs (a step every few units, still monotone) put the predictions off.
+    memory = lambda k: 10**6 + 5_000 * k + 300 * k * k + (  # noqa: E731
+        40_000 * (k // stairs) if stairs else 0)
+    fewer = 0
+    for budget in (1_050_000, 1_333_333, 2_000_000, 9_000_000, 10**8):
+        expect = binary_search(lambda k: memory(k) <= budget, 1000)
+        serial, serial_rounds, _ = rounds_of(memory, 10**6, budget, 1000, 2, 1)
+        assert serial == expect and all(len(r) == 1 for r in serial_rounds)
+        for jobs in (2, 4):
+            units, rounds, probes = rounds_of(memory, 10**6, budget, 1000, 2, jobs)
+            assert units == expect, (jobs, rounds)
+            assert len(rounds) <= len(serial_rounds), (jobs, rounds, serial_rounds)
+            assert all(1 <= len(r) <= jobs for r in rounds)
+            assert len(set(probes)) == len(probes)
+            fewer += len(rounds) < len(serial_rounds)
+    assert fewer >= 4  # most budgets need fewer rounds than one compile at a time

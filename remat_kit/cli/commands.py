@@ -25,6 +25,7 @@ from remat_kit.cli import stops
 from remat_kit.cli.common import make_host_devices
 from remat_kit.api.inputs import BadInput, non_negative_int, positive_int
 from remat_kit.errors import RematSpecError
+from remat_kit.measure import pool
 from remat_kit.models import CONFIGS
 from remat_kit.models.config import DTYPES
 
@@ -78,10 +79,28 @@ TARGET_HELP = ("the chip whose compiler measures: tpu:<chip>:<topology> ahead of
                "JAX's default backend, which ranks policies as that machine does")
 
 
+def _jobs(text: str) -> int:
+    """argparse type of --jobs: a whole number in 1..the cores (`pool.check_jobs`)."""
+    try:
+        return pool.check_jobs(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number from 1 to {pool.cores()} (this machine's cores), "
+            f"got {text!r}") from None
+
+
+def _jobs_flag(p) -> None:
+    """--jobs, on a command that compiles several programs."""
+    p.add_argument("--jobs", type=_jobs, default=None, metavar="N",
+                   help="compiles run at once (default: one a core, as many as the free "
+                        "memory holds at 2 GiB a compile); the answers do not depend on it")
+
+
 def _add_compare(sub) -> None:
     """`compare` and its flags, on the subparsers `sub`."""
     compare = sub.add_parser("compare", help="measure every policy: memory, FLOPs, time")
     _source_flags(compare)
+    _jobs_flag(compare)
     compare.add_argument("--policies", default=None,
                          help="comma-separated policy specs, or all for every preset "
                               "(default: every preset on the CPU; none,full,minimal,dots,"
@@ -126,6 +145,7 @@ def _add_plan(sub) -> None:
     """`plan` and its flags, on the subparsers `sub`."""
     plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")
     _source_flags(plan)
+    _jobs_flag(plan)
     plan.add_argument("--budgets", required=True,
                       help="comma-separated budgets: sizes (6GiB, 512MiB, 8e9B for bytes) or fractions "
                            "0 < f <= 1 of no remat's memory (temp on CPU, the compiler's "
@@ -191,6 +211,7 @@ def _add_fit(sub) -> None:
     fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "
                                      "in a memory budget")
     _source_flags(fit)
+    _jobs_flag(fit)
     fit.add_argument("--budget", required=True,
                      help="device memory per device, e.g. 16GiB, 512MiB, 8e9B for bytes (also the "
                           "budget of an auto row)")
@@ -255,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             use_compile_cache()
             make_host_devices(args)  # before anything starts JAX's backend
-            return args.run(args)
+            with pool.using(getattr(args, "jobs", None)):
+                return args.run(args)
         except stops.Stopped as e:  # Ctrl-C or SIGTERM: one line, never a traceback
             print(f"remat-kit {args.command}: stopped by {e.name}; {stops.kept(args)}",
                   file=sys.stderr)

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.measure import targets
+from remat_kit.measure import pool, targets
 from remat_kit.policy.budget import parse_budget
 from remat_kit.errors import BudgetError, MeshError
 from remat_kit.decide.floor import train_state, tree_bytes
@@ -102,7 +102,7 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         target: "str | targets.Target | None" = None, mesh: Mesh | None = None,
         cache: "str | bool | None" = None,
         progress: Callable[[int, int, FitRow], None] | None = None,
-        rechunk: Callable | None = None) -> FitResult:
+        rechunk: Callable | None = None, jobs: int | None = None) -> FitResult:
     """For each policy, the largest sequence length or batch whose train step fits `budget`.
 
     Sizes are global (the whole mesh's batch, the sequence length); memory
@@ -146,6 +146,9 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         logits hold the most of its step, `FitResult.below_minimum` names a
         chunk count (`peak.vocab_chunks_for`), and with rechunk gives the
         step memory it compiles to (one more compile).
+      jobs: compiles run at once, 1..the cores (`measure.pool.using`; default one a core,
+        as the free memory allows): each row's search probes that many sizes a round
+        (`fit_search._search`), the same answers where a step's memory grows with its size.
     Returns:
       A `FitResult`; its rows follow `policies`' order.
     Raises:
@@ -161,7 +164,16 @@ def fit(model, budget: "int | str", *, vary: str = "seq",
         parameters plus the optimizer state per device (the floor, stated
         in bytes), so no size can fit, or an auto spec with another budget.
       TargetError: a bad target, or libtpu missing.
+      ValueError: also a bad `jobs` (`pool.check_jobs`).
     """
+    with pool.using(jobs):
+        return _fit(model, budget, vary, policies, batch, seq, multiple, max_size, optimizer,
+                    target, mesh, cache, progress, rechunk)
+
+
+def _fit(model, budget, vary, policies, batch, seq, multiple, max_size, optimizer, target,
+         mesh, cache, progress, rechunk) -> FitResult:
+    """`fit`, on the compile pool it set."""
     search = _prepare(model, budget, vary, policies, batch, seq, multiple, max_size, optimizer,
                       target, mesh)
     steps = Steps(_step_measurer(search))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -19,6 +20,7 @@ from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.policy.policy import Policy
 from remat_kit.decide.step import (StepMemory, one_policy)
 from remat_kit.decide.fit_estimate import Estimate
+from remat_kit.measure import pool
 from remat_kit.measure.targets import is_out_of_memory
 
 
@@ -97,6 +99,7 @@ class Steps:
 
     def __init__(self, measure: Callable[[Policy, int, Callable | None], StepMemory]):
         self._measure, self._cache, self.total = measure, {}, 0
+        self._count = threading.Lock()
         self._failed: dict[tuple, Exception] = {}  # raised again, not compiled again
         self._policies: dict[str, "Policy | tuple[Policy, ...]"] = {}  # key -> its policy
 
@@ -111,7 +114,8 @@ class Steps:
         if key in self._failed:
             raise self._failed[key]
         if key not in self._cache:
-            self.total += 1
+            with self._count:  # a round's sizes are measured side by side
+                self.total += 1
             self._policies.setdefault(key[0], policy)
             try:
                 self._cache[key] = self._measure(
@@ -205,7 +209,8 @@ def _predict(points: dict[int, int], budget: int, lo: int, hi: int | None,
 
 def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
             budget: int, max_units: int, start: int = 1, degree: int = 2,
-            estimate: Estimate | None = None) -> tuple[int, bool]:
+            estimate: Estimate | None = None, jobs: int = 1,
+            fits_many: Callable[[list[int]], list[bool]] | None = None) -> tuple[int, bool]:
     """The largest k in [0, max_units] with fits(k), assuming fits is monotone.
 
     Prediction, then verification: each compile goes to the boundary a curve through
@@ -220,6 +225,11 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     prediction that does not halve the bracket twice in a row gives way to bisection, so
     the worst case is a binary search's.
 
+    With `jobs` > 1 each round probes up to `jobs` sizes at once (`_round`: the serial
+    search's next size and its neighbours, or the bracket split in jobs + 1 where it
+    bisects), `fits_many(ks)` giving each one's answer (default: fits, one after
+    another): fewer rounds, and the same answer where fits is monotone.
+
     Returns (k, capped). `bytes_at(k)` is the memory measured at a unit
     already probed (None if not probed or out of memory), for prediction;
     bytes_at(0) may give what every step holds at least (its parameters and
@@ -230,17 +240,21 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     """
     if max_units < 1:
         return 0, False
+    fits_many = fits_many or (lambda ks: [fits(k) for k in ks])
     lo, hi = 0, None  # fits(lo) (size 0 trivially); not fits(hi)
     first = estimate.first(budget, max_units) if estimate is not None and start <= 1 else None
-    k, stalls = min(max(first or start, 1), max_units), 0
+    k, stalls, halving = min(max(first or start, 1), max_units), 0, False
     while True:
         width = None if hi is None else hi - lo
-        if fits(k):
-            lo = k
-            if k == max_units:
-                return lo, True
-        else:
-            hi = k
+        ks = _round(k, lo, hi, max_units, jobs, halving)
+        for k_, ok in zip(ks, fits_many(ks) if len(ks) > 1 else [fits(k)]):
+            if ok and (hi is None or k_ < hi):
+                lo = max(lo, k_)
+            elif not ok:
+                hi = k_ if hi is None else min(hi, k_)
+        lo = min(lo, hi - 1) if hi is not None else lo
+        if lo == max_units:
+            return lo, True
         if hi is not None and hi - lo <= 1:
             return lo, False
         # A prediction that does not halve the bracket twice in a row gives way to bisection.
@@ -252,8 +266,9 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
         if guess is None:
             room = budget if estimate is None else min(budget, estimate.capacity() or budget)
             guess = _predict(points, room, lo, hi, degree)
+        halving = hi is not None
         if hi is None:
-            k = 2 * lo if guess is None else guess
+            k, halving = (2 * lo, False) if guess is None else (guess, False)
         elif guess is None or stalls >= (3 if guess <= lo + 1 or (
                 guess >= hi - 1 and bytes_at(hi) is not None) else 2):
             # (A guess at the bracket's edge is the proof of the answer it predicts: a
@@ -261,14 +276,34 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
             # says nothing of how far over it is.)
             k, stalls = (lo + hi) // 2, 0
         else:
-            k = guess
+            k, halving = guess, False
         if hi is not None and k >= hi:
             # The curve through hi's bytes puts the answer just below it; where hi ran out
             # of memory (no bytes to learn from) the curve says hi fits: bisect, rather than
             # walk down from hi.
             k = hi - 1 if bytes_at(hi) is not None else (lo + hi) // 2
+            halving = bytes_at(hi) is None
         # At or below lo: verify lo + 1 fails.
         k = min(max(k, lo + 1), max_units)
+
+
+def _round(k: int, lo: int, hi: int | None, max_units: int, jobs: int,
+           halving: bool) -> list[int]:
+    """The sizes one round of `_search` probes, ascending: `k` (the serial search's next)
+    and, with `jobs` > 1, more inside the bracket (lo, hi): where the search bisects,
+    the bracket split in jobs + 1 (a k-ary search); else k's neighbours, k + 1 first (the
+    pair that proves a prediction that lands on the answer), then k - 1, k + 2, ..."""
+    top = max_units if hi is None else min(max_units, hi - 1)
+    ks = {k}
+    if jobs > 1 and halving and hi is not None:
+        ks |= {lo + (hi - lo) * i // (jobs + 1) for i in range(1, jobs + 1)}
+    step = 1
+    while len(ks) < jobs and (k + step <= top or k - step > lo):
+        for near in (k + step, k - step):
+            if lo < near <= top and len(ks) < jobs:
+                ks.add(near)
+        step += 1
+    return sorted(u for u in ks if lo < u <= top) or [k]
 
 
 def _extrapolated_flops(known: dict[int, StepMemory], size: int, degree: int) -> float | None:
@@ -288,7 +323,7 @@ class AutoRow:
 
     def __init__(self, steps: Steps, budget: int, planner_at: Callable[[int], object]):
         self.steps, self.budget, self.planner_at = steps, budget, planner_at
-        self.planner_compiles = 0
+        self.planner_compiles, self._count = 0, threading.Lock()
         self.layer_specs: dict[str, tuple[str, ...]] = {}  # step key -> a per-layer plan's specs
         self._chosen: dict[int, tuple[str | None, StepMemory | None]] = {}
 
@@ -322,7 +357,8 @@ class AutoRow:
                              else plan.measured_bytes - 1)
             except BudgetError:
                 pass  # below what the planner can reach: full (compiled) is the fallback
-            self.planner_compiles += len({id(r) for r in planner.records.values()})
+            with self._count:  # sizes chosen side by side
+                self.planner_compiles += len({id(r) for r in planner.records.values()})
         fitting = [(m.flops, m.total_bytes, spec) for spec, m in self.steps.at(size).items()
                    if m.total_bytes <= self.budget and m.flops is not None]
         if not fitting:
@@ -383,28 +419,42 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
 
     refused: dict[int, str] = {}  # units the workload itself refuses to build
 
-    def fits(k: int) -> bool:
-        try:
-            _, m = at(k * multiple)
-        except SizeRefused as e:
+    def fits(k: int, found=None) -> bool:
+        """Whether size k fits: `at` there, or what it gave or raised (`found`, a round's)."""
+        if found is None:
+            try:
+                found = at(k * multiple)
+            except Exception as e:  # noqa: BLE001 - handled below, as a round's
+                found = e
+        if isinstance(found, SizeRefused):
             if not any(0 < u < k for u in known):
-                raise
+                raise found
             # A smaller size was built: the workload stops at a limit of its own (e.g. a
             # learned position table). The search bounds its bracket there, as it does at a
             # size out of memory, so it bisects down to the limit instead of walking it.
-            refused[k] = str(e)
+            refused[k] = str(found)
             return False
+        if isinstance(found, Exception):
+            raise found
+        m = found[1]
         probes.append((k * multiple, None if m is None else m.total_bytes))
         if m is not None:
             known[k] = m.total_bytes
         return m is not None and m.total_bytes <= budget
+
+    def fits_many(ks: list[int]) -> list[bool]:
+        """fits at each of `ks`, their compiles side by side (`pool.side_by_side`), read in
+        ascending order, so a round says what the serial search would of the same sizes."""
+        found = pool.side_by_side([lambda k=k: at(k * multiple) for k in ks])
+        return [fits(k, f) for k, f in zip(ks, found)]
 
     def compiles() -> int:
         return steps.total - before + extra_compiles() - extra_before
 
     try:
         units, capped = _search(fits, known.get, budget, max_units, start,
-                                2 if vary == "seq" else 1, estimate)
+                                2 if vary == "seq" else 1, estimate, pool.current().jobs,
+                                fits_many)
     except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
         error = str(e) if isinstance(e, SizeRefused) else f"{type(e).__name__}: {e}"
         return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),

@@ -22,7 +22,7 @@ from remat_kit.decide.plan_cache import Plan, default_cache_path, layers_summary
 from remat_kit.decide.planner_compiles import PlannerCompiles
 from remat_kit.decide.planner_costs import MAX_DEFAULT_GROUPS, TIME_RESOLUTION, PlannerCosts
 from remat_kit.decide.step_records import check_step, default_step
-from remat_kit.measure import targets
+from remat_kit.measure import pool, targets
 from remat_kit.measure.record import Record
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.time_checks import time_check
@@ -59,8 +59,8 @@ class Planner:
     """Plans one loss for any number of budgets, sharing the measurements:
     `Planner(loss_fn, *args).plan("6GiB")`, `.frontier([0.1, 0.2])`. Every argument
     (loss_fn, args, cache, max_iterations, progress, target, per_device, groups,
-    objective, predict_time, offload, decide, step, optimizer, bases, no_remat) and the
-    errors raised: docs/plan.md, "`Planner`'s arguments".
+    objective, predict_time, offload, decide, step, optimizer, bases, no_remat, jobs) and
+    the errors raised: docs/plan.md, "`Planner`'s arguments".
 
     It holds two parts: `compiles` (`PlannerCompiles`: each policy's record, made
     once) and `costs` (`PlannerCosts`: the cost model and the scores, reading
@@ -84,7 +84,9 @@ class Planner:
                  groups: "int | str" = "layers", objective: str | None = None,
                  predict_time: bool = True, offload: "bool | float | None" = None,
                  decide: "Collection[str] | None" = None, step: str = "grad",
-                 optimizer=None, bases: Sequence[str] = PLANNED_BASES, no_remat: bool = True):
+                 optimizer=None, bases: Sequence[str] = PLANNED_BASES, no_remat: bool = True,
+                 jobs: int | None = None):
+        self.jobs = None if jobs is None else pool.check_jobs(jobs)
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 1:
             raise ValueError(f"max_iterations must be a positive int, got {max_iterations!r}")
@@ -150,11 +152,13 @@ class Planner:
     def plan(self, budget: "str | int | float") -> Plan:
         """The policy with the fewest FLOPs (or least predicted time) whose
         compiled memory fits `budget`: `remat_kit.decide.search.plan`."""
-        return search.plan(self, budget)
+        with pool.using(self.jobs):
+            return search.plan(self, budget)
 
     def frontier(self, budgets: Sequence) -> list[Plan]:
         """`plan` for each budget, made monotone: `remat_kit.decide.search.frontier`."""
-        return search.frontier(self, budgets)
+        with pool.using(self.jobs):
+            return search.frontier(self, budgets)
 
     @property
     def objective(self) -> str:

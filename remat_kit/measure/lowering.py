@@ -17,7 +17,7 @@ import jax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit.measure import figure_cache, kernels
+from remat_kit.measure import figure_cache, kernels, pool
 from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.peak import dump_options
@@ -230,6 +230,13 @@ def compile_lowered(lowered, options: dict | None, target: Target):
         return lowered.compile(options)
 
 
+def _compile_dumped(lowered, options: dict, target: Target):
+    """`lowered.compile(options)` past JAX's persistent cache, whose read would write no dump."""
+    del target
+    with without_compilation_cache():
+        return lowered.compile(options)
+
+
 def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
                  donate: tuple[int, ...], count_flops: bool, dump: str | None) -> Compiled:
     placed = place(args, target)
@@ -250,11 +257,8 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
                         time.perf_counter() - start, tuple(kept["notes"]),
                         kept["kernel_seconds"])
-    if dump is None:
-        compiled = compile_lowered(lowered, options, target)
-    else:
-        with without_compilation_cache():
-            compiled = lowered.compile(dump_options(options, dump))
+    compiled = pool.current().run(_compile_dumped if dump else compile_lowered, lowered,
+                                  dump_options(options, dump) if dump else options, target)
     seconds = time.perf_counter() - start
     local = [_local(x) for x in leaves]
     found, notes, priced = (costs_with_kernels(compiled, target, flat, local,

@@ -10,12 +10,10 @@ How a workload walks through here: docs/architecture.md ("The data flow"); figur
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 from jax.extend.core import jaxpr_as_fun
@@ -24,7 +22,7 @@ from remat_kit import mesh as rk_mesh
 from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
-from remat_kit.measure import kernels, lowering
+from remat_kit.measure import kernels, lowering, pool
 from remat_kit.measure import peak as peak_of
 from remat_kit.measure import step_times, time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
@@ -58,7 +56,8 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             time_steps: int = 0, sample_args: Callable | None = None,
             progress: Callable[[int, int, Record], None] | None = None,
             per_device: tuple | None = None, target: targets.Target,
-            per_layer: bool = False, peak: bool = False) -> list[Record]:
+            per_layer: bool = False, peak: bool = False,
+            jobs: int | None = None) -> list[Record]:
     """Measures a workload under each policy, compile-only (optionally also timed).
 
     Args:
@@ -104,6 +103,9 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       peak: also say what holds each program's peak (`Record.peak`,
         `remat_kit.measure.peak.breakdown`): the compile then writes XLA's
         buffer assignment to a temporary folder and reads it back.
+      jobs: compiles run at once, 1..the cores (`pool.using`); default the process's
+        compile pool (`pool.current`: one a core, as the free memory allows). The
+        records do not depend on it.
     cuDNN attention is traced as a stand-in where `target` cannot build it here
     (`remat_kit.trace.stand_in`; the records' notes say so).
     Returns:
@@ -115,9 +117,17 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
       TypeError: a spec string among `policies`. RematSpecError: an auto:budget= spec.
       TargetError: target not a `Target`, libtpu missing, args sharded over
         other devices, or `time_steps` > 0 for a target compiled ahead of time.
-      ValueError: `names` and `policies` differ in length. TypeError: a workload and args
-        both given.
+      ValueError: `names` and `policies` differ in length, or a bad `jobs`. TypeError: a
+        workload and args both given.
     """
+    with pool.using(jobs):
+        return _measure(workload, args, policies, names, time_steps, sample_args, progress,
+                        per_device, target, per_layer, peak)
+
+
+def _measure(workload, args, policies, names, time_steps, sample_args, progress, per_device,
+             target, per_layer, peak) -> list[Record]:
+    """`measure`, on the compile pool it set."""
     workload = _as_workload(workload, args)
     parsed = parsed_only(policies, "measure")
     names = names if names is not None else [str(p) for p in policies]
@@ -210,13 +220,12 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
 
 def _lowered(run: _Run, groups: list, time_steps: int) -> list[tuple]:
     """`_lower_programs` of `groups`, each distinct program's compile started as it is
-    lowered (`_Compiles`: on a pool, or one at a time when asked for where steps
-    are timed, so that no step runs beside a compile)."""
-    with _Compiles(lowering.compile_options(run.target, not time_steps),
-                   workers=1 if time_steps else COMPILE_WORKERS, target=run.target,
-                   runs=time_steps > 0, peak=run.peak) as compiles:
-        return _lower_programs(groups, run.workload.loss_for_policy, run.args, run.target,
-                               compiles.start, run.peak)
+    lowered (`_Compiles`: on the compile pool, or one at a time when asked for where
+    steps are timed, so that no step runs beside a compile)."""
+    compiles = _Compiles(lowering.compile_options(run.target, not time_steps),
+                         target=run.target, runs=time_steps > 0, peak=run.peak)
+    return _lower_programs(groups, run.workload.loss_for_policy, run.args, run.target,
+                           compiles.start, run.peak)
 
 
 def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, compiling,
@@ -336,12 +345,11 @@ def _predicted_seconds(compiled, target, priced: kernels.Priced
         return None, (f"no predicted step time: {type(e).__name__}: {e}",)
 
 
-# Distinct programs compile concurrently: XLA releases the GIL while it compiles.
-COMPILE_WORKERS = min(4, os.cpu_count() or 1)
-
-
 class _Compiles:
-    """Starts each lowered program's compile as soon as it is lowered.
+    """Starts each lowered program's compile on the compile pool (`pool.current()`) as
+    soon as it is lowered, so the next policy's tracing and lowering (Python, holding the
+    GIL) overlap it; where steps will run (`runs`), only when asked for, so a timed step
+    never runs beside a compile.
 
     `start(lowered, text)` returns a zero-argument callable giving (compiled,
     seconds, key, dump), raising what the compile raised; for a program whose
@@ -349,18 +357,12 @@ class _Compiles:
     compiled is those figures (a dict) and nothing compiles. With `peak`,
     kept figures count only if they hold a breakdown ("peak"), and a compile
     writes XLA's dump (`peak.dump_options`) into the new folder `dump`, which
-    the caller reads and removes; else dump is None. With workers > 1
-    the compile runs now on a pool, that many at a time, so the next policy's
-    tracing and lowering (Python, holding the GIL) overlap it; with 1, it
-    runs when asked for, so a timed step never runs beside a compile. seconds
-    is the compile's own wall time. Leaving the `with` block lets the pool's
-    threads exit once their queued compiles are done.
+    the caller reads and removes; else dump is None. seconds is the compile's own
+    wall time.
     """
 
-    def __init__(self, options: dict | None, workers: int, target, runs: bool,
-                 peak: bool = False):
+    def __init__(self, options: dict | None, target, runs: bool, peak: bool = False):
         self._options, self._target, self._runs, self._peak = options, target, runs, peak
-        self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
     def _compile(self, lowered, program_key) -> tuple:
         dump = tempfile.mkdtemp(prefix="remat_kit_peak_") if self._peak else None
@@ -383,16 +385,9 @@ class _Compiles:
                                                 self._runs)
         if kept is not None and (not self._peak or "peak" in kept):
             return lambda: (kept, 0.0, program_key, None)
-        if self._pool is None:
-            return lambda: self._compile(lowered, program_key)
-        return self._pool.submit(self._compile, lowered, program_key).result
-
-    def __enter__(self) -> "_Compiles":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        if self._runs:
+            return lambda: pool.current().run(self._compile, lowered, program_key)
+        return pool.current().submit(self._compile, lowered, program_key).result
 
 
 def _lower_programs(groups, loss_for_policy: Callable, args, target,

@@ -1,0 +1,178 @@
+"""The compile pool: every compile a command makes runs here, at most `jobs` at a time.
+
+One pool serves the whole process (`current`; `using(jobs)` sets it for a block), so the
+compiles of compare's policies, plan's anchors, presets and verifies and fit's probes share one
+bound. Its engine is threads: XLA releases the GIL while it compiles, so `jobs` compiles run on
+`jobs` cores while Python traces the next program; a compile returns figures to the thread that
+asked (`measure`), and its executable never leaves the process. The workers are daemon threads
+and the caller waits on a future, so Ctrl-C or SIGTERM reaches the main thread within moments
+and the process exits without waiting for a compile in flight (what finished is in the caches,
+whose writes are whole or nothing). `side_by_side` runs whole searches' steps (trace, lower,
+compile) on threads of their own, whose compiles queue here.
+Docs: docs/compare.md ("Flags": --jobs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+
+# What one compile of a small program may hold at its peak (XLA's buffers, the HLO, the
+# executable): the default bound divides the host's free memory by it. Measured: a tiny
+# config's compile peaks near 0.4 GiB RSS, llama_1b's on XLA:TPU near 1.5 GiB.
+COMPILE_BYTES = 2 << 30
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else `os.cpu_count`)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _available_bytes() -> int | None:
+    """The host's available memory (MemAvailable of /proc/meminfo), bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_jobs() -> int:
+    """The compiles run at once by default: one a core, at most as many as the host's
+    available memory holds at `COMPILE_BYTES` each, at least 1."""
+    free = _available_bytes()
+    by_memory = cores() if free is None else free // COMPILE_BYTES
+    return max(1, min(cores(), by_memory))
+
+
+def check_jobs(jobs) -> int:
+    """`jobs` as an int in 1..cores().
+
+    Raises:
+      ValueError: not an int, below 1, or more than the cores (one line naming the value
+        and the valid range).
+    """
+    most = cores()
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= most:
+        raise ValueError(f"jobs must be a whole number from 1 to {most} (this machine's "
+                         f"cores), got {jobs!r}")
+    return jobs
+
+
+class CompilePool:
+    """At most `jobs` compiles at once, on daemon threads; counts running, done and queued.
+
+    Args:
+      jobs: the bound, 1..cores() (`check_jobs`).
+    """
+
+    def __init__(self, jobs: int):
+        self.jobs = check_jobs(jobs)
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._workers = 0
+        self.running = self.done = self.queued = 0
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """fn(*args) on a worker once one is free; its `Future` (result or exception)."""
+        future: Future = Future()
+        with self._lock:
+            self.queued += 1
+            if self._workers < self.jobs:
+                self._workers += 1
+                threading.Thread(target=self._work, daemon=True,
+                                 name=f"remat_kit-compile-{self._workers}").start()
+        self._tasks.put((future, fn, args))
+        return future
+
+    def run(self, fn: Callable, *args):
+        """fn(*args) on the pool, waited for here (a signal still reaches this thread)."""
+        return self.submit(fn, *args).result()
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._tasks.get()
+            with self._lock:
+                self.queued, self.running = self.queued - 1, self.running + 1
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                        future.set_exception(e)
+            finally:
+                with self._lock:
+                    self.running, self.done = self.running - 1, self.done + 1
+
+    def status(self) -> str:
+        """"compiles: 2 running, 5 done, 1 queued" for a progress line."""
+        with self._lock:
+            return (f"compiles: {self.running} running, {self.done} done, "
+                    f"{self.queued} queued")
+
+
+_CURRENT = {"pool": None}
+_SET = threading.Lock()
+
+
+def current() -> CompilePool:
+    """The process's pool: the one `using` set, else one of `default_jobs()` made on first use."""
+    with _SET:
+        if _CURRENT["pool"] is None:
+            _CURRENT["pool"] = CompilePool(default_jobs())
+        return _CURRENT["pool"]
+
+
+@contextlib.contextmanager
+def using(jobs: int | None) -> Iterator[CompilePool]:
+    """A block whose compiles run on a pool of `jobs` (None, or the current pool's own
+    bound: `current()` as it is).
+
+    Raises:
+      ValueError: a bad `jobs` (`check_jobs`).
+    """
+    if jobs is None or current().jobs == check_jobs(jobs):  # nested: the same bound
+        yield current()
+        return
+    pool = CompilePool(jobs)
+    with _SET:
+        before, _CURRENT["pool"] = _CURRENT["pool"], pool
+    try:
+        yield pool
+    finally:
+        with _SET:
+            _CURRENT["pool"] = before
+
+
+def side_by_side(calls: Sequence[Callable[[], object]]) -> list:
+    """Each call's result (or the exception it raised, returned, not raised), in order:
+    whole steps of a search (trace, lower, compile), each on a daemon thread of its own,
+    their compiles bounded by the pool's `jobs`. One call, or a pool of one, runs here."""
+    def caught(call):
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - the caller decides
+            return e
+    if len(calls) <= 1 or current().jobs == 1:
+        return [caught(c) for c in calls]
+    futures = []
+    for call in calls:
+        future: Future = Future()
+        threading.Thread(target=lambda f=future, c=call: f.set_result(caught(c)),
+                         daemon=True).start()
+        futures.append(future)
+    return [f.result() for f in futures]
+
+
+__all__ = ["COMPILE_BYTES", "CompilePool", "check_jobs", "cores", "current", "default_jobs",
+           "side_by_side", "using"]
