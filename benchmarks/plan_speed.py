@@ -13,7 +13,12 @@
 
 --small runs (b) at batch 1, seq 256 and (c) on experiments/configs/llama_1b_v5e.py
 (bf16, scanned, batch 1) on one v5e chip (budget 16GiB, the README's fit), for a machine too loaded for real sizes (each real compile is 40-160 s on 2
-shared cores). Prints, per case, the command, wall seconds, compiles and the answer,
+shared cores); --tiny runs (b) and (c) on gpt2_small at batch 1, seq 128 on the CPU, in
+minutes.
+
+--jobs 1,2 runs each case once per value (`--jobs N`: compiles at once, the compile pool)
+in one run, and prints each value's wall time over the first's, and whether the answers
+are the same; serial against parallel is a ratio within one run, on the same machine. Prints, per case, the command, wall seconds, compiles and the answer,
 with the load average; writes each command's JSON under --out. No cache is read or
 written (`--cache ''` and a fresh compile cache folder), so every compile counts.
 """
@@ -33,8 +38,13 @@ BUDGETS = "0.15,0.2,0.25,0.3,0.4,0.6"
 LLAMA2_70B = ("--config", "experiments/configs/llama2_70b.py")
 
 
-def commands(small: bool) -> dict[str, list[str]]:
+def commands(small: bool, tiny: bool = False) -> dict[str, list[str]]:
     """The CLI arguments of cases b and c."""
+    if tiny:
+        return {"b": ["plan", "--config", "gpt2_small", "--batch", "1", "--seq", "128",
+                      "--budgets", BUDGETS, "--no-presets"],
+                "c": ["fit", "--config", "gpt2_small", "--batch", "1", "--budget", "2GiB",
+                      "--vary", "seq", "--policies", "full,none"]}
     if small:
         return {"b": ["plan", "--config", "llama_1b", "--batch", "1", "--seq", "256",
                       "--dtype", "bfloat16", "--budgets", BUDGETS, "--no-presets"],
@@ -59,6 +69,10 @@ def run(case: str, argv: list[str], out: str) -> dict:
     seconds = time.perf_counter() - start
     compiles = done.stderr.count("compiled ")
     answer = done.stdout.strip().splitlines()[-3:] if done.returncode == 0 else done.stderr[-400:]
+    if done.returncode == 0 and argv[0] == "plan":
+        answer = [f"{b['budget']}: " + (f"{b['plan']['spec']}, {b['plan']['measured_bytes']:,} "
+                                         "bytes" if b["plan"] else "below the minimum")
+                  for b in json.load(open(path))["budgets"]]
     if done.returncode == 0 and argv[0] == "fit":
         rows = json.load(open(path))["rows"]
         compiles = sum(r["compiles"] for r in rows)
@@ -72,6 +86,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", default="a,b,c")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--jobs", default="", help="e.g. 1,2: each case at each --jobs")
     ap.add_argument("--out", default="runs/plan_speed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -81,14 +97,23 @@ def main() -> int:
         a = subprocess.run([sys.executable, os.path.join(HERE, "vs_estimator.py"),
                             "--out", os.path.join(args.out, "a")])
         status = max(status, a.returncode if a.returncode != 2 else 0)
-    for case, argv in commands(args.small).items():
-        if case in cases:
-            r = run(case, argv, args.out)
+    jobs = [j for j in args.jobs.split(",") if j] or [None]
+    for case, argv in commands(args.small, args.tiny).items():
+        if case not in cases:
+            continue
+        first = None
+        for j in jobs:
+            r = run(case if j is None else f"{case}_jobs{j}",
+                    argv + ([] if j is None else ["--jobs", j]), args.out)
+            first = first or r
+            ratio = (f", {r['seconds'] / first['seconds']:.2f}x the --jobs {jobs[0]} wall "
+                     f"time, answers {'the same' if r['answer'] == first['answer'] else 'DIFFER'}"
+                     if r is not first else "")
             print(f"({case}) {r['command']}\n    {r['seconds']:.0f} s, {r['compiles']} compiles, "
-                  f"exit {r['exit']}, load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"exit {r['exit']}, load {os.getloadavg()[0]:.1f}{ratio}", flush=True)
             for line in ([r["answer"]] if isinstance(r["answer"], str) else r["answer"]):
                 print("    " + line, flush=True)
-            status = max(status, 1 if r["exit"] else 0)
+            status = max(status, 1 if r["exit"] or r["answer"] != first["answer"] else 0)
     return status
 
 

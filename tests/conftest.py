@@ -29,6 +29,9 @@ _CACHE_HOME = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduse
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(_CACHE_HOME, "remat_kit", "jax-tests"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
+# One compile at a time unless a test asks for more (`--jobs`, `jobs=`): the suite runs two
+# modules at once, and tests count the serial searches' compiles.
+os.environ.setdefault("REMAT_KIT_JOBS", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -281,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except stops.Stopped as e:  # Ctrl-C or SIGTERM: one line, never a traceback
             print(f"remat-kit {args.command}: stopped by {e.name}; {stops.kept(args)}",
                   file=sys.stderr)
+            pool.exit_if_busy(e.exit_code)  # no waiting for a compile in flight
             return e.exit_code
         except (BadInput, RematSpecError, ValueError) as e:
             # RematSpecError is a ValueError; other ValueErrors here come from

@@ -10,6 +10,7 @@ import sys
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
+from remat_kit.measure import pool
 from remat_kit.cli.common import (map_context, mesh_origin, plot_path, print_map, sizes_text,
                                   source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
@@ -43,8 +44,8 @@ def run(args) -> int:
 
     def progress(i, n, record):
         status = "error" if record.error else f"{record.compile_seconds:.1f} s"
-        print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}",
-              file=sys.stderr, flush=True)
+        print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status} "
+              f"({pool.current().status()})", file=sys.stderr, flush=True)
 
     for target, work in zip(target_list, works):  # refused before the first compile
         own = work.own_mesh

@@ -11,6 +11,7 @@ import sys
 
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
+from remat_kit.measure import pool
 from remat_kit.cli.common import map_context, mesh_origin, print_map, targets_of
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
@@ -159,7 +160,8 @@ def _progress(vary: str):
                                + (f", picked {row.picked}" if row.picked else "")
                                + (f"; the model stops below {row.limit.splitlines()[0]}"
                                   if row.limit else ""))
-        print(f"[{i}/{n}] {row.policy}: {status}", file=sys.stderr, flush=True)
+        print(f"[{i}/{n}] {row.policy}: {status} ({pool.current().status()})",
+              file=sys.stderr, flush=True)
     return progress
 
 

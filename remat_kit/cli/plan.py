@@ -14,6 +14,7 @@ import time
 
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
+from remat_kit.measure import pool
 from remat_kit.cli.common import (map_context, mesh_origin, print_map, sizes_text,
                                   source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_planner_floor,
@@ -118,7 +119,7 @@ def _planner(args, work, target, groups, step, emit_to):
     from remat_kit.decide.plan import Planner
 
     def progress(message):
-        print(message, file=sys.stderr, flush=True)
+        print(f"{message} ({pool.current().status()})", file=sys.stderr, flush=True)
 
     planner = Planner(work, progress=progress,
                       cache=args.cache if args.cache is not None else True,

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -22,7 +23,7 @@ from remat_kit.decide.plan_cache import layers_summary
 from remat_kit.decide.step import default_optimizer, step_peak
 from remat_kit.decide.step_records import train_record
 from remat_kit.errors import BudgetError
-from remat_kit.measure import figure_cache, targets
+from remat_kit.measure import figure_cache, pool, targets
 from remat_kit.measure.lowering import compile_options
 from remat_kit.measure.measure import measure
 from remat_kit.measure.record import Record
@@ -60,6 +61,8 @@ class PlannerCompiles:
         self.step, self.optimizer, self.workload = step, optimizer, workload
         self.progress = progress
         self.phase, self.count, self.left = "search", 0, None
+        self._counting = threading.Lock()
+        self._spares: dict[str, tuple] = {}  # key -> (record, policy), compiled unasked
         self.records: dict[str, Record] = {}
         self._policies: dict[str, object] = {}  # record key -> Policy or per-layer tuple
         self._forwards: dict = {}
@@ -84,16 +87,21 @@ class PlannerCompiles:
         if len(names) != len(keys):
             raise ValueError(f"Planner.measure_all: {len(names)} names for {len(keys)} "
                              f"policies; give one name a policy, or none")
+        for k in keys:
+            self._take_spare(k)
         todo = [i for i, k in enumerate(keys) if k not in self.records]
         if todo and self.step == "train":
             distinct = list(dict.fromkeys(keys[i] for i in todo))  # each policy once
-            for i, k in enumerate(distinct):
+
+            def train(i: int, k: str) -> None:
                 policy = policies[keys.index(k)]
-                local = self.per_device and (lambda _: self.per_device[0](policy),
-                                             self.per_device[1])
-                self.records[k] = self._train_record(self.loss_fn(policy), k, k, local,
-                                                     (i + 1, len(distinct)))
+                self.records[k] = self._compiled(policy, (i + 1, len(distinct)))
                 self._policies[k] = policy
+            # Each its own compile, side by side on the pool; an error is raised in order.
+            for raised in pool.side_by_side([lambda i=i, k=k: train(i, k)
+                                             for i, k in enumerate(distinct)]):
+                if isinstance(raised, Exception):
+                    raise raised
         elif todo:
             by_name = {names[i]: policies[i] for i in todo}
             for record in measure(self.loss_fn, *self.args, policies=[policies[i] for i in todo],
@@ -104,6 +112,52 @@ class PlannerCompiles:
                     self.records.setdefault(str(by_name[name]), record)
                     self._policies.setdefault(str(by_name[name]), by_name[name])
         return [self.records[k] for k in keys]
+
+    def spare(self, policy) -> None:
+        """Compiles a Policy (or a per-layer tuple) a search may ask for next, kept out of
+        `records` (no search sees it) until `record_of` or `measure_all` asks for it, which
+        then takes it without compiling: a search's speculative compile, made while the
+        compile it waits on runs (`remat_kit.decide.search`). A failure is dropped: the ask
+        compiles it again and raises then."""
+        key = layers_summary(policy) if isinstance(policy, tuple) else str(policy)
+        if key not in self.records and key not in self._spares:
+            self._spares[key] = (self._compiled(policy), policy)
+
+    def _compiled(self, policy, count: tuple[int, int] = (1, 1)) -> Record:
+        """The record of one Policy, or a per-layer tuple of them (the model's program with
+        each layer's remat region under its own), compiled now, not kept; `count`: which of
+        how many compiles of one call, for the progress line of a train step."""
+        if isinstance(policy, tuple):
+            key = layers_summary(policy)
+            loss, per_device = self.layer_program(policy)
+            if self.step == "train":
+                return self._train_record(loss, key, key, per_device, count)
+            [record] = measure(lambda _: loss, *self.args, policies=[Policy()], names=[key],
+                               progress=self._progress, target=self.target,
+                               per_device=per_device)
+            return dataclasses.replace(record, policy=key)
+        key = str(policy)
+        if self.step == "train":
+            local = self.per_device and (lambda _: self.per_device[0](policy),
+                                         self.per_device[1])
+            return self._train_record(self.loss_fn(policy), key, key, local, count)
+        [record] = measure(self.loss_fn, *self.args, policies=[policy], names=[key],
+                           progress=self._progress, target=self.target,
+                           per_device=self.per_device)
+        return record
+
+    def _take_spare(self, key: str) -> None:
+        """A spare compile of `key` (`spare`), now asked for, into `records`."""
+        if key in self._spares and key not in self.records:
+            self.records[key], self._policies[key] = self._spares.pop(key)
+
+    def side_by_side(self, policies: Sequence[Policy]) -> None:
+        """Compiles those of `policies` not measured yet, each in its own `measure_all`
+        call (the records one at a time would give), side by side on the compile pool
+        (`pool.side_by_side`): anchors a search reads next. Errors are left for the
+        call that reads the record to raise."""
+        todo = [p for p in dict.fromkeys(policies) if str(p) not in self.records]
+        pool.side_by_side([lambda p=p: self.measure_all([p]) for p in todo])
 
     def peak(self, policy: Policy) -> dict | None:
         """What holds `policy`'s compiled figure (`Record.peak`,
@@ -133,7 +187,8 @@ class PlannerCompiles:
         compiled (`phase`), else "[verify, compile 7, at most 2 left for this budget]
         compiled save:...": the phase (search: the base rules and the byte share;
         verify: a budget's plans), the compiles so far and, where known, those left."""
-        self.count += 1
+        with self._counting:  # compiles end side by side
+            self.count += 1
         if not self.progress:
             return
         where = (f"presets {i}/{n}" if self.phase == "presets" else
@@ -165,16 +220,9 @@ class PlannerCompiles:
         """The compiled record of one policy per layer (the model's program with
         each layer's remat region under its policy, `cost_model.with_region_policies`)."""
         key = layers_summary(policies)
-        if key not in self.records and self.step == "train":
-            loss, per_device = self.layer_program(policies)
-            self.records[key] = self._train_record(loss, key, key, per_device)
-            self._policies[key] = policies
-        elif key not in self.records:
-            loss, per_device = self.layer_program(policies)
-            [record] = measure(lambda _: loss, *self.args, policies=[Policy()], names=[key],
-                               progress=self._progress, target=self.target,
-                               per_device=per_device)
-            self.records[key] = dataclasses.replace(record, policy=key)
+        self._take_spare(key)
+        if key not in self.records:
+            self.records[key] = self._compiled(policies)
             self._policies[key] = policies
         return self.records[key]
 

@@ -16,6 +16,7 @@ from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
 from remat_kit.decide.plan_cache import Plan, write_cache, cached_plan, layers_summary
 from remat_kit.errors import BudgetError
+from remat_kit.measure import pool
 from remat_kit.measure.measure import measure
 from remat_kit.measure.peak import held_line, vocab_chunks_for
 from remat_kit.measure.record import MEMORY_LABELS, STEP, memory_kind
@@ -90,6 +91,9 @@ def plan(planner, budget: "str | int | float") -> Plan:
     key = _cache_key(planner, parsed, groups)
     if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
         return kept
+    # Full and no remat side by side on the compile pool (the base rules below compile
+    # together, in one `measure_all`).
+    planner.compiles.side_by_side([Policy(), Policy(remat=False)])
     full, none = planner.compiles.measure(Policy()), planner.compiles.none()
     if none is None and parsed.bytes is None:
         raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "
@@ -177,7 +181,12 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
     """The MILP's plans above base rule `base` (its compiled record `floor`), each
     compiled and the room corrected, up to `max_iterations` compiles: (the
     (saved, offloaded) pairs tried, HiGHS's last status, the best fitting
-    (score, policy, record, prediction) or None). Appends a note per compile."""
+    (score, policy, record, prediction) or None). Appends a note per compile.
+
+    With more than one compile at a time (`pool.current().jobs`), while a plan compiles
+    the plan the search would try next, were the compile to come out as predicted
+    (`_speculated`), compiles beside it as a spare (`PlannerCompiles.spare`): taken only
+    where the search asks for it, so the plans are those of one compile at a time."""
     model = planner.costs.model_for(base, groups)
     tried, status, best = set(), "", None
     room, hi, fit = limit - floor.memory_bytes, None, False
@@ -187,23 +196,26 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
             planner.compiles.left = planner.max_iterations - i - 1
             saved, offloaded, status = model.solve(room, unit, planner.objective)
             if (saved, offloaded) in tried:
-                # The room moved, the answer did not. Where the last compile fit,
-                # the budget may hold more than the model says (XLA reuses buffers:
-                # the last layer's residuals often cost nothing): offer the next
-                # smallest item, below any room already found too much.
-                bump = min((model.byte_share * model.nbytes[t] for t in model.tags
-                            if model.nbytes[t] and t not in saved and t not in model.fixed),
-                           default=None)
-                if not fit or bump is None or (hi is not None and room + bump >= hi):
+                room = _bumped(model, saved, room, hi, fit)
+                if room is None:
                     break
-                room, fit = room + bump, False
+                fit = False
                 continue
             tried.add((saved, offloaded))
             # Predicted before its compile, from the nearest compile so far (`_predict`).
             predicted = _predict(planner, base, floor, model, saved, offloaded, anchors)
             policy = planner.costs.policy_from_items(saved, base, groups, offloaded)
-            record = planner.compiles.record_of(policy)
             tag_bytes = model.cost(saved, offloaded)[0]
+            ahead = (_speculated(planner, model, unit, base, groups, tried, i,
+                                 _after(room, hi, predicted[0], limit, tag_bytes))
+                     if pool.current().jobs > 1 else None)
+            if ahead is None:
+                record = planner.compiles.record_of(policy)
+            else:
+                record, _ = pool.side_by_side([lambda: planner.compiles.record_of(policy),
+                                               lambda: planner.compiles.spare(ahead)])
+                if isinstance(record, Exception):
+                    raise record
             name = record.policy
             if record.error or record.memory_bytes is None or record.flops is None:
                 notes.append(f"{name}: no figures ({record.error}), skipped")
@@ -216,15 +228,48 @@ def _verify(planner, base: str, floor, groups: int, limit: int, unit: float,
             if fit:
                 found = (planner.costs.score(record), policy, record, predicted)
                 best = found if best is None or found[0] < best[0] else best
-                # Fits with bytes to spare: the model over-predicted; offer the slack,
-                # but stay below a room that was already too much.
-                grown = room + limit - used
-                room = grown if hi is None else min(grown, (room + hi) / 2)
-            else:
-                # Over budget: shrink the room by the overshoot, and below this plan's bytes.
-                hi = tag_bytes
-                room = max(0, min(room - (used - limit), tag_bytes - 1))
+            room, hi, fit = _after(room, hi, used, limit, tag_bytes)
     return tried, status, best
+
+
+def _after(room: float, hi, used: int, limit: int, tag_bytes: int) -> tuple:
+    """(room, hi, fit) after a plan of `tag_bytes` compiled to `used` bytes: where it
+    fits with bytes to spare the model over-predicted, so the slack is offered, below
+    a room already found too much (`hi`); over, the room shrinks by the overshoot and
+    below this plan's bytes."""
+    if used <= limit:
+        grown = room + limit - used
+        return (grown if hi is None else min(grown, (room + hi) / 2)), hi, True
+    return max(0, min(room - (used - limit), tag_bytes - 1)), tag_bytes, False
+
+
+def _bumped(model, saved, room: float, hi, fit: bool) -> float | None:
+    """The room to solve at where the room moved and the answer did not: where the last
+    compile fit, the budget may hold more than the model says (XLA reuses buffers: the
+    last layer's residuals often cost nothing), so the next smallest item is offered,
+    below any room already found too much; None where the search stops."""
+    bump = min((model.byte_share * model.nbytes[t] for t in model.tags
+                if model.nbytes[t] and t not in saved and t not in model.fixed),
+               default=None)
+    if not fit or bump is None or (hi is not None and room + bump >= hi):
+        return None
+    return room + bump
+
+
+def _speculated(planner, model, unit: float, base: str, groups: int, tried: set, i: int,
+                state: tuple):
+    """The plan `_verify` would compile after its iteration `i`, were that compile to come
+    out as predicted (`state`: the (room, hi, fit) `_after` gives then); None where it
+    would compile none within `max_iterations`."""
+    room, hi, fit = state
+    for _ in range(i + 1, planner.max_iterations):
+        saved, offloaded, _ = model.solve(room, unit, planner.objective)
+        if (saved, offloaded) not in tried:
+            return planner.costs.policy_from_items(saved, base, groups, offloaded)
+        room, fit = _bumped(model, saved, room, hi, fit), False
+        if room is None:
+            return None
+    return None
 
 
 def _anchors(planner, base: str, groups: int, floor, model) -> list[tuple]:

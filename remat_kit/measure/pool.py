@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -48,8 +49,18 @@ def _available_bytes() -> int | None:
 
 
 def default_jobs() -> int:
-    """The compiles run at once by default: one a core, at most as many as the host's
-    available memory holds at `COMPILE_BYTES` each, at least 1."""
+    """The compiles run at once by default: $REMAT_KIT_JOBS where set, else one a core, at
+    most as many as the host's available memory holds at `COMPILE_BYTES` each, at least 1.
+
+    Raises:
+      ValueError: $REMAT_KIT_JOBS not a whole number from 1 to the cores.
+    """
+    if (given := os.environ.get("REMAT_KIT_JOBS", "").strip()):
+        try:
+            return check_jobs(int(given))
+        except ValueError:
+            raise ValueError(f"REMAT_KIT_JOBS={given!r}: give a whole number from 1 to "
+                             f"{cores()} (this machine's cores), or unset it") from None
     free = _available_bytes()
     by_memory = cores() if free is None else free // COMPILE_BYTES
     return max(1, min(cores(), by_memory))
@@ -69,6 +80,32 @@ def check_jobs(jobs) -> int:
     return jobs
 
 
+# Tasks submitted to any pool or run side by side and not finished, over the process.
+_IN_FLIGHT = {"tasks": 0}
+_FLIGHT = threading.Lock()
+
+
+def _flying(delta: int) -> None:
+    with _FLIGHT:
+        _IN_FLIGHT["tasks"] += delta
+
+
+def exit_if_busy(status: int) -> None:
+    """Ends the process now with `status` (stdout and stderr flushed) where a compile or a
+    search step is still running on a daemon thread: XLA cannot be interrupted, and the
+    interpreter's shutdown under such a thread aborts the process ("terminate called
+    ..."). Returns where nothing runs. For a command stopped by a signal."""
+    with _FLIGHT:
+        busy = _IN_FLIGHT["tasks"] > 0
+    if busy:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+
 class CompilePool:
     """At most `jobs` compiles at once, on daemon threads; counts running, done and queued.
 
@@ -86,6 +123,7 @@ class CompilePool:
     def submit(self, fn: Callable, *args) -> Future:
         """fn(*args) on a worker once one is free; its `Future` (result or exception)."""
         future: Future = Future()
+        _flying(1)
         with self._lock:
             self.queued += 1
             if self._workers < self.jobs:
@@ -113,6 +151,7 @@ class CompilePool:
             finally:
                 with self._lock:
                     self.running, self.done = self.running - 1, self.done + 1
+                _flying(-1)
 
     def status(self) -> str:
         """"compiles: 2 running, 5 done, 1 queued" for a progress line."""
@@ -159,10 +198,13 @@ def side_by_side(calls: Sequence[Callable[[], object]]) -> list:
     whole steps of a search (trace, lower, compile), each on a daemon thread of its own,
     their compiles bounded by the pool's `jobs`. One call, or a pool of one, runs here."""
     def caught(call):
+        _flying(1)
         try:
             return call()
         except Exception as e:  # noqa: BLE001 - the caller decides
             return e
+        finally:
+            _flying(-1)
     if len(calls) <= 1 or current().jobs == 1:
         return [caught(c) for c in calls]
     futures = []
@@ -175,4 +217,4 @@ def side_by_side(calls: Sequence[Callable[[], object]]) -> list:
 
 
 __all__ = ["COMPILE_BYTES", "CompilePool", "check_jobs", "cores", "current", "default_jobs",
-           "side_by_side", "using"]
+           "exit_if_busy", "side_by_side", "using"]

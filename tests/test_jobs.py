@@ -1,0 +1,116 @@
+"""The compile pool (`remat_kit.measure.pool`, --jobs): compare, plan and fit give the same
+answers with one compile at a time and with two side by side, on the CPU and on a TPU target
+compiled ahead of time; a bad --jobs is one line."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import remat_kit as rk
+from remat_kit.api.configs import config_planner, measure_config
+from remat_kit.cli import commands as cli
+from remat_kit.measure import figure_cache, pool
+from remat_kit.models import get_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = get_config("tiny", num_layers=2)
+
+
+@pytest.fixture(autouse=True)
+def no_kept_figures(monkeypatch):
+    """Every run compiles: no figures read back from an earlier one."""
+    monkeypatch.setattr(figure_cache, "folder", lambda: None)
+
+
+def _figures(records):
+    return [dataclasses.replace(r, compile_seconds=None) for r in records]
+
+
+@pytest.mark.parametrize("target", [None, "tpu:v5e:1x1"])
+def test_compare_gives_the_same_records_with_one_or_two_jobs(target):
+    runs = {}
+    for jobs in (1, 2):
+        with pool.using(jobs) as used:
+            runs[jobs] = measure_config(TINY, 2, 16, ["none", "full", "minimal", "dots"],
+                                        per_layer=False, target=target)
+        assert used.jobs == jobs and used.done >= 1  # its compiles ran on this pool
+    assert _figures(runs[1]) == _figures(runs[2])
+    assert all(r.error is None and r.flops for r in runs[2])
+
+
+@pytest.mark.parametrize("target,budgets", [(None, [0.6, 0.8, 1.0]),
+                                            ("tpu:v5e:1x1", [0.92, 0.96, 1.0])])
+def test_plan_gives_the_same_plans_with_one_or_two_jobs(target, budgets):
+    plans = {}
+    for jobs in (1, 2):
+        planner = config_planner(TINY, 2, 16, cache=None, groups=1, target=target, jobs=jobs)
+        plans[jobs] = [(p.spec, p.measured_bytes, p.measured_flops, p.iterations)
+                       for p in planner.frontier(budgets)]
+    assert plans[1] == plans[2]
+    assert plans[2][-1][0] == "none"  # the whole of no remat's memory holds no remat
+
+
+def test_fit_gives_the_same_sizes_with_one_or_two_jobs():
+    rows = {}
+    for jobs in (1, 2):
+        result = rk.fit(TINY, "3MiB", vary="batch", seq=16, policies=["none", "full"],
+                        max_size=64, jobs=jobs)
+        rows[jobs] = [(r.policy, r.size, r.memory and r.memory.total_bytes, r.capped)
+                      for r in result.rows]
+    assert rows[1] == rows[2]
+    assert all(0 < size < 64 for _, size, _, _ in rows[2])  # both searched to a boundary
+
+
+@pytest.mark.parametrize("jobs", [0, -1, pool.cores() + 1, 1.5, True])
+def test_a_bad_jobs_is_one_line(jobs, capsys):
+    with pytest.raises(ValueError, match=f"jobs must be a whole number from 1 to "
+                                         f"{pool.cores()}.*got {jobs!r}"):
+        pool.check_jobs(jobs)
+    if isinstance(jobs, int) and not isinstance(jobs, bool):
+        assert cli.main(["plan", "--config", "tiny", "--budgets", "0.5",
+                         f"--jobs={jobs}"]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == (f"remat-kit plan: error: argument --jobs: must be a whole number "
+                        f"from 1 to {pool.cores()} (this machine's cores), got '{jobs}'")
+
+
+def test_the_default_is_one_a_core_within_the_free_memory(monkeypatch):
+    monkeypatch.delenv("REMAT_KIT_JOBS")
+    assert 1 <= pool.default_jobs() <= min(pool.cores(), max(
+        1, pool._available_bytes() // pool.COMPILE_BYTES))
+    monkeypatch.setenv("REMAT_KIT_JOBS", "1")
+    assert pool.default_jobs() == 1
+    with pool.using(None) as same:
+        assert same is pool.current()
+    monkeypatch.setenv("REMAT_KIT_JOBS", "0")
+    with pytest.raises(ValueError, match=r"^REMAT_KIT_JOBS='0': give a whole number from 1 "):
+        pool.default_jobs()
+
+
+def test_sigterm_stops_a_pooled_plan_at_once(tmp_path):
+    # Stopped while compiles run on the pool: the main thread waits on them, so the
+    # signal ends the command without waiting for XLA to finish them.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "remat_kit.cli", "plan", "--config", "tiny", "--seq", "64",
+         "--budgets", "0.3,0.5,0.7", "--jobs", str(min(2, pool.cores())), "--cache", ""],
+        cwd=REPO, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "REMAT_KIT_COMPILE_CACHE": "",
+             "PYTHONPATH": REPO})
+    for line in proc.stderr:  # the first compile done: the pool is busy with the next
+        if "compiled" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        proc.wait(timeout=60)  # a hang guard, not a timing
+    finally:
+        proc.kill()
+    rest = proc.stderr.read()
+    assert proc.returncode == 128 + signal.SIGTERM, rest
+    assert "stopped by SIGTERM" in rest
+    assert time.monotonic() - sent < 60
