@@ -22,9 +22,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
-# What one compile of a small program may hold at its peak (XLA's buffers, the HLO, the
-# executable): the default bound divides the host's free memory by it. Measured: a tiny
-# config's compile peaks near 0.4 GiB RSS, llama_1b's on XLA:TPU near 1.5 GiB.
+# What the default bound allows one compile of host memory (XLA's buffers, the HLO, the
+# executable): the host's free memory divided by it. A round figure, not measured per
+# compile: a real-size model's compile may hold more; --jobs sets the bound outright.
 COMPILE_BYTES = 2 << 30
 
 
@@ -161,6 +161,7 @@ class CompilePool:
 
 
 _CURRENT = {"pool": None}
+_POOLS: dict[int, CompilePool] = {}
 _SET = threading.Lock()
 
 
@@ -168,23 +169,24 @@ def current() -> CompilePool:
     """The process's pool: the one `using` set, else one of `default_jobs()` made on first use."""
     with _SET:
         if _CURRENT["pool"] is None:
-            _CURRENT["pool"] = CompilePool(default_jobs())
+            jobs = default_jobs()
+            _CURRENT["pool"] = _POOLS.setdefault(jobs, CompilePool(jobs))
         return _CURRENT["pool"]
 
 
 @contextlib.contextmanager
 def using(jobs: int | None) -> Iterator[CompilePool]:
-    """A block whose compiles run on a pool of `jobs` (None, or the current pool's own
-    bound: `current()` as it is).
+    """A block whose compiles run on the pool of `jobs` (None: `current()` as it is).
 
     Raises:
       ValueError: a bad `jobs` (`check_jobs`).
     """
-    if jobs is None or current().jobs == check_jobs(jobs):  # nested: the same bound
+    if jobs is None:
         yield current()
         return
-    pool = CompilePool(jobs)
-    with _SET:
+    check_jobs(jobs)
+    with _SET:  # one pool a bound (a nested block shares it), its threads kept for the next
+        pool = _POOLS.setdefault(jobs, CompilePool(jobs))
         before, _CURRENT["pool"] = _CURRENT["pool"], pool
     try:
         yield pool
