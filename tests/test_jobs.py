@@ -4,6 +4,7 @@ compiled ahead of time; a bad --jobs is one line."""
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,3 +115,17 @@ def test_sigterm_stops_a_pooled_plan_at_once(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, rest
     assert "stopped by SIGTERM" in rest
     assert time.monotonic() - sent < 60
+
+
+def test_the_progress_lines_count_the_pools_compiles(capsys):
+    code = cli.main(["compare", "--config", "tiny", "--batch", "1", "--seq", "16",
+                     "--policies", "none,full,minimal", "--jobs", str(min(2, pool.cores()))])
+    assert code == 0
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[")]
+    assert len(lines) == 3
+    counts = [re.search(r"\(compiles: (\d+) running, (\d+) done, (\d+) queued\)$", l)
+              for l in lines]
+    assert all(counts), lines
+    done = [int(m[2]) for m in counts]
+    assert done == sorted(done) and done[-1] >= 3  # the pool may have compiled before
+    assert counts[-1][1] == counts[-1][3] == "0"  # the last record: nothing left to run

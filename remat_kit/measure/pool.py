@@ -142,16 +142,20 @@ class CompilePool:
             future, fn, args = self._tasks.get()
             with self._lock:
                 self.queued, self.running = self.queued - 1, self.running + 1
-            try:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as e:  # noqa: BLE001 - the caller's to raise
-                        future.set_exception(e)
-            finally:
-                with self._lock:
-                    self.running, self.done = self.running - 1, self.done + 1
-                _flying(-1)
+            outcome, raised = None, None
+            started = future.set_running_or_notify_cancel()  # False: cancelled while queued
+            if started:
+                try:
+                    outcome = fn(*args)
+                except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                    raised = e
+            with self._lock:  # counted before the caller wakes
+                self.running, self.done = self.running - 1, self.done + 1
+            _flying(-1)
+            if started and raised is not None:
+                future.set_exception(raised)
+            elif started:
+                future.set_result(outcome)
 
     def status(self) -> str:
         """"compiles: 2 running, 5 done, 1 queued" for a progress line."""
