@@ -391,6 +391,47 @@ def _none_at(steps: Steps, size: int, budget: int, vary: str, flops: float | Non
     return None, flops, "extrapolated" if flops is not None else None, error
 
 
+class _Probes:
+    """One row's compiled sizes: `fits(k)` (unit k, `at` there) and `fits_many` (a round's
+    units side by side), keeping `probes` ((size, total bytes or None out of memory), in
+    search order), `known` (bytes by unit; unit 0 the floor) and `refused` (units the
+    workload itself refuses to build, by message)."""
+
+    def __init__(self, at: Callable, multiple: int, budget: int, known: dict[int, int]):
+        self.at, self.multiple, self.budget, self.known = at, multiple, budget, known
+        self.probes: list[tuple[int, int | None]] = []
+        self.refused: dict[int, str] = {}
+
+    def fits(self, k: int, found=None) -> bool:
+        """Whether unit k fits: `at` there, or what it gave or raised (`found`, a round's)."""
+        if found is None:
+            try:
+                found = self.at(k * self.multiple)
+            except Exception as e:  # noqa: BLE001 - handled below, as a round's
+                found = e
+        if isinstance(found, SizeRefused):
+            if not any(0 < u < k for u in self.known):
+                raise found
+            # A smaller size was built: the workload stops at a limit of its own (e.g. a
+            # learned position table). The search bounds its bracket there, as it does at a
+            # size out of memory, so it bisects down to the limit instead of walking it.
+            self.refused[k] = str(found)
+            return False
+        if isinstance(found, Exception):
+            raise found
+        m = found[1]
+        self.probes.append((k * self.multiple, None if m is None else m.total_bytes))
+        if m is not None:
+            self.known[k] = m.total_bytes
+        return m is not None and m.total_bytes <= self.budget
+
+    def fits_many(self, ks: list[int]) -> list[bool]:
+        """`fits` at each of `ks`, their compiles side by side (`pool.side_by_side`), read in
+        ascending order, so a round says what the serial search would of the same sizes."""
+        found = pool.side_by_side([lambda k=k: self.at(k * self.multiple) for k in ks])
+        return [self.fits(k, f) for k, f in zip(ks, found)]
+
+
 def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]],
              extra_compiles: Callable[[], int], steps: Steps, budget: int, multiple: int,
              max_units: int, vary: str, sizes: Callable[[int], tuple[int, int]], devices: int,
@@ -413,48 +454,17 @@ def fit_one(spec: str, at: Callable[[int], tuple[str | None, StepMemory | None]]
     estimate is far over the budget (it is not compiled there, `_none_at`), else None.
     """
     before, extra_before = steps.total, extra_compiles()
-    probes = []
-    known = {0: floor} | {s // multiple: m.total_bytes for s, m in seen.items()
-                            if s % multiple == 0}
-
-    refused: dict[int, str] = {}  # units the workload itself refuses to build
-
-    def fits(k: int, found=None) -> bool:
-        """Whether size k fits: `at` there, or what it gave or raised (`found`, a round's)."""
-        if found is None:
-            try:
-                found = at(k * multiple)
-            except Exception as e:  # noqa: BLE001 - handled below, as a round's
-                found = e
-        if isinstance(found, SizeRefused):
-            if not any(0 < u < k for u in known):
-                raise found
-            # A smaller size was built: the workload stops at a limit of its own (e.g. a
-            # learned position table). The search bounds its bracket there, as it does at a
-            # size out of memory, so it bisects down to the limit instead of walking it.
-            refused[k] = str(found)
-            return False
-        if isinstance(found, Exception):
-            raise found
-        m = found[1]
-        probes.append((k * multiple, None if m is None else m.total_bytes))
-        if m is not None:
-            known[k] = m.total_bytes
-        return m is not None and m.total_bytes <= budget
-
-    def fits_many(ks: list[int]) -> list[bool]:
-        """fits at each of `ks`, their compiles side by side (`pool.side_by_side`), read in
-        ascending order, so a round says what the serial search would of the same sizes."""
-        found = pool.side_by_side([lambda k=k: at(k * multiple) for k in ks])
-        return [fits(k, f) for k, f in zip(ks, found)]
+    probed = _Probes(at, multiple, budget, {0: floor} | {
+        s // multiple: m.total_bytes for s, m in seen.items() if s % multiple == 0})
+    probes, known, refused = probed.probes, probed.known, probed.refused
 
     def compiles() -> int:
         return steps.total - before + extra_compiles() - extra_before
 
     try:
-        units, capped = _search(fits, known.get, budget, max_units, start,
+        units, capped = _search(probed.fits, known.get, budget, max_units, start,
                                 2 if vary == "seq" else 1, estimate, pool.current().jobs,
-                                fits_many)
+                                probed.fits_many)
     except Exception as e:  # noqa: BLE001 - reported in the row, not as "does not fit"
         error = str(e) if isinstance(e, SizeRefused) else f"{type(e).__name__}: {e}"
         return FitRow(spec, 0, compiles=compiles(), probes=tuple(probes),

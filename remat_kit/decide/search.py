@@ -91,10 +91,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
     key = _cache_key(planner, parsed, groups)
     if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
         return kept
-    # Full and no remat side by side on the compile pool (the base rules below compile
-    # together, in one `measure_all`).
-    planner.compiles.side_by_side([Policy(), Policy(remat=False)])
-    full, none = planner.compiles.measure(Policy()), planner.compiles.none()
+    full, none = _full_and_none(planner)
     if none is None and parsed.bytes is None:
         raise BudgetError(f"budget {budget} is a fraction of no remat's memory, but no remat "
                           f"runs out of {planner.target}'s memory at these shapes; give the "
@@ -146,6 +143,14 @@ def plan(planner, budget: "str | int | float") -> Plan:
                             layers_summary(policy) if isinstance(policy, tuple)
                             else str(policy)), *offload_notes]), len(tried),
                         groups, offload_notes)
+
+def _full_and_none(planner) -> tuple:
+    """(full remat's record, no remat's or None where it runs out of memory), compiled side
+    by side on the compile pool (the base rules compile together after, in one
+    `measure_all`). Raises as `PlannerCompiles.measure`."""
+    planner.compiles.side_by_side([Policy(), Policy(remat=False)])
+    return planner.compiles.measure(Policy()), planner.compiles.none()
+
 
 def _cache_key(planner, parsed, groups: int) -> str:
     """What the plan cache keys a budget's plan by: the program, the figure budgeted (a

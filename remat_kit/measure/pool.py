@@ -1,15 +1,9 @@
 """The compile pool: every compile a command makes runs here, at most `jobs` at a time.
 
-One pool serves the whole process (`current`; `using(jobs)` sets it for a block), so the
-compiles of compare's policies, plan's anchors, presets and verifies and fit's probes share one
-bound. Its engine is threads: XLA releases the GIL while it compiles, so `jobs` compiles run on
-`jobs` cores while Python traces the next program; a compile returns figures to the thread that
-asked (`measure`), and its executable never leaves the process. The workers are daemon threads
-and the caller waits on a future, so Ctrl-C or SIGTERM reaches the main thread within moments
-and the process exits without waiting for a compile in flight (what finished is in the caches,
-whose writes are whole or nothing). `side_by_side` runs whole searches' steps (trace, lower,
-compile) on threads of their own, whose compiles queue here.
-Docs: docs/compare.md ("Flags": --jobs).
+One pool a process (`current`; `using(jobs)` for a block) bounds compare's, plan's and fit's
+compiles together. Its workers are daemon threads (XLA releases the GIL while it compiles), so
+figures never leave the process, and a signal ends a command without waiting for a compile
+(`exit_if_busy`). `side_by_side` runs a search's steps at once. Docs: docs/compare.md ("Flags").
 """
 
 from __future__ import annotations
