@@ -67,7 +67,7 @@ def run(case: str, argv: list[str], out: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "remat_kit.cli", *argv, *extra,
                            "--json", path], env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    compiles = done.stderr.count("compiled ")
+    compiles, detail = done.stderr.count("compiled "), []
     answer = done.stdout.strip().splitlines()[-3:] if done.returncode == 0 else done.stderr[-400:]
     if done.returncode == 0 and argv[0] == "plan":
         answer = [f"{b['budget']}: " + (f"{b['plan']['spec']}, {b['plan']['measured_bytes']:,} "
@@ -76,10 +76,11 @@ def run(case: str, argv: list[str], out: str) -> dict:
     if done.returncode == 0 and argv[0] == "fit":
         rows = json.load(open(path))["rows"]
         compiles = sum(r["compiles"] for r in rows)
-        answer = [f"{r['policy']}: {argv[argv.index('--vary') + 1]} {r['size']}, "
-                  f"probes {[p[0] for p in r['probes']]}" for r in rows]
+        answer = [f"{r['policy']}: {argv[argv.index('--vary') + 1]} {r['size']}" for r in rows]
+        detail = [f"{r['policy']}: probes {[p[0] for p in r['probes']]}" for r in rows]
     return {"case": case, "command": "remat-kit " + " ".join(argv), "seconds": seconds,
-            "compiles": compiles, "exit": done.returncode, "answer": answer}
+            "compiles": compiles, "exit": done.returncode, "answer": answer,
+            "detail": detail}
 
 
 def main() -> int:
@@ -111,7 +112,8 @@ def main() -> int:
                      if r is not first else "")
             print(f"({case}) {r['command']}\n    {r['seconds']:.0f} s, {r['compiles']} compiles, "
                   f"exit {r['exit']}, load {os.getloadavg()[0]:.1f}{ratio}", flush=True)
-            for line in ([r["answer"]] if isinstance(r["answer"], str) else r["answer"]):
+            for line in ([r["answer"]] if isinstance(r["answer"], str)
+                         else r["answer"] + r["detail"]):
                 print("    " + line, flush=True)
             status = max(status, 1 if r["exit"] or r["answer"] != first["answer"] else 0)
     return status
