@@ -144,7 +144,20 @@ class _Run:
             return self.eval(getattr(closed, "jaxpr", closed), consts, invals)
         if eqn.primitive.name == "scan":
             return self.scan(eqn, invals)
+        if eqn.primitive.name == "shard_map":
+            return self.shard_map(eqn, invals)
         return _bind(eqn, invals)  # cond, while, custom derivatives: tags inside are lost
+
+    def shard_map(self, eqn, invals) -> list:
+        """A `shard_map` (a pipeline's stages, say) traced again around its body run
+        here, so the blocks inside take their policies; on a target's devices where
+        the model's own mesh is rebuilt there."""
+        p = retarget.params(eqn.params)
+        body = eqn.params["jaxpr"]
+        run = jax.shard_map(lambda *xs: tuple(self.eval(body, (), xs)), mesh=p["mesh"],
+                            in_specs=p["in_specs"], out_specs=p["out_specs"],
+                            axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])
+        return list(run(*invals))
 
     def scan(self, eqn, invals) -> list:
         p = eqn.params
@@ -199,22 +212,31 @@ def _fold(eqn, known: dict) -> None:
     the model builds with jnp from an iota (`jnp.arange`, sin, cos, jit-ed helpers
     included) before its blocks is a constant of the loss, as a numpy one is."""
     if (eqn.effects or region(eqn) is not None or eqn.primitive.name == "scan"
-            or sum(math.prod(v.aval.shape) for v in eqn.outvars) > _FOLD_VALUES
-            or not _runs_here(eqn)):
+            or sum(math.prod(v.aval.shape) for v in eqn.outvars) > _FOLD_VALUES):
         return
     values = [_value(known, v) for v in eqn.invars]
     if any(x is None for x in values):
+        return
+    if eqn.primitive.name in _PLACEMENT:  # the value as it is, wherever it would be placed
+        known.update(zip(eqn.outvars, values))
+        return
+    if not _runs_here(eqn):
         return
     with jax.ensure_compile_time_eval():
         outs = eqn.primitive.bind(*values, **eqn.params)
     known.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
 
 
+# Equations that place their inputs and leave their values unchanged.
+_PLACEMENT = ("sharding_constraint", "device_put")
+
+
 def _runs_here(eqn) -> bool:
-    """False for a call traced under a mesh of devices this process cannot run (an
-    ahead-of-time target's chips: compiled for, never run here), which `_fold` leaves."""
-    devices = getattr(eqn.params.get("ctx_mesh"), "devices", None)
-    return devices is None or set(devices.flat) <= set(jax.devices())
+    """False for an equation that names, at any depth (a jit-ed call's body, a
+    shard_map's mesh, a sharding's), devices this process cannot run: an ahead-of-time
+    target's chips are compiled for, never run here, so `_fold` leaves it."""
+    here = set(jax.devices())
+    return all(set(m.devices.flat) <= here for m in retarget.meshes(eqn.params))
 
 
 def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
@@ -250,6 +272,10 @@ def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
                          if (x := _value(known, ov)) is not None}
             sub_known.update(zip(body.constvars, consts))
             found = _first_block(body, key, sub, sub_known)
+        elif eqn.primitive.name == "shard_map":  # per device: known values are global
+            inner = eqn.params["jaxpr"]
+            sub = {iv: _flag(flags, ov) for iv, ov in zip(inner.invars, eqn.invars)}
+            found = _first_block(inner, key, sub, {})
         else:
             continue
         if found is not None:

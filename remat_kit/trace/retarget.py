@@ -118,12 +118,16 @@ def params(params: dict) -> dict:
     return params if state is None else _params(params, *state)
 
 
-def meshes(jaxpr: Jaxpr) -> list[Mesh]:
-    """The concrete meshes `jaxpr`'s equations name, inner jaxprs included, largest first."""
+def meshes(value) -> list[Mesh]:
+    """The concrete meshes `value` (a jaxpr, or one equation's params: a dict) names,
+    inner jaxprs included, largest first."""
     found: dict[int, Mesh] = {}
 
     def walk(v):
-        if isinstance(v, Mesh):
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, Mesh):
             found.setdefault(id(v), v)
         elif isinstance(v, NamedSharding) and isinstance(v.mesh, Mesh):
             found.setdefault(id(v.mesh), v.mesh)
@@ -135,7 +139,7 @@ def meshes(jaxpr: Jaxpr) -> list[Mesh]:
             for x in v:
                 walk(x)
 
-    walk(jaxpr)
+    walk(value)
     return sorted((m for m in found.values() if m.axis_names), key=lambda m: -m.size)
 
 
