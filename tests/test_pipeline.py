@@ -6,6 +6,8 @@ policy applied to the layers within a stage, grads equal to the unpipelined mode
 Runs on the 8 host devices tests/conftest.py creates (4 of them for the stages).
 """
 
+import dataclasses
+
 import flax.nnx as nnx
 import jax
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 import remat_kit as rk
 from remat_kit import cli
 from remat_kit.flax.from_model import next_token_loss
-from remat_kit.measure import targets
+from remat_kit.measure import lowering, targets, time_model
 from remat_kit.trace import pipeline
 from tests.test_targets import needs_libtpu
 from tests.zoo import gpipe_nnx
@@ -92,6 +94,21 @@ def test_a_tpu_slice_compiles_the_pipeline():
     assert none.error is None and full.error is None
     assert full.peak_memory_in_bytes < none.peak_memory_in_bytes
     assert work.model_map.pipeline.stages == 4
+
+
+@needs_libtpu
+def test_what_a_stage_passes_on_is_priced_at_ici_bandwidth():
+    target = targets.parse_target("tpu:v5p:2x2x1")
+    work = rk.from_model.workload(gpipe_nnx.model(target.devices), BATCH, SEQ)
+    step = jax.value_and_grad(work.loss_for_policy(rk.parse("full")))
+    compiled = lowering.lower(step, lowering.place(work.args, target), target).compile()
+    # one microbatch's activations (2 x 16 x 32 float32) per iteration, forward and back
+    passed = sum(op.trips * op.ici_bytes for op in time_model.compiled_ops(compiled))
+    assert passed == 2 * 7 * (BATCH // gpipe_nnx.MICRO) * SEQ * gpipe_nnx.DIM * 4
+    line = target.roofline
+    without = dataclasses.replace(line, ici_bandwidth=None)
+    assert time_model.compiled_seconds(compiled, line) - time_model.compiled_seconds(
+        compiled, without) == pytest.approx(passed / 9e10)
 
 
 def test_a_policy_s_saved_names_are_read_from_its_closure():
