@@ -155,8 +155,9 @@ def notes(the_map: ModelMap) -> tuple[str, ...]:
                        "no remat")
     pipe = the_map.pipeline
     if pipe is not None:
-        out.append(f"pipeline: per-chip figures are one stage's (every chip runs the same "
-                   f"program: its stage's layers and the residuals of all {pipe.microbatches} "
+        out.append(f"pipeline: per-chip figures are the largest stage's, every stage's "
+                   f"alike, the first's included (every chip runs the same program: its "
+                   f"stage's layers and the residuals of all {pipe.microbatches} "
                    f"microbatches in flight, {pipe.schedule}); FLOPs and the predicted step "
                    f"include the bubble ({pipe.bubble} of the iterations), as compiled")
         if pipe.own_remat:

@@ -9,6 +9,7 @@ Main names: `build`, `Regions`. How: docs/models.md ("A Flax model, no glue", st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -16,7 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.core import ShapedArray
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from remat_kit._jax_private import scan_parts
@@ -68,7 +71,7 @@ class _Run:
         env = {}
 
         def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
+            return _literal(v.val) if isinstance(v, Literal) else env[v]
 
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
@@ -150,11 +153,15 @@ class _Run:
 
     def shard_map(self, eqn, invals) -> list:
         """A `shard_map` (a pipeline's stages, say) traced again around its body run
-        here, so the blocks inside take their policies; on a target's devices where
-        the model's own mesh is rebuilt there."""
-        p = retarget.params(eqn.params)
-        body = eqn.params["jaxpr"]
-        run = jax.shard_map(lambda *xs: tuple(self.eval(body, (), xs)), mesh=p["mesh"],
+        here, so the blocks inside take their policies.
+
+        Raises:
+          MeshError: compiling for a target whose devices the mesh is not over.
+        """
+        p = eqn.params
+        body = p["jaxpr"]
+        run = jax.shard_map(lambda *xs: tuple(self.eval(body, (), xs)),
+                            mesh=retarget.shard_map_mesh(p["mesh"]),
                             in_specs=p["in_specs"], out_specs=p["out_specs"],
                             axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])
         return list(run(*invals))
@@ -335,9 +342,31 @@ def _bind(eqn, invals) -> list:
     # jax 0.12 returns the params; older releases (subfuns, params).
     subfuns, params = got if isinstance(got, tuple) else ((), got)
     params = retarget.params(params)  # the model's own mesh, on a target's devices
-    with eqn.ctx.manager:
+    outside = _out_of_shard_map(eqn.ctx.cur_abstract_mesh)  # before eqn.ctx sets its mesh
+    with eqn.ctx.manager, outside:
         out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _literal(val):
+    """A literal's value; one typed inside a `shard_map` (jax's host array typed on its
+    manual mesh) typed afresh, on no mesh, where it runs outside one."""
+    mesh = getattr(getattr(getattr(val, "aval", None), "sharding", None), "mesh", None)
+    if (mesh is None or not mesh.manual_axes
+            or jax.sharding.get_abstract_mesh().manual_axes):
+        return val
+    return type(val)(np.asarray(val), ShapedArray(val.shape, val.dtype,
+                                                  weak_type=val.aval.weak_type))
+
+
+def _out_of_shard_map(traced):
+    """Where an equation traced inside a `shard_map` (its context mesh has manual axes)
+    runs outside one (`explain`'s block taken out of a pipeline's stage), a context
+    that keeps the mesh it runs under; else none."""
+    here = jax.sharding.get_abstract_mesh()
+    if traced.manual_axes and not here.manual_axes:
+        return jax.sharding.use_abstract_mesh(here)
+    return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

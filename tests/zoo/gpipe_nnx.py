@@ -92,3 +92,10 @@ def model(devices=None) -> GPipe:
     mesh for an ahead-of-time compile)."""
     mesh = Mesh(np.array(list(devices or jax.devices())[:STAGES]), ("stage",))
     return nnx.eval_shape(lambda: GPipe(mesh, nnx.Rngs(0)))
+
+
+def on_v5p() -> GPipe:
+    """`model` with its stages on the 4 chips of tpu:v5p:2x2x1 (compiled ahead of time),
+    for `--model tests/zoo/gpipe_nnx.py:on_v5p --target tpu:v5p:2x2x1`."""
+    from remat_kit.measure import targets
+    return model(targets.devices("tpu:v5p:2x2x1"))
