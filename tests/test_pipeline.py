@@ -102,7 +102,8 @@ def test_explain_takes_a_block_out_of_its_stage_on_a_tpu_slice(capsys):
                      "--seq", "16", "--policy", "full", "--target", "tpu:v5p:2x2x1"]) == 0
     out = capsys.readouterr().out
     # one microbatch's stream per layer run: 2 layers x 7 iterations on each chip
-    assert "│ decoder_layer_input │ tag  │ [2, 16, 32] │ float32 │ 4.00 KiB │ saved " in out
+    row = "│ decoder_layer_input │ tag  │ [2, 16, 32] │ float32 │ 4.00 KiB │ saved "
+    assert row in out
     assert "model (14 layers) │ 56.00 KiB" in out
     assert "one layer's value-and-grad, XLA TPU compile (v5p:2x2x1, AOT)" in out
 

@@ -44,13 +44,13 @@ PEAKS = {
     "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
                 "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5e"],
                 "ici_bandwidth": _ICI["tpu:v5e"],
-                "source": "cloud.google.com/tpu/docs/v5e; host DMA and DCN: "
+                "source": "cloud.google.com/tpu/docs/v5e; host DMA, DCN and ICI: "
                           "jax-ml.github.io/scaling-book"},
     # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
     "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
                 "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5p"],
                 "ici_bandwidth": _ICI["tpu:v5p"],
-                "source": "cloud.google.com/tpu/docs/v5p; host DMA and DCN: "
+                "source": "cloud.google.com/tpu/docs/v5p; host DMA, DCN and ICI: "
                           "jax-ml.github.io/scaling-book"},
     # https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM4 80GB datasheet): BF16
     # 624 TFLOP/s with sparsity (312 dense), TF32 312 with sparsity (156 dense),
@@ -101,6 +101,7 @@ class Roofline:
     # Not in the repr, which keys the figure cache: the target's name (slices=N) does.
     dcn_bandwidth: float | None = dataclasses.field(default=None, repr=False)
     slices: int | None = dataclasses.field(default=None, repr=False)
+    # Not in the repr either: a chip's `source` names where its ICI figure comes from.
     ici_bandwidth: float | None = dataclasses.field(default=None, repr=False)
 
     def seconds(self, flops: float, nbytes: float, dtype=None) -> float:

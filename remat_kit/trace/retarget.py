@@ -163,4 +163,5 @@ def meshes(value) -> list[Mesh]:
     return sorted((m for m in found.values() if m.axis_names), key=lambda m: -m.size)
 
 
-__all__ = ["check_stays", "describe", "meshes", "params", "rebuild", "retargeting", "shard_map_mesh"]
+__all__ = ["check_stays", "describe", "meshes", "params", "rebuild", "retargeting",
+           "shard_map_mesh"]
