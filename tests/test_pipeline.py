@@ -17,6 +17,7 @@ import remat_kit as rk
 from remat_kit import cli
 from remat_kit.flax.from_model import next_token_loss
 from remat_kit.measure import lowering, targets, time_model
+from remat_kit.measure.explain import stack_stored_bytes
 from remat_kit.trace import pipeline, regions
 from tests.test_targets import needs_libtpu
 from tests.zoo import gpipe_nnx, maxtext_pipeline_nnx
@@ -163,6 +164,16 @@ def test_a_maxtext_style_pipeline_s_own_remat_is_named_and_nests_the_policy():
     assert set(none.residual_bytes_by_tag) == set(full.residual_bytes_by_tag) == {
         "decoder_layer_input"}
     assert full.temp_size_in_bytes == none.temp_size_in_bytes
+    # L x one layer's residuals is no figure under the iteration's remat
+    assert stack_stored_bytes(work, rk.parse("none"))["layers_residual_bytes"] is None
+
+
+def test_a_gpipe_s_layer_runs_per_chip_store_l_times_one_layer():
+    work = rk.from_model.workload(gpipe_nnx.model(), BATCH, SEQ)
+    got = stack_stored_bytes(work, rk.parse("full"))
+    # each chip runs its 2 layers for 7 iterations, each storing a [2, 16, 32] input
+    assert (work.num_layers, got["layer_residual_bytes"], got["layers_residual_bytes"]) == (
+        14, 2 * 16 * 32 * 4, 14 * 2 * 16 * 32 * 4)
 
 
 def test_a_maxtext_style_pipeline_s_grads_equal_the_unpipelined_model_s():
