@@ -51,6 +51,8 @@ def run(args) -> int:
         own = work.own_mesh
         if own is not None and not set(own.devices.flat) <= set(target.devices):
             retarget.check_fits(own, target.devices, str(target))
+            if getattr(work.model_map, "pipeline", None) is not None:
+                retarget.check_stays(own, target.devices, str(target))
     print(estimate_line(specs, target_list), file=sys.stderr, flush=True)
     sections, contexts = [], []
     dtype = src.dtype(works[0])

@@ -29,7 +29,7 @@ from remat_kit.flax.blocks import (Instance, ModelError, Pick, has_parameters, p
 from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax import placement
-from remat_kit.trace import model_map, own_call, own_remat, regions, retarget, stand_in
+from remat_kit.trace import model_map, own_call, own_remat, pipeline, regions, retarget, stand_in
 from remat_kit.trace.marked import count_marked
 from remat_kit.trace import wrapping
 from remat_kit import mesh as rk_mesh
@@ -447,7 +447,8 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
             else type(model).__name__)
     mine = own_call.own_call(traced.jaxpr, KEY, root)  # a tied head's bare matmul, say
     the_map = model_map.ModelMap(model_map.stacks_of(list(pick.layers)), own.regions,
-                                 (*pick.outside, *([mine] if mine else []), "loss"))
+                                 (*pick.outside, *([mine] if mine else []), "loss"),
+                                 pipeline.find(traced.jaxpr))
     notes = found.notes() + model_map.notes(the_map) + unremat_note(pick.others, cls)
     notes += (where.note,) if where is not None and where.note else ()
 

@@ -33,18 +33,24 @@ _TPU_HOST_DMA = 1.5e10
 # the same book's "DCN bandwidth" per chip (its hardware table: 6.25e9 for v5p, 3.125e9
 # for v5e), what a multi-slice job's cross-slice all-reduce runs at.
 _DCN = {"tpu:v5e": 3.125e9, "tpu:v5p": 6.25e9}
+# TPU chip -> a neighbour over one ICI link, bytes/s one way: the same book's "ICI
+# bandwidth" per link, one direction (4.5e10 for v5e, 9e10 for v5p), what a pipeline's
+# `ppermute` to the next stage runs at.
+_ICI = {"tpu:v5e": 4.5e10, "tpu:v5p": 9e10}
 # Dense (no sparsity) peaks. bf16_flops: 16-bit matmul; f32_flops: what an f32
 # matmul runs at under JAX's default precision (TPU: one bf16 pass; NVIDIA: TF32).
 PEAKS = {
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2.
     "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
                 "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5e"],
-                "source": "cloud.google.com/tpu/docs/v5e; host DMA and DCN: "
+                "ici_bandwidth": _ICI["tpu:v5e"],
+                "source": "cloud.google.com/tpu/docs/v5e; host DMA, DCN and ICI: "
                           "jax-ml.github.io/scaling-book"},
     # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
     "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
                 "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5p"],
-                "source": "cloud.google.com/tpu/docs/v5p; host DMA and DCN: "
+                "ici_bandwidth": _ICI["tpu:v5p"],
+                "source": "cloud.google.com/tpu/docs/v5p; host DMA, DCN and ICI: "
                           "jax-ml.github.io/scaling-book"},
     # https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM4 80GB datasheet): BF16
     # 624 TFLOP/s with sparsity (312 dense), TF32 312 with sparsity (156 dense),
@@ -82,6 +88,9 @@ class Roofline:
       slices: on a multi-slice target, how many slices (None: one); the time model
         prices what the program sends across them at `dcn_bandwidth`
         (`remat_kit.measure.dcn`).
+      ici_bandwidth: chip -> neighbouring chip bytes/s over one ICI link, one way
+        (None: not listed); the time model prices what a `collective-permute` (a
+        pipeline's `ppermute`) sends at it.
     """
 
     bf16_flops: float
@@ -92,6 +101,8 @@ class Roofline:
     # Not in the repr, which keys the figure cache: the target's name (slices=N) does.
     dcn_bandwidth: float | None = dataclasses.field(default=None, repr=False)
     slices: int | None = dataclasses.field(default=None, repr=False)
+    # Not in the repr either: a chip's `source` names where its ICI figure comes from.
+    ici_bandwidth: float | None = dataclasses.field(default=None, repr=False)
 
     def seconds(self, flops: float, nbytes: float, dtype=None) -> float:
         """max(flops / peak of `dtype`, nbytes / bandwidth); 16-bit dtypes take bf16's peak."""
@@ -193,7 +204,8 @@ def of_chip(chip: str) -> Roofline:
     if found is None:
         return calibrate_cpu()
     return Roofline(found["bf16_flops"], found["f32_flops"], found["bandwidth"],
-                    found.get("host_bandwidth"), found["source"], found.get("dcn_bandwidth"))
+                    found.get("host_bandwidth"), found["source"], found.get("dcn_bandwidth"),
+                    ici_bandwidth=found.get("ici_bandwidth"))
 
 
 __all__ = ["PEAKS", "Roofline", "calibrate_cpu", "of_chip"]

@@ -168,7 +168,9 @@ def stack_stored_bytes(workload: Workload, policy: Policy,
     the policy plus those without remat; for nested:g (g > 1) the L/g group
     inputs (a full-remat block's bytes each). Both None where the workload
     has no `block`; layers_residual_bytes None where the blocks differ in shape
-    (`blocks_differ`; `alike` gives its answer where known).
+    (`blocks_differ`; `alike` gives its answer where known), or where a remat of the
+    model's own runs around several layers (a pipeline's per iteration), which
+    stores what its policy saves, not the layers' residuals.
     """
     if workload.block is None or not workload.num_layers:
         return {"layer_residual_bytes": None, "layers_residual_bytes": None}
@@ -181,6 +183,8 @@ def stack_stored_bytes(workload: Workload, policy: Policy,
     measured = {p: _block_stored_bytes(workload, p) for p in set(per_layer)}
     if alike is None:  # else the first block's bytes x L mean nothing
         alike = not blocks_differ(workload)
+    own = workload.model_map.own_remat if workload.model_map is not None else ()
+    alike = alike and not any(r.where == "around several layers" for r in own)
     return {"layer_residual_bytes": (measured[per_layer[0]] if schedule.kind == "uniform"
                                      else None),
             "layers_residual_bytes": sum(measured[p] for p in per_layer) if alike else None}

@@ -106,6 +106,8 @@ class OpCost:
       trips: how many times the op runs (the trip counts of the loops around it).
       dcn_bytes: bytes the op sends across slices over the data-center network, per
         chip (`remat_kit.measure.dcn`; 0 on one slice).
+      ici_bytes: bytes a `collective-permute` sends to another chip (its operand),
+        per chip; 0 for any other op.
     """
 
     name: str
@@ -116,8 +118,11 @@ class OpCost:
     dtype: object
     trips: int = 1
     dcn_bytes: float = 0.0
+    ici_bytes: float = 0.0
 
 
+# A collective-permute, synchronous or started asynchronously (its -done moves nothing).
+_PERMUTES = ("kCollectivePermute", "kCollectivePermuteStart")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 
 
@@ -325,8 +330,9 @@ def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
                 np.dtype(shape.numpy_dtype())
             sent = (dcn.dcn_bytes(instr, slices, _size(instr.operands()[0].shape)[1])
                     if slices and op == "kSend" else 0.0)
+            ici = (_size(instr.operands()[0].shape)[1] if op in _PERMUTES else 0.0)
             ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
-                              dtype, trips, sent))
+                              dtype, trips, sent, ici))
 
     walk(comps[entry], 1)
     return ops
@@ -336,11 +342,15 @@ def compiled_seconds(compiled, line: Roofline) -> float:
     """Predicted seconds of one run of a compiled program: the roofline of each
     op it runs (`compiled_ops`), summed, loop bodies once per trip; on several
     slices (`line.slices`) with what the program sends across them at
-    `line.dcn_bandwidth` (not overlapped with compute: an upper bound)."""
+    `line.dcn_bandwidth`, and what its `collective-permute`s (a pipeline's
+    `ppermute` to the next stage) send at `line.ici_bandwidth` (neither overlapped
+    with compute: an upper bound)."""
     ops = compiled_ops(compiled, line.slices)
     sent = sum(op.trips * op.dcn_bytes for op in ops)
+    passed = sum(op.trips * op.ici_bytes for op in ops)
     return (sum(op.trips * line.seconds(op.flops, op.nbytes, op.dtype) for op in ops)
-            + (sent / line.dcn_bandwidth if sent and line.dcn_bandwidth else 0.0))
+            + (sent / line.dcn_bandwidth if sent and line.dcn_bandwidth else 0.0)
+            + (passed / line.ici_bandwidth if passed and line.ici_bandwidth else 0.0))
 
 
 def segment_seconds(nodes, out_aval, line: Roofline, cache: dict) -> float:

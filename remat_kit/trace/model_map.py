@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from remat_kit.trace.own_remat import OwnRegion
+from remat_kit.trace.pipeline import Pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +77,14 @@ class ModelMap:
         paths in call order, the model's loose parameters, what its own call computes
         (`remat_kit.trace.own_call`), then "loss" (e.g. ("wte", "ln_f", "the model's
         own call: 1 op (dot_general)", "loss")).
+      pipeline: where the layers run as pipeline stages, the pipeline
+        (`remat_kit.trace.pipeline`), else None.
     """
 
     stacks: tuple[Stack, ...] = ()
     own_remat: tuple[OwnRegion, ...] = ()
     outside: tuple[str, ...] = ()
+    pipeline: Pipeline | None = None
 
     @property
     def num_layers(self) -> int:
@@ -107,8 +111,9 @@ class ModelMap:
                     f"remat: {self.own_text()}; outside: {outside}")
         stacks = ", ".join(f"{s.path}: {s.text()}" if s.path and len(self.stacks) > 1
                            else s.text() for s in self.stacks)
+        piped = f"; pipeline: {self.pipeline.text()}" if self.pipeline else ""
         return (f"{stacks}, scanned: {'yes' if self.scanned else 'no'}; own remat: "
-                f"{self.own_text()}; outside: {outside}")
+                f"{self.own_text()}; outside: {outside}{piped}")
 
     def lines(self) -> list[str]:
         """The map in full: the line, then one line per layer (a scan's instance once,
@@ -133,7 +138,8 @@ class ModelMap:
                            for s in self.stacks],
                 "own_remat": [dataclasses.asdict(r) | {"taken_over": r.taken_over}
                               for r in self.own_remat],
-                "outside": list(self.outside)}
+                "outside": list(self.outside),
+                "pipeline": self.pipeline.to_dict() if self.pipeline else None}
 
 
 def notes(the_map: ModelMap) -> tuple[str, ...]:
@@ -147,6 +153,18 @@ def notes(the_map: ModelMap) -> tuple[str, ...]:
         if not r.taken_over:
             out.append(f"own remat kept: the model runs {r.text()}, so `none` here is not "
                        "no remat")
+    pipe = the_map.pipeline
+    if pipe is not None:
+        out.append(f"pipeline: per-chip figures are the largest stage's, every stage's "
+                   f"alike, the first's included (every chip runs the same program: its "
+                   f"stage's layers and the residuals of all {pipe.microbatches} "
+                   f"microbatches in flight, {pipe.schedule}); FLOPs and the predicted step "
+                   f"include the bubble ({pipe.bubble} of the iterations), as compiled")
+        if pipe.own_remat:
+            saves = ", ".join(pipe.own_saves) or "what its policy saves"
+            out.append(f"nested remat: the pipeline's own remat per iteration "
+                       f"(jax.checkpoint({pipe.own_remat})) saves {saves}; within it each "
+                       "layer's remat saves what the policy under test saves")
     return tuple(out)
 
 

@@ -9,6 +9,7 @@ Main names: `build`, `Regions`. How: docs/models.md ("A Flax model, no glue", st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -16,7 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.core import ShapedArray
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from remat_kit._jax_private import scan_parts
@@ -68,7 +71,7 @@ class _Run:
         env = {}
 
         def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
+            return _literal(v.val) if isinstance(v, Literal) else env[v]
 
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
@@ -144,7 +147,24 @@ class _Run:
             return self.eval(getattr(closed, "jaxpr", closed), consts, invals)
         if eqn.primitive.name == "scan":
             return self.scan(eqn, invals)
+        if eqn.primitive.name == "shard_map":
+            return self.shard_map(eqn, invals)
         return _bind(eqn, invals)  # cond, while, custom derivatives: tags inside are lost
+
+    def shard_map(self, eqn, invals) -> list:
+        """A `shard_map` (a pipeline's stages, say) traced again around its body run
+        here, so the blocks inside take their policies.
+
+        Raises:
+          MeshError: compiling for a target whose devices the mesh is not over.
+        """
+        p = eqn.params
+        body = p["jaxpr"]
+        run = jax.shard_map(lambda *xs: tuple(self.eval(body, (), xs)),
+                            mesh=retarget.shard_map_mesh(p["mesh"]),
+                            in_specs=p["in_specs"], out_specs=p["out_specs"],
+                            axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])
+        return list(run(*invals))
 
     def scan(self, eqn, invals) -> list:
         p = eqn.params
@@ -199,22 +219,31 @@ def _fold(eqn, known: dict) -> None:
     the model builds with jnp from an iota (`jnp.arange`, sin, cos, jit-ed helpers
     included) before its blocks is a constant of the loss, as a numpy one is."""
     if (eqn.effects or region(eqn) is not None or eqn.primitive.name == "scan"
-            or sum(math.prod(v.aval.shape) for v in eqn.outvars) > _FOLD_VALUES
-            or not _runs_here(eqn)):
+            or sum(math.prod(v.aval.shape) for v in eqn.outvars) > _FOLD_VALUES):
         return
     values = [_value(known, v) for v in eqn.invars]
     if any(x is None for x in values):
+        return
+    if eqn.primitive.name in _PLACEMENT:  # the value as it is, wherever it would be placed
+        known.update(zip(eqn.outvars, values))
+        return
+    if not _runs_here(eqn):
         return
     with jax.ensure_compile_time_eval():
         outs = eqn.primitive.bind(*values, **eqn.params)
     known.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
 
 
+# Equations that place their inputs and leave their values unchanged.
+_PLACEMENT = ("sharding_constraint", "device_put")
+
+
 def _runs_here(eqn) -> bool:
-    """False for a call traced under a mesh of devices this process cannot run (an
-    ahead-of-time target's chips: compiled for, never run here), which `_fold` leaves."""
-    devices = getattr(eqn.params.get("ctx_mesh"), "devices", None)
-    return devices is None or set(devices.flat) <= set(jax.devices())
+    """False for an equation that names, at any depth (a jit-ed call's body, a
+    shard_map's mesh, a sharding's), devices this process cannot run: an ahead-of-time
+    target's chips are compiled for, never run here, so `_fold` leaves it."""
+    here = set(jax.devices())
+    return all(set(m.devices.flat) <= here for m in retarget.meshes(eqn.params))
 
 
 def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
@@ -250,6 +279,10 @@ def _first_block(jaxpr, key: str, flags: dict, known: dict | None = None):
                          if (x := _value(known, ov)) is not None}
             sub_known.update(zip(body.constvars, consts))
             found = _first_block(body, key, sub, sub_known)
+        elif eqn.primitive.name == "shard_map":  # per device: known values are global
+            inner = eqn.params["jaxpr"]
+            sub = {iv: _flag(flags, ov) for iv, ov in zip(inner.invars, eqn.invars)}
+            found = _first_block(inner, key, sub, {})
         else:
             continue
         if found is not None:
@@ -309,9 +342,31 @@ def _bind(eqn, invals) -> list:
     # jax 0.12 returns the params; older releases (subfuns, params).
     subfuns, params = got if isinstance(got, tuple) else ((), got)
     params = retarget.params(params)  # the model's own mesh, on a target's devices
-    with eqn.ctx.manager:
+    outside = _out_of_shard_map(eqn.ctx.cur_abstract_mesh)  # before eqn.ctx sets its mesh
+    with eqn.ctx.manager, outside:
         out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _literal(val):
+    """A literal's value; one typed inside a `shard_map` (jax's host array typed on its
+    manual mesh) typed afresh, on no mesh, where it runs outside one."""
+    mesh = getattr(getattr(getattr(val, "aval", None), "sharding", None), "mesh", None)
+    if (mesh is None or not mesh.manual_axes
+            or jax.sharding.get_abstract_mesh().manual_axes):
+        return val
+    return type(val)(np.asarray(val), ShapedArray(val.shape, val.dtype,
+                                                  weak_type=val.aval.weak_type))
+
+
+def _out_of_shard_map(traced):
+    """Where an equation traced inside a `shard_map` (its context mesh has manual axes)
+    runs outside one (`explain`'s block taken out of a pipeline's stage), a context
+    that keeps the mesh it runs under; else none."""
+    here = jax.sharding.get_abstract_mesh()
+    if traced.manual_axes and not here.manual_axes:
+        return jax.sharding.use_abstract_mesh(here)
+    return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

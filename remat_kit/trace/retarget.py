@@ -50,6 +50,26 @@ def check_fits(mesh: Mesh, devices: Sequence, label: str) -> None:
             f"at least {mesh.size}, or build the model's mesh over at most {len(devices)}")
 
 
+def check_stays(mesh: Mesh, devices: Sequence, label: str) -> None:
+    """Raises MeshError where a `shard_map` (a pipeline's stages, say) runs over the
+    model's own `mesh` and that mesh is not over target `label`'s `devices`: its body,
+    typed on this machine's devices, is not rebuilt on another's."""
+    if not set(mesh.devices.flat) <= set(devices):
+        raise MeshError(
+            f"the model runs a shard_map over its own mesh ({describe(mesh)}), which is not "
+            f"rebuilt for target {label}: build that mesh over the target's chips "
+            f"(remat_kit.measure.targets.devices({label!r})), as MaxText builds its own for "
+            "an ahead-of-time compile")
+
+
+def shard_map_mesh(mesh: Mesh) -> Mesh:
+    """A `shard_map`'s mesh, checked (`check_stays`) while compiling for a target."""
+    state = _TARGET.get()
+    if state is not None:
+        check_stays(mesh, state[0], state[1])
+    return mesh
+
+
 def _mesh(mesh: Mesh, devices: tuple, label: str, memo: dict) -> Mesh:
     if not mesh.axis_names or set(mesh.devices.flat) <= set(devices):
         return mesh  # the empty context mesh, or already the target's
@@ -118,12 +138,16 @@ def params(params: dict) -> dict:
     return params if state is None else _params(params, *state)
 
 
-def meshes(jaxpr: Jaxpr) -> list[Mesh]:
-    """The concrete meshes `jaxpr`'s equations name, inner jaxprs included, largest first."""
+def meshes(value) -> list[Mesh]:
+    """The concrete meshes `value` (a jaxpr, or one equation's params: a dict) names,
+    inner jaxprs included, largest first."""
     found: dict[int, Mesh] = {}
 
     def walk(v):
-        if isinstance(v, Mesh):
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, Mesh):
             found.setdefault(id(v), v)
         elif isinstance(v, NamedSharding) and isinstance(v.mesh, Mesh):
             found.setdefault(id(v.mesh), v.mesh)
@@ -135,8 +159,9 @@ def meshes(jaxpr: Jaxpr) -> list[Mesh]:
             for x in v:
                 walk(x)
 
-    walk(jaxpr)
+    walk(value)
     return sorted((m for m in found.values() if m.axis_names), key=lambda m: -m.size)
 
 
-__all__ = ["describe", "meshes", "params", "rebuild", "retargeting"]
+__all__ = ["check_stays", "describe", "meshes", "params", "rebuild", "retargeting",
+           "shard_map_mesh"]
