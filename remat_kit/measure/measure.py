@@ -22,6 +22,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
 from remat_kit._jax_private import without_compilation_cache
+from remat_kit.measure import audit as audit_of
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import kernels, lowering
@@ -35,6 +36,7 @@ from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.trace import model_map, stand_in
+from remat_kit.trace.marked import tags_in_regions
 from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
 
@@ -159,6 +161,7 @@ class _Run:
       per_device: (factory, args) of one device's program, or None (`measure`).
       emitted: the tags the loss emits. by_name: each name's Policy.
       differ: the note that the workload's blocks differ ("" if alike, or no per_layer).
+      outside: the emitted tags no remat region holds (`_outside`).
     """
 
     workload: Workload
@@ -171,6 +174,7 @@ class _Run:
     differ: str
     per_layer: bool
     peak: bool
+    outside: frozenset = frozenset()
 
 
 def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: int,
@@ -204,8 +208,18 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
     run = _Run(workload, target, args, local_args,
                per_device if per_device is not None else workload.per_device, emitted,
                dict(zip(names, parsed)), blocks_differ(workload) if per_layer else "",
-               per_layer, peak)
+               per_layer, peak, _outside(workload, parsed, emitted, args))
     return run, groups, data
+
+
+def _outside(workload: Workload, parsed: list, emitted, args) -> frozenset:
+    """The emitted tags the loss holds in no remat region under full remat (one forward
+    trace, only where some policy keeps a tag by name): a policy's decision on them
+    changes nothing."""
+    if not any(p.remat and (p.save or p.offload) for p in parsed):
+        return frozenset()
+    full = jax.make_jaxpr(workload.loss_for_policy(Policy()))(*args).jaxpr
+    return frozenset(emitted) - tags_in_regions(full)
 
 
 def _lowered(run: _Run, groups: list, time_steps: int) -> list[tuple]:
@@ -216,7 +230,7 @@ def _lowered(run: _Run, groups: list, time_steps: int) -> list[tuple]:
                    workers=1 if time_steps else COMPILE_WORKERS, target=run.target,
                    runs=time_steps > 0, peak=run.peak) as compiles:
         return _lower_programs(groups, run.workload.loss_for_policy, run.args, run.target,
-                               compiles.start, run.peak)
+                               compiles.start, marked=True)
 
 
 def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, compiling,
@@ -240,6 +254,8 @@ def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, c
             predicted_seconds=figures["predicted_seconds"],
             kernel_flops=figures["kernel_flops"],
             peak=figures.get("peak") if run.peak else None,
+            audit=audit_of.audit(policy, local.residuals, audit_of.recomputed(local.program.jaxpr),
+                                 figures.get("compiled_audit"), run.outside),
             notes=_notes(run, policy, group_names, figures, found), **layers), compiled
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
         detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
@@ -318,10 +334,12 @@ def _figures(compiled, target, local) -> dict:
     if predicted is not None and costs.get("flops") is not None:
         time_checks.check_floor(predicted, target.roofline, costs["flops"],
                                 time_checks.written_bytes(compiled))
-    return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
+    memory = memory_fields(compiled)
+    return {"memory": memory, "flops": costs.get("flops"),
             "kernel_flops": priced.kernel_flops,
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
-            "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
+            "cost_notes": list(cost_notes), "time_notes": list(time_notes),
+            "compiled_audit": audit_of.compiled_facts(compiled, memory, target.platform)}
 
 
 def _predicted_seconds(compiled, target, priced: kernels.Priced
