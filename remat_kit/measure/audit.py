@@ -14,13 +14,14 @@ Docs: docs/compare.md ("The audit").
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from remat_kit.measure.residuals import COPY_PRIMITIVES, aval_bytes
 from remat_kit.policy.names import TAGS
 from remat_kit.trace.marked import region, sub_jaxprs
 from remat_kit.trace.validate import tag_of
-from remat_kit.units import fmt_bytes
+from remat_kit.units import fmt_bytes, fmt_seconds
 
 # A difference counts where it is more than this share of the bytes asked, or more than
 # `_ABSOLUTE` bytes, whichever is smaller (a categorical finding moves all of a tag's bytes).
@@ -120,7 +121,9 @@ def audit(policy, residuals, recompute: dict, facts: dict | None,
       "compiled": "kept" | "host" | "recomputed" | "merged" | "kept in HBM" | "outside the
       remat" | "unchecked", "compiled_bytes", "line": the difference in one line or None}],
       "findings": [one line per difference], "unchecked": [what could not be checked,
-      and why], "as_asked": True where no difference was found} (JSON-ready).
+      and why], "as_asked": True where no difference was found, "step_terms": the time
+      model's terms of its predicted step (`time_model.step_terms`) or None, "step": what
+      makes it predicted faster than no remat (`faster_than_none`) or None} (JSON-ready).
     """
     saved: dict[str, int] = {}
     host: dict[str, int] = {}
@@ -153,7 +156,8 @@ def audit(policy, residuals, recompute: dict, facts: dict | None,
                      "buffer assignment is not read)")
     findings = [r["line"] for r in rows if r["line"]]
     return {"tags": rows, "findings": findings, "unchecked": unchecked,
-            "as_asked": not findings}
+            "as_asked": not findings, "step_terms": (facts or {}).get("step_terms"),
+            "step": None}
 
 
 def _offloads(host: dict, facts: dict | None, unchecked: list) -> list[dict]:
@@ -208,6 +212,56 @@ def _recomputes(recompute: dict, facts: dict | None, unchecked: list) -> list[di
     return rows
 
 
+def faster_than_none(records: list) -> list:
+    """`records` with each remat row predicted faster than the `none` row among them
+    told why, in its audit's "step" and its notes: the time-model term that falls (the
+    HBM traffic of the residuals it no longer writes and reads, with bytes and seconds);
+    where no term does (its bandwidth-bound time does not fall), it says the prediction
+    is not accounted for, naming the terms. Records without `none` come back as they are.
+
+    Recompute adds FLOPs: a remat program can be faster only by moving fewer bytes."""
+    base = next((r for r in records if r.policy == "none" and r.predicted_seconds
+                 and r.audit and r.audit.get("step_terms")), None)
+    if base is None:
+        return records
+    out = []
+    for r in records:
+        terms = (r.audit or {}).get("step_terms")
+        if r is base or not terms or not r.predicted_seconds or \
+                r.predicted_seconds >= base.predicted_seconds:
+            out.append(r)
+            continue
+        line = _faster_line(r.predicted_seconds, base.predicted_seconds, terms,
+                            base.audit["step_terms"])
+        out.append(dataclasses.replace(r, audit={**r.audit, "step": line},
+                                       notes=r.notes + (line,)))
+    return out
+
+
+def _faster_line(seconds: float, none_seconds: float, terms: dict, none: dict) -> str:
+    """One line: what makes a step of `seconds` faster than none's `none_seconds`."""
+    pct = 100 * (1 - seconds / none_seconds)
+    traffic = none["hbm_bytes"] - terms["hbm_bytes"]
+    by_bytes = none["bytes_bound_seconds"] - terms["bytes_bound_seconds"]
+    by_flops = terms["flops_bound_seconds"] - none["flops_bound_seconds"]
+    head = f"predicted {pct:.1f}% faster than none"
+    flops = f"FLOPs {terms['flops'] / max(none['flops'], 1) - 1:+.1%}"
+    if by_bytes >= none_seconds - seconds:
+        return (f"{head}: its ops move {fmt_bytes(max(traffic, 0))} less HBM traffic (the "
+                f"residuals it no longer writes and reads), {fmt_seconds(by_bytes)} less "
+                f"bandwidth-bound time, against {flops} ({_signed(by_flops)} compute-bound "
+                "time)")
+    f32 = terms["f32_flops_bound_seconds"] - none["f32_flops_bound_seconds"]
+    return (f"{head}, which no term of the time model accounts for: bandwidth-bound time "
+            f"{_signed(-by_bytes)} ({_signed(-traffic, fmt_bytes)} HBM traffic), compute-bound "
+            f"{_signed(by_flops)} ({flops}; at the f32 peak {_signed(f32)}): the prediction "
+            "is suspect here")
+
+
+def _signed(x: float, fmt=fmt_seconds) -> str:
+    return ("-" if x < 0 else "+") + fmt(abs(x))
+
+
 def column(found: dict | None) -> str:
     """The "as asked" cell of a row: ✓, or the first difference; "?" where not audited."""
     if not found:
@@ -215,4 +269,4 @@ def column(found: dict | None) -> str:
     return "✓" if found["as_asked"] else found["findings"][0]
 
 
-__all__ = ["audit", "column", "compiled_facts", "differs", "recomputed"]
+__all__ = ["audit", "column", "compiled_facts", "differs", "faster_than_none", "recomputed"]

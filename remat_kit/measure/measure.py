@@ -135,6 +135,7 @@ def measure(workload: "Workload | Callable", *args, policies: Sequence, names=No
             records.append(record)
             if progress is not None:
                 progress(i + 1, len(programs), record)
+    records = audit_of.faster_than_none(records)
     return step_times.with_step_times(records, timed, data, time_steps) if timed else records
 
 
@@ -330,7 +331,7 @@ def _figures(compiled, target, local) -> dict:
     """
     costs, cost_notes, priced = lowering.costs_with_kernels(
         compiled, target, jaxpr_as_fun(local.program), local.leaves, local.program)
-    predicted, time_notes = _predicted_seconds(compiled, target, priced)
+    predicted, time_notes, terms = _predicted_seconds(compiled, target, priced)
     if predicted is not None and costs.get("flops") is not None:
         time_checks.check_floor(predicted, target.roofline, costs["flops"],
                                 time_checks.written_bytes(compiled))
@@ -339,19 +340,22 @@ def _figures(compiled, target, local) -> dict:
             "kernel_flops": priced.kernel_flops,
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
             "cost_notes": list(cost_notes), "time_notes": list(time_notes),
-            "compiled_audit": audit_of.compiled_facts(compiled, memory, target.platform)}
+            "compiled_audit": {**audit_of.compiled_facts(compiled, memory, target.platform),
+                               "step_terms": terms}}
 
 
 def _predicted_seconds(compiled, target, priced: kernels.Priced
-                       ) -> tuple[float | None, tuple[str, ...]]:
-    """(the time model's step seconds of `compiled` on `target`, notes): None and a
-    note where its HLO cannot be read (`time_model.compiled_seconds`); the
-    kernels `priced` from shapes add their FLOPs' time (`kernels.seconds`)."""
+                       ) -> tuple[float | None, tuple[str, ...], dict | None]:
+    """(the time model's step seconds of `compiled` on `target`, notes, the terms it sums:
+    `time_model.step_terms`, the kernels' time as "kernel_seconds"): None, a note and None
+    where its HLO cannot be read; the kernels `priced` from shapes add their FLOPs' time
+    (`kernels.seconds`)."""
     try:
-        return (time_model.compiled_seconds(compiled, target.roofline)
-                + kernels.seconds(priced, target.roofline)), ()
+        terms = time_model.step_terms(compiled, target.roofline)
+        terms["kernel_seconds"] = kernels.seconds(priced, target.roofline)
+        return terms["seconds"] + terms["kernel_seconds"], (), terms
     except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurement
-        return None, (f"no predicted step time: {type(e).__name__}: {e}",)
+        return None, (f"no predicted step time: {type(e).__name__}: {e}",), None
 
 
 # Distinct programs compile concurrently: XLA releases the GIL while it compiles.
