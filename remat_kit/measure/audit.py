@@ -245,12 +245,21 @@ def _faster_line(seconds: float, none_seconds: float, terms: dict, none: dict) -
     by_bytes = none["bytes_bound_seconds"] - terms["bytes_bound_seconds"]
     by_flops = terms["flops_bound_seconds"] - none["flops_bound_seconds"]
     head = f"predicted {pct:.1f}% faster than none"
-    flops = f"FLOPs {terms['flops'] / max(none['flops'], 1) - 1:+.1%}"
-    if by_bytes >= none_seconds - seconds:
-        return (f"{head}: its ops move {fmt_bytes(max(traffic, 0))} less HBM traffic (the "
-                f"residuals it no longer writes and reads), {fmt_seconds(by_bytes)} less "
-                f"bandwidth-bound time, against {flops} ({_signed(by_flops)} compute-bound "
-                "time)")
+    change = terms["flops"] / max(none["flops"], 1) - 1
+    flops = f"FLOPs {change:+.1%}"
+    fewer = -by_flops if change < 0 < -by_flops else 0.0  # fewer FLOPs, less compute time
+    if max(by_bytes, 0.0) + fewer >= none_seconds - seconds:
+        said = []
+        if by_bytes > 0:
+            said.append(f"its ops move {fmt_bytes(max(traffic, 0))} less HBM traffic (the "
+                        f"residuals it no longer writes and reads), {fmt_seconds(by_bytes)} "
+                        "less bandwidth-bound time")
+        if fewer:
+            said.append(f"XLA compiled it to fewer FLOPs than no remat's ({flops}), "
+                        f"{fmt_seconds(fewer)} less compute-bound time")
+        else:
+            said.append(f"against {flops} ({_signed(by_flops)} compute-bound time)")
+        return f"{head}: " + ", ".join(said)
     f32 = terms["f32_flops_bound_seconds"] - none["f32_flops_bound_seconds"]
     return (f"{head}, which no term of the time model accounts for: bandwidth-bound time "
             f"{_signed(-by_bytes)} ({_signed(-traffic, fmt_bytes)} HBM traffic), compute-bound "
