@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit as rk
 from remat_kit.api.inputs import preset_policies
+from remat_kit.measure import audit
 
 # What each kind of preset does (recompute all, by name, by primitive, offload), for the zoo.
 ZOO_PRESETS = ["none", "full", "minimal", "selective", "save_dot_except_mlp", "dots",
@@ -145,3 +146,35 @@ def test_every_preset_audits_clean(source):
     assert [(r.names[0], r.audit["findings"]) for r in rows if not r.audit["as_asked"]] == []
     recomputed = {t["tag"] for r in rows for t in r.audit["tags"] if t["compiled"] == "recomputed"}
     assert {"mlpwi", "attn_probs"} & recomputed, recomputed  # the check did look
+
+
+def _row(policy, seconds, **terms):
+    base = {"bytes_bound_seconds": 0.0, "flops_bound_seconds": 0.0,
+            "f32_flops_bound_seconds": 0.0, "hbm_bytes": 0.0, "flops": 0.0, "dcn_seconds": 0.0,
+            "kernel_seconds": 0.0, "seconds": seconds}
+    return rk.Record(policy, (policy,), "XLA TPU compile", "tpu:v5e:1x1",
+                     predicted_seconds=seconds,
+                     audit={"as_asked": True, "findings": [], "step": None,
+                            "step_terms": base | terms})
+
+
+def test_a_row_faster_than_none_names_the_term_or_says_none_does():
+    none = _row("none", 3e-3, bytes_bound_seconds=2e-3, flops_bound_seconds=1e-3,
+                hbm_bytes=2 << 30, flops=1e12)
+    by_traffic = _row("full", 2.3e-3, bytes_bound_seconds=1e-3, flops_bound_seconds=1.3e-3,
+                      hbm_bytes=1 << 30, flops=1.3e12)
+    unexplained = _row("minimal", 2.6e-3, bytes_bound_seconds=2.1e-3,
+                       flops_bound_seconds=0.5e-3, hbm_bytes=(2 << 30) + (100 << 20),
+                       flops=1.3e12)
+    slower = _row("dots", 3.5e-3, bytes_bound_seconds=2e-3, flops_bound_seconds=1.5e-3)
+    out = {r.policy: r for r in audit.faster_than_none([none, by_traffic, unexplained, slower])}
+    assert out["full"].audit["step"] == (
+        "predicted 23.3% faster than none: its ops move 1.00 GiB less HBM traffic (the "
+        "residuals it no longer writes and reads), 1 ms less bandwidth-bound time, against "
+        "FLOPs +30.0% (+300 us compute-bound time)")
+    assert out["full"].notes == (out["full"].audit["step"],)
+    assert out["minimal"].audit["step"] == (
+        "predicted 13.3% faster than none, which no term of the time model accounts for: "
+        "bandwidth-bound time +100 us (+100.00 MiB HBM traffic), compute-bound -500 us (FLOPs "
+        "+30.0%; at the f32 peak +0 us): the prediction is suspect here")
+    assert out["dots"].audit["step"] is None and out["none"] is none

@@ -248,7 +248,7 @@ def _faster_line(seconds: float, none_seconds: float, terms: dict, none: dict) -
     change = terms["flops"] / max(none["flops"], 1) - 1
     flops = f"FLOPs {change:+.1%}"
     fewer = -by_flops if change < 0 < -by_flops else 0.0  # fewer FLOPs, less compute time
-    if max(by_bytes, 0.0) + fewer >= none_seconds - seconds:
+    if max(by_bytes, 0.0) + fewer >= (none_seconds - seconds) * (1 - 1e-9):  # float sums
         said = []
         if by_bytes > 0:
             said.append(f"its ops move {fmt_bytes(max(traffic, 0))} less HBM traffic (the "

@@ -216,10 +216,13 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
 def _outside(workload: Workload, parsed: list, emitted, args) -> frozenset:
     """The emitted tags the loss holds in no remat region under full remat (one forward
     trace, only where some policy keeps a tag by name): a policy's decision on them
-    changes nothing."""
+    changes nothing. None found where full remat does not trace."""
     if not any(p.remat and (p.save or p.offload) for p in parsed):
         return frozenset()
-    full = jax.make_jaxpr(workload.loss_for_policy(Policy()))(*args).jaxpr
+    try:
+        full = jax.make_jaxpr(workload.loss_for_policy(Policy()))(*args).jaxpr
+    except Exception:  # noqa: BLE001 - full remat's own row reports why it fails
+        return frozenset()
     return frozenset(emitted) - tags_in_regions(full)
 
 
