@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from remat_kit.measure.residuals import COPY_PRIMITIVES, aval_bytes
+from remat_kit.measure.residuals import aval_bytes
 from remat_kit.policy.names import TAGS
 from remat_kit.trace.marked import region, sub_jaxprs
 from remat_kit.trace.validate import tag_of
@@ -31,9 +31,16 @@ _ROLE = re.compile(r"rk_role:(\w+)")
 # XLA's own rematerialization (memory pressure) names each clone it adds `<name>.remat<n>`.
 _XLA_REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+\.remat\d*(?:\.\d+)? = ", re.M)
 _HOST_SPACE = "S(5)"
-# A tag on a value these make is the same bytes as their input: XLA may emit no op for it.
-_VIEWS = frozenset(p.name for p in COPY_PRIMITIVES) | {"convert_element_type", "broadcast_in_dim",
-                                                        "expand_dims", "name"}
+# A term accounts for a faster step where it gives at least this share of the time saved.
+_ACCOUNTED = 0.9
+# Primitives that compute a value (XLA emits an op for each, which keeps their metadata): a
+# tag whose producer is one of these is checked in the compiled backward. Any other producer
+# (a view, a cast, another name, a sharding constraint, a call) may compile to no op of its own.
+_COMPUTES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general",
+                       "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs",
+                       "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt",
+                       "rsqrt", "integer_pow", "pow", "square", "erf", "sin", "cos",
+                       "select_n", "reduce_sum", "reduce_max"})
 
 
 def differs(asked: int, compiled: int) -> bool:
@@ -45,7 +52,8 @@ def differs(asked: int, compiled: int) -> bool:
 def recomputed(jaxpr) -> dict[str, dict]:
     """The tags a traced value-and-grad program recomputes in its backward: {tag: {"bytes":
     the bytes of its values recomputed, a scan's body once per trip, "checkable": whether an
-    op computes it (not a view of another value) and it is a vocabulary tag, which
+    op computes it (`_COMPUTES`: not a view, cast, name or constraint of another value)
+    and it is a vocabulary tag, which
     `peak.marked` names in the compiled ops' metadata (a module path is not), "prevent_cse": False
     where a region recomputing it outside every loop lets XLA merge it (`prevent_cse=False`)}}.
 
@@ -63,7 +71,7 @@ def recomputed(jaxpr) -> dict[str, dict]:
                 entry = found.setdefault(tag, {"bytes": 0, "checkable": False,
                                                "prevent_cse": True})
                 entry["bytes"] += trips * aval_bytes(eqn.outvars[0].aval)
-                entry["checkable"] |= tag in TAGS and src.primitive.name not in _VIEWS
+                entry["checkable"] |= tag in TAGS and src.primitive.name in _COMPUTES
                 entry["prevent_cse"] &= not (cse_free and not in_loop)
             r = region(eqn)
             k = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
@@ -206,9 +214,10 @@ def _recomputes(recompute: dict, facts: dict | None, unchecked: list) -> list[di
                              f"XLA merged the recompute of `{tag}` with the forward (CSE): "
                              f"saved as if `none`{why}"))
     if views:
-        unchecked.append(f"recompute of {', '.join(sorted(views))}: a view of another value "
-                         "(reshape, cast), which XLA emits no op for, or a name outside the "
-                         "tag vocabulary, which the compiled ops do not carry")
+        unchecked.append(f"recompute of {', '.join(sorted(views))}: a view, cast, name or "
+                         "sharding constraint of another value, which XLA may emit no op for, "
+                         "or a name outside the tag vocabulary, which the compiled ops do not "
+                         "carry")
     return rows
 
 
@@ -248,7 +257,7 @@ def _faster_line(seconds: float, none_seconds: float, terms: dict, none: dict) -
     change = terms["flops"] / max(none["flops"], 1) - 1
     flops = f"FLOPs {change:+.1%}"
     fewer = -by_flops if change < 0 < -by_flops else 0.0  # fewer FLOPs, less compute time
-    if max(by_bytes, 0.0) + fewer >= (none_seconds - seconds) * (1 - 1e-9):  # float sums
+    if max(by_bytes, 0.0) + fewer >= _ACCOUNTED * (none_seconds - seconds):
         said = []
         if by_bytes > 0:
             said.append(f"its ops move {fmt_bytes(max(traffic, 0))} less HBM traffic (the "
