@@ -178,3 +178,19 @@ def test_a_row_faster_than_none_names_the_term_or_says_none_does():
         "bandwidth-bound time +100 us (+100.00 MiB HBM traffic), compute-bound -500 us (FLOPs "
         "+30.0%; at the f32 peak +0 us): the prediction is suspect here")
     assert out["dots"].audit["step"] is None and out["none"] is none
+
+
+def test_compare_wide_and_explain_audit_show_it(capsys, tmp_path):
+    from remat_kit.cli import commands as cli
+    import json
+    sizes = ["--config", "tiny", "--batch", "2", "--seq", "16"]
+    assert cli.main(["compare", *sizes, "--policies", "none,full", "--wide", "--json",
+                     str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "as asked" in out and "✓" in out
+    records = json.loads((tmp_path / "c.json").read_text())["records"]
+    assert [r["audit"]["as_asked"] for r in records] == [True, True]
+    assert cli.main(["explain", *sizes, "--policy", "full", "--audit"]) == 0
+    out = capsys.readouterr().out
+    assert "the whole model under full, as asked and as compiled" in out
+    assert "│ mlpwi                │ recompute │   64.00 KiB │ recomputed │      64.00 KiB │" in out
