@@ -194,3 +194,12 @@ def test_compare_wide_and_explain_audit_show_it(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "the whole model under full, as asked and as compiled" in out
     assert "│ mlpwi                │ recompute │   64.00 KiB │ recomputed │      64.00 KiB │" in out
+
+
+def test_a_module_outside_the_layers_is_named_as_such_not_an_unknown_tag(capsys):
+    from remat_kit.cli import commands as cli
+    assert cli.main(["compare", "--model", "tests/zoo/gpt_linen.py:model", "--batch", "2",
+                     "--seq", "8", "--policies", "none,save:wte"]) == 2
+    err = capsys.readouterr().err
+    assert "`wte` is emitted only outside the layers (the model map: outside: wte, ln_f" in err
+    assert "unknown tag" not in err
