@@ -194,13 +194,14 @@ _TYPES = {
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
     "memory_kind": str, "memory_bytes": int, "memory_ratio_to_none": float,
     "predicted_seconds": float, "predicted_ratio_to_none": float, "kernel_flops": (int, float),
+    "audit": dict,
 }
 _NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes",
              "peak", "train_step_bytes")  # peak: with --peak only; the other: plan --step train
 
 
 def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "180")  # the footnote wraps at the width
+    monkeypatch.setenv("COLUMNS", "200")  # the footnote wraps at the width
     out_json, out_png = tmp_path / "out.json", tmp_path / "pareto.png"
     code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "2", "--seq", "16",
                          "--policies", "none,full,save_nothing,save_transformer_layer_output",

@@ -226,7 +226,8 @@ def test_every_report_opens_with_the_map_line_and_json_carries_the_map(capsys, t
     the_map = json.loads((tmp_path / "c.json").read_text())["context"]["model_map"]
     assert the_map["line"] == LINES["hybrid_remat"] and the_map["num_layers"] == 2
     assert the_map["own_remat"] == [{"policy": "nothing_saveable", "count": 2,
-                                     "where": "each layer", "taken_over": True}]
+                                     "where": "each layer", "merged": False,
+                                     "taken_over": True}]
     assert main(["explain", "--model", model, *sizes, "--map"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"model map: {LINES['hybrid_remat']}",

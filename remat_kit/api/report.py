@@ -24,6 +24,7 @@ from remat_kit.measure import estimate, peak
 from remat_kit.measure.record import MEMORY_LABELS, PEAK, TEMP, Record, memory_kind
 from remat_kit.models import TransformerConfig
 from remat_kit.files import atomic_write
+from remat_kit.measure.audit import column as audit_column
 from remat_kit.units import fmt_bytes, fmt_flops, fmt_seconds
 from remat_kit.policy.spec import parse
 
@@ -187,7 +188,8 @@ def _columns(report_rows: Sequence[dict], kind: str) -> list[tuple[str, object]]
         ("step s (min-max)", step),
         ("step x none", lambda d: fmt_ratio(d["step_time"] and d["step_time"]["ratio_to_none"])),
         ("compile s", lambda d: "-" if d["compile_seconds"] is None
-         else f"{d['compile_seconds']:.1f}")]
+         else f"{d['compile_seconds']:.1f}"),
+        ("as asked", lambda d: escape(audit_column(d.get("audit"))) if d.get("audit") else "-")]
     ok = [d for d in report_rows if not d["error"]]
     return [(h, f) for h, f in columns
             if h in ("", "policy") or any(f(d) not in ("-", "") for d in ok)]

@@ -135,6 +135,10 @@ def _add_explain(sub) -> None:
                               "gpu:h100, ...) and print its temp memory and FLOPs")
     explain.add_argument("--map", action="store_true",
                          help="print the model map in full, one line per layer, and stop")
+    explain.add_argument("--audit", action="store_true",
+                         help="also compile the whole model under the policy and print, per "
+                              "tag, what it asks (save, offload, recompute) against what the "
+                              "compiled program does, a line per difference")
     explain.add_argument("--peak", action="store_true",
                          help="also compile the whole model under the policy and say what "
                               "holds its peak (XLA's buffer assignment, grouped)")

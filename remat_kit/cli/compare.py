@@ -28,7 +28,11 @@ def run(args) -> int:
     src, batch, seq = source_and_sizes(args)
     cfg, label = src.cfg, src.label
     target_list = targets_of(args.target)
-    specs = default_policies(args.policies, target_list)
+    try:
+        specs = default_policies(args.policies, target_list)
+    except BadInput as e:  # a model's module outside its layers is no unknown tag
+        outside = cfg is None and _outside_line(args.policies, src.workload(batch, seq))
+        raise BadInput(outside or str(e)) from None
     check_schedules(cfg, specs, "--policies")
     check_json_and_plot(args)
     if args.time and any(t.aot for t in target_list):
@@ -120,6 +124,22 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
                "mesh_origin": origin,
                "jax_version": found["jax"], "compiler_version": found["compiler"]}
     return (target, title, report.rows(records, cfg, share, seq, tensor=tensor)), context
+
+
+def _outside_line(text: str, work) -> str | None:
+    """Where a --policies name the vocabulary lacks is a module the model runs outside
+    every layer (its map's `outside`), one line saying so; else None."""
+    from remat_kit.errors import RematSpecError
+    outside = set(work.model_map.outside) if work.model_map is not None else set()
+    for piece in text.split(","):
+        try:
+            parse(piece.strip())
+        except RematSpecError as e:
+            if e.token in outside:
+                return (f"--policies {piece.strip()!r}: `{e.token}` is emitted only outside the "
+                        f"layers (the model map: outside: {', '.join(work.model_map.outside)}): "
+                        "no remat policy saves or recomputes it, it is kept as with no remat")
+    return None
 
 
 # compare's default on a TPU or GPU target, whose compiles take up to a minute or more

@@ -45,8 +45,12 @@ def run(args) -> int:
     _print_layer(console, layer, args.policy or policy)
     if layer.compiled is not None:
         _print_compiled(console, layer.compiled)
-    if args.peak:
-        _print_peak(console, src.workload(batch, seq), policy, target)
+    if args.peak or args.audit:
+        record = _whole(src.workload(batch, seq), policy, target, args.peak)
+        if args.peak:
+            _print_peak(console, record, policy)
+        if args.audit:
+            _print_audit(console, record, args.policy or policy)
     return 0
 
 
@@ -182,17 +186,42 @@ def _print_compiled(console, c) -> None:
         console.print(note, style="dim", markup=False)
 
 
-def _print_peak(console, work, policy, target) -> None:
-    """--peak: the whole model compiled under `policy`, and what holds its peak
-    (`measure.peak.summary`, and `scores_note` where the attention scores hold the
-    most); BadInput where it does not compile."""
+def _whole(work, policy, target, peak: bool):
+    """The whole model compiled under `policy` (with its peak's breakdown where `peak`);
+    BadInput where it does not compile."""
     from remat_kit.api.answers import measure
+    [record] = measure(work, policies=[policy], target=target, peak=peak)
+    if record.error:
+        raise BadInput(f"--{'peak' if peak else 'audit'}: the whole model under {policy} did "
+                       f"not compile: {record.error.splitlines()[0]}")
+    return record
+
+
+def _print_audit(console, record, policy) -> None:
+    """--audit: per tag, what `policy` asks against what the compiled program does
+    (`measure.audit.audit`), each difference in one line, and what was not checked."""
+    from rich.table import Table
+    found = record.audit
+    t = Table(title=f"the whole model under {policy}, as asked and as compiled "
+                    f"({record.platform})")
+    for header in ("tag", "asked", "bytes asked", "compiled", "bytes compiled"):
+        t.add_column(header, justify="right" if "bytes" in header else "left")
+    for row in found["tags"]:
+        t.add_row(row["tag"], row["asked"], fmt_bytes(row["asked_bytes"]), row["compiled"],
+                  fmt_bytes(row["compiled_bytes"]))
+    console.print(t)
+    console.print("as asked" if found["as_asked"] else "not as asked:", markup=False)
+    for line in found["findings"] + ([found["step"]] if found.get("step") else []):
+        console.print(f"  {line}", markup=False, soft_wrap=True)
+    for line in found["unchecked"]:
+        console.print(f"  not checked: {line}", style="dim", markup=False, soft_wrap=True)
+
+
+def _print_peak(console, record, policy) -> None:
+    """--peak: what holds the whole model's peak under `policy` (`measure.peak.summary`,
+    and `scores_note` where the attention scores hold the most)."""
     from remat_kit.measure import peak
     from remat_kit.measure.record import MEMORY_LABELS
-    [record] = measure(work, policies=[policy], target=target, peak=True)
-    if record.error:
-        raise BadInput(f"--peak: the whole model under {policy} did not compile: "
-                       f"{record.error.splitlines()[0]}")
     console.print(f"the whole model's {MEMORY_LABELS[record.peak['figure']]} under {policy} "
                   f"({record.platform}): {peak.summary(record.peak)}", markup=False,
                   soft_wrap=True)

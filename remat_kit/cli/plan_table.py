@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from remat_kit.measure.audit import column as audit_column
 from remat_kit.measure.record import Record
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import parse
@@ -121,7 +122,7 @@ def table(title, planner, found, records, presets: list[PresetRow], emit_to, mem
                  f"; objective: {planner.objective}; --wide: bytes, tries, best preset; "
                  "docs/plan.md"), caption_justify="left")
     names = ("budget", "bytes", "planned policy", memory, f"{memory} x none", "FLOPs +",
-             "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +")
+             "time +", "tries", "best preset that fits", memory, "FLOPs +", "time +", "as asked")
     keep = range(len(names)) if wide else _NARROW
     for i in keep:
         words = "polic" in names[i] or "preset" in names[i]  # a long spec folds, not cut
@@ -169,13 +170,16 @@ def _budget_row(b, planner, found, presets: list[PresetRow], none_seconds, emit_
     if p is None:
         cells = [b, fmt_bytes(limit), "below the minimum"
                  + (f" ({full / none:.3f})" if none else f" ({fmt_bytes(full)})"),
-                 "-", "-", "-", "-", "-", *preset_cells]
+                 "-", "-", "-", "-", "-", *preset_cells, "-"]
     else:
         cells = [b, fmt_bytes(limit), p.spec, fmt_bytes(p.measured_bytes),
                  "-" if p.memory_fraction is None else f"{p.memory_fraction:.3f}",
                  f"{p.flops_overhead:+.2%}",
                  "-" if p.time_overhead is None else f"{p.time_overhead:+.2%}",
-                 "cached" if p.cached else str(p.iterations), *preset_cells]
+                 "cached" if p.cached else str(p.iterations), *preset_cells,
+                 audit_column(p.audit)]
+        if p.audit and not p.audit["as_asked"]:  # not reported as the plan it compiles otherwise
+            cells[2] = f"{p.spec} (compiled otherwise: {p.audit['findings'][0]})"
     entry = ({"budget": b, "budget_bytes": limit, "plan": p and p.to_dict(),
               "best_preset": best_entry} | extras(p, found.per_layer.get(b), emit_to, own))
     return cells, entry

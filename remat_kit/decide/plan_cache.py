@@ -86,6 +86,9 @@ class Plan:
         any (`CostModel.aliases`) or is the model's own name outside the
         vocabulary (then registered as the plan is read back): `remat_kit.decide.emit` writes a plan out in
         the names a framework knows.
+      audit: the verifying compile's audit (`Record.audit`): whether the compiled
+        program does what the plan chose, per tag; None where not audited (read back
+        from an older cache).
     """
 
     budget: str
@@ -116,6 +119,7 @@ class Plan:
     model: dict = dataclasses.field(default_factory=dict)
     step: str = "grad"
     aliases: dict = dataclasses.field(default_factory=dict)
+    audit: dict | None = None
 
     @property
     def memory_fraction(self) -> float | None:

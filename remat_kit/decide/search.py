@@ -350,6 +350,8 @@ def predict(planner, policy: Policy) -> tuple[int, float, float | None] | None:
 def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predicted_flops,
             status, iterations, groups, offload_notes=()) -> Plan:
     least, none = planner.minimum()
+    if record.audit and not record.audit["as_asked"]:  # the compile did not do the plan
+        status += f"; compiled not as planned: {record.audit['findings'][0]}"
     if none is None:
         status += "; no remat runs out of the target's memory: its FLOPs are the cost model's"
     layered = isinstance(policy, tuple)
@@ -369,7 +371,7 @@ def _finish(planner, key, budget, limit, policy, record, predicted_bytes, predic
                       else None),
         offloaded_bytes=record.offloaded_bytes, host_bytes=record.host_temp_size_in_bytes,
         offload_notes=tuple(offload_notes), model=dict(planner.made_for), step=planner.step,
-        aliases=planner.costs.aliases_of(policy))
+        aliases=planner.costs.aliases_of(policy), audit=record.audit)
     if planner.cache:
         write_cache(planner.cache, key, result)
     return result

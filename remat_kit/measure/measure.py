@@ -20,6 +20,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
 from remat_kit._jax_private import without_compilation_cache
+from remat_kit.measure import audit as audit_of
 from remat_kit.measure import figure_cache
 from remat_kit.measure import targets
 from remat_kit.measure import kernels, lowering, pool
@@ -33,6 +34,7 @@ from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.trace import model_map, stand_in
+from remat_kit.trace.marked import tags_in_regions
 from remat_kit.trace.validate import emitted_tags, policy_notes
 from remat_kit.trace.workload import Workload, from_loss
 
@@ -143,6 +145,7 @@ def _measure(workload, args, policies, names, time_steps, sample_args, progress,
             records.append(record)
             if progress is not None:
                 progress(i + 1, len(programs), record)
+    records = audit_of.faster_than_none(records)
     return step_times.with_step_times(records, timed, data, time_steps) if timed else records
 
 
@@ -169,6 +172,7 @@ class _Run:
       per_device: (factory, args) of one device's program, or None (`measure`).
       emitted: the tags the loss emits. by_name: each name's Policy.
       differ: the note that the workload's blocks differ ("" if alike, or no per_layer).
+      outside: the emitted tags no remat region holds (`_outside`).
     """
 
     workload: Workload
@@ -181,6 +185,7 @@ class _Run:
     differ: str
     per_layer: bool
     peak: bool
+    outside: frozenset = frozenset()
 
 
 def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: int,
@@ -214,8 +219,21 @@ def _prepare(workload: Workload, parsed: list, names: list, target, time_steps: 
     run = _Run(workload, target, args, local_args,
                per_device if per_device is not None else workload.per_device, emitted,
                dict(zip(names, parsed)), blocks_differ(workload) if per_layer else "",
-               per_layer, peak)
+               per_layer, peak, _outside(workload, parsed, emitted, args))
     return run, groups, data
+
+
+def _outside(workload: Workload, parsed: list, emitted, args) -> frozenset:
+    """The emitted tags the loss holds in no remat region under full remat (one forward
+    trace, only where some policy keeps a tag by name): a policy's decision on them
+    changes nothing. None found where full remat does not trace."""
+    if not any(p.remat and (p.save or p.offload) for p in parsed):
+        return frozenset()
+    try:
+        full = jax.make_jaxpr(workload.loss_for_policy(Policy()))(*args).jaxpr
+    except Exception:  # noqa: BLE001 - full remat's own row reports why it fails
+        return frozenset()
+    return frozenset(emitted) - tags_in_regions(full)
 
 
 def _lowered(run: _Run, groups: list, time_steps: int) -> list[tuple]:
@@ -225,7 +243,7 @@ def _lowered(run: _Run, groups: list, time_steps: int) -> list[tuple]:
     compiles = _Compiles(lowering.compile_options(run.target, not time_steps),
                          target=run.target, runs=time_steps > 0, peak=run.peak)
     return _lower_programs(groups, run.workload.loss_for_policy, run.args, run.target,
-                           compiles.start, run.peak)
+                           compiles.start, marked=True)
 
 
 def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, compiling,
@@ -249,6 +267,8 @@ def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, c
             predicted_seconds=figures["predicted_seconds"],
             kernel_flops=figures["kernel_flops"],
             peak=figures.get("peak") if run.peak else None,
+            audit=audit_of.audit(policy, local.residuals, audit_of.recomputed(local.program.jaxpr),
+                                 figures.get("compiled_audit"), run.outside),
             notes=_notes(run, policy, group_names, figures, found), **layers), compiled
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
         detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
@@ -323,26 +343,31 @@ def _figures(compiled, target, local) -> dict:
     """
     costs, cost_notes, priced = lowering.costs_with_kernels(
         compiled, target, jaxpr_as_fun(local.program), local.leaves, local.program)
-    predicted, time_notes = _predicted_seconds(compiled, target, priced)
+    predicted, time_notes, terms = _predicted_seconds(compiled, target, priced)
     if predicted is not None and costs.get("flops") is not None:
         time_checks.check_floor(predicted, target.roofline, costs["flops"],
                                 time_checks.written_bytes(compiled))
-    return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
+    memory = memory_fields(compiled)
+    return {"memory": memory, "flops": costs.get("flops"),
             "kernel_flops": priced.kernel_flops,
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
-            "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
+            "cost_notes": list(cost_notes), "time_notes": list(time_notes),
+            "compiled_audit": {**audit_of.compiled_facts(compiled, memory, target.platform),
+                               "step_terms": terms}}
 
 
 def _predicted_seconds(compiled, target, priced: kernels.Priced
-                       ) -> tuple[float | None, tuple[str, ...]]:
-    """(the time model's step seconds of `compiled` on `target`, notes): None and a
-    note where its HLO cannot be read (`time_model.compiled_seconds`); the
-    kernels `priced` from shapes add their FLOPs' time (`kernels.seconds`)."""
+                       ) -> tuple[float | None, tuple[str, ...], dict | None]:
+    """(the time model's step seconds of `compiled` on `target`, notes, the terms it sums:
+    `time_model.step_terms`, the kernels' time as "kernel_seconds"): None, a note and None
+    where its HLO cannot be read; the kernels `priced` from shapes add their FLOPs' time
+    (`kernels.seconds`)."""
     try:
-        return (time_model.compiled_seconds(compiled, target.roofline)
-                + kernels.seconds(priced, target.roofline)), ()
+        terms = time_model.step_terms(compiled, target.roofline)
+        terms["kernel_seconds"] = kernels.seconds(priced, target.roofline)
+        return terms["seconds"] + terms["kernel_seconds"], (), terms
     except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurement
-        return None, (f"no predicted step time: {type(e).__name__}: {e}",)
+        return None, (f"no predicted step time: {type(e).__name__}: {e}",), None
 
 
 class _Compiles:

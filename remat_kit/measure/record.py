@@ -96,6 +96,9 @@ class Record:
         at the peak, `StepMemory.total_bytes` as `fit` measures it; its memory
         figures and FLOPs above are then the train step's, and `memory_kind` is
         STEP. None for the value-and-grad step `measure` compiles.
+      audit: what the compiler did to the policy, per tag, as compiled against as asked
+        (`remat_kit.measure.audit.audit`: {"tags", "findings", "unchecked",
+        "as_asked"}); None where not audited.
       error: why the policy could not be measured ("TypeName: message"); the
         numbers are then None / empty.
     """
@@ -130,6 +133,7 @@ class Record:
     notes: tuple[str, ...] = ()
     error: str | None = None
     train_step_bytes: int | None = None
+    audit: dict | None = None
 
     @property
     def activation_residual_bytes(self) -> int:

@@ -345,12 +345,34 @@ def compiled_seconds(compiled, line: Roofline) -> float:
     `line.dcn_bandwidth`, and what its `collective-permute`s (a pipeline's
     `ppermute` to the next stage) send at `line.ici_bandwidth` (neither overlapped
     with compute: an upper bound)."""
+    return step_terms(compiled, line)["seconds"]
+
+
+def step_terms(compiled, line: Roofline) -> dict:
+    """`compiled_seconds` and the terms it sums, JSON-ready: {"seconds", "bytes_bound_seconds"
+    (the ops whose HBM bytes bound them: their bytes / bandwidth), "flops_bound_seconds" (the
+    ops whose FLOPs bound them), "f32_flops_bound_seconds" (of those, the ops priced at the f32
+    peak), "hbm_bytes" (bytes every op reads and writes, per trip), "flops", "dcn_seconds",
+    "ici_seconds"}. What makes one program's prediction faster than another's
+    (`audit.faster_than_none`)."""
     ops = compiled_ops(compiled, line.slices)
     sent = sum(op.trips * op.dcn_bytes for op in ops)
     passed = sum(op.trips * op.ici_bytes for op in ops)
-    return (sum(op.trips * line.seconds(op.flops, op.nbytes, op.dtype) for op in ops)
-            + (sent / line.dcn_bandwidth if sent and line.dcn_bandwidth else 0.0)
-            + (passed / line.ici_bandwidth if passed and line.ici_bandwidth else 0.0))
+    terms = {"bytes_bound_seconds": 0.0, "flops_bound_seconds": 0.0,
+             "f32_flops_bound_seconds": 0.0, "hbm_bytes": 0.0, "flops": 0.0,
+             "dcn_seconds": sent / line.dcn_bandwidth if sent and line.dcn_bandwidth else 0.0,
+             "ici_seconds": passed / line.ici_bandwidth if passed and line.ici_bandwidth else 0.0}
+    for op in ops:
+        seconds = op.trips * line.seconds(op.flops, op.nbytes, op.dtype)
+        by_bytes = op.nbytes / line.bandwidth >= seconds / op.trips
+        terms["bytes_bound_seconds" if by_bytes else "flops_bound_seconds"] += seconds
+        if not by_bytes and getattr(op.dtype, "itemsize", 4) > 2:
+            terms["f32_flops_bound_seconds"] += seconds
+        terms["hbm_bytes"] += op.trips * op.nbytes
+        terms["flops"] += op.trips * op.flops
+    terms["seconds"] = (terms["bytes_bound_seconds"] + terms["flops_bound_seconds"]
+                        + terms["dcn_seconds"] + terms["ici_seconds"])
+    return terms
 
 
 def segment_seconds(nodes, out_aval, line: Roofline, cache: dict) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from jax.extend.core import ClosedJaxpr
 
 from remat_kit.trace import wrapping
+from remat_kit.trace.validate import tag_of
 
 CALLS = ("pjit", "jit", "closed_call", "core_call")
 
@@ -58,6 +59,22 @@ def count_marked(jaxpr, key: str, trips: bool = True) -> int:
     return n
 
 
+def tags_in_regions(jaxpr) -> set[str]:
+    """The `checkpoint_name` tags `jaxpr` emits inside a remat region, at any depth: a tag
+    a model emits only outside every region is one no remat policy saves or recomputes."""
+    found: set[str] = set()
+
+    def walk(jaxpr, inside: bool) -> None:
+        for eqn in jaxpr.eqns:
+            if inside and (tag := tag_of(eqn)) is not None:
+                found.add(tag)
+            for sub in sub_jaxprs(eqn):
+                walk(sub, inside or region(eqn) is not None)
+
+    walk(jaxpr, False)
+    return found
+
+
 def call_body(eqn):
     """The jaxpr of a jit-ed call or remat region the interpreter runs inline."""
     r = region(eqn)
@@ -69,4 +86,4 @@ def call_body(eqn):
     return None
 
 
-__all__ = ["CALLS", "call_body", "count_marked", "is_marked", "region", "sub_jaxprs"]
+__all__ = ["CALLS", "call_body", "count_marked", "is_marked", "region", "sub_jaxprs", "tags_in_regions"]

@@ -1,0 +1,290 @@
+"""What the compiler did to the policy: each tag as asked (the traced program) against the
+program as compiled (its optimized HLO), in one line where they differ.
+
+As asked, per tag, from the traced value-and-grad program (`residuals.stage`): the bytes saved
+for the backward, offloaded to host, and recomputed in the backward (a remat region's body);
+the tags a policy keeps that the model emits only outside every remat region. As compiled, from
+what the compile already produced (`compiled_facts`, no second compile): which tags' recompute
+is still in the optimized HLO (its ops' metadata, `peak.marked` names each tag's producer), the
+host memory the program holds (`memory_analysis`, the S(5) memory space), and values XLA
+rematerialized itself under memory pressure. `audit` compares the two; `faster_than_none`
+names the time-model term that makes a remat row faster than no remat.
+Docs: docs/compare.md ("The audit").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from remat_kit.measure.residuals import aval_bytes
+from remat_kit.policy.names import TAGS
+from remat_kit.trace.marked import region, sub_jaxprs
+from remat_kit.trace.validate import tag_of
+from remat_kit.units import fmt_bytes, fmt_seconds
+
+# A difference counts where it is more than this share of the bytes asked, or more than
+# `_ABSOLUTE` bytes, whichever is smaller (a categorical finding moves all of a tag's bytes).
+_SHARE, _ABSOLUTE = 0.05, 1 << 20
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_ROLE = re.compile(r"rk_role:(\w+)")
+# XLA's own rematerialization (memory pressure) names each clone it adds `<name>.remat<n>`.
+_XLA_REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+\.remat\d*(?:\.\d+)? = ", re.M)
+_HOST_SPACE = "S(5)"
+# A term accounts for a faster step where it gives at least this share of the time saved.
+_ACCOUNTED = 0.9
+# Primitives that compute a value (XLA emits an op for each, which keeps their metadata): a
+# tag whose producer is one of these is checked in the compiled backward. Any other producer
+# (a view, a cast, another name, a sharding constraint, a call) may compile to no op of its own.
+_COMPUTES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general",
+                       "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs",
+                       "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt",
+                       "rsqrt", "integer_pow", "pow", "square", "erf", "sin", "cos",
+                       "select_n", "reduce_sum", "reduce_max"})
+
+
+def differs(asked: int, compiled: int) -> bool:
+    """Whether `compiled` bytes differ from `asked` by more than 5% of asked or 1 MiB,
+    whichever is smaller (`_SHARE`, `_ABSOLUTE`)."""
+    return abs(asked - compiled) > min(_SHARE * max(asked, compiled), _ABSOLUTE)
+
+
+def recomputed(jaxpr) -> dict[str, dict]:
+    """The tags a traced value-and-grad program recomputes in its backward: {tag: {"bytes":
+    the bytes of its values recomputed, a scan's body once per trip, "checkable": whether an
+    op computes it (`_COMPUTES`: not a view, cast, name or constraint of another value)
+    and it is a vocabulary tag, which
+    `peak.marked` names in the compiled ops' metadata (a module path is not), "prevent_cse": False
+    where a region recomputing it outside every loop lets XLA merge it (`prevent_cse=False`)}}.
+
+    A remat region in the staged program is the backward's recomputation: the forward's is
+    inlined by JAX's partial evaluation. A tag on a region's input (`decoder_layer_input`)
+    is saved, not recomputed."""
+    found: dict[str, dict] = {}
+
+    def walk(jaxpr, trips: int, in_region: bool, in_loop: bool, cse_free: bool) -> None:
+        producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+        for eqn in jaxpr.eqns:
+            tag = tag_of(eqn) if in_region else None
+            src = producers.get(eqn.invars[0]) if tag is not None else None
+            if src is not None:  # a region's input (decoder_layer_input) is not recomputed
+                entry = found.setdefault(tag, {"bytes": 0, "checkable": False,
+                                               "prevent_cse": True})
+                entry["bytes"] += trips * aval_bytes(eqn.outvars[0].aval)
+                entry["checkable"] |= tag in TAGS and src.primitive.name in _COMPUTES
+                entry["prevent_cse"] &= not (cse_free and not in_loop)
+            r = region(eqn)
+            k = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            loop = in_loop or eqn.primitive.name in ("scan", "while")
+            for sub in sub_jaxprs(eqn):
+                walk(sub, trips * k, in_region or r is not None, loop,
+                     cse_free or (r is not None and not r[3]))
+
+    walk(jaxpr, 1, False, False, False)
+    return found
+
+
+def compiled_facts(compiled, memory: dict, platform: str) -> dict:
+    """What the audit reads of a compile, JSON-ready: {"text": whether the backend gave
+    its optimized HLO text, "recomputed_roles": the tags (`peak.marked` roles) some op
+    of the backward's recomputation (`rematted_computation` in its op metadata)
+    computes, sorted, "host_bytes": host memory the program holds (its host temp,
+    arguments and outputs) or None where not reported, "host_ops": ops placed in
+    host memory (S(5)), "xla_remat": ops XLA's own rematerialization added,
+    "platform"}."""
+    try:
+        text = compiled.as_text() or ""
+    except Exception:  # noqa: BLE001 - a backend without HLO text: the audit says so
+        text = ""
+    roles: set[str] = set()
+    for name in _OP_NAME.findall(text):
+        if "rematted_computation" in name:
+            roles.update(_ROLE.findall(name))
+    host = [memory.get(k) for k in ("host_temp_size_in_bytes", "host_argument_size_in_bytes",
+                                    "host_output_size_in_bytes")]
+    return {"text": bool(text), "recomputed_roles": sorted(roles),
+            "host_bytes": None if all(h is None for h in host) else sum(h or 0 for h in host),
+            "host_ops": text.count(_HOST_SPACE), "xla_remat": len(_XLA_REMAT.findall(text)),
+            "platform": platform}
+
+
+def _row(tag, asked, asked_bytes, compiled, compiled_bytes, line=None) -> dict:
+    return {"tag": tag, "asked": asked, "asked_bytes": asked_bytes, "compiled": compiled,
+            "compiled_bytes": compiled_bytes, "line": line}
+
+
+def audit(policy, residuals, recompute: dict, facts: dict | None,
+          outside: set[str] = frozenset()) -> dict:
+    """One compiled row's audit: per tag, as asked against as compiled.
+
+    Args:
+      policy: the row's `Policy`.
+      residuals: its traced `residuals.Residual`s (per device).
+      recompute: `recomputed` of its traced program.
+      facts: `compiled_facts` of its compile, or None where nothing was read (figures
+        read back from the figure cache of an earlier version).
+      outside: the tags the model emits only outside every remat region.
+    Returns:
+      {"tags": [{"tag", "asked": "save" | "offload" | "recompute", "asked_bytes",
+      "compiled": "kept" | "host" | "recomputed" | "merged" | "kept in HBM" | "outside the
+      remat" | "unchecked", "compiled_bytes", "line": the difference in one line or None}],
+      "findings": [one line per difference], "unchecked": [what could not be checked,
+      and why], "as_asked": True where no difference was found, "step_terms": the time
+      model's terms of its predicted step (`time_model.step_terms`) or None, "step": what
+      makes it predicted faster than no remat (`faster_than_none`) or None} (JSON-ready).
+    """
+    saved: dict[str, int] = {}
+    host: dict[str, int] = {}
+    for r in residuals:
+        if r.kind == "tag":
+            into = host if r.memory == "host" else saved
+            into[r.name] = into.get(r.name, 0) + r.nbytes
+    rows, unchecked = [], []
+    named = {*policy.save, *policy.offload} if policy.remat else set()
+    for tag in sorted(outside):
+        if tag in named:  # named as such, not by a glob that also covers every other tag
+            nbytes = saved.get(tag, 0) + host.get(tag, 0)
+            rows.append(_row(tag, "save", nbytes, "outside the remat", nbytes,
+                             f"`{tag}` is never emitted inside the remat: saving it saves "
+                             "nothing (it is kept as with no remat)"))
+    for tag, nbytes in saved.items():
+        if tag not in outside:
+            rows.append(_row(tag, "save", nbytes, "kept", nbytes))
+    rows += _offloads(host, facts, unchecked)
+    rows += _recomputes(recompute, facts, unchecked)
+    if facts is None or not facts["text"]:
+        unchecked.append("recompute and host placement: "
+                         + ("the backend gives no optimized HLO text" if facts else
+                            "figures read back from the figure cache, compiled program not read"))
+    elif facts["xla_remat"]:
+        rows.append(_row("*", "save", sum(saved.values()), "recomputed by XLA", None,
+                         f"XLA's own rematerialization (memory pressure) recomputes "
+                         f"{facts['xla_remat']} value(s) in the backward beyond the policy"))
+    unchecked.append("bytes kept across the forward/backward boundary: as traced (XLA's "
+                     "buffer assignment is not read)")
+    findings = [r["line"] for r in rows if r["line"]]
+    return {"tags": rows, "findings": findings, "unchecked": unchecked,
+            "as_asked": not findings, "step_terms": (facts or {}).get("step_terms"),
+            "step": None}
+
+
+def _offloads(host: dict, facts: dict | None, unchecked: list) -> list[dict]:
+    """The offloaded tags' rows: the host memory the program holds against the bytes asked."""
+    if not host:
+        return []
+    if facts is None or not facts["text"]:
+        return [_row(t, "offload", b, "unchecked", None) for t, b in host.items()]
+    if facts["platform"] == "cpu":
+        unchecked.append("offload: XLA CPU has no host memory space (offloaded values stay "
+                         "in device memory, and its temp counts them)")
+        return [_row(t, "offload", b, "unchecked", None) for t, b in host.items()]
+    asked = sum(host.values())
+    placed = facts["host_bytes"]
+    if placed is None:
+        placed = asked if facts["host_ops"] else 0
+    if not differs(asked, placed):
+        return [_row(t, "offload", b, "host", b) for t, b in host.items()]
+    if placed == 0:
+        return [_row(t, "offload", b, "kept in HBM", 0,
+                     f"offload of `{t}` not compiled: kept in HBM") for t, b in host.items()]
+    names = ", ".join(f"`{t}`" for t in host)
+    return [_row(",".join(host), "offload", asked, "host", placed,
+                 f"offload of {names}: {fmt_bytes(placed)} of {fmt_bytes(asked)} compiled "
+                 "into host memory, the rest kept in HBM")]
+
+
+def _recomputes(recompute: dict, facts: dict | None, unchecked: list) -> list[dict]:
+    """The recomputed tags' rows: whether the backward still computes each."""
+    rows = []
+    found = set(facts["recomputed_roles"]) if facts and facts["text"] else None
+    views = []
+    for tag, entry in recompute.items():
+        if found is None:
+            rows.append(_row(tag, "recompute", entry["bytes"], "unchecked", None))
+        elif not entry["checkable"]:
+            views.append(tag)
+            rows.append(_row(tag, "recompute", entry["bytes"], "unchecked", None))
+        elif tag in found:
+            rows.append(_row(tag, "recompute", entry["bytes"], "recomputed", entry["bytes"]))
+        else:
+            why = ("" if entry["prevent_cse"] else
+                   " (its jax.checkpoint has prevent_cse=False outside a loop: set "
+                   "prevent_cse=True, or scan the layers)")
+            rows.append(_row(tag, "recompute", entry["bytes"], "merged", 0,
+                             f"XLA merged the recompute of `{tag}` with the forward (CSE): "
+                             f"saved as if `none`{why}"))
+    if views:
+        unchecked.append(f"recompute of {', '.join(sorted(views))}: a view, cast, name or "
+                         "sharding constraint of another value, which XLA may emit no op for, "
+                         "or a name outside the tag vocabulary, which the compiled ops do not "
+                         "carry")
+    return rows
+
+
+def faster_than_none(records: list) -> list:
+    """`records` with each remat row predicted faster than the `none` row among them
+    told why, in its audit's "step" and its notes: the time-model term that falls (the
+    HBM traffic of the residuals it no longer writes and reads, with bytes and seconds);
+    where no term does (its bandwidth-bound time does not fall), it says the prediction
+    is not accounted for, naming the terms. Records without `none` come back as they are.
+
+    Recompute adds FLOPs: a remat program can be faster only by moving fewer bytes."""
+    base = next((r for r in records if r.policy == "none" and r.predicted_seconds
+                 and r.audit and r.audit.get("step_terms")), None)
+    if base is None:
+        return records
+    out = []
+    for r in records:
+        terms = (r.audit or {}).get("step_terms")
+        if r is base or not terms or not r.predicted_seconds or \
+                r.predicted_seconds >= base.predicted_seconds:
+            out.append(r)
+            continue
+        line = _faster_line(r.predicted_seconds, base.predicted_seconds, terms,
+                            base.audit["step_terms"])
+        out.append(dataclasses.replace(r, audit={**r.audit, "step": line},
+                                       notes=r.notes + (line,)))
+    return out
+
+
+def _faster_line(seconds: float, none_seconds: float, terms: dict, none: dict) -> str:
+    """One line: what makes a step of `seconds` faster than none's `none_seconds`."""
+    pct = 100 * (1 - seconds / none_seconds)
+    traffic = none["hbm_bytes"] - terms["hbm_bytes"]
+    by_bytes = none["bytes_bound_seconds"] - terms["bytes_bound_seconds"]
+    by_flops = terms["flops_bound_seconds"] - none["flops_bound_seconds"]
+    head = f"predicted {pct:.1f}% faster than none"
+    change = terms["flops"] / max(none["flops"], 1) - 1
+    flops = f"FLOPs {change:+.1%}"
+    fewer = -by_flops if change < 0 < -by_flops else 0.0  # fewer FLOPs, less compute time
+    if max(by_bytes, 0.0) + fewer >= _ACCOUNTED * (none_seconds - seconds):
+        said = []
+        if by_bytes > 0:
+            said.append(f"its ops move {fmt_bytes(max(traffic, 0))} less HBM traffic (the "
+                        f"residuals it no longer writes and reads), {fmt_seconds(by_bytes)} "
+                        "less bandwidth-bound time")
+        if fewer:
+            said.append(f"XLA compiled it to fewer FLOPs than no remat's ({flops}), "
+                        f"{fmt_seconds(fewer)} less compute-bound time")
+        else:
+            said.append(f"against {flops} ({_signed(by_flops)} compute-bound time)")
+        return f"{head}: " + ", ".join(said)
+    f32 = terms["f32_flops_bound_seconds"] - none["f32_flops_bound_seconds"]
+    return (f"{head}, which no term of the time model accounts for: bandwidth-bound time "
+            f"{_signed(-by_bytes)} ({_signed(-traffic, fmt_bytes)} HBM traffic), compute-bound "
+            f"{_signed(by_flops)} ({flops}; at the f32 peak {_signed(f32)}): the prediction "
+            "is suspect here")
+
+
+def _signed(x: float, fmt=fmt_seconds) -> str:
+    return ("-" if x < 0 else "+") + fmt(abs(x))
+
+
+def column(found: dict | None) -> str:
+    """The "as asked" cell of a row: ✓, or the first difference; "?" where not audited."""
+    if not found:
+        return "?"
+    return "✓" if found["as_asked"] else found["findings"][0]
+
+
+__all__ = ["audit", "column", "compiled_facts", "differs", "faster_than_none", "recomputed"]
