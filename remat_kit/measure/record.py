@@ -96,6 +96,9 @@ class Record:
         at the peak, `StepMemory.total_bytes` as `fit` measures it; its memory
         figures and FLOPs above are then the train step's, and `memory_kind` is
         STEP. None for the value-and-grad step `measure` compiles.
+      parameter_bytes_per_device: bytes of the parameters one device takes, by
+        the compiled program's own argument shardings (`compiled.input_shardings`);
+        a caption's sharding claim is checked against it. None where unread.
       error: why the policy could not be measured ("TypeName: message"); the
         numbers are then None / empty.
     """
@@ -130,6 +133,7 @@ class Record:
     notes: tuple[str, ...] = ()
     error: str | None = None
     train_step_bytes: int | None = None
+    parameter_bytes_per_device: int | None = None
 
     @property
     def activation_residual_bytes(self) -> int:
