@@ -75,10 +75,12 @@ def test_logical_names_with_the_rules_on_the_model_s_config_place_them(one_devic
 @needs_4
 @needs_libtpu
 def test_on_a_tpu_slice_the_model_s_own_shardings_give_a_quarter():
+    """Batch 32 x seq 128: each chip's tokens [8, 128] a whole TPU tile, as every
+    parameter shard is, so the chip's argument bytes are exactly a quarter."""
     target = "tpu:v5p:2x2x1"
-    work = rk.from_model.workload(sharded_nnx.model(), BATCH, SEQ)
+    work = rk.from_model.workload(sharded_nnx.model(), 32, 128)
     (rec,) = rk.measure(work, policies=["full"], target=target)
-    plain = rk.from_model.workload(sharded_nnx.plain(), BATCH, SEQ)
+    plain = rk.from_model.workload(sharded_nnx.plain(), 32, 128)
     (one,) = rk.measure(plain, policies=["full"], target="tpu:v5p:1x1x1")
     check_quarter(rec, work, one)
 

@@ -216,7 +216,8 @@ def annotations(params, own_rules=None, given_rules=None) -> Annotations:
     """
     found = jax.tree_util.tree_map_with_path(lambda p, x: (_path_text(p), _leaf(x)), params,
                                              is_leaf=_is_box)
-    is_found = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], _Found)  # noqa: E731
+    is_found = lambda x: (isinstance(x, tuple) and len(x) == 2  # noqa: E731
+                          and isinstance(x[1], _Found))
     leaves = [f for _, f in jax.tree.leaves(found, is_leaf=is_found)]
     boxes = next((tuple(f.rules) for f in leaves if f.rules), None)
     rules, rules_from = next(((tuple(r), label) for r, label in (

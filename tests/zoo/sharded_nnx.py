@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-VOCAB, DIM, HEADS, HIDDEN, LAYERS = 64, 32, 4, 64, 2
+# Every shard a whole number of TPU tiles (8 x 128), so per-chip bytes are a quarter there too.
+VOCAB, DIM, HEADS, HIDDEN, LAYERS = 256, 512, 4, 1024, 2
 AXES = {"diloco": 1, "data": 1, "stage": 1, "fsdp": 4, "fsdp_transpose": 1, "context": 1,
         "context_autoregressive": 1, "tensor": 1, "tensor_transpose": 1, "tensor_sequence": 1,
         "expert": 1, "autoregressive": 1}
