@@ -159,3 +159,22 @@ def test_batch_axes_split_the_batch_where_the_model_names_none():
 def rk_zoo_logical():
     from tests.zoo import logical_nnx
     return logical_nnx.model()
+
+
+@needs_4
+def test_maxtext_s_own_decoder_is_placed_by_its_own_shardings():
+    """MaxText itself (skipped where it is not installed): its abstract llama2 decoder over
+    its own 12-axis mesh, each parameter placed as its own NamedSharding says (the norms'
+    scales whole, as MaxText keeps them), the batch over its data axes."""
+    pytest.importorskip("maxtext")
+    from flax import nnx
+    from benchmarks import codebase_mesh
+    size = dict(codebase_mesh.DEFAULTS, emb=256, layers=1, seq=128)
+    model = codebase_mesh.build(size, jax.devices()[:4])
+    work = rk.from_model.workload(model, 8, 128)
+    assert work.placement == ("parameters by their own NamedShardings; batch 8 over fsdp "
+                              "(the model's rules): 2 per device")
+    own = [x.sharding.spec for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert [x.sharding.spec for x in jax.tree.leaves(work.args[0])] == own
+    assert work.args[1].sharding.spec == PartitionSpec(("data", "stage", "fsdp",
+                                                        "fsdp_transpose", "expert"))
