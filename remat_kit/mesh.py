@@ -366,20 +366,24 @@ def origin(mesh: Mesh, label: str) -> str:
 
 
 def compiled_step(step: str, mesh: "Mesh | Mapping[str, int] | str | None",
-                  where: str | None = None) -> str:
+                  where: str | None = None, sharded: bool = True) -> str:
     """What a report says was compiled, e.g. 'value-and-grad; gradients sharded like the
     parameters over fsdp:4', and with `where` (`origin`) where the mesh came from: '...
     over fsdp:4; on the model's own mesh (1 axis fsdp:4)'.
 
     step: "value-and-grad" (`measure`: the loss and its gradients) or "train step"
     (`decide.step`: with the optimizer update). mesh: a Mesh, {axis: size} or spec
-    string; None or one device: the step alone (on `where`, if given).
+    string; None or one device: the step alone (on `where`, if given). sharded
+    False (the compiled program takes every parameter whole): "...; parameters and
+    gradients whole on every device of fsdp:4".
     """
     spec = mesh if isinstance(mesh, str) else spec_text(mesh)
     on = f"; on {where}" if where else ""
     if spec is None or all(n == "1" for n in re.findall(r":(\d+)", spec)):
         return step + on
     held = ("gradients and optimizer state" if step == "train step" else "gradients")
+    if not sharded:
+        return f"{step}; parameters and {held} whole on every device of {spec}{on}"
     return f"{step}; {held} sharded like the parameters over {spec}{on}"
 
 

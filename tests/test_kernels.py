@@ -44,6 +44,39 @@ def test_splash_is_priced_by_its_block_mask(window, blocks):
     assert all(k.how == "shapes" and not k.counted and k.calls == 1 for k in got.values())
 
 
+def test_splash_built_inside_a_codebase_s_own_jit_wrapper_is_priced_by_its_mask():
+    """MaxText's attention_op builds splash inside a `jax.jit` with the mask static (its
+    arrays the jit's constants, not the step's), constrains them to its mesh and hands them
+    to a `shard_map`: the block mask read there too, causal 10 of 16 blocks."""
+    from functools import partial
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash, splash_attention_mask as masks)
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(jax.devices()[:1], ("fsdp",))
+    sizes = splash.BlockSizes(*(128,) * 8)
+
+    @partial(jax.jit, static_argnames=["mask"])
+    def wrapped(mask):
+        return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
+
+    def attention(q, k, v):
+        kernel = wrapped(masks.MultiHeadMask([masks.CausalMask((T, T))] * HEADS))
+        spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, None)))
+        kernel = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, P())), kernel)
+        run = jax.shard_map(lambda kern, q, k, v: jax.vmap(kern)(q, k, v), mesh=mesh,
+                            in_specs=(spec, P(), P(), P()), out_specs=P(), check_vma=False)
+        return run(kernel, q, k, v).astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((B, HEADS, T, D), jnp.bfloat16)
+    found = kernels.price(jax.make_jaxpr(jax.grad(attention, argnums=(0, 1, 2)))(q, q, q),
+                          "tpu")
+    fwd = F * 10 / 16
+    got = {k.name.split("_")[2]: k for k in found.kernels}
+    assert got["fwd"].flops == fwd and got["dq"].flops == 1.5 * fwd
+    assert got["dkv"].flops == 2 * fwd and all(not k.mask for k in found.kernels)
+
+
 def test_flash_uses_its_cost_estimate_and_prices_its_backward():
     found = _priced(attention="flash").kernels
     assert [k.how for k in found] == ["cost_estimate", "shapes", "shapes"]

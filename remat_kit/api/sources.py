@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import os
@@ -210,7 +211,11 @@ def load_source(args) -> Source:
         except ModelError as e:
             raise BadInput(str(e)) from None
         # a (model, batch) FUNCTION's own sizes
-        return Source(label, None, getattr(make, "defaults", {}), make)
+        return Source(label, None, getattr(make, "defaults", {}), _placed(make, args))
+    for flag in ("rules", "batch_axes"):
+        if getattr(args, flag, None):
+            raise BadInput(f"--{flag.replace('_', '-')} is for a --model; --config models "
+                           "place themselves by remat_kit's rules (--mesh)")
     if args.block is not None:
         raise BadInput("--block names the repeated block class of a --model; --config models "
                        "know theirs")
@@ -225,6 +230,28 @@ def load_source(args) -> Source:
     return Source(label, cfg, defaults,
                   lambda batch, seq, mesh=None: config_workload(cfg, batch, seq,
                                                                 mesh=rk_mesh.plain(mesh)))
+
+
+def _placed(make, args):
+    """`make` under the --rules and --batch-axes given (`placement.given`); `make` where
+    neither is. A rules file that does not read is BadInput now; --batch-axes naming
+    an axis the mesh lacks, when the workload is made."""
+    from remat_kit.errors import MeshError
+    from remat_kit.flax import placement
+    path, axes = getattr(args, "rules", None), getattr(args, "batch_axes", None)
+    if not path and not axes:
+        return make
+    try:
+        rules = placement.read_rules(path) if path else None
+    except MeshError as e:
+        raise BadInput(f"--rules: {e}") from None
+    axes = tuple(a.strip() for a in axes.split(",") if a.strip()) if axes else None
+
+    @functools.wraps(make)
+    def made(*a, **kw):
+        with placement.given(rules, axes):
+            return make(*a, **kw)
+    return made
 
 
 def rechunked(args, chunks: int) -> Source:

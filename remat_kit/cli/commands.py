@@ -70,6 +70,12 @@ def _source_flags(p) -> None:
                         "never exist whole (N must divide the vocabulary; default 1)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="activation dtype (default: the config's)")
+    p.add_argument("--rules", default=None, metavar="FILE.json",
+                   help="with --model: logical-axis rules ([[logical name, mesh axes], ...]) "
+                        "for a model whose logical names nothing of its own maps")
+    p.add_argument("--batch-axes", default=None, metavar="AXIS[,AXIS]",
+                   help="with --model: the mesh axes the batch splits over where the "
+                        "model's rules name none (default: data and fsdp)")
 
 
 # --target's help, alike in every command: the chips first, then this machine's.

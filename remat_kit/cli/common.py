@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 import os
 
+import jax
+import numpy as np
+
 from remat_kit import mesh as rk_mesh
 from remat_kit.api.inputs import check_seq
 from remat_kit.api.report import map_context, print_map
@@ -83,6 +86,20 @@ def mesh_origin(work, asked, target) -> str | None:
                           else f"--mesh{across}")
 
 
+def parameters_sharded(work, records) -> bool:
+    """Whether the compiled programs take any parameter split over devices: a
+    record's `parameter_bytes_per_device` (read from the compiled argument
+    shardings) below the parameters' whole bytes; where no record read it, whether
+    the placed parameters say so. A caption claims sharded gradients only then."""
+    leaves = jax.tree.leaves(work.args[0])
+    whole = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+    read = [r.parameter_bytes_per_device for r in records
+            if getattr(r, "parameter_bytes_per_device", None) is not None]
+    if read:
+        return min(read) < whole
+    return any(rk_mesh.local_shape(x).shape != tuple(x.shape) for x in leaves)
+
+
 def plot_path(path: str, target, several: bool) -> str:
     """`path`, or with several targets one file per target: pareto_tpu_v5e_1x1.png."""
     if not several:
@@ -91,5 +108,6 @@ def plot_path(path: str, target, several: bool) -> str:
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
 
 
-__all__ = ["make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes",
+__all__ = ["make_host_devices", "map_context", "mesh_origin", "parameters_sharded",
+           "print_map", "source_and_sizes",
            "plot_path", "sizes_text", "targets_of"]

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import sys
 
+import jax
+
 from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
 from remat_kit.measure import pool
-from remat_kit.cli.common import (map_context, mesh_origin, plot_path, print_map, sizes_text,
-                                  source_and_sizes, targets_of)
+from remat_kit.cli.common import (map_context, mesh_origin, parameters_sharded, plot_path,
+                                  print_map, sizes_text, source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
@@ -105,6 +107,9 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
             else rk_mesh.plain(asked))
     devices = 1 if mesh is None else mesh.size
     batch_split = 1 if mesh is None else rk_mesh.axis_size(mesh, "batch")
+    if getattr(work, "placement", None):  # a model's own batch axes: as its tokens are split
+        first = jax.tree.leaves(work.args[1])[0]
+        batch_split = first.shape[0] // rk_mesh.local_shape(first).shape[0]
     tensor = 1 if mesh is None else rk_mesh.axis_size(mesh, "heads")
     if args.time and cfg is not None:
         check_memory(cfg, batch // batch_split, seq, f"--batch {batch} and --seq {seq}")
@@ -112,16 +117,18 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
                       progress=progress, target=target, per_layer=True, peak=args.peak)
     found = target.versions
     mesh_text = rk_mesh.spec_text(mesh)
-    step, origin = (rk_mesh.compiled_step("value-and-grad", work.mesh),
+    sharded = parameters_sharded(work, records)
+    step, origin = (rk_mesh.compiled_step("value-and-grad", work.mesh, sharded=sharded),
                     mesh_origin(work, asked, target))
+    how = getattr(work, "placement", None)
     per_device = (f", per device of {devices} ({mesh_text}); "
-                  f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin)}"
-                  if devices > 1 else "")
+                  f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin, sharded)}"
+                  f"{'; ' + how if how else ''}" if devices > 1 else "")
     title = f"{src.label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
     share = None if batch is None else batch // batch_split  # None: leaves as declared
     context = {"target": str(target), "platform": target.label, "devices": devices,
                "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
-               "mesh_origin": origin,
+               "mesh_origin": origin, "placement": getattr(work, "placement", None),
                "jax_version": found["jax"], "compiler_version": found["compiler"]}
     return (target, title, report.rows(records, cfg, share, seq, tensor=tensor)), context
 

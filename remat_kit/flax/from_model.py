@@ -347,7 +347,8 @@ def _nnx(model: nnx.Module, batch: int, seq: int, block, vocab_chunks: int = 1) 
 
 def workload(model, batch: int, seq: int | None, *, block=None, name: str | None = None,
              mesh: "jax.sharding.Mesh | rk_mesh.Fallback | None" = None,
-             vocab_chunks: int = 1, inputs=None) -> Workload:
+             vocab_chunks: int = 1, inputs=None, rules=None,
+             batch_axes: tuple[str, ...] | None = None) -> Workload:
     """The `Workload` of a linen or NNX language model's next-token loss.
 
     Args:
@@ -375,6 +376,12 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
         `build(model, batch, seq, block) -> (block classes, marked loss, args,
         others)` (`remat_kit.flax.batch_model.BatchInputs`; seq None where its
         batch has no sequence axis); default the tokens and next-token loss.
+      rules: logical-axis rules ((logical name, mesh axes) pairs) for a model
+        whose logical names no rules of its own map (its boxes', its
+        `config.logical_axis_rules`, `nn.logical_axis_rules` in effect come
+        first: `placement.annotations`).
+      batch_axes: mesh axes to split the batch over where the model's rules name
+        no batch axis; default `placement.DATA_AXES`.
     Returns:
       A `Workload` with args (params, tokens, other variables) as
       ShapeDtypeStructs; `loss_for_policy` takes a policy, a layer schedule
@@ -386,7 +393,8 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
         vocabulary.
       MeshError: a mesh other than the model's own, a mesh axis the model's
         rules do not know, or a batch its batch axes do not split (one line,
-        `placement.resolve`).
+        `placement.resolve`); `rules` mapping a logical name twice; `batch_axes`
+        naming an axis the mesh lacks; parameters sharded over different meshes.
       UnknownModuleError: `block` matches no class, or one never called.
       RematSpecError: (from loss_for_policy) a policy does not parse.
     """
@@ -395,12 +403,16 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
-    return _workload(model, batch, seq, block, name, mesh, vocab_chunks, inputs, placed=True)
+    if rules is None and batch_axes is None:  # the CLI's --rules and --batch-axes
+        rules, batch_axes = placement.given_now()
+    given = placement.check_rules(rules, "the given rules") if rules is not None else None
+    return _workload(model, batch, seq, block, name, mesh, vocab_chunks, inputs, placed=True,
+                     given=(given, tuple(batch_axes) if batch_axes else None))
 
 
 @stand_in.standing_in  # cuDNN attention traced where this machine cannot build it
 def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunks: int,
-              inputs, placed: bool) -> Workload:
+              inputs, placed: bool, given: tuple = (None, None)) -> Workload:
     """`workload`; placed=False: the program one device runs (off any mesh, the
     model's own too), whose residuals a sharded workload reports."""
     if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
@@ -414,7 +426,8 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
     else:
         raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
                          f"{type(model).__name__} {model!r:.80}")
-    named = placement.annotations(args[0])
+    given_rules, batch_axes = given
+    named = placement.annotations(args[0], placement.model_rules(model), given_rules)
     asked = rk_mesh.plain(mesh)
     if asked is not None and rk_mesh.axis_size(asked, "heads") > 1 and not named.any:
         raise ModelError(f"mesh {rk_mesh.spec_text(asked)}: a tensor axis splits heads and MLP "
@@ -425,7 +438,7 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
     traced, _ = trace(marked, args, None, pick.cls)  # where a mesh of the model's own shows
     own_mesh = retarget.meshes(traced.jaxpr)
     where = placement.resolve(named, own_mesh[0] if own_mesh else None, mesh,
-                              batch) if placed else None
+                              batch, batch_axes) if placed else None
     if where is not None:  # the model's partitioning, on its mesh or `mesh`
         args = placement.place(named, where, args)
         traced, _ = trace(marked, args, where, pick.cls)
@@ -451,10 +464,18 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
                                  pipeline.find(traced.jaxpr))
     notes = found.notes() + model_map.notes(the_map) + unremat_note(pick.others, cls)
     notes += (where.note,) if where is not None and where.note else ()
+    how = None
+    if where is not None:  # what a caption says placed the parameters and the batch
+        params_text, bare = placement.described(named, where.mesh)
+        how = f"{params_text}; {where.batch_text(batch)}"
+        notes += bare
 
     def again(b, s, *, mesh=mesh, placed=placed, name=label):  # under the rules found now
-        with nn.logical_axis_rules(named.rules or nn.get_logical_axis_rules()):
-            return _workload(model, b, s, block, name, mesh, vocab_chunks, inputs, placed)
+        with nn.logical_axis_rules(nn.get_logical_axis_rules()
+                                   if named.rules_from != "nn.logical_axis_rules"
+                                   else named.rules):
+            return _workload(model, b, s, block, name, mesh, vocab_chunks, inputs, placed,
+                             given)
 
     local = None
     if where is not None:  # what one device runs: its share of the batch, whole parameters
@@ -465,7 +486,7 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
                     own_mesh=(named.mesh or (own_mesh[0] if own_mesh else None)) if placed
                     else None,
                     notes=notes, block_name=cls.__name__ if n else None,
-                    parameter_count=traced_regions.parameter_count,
+                    parameter_count=traced_regions.parameter_count, placement=how,
                     # per chip, as every figure is: one device's share of the batch
                     block=(traced_regions.block if local is None else one.block) if n else None,
                     model_map=the_map)

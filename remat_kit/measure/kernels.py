@@ -199,7 +199,7 @@ def _block_fraction(name: str, eqn, values: dict, qk: list[int], seq_axis: int
             mask = np.asarray(mask)
             s_q, s_k = (eqn.invars[i].aval.shape[seq_axis] for i in qk)
             computed = np.count_nonzero(mask) / mask.shape[0]
-            return min(1.0, computed * sizes[0] * sizes[1] / (s_q * s_k)), ""
+            return float(min(1.0, computed * sizes[0] * sizes[1] / (s_q * s_k))), ""
     if "mask_type" in eqn.params:  # cuDNN's attention and its stand-in
         s_q, s_k = (eqn.invars[i].aval.shape[seq_axis] for i in qk)
         return _mask_fraction(eqn.params, s_q, s_k,
@@ -286,18 +286,39 @@ def price(closed, platform: str) -> Priced:
             if _is_kernel(eqn):
                 found.append(_kernel(eqn, values, calls, platform))
                 continue
+            if eqn.primitive.name in _PASSED and len(eqn.invars) == len(eqn.outvars):
+                _bind(values, eqn.outvars, eqn.invars, values)
             trips = calls * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" \
                 else calls
             for value in eqn.params.values():
                 for sub, consts in _closed(value):
                     inner = dict(zip(sub.constvars, consts))
                     if len(sub.invars) == len(eqn.invars):  # a call: operands bound
-                        inner.update((v, values[o]) for v, o in zip(sub.invars, eqn.invars)
-                                     if isinstance(o, jcore.Var) and o in values)
+                        _bind(inner, sub.invars, eqn.invars, values)
                     walk(sub, inner, trips)
+                    if eqn.primitive.name in _RETURNING and len(sub.outvars) == len(
+                            eqn.outvars):  # a call's results: a mask a jit-ed helper built
+                        _bind(values, eqn.outvars, sub.outvars, inner)
 
     walk(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)), 1)
     return Priced(tuple(found))
+
+
+# Equations whose outputs are their inputs' values (a kernel's mask placed on a mesh), and
+# calls whose results are their body's (a codebase's jit-ed wrapper returning its kernel's
+# mask: MaxText's `wrap_jax_splash_kernel`).
+_PASSED = ("sharding_constraint", "copy", "copy_p", "device_put", "reduce_precision")
+_RETURNING = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+              "checkpoint", "remat")
+
+
+def _bind(into: dict, targets, sources, known: dict) -> None:
+    """`into[t]` = the known value of each source (a literal's, or `known`'s)."""
+    for t, src in zip(targets, sources):
+        value = src.val if isinstance(src, jcore.Literal) else known.get(src) \
+            if isinstance(src, jcore.Var) else None
+        if value is not None and isinstance(t, jcore.Var):
+            into[t] = value
 
 
 def _closed(value):

@@ -10,12 +10,14 @@ How a workload walks through here: docs/architecture.md ("The data flow"); figur
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
@@ -266,6 +268,7 @@ def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, c
             compile_seconds=seconds + compile_seconds,
             predicted_seconds=figures["predicted_seconds"],
             kernel_flops=figures["kernel_flops"],
+            parameter_bytes_per_device=figures.get("parameter_bytes"),
             peak=figures.get("peak") if run.peak else None,
             audit=audit_of.audit(policy, local.residuals, audit_of.recomputed(local.program.jaxpr),
                                  figures.get("compiled_audit"), run.outside),
@@ -300,6 +303,7 @@ def _compiled_figures(run: _Run, compiled, local, program_key, dump) -> dict:
         if isinstance(compiled, dict):  # read back (`figure_cache`): nothing compiled
             return compiled
         figures = _figures(compiled, run.target, local)
+        figures["parameter_bytes"] = parameter_bytes(compiled, run.args[0])
         if dump is not None:
             figures["peak"] = peak_of.breakdown(
                 dump, figures["memory"], figure=memory_kind(run.target.platform),
@@ -329,6 +333,21 @@ def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -
     if run.workload.model_map is not None:  # kept own remat, no layers: on every row
         notes += model_map.notes(run.workload.model_map)
     return notes + tuple(figures["time_notes"])
+
+
+def parameter_bytes(compiled, params) -> int | None:
+    """Bytes of the parameter arguments one device of `compiled` holds, by the shardings
+    the compiled program takes them with (`compiled.input_shardings`, its first
+    arguments being `params`' leaves); None where it does not say."""
+    try:
+        shardings = jax.tree.leaves(compiled.input_shardings[0])
+    except Exception:  # noqa: BLE001 - an executable that keeps no shardings
+        return None
+    leaves = jax.tree.leaves(params)
+    if len(shardings) < len(leaves):
+        return None
+    return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for s, x in zip(shardings, leaves))
 
 
 def _figures(compiled, target, local) -> dict:

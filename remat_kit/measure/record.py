@@ -99,6 +99,9 @@ class Record:
       audit: what the compiler did to the policy, per tag, as compiled against as asked
         (`remat_kit.measure.audit.audit`: {"tags", "findings", "unchecked",
         "as_asked"}); None where not audited.
+      parameter_bytes_per_device: bytes of the parameters one device takes, by
+        the compiled program's own argument shardings (`compiled.input_shardings`);
+        a caption's sharding claim is checked against it. None where unread.
       error: why the policy could not be measured ("TypeName: message"); the
         numbers are then None / empty.
     """
@@ -134,6 +137,7 @@ class Record:
     error: str | None = None
     train_step_bytes: int | None = None
     audit: dict | None = None
+    parameter_bytes_per_device: int | None = None
 
     @property
     def activation_residual_bytes(self) -> int:

@@ -77,6 +77,10 @@ class Workload:
         its stacks, their layers' classes and structures, the model's own remat and
         what lies outside every layer; every report prints its line. None where the
         provider has none (a hand-written loss).
+      placement: how the parameters and the batch were placed on `mesh`, for a
+        caption ("parameters by their own NamedShardings; batch 8 over fsdp (the
+        model's rules): 2 per device"); None off a mesh or where the provider
+        does not say.
     """
 
     loss_for_policy: Callable
@@ -96,6 +100,7 @@ class Workload:
     block_name: str | None = None
     parameter_count: int | None = None
     model_map: "ModelMap | None" = None
+    placement: str | None = None
 
     @property
     def params(self):
