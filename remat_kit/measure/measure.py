@@ -343,7 +343,7 @@ COMPILE_WORKERS = min(4, os.cpu_count() or 1)
 class _Compiles:
     """Starts each lowered program's compile as soon as it is lowered.
 
-    `start(lowered, text)` returns a zero-argument callable giving (compiled,
+    `start(lowered, text, program)` returns a zero-argument callable giving (compiled,
     seconds, key, dump), raising what the compile raised; for a program whose
     figures were kept (`figure_cache`: a program that will not run),
     compiled is those figures (a dict) and nothing compiles. With `peak`,
@@ -377,10 +377,10 @@ class _Compiles:
             raise
         return compiled, time.perf_counter() - start, program_key, dump
 
-    def start(self, lowered, text: str) -> Callable[[], tuple]:
+    def start(self, lowered, text: str, program) -> Callable[[], tuple]:
         # The dump option is left out of the key: it changes no figure.
         program_key, kept = figure_cache.lookup(text, self._target, self._options, "measure",
-                                                self._runs)
+                                                self._runs, program=program)
         if kept is not None and (not self._peak or "peak" in kept):
             return lambda: (kept, 0.0, program_key, None)
         if self._pool is None:
@@ -396,10 +396,10 @@ class _Compiles:
 
 
 def _lower_programs(groups, loss_for_policy: Callable, args, target,
-                    start: Callable[[object, str], Callable[[], tuple]],
+                    start: Callable[[object, str, object], Callable[[], tuple]],
                     marked: bool = False) -> list[tuple]:
     """(policy, names, loss, staged, compiling, seconds) per distinct program,
-    in first-seen order: `compiling` is `start(lowered, its text)` (called once per
+    in first-seen order: `compiling` is `start(lowered, its text, its jaxpr)` (once per
     distinct program, as soon as it is lowered), or the exception where
     tracing or lowering failed. Groups whose decisions differ only on values
     the backward pass never reads lower to the same program: they become one
@@ -425,7 +425,8 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target,
             out[same][1].extend(group_names)
             continue
         seconds = time.perf_counter() - begin
-        out.append((policy, list(group_names), loss, staged, start(lowered, text), seconds))
+        out.append((policy, list(group_names), loss, staged, start(lowered, text, program),
+                    seconds))
     return out
 
 
