@@ -150,7 +150,8 @@ def check_json_and_plot(args) -> None:
 
 def input_files(args) -> list[tuple[str, str]]:
     """(what, path) of the files a command reads its model from: the --model's file
-    (FILE.py, or a package.module's once imported) and a --config .py file."""
+    (FILE.py, or a package.module's once imported), the modules loaded from its folder
+    or below (what it imports from beside it: `import helpmod`), and a --config .py file."""
     import sys
     found = []
     spec = getattr(args, "model", None)
@@ -160,6 +161,11 @@ def input_files(args) -> list[tuple[str, str]]:
             path = getattr(sys.modules.get(path), "__file__", None)
         if path:
             found.append((f"the file of --model {spec}", path))
+            folder = os.path.join(os.path.dirname(os.path.realpath(path)), "")
+            found += [(f"the file of module {name}, loaded from beside --model {spec}", file)
+                      for name, file in sorted((n, getattr(m, "__file__", None))
+                                               for n, m in list(sys.modules.items()))
+                      if isinstance(file, str) and os.path.realpath(file).startswith(folder)]
     config = getattr(args, "config", None)
     if config and (config.endswith(".py") or os.sep in config):
         found.append((f"--config {config}", config))
