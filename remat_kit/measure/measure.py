@@ -29,6 +29,7 @@ from remat_kit.measure import peak as peak_of
 from remat_kit.measure import step_times, time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
+from remat_kit.policy.names import known_tags
 from remat_kit.measure.record import Record, memory_kind
 from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import stage, split
@@ -299,6 +300,11 @@ def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -
     notes += (run.differ,) if run.differ else ()
     if run.workload.model_map is not None:  # kept own remat, no layers: on every row
         notes += model_map.notes(run.workload.model_map)
+    # The workload's notes on the model as a whole (a batch its own mesh cannot split,
+    # blocks left out), on every row; those on a tag are the policy's own (above).
+    tags = set(known_tags())
+    notes += tuple(line for line in run.workload.notes
+                   if line.split(":", 1)[0] not in tags and line not in notes)
     return notes + tuple(figures["time_notes"])
 
 
