@@ -257,8 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             make_host_devices(args)  # before anything starts JAX's backend
             return args.run(args)
         except stops.Stopped as e:  # Ctrl-C or SIGTERM: one line, never a traceback
+            stops.handled()
             print(f"remat-kit {args.command}: stopped by {e.name}; {stops.kept(args)}",
                   file=sys.stderr)
+            if argv is None:  # this process's own command line: it ends here
+                stops.end_process(e.exit_code)
             return e.exit_code
         except (BadInput, RematSpecError, ValueError) as e:
             # RematSpecError is a ValueError; other ValueErrors here come from
