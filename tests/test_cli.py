@@ -390,3 +390,21 @@ def test_split_policies_keeps_every_spec_parse_accepts(spec):
     parse(spec)
     assert inputs.split_policies(spec) == [spec]
     assert inputs.split_policies(f"minimal,{spec},full") == ["minimal", spec, "full"]
+
+
+def test_compare_exits_1_where_no_policy_compiles(capsys, monkeypatch, tmp_path):
+    """Every row an error (here each compile runs out of memory): the verdict says so, the
+    report is written, and the status is 1, for scripts and CI."""
+    from remat_kit.measure import lowering
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+
+    monkeypatch.setattr(lowering, "compile_lowered", out_of_memory)
+    monkeypatch.setenv("REMAT_KIT_COMPILE_CACHE", "")
+    report = tmp_path / "r.json"
+    code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "1", "--seq", "16",
+                         "--policies", "none,full", "--json", str(report))
+    assert code == 1 and "cpu: no policy compiled; each row below says why" in out
+    assert [r["error"].split(":")[0] for r in json.loads(report.read_text())["records"]] == [
+        "RuntimeError", "RuntimeError"]
