@@ -244,3 +244,16 @@ def test_maxtexts_decoder_on_splash_through_compare(tmp_path):
     once = 2 * F_TPU * CAUSAL * (1 + 1.5 + 2)  # two layers: forward, dq, dk/dv
     assert kept["kernel_flops"] == once and kept["kernel_flops"] <= kept["flops"]
     assert out_proj["kernel_flops"] == once + 2 * F_TPU * CAUSAL
+
+
+def test_explains_block_reads_the_splash_mask_as_the_whole_program_does():
+    """`rk.explain` prices one block (`Regions.block`): splash's block mask, an int8
+    constant of the loss, is closed over as in the loss, so the block's kernels are priced
+    causal (10 of 16 blocks at seq 512) as compare's are, not unmasked."""
+    from remat_kit.policy.spec import parse
+    model, _, _ = kernel_nnx.make(B, T, abstract=True)
+    work = rk.from_model.workload(model, B, T)
+    block, args = work.block(parse("minimal"))
+    found = kernels.price(jax.make_jaxpr(jax.value_and_grad(block))(*args), "tpu").kernels
+    fwd = [k for k in found if "fwd" in k.name]
+    assert fwd and all(k.mask == "" and k.flops == F * 10 / 16 for k in fwd)
