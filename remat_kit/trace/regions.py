@@ -360,10 +360,10 @@ class Regions:
         -> the sum of its float outputs, (params, inputs) as tuples of
         ShapeDtypeStructs). params are the block's inputs that derive from the
         loss's parameters (`args[0]`), inputs the rest (activations, keys, masks),
-        apart from inputs that are constants of the loss (a rotary sin/cos table
-        built in numpy, a jaxpr const, a splash kernel's block mask): those the block
-        closes over, constants as in the loss, so `explain` counts them as no layer's
-        residuals and prices a kernel by its mask as `measure` does.
+        apart from float or int8 inputs that are constants of the loss (a rotary
+        sin/cos table built in numpy, a jaxpr const; splash's int8 block mask, which
+        prices its kernel as `measure` does): those the block closes over, constants
+        as in the loss, so `explain` counts them as no layer's residuals.
 
         Raises:
           ValueError: no marked block is found outside scans and conds.
@@ -372,7 +372,8 @@ class Regions:
         if found is None:
             raise ValueError("no block region found to explain")
         inner, consts, is_param, values = found
-        fixed = [None if p or x is None else x
+        fixed = [None if p or x is None or not (jnp.issubdtype(v.aval.dtype, jnp.floating)
+                                                 or v.aval.dtype == jnp.int8) else x
                  for v, p, x in zip(inner.invars, is_param, values)]
         struct = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
         params = tuple(struct(v) for v, p in zip(inner.invars, is_param) if p)
