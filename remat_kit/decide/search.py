@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
+from remat_kit.decide.planner_costs import TIME_RESOLUTION
 from remat_kit.decide.plan_cache import Plan, write_cache, cached_plan, layers_summary
 from remat_kit.errors import BudgetError
 from remat_kit.measure.measure import measure
@@ -88,7 +89,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     parsed = parse_budget(budget)
     groups, group_note = planner.costs.group_count()
     key = _cache_key(planner, parsed, groups)
-    if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
+    if planner.cache and (kept := cached_plan(planner.cache, key)) is not None \
+            and not _beaten(planner, kept):
         return kept
     full, none = planner.compiles.measure(Policy()), planner.compiles.none()
     if none is None and parsed.bytes is None:
@@ -142,6 +144,19 @@ def plan(planner, budget: "str | int | float") -> Plan:
                             layers_summary(policy) if isinstance(policy, tuple)
                             else str(policy)), *offload_notes]), len(tried),
                         groups, offload_notes)
+
+def _beaten(planner, kept: Plan) -> bool:
+    """Whether a policy compiled since `kept` was cached (a preset `remat-kit plan`
+    compiled) fits its budget and scores better: the plan is then made again."""
+    if planner.objective == "time":
+        step = TIME_RESOLUTION * planner.costs.seconds(Policy(remat=False))
+        mine = None if kept.predicted_seconds is None else round(kept.predicted_seconds / step)
+    else:
+        mine = kept.measured_flops
+    return mine is not None and any(
+        planner.costs.score(r)[0] < mine for r in planner.compiled_records()
+        if r.memory_bytes <= kept.budget_bytes)
+
 
 def _cache_key(planner, parsed, groups: int) -> str:
     """What the plan cache keys a budget's plan by: the program, the figure budgeted (a
