@@ -72,6 +72,7 @@ class Priced:
     """The kernels of one program (`price`)."""
 
     kernels: tuple[Kernel, ...] = ()
+    platform: str = ""  # the target's ("cpu", "tpu", "gpu"), where known
 
     @property
     def added_flops(self) -> float:
@@ -108,6 +109,10 @@ class Priced:
                          "call, so the program was traced with a stand-in of its inputs, "
                          "outputs and residuals (remat_kit.trace.stand_in), the kernel "
                          "priced from its shapes")
+            if self.platform in ("cpu", "tpu"):
+                notes.append(f"cuDNN attention runs only on an NVIDIA GPU: on this "
+                             f"{self.platform} target the model would fail; these figures "
+                             "are of a program that cannot run there")
         notes += self._cudnn_rerun()
         if self.unpriced:
             notes.append("FLOPs are a lower bound: custom calls left unpriced (no "
@@ -308,7 +313,7 @@ def price(closed, platform: str) -> Priced:
                     walk(sub, inner, trips)
 
     walk(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)), 1)
-    return Priced(tuple(found))
+    return Priced(tuple(found), platform)
 
 
 def _closed(value):
