@@ -36,6 +36,14 @@ def test_a_bare_number_needs_a_unit():
     assert parse_budget(24) == Budget(bytes=24)  # from Python an int is a byte count
 
 
+@pytest.mark.parametrize("text, bytes_", [("16Gb", "16GB"), ("512mb", "512MB"), ("2kb", "2KB")])
+def test_a_unit_of_bits_is_refused_naming_the_byte_units(text, bytes_):
+    """A lowercase b is bits (16Gb is 2 GB): never read as bytes."""
+    with pytest.raises(rk.BudgetError, match=f"reads as bits; a budget is in bytes: {bytes_} "):
+        parse_budget(text)
+    assert parse_budget("16GB") == Budget(bytes=16 * 10**9)
+
+
 @pytest.mark.parametrize("argv", [
     ["fit", "--config", "tiny", "--budget", "24"],
     ["plan", "--config", "tiny", "--budgets", "0.5,24"],
