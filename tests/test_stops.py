@@ -158,3 +158,22 @@ def test_a_metrics_file_that_is_a_folder_is_one_line(data, tmp_path):  # noqa: F
     assert str(e.value) == (
         f"--workdir: {str(tmp_path / 'metrics.jsonl')!r} is a folder, not a regular file; "
         "the run writes metrics.jsonl there: move it away or use another workdir")
+
+
+def test_what_a_stopped_plan_keeps_names_only_a_plan_cache_that_exists(tmp_path):
+    import argparse
+
+    import jax
+
+    from remat_kit.cli import stops
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    cache = tmp_path / "x.json"
+    args = argparse.Namespace(command="plan", cache=str(cache))
+    try:
+        assert stops.kept(args) == "nothing was kept (no cache folder is set)"
+        cache.write_text("{}")
+        assert stops.kept(args) == (f"kept: what was compiled or planned before it, in the "
+                                    f"plan cache {str(cache)!r}; no report was written")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

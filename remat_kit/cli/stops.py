@@ -144,7 +144,8 @@ def kept(args) -> str:
     if getattr(args, "command", None) == "plan" and args.cache != "":  # '': none
         from remat_kit.decide.plan_cache import default_cache_path
         path = args.cache if args.cache is not None else default_cache_path()
-        caches.append(f"the plan cache {path!r}")
+        if os.path.isfile(path):  # none is named where no plan was ever written
+            caches.append(f"the plan cache {path!r}")
     if not caches:
         return "nothing was kept (no cache folder is set)"
     return (f"kept: what was compiled or planned before it, in {' and '.join(caches)}; no "
