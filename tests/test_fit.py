@@ -481,3 +481,10 @@ def test_cli_fit_says_why_nothing_compiled_below_the_smallest_size(capsys):
     assert ("cpu: no policy fits 1.50 MiB at any seq (none compiled: at seq 128 the largest "
             "buffer alone") in stdout
     assert "see below" not in stdout and "below the minimum" not in stdout
+
+
+@pytest.mark.parametrize("policies", [None, []])
+def test_fit_names_policies_that_are_no_specs(policies):
+    from remat_kit.api.configs import fit_rows
+    with pytest.raises(TypeError, match="policies must be one spec or a non-empty list"):
+        fit_rows(policies, "1GiB")
