@@ -276,6 +276,16 @@ def test_config_rejects_bad_heads(overrides, message):
         TransformerConfig(**overrides)
 
 
+def test_a_shortened_message_is_cut_between_words():
+    from remat_kit.errors import shorten
+    text = " ".join(["temporaries"] * 12 + ["values"] * 20)
+    short = shorten(text, 40)
+    head, _, rest = short.partition("...[")
+    count, _, tail = rest.partition(" characters]...")
+    assert head.split()[-1] == "temporaries" and tail.split()[0] == "values"
+    assert len(head) + int(count) + len(tail) == len(text)
+
+
 @pytest.mark.parametrize("spec, position", [
     ("x" * 100_000, 0), ("save:query_proj," + "b" * 100_000, 16),
     ("save:query_proj;" * 10_000 + "bad", 160_000),
