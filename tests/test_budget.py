@@ -116,9 +116,8 @@ def test_train_memory_budget_below_the_floor_fails_before_the_data(tmp_path, no_
     config = _train_config(tmp_path, "1GiB")
     least = floor.step_floor(rk.models.workload(from_config_dict(config), 1, 1),
                              train_setup.make_optimizer(config)[0])
-    with pytest.raises(cli.BadInput, match=rf"^config.memory_budget: budget 96 B \(96 bytes\) "
-                       rf"is below the parameters plus optimizer state, .* \({least} bytes "
-                       rf"per device\)"):
+    with pytest.raises(cli.BadInput, match=rf"^config.memory_budget: budget 96 B is below the "
+                       rf"parameters plus optimizer state, .* \({least:,} bytes per device\)"):
         train.train_and_evaluate(_train_config(tmp_path, "96B"), str(tmp_path / "run"))
     with pytest.raises(cli.BadInput, match="add a unit: 96GiB, 96MiB, or 96B for bytes"):
         train.train_and_evaluate(_train_config(tmp_path, "96"), str(tmp_path / "run"))

@@ -488,3 +488,15 @@ def test_fit_names_policies_that_are_no_specs(policies):
     from remat_kit.api.configs import fit_rows
     with pytest.raises(TypeError, match="policies must be one spec or a non-empty list"):
         fit_rows(policies, "1GiB")
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("24", "fit needs a budget in bytes: a number and a unit, such as 16GiB, 512MiB or "
+           "6000000000B (a bare number above 1 is not a budget); got '24'"),
+    ("lots", "fit needs a budget in bytes: a number and a unit, such as 16GiB, 512MiB or "
+             "6000000000B (a budget must be a size); got 'lots'"),
+    ("1B", "budget 1 B is below the parameters plus optimizer state alone, ")])
+def test_fit_budget_errors_offer_sizes_and_say_bytes_once(capsys, budget, message):
+    code = cli.main(["fit", "--config", "tiny", "--budget", budget, "--policies", "full"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "fraction" not in err, err
