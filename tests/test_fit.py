@@ -178,7 +178,7 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--budget", "lots"], "--budget: a budget must be"),
+    (["--budget", "lots"], "--budget: fit needs a budget in bytes: a number and a unit"),
     (["--budget", "0.3"], "--budget must be a size such as 16GiB, not a fraction"),
     (["--budget", "1GiB", "--target", "tpu:v9:1x1"], "tpu:v9:1x1"),
     (["--budget", "1KiB"], "is below the parameters plus optimizer state alone"),
@@ -500,3 +500,24 @@ def test_fit_budget_errors_offer_sizes_and_say_bytes_once(capsys, budget, messag
     code = cli.main(["fit", "--config", "tiny", "--budget", budget, "--policies", "full"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "fraction" not in err, err
+
+
+def test_fits_verdict_and_table_explain_a_cap_an_unknown_cost_and_no_memory():
+    import types
+
+    from rich.console import Console
+
+    from remat_kit.cli.fit_report import fit_table, pick_fit
+    from remat_kit.decide.fit_search import FitRow
+    full = FitRow("full", 65536, capped=True)  # no remat compiled: no FLOPs to compare
+    result = types.SimpleNamespace(rows=[full], vary="batch", budget_bytes=64 << 30,
+                                   mesh=None, devices=1)
+    choice = pick_fit(result)
+    assert choice.gives == ("batch 65536 (the largest batch searched; larger ones were not "
+                            "tried) in 64.00 GiB per device")
+    assert choice.cost == "FLOPs over no remat unknown (no remat compiled at no size to " \
+                          "count them)"
+    console = Console(width=400, record=True)
+    console.print(fit_table(result))
+    caption = " ".join(console.export_text().split())
+    assert "(cap): the largest size searched fits" in caption and "n/a" not in caption
