@@ -45,6 +45,11 @@ def run(capsys, *argv):
     (["compare", "--config", "tiny", "--batch", "0"], "--batch: must be a positive int"),
     (["compare", "--config", "tiny", "--batch", "abc"], "--batch: must be a positive int"),
     (["compare", "--config", "tiny", "--seq", "-3"], "--seq: must be a positive int"),
+    (["compare", "--config", "tiny", "--batch", "\u0662"], "--batch: must be a positive int"),
+    (["compare", "--config", "tiny", "--policies", "0 full / 1 none"],
+     "--policies '0 full / 1 none' is a per-layer plan (plan's paste), which rk.remat_model "
+     "and --config.remat= run"),
+    (["compare", "--config", "tiny", "--seq", "\uff11\uff16"], "--seq: must be a positive int"),
     (["compare", "--config", "tiny", "--seq", "129"], "exceeds the model's max_len 128"),
     (["compare", "--config", "tiny", "--policies", "none,minimall"], "did you mean 'minimal'"),
     (["compare", "--config", "tiny", "--mesh", "model:2"], "unknown axis 'model'"),
