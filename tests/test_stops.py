@@ -177,3 +177,16 @@ def test_what_a_stopped_plan_keeps_names_only_a_plan_cache_that_exists(tmp_path)
                                     f"plan cache {str(cache)!r}; no report was written")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """A shell's background job starts with SIGINT ignored: a command does not take it up."""
+    from remat_kit.cli import stops
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stops.catching():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

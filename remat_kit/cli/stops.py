@@ -101,12 +101,16 @@ def catching() -> Iterator[None]:
     raised again each `RETRY_SECONDS`, and at the block's end if it returns normally, so
     a `Stopped` swallowed on the way (raised inside a callback) still stops the command.
     The previous handlers come back after, unless a signal came: then ours stays, to
-    ignore more signals while the process ends."""
+    ignore more signals while the process ends. A signal ignored when the block starts
+    (SIG_IGN) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _stop.__init__()
-    previous = {s: signal.signal(s, _handler) for s in SIGNALS}
+    # A signal the process was started ignoring (SIGINT of a shell's background job) stays
+    # ignored, as Python leaves it.
+    previous = {s: signal.signal(s, _handler) for s in SIGNALS
+                if signal.getsignal(s) is not signal.SIG_IGN}
     _hooks.append(sys.unraisablehook)
     sys.unraisablehook = _unraisable
     try:
