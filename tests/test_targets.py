@@ -79,7 +79,8 @@ def test_labels_name_the_compiler_and_the_topology():
     ("tpu:v5p:4x4x4:slices=1000", "bad TPU topology 'v5p:4x4x4:slices=1000' in target "
      "'tpu:v5p:4x4x4:slices=1000': after the shape give slices=N with N a number of slices "
      "from 1 to 512 (libtpu's most)"),
-    ("tpu:v5e:1x1:", "bad TPU topology 'v5e:1x1:' in target 'tpu:v5e:1x1:': after the shape"),
+    ("tpu:v5e:1x1:", "target 'tpu:v5e:1x1:' ends in ':'; valid: cpu, tpu"),
+    ("cpu:", "target 'cpu:' ends in ':'; valid: cpu, tpu"),
     ("tpu:v5e:1x\u0662", "bad TPU topology 'v5e:1x\u0662'"),
     ("tpu:v5p:2x2x1:slices=\u0662", "bad TPU topology 'v5p:2x2x1:slices=\u0662'"),
     ("gpu:/no/such.txtpb", "GPU target config file '/no/such.txtpb' in target"),

@@ -190,6 +190,9 @@ def parse_target(text: "str | Target | None") -> Target:
         raise TargetError(f"a target is a string such as 'cpu' or 'tpu:v5e:2x2', got "
                           f"{type(text).__name__} {text!r}")
     word = text.strip()
+    if word.endswith(":"):  # 'cpu:', 'tpu:v5e:1x1:': a part left out, never a default
+        raise TargetError(f"target {text!r} ends in ':'; valid: {', '.join(KINDS)} "
+                          f"(e.g. {', '.join(EXAMPLES)})")
     kind, _, topology = word.partition(":")
     kind = kind.lower()
     if kind != "gpu":
