@@ -70,7 +70,7 @@ def test_floor_is_params_plus_adamw_state():
     params = jax.eval_shape(lambda: Transformer(CFG).init(
         jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    with pytest.raises(BudgetError, match=f"{3 * 4 * n + 4} bytes") as e:
+    with pytest.raises(BudgetError, match=f"{3 * 4 * n + 4:,} bytes") as e:
         fit(CFG, 3 * 4 * n, policies=["full"])
     assert e.value.minimum_bytes == 3 * 4 * n + 4
 
@@ -312,7 +312,7 @@ def test_mesh_step_figures_are_per_device():
 
 def test_mesh_floor_is_per_device():
     floor = 3 * per_device_param_bytes(2) + 4
-    with pytest.raises(BudgetError, match=f"{floor} bytes per device of mesh fsdp:2") as e:
+    with pytest.raises(BudgetError, match=f"{floor:,} bytes per device of mesh fsdp:2") as e:
         fit(CFG, floor - 1, policies=["full"], mesh=fsdp2())
     assert e.value.minimum_bytes == floor
 
