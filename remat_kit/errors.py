@@ -31,10 +31,18 @@ _SHOWN = 80
 
 def shorten(text: str, keep: int = _SHOWN) -> str:
     """`text`, or for a long one (a 100k-character spec) its first and last `keep`
-    characters around how many are left out, so that messages stay readable."""
+    characters (fewer, to end on a word) around how many are left out, so that messages
+    stay readable."""
     if len(text) <= 2 * keep + 20:
         return text
-    return f"{text[:keep]}...[{len(text) - 2 * keep} characters]...{text[-keep:]}"
+    # Cut between words where a space lies in the outer half of each kept part (a message),
+    # never inside one ("temp...[26 characters]...lues"); a spec without spaces as it is.
+    head, tail = text[:keep], text[-keep:]
+    if (at := head.rfind(" ")) >= keep // 2:
+        head = head[:at]
+    if -1 < (at := tail.find(" ")) <= keep // 2:
+        tail = tail[at + 1:]
+    return f"{head}...[{len(text) - len(head) - len(tail)} characters]...{tail}"
 
 
 def _around(spec: str, position: int) -> str:

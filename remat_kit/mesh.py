@@ -48,7 +48,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 # Creating more host devices than this takes minutes (8192: about a minute).
 MAX_DEVICES = 1024
 
-_TERM = re.compile(r"^([A-Za-z_]\w*):(\d+)$")
+_TERM = re.compile(r"^([A-Za-z_]\w*):(\d+)$", re.ASCII)
 
 
 def spec_text(mesh: "Mesh | Mapping[str, int] | None") -> str | None:

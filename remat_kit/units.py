@@ -18,6 +18,14 @@ def fmt_bytes(n) -> str:
     return f"{n} B"
 
 
+def fmt_bytes_exact(n: int, where: str = "") -> str:
+    """`fmt_bytes` and the exact count: '1.50 GiB (1,610,612,736 bytes per device)' for
+    where="per device"; below 1 KiB the count alone ('96 B', never '96 B (96 bytes)')."""
+    if abs(n) < 1024:
+        return f"{n} B" + (f" ({where})" if where else "")
+    return f"{fmt_bytes(n)} ({n:,} bytes{' ' + where if where else ''})"
+
+
 def fmt_flops(f) -> str:
     """3.2e9 -> '3.2 GFLOP'; None -> '-'."""
     if f is None:
@@ -35,4 +43,4 @@ def fmt_seconds(x) -> str:
     return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
 
 
-__all__ = ["fmt_bytes", "fmt_flops", "fmt_seconds"]
+__all__ = ["fmt_bytes", "fmt_bytes_exact", "fmt_flops", "fmt_seconds"]

@@ -305,3 +305,22 @@ def test_planner_names_must_be_one_a_policy():
                          jnp.ones((4, 8)), cache=None)
     with pytest.raises(ValueError, match="0 names for 1 policies"):
         planner.measure_all([rk.parse("full")], names=[])
+
+
+def test_an_output_onto_a_module_the_model_imports_from_beside_it_is_refused(tmp_path,
+                                                                             capsys):
+    """`wrapper.py` does `import helpmod`: a --json onto helpmod.py would replace the
+    model's own source, as one onto wrapper.py would."""
+    (tmp_path / "helpmod_out.py").write_text(MODEL)
+    (tmp_path / "wrapper_out.py").write_text(
+        "import helpmod_out\n\ndef model():\n    return helpmod_out.Model()\n")
+    before = (tmp_path / "helpmod_out.py").read_text()
+    code = cli.main(["compare", "--model", f"{tmp_path}/wrapper_out.py:model", "--batch", "2",
+                     "--seq", "8", "--policies", "none", "--json",
+                     str(tmp_path / "helpmod_out.py")])
+    err = capsys.readouterr().err
+    assert code == 2 and (tmp_path / "helpmod_out.py").read_text() == before
+    assert err == (f"remat-kit compare: error: --json {str(tmp_path / 'helpmod_out.py')!r} is "
+                   "the file of module helpmod_out, loaded from beside --model "
+                   f"{tmp_path}/wrapper_out.py:model; writing it would replace it: give "
+                   "another path\n")

@@ -36,6 +36,14 @@ def test_a_bare_number_needs_a_unit():
     assert parse_budget(24) == Budget(bytes=24)  # from Python an int is a byte count
 
 
+@pytest.mark.parametrize("text, bytes_", [("16Gb", "16GB"), ("512mb", "512MB"), ("2kb", "2KB")])
+def test_a_unit_of_bits_is_refused_naming_the_byte_units(text, bytes_):
+    """A lowercase b is bits (16Gb is 2 GB): never read as bytes."""
+    with pytest.raises(rk.BudgetError, match=f"reads as bits; a budget is in bytes: {bytes_} "):
+        parse_budget(text)
+    assert parse_budget("16GB") == Budget(bytes=16 * 10**9)
+
+
 @pytest.mark.parametrize("argv", [
     ["fit", "--config", "tiny", "--budget", "24"],
     ["plan", "--config", "tiny", "--budgets", "0.5,24"],
@@ -44,7 +52,10 @@ def test_a_bare_number_needs_a_unit():
 def test_cli_refuses_a_bare_number(argv, capsys, no_compiles):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert UNIT in err and err.count("\n") == 1
+    # fit takes no fraction: it offers sizes only, without the fraction's reading.
+    wanted = ("fit needs a budget in bytes: a number and a unit, such as 16GiB"
+              if argv[0] == "fit" else UNIT)
+    assert wanted in err and err.count("\n") == 1
 
 
 def test_a_malformed_auto_spec_never_suggests_a_bad_budget():
@@ -64,8 +75,8 @@ def test_step_floor_is_parameters_plus_adamw_state():
 
 
 def test_floor_check_names_the_floor():
-    with pytest.raises(rk.BudgetError, match=r"budget 96 B \(96 bytes\) is below the "
-                       r"parameters plus gradients, .* \(1000 bytes per device\)") as raised:
+    with pytest.raises(rk.BudgetError, match=r"budget 96 B is below the "
+                       r"parameters plus gradients, 1000 B \(per device\)") as raised:
         floor.check(96, 1000, "the parameters plus gradients")
     assert raised.value.minimum_bytes == 1000
     floor.check(1000, 1000, "x")
@@ -81,7 +92,7 @@ def test_tpu_planner_budget_below_the_floor_fails_before_compiling(argv, capsys,
     assert cli.main([*argv, "--config", "tiny", "--target", "tpu:v5e:1x1"]) == 2
     err = capsys.readouterr().err
     least = floor.planner_floor(rk.models.workload(CFG, 1, 1), "tpu")
-    assert "below the parameters plus gradients" in err and f"({least} bytes per device)" in err
+    assert "below the parameters plus gradients" in err and f"({least:,} bytes per device)" in err
     assert err.count("\n") == 1
 
 
@@ -108,9 +119,8 @@ def test_train_memory_budget_below_the_floor_fails_before_the_data(tmp_path, no_
     config = _train_config(tmp_path, "1GiB")
     least = floor.step_floor(rk.models.workload(from_config_dict(config), 1, 1),
                              train_setup.make_optimizer(config)[0])
-    with pytest.raises(cli.BadInput, match=rf"^config.memory_budget: budget 96 B \(96 bytes\) "
-                       rf"is below the parameters plus optimizer state, .* \({least} bytes "
-                       rf"per device\)"):
+    with pytest.raises(cli.BadInput, match=rf"^config.memory_budget: budget 96 B is below the "
+                       rf"parameters plus optimizer state, .* \({least:,} bytes per device\)"):
         train.train_and_evaluate(_train_config(tmp_path, "96B"), str(tmp_path / "run"))
     with pytest.raises(cli.BadInput, match="add a unit: 96GiB, 96MiB, or 96B for bytes"):
         train.train_and_evaluate(_train_config(tmp_path, "96"), str(tmp_path / "run"))

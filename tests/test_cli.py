@@ -45,6 +45,11 @@ def run(capsys, *argv):
     (["compare", "--config", "tiny", "--batch", "0"], "--batch: must be a positive int"),
     (["compare", "--config", "tiny", "--batch", "abc"], "--batch: must be a positive int"),
     (["compare", "--config", "tiny", "--seq", "-3"], "--seq: must be a positive int"),
+    (["compare", "--config", "tiny", "--batch", "\u0662"], "--batch: must be a positive int"),
+    (["compare", "--config", "tiny", "--policies", "0 full / 1 none"],
+     "--policies '0 full / 1 none' is a per-layer plan (plan's paste), which rk.remat_model "
+     "and --config.remat= run"),
+    (["compare", "--config", "tiny", "--seq", "\uff11\uff16"], "--seq: must be a positive int"),
     (["compare", "--config", "tiny", "--seq", "129"], "exceeds the model's max_len 128"),
     (["compare", "--config", "tiny", "--policies", "none,minimall"], "did you mean 'minimal'"),
     (["compare", "--config", "tiny", "--mesh", "model:2"], "unknown axis 'model'"),
@@ -391,3 +396,21 @@ def test_split_policies_keeps_every_spec_parse_accepts(spec):
     parse(spec)
     assert inputs.split_policies(spec) == [spec]
     assert inputs.split_policies(f"minimal,{spec},full") == ["minimal", spec, "full"]
+
+
+def test_compare_exits_1_where_no_policy_compiles(capsys, monkeypatch, tmp_path):
+    """Every row an error (here each compile runs out of memory): the verdict says so, the
+    report is written, and the status is 1, for scripts and CI."""
+    from remat_kit.measure import lowering
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+
+    monkeypatch.setattr(lowering, "compile_lowered", out_of_memory)
+    monkeypatch.setenv("REMAT_KIT_COMPILE_CACHE", "")
+    report = tmp_path / "r.json"
+    code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "1", "--seq", "16",
+                         "--policies", "none,full", "--json", str(report))
+    assert code == 1 and "cpu: no policy compiled; each row below says why" in out
+    assert [r["error"].split(":")[0] for r in json.loads(report.read_text())["records"]] == [
+        "RuntimeError", "RuntimeError"]

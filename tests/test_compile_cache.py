@@ -113,7 +113,7 @@ def test_each_program_starts_compiling_before_the_next_is_traced():
         events.append(("trace", str(policy)))
         return work.loss_for_policy(policy)
 
-    def start(lowered, text):
+    def start(lowered, text, program):
         events.append(("compile", events[-1][1]))
         return lambda: None
 
@@ -135,3 +135,32 @@ def test_the_figures_folder_keeps_the_most_recently_used(empty_cache, monkeypatc
     figure_cache.store("k4", {"i": 4})  # five entries: down to two
     assert sorted(os.listdir(figure_cache.folder())) == ["k0.json", "k4.json"]
     assert figure_cache.load("k1") is None
+
+
+def test_every_kernel_parameter_that_prices_differently_has_its_own_key(empty_cache):
+    """cuDNN attention's mask type and window never reach the lowered text of its stand-in
+    (whose work ignores them): the figures kept for one must not answer another. Each
+    variant's pricing differs, and so does its key; the same pricing keys the same (a scale
+    changes no figure)."""
+    import jax.numpy as jnp
+    from remat_kit.measure import kernels
+    from remat_kit.trace import stand_in
+    kernel_args = ({}, {"is_causal": True}, {"is_causal": True, "local_window_size": (63, 0)},
+                   {"local_window_size": (31, 0)}, {"scale": 0.5})
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    target = targets.parse_target("cpu")
+
+    def keyed(kwargs):
+        loss = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, implementation="cudnn", **kwargs).astype(jnp.float32).sum()
+        with stand_in.cudnn_stand_in(True):
+            program = jax.make_jaxpr(jax.grad(loss))(q, q, q)
+            text = jax.jit(loss).lower(q, q, q).as_text()
+        return (figure_cache.key(text, target, None, "measure", program=program),
+                kernels.price(program, "cpu").kernel_flops, text)
+
+    found = [keyed(kwargs) for kwargs in kernel_args]
+    assert len({flops for _, flops, _ in found}) == len(kernel_args) - 1  # scale: same
+    assert len({text for *_, text in found}) == 1  # what the key alone read before
+    assert len({k for k, *_ in found}) == len(kernel_args) - 1
+    assert keyed(kernel_args[2])[0] == found[2][0] and found[-1][0] == found[0][0]

@@ -178,3 +178,25 @@ def test_remat_model_compiles_to_compares_row_inside_the_stand_in(compared):
     row = records["maxtext:minimal_with_context"]
     assert compiled.flops == row["flops"]
     assert compiled.memory["temp_size_in_bytes"] == row["temp_size_in_bytes"]
+
+
+@pytest.mark.parametrize("dtype, head_dim, message", [
+    (jnp.float32, 64, "takes a query of float16 or bfloat16, got float32"),
+    (jnp.bfloat16, 100, "multiple of 8 and at most 256 .* got 100"),
+    (jnp.bfloat16, 512, "got 512"),
+    (jnp.float16, 256, None)])
+def test_the_stand_in_refuses_what_jaxs_cudnn_call_refuses(dtype, head_dim, message):
+    """cuDNN's fused attention takes fp16/bf16 and a head dim a multiple of 8 up to 256
+    (Hopper): JAX raises otherwise on a GPU, and so does the stand-in; a target that
+    cannot run the kernel at all (a TPU, the CPU) is said in the notes."""
+    q = jax.ShapeDtypeStruct((B, 128, HEADS, head_dim), dtype)
+    call = lambda: jax.eval_shape(stand_in.cudnn_attention, q, q, q)  # noqa: E731
+    if message is None:
+        assert call().shape == q.shape
+    else:
+        with pytest.raises(NotImplementedError, match=message):
+            call()
+    priced = kernels.price(_attention_grad_jaxpr(is_causal=True), "tpu")
+    assert any("runs only on an NVIDIA GPU: on this tpu target" in n for n in priced.notes())
+    assert not any("only on an NVIDIA GPU" in n for n in kernels.price(
+        _attention_grad_jaxpr(is_causal=True), "gpu").notes())

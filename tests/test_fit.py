@@ -70,7 +70,7 @@ def test_floor_is_params_plus_adamw_state():
     params = jax.eval_shape(lambda: Transformer(CFG).init(
         jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    with pytest.raises(BudgetError, match=f"{3 * 4 * n + 4} bytes") as e:
+    with pytest.raises(BudgetError, match=f"{3 * 4 * n + 4:,} bytes") as e:
         fit(CFG, 3 * 4 * n, policies=["full"])
     assert e.value.minimum_bytes == 3 * 4 * n + 4
 
@@ -178,7 +178,7 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--budget", "lots"], "--budget: a budget must be"),
+    (["--budget", "lots"], "--budget: fit needs a budget in bytes: a number and a unit"),
     (["--budget", "0.3"], "--budget must be a size such as 16GiB, not a fraction"),
     (["--budget", "1GiB", "--target", "tpu:v9:1x1"], "tpu:v9:1x1"),
     (["--budget", "1KiB"], "is below the parameters plus optimizer state alone"),
@@ -312,7 +312,7 @@ def test_mesh_step_figures_are_per_device():
 
 def test_mesh_floor_is_per_device():
     floor = 3 * per_device_param_bytes(2) + 4
-    with pytest.raises(BudgetError, match=f"{floor} bytes per device of mesh fsdp:2") as e:
+    with pytest.raises(BudgetError, match=f"{floor:,} bytes per device of mesh fsdp:2") as e:
         fit(CFG, floor - 1, policies=["full"], mesh=fsdp2())
     assert e.value.minimum_bytes == floor
 
@@ -481,3 +481,43 @@ def test_cli_fit_says_why_nothing_compiled_below_the_smallest_size(capsys):
     assert ("cpu: no policy fits 1.50 MiB at any seq (none compiled: at seq 128 the largest "
             "buffer alone") in stdout
     assert "see below" not in stdout and "below the minimum" not in stdout
+
+
+@pytest.mark.parametrize("policies", [None, []])
+def test_fit_names_policies_that_are_no_specs(policies):
+    from remat_kit.api.configs import fit_rows
+    with pytest.raises(TypeError, match="policies must be one spec or a non-empty list"):
+        fit_rows(policies, "1GiB")
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("24", "fit needs a budget in bytes: a number and a unit, such as 16GiB, 512MiB or "
+           "6000000000B (a bare number above 1 is not a budget); got '24'"),
+    ("lots", "fit needs a budget in bytes: a number and a unit, such as 16GiB, 512MiB or "
+             "6000000000B (a budget must be a size); got 'lots'"),
+    ("1B", "budget 1 B is below the parameters plus optimizer state alone, ")])
+def test_fit_budget_errors_offer_sizes_and_say_bytes_once(capsys, budget, message):
+    code = cli.main(["fit", "--config", "tiny", "--budget", budget, "--policies", "full"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "fraction" not in err, err
+
+
+def test_fits_verdict_and_table_explain_a_cap_an_unknown_cost_and_no_memory():
+    import types
+
+    from rich.console import Console
+
+    from remat_kit.cli.fit_report import fit_table, pick_fit
+    from remat_kit.decide.fit_search import FitRow
+    full = FitRow("full", 65536, capped=True)  # no remat compiled: no FLOPs to compare
+    result = types.SimpleNamespace(rows=[full], vary="batch", budget_bytes=64 << 30,
+                                   mesh=None, devices=1)
+    choice = pick_fit(result)
+    assert choice.gives == ("batch 65536 (the largest batch searched; larger ones were not "
+                            "tried) in 64.00 GiB per device")
+    assert choice.cost == "FLOPs over no remat unknown (no remat compiled at no size to " \
+                          "count them)"
+    console = Console(width=400, record=True)
+    console.print(fit_table(result))
+    caption = " ".join(console.export_text().split())
+    assert "(cap): the largest size searched fits" in caption and "n/a" not in caption

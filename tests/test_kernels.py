@@ -119,12 +119,41 @@ def test_an_unknown_custom_call_is_named_and_the_total_a_lower_bound():
 
     priced = kernels.price(jax.make_jaxpr(loss)(jnp.ones((4, 8))), "tpu")
     assert priced.unpriced == ("my_op",) and priced.added_flops == 0
-    assert priced.notes() == ("FLOPs are a lower bound: custom calls left unpriced: my_op",)
+    assert priced.notes() == ("FLOPs are a lower bound: custom calls left unpriced (no "
+                              "cost_estimate, and not a kernel priced from its shapes): "
+                              "my_op",)
     found, notes = kernels.added(({"flops": 10.0}, ()), priced)
     assert found == {"flops": 10.0} and "lower bound" in notes[0]
     # Only a program holding a custom call that is not an annotation is traced again.
     assert kernels.has_kernels('%0 = stablehlo.custom_call @tpu_custom_call(%arg0)')
     assert not kernels.has_kernels('%0 = stablehlo.custom_call @Sharding(%arg0)')
+
+
+@pytest.mark.parametrize("estimate", [None, 268e6])
+def test_an_attention_kernel_of_unknown_layout_is_priced_by_its_estimate_or_named(estimate):
+    """A Pallas kernel named like attention whose q/k/v are [b, s, h, d]: its layout is not
+    guessed from its name (read as [.., h, s, d] it took the heads for the keys); its
+    cost_estimate prices it, or it is named unpriced."""
+    from jax.experimental import pallas as pl
+
+    def body(q_ref, k_ref, o_ref):
+        o_ref[...] = q_ref[...] + k_ref[...]
+
+    def loss(q, k):
+        cost = None if estimate is None else pl.CostEstimate(
+            flops=int(estimate), transcendentals=0, bytes_accessed=0)
+        return pl.pallas_call(body, name="my_attention_fwd", cost_estimate=cost,
+                              out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype))(q, k).sum()
+
+    q = jax.ShapeDtypeStruct((2, 512, 8, 64), jnp.float32)
+    priced = kernels.price(jax.make_jaxpr(loss)(q, q), "gpu")
+    (kernel,) = priced.kernels
+    if estimate is None:
+        assert (kernel.how, kernel.flops, priced.unpriced) == (
+            "unpriced", 0.0, ("my_attention_fwd",))
+        assert "my_attention_fwd" in priced.notes()[-1] and "cost_estimate" in priced.notes()[-1]
+    else:
+        assert (kernel.how, kernel.flops) == ("cost_estimate", estimate)
 
 
 def test_compile_for_counts_the_kernel_as_fit_and_plan_read_it():
@@ -248,3 +277,16 @@ def test_maxtexts_decoder_on_splash_through_compare(tmp_path):
     once = 2 * F_TPU * CAUSAL * (1 + 1.5 + 2)  # two layers: forward, dq, dk/dv
     assert kept["kernel_flops"] == once and kept["kernel_flops"] <= kept["flops"]
     assert out_proj["kernel_flops"] == once + 2 * F_TPU * CAUSAL
+
+
+def test_explains_block_reads_the_splash_mask_as_the_whole_program_does():
+    """`rk.explain` prices one block (`Regions.block`): splash's block mask, an int8
+    constant of the loss, is closed over as in the loss, so the block's kernels are priced
+    causal (10 of 16 blocks at seq 512) as compare's are, not unmasked."""
+    from remat_kit.policy.spec import parse
+    model, _, _ = kernel_nnx.make(B, T, abstract=True)
+    work = rk.from_model.workload(model, B, T)
+    block, args = work.block(parse("minimal"))
+    found = kernels.price(jax.make_jaxpr(jax.value_and_grad(block))(*args), "tpu").kernels
+    fwd = [k for k in found if "fwd" in k.name]
+    assert fwd and all(k.mask == "" and k.flops == F * 10 / 16 for k in fwd)

@@ -347,3 +347,13 @@ def test_flops_match_a_hand_count_of_the_matmuls(family):
     (none,) = rk.measure_config(cfg, 2, 128, ["none"])
     # Elementwise ops (softmax, norms, activations) add the last 1-2%.
     assert 1.0 <= none.flops / _matmul_flops(cfg, 2, 128) < 1.02
+
+
+def test_a_batch_the_models_own_mesh_cannot_split_is_noted_on_every_row():
+    """tests/zoo/mesh_linen.py builds its mesh over the 8 devices: a batch of 6 stays whole
+    on each, which every row says (the workload's note on the model, not on a tag)."""
+    from tests.zoo import mesh_linen
+    work = rk.from_model.workload(mesh_linen.model(), 6, 8)
+    line = ("batch 6 does not split over the 8 devices of mesh axes ['data'] (data:8): the "
+            "tokens are whole on every device of the model's mesh")
+    assert [r.notes.count(line) for r in rk.measure(work, policies=["none", "full"])] == [1, 1]

@@ -155,6 +155,7 @@ def test_shardings_keep_a_dimension_the_mesh_does_not_divide():
     ("data:2,data:4", None, "axis 'data' is given twice"),
     ("data:0", {"data": 0}, "has size 0; sizes are ints >= 1"),
     ("data=8", None, "term 'data=8' is not AXIS:N"),
+    ("data:\u0662", None, "term 'data:\u0662' is not AXIS:N"),  # an Arabic-Indic 2
     ("", None, "mesh spec must be AXIS:N"),
     (None, {}, "names no axis"),
     ("data:2048", {"data": 2048}, "needs 2048 devices, more than the 1024 supported"),

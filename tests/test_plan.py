@@ -418,3 +418,13 @@ def test_the_planner_takes_policies_and_keeps_the_callers_labels():
     assert record is full and record.names == ("minimal", "full!")  # no tags: one program
     assert set(planner.records) == {str(minimal), "full"}
     assert planner.policy_of(record) == minimal and record.policy == str(minimal)
+
+
+def test_a_plan_cache_of_another_type_is_named():
+    import jax.numpy as jnp
+
+    import remat_kit as rk
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+    with pytest.raises(TypeError, match="^cache must be a plan cache path, True for the "
+                                        "default one, or None for none; got int 5$"):
+        rk.plan(loss, jnp.ones((8, 8)), jnp.ones((4, 8)), budget=1.0, cache=5)

@@ -328,3 +328,10 @@ def test_train_plan_for_emit_compiles_no_preset_beyond_none_and_full(monkeypatch
     # none and full, then the planner's two plans (every decidable tag saved, for the
     # byte share; the budget's plan), each once.
     assert compiled[:2] == ["none", "full"] and len(set(compiled)) == len(compiled) == 4
+
+
+def test_emit_maxtext_gives_context_and_attention_out_one_setting_without_the_alias():
+    """A plan whose program named no alias for context (the reference model's) still sets
+    MaxText's attention_out as its context: one tensor under two names."""
+    text = emit.emit(_plan("save:query_proj,context"), "maxtext")
+    assert "context=device" in text.split() and "attention_out=device" in text.split()

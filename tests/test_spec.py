@@ -276,6 +276,16 @@ def test_config_rejects_bad_heads(overrides, message):
         TransformerConfig(**overrides)
 
 
+def test_a_shortened_message_is_cut_between_words():
+    from remat_kit.errors import shorten
+    text = " ".join(["temporaries"] * 12 + ["values"] * 20)
+    short = shorten(text, 40)
+    head, _, rest = short.partition("...[")
+    count, _, tail = rest.partition(" characters]...")
+    assert head.split()[-1] == "temporaries" and tail.split()[0] == "values"
+    assert len(head) + int(count) + len(tail) == len(text)
+
+
 @pytest.mark.parametrize("spec, position", [
     ("x" * 100_000, 0), ("save:query_proj," + "b" * 100_000, 16),
     ("save:query_proj;" * 10_000 + "bad", 160_000),
@@ -289,3 +299,25 @@ def test_long_specs_are_shown_once_and_shortened(spec, position):
     assert f"({len(spec)} characters)" in message or f"[{len(spec) - 160} characters]" in message
     if position:
         assert f"at position {position}" in message
+
+
+def test_a_per_layer_plan_as_plan_prints_it_is_a_spec_config_and_remat_model_read():
+    """plan's verdict pastes a per-layer plan as its layers summary ('0-1 save:... / 2
+    full'): layer_policies, TransformerConfig.remat (--config.remat=) and rk.remat_model
+    read it as one policy per layer; runs that skip a layer are refused in one line."""
+    from remat_kit.decide.plan_cache import layers_summary
+    from remat_kit.models import get_config
+    from remat_kit.errors import RematSpecError
+    from remat_kit.policy.spec import layer_policies, parse, per_layer
+    layers = (parse("save:query_proj,key_proj"), parse("save:query_proj,key_proj"),
+              parse("full"))
+    text = layers_summary(layers)
+    assert text == "0-1 save:query_proj,key_proj / 2 full"
+    assert layer_policies(text, 3) == layers
+    assert per_layer("save:query_proj,key_proj") is None and per_layer("full@every:2") is None
+    cfg = get_config("tiny", num_layers=3, remat=text)
+    assert (cfg.remat, tuple(map(parse, cfg.layer_remat))) == ("none", layers)
+    from remat_kit.flax import measured
+    assert measured._spec_of(text, None) == (per_layer(text), {})  # rk.remat_model's reading
+    with pytest.raises(RematSpecError, match="layers 2 do not follow on from layer 1"):
+        per_layer("0 full / 2 full")

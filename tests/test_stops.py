@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,6 +41,58 @@ def test_a_command_stopped_by_a_signal_says_so_in_one_line(tmp_path, signum, whe
                            "kept: what was compiled or planned before it, in the compile "
                            "cache "), line
     assert line.endswith("; no report was written")
+
+
+# A model file that stops its own command: a SIGTERM sent inside a gc callback (where a raised
+# exception is swallowed: "Exception ignored in ..."), or two signals 20 ms apart from a thread
+# while the command sleeps in the model's function.
+STOPPING = """
+import gc, os, signal, threading, time
+import flax.linen as nn
+
+class M(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        return nn.Dense(16)(nn.Embed(16, 8)(tokens))
+
+def model():
+    pid, mode = os.getpid(), os.environ["STOP_MODE"]
+    if mode == "gc":
+        def callback(phase, info, sent=[]):
+            if not sent:
+                sent.append(os.kill(pid, signal.SIGTERM))
+        gc.callbacks.append(callback)
+        gc.collect()
+        gc.callbacks.remove(callback)
+    else:
+        first, second = (signal.SIGINT, getattr(signal, mode))
+        def send():
+            os.kill(pid, first)
+            time.sleep(0.02)
+            os.kill(pid, second)
+        threading.Thread(target=send).start()
+        time.sleep(10)
+    return M()
+"""
+
+
+@pytest.mark.parametrize("mode, signum", [("gc", signal.SIGTERM), ("SIGINT", signal.SIGINT),
+                                          ("SIGTERM", signal.SIGINT)])
+def test_a_signal_swallowed_or_repeated_still_stops_in_one_line(tmp_path, mode, signum):
+    """A stop raised inside a callback that swallows it is raised again (no report, 143);
+    a second signal, of either kind, 20 ms after the first: the first's one line and
+    status, no traceback, no abort."""
+    path, report = tmp_path / "stopping.py", tmp_path / "report.json"
+    path.write_text(STOPPING)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "remat_kit.cli", "compare", "--model",
+                           f"{path}:model", "--batch", "2", "--seq", "8", "--policies", "none",
+                           "--json", report], cwd=REPO, env={**ENV, "STOP_MODE": mode},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signum, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"remat-kit compare: stopped by {signal.Signals(signum).name}; ")
+    assert not report.exists() and time.perf_counter() - start < 60
 
 
 # Runs experiments.train with a hook: right after the last checkpoint's save starts
@@ -105,3 +158,35 @@ def test_a_metrics_file_that_is_a_folder_is_one_line(data, tmp_path):  # noqa: F
     assert str(e.value) == (
         f"--workdir: {str(tmp_path / 'metrics.jsonl')!r} is a folder, not a regular file; "
         "the run writes metrics.jsonl there: move it away or use another workdir")
+
+
+def test_what_a_stopped_plan_keeps_names_only_a_plan_cache_that_exists(tmp_path):
+    import argparse
+
+    import jax
+
+    from remat_kit.cli import stops
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    cache = tmp_path / "x.json"
+    args = argparse.Namespace(command="plan", cache=str(cache))
+    try:
+        assert stops.kept(args) == "nothing was kept (no cache folder is set)"
+        cache.write_text("{}")
+        assert stops.kept(args) == (f"kept: what was compiled or planned before it, in the "
+                                    f"plan cache {str(cache)!r}; no report was written")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """A shell's background job starts with SIGINT ignored: a command does not take it up."""
+    from remat_kit.cli import stops
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stops.catching():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

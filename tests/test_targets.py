@@ -74,6 +74,15 @@ def test_labels_name_the_compiler_and_the_topology():
     ("tpu:v5e", "bad TPU topology 'v5e'"),
     ("gpu:h10", "unknown GPU 'h10' in target 'gpu:h10'; did you mean 'h100'?; valid: a100, h100, h200"),
     ("gpu:h100:0", "bad GPU target 'gpu:h100:0'"),
+    # libtpu aborts the process past 512 slices; a trailing ':' or a non-ASCII digit is
+    # no count at all.
+    ("tpu:v5p:4x4x4:slices=1000", "bad TPU topology 'v5p:4x4x4:slices=1000' in target "
+     "'tpu:v5p:4x4x4:slices=1000': after the shape give slices=N with N a number of slices "
+     "from 1 to 512 (libtpu's most)"),
+    ("tpu:v5e:1x1:", "target 'tpu:v5e:1x1:' ends in ':'; valid: cpu, tpu"),
+    ("cpu:", "target 'cpu:' ends in ':'; valid: cpu, tpu"),
+    ("tpu:v5e:1x\u0662", "bad TPU topology 'v5e:1x\u0662'"),
+    ("tpu:v5p:2x2x1:slices=\u0662", "bad TPU topology 'v5p:2x2x1:slices=\u0662'"),
     ("gpu:/no/such.txtpb", "GPU target config file '/no/such.txtpb' in target"),
 ])
 def test_bad_targets_list_the_valid_ones(text, message):

@@ -205,10 +205,14 @@ def fit_rows(policies: Sequence, budget: "int | str") -> dict:
 
     Raises:
       RematSpecError: a spec does not parse. BudgetError: "auto" with a budget that is
-        not a size in bytes (`decide.fit.fit_budget_bytes`).
+        not a size in bytes (`decide.fit.fit_budget_bytes`). TypeError: `policies` is
+        neither a spec nor a non-empty list of them (None).
     """
     if isinstance(policies, (str, Policy)):  # one spec, not its letters
         policies = [policies]
+    if not isinstance(policies, Sequence) or not policies:
+        raise TypeError(f"policies must be one spec or a non-empty list of specs (e.g. "
+                        f"['minimal', 'full', 'auto']), got {policies!r:.80}")
     given: dict = {}
     for p in policies:
         given.setdefault(p if isinstance(p, str) else str(p), p)

@@ -18,7 +18,7 @@ from remat_kit.policy import names as tag_names
 from remat_kit import files as outputs
 from remat_kit.errors import BadInput, RematSpecError, shorten
 from remat_kit.models import TransformerConfig
-from remat_kit.policy.spec import BARE_NAMES, PRESET_TABLE, AutoSpec, parse
+from remat_kit.policy.spec import BARE_NAMES, PRESET_TABLE, AutoSpec, parse, per_layer
 from remat_kit.measure.targets import Target
 
 
@@ -36,8 +36,8 @@ def check_int(name: str, value, minimum: int = 1) -> int:
 
 def positive_int(text: str) -> int:
     """argparse type: an int in 1..MAX_INT, else ArgumentTypeError naming `text`."""
-    try:
-        value = int(text)
+    try:  # ASCII digits only: int() also reads '٢' and '１６', which no other flag takes
+        value = int(text) if text.strip().replace("_", "").isascii() else 0
     except ValueError:
         value = 0
     if not 0 < value <= MAX_INT:
@@ -150,7 +150,8 @@ def check_json_and_plot(args) -> None:
 
 def input_files(args) -> list[tuple[str, str]]:
     """(what, path) of the files a command reads its model from: the --model's file
-    (FILE.py, or a package.module's once imported) and a --config .py file."""
+    (FILE.py, or a package.module's once imported), the modules loaded from its folder
+    or below (what it imports from beside it: `import helpmod`), and a --config .py file."""
     import sys
     found = []
     spec = getattr(args, "model", None)
@@ -160,6 +161,11 @@ def input_files(args) -> list[tuple[str, str]]:
             path = getattr(sys.modules.get(path), "__file__", None)
         if path:
             found.append((f"the file of --model {spec}", path))
+            folder = os.path.join(os.path.dirname(os.path.realpath(path)), "")
+            found += [(f"the file of module {name}, loaded from beside --model {spec}", file)
+                      for name, file in sorted((n, getattr(m, "__file__", None))
+                                               for n, m in list(sys.modules.items()))
+                      if isinstance(file, str) and os.path.realpath(file).startswith(folder)]
     config = getattr(args, "config", None)
     if config and (config.endswith(".py") or os.sep in config):
         found.append((f"--config {config}", config))
@@ -210,6 +216,10 @@ def split_policies(text: str, flag: str = "--policies") -> list[str]:
     if not text.strip():
         raise BadInput(f"{flag} is empty; give comma-separated policy specs, or leave it "
                        "out for every preset")
+    if per_layer(text) is not None:
+        raise BadInput(f"{flag} {shorten(text)!r} is a per-layer plan (plan's paste), which "
+                       "rk.remat_model and --config.remat= run; a row here is one policy for "
+                       "every layer: give the plan's uniform specs, or see it in plan's table")
     items: list[tuple[int, str]] = []
     for i, piece in enumerate(text.split(","), 1):
         word = piece.strip()

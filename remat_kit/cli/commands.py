@@ -289,9 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             with pool.using(getattr(args, "jobs", None)):
                 return args.run(args)
         except stops.Stopped as e:  # Ctrl-C or SIGTERM: one line, never a traceback
+            stops.handled()
             print(f"remat-kit {args.command}: stopped by {e.name}; {stops.kept(args)}",
                   file=sys.stderr)
-            pool.exit_if_busy(e.exit_code)  # no waiting for a compile in flight
+            if argv is None:  # this process's own command line: it ends here
+                stops.end_process(e.exit_code)
             return e.exit_code
         except (BadInput, RematSpecError, ValueError) as e:
             # RematSpecError is a ValueError; other ValueErrors here come from

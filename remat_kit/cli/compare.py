@@ -93,7 +93,8 @@ def run(args) -> int:
     if args.plot is not None:
         for target, title, rows in sections:
             plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
-    return 0
+    # No row with a figure on any target: a failure that scripts and CI must see.
+    return 1 if all(verdict.pick_compare(rows) is None for _, _, rows in sections) else 0
 
 
 def _on_target(args, src, sizes, specs, progress, where) -> tuple:

@@ -71,12 +71,16 @@ def _check_not_fixed(args) -> None:
 def _budget_bytes(text: str) -> int:
     """--budget in bytes; BadInput for a budget that does not parse, or a fraction (fit
     has no no-remat figure to take it of)."""
+    from remat_kit.decide.fit import fit_budget_bytes
     from remat_kit.errors import BudgetError
     from remat_kit.policy.budget import parse_budget
     try:
         budget = parse_budget(text).bytes
-    except BudgetError as e:
-        raise BadInput(f"--budget: {e}") from None
+    except BudgetError:
+        try:
+            fit_budget_bytes(text)  # the same refusal, offering sizes only
+        except BudgetError as e:
+            raise BadInput(f"--budget: {e}") from None
     if budget is None:
         raise BadInput(f"--budget must be a size such as 16GiB, not a fraction: got "
                        f"{text!r}")

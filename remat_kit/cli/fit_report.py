@@ -29,10 +29,13 @@ def fit_table(result, title: str = "", wide: bool = False) -> Table:
     vary = result.vary
     where = (f"per device of mesh {result.mesh} ({result.devices} devices); sizes and "
              f"FLOPs/token global" if result.mesh else "per device")
-    source = result.rows[0].memory.source if result.rows and result.rows[0].memory else "n/a"
+    source = next((r.memory.source for r in result.rows if r.memory), None)
     t = Table(title=Text(title), caption=(
-        f"budget {fmt_bytes(result.budget_bytes)} {where}; step memory = {source}; "
-        f"FLOPs x none = step FLOPs / no remat's at the same {vary}"
+        f"budget {fmt_bytes(result.budget_bytes)} {where}; "
+        + ("" if source is None else f"step memory = {source}; ")
+        + ("(cap): the largest size searched fits, larger ones were not tried; " if any(
+            r.capped and not r.limit and r.size for r in result.rows) else "")
+        + f"FLOPs x none = step FLOPs / no remat's at the same {vary}"
         + ("; † no remat (`none`) does not fit there" if any(
             r.none_fits is False for r in result.rows) else "")
         + ("; traced: no remat not compiled, its traced estimate far over the budget, its "
@@ -94,10 +97,12 @@ def pick_fit(result):
                f"; no remat (`none`): {result.vary} {none.size}" if none.size else
                f"; no remat (`none`) fits no {result.vary}")
     name = best.picked if best.picked and not best.picked_layers else best.policy
-    return Choice(name=name, gives=f"{result.vary} {best.size} in "
-                  f"{fmt_bytes(result.budget_bytes)} per device",
-                  cost=cost_text(None if best.flop_overhead is None else best.flop_overhead - 1,
-                                 None),
+    cost = ("FLOPs over no remat unknown (no remat compiled at no size to count them)"
+            if best.flop_overhead is None else cost_text(best.flop_overhead - 1, None))
+    capped = (f" (the largest {result.vary} searched; larger ones were not tried)"
+              if best.capped and not best.limit else "")
+    return Choice(name=name, gives=f"{result.vary} {best.size}{capped} in "
+                  f"{fmt_bytes(result.budget_bytes)} per device", cost=cost,
                   why=f"largest {result.vary}{against}")
 
 

@@ -91,6 +91,34 @@ def rows(planner, records: list, predict: list[str]) -> tuple[list[PresetRow], l
     return out, unpriced
 
 
+# How far over a budget a predicted preset may be and still fit once compiled: the cost
+# model's memory ran up to 41% over the compiled figure on the CPU (benchmarks/
+# preset_predictions.py, tiny) and 3-9% over on a TPU v5e, so those predicted within
+# this margin are compiled.
+PREDICTION_MARGIN = 0.45
+
+
+def near_budgets(planner, found, presets: list[PresetRow]) -> list[str]:
+    """The names of the predicted presets to compile: those predicted within
+    `PREDICTION_MARGIN` of a budget's limit whose predicted score beats that budget's
+    plan (compiled, they may fit and beat it; the planner takes a compiled preset that
+    does)."""
+    from remat_kit.policy.budget import parse_budget
+    out = []
+    for row in presets:
+        if row.record is not None:
+            continue
+        for b, p in found.plans.items():
+            limit = parse_budget(b).resolve(found.none)
+            plan_row = PresetRow((), p.spec, p.measured_bytes, p.measured_flops,
+                                 p.predicted_seconds)
+            if (row.memory_bytes <= limit * (1 + PREDICTION_MARGIN)
+                    and _score(planner, row)[:-1] < _score(planner, plan_row)[:-1]):
+                out += [n for n in row.names if n not in out]
+                break
+    return out
+
+
 def _score(planner, row: PresetRow) -> tuple:
     """`Planner.score` of a compiled row; the same ranking of a predicted row's figures."""
     if row.record is not None:

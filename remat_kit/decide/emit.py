@@ -69,6 +69,12 @@ def kept_tags(plan, policy: Policy) -> dict[str, str]:
     return {t: d for t, d in _decided(plan, policy).items() if d != "recompute"}
 
 
+# MaxText names the attention's output twice (`context` at the attention op, and
+# `attention_out`, the roles' `context`): docs/plan.md says they take one setting, whether
+# or not the plan's program gave the alias.
+_MAXTEXT_SAME = (("context", "attention_out"),)
+
+
 def maxtext(plan) -> str:
     """MaxText's overrides for `plan`: "remat_policy=custom decoder_layer_input=device
     ... engram=remat", one setting per `MAXTEXT_TENSORS` name.
@@ -94,6 +100,10 @@ def maxtext(plan) -> str:
                             f"policy has no tensor name for (it names "
                             f"{', '.join(MAXTEXT_TENSORS)}): plan with --emit maxtext, which "
                             f"keeps to them")
+    for one, other in _MAXTEXT_SAME:  # one tensor under two names: one setting for both
+        kept = [names[n] for n in (one, other) if names.get(n, "recompute") != "recompute"]
+        if kept:
+            names[one] = names[other] = kept[0]
     settings = []
     for tensor in MAXTEXT_TENSORS:
         word = _MAXTEXT_WORDS[names.get(tensor, "recompute")]

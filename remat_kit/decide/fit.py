@@ -24,7 +24,7 @@ from remat_kit.errors import BudgetError, MeshError
 from remat_kit.decide.floor import train_state, tree_bytes
 from remat_kit.decide.plan import Planner
 from remat_kit.policy.policy import Policy
-from remat_kit.units import fmt_bytes
+from remat_kit.units import fmt_bytes, fmt_bytes_exact
 from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.decide.step import (StepMemory, check_args, check_mesh, compile_step, default_optimizer,
                             one_policy, resizer, step_peak)
@@ -306,8 +306,17 @@ def _search_sizes(vary: str, given, mesh: Mesh | None, batch: int | None, seq: i
 
 
 def fit_budget_bytes(budget: "int | str") -> int:
-    """The fit budget in bytes. Raises BudgetError for a fraction or a non-size."""
-    budget_bytes = parse_budget(budget).bytes
+    """The fit budget in bytes. Raises BudgetError for a fraction or a non-size, offering
+    sizes only (fit takes no fraction)."""
+    try:
+        budget_bytes = parse_budget(budget).bytes
+    except BudgetError as e:
+        if "fraction" not in e.message:
+            raise
+        # fit takes no fraction: the message offers sizes only.
+        raise BudgetError(f"fit needs a budget in bytes: a number and a unit, such as 16GiB, "
+                          f"512MiB or 6000000000B ({e.message.split(' (')[0]})",
+                          budget=budget) from None
     if budget_bytes is None:
         raise BudgetError(f"fit needs a budget in bytes, such as 16GiB; {budget!r} is a "
                           "fraction of no-remat memory, which changes with the size searched",
@@ -353,8 +362,8 @@ def _floor(smallest, optimizer, budget, budget_bytes: int, mesh: Mesh | None,
     if budget_bytes < floor:
         where = f"per device of mesh {rk_mesh.spec_text(mesh)}" if mesh is not None else "per device"
         raise BudgetError(
-            f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below the parameters "
-            f"plus optimizer state alone, {fmt_bytes(floor)} ({floor} bytes {where}): no "
+            f"budget {fmt_bytes_exact(budget_bytes)} is below the parameters plus optimizer "
+            f"state alone, {fmt_bytes_exact(floor, where)}: no "
             f"{vary} fits", budget=budget, minimum_bytes=floor)
     return floor
 

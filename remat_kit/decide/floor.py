@@ -18,7 +18,7 @@ import optax
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import BudgetError
 from remat_kit.measure.record import PEAK, memory_kind
-from remat_kit.units import fmt_bytes
+from remat_kit.units import fmt_bytes, fmt_bytes_exact
 from remat_kit.trace.workload import Workload
 
 
@@ -88,8 +88,8 @@ def check(budget_bytes: int, floor: int | None, what: str, *, budget=None) -> No
     """
     if floor is not None and budget_bytes < floor:
         raise BudgetError(
-            f"budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes) is below {what}, "
-            f"{fmt_bytes(floor)} ({floor} bytes per device), which no policy frees: no "
+            f"budget {fmt_bytes_exact(budget_bytes)} is below {what}, "
+            f"{fmt_bytes_exact(floor, 'per device')}, which no policy frees: no "
             f"policy fits",
             budget=budget if budget is not None else budget_bytes, minimum_bytes=floor)
 

@@ -9,6 +9,7 @@ How it works, the arguments and the figures: docs/plan.md.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable, Collection, Sequence
 
@@ -114,7 +115,11 @@ class Planner:
             workload = from_loss(loss_fn, *args)
         _check_differentiable(args)
         self.step = check_step(step)
-        self.cache = default_cache_path() if cache is True else (cache or None)
+        if not (cache is None or isinstance(cache, (bool, str, os.PathLike))):
+            raise TypeError(f"cache must be a plan cache path, True for the default one, or "
+                            f"None for none; got {type(cache).__name__} {cache!r:.80}")
+        self.cache = (default_cache_path() if cache is True
+                      else os.fspath(cache) if cache else None)
         self.max_iterations = max_iterations
         self.target = targets.parse_target(target)
         checked, self.time_check = time_check(self.target)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.decide import offload as host_offload
 from remat_kit.decide.cost_model import PLANNED_BASES
+from remat_kit.decide.planner_costs import TIME_RESOLUTION
 from remat_kit.decide.plan_cache import Plan, write_cache, cached_plan, layers_summary
 from remat_kit.errors import BudgetError
 from remat_kit.measure import pool
@@ -89,7 +90,8 @@ def plan(planner, budget: "str | int | float") -> Plan:
     parsed = parse_budget(budget)
     groups, group_note = planner.costs.group_count()
     key = _cache_key(planner, parsed, groups)
-    if planner.cache and (kept := cached_plan(planner.cache, key)) is not None:
+    if planner.cache and (kept := cached_plan(planner.cache, key)) is not None \
+            and not _beaten(planner, kept):
         return kept
     full, none = _full_and_none(planner)
     if none is None and parsed.bytes is None:
@@ -150,6 +152,19 @@ def _full_and_none(planner) -> tuple:
     `measure_all`). Raises as `PlannerCompiles.measure`."""
     planner.compiles.side_by_side([Policy(), Policy(remat=False)])
     return planner.compiles.measure(Policy()), planner.compiles.none()
+
+
+def _beaten(planner, kept: Plan) -> bool:
+    """Whether a policy compiled since `kept` was cached (a preset `remat-kit plan`
+    compiled) fits its budget and scores better: the plan is then made again."""
+    if planner.objective == "time":
+        step = TIME_RESOLUTION * planner.costs.seconds(Policy(remat=False))
+        mine = None if kept.predicted_seconds is None else round(kept.predicted_seconds / step)
+    else:
+        mine = kept.measured_flops
+    return mine is not None and any(
+        planner.costs.score(r)[0] < mine for r in planner.compiled_records()
+        if r.memory_bytes <= kept.budget_bytes)
 
 
 def _cache_key(planner, parsed, groups: int) -> str:

@@ -27,7 +27,7 @@ from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.policy.names import register_emitted
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import AutoSpec, layer_policies, parse
+from remat_kit.policy.spec import AutoSpec, layer_policies, parse, per_layer
 from remat_kit.trace import call_region, model_map, own_remat, regions, validate, wrapping
 
 
@@ -170,6 +170,8 @@ def _spec_of(policy, budget):
     elif hasattr(policy, "layer_specs") and hasattr(policy, "spec"):  # a remat_kit Plan
         spec = tuple(policy.layer_specs) or policy.spec
         context = dict(getattr(policy, "model", {}))  # the model it was planned for
+    elif isinstance(policy, str) and (layers := per_layer(policy)) is not None:
+        spec, context = layers, {}  # a per-layer plan as `plan` prints it
     elif isinstance(policy, (str, Policy)):
         spec, context = policy, {}
     elif isinstance(policy, Sequence):

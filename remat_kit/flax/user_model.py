@@ -297,7 +297,9 @@ def _check_loss(loss: Callable, spec: str, name: str) -> None:
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (
     importlib.import_module("jax"), importlib.import_module("jaxlib"),
     importlib.import_module("flax"), importlib.import_module("optax"),
-    importlib.import_module("numpy"), os))
+    importlib.import_module("numpy"), os)) + (
+    # The cuDNN stand-in plays JAX's cuDNN call: its refusals are the model's, as JAX's are.
+    importlib.import_module("remat_kit.trace.stand_in").__file__,)
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 

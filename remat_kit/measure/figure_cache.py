@@ -66,14 +66,19 @@ def folder() -> str | None:
 
 
 def key(lowered_text: str, target: "targets.Target", options: dict | None,
-        kind: str, runs: bool = False) -> str | None:
+        kind: str, runs: bool = False, program=None) -> str | None:
     """The program's key, or None where figures are not kept: an executable
     that will run (`runs`, on devices this machine has) or no cache folder.
     kind names what is stored (a `measure` record's figures, a
-    `lowering.compile_for`'s)."""
+    `lowering.compile_for`'s). program: the ClosedJaxpr lowered to `lowered_text`,
+    where it holds kernels: their pricing (`kernels.price`) joins the key, as the
+    text lacks what it reads (a cuDNN call's mask type and window, a splash
+    mask's values, a Pallas cost estimate)."""
     if (runs and not target.aot) or folder() is None:
         return None
-    parts = (FORMAT, _code(), kind, compiler_parts(target, options), lowered_text)
+    priced = (repr(kernels.price(program, target.platform)) if program is not None
+              and kernels.has_kernels(lowered_text) else "")
+    parts = (FORMAT, _code(), kind, compiler_parts(target, options), lowered_text, priced)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -89,12 +94,13 @@ def compiler_parts(target: "targets.Target", options: dict | None) -> list:
 
 
 def lookup(lowered_text: str, target: "targets.Target", options: dict | None,
-           kind: str, runs: bool = False,
-           schema: sealed.Schema = MEASURED) -> tuple[str | None, dict | None]:
+           kind: str, runs: bool = False, schema: sealed.Schema = MEASURED,
+           program=None) -> tuple[str | None, dict | None]:
     """(the program's `key`, the figures kept under it or None): what a compile
     site asks before compiling; it `store`s under the key after a miss.
-    schema: what the figures hold (`MEASURED`, `COMPILED`), checked by `load`."""
-    program_key = key(lowered_text, target, options, kind, runs)
+    schema: what the figures hold (`MEASURED`, `COMPILED`), checked by `load`.
+    program: the lowered ClosedJaxpr, whose kernels' pricing joins the key (`key`)."""
+    program_key = key(lowered_text, target, options, kind, runs, program)
     return program_key, load(program_key, schema)
 
 

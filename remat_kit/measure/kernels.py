@@ -21,12 +21,18 @@ from remat_kit.trace import stand_in
 from remat_kit.trace.roles import kernel_name
 from remat_kit.units import fmt_flops
 
-# Kernel and primitive names of fused attention (splash_mha_fwd, flash_mha_bwd_dq,
-# mha_forward, dot_product_attention_fwd, ...).
+# The attention kernels priced from shapes, by name, and the axis of their q/k/v that is
+# the sequence: splash and the TPU flash kernel keep heads before it ([..., heads, seq,
+# head_dim]); Pallas GPU `mha` and cuDNN's (BTNH) have [batch, seq, heads, head_dim]. A
+# kernel of any other name is priced by its cost_estimate or left unpriced: its layout
+# cannot be read from a name (a custom [b, s, h, d] kernel read as [.., h, s, d] would
+# take its heads for the keys).
+_KNOWN = ((re.compile(r"^splash_m[hq]a_"), -2),
+          (re.compile(r"^flash_attention_(d[kq]v?_)?kernel"), -2),
+          (re.compile(r"^mha_(forward|backward|preprocess_backward)$"), -3),
+          (re.compile(r"^(dot_product_attention|cudnn_attention)_(fwd|bwd)|fmha"), -3))
+# Primitive names of fused attention, for kernels that are primitives rather than calls.
 _ATTENTION = re.compile(r"attention|attn|flash|fmha|mha|mqa|splash", re.IGNORECASE)
-# Kernels whose q/k/v are [batch, seq, heads, head_dim] (Pallas GPU `mha`, cuDNN's
-# BTNH); the others keep heads before the sequence ([..., heads, seq, head_dim]).
-_SEQ_THIRD_LAST = re.compile(r"^mha_|dot_product_attention|cudnn|fmha", re.IGNORECASE)
 _CALLS = ("pallas_call", "ffi_call", "custom_call")
 _TARGET = re.compile(r"custom_call @([\w$.]+)")
 # StableHLO custom calls that are annotations (sharding, host offload), not kernels.
@@ -66,6 +72,7 @@ class Priced:
     """The kernels of one program (`price`)."""
 
     kernels: tuple[Kernel, ...] = ()
+    platform: str = ""  # the target's ("cpu", "tpu", "gpu"), where known
 
     @property
     def added_flops(self) -> float:
@@ -102,9 +109,14 @@ class Priced:
                          "call, so the program was traced with a stand-in of its inputs, "
                          "outputs and residuals (remat_kit.trace.stand_in), the kernel "
                          "priced from its shapes")
+            if self.platform in ("cpu", "tpu"):
+                notes.append(f"cuDNN attention runs only on an NVIDIA GPU: on this "
+                             f"{self.platform} target the model would fail; these figures "
+                             "are of a program that cannot run there")
         notes += self._cudnn_rerun()
         if self.unpriced:
-            notes.append("FLOPs are a lower bound: custom calls left unpriced: "
+            notes.append("FLOPs are a lower bound: custom calls left unpriced (no "
+                         "cost_estimate, and not a kernel priced from its shapes): "
                          + ", ".join(self.unpriced))
         return tuple(notes)
 
@@ -245,17 +257,21 @@ def _kernel(eqn, values: dict, calls: int, platform: str) -> Kernel:
     if estimate is not None and getattr(estimate, "flops", 0):
         return Kernel(name, calls, float(estimate.flops), nbytes, dtype, "cost_estimate",
                       counted=platform == "tpu")
-    attention = _ATTENTION.search(name) or _ATTENTION.search(eqn.primitive.name)
-    if not attention or len(floats) < 2:
+    seq_axis = _layout(name) or _layout(eqn.primitive.name)
+    if seq_axis is None or len(floats) < 2 or len(floats[1].shape) < -seq_axis:
         return Kernel(name, calls, 0.0, nbytes, dtype, "unpriced")
     q, k = floats[0].shape, floats[1].shape
-    seq_axis = -3 if _SEQ_THIRD_LAST.search(name) and len(k) >= 3 else -2
     qk = [i for i, a in enumerate(ins) if _floating([a])][:2]
     fraction, mask = _block_fraction(name, eqn, values, qk, seq_axis)
     role = _role(name, len([o for o in _floating(outs) if len(o.shape) == len(q)]))
     flops = (role * attention_flops(q, k, seq_axis, fraction) if role
              else 2.0 * math.prod(q))  # a product and a sum per element of o
     return Kernel(name, calls, flops, nbytes, dtype, "shapes", mask=mask if role else "")
+
+
+def _layout(name: str) -> int | None:
+    """The sequence axis of a known attention kernel's q/k/v (`_KNOWN`); None for any other."""
+    return next((axis for pattern, axis in _KNOWN if pattern.search(name)), None)
 
 
 def _is_kernel(eqn) -> bool:
@@ -301,7 +317,7 @@ def price(closed, platform: str) -> Priced:
                         _bind(values, eqn.outvars, sub.outvars, inner)
 
     walk(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)), 1)
-    return Priced(tuple(found))
+    return Priced(tuple(found), platform)
 
 
 # Equations whose outputs are their inputs' values (a kernel's mask placed on a mesh), and

@@ -250,9 +250,12 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
     donated = tuple(j for i in donate for j in range(first[i], first[i] + counts[i]))
     start = time.perf_counter()
     lowered, options = lower(flat, leaves, target, donated), compile_options(target, compile_only)
+    local = [_local(x) for x in leaves]
+    program = _kernel_program(lowered, flat, local) if count_flops else None
     program_key, kept = figure_cache.lookup(lowered.as_text(), target, options,
                                             f"compile_for count_flops={count_flops}",
-                                            runs=not compile_only, schema=figure_cache.COMPILED)
+                                            runs=not compile_only, schema=figure_cache.COMPILED,
+                                            program=program)
     if kept is not None and dump is None:  # a program that will not run: kept figures
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
                         time.perf_counter() - start, tuple(kept["notes"]),
@@ -260,9 +263,7 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
     compiled = pool.current().run(_compile_dumped if dump else compile_lowered, lowered,
                                   dump_options(options, dump) if dump else options, target)
     seconds = time.perf_counter() - start
-    local = [_local(x) for x in leaves]
-    found, notes, priced = (costs_with_kernels(compiled, target, flat, local,
-                                               _kernel_program(lowered, flat, local))
+    found, notes, priced = (costs_with_kernels(compiled, target, flat, local, program)
                             if count_flops else ({}, (), kernels.Priced()))
     memory = memory_fields(compiled)
     kernel_seconds = kernels.seconds(priced, target.roofline) if priced.kernels else 0.0

@@ -30,6 +30,7 @@ from remat_kit.measure import peak as peak_of
 from remat_kit.measure import step_times, time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
+from remat_kit.policy.names import known_tags
 from remat_kit.measure.record import Record, memory_kind
 from remat_kit.measure.costs import memory_fields
 from remat_kit.measure.residuals import stage, split
@@ -332,6 +333,11 @@ def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -
     notes += (run.differ,) if run.differ else ()
     if run.workload.model_map is not None:  # kept own remat, no layers: on every row
         notes += model_map.notes(run.workload.model_map)
+    # The workload's notes on the model as a whole (a batch its own mesh cannot split,
+    # blocks left out), on every row; those on a tag are the policy's own (above).
+    tags = set(known_tags())
+    notes += tuple(line for line in run.workload.notes
+                   if line.split(":", 1)[0] not in tags and line not in notes)
     return notes + tuple(figures["time_notes"])
 
 
@@ -395,7 +401,7 @@ class _Compiles:
     GIL) overlap it; where steps will run (`runs`), only when asked for, so a timed step
     never runs beside a compile.
 
-    `start(lowered, text)` returns a zero-argument callable giving (compiled,
+    `start(lowered, text, program)` returns a zero-argument callable giving (compiled,
     seconds, key, dump), raising what the compile raised; for a program whose
     figures were kept (`figure_cache`: a program that will not run),
     compiled is those figures (a dict) and nothing compiles. With `peak`,
@@ -423,10 +429,10 @@ class _Compiles:
             raise
         return compiled, time.perf_counter() - start, program_key, dump
 
-    def start(self, lowered, text: str) -> Callable[[], tuple]:
+    def start(self, lowered, text: str, program) -> Callable[[], tuple]:
         # The dump option is left out of the key: it changes no figure.
         program_key, kept = figure_cache.lookup(text, self._target, self._options, "measure",
-                                                self._runs)
+                                                self._runs, program=program)
         if kept is not None and (not self._peak or "peak" in kept):
             return lambda: (kept, 0.0, program_key, None)
         if self._runs:
@@ -435,10 +441,10 @@ class _Compiles:
 
 
 def _lower_programs(groups, loss_for_policy: Callable, args, target,
-                    start: Callable[[object, str], Callable[[], tuple]],
+                    start: Callable[[object, str, object], Callable[[], tuple]],
                     marked: bool = False) -> list[tuple]:
     """(policy, names, loss, staged, compiling, seconds) per distinct program,
-    in first-seen order: `compiling` is `start(lowered, its text)` (called once per
+    in first-seen order: `compiling` is `start(lowered, its text, its jaxpr)` (once per
     distinct program, as soon as it is lowered), or the exception where
     tracing or lowering failed. Groups whose decisions differ only on values
     the backward pass never reads lower to the same program: they become one
@@ -464,7 +470,8 @@ def _lower_programs(groups, loss_for_policy: Callable, args, target,
             out[same][1].extend(group_names)
             continue
         seconds = time.perf_counter() - begin
-        out.append((policy, list(group_names), loss, staged, start(lowered, text), seconds))
+        out.append((policy, list(group_names), loss, staged, start(lowered, text, program),
+                    seconds))
     return out
 
 

@@ -3,7 +3,7 @@
 One pool a process (`current`; `using(jobs)` for a block) bounds compare's, plan's and fit's
 compiles together. Its workers are daemon threads (XLA releases the GIL while it compiles), so
 figures never leave the process, and a signal ends a command without waiting for a compile
-(`exit_if_busy`). `side_by_side` runs a search's steps at once. Docs: docs/compare.md ("Flags").
+(`cli.stops.end_process`). `side_by_side` runs a search's steps at once. Docs: docs/compare.md ("Flags").
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -74,32 +73,6 @@ def check_jobs(jobs) -> int:
     return jobs
 
 
-# Tasks submitted to any pool or run side by side and not finished, over the process.
-_IN_FLIGHT = {"tasks": 0}
-_FLIGHT = threading.Lock()
-
-
-def _flying(delta: int) -> None:
-    with _FLIGHT:
-        _IN_FLIGHT["tasks"] += delta
-
-
-def exit_if_busy(status: int) -> None:
-    """Ends the process now with `status` (stdout and stderr flushed) where a compile or a
-    search step is still running on a daemon thread: XLA cannot be interrupted, and the
-    interpreter's shutdown under such a thread aborts the process ("terminate called
-    ..."). Returns where nothing runs. For a command stopped by a signal."""
-    with _FLIGHT:
-        busy = _IN_FLIGHT["tasks"] > 0
-    if busy:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(status)
-
-
 class CompilePool:
     """At most `jobs` compiles at once, on daemon threads; counts running, done and queued.
 
@@ -117,7 +90,6 @@ class CompilePool:
     def submit(self, fn: Callable, *args) -> Future:
         """fn(*args) on a worker once one is free; its `Future` (result or exception)."""
         future: Future = Future()
-        _flying(1)
         with self._lock:
             self.queued += 1
             if self._workers < self.jobs:
@@ -145,7 +117,6 @@ class CompilePool:
                     raised = e
             with self._lock:  # counted before the caller wakes
                 self.running, self.done = self.running - 1, self.done + 1
-            _flying(-1)
             if started and raised is not None:
                 future.set_exception(raised)
             elif started:
@@ -198,13 +169,10 @@ def side_by_side(calls: Sequence[Callable[[], object]]) -> list:
     whole steps of a search (trace, lower, compile), each on a daemon thread of its own,
     their compiles bounded by the pool's `jobs`. One call, or a pool of one, runs here."""
     def caught(call):
-        _flying(1)
         try:
             return call()
         except Exception as e:  # noqa: BLE001 - the caller decides
             return e
-        finally:
-            _flying(-1)
     if len(calls) <= 1 or current().jobs == 1:
         return [caught(c) for c in calls]
     futures = []
@@ -217,4 +185,4 @@ def side_by_side(calls: Sequence[Callable[[], object]]) -> list:
 
 
 __all__ = ["COMPILE_BYTES", "CompilePool", "check_jobs", "cores", "current", "default_jobs",
-           "exit_if_busy", "side_by_side", "using"]
+           "side_by_side", "using"]

@@ -30,8 +30,10 @@ from remat_kit.mesh import spec_text
 
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
 TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
-_TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?")
-_SLICES = re.compile(r"slices=(\d+)")
+_TPU_SHAPE = re.compile(r"\d+x\d+(x\d+)?", re.ASCII)
+_SLICES = re.compile(r"slices=(\d+)", re.ASCII)
+# The most slices libtpu compiles for (its kMaxNumSlices; more aborts the process).
+MAX_SLICES = 512
 # The mesh axis across the slices of a multi-slice target: data parallel, as MaxText's
 # create_hybrid_device_mesh folds dcn_data_parallelism into its `data` axis.
 SLICE_AXIS = "data"
@@ -188,6 +190,9 @@ def parse_target(text: "str | Target | None") -> Target:
         raise TargetError(f"a target is a string such as 'cpu' or 'tpu:v5e:2x2', got "
                           f"{type(text).__name__} {text!r}")
     word = text.strip()
+    if word.endswith(":"):  # 'cpu:', 'tpu:v5e:1x1:': a part left out, never a default
+        raise TargetError(f"target {text!r} ends in ':'; valid: {', '.join(KINDS)} "
+                          f"(e.g. {', '.join(EXAMPLES)})")
     kind, _, topology = word.partition(":")
     kind = kind.lower()
     if kind != "gpu":
@@ -209,15 +214,15 @@ def parse_target(text: "str | Target | None") -> Target:
         hint = f"; did you mean {closest!r}?" if closest else ""
         raise TargetError(f"unknown TPU generation {generation!r} in target {text!r}{hint}; "
                           f"valid: {', '.join(TPU_GENERATIONS)}")
-    shape, _, extra = shape.partition(":")
+    shape, colon, extra = shape.partition(":")
     if not _TPU_SHAPE.fullmatch(shape) or any(int(n) < 1 for n in shape.split("x")):
         raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: give "
                           f"<generation>:<chips per axis>, e.g. v5e:2x2, v5p:2x2x1")
-    slices = _SLICES.fullmatch(extra) if extra else None
-    if extra and (slices is None or int(slices.group(1)) < 1):
+    slices = _SLICES.fullmatch(extra) if colon else None
+    if colon and (slices is None or not 1 <= int(slices.group(1)) <= MAX_SLICES):
         raise TargetError(f"bad TPU topology {topology!r} in target {text!r}: after the "
-                          f"shape give slices=N with N a positive number of slices, e.g. "
-                          f"tpu:v5p:4x4x4:slices=2")
+                          f"shape give slices=N with N a number of slices from 1 to "
+                          f"{MAX_SLICES} (libtpu's most), e.g. tpu:v5p:4x4x4:slices=2")
     n = int(slices.group(1)) if slices else 1
     return Target("tpu", f"{generation}:{shape}" + (f":slices={n}" if n > 1 else ""))
 

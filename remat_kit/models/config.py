@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from remat_kit.errors import RematSpecError, closest_choice
 from remat_kit.flax.chunked_loss import check_chunks
 from remat_kit.policy.policy import Policy
-from remat_kit.policy.spec import layer_policies
+from remat_kit.policy.spec import layer_policies, per_layer
 from remat_kit.policy.spec import AutoSpec, parse
 
 FAMILIES = ("gpt2", "llama")
@@ -38,7 +38,9 @@ class TransformerConfig:
       param_dtype: parameter dtype name.
       dropout_rate: dropout on attention probabilities and on both residual
         branches; 0 turns dropout off.
-      remat: a policy spec string (see `remat_kit.parse`) or a `Policy`.
+      remat: a policy spec string (see `remat_kit.parse`) or a `Policy`; a
+        per-layer spec as `plan` prints it ('0 save:mlpwi / 1 full') sets
+        `layer_remat` instead (remat becomes "none").
         Each layer runs under `nn.remat(..., policy=policy.to_jax())` unless
         it is "none". A layer schedule suffix (`full@every:2`,
         `selective@first:4`, `nested`, `full@nested:4`; see
@@ -89,6 +91,14 @@ class TransformerConfig:
     def __post_init__(self):
         if isinstance(self.layer_remat, list):  # from a config file or flag
             object.__setattr__(self, "layer_remat", tuple(self.layer_remat))
+        try:  # a per-layer plan as `plan` prints it, pasted as --config.remat=
+            layers = per_layer(self.remat) if isinstance(self.remat, str) else None
+        except RematSpecError as e:
+            raise RematSpecError(f"TransformerConfig.remat: {e.message}", spec=e.spec,
+                                 token=e.token) from None
+        if layers is not None and not self.layer_remat:
+            object.__setattr__(self, "layer_remat", layers)
+            object.__setattr__(self, "remat", "none")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             expected = {"str": str, "int": int, "float": (int, float), "bool": bool,

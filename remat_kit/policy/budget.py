@@ -51,7 +51,7 @@ def parse_budget(budget: "str | int | float | Budget") -> Budget:
       A `Budget`.
     Raises:
       BudgetError: not a size or fraction, zero or negative, an unknown
-        unit, a string number above 1 without a unit ("24": add a unit), or
+        unit, a unit of bits (16Gb, a lowercase b), a string number above 1 without a unit ("24": add a unit), or
         a byte count that is not whole (1.5).
     """
     if isinstance(budget, Budget):
@@ -65,6 +65,11 @@ def parse_budget(budget: "str | int | float | Budget") -> Budget:
     if m is None or (percent and m.group("unit")):
         raise BudgetError(f"a budget must be {_HELP}", budget=budget)
     value, unit = float(m.group("num")), m.group("unit").lower()
+    if len(unit) == 2 and m.group("unit").endswith("b") and unit in _UNITS:  # 16Gb: bits
+        given = m.group("unit")
+        raise BudgetError(f"unit {given!r} reads as bits; a budget is in bytes: "
+                          f"{m.group('num')}{given[0].upper()}B (powers of 1000) or "
+                          f"{m.group('num')}{given[0].upper()}iB (of 1024)", budget=budget)
     if unit and unit not in _UNITS:
         raise BudgetError(f"unknown unit {m.group('unit')!r} in a budget; units: "
                           "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)",

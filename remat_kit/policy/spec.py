@@ -432,13 +432,40 @@ def parsed_only(policies, where: str) -> list:
     return values
 
 
+_LAYER_RUN = re.compile(r"^(?P<first>\d+)(?:-(?P<last>\d+))?\s+(?P<spec>\S.*)$", re.ASCII)
+
+
+def per_layer(text: str) -> tuple[str, ...] | None:
+    """'0-1 save:mlpwi / 2 full' (a per-layer plan as `plan` prints it: runs of
+    consecutive layers from 0, each with its spec, joined by " / ") -> one spec per
+    layer, ('save:mlpwi', 'save:mlpwi', 'full'); None for text of another form (a spec).
+
+    Raises:
+      RematSpecError: runs that do not follow on from layer 0 (a gap, an overlap).
+    """
+    runs = [_LAYER_RUN.match(part.strip()) for part in re.split(r"\s+/\s+", text.strip())]
+    if not runs or not all(runs):
+        return None
+    specs: list[str] = []
+    for m in runs:
+        first, last = int(m["first"]), int(m["last"] or m["first"])
+        if first != len(specs) or last < first:
+            raise RematSpecError(f"per-layer spec: layers {m.group(0).split()[0]} do not follow "
+                                 f"on from layer {len(specs)}; give runs of consecutive layers "
+                                 "from 0, e.g. '0-1 save:mlpwi / 2 full'", spec=text,
+                                 token=m.group(0).split()[0])
+        specs += [m["spec"].strip()] * (last - first + 1)
+    return tuple(specs)
+
+
 def layer_policies(policy, num_layers: int) -> tuple:
     """The policy each of `num_layers` layers runs under, without schedules.
 
     Args:
       policy: a `Policy` or spec (its schedule picks the layers; layers
-        outside it get `none`), or a sequence of num_layers specs/Policies
-        without schedules, one per layer.
+        outside it get `none`), a per-layer spec ('0 save:mlpwi / 1 full',
+        `per_layer`), or a sequence of num_layers specs/Policies without
+        schedules, one per layer.
     Returns:
       A tuple of num_layers `Policy`s. For nested, each layer's policy
       inside its group; the groups themselves are the caller's (see
@@ -448,7 +475,9 @@ def layer_policies(policy, num_layers: int) -> tuple:
       ValueError: the schedule does not fit num_layers, or the list's length
         is not num_layers.
     """
-    if isinstance(policy, (str, Policy)):
+    if isinstance(policy, str) and (layers := per_layer(policy)) is not None:
+        policy = layers
+    elif isinstance(policy, (str, Policy)):
         policy = parse(policy)
         inner = dataclasses.replace(policy, schedule=Schedule())
         return tuple(inner if on else Policy(remat=False)

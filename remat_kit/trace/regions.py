@@ -415,8 +415,9 @@ class Regions:
         -> the sum of its float outputs, (params, inputs) as tuples of
         ShapeDtypeStructs). params are the block's inputs that derive from the
         loss's parameters (`args[0]`), inputs the rest (activations, keys, masks),
-        apart from float inputs that are constants of the loss (a rotary sin/cos
-        table built in numpy, a jaxpr const): those the block closes over, constants
+        apart from float or int8 inputs that are constants of the loss (a rotary
+        sin/cos table built in numpy, a jaxpr const; splash's int8 block mask, which
+        prices its kernel as `measure` does): those the block closes over, constants
         as in the loss, so `explain` counts them as no layer's residuals.
 
         Raises:
@@ -426,8 +427,9 @@ class Regions:
         if found is None:
             raise ValueError("no block region found to explain")
         inner, consts, is_param, values = found
-        fixed = [None if p or x is None or not jnp.issubdtype(v.aval.dtype, jnp.floating)
-                 else x for v, p, x in zip(inner.invars, is_param, values)]
+        fixed = [None if p or x is None or not (jnp.issubdtype(v.aval.dtype, jnp.floating)
+                                                 or v.aval.dtype == jnp.int8) else x
+                 for v, p, x in zip(inner.invars, is_param, values)]
         struct = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
         params = tuple(struct(v) for v, p in zip(inner.invars, is_param) if p)
         inputs = tuple(struct(v) for v, p, c in zip(inner.invars, is_param, fixed)

@@ -106,12 +106,41 @@ def _attention_bwd(params, res, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+# What JAX's cuDNN call accepts (jax._src.cudnn.fused_attention_stablehlo: check_layout,
+# check_is_flash_attention), so that a model the GPU would refuse is refused here too: a
+# query of float16 or bfloat16 (fp8 aside), a head dim a multiple of 8 and at most 256 (on
+# Hopper: H100, H200; 128 before it).
+CUDNN_DTYPES = ("float16", "bfloat16")
+CUDNN_MAX_HEAD_DIM = 256
+
+
+def _check_runs(query) -> None:
+    """NotImplementedError, as JAX's cuDNN call raises it on a GPU, where `query` [b, s, h,
+    d] is of a dtype or head dim that cuDNN's fused attention does not take."""
+    dtype, head_dim = jnp.dtype(query.dtype), query.shape[-1]
+    if dtype.name not in CUDNN_DTYPES:
+        raise NotImplementedError(
+            f"cuDNN attention takes a query of {' or '.join(CUDNN_DTYPES)}, got {dtype.name} "
+            "(JAX's cuDNN call raises this on a GPU); cast q, k, v, or use "
+            "implementation='xla'")
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"cuDNN attention takes a head dim that is a multiple of 8 and at most "
+            f"{CUDNN_MAX_HEAD_DIM} (128 before Hopper), got {head_dim} (JAX's cuDNN call "
+            "raises this on a GPU)")
+
+
 def cudnn_attention(query, key, value, bias=None, mask=None, q_seqlen=None, kv_seqlen=None,
                     *, scale: float = 1.0, mask_type=None, sliding_window_length=None,
                     return_residual: bool = False, **_unused):
     """The stand-in, called as `jax.nn.dot_product_attention` calls jax's cuDNN
     `dot_product_attention` (module docstring): query [b, s_q, h, d] -> [b, s_q, h, d],
-    and with return_residual the logsumexp [b, h, s_q] float32."""
+    and with return_residual the logsumexp [b, h, s_q] float32.
+
+    Raises:
+      NotImplementedError: a query dtype or head dim JAX's cuDNN call refuses on a GPU
+        (`CUDNN_DTYPES`, `CUDNN_MAX_HEAD_DIM`)."""
+    _check_runs(query)
     extras = tuple(x for x in (bias, mask, q_seqlen, kv_seqlen) if x is not None)
     params = (("mask_type", str(getattr(mask_type, "name", mask_type)).lower()),
               ("sliding_window_length", sliding_window_length), ("scale", float(scale)),
@@ -163,5 +192,5 @@ def for_target(target) -> contextlib.AbstractContextManager:
                                               bool(getattr(target, "aot", False))))
 
 
-__all__ = ["BWD", "FWD", "cudnn_attention", "cudnn_buildable", "cudnn_stand_in", "for_target",
+__all__ = ["BWD", "CUDNN_DTYPES", "CUDNN_MAX_HEAD_DIM", "FWD", "cudnn_attention", "cudnn_buildable", "cudnn_stand_in", "for_target",
            "standing_in"]
