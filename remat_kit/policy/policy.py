@@ -220,7 +220,9 @@ class Policy:
           primitive; a warning names the policy in that case (not for base
           "nothing", which recomputes them anyway).
           `none` returns `everything_saveable` (the same residuals as no
-          wrapper).
+          wrapper). With `tags` given (a model's names), the routing tags
+          (`names.KEPT`, `moe_routing_maps`) no pattern names are saved whatever the
+          policy: a recomputed router may route ties differently.
         """
         if not self.remat:
             return cp.everything_saveable
@@ -228,6 +230,12 @@ class Policy:
                 names.is_path(p) and names.is_glob(p) for p in self.patterns()):
             return TagPolicy(self)  # resolved per emitted name, never dropped
         decided = self.resolve(tags)
+        # A model's names (`tags`): its routing kept unless a pattern names it.
+        kept = {t for t in names.KEPT if tags is not None and t in tags and decided[t] !=
+                "save" and not any(fnmatch.fnmatchcase(t, p) for p in self.patterns())}
+        if kept and self.base != "nothing":
+            return dataclasses.replace(self, save=self.save | kept).to_jax(tags)
+        decided.update(dict.fromkeys(kept, "save"))
         saved = tuple(t for t, d in decided.items() if d == "save")
         offloaded = tuple(t for t, d in decided.items() if d == "offload")
         if self.base == "nothing":
