@@ -81,9 +81,9 @@ def test_ragged_dot_is_listed_with_the_compilers_count():
 
 @pytest.fixture(scope="module")
 def on_tpu():
-    """Records of the megablox zoo model (2 layers, tagged as MaxText tags) under every
-    preset, compiled for TPU v5e ahead of time; and its Workload."""
-    model, _, _ = moe_nnx.make(B, T, abstract=True)
+    """Records of the megablox zoo model (2 scanned layers, tagged as MaxText tags) under
+    every preset, compiled for TPU v5e ahead of time; and its Workload."""
+    model, _, _ = moe_nnx.make(B, T, abstract=True, scan=True)
     work = rk.from_model.workload(model, B, T)
     specs = list(dict.fromkeys(f"{cb}:{name}" for cb, name, *_ in PRESET_TABLE))
     records = rk.measure(work, policies=specs, target=TPU)
@@ -91,7 +91,9 @@ def on_tpu():
 
 
 def test_every_preset_compiles_with_its_kernels_priced(on_tpu):
-    """No row stops at the floor check: each prices the kernels it reruns."""
+    """No row stops at the floor check: each prices the kernels it reruns. The FLOPs hold
+    every trip's kernels: XLA's count of a scanned layer's body on this machine leaves
+    out their cost estimates, which are added to each trip (`costs.loop_scaled_costs`)."""
     rows, _ = on_tpu
     assert not {n: r.error for n, r in rows.items() if r.error}
     peak = rk.targets.parse_target(TPU).roofline.bf16_flops
@@ -109,8 +111,6 @@ def test_full_reruns_the_forward_kernels(on_tpu):
     assert full.kernel_flops - none.kernel_flops == 2 * F
     assert minimal.kernel_flops - none.kernel_flops == 2 * F / 3
     assert full.flops - none.flops >= 2 * F
-    assert full.predicted_seconds > minimal.predicted_seconds * 0 + none.kernel_flops / \
-        rk.targets.parse_target(TPU).roofline.bf16_flops
 
 
 def _saved(work, spec: str) -> dict:
@@ -167,3 +167,20 @@ def test_grads_on_the_cpu_equal_no_remat(make, config):
         s: jax.grad(loss)(p, t, r) for s, loss in losses.items()}))(params, tokens, rest)
     for spec, grads in got.items():
         chex.assert_trees_all_close(grads, want, rtol=1e-4, atol=1e-5, custom_message=spec)
+
+
+@pytest.mark.parametrize("make, config", [(moe_linen.make, {}),
+                                          (moe_nnx.make, {"tags": False})])
+def test_roles_are_found_on_a_model_that_tags_nothing(make, config):
+    """ragged_dot (linen) and megablox gmm (NNX), no checkpoint_name: the expert matmuls,
+    the dispatched tokens and the routing are found by the dataflow, under MaxText's
+    names; `full` keeps the routing (expert ids and sort permutation, int32 b x s x k
+    each, 2 layers), `maxtext:minimal` the gate and down matmuls too."""
+    model, _, _ = make(B, T, abstract=True, **config)
+    work = rk.from_model.workload(model, B, T)
+    tags = set(rk.emitted_tags(work.loss_for_policy(rk.parse("full")), *work.args))
+    assert set(rk.trace.roles.MOE_ROLES) <= tags, tags
+    assert _saved(work, "full").get("moe_routing_maps") == 2 * 2 * M * 4
+    saved = _saved(work, "maxtext:minimal")
+    assert {"moe_mlpwi_0", "moe_mlpwo", "moe_routing_maps"} <= set(saved)
+    assert not {"moe_mlpwi_1", "moe_x_sorted"} & set(saved)
