@@ -1,14 +1,11 @@
-"""Fused attention and grouped-matmul kernels priced from their shapes, where the compiler
-gives them none.
+"""Fused attention and grouped-matmul kernels priced from their shapes.
 
 XLA's cost analysis gives a custom call (Pallas, cuDNN) no FLOPs; `price` reads every kernel call
-of a program's jaxpr and prices the attention ones by the FlashAttention-2 accounting (Dao 2023,
-section 3; `attention_flops`), masks where it can read them, and the grouped matmuls of a
-mixture of experts (megablox `gmm`/`tgmm`, `jax.lax.ragged_dot` and its transposes) at
-2·m·k·n over the routed rows m (`grouped_flops`); any other is named, unpriced.
-Main names: `price` (a `Priced` of `Kernel`s), `attention_flops`, `grouped_flops`, `added`,
-`seconds`, `eqn_figures`.
-The accounting, per kernel and mask: docs/targets.md ("Fused attention kernels").
+of a program's jaxpr and prices attention by the FlashAttention-2 accounting (Dao 2023, section
+3; `attention_flops`), masks where it can read them, and a mixture of experts' grouped matmuls
+(megablox `gmm`/`tgmm`, `jax.lax.ragged_dot`) at 2·m·k·n (`grouped_flops`); any other is named,
+unpriced. Main names: `price`, `Priced`, `Kernel`, `added`, `seconds`, `eqn_figures`.
+The accounting: docs/targets.md ("Fused attention kernels", "Grouped matmuls").
 """
 
 from __future__ import annotations

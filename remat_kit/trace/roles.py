@@ -362,15 +362,11 @@ def _grouped(node) -> int | None:
     """The index of the routed tokens' operand of a grouped matmul against experts'
     weights (`ragged_dot`, or a grouped-matmul kernel: its 2-D floating operand before
     a 3-D parameter one); else None."""
-    if node is None:
+    body = getattr(node.params.get("jaxpr"), "debug_info", None) if node else None
+    if node is None or node.prim != "ragged_dot_general" and not (
+            node.prim in ("pallas_call", "custom_call", "ffi_call") and _GROUPED_KERNEL.search(
+                kernel_name(node.prim, node.params) + (getattr(body, "func_src_info", "") or ""))):
         return None
-    if node.prim != "ragged_dot_general":
-        if node.prim not in ("pallas_call", "custom_call", "ffi_call"):
-            return None
-        body = getattr(node.params.get("jaxpr"), "debug_info", None)
-        if not (_GROUPED_KERNEL.search(kernel_name(node.prim, node.params))
-                or _GROUPED_KERNEL.search(getattr(body, "func_src_info", None) or "")):
-            return None
     floats = [i for i, v in enumerate(node.ins)
               if len(v.shape) >= 2 and jnp.issubdtype(v.aval.dtype, jnp.floating)]
     if len(floats) < 2 or len(node.ins[floats[0]].shape) != 2 or not (
@@ -475,7 +471,7 @@ def _reason(tag: str, found: set, why: dict) -> str:
     """Why no value has `tag`, given the tags found."""
     if tag in why:
         return why[tag]
-    if tag in MOE_ROLES:
+    if tag in MOE_ROLES:  # (reported only where a mixture of experts was found)
         return "not found in the mixture of experts"
     attention = found & {"attn_logits", "attn_probs", "context"}
     if tag in ("query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj") and attention:
