@@ -5,7 +5,7 @@ of a program's jaxpr and prices attention by the FlashAttention-2 accounting (Da
 3; `attention_flops`), masks where it can read them, and a mixture of experts' grouped matmuls
 (megablox `gmm`/`tgmm`, `jax.lax.ragged_dot`) at 2·m·k·n (`grouped_flops`); any other is named,
 unpriced. Main names: `price`, `Priced`, `Kernel`, `added`, `seconds`, `eqn_figures`.
-The accounting: docs/targets.md ("Fused attention kernels", "Grouped matmuls").
+The accounting: docs/targets.md ("Fused attention kernels", its grouped matmuls).
 """
 
 from __future__ import annotations
