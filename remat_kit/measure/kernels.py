@@ -1,10 +1,11 @@
-"""Fused attention kernels priced from their shapes, where the compiler gives them none.
+"""Fused attention and grouped-matmul kernels priced from their shapes.
 
 XLA's cost analysis gives a custom call (Pallas, cuDNN) no FLOPs; `price` reads every kernel call
-of a program's jaxpr and prices the attention ones by the FlashAttention-2 accounting (Dao 2023,
-section 3; `attention_flops`), masks where it can read them; any other is named, unpriced.
-Main names: `price` (a `Priced` of `Kernel`s), `attention_flops`, `added`, `seconds`.
-The accounting, per kernel and mask: docs/targets.md ("Fused attention kernels").
+of a program's jaxpr and prices attention by the FlashAttention-2 accounting (Dao 2023, section
+3; `attention_flops`), masks where it can read them, and a mixture of experts' grouped matmuls
+(megablox `gmm`/`tgmm`, `jax.lax.ragged_dot`) at 2·m·k·n (`grouped_flops`); any other is named,
+unpriced. Main names: `price`, `Priced`, `Kernel`, `added`, `seconds`, `eqn_figures`.
+The accounting: docs/targets.md ("Fused attention kernels", its grouped matmuls).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ _KNOWN = ((re.compile(r"^splash_m[hq]a_"), -2),
           (re.compile(r"^(dot_product_attention|cudnn_attention)_(fwd|bwd)|fmha"), -3))
 # Primitive names of fused attention, for kernels that are primitives rather than calls.
 _ATTENTION = re.compile(r"attention|attn|flash|fmha|mha|mqa|splash", re.IGNORECASE)
+# Grouped matmuls (a mixture of experts' expert matmuls): megablox's `gmm`/`tgmm` (JAX's
+# pass no name: their source file says it), MaxText's `gmm_v2-...`, and XLA's ragged dot.
+_GROUPED = re.compile(r"gmm|megablox|grouped|ragged", re.IGNORECASE)
+# An XLA op the compiler lowers and counts itself, listed for the note only.
+_RAGGED_DOT = "ragged_dot_general"
 _CALLS = ("pallas_call", "ffi_call", "custom_call")
 _TARGET = re.compile(r"custom_call @([\w$.]+)")
 # StableHLO custom calls that are annotations (sharding, host offload), not kernels.
@@ -52,9 +58,12 @@ class Kernel:
       nbytes: bytes of its operands and results, one call.
       dtype: the element type of its first floating operand (which peak it runs at).
       how: "shapes" (priced here), "cost_estimate" (its author's estimate),
+        "compiler" (an XLA op, `ragged_dot`: priced and timed by the compiler, which
+        computes it as dense dots over every group; `flops` is the routed work),
         or "unpriced".
       counted: whether the compiler's cost analysis already holds `flops`.
-      mask: "" or why its count is an upper bound ("mask not read").
+      mask: "" or why its count is an upper bound ("mask not read"; a grouped
+        matmul's rows at their static bound).
     """
 
     name: str
@@ -80,6 +89,13 @@ class Priced:
         return sum(k.flops * k.calls for k in self.kernels if not k.counted)
 
     @property
+    def timed(self) -> tuple[Kernel, ...]:
+        """The kernels whose FLOPs the time model's compiled ops lack: every custom call
+        (`time_model.compiled_ops` gives one its bytes, never FLOPs, even where the
+        compiler's cost analysis counted its cost estimate), not XLA's own ops."""
+        return tuple(k for k in self.kernels if k.how not in ("compiler", "unpriced"))
+
+    @property
     def kernel_flops(self) -> float:
         """FLOPs of every priced kernel, counted by the compiler or not."""
         return sum(k.flops * k.calls for k in self.kernels)
@@ -99,11 +115,13 @@ class Priced:
         if by_name:
             parts = [f"{name} x{sum(k.calls for k in ks)} "
                      f"{fmt_flops(sum(k.flops * k.calls for k in ks))}"
-                     f"{' (' + how.replace('_', ' ') + ')' if how != 'shapes' else ''}"
+                     f"{' (' + _HOW.get(how, how) + ')' if how != 'shapes' else ''}"
                      f"{' (' + mask + ')' if mask else ''}"
                      for (name, how, mask), ks in by_name.items()]
-            notes.append("kernels priced from shapes (FlashAttention-2 accounting): "
-                         + ", ".join(parts))
+            grouped = any(_GROUPED.search(name) for name, _, _ in by_name)
+            notes.append("kernels priced from shapes (FlashAttention-2 accounting"
+                         + ("; grouped matmuls 2·m·k·n over the routed rows m" if grouped
+                            else "") + "): " + ", ".join(parts))
         if any(k.name in (stand_in.FWD, stand_in.BWD) for k in self.kernels):
             notes.append("cuDNN attention stood in for: this machine cannot build the cuDNN "
                          "call, so the program was traced with a stand-in of its inputs, "
@@ -135,6 +153,9 @@ class Priced:
 
 
 _CUDNN = re.compile(r"^(dot_product_attention|cudnn_attention)_(fwd|bwd)")
+_HOW = {"cost_estimate": "cost estimate",
+        "compiler": "XLA's op: the FLOPs column holds the compiler's count, dense over "
+                    "every group"}
 
 
 def has_kernels(lowered_text: str) -> bool:
@@ -155,11 +176,22 @@ def added(costs: tuple[dict, tuple[str, ...]], priced: Priced) -> tuple[dict, tu
 
 
 def seconds(priced: Priced, line) -> float:
-    """Seconds the time model adds for the kernels the compiler gave no FLOPs:
-    each call's FLOPs at its dtype's peak (`chip_peaks.Roofline.seconds`); its
-    bytes are already in the compiled op's roofline."""
-    return sum(k.calls * line.seconds(k.flops, 0.0, k.dtype)
-               for k in priced.kernels if not k.counted)
+    """Seconds the time model adds for the kernels its compiled ops give no FLOPs
+    (`Priced.timed`: every custom call, its cost estimate counted by the compiler
+    or not): each call's FLOPs at its dtype's peak (`chip_peaks.Roofline.seconds`);
+    its bytes are already in the compiled op's roofline."""
+    return sum(k.calls * line.seconds(k.flops, 0.0, k.dtype) for k in priced.timed)
+
+
+def eqn_figures(eqn) -> tuple[float, float] | None:
+    """(FLOPs, bytes) of one kernel equation of a jaxpr, priced here (as `price`
+    prices it), for a cost model that prices equations one at a time; None for an
+    equation that is no custom call (`ragged_dot` included: XLA prices it) or a
+    kernel left unpriced."""
+    if not _is_kernel(eqn) or eqn.primitive.name == _RAGGED_DOT:
+        return None
+    k = _kernel(eqn, {}, 1, "cpu")
+    return None if k.how == "unpriced" else (k.flops, k.nbytes)
 
 
 def _floating(avals) -> list:
@@ -245,6 +277,48 @@ def attention_flops(q_shape, k_shape, seq_axis: int = -2, fraction: float = 1.0)
     return 4.0 * math.prod(q_shape[:-1]) * k_shape[seq_axis] * q_shape[-1] * fraction
 
 
+def grouped_flops(operands, out_shape) -> float | None:
+    """FLOPs of a grouped matmul, 2·m·k·n, m the rows routed (their static bound: the
+    group sizes' sum is known only at run time), from its floating operands' and its
+    output's shapes; None where they are no grouped matmul's.
+
+    Forms (megablox's, and `jax.lax.ragged_dot`'s with its two transposes):
+    - gmm: lhs [m, k], rhs [groups, k, n] (or [groups, n, k]) -> [m, n];
+    - tgmm: lhs [m, k], grad [m, n] -> [groups, k, n] (each row adds to its group's).
+    Args: operands: shapes of the floating operands, in order. out_shape: the result's.
+    """
+    two = [s for s in operands if len(s) == 2]
+    three = [s for s in operands if len(s) == 3]
+    if len(out_shape) == 2 and three and two:  # gmm: contract rhs's other axis
+        m, n = out_shape
+        k = math.prod(three[0][1:]) // n
+        return 2.0 * m * k * n if k * n == math.prod(three[0][1:]) else None
+    if len(out_shape) == 3 and len(two) >= 2:  # tgmm: the rows are contracted
+        kn = math.prod(out_shape[1:])
+        m = math.isqrt(math.prod(two[0]) * math.prod(two[1]) // kn)
+        return 2.0 * m * kn if m * m * kn == math.prod(two[0]) * math.prod(two[1]) else None
+    return None
+
+
+def _grouped_name(eqn, name: str, floats: list, out: tuple) -> str | None:
+    """The name a grouped-matmul kernel is listed by ("gmm", "tgmm", or its own up to
+    its first "-"), or None where `eqn` is none: `_GROUPED` on its name or source, or,
+    for a kernel wrapped so that both are a wrapper's (qwix's `<lambda>` in MaxText),
+    megablox's group offsets among its operands (int32 [groups + 1])."""
+    if eqn.primitive.name == _RAGGED_DOT:
+        return "ragged_dot" if len(out) == 2 else "ragged_dot_transposed"
+    if _GROUPED.search(name):
+        return name.split("-")[0]
+    body = getattr(eqn.params.get("jaxpr"), "debug_info", None)
+    source = getattr(body, "func_src_info", None) or ""
+    groups = out[0] if len(out) == 3 else next((a.shape[0] for a in floats if a.ndim == 3), 0)
+    offsets = any(getattr(v.aval, "shape", None) == (groups + 1,)
+                  and jnp.issubdtype(v.aval.dtype, jnp.integer) for v in eqn.invars)
+    if _ATTENTION.search(name) or not (_GROUPED.search(source) or (groups and offsets)):
+        return None
+    return "tgmm" if len(out) == 3 else "gmm"
+
+
 def _kernel(eqn, values: dict, calls: int, platform: str) -> Kernel:
     params, name = eqn.params, kernel_name(eqn.primitive.name, eqn.params)
     ins = [v.aval for v in eqn.invars]
@@ -254,6 +328,15 @@ def _kernel(eqn, values: dict, calls: int, platform: str) -> Kernel:
     floats = _floating(ins)
     dtype = np.dtype(floats[0].dtype) if floats else None
     estimate = params.get("cost_estimate")
+    out = outs[0].shape if outs and hasattr(outs[0], "shape") else ()
+    grouped = _grouped_name(eqn, name, floats, out)
+    flops = grouped and grouped_flops([a.shape for a in floats], out)
+    if flops:
+        how = "compiler" if eqn.primitive.name == _RAGGED_DOT else "shapes"
+        counted = how == "compiler" or (estimate is not None and platform == "tpu"
+                                        and bool(getattr(estimate, "flops", 0)))
+        return Kernel(grouped, calls, flops, nbytes, dtype, how, counted=counted,
+                      mask="rows at their static bound")
     if estimate is not None and getattr(estimate, "flops", 0):
         return Kernel(name, calls, float(estimate.flops), nbytes, dtype, "cost_estimate",
                       counted=platform == "tpu")
@@ -277,7 +360,7 @@ def _layout(name: str) -> int | None:
 def _is_kernel(eqn) -> bool:
     if eqn.primitive.name == "pallas_call":
         return not eqn.params.get("interpret")
-    return eqn.primitive.name in _CALLS or (
+    return eqn.primitive.name in _CALLS + (_RAGGED_DOT,) or (
         _ATTENTION.search(eqn.primitive.name) is not None
         and not any(k in eqn.params for k in _BODY_KEYS))
 
@@ -348,4 +431,5 @@ def _closed(value):
             yield from _closed(v)
 
 
-__all__ = ["Kernel", "Priced", "added", "has_kernels", "attention_flops", "price", "seconds"]
+__all__ = ["Kernel", "Priced", "added", "attention_flops", "eqn_figures", "grouped_flops",
+           "has_kernels", "price", "seconds"]

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
-from remat_kit.measure import dcn, loops
+from remat_kit.measure import dcn, kernels, loops
 from remat_kit.measure.gpu_calls import cublas_gemm
 from remat_kit._jax_private import hlo_module
 # Re-exported: tests, scripts and the planner read the peaks as time_model.roofline(target)
@@ -36,11 +36,15 @@ def _eqn_key(eqn) -> tuple:
 
 def eqn_costs(eqn, cache: dict) -> tuple[float, float]:
     """(FLOPs, bytes accessed) of one jaxpr equation, XLA's HloCostAnalysis of it
-    lowered alone (no compile). An equation XLA cannot lower alone costs (0, 0).
+    lowered alone (no compile); a kernel (Pallas, custom call), to which XLA gives no
+    FLOPs, as `kernels.eqn_figures` prices it. An equation XLA cannot lower alone
+    costs (0, 0).
 
     cache: figures already measured, keyed by primitive, input types and params.
     """
     key = _eqn_key(eqn)
+    if key not in cache and (priced := kernels.eqn_figures(eqn)) is not None:
+        cache[key] = priced
     if key not in cache:
         invars = list(dict.fromkeys(v for v in eqn.invars if not isinstance(v, Literal)))
         structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]

@@ -38,6 +38,15 @@ TAGS: dict[str, str] = {
     "mlpwi_1": "gated MLP up projection [batch, seq, mlp]",
     "mlp_act": "MLP activation output [batch, seq, mlp]",
     "mlpwo": "MLP output projection [batch, seq, embed]",
+    # A mixture of experts' values, as MaxText's layers/moe.py names them (its sparse path:
+    # the routed tokens sorted by expert, grouped matmuls over them).
+    "moe_routing_maps": ("MoE routing index maps: the top-k expert ids and the permutation "
+                         "sorting the routed tokens by expert, int32 [batch x seq x top_k]"),
+    "moe_x_sorted": ("MoE dispatched tokens: the routed copies of the tokens, sorted by "
+                     "expert [batch x seq x top_k, embed]"),
+    "moe_mlpwi_0": "MoE expert gate projection, a grouped matmul [batch x seq x top_k, mlp]",
+    "moe_mlpwi_1": "MoE expert up projection, a grouped matmul [batch x seq x top_k, mlp]",
+    "moe_mlpwo": "MoE expert output projection, a grouped matmul [batch x seq x top_k, embed]",
     "decoder_layer_output": "layer output [batch, seq, embed]",
 }
 
@@ -63,8 +72,15 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
 # also names one it has.
 VARIANTS: tuple[frozenset[str], ...] = (
     frozenset({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"}),
-    frozenset({"mlpwi", "mlpwi_0", "mlpwi_1"}),
+    frozenset({"mlpwi", "mlpwi_0", "mlpwi_1", "moe_mlpwi_0", "moe_mlpwi_1"}),
+    frozenset({"mlpwo", "moe_mlpwo"}),
 )
+
+# Tags saved under every policy unless a pattern names them: routing decisions are small
+# integers, and a recompute of the router (bf16 logits, another fusion) may pick other
+# experts on a tie than the forward did, so the backward would route its gradients
+# differently (marin #7024: 2,698 of 2,732 assignments changed).
+KEPT: tuple[str, ...] = ("moe_routing_maps",)
 
 # Names added with register_tag(), for models with values outside the vocabulary.
 _REGISTERED: set[str] = set()

@@ -197,7 +197,7 @@ class Policy:
 
     # -- to JAX -------------------------------------------------------------
 
-    def to_jax(self, tags: Sequence[str] | None = None):
+    def to_jax(self, tags: Sequence[str] | None = None, emitted: Sequence[str] = ()):
         """The `policy=` value for `jax.checkpoint`, `nn.remat` or `nnx.remat`.
 
         Args:
@@ -205,6 +205,9 @@ class Policy:
             vocabulary plus registered tags and the path tags the policy
             names literally. Pass a function's emitted tags (see
             `remat_kit.emitted_tags`) to cover custom names.
+          emitted: the names the wrapped function emits: its routing tags
+            (`names.KEPT`, `moe_routing_maps`) that no pattern names are saved
+            whatever the policy, as a recomputed router may route ties differently.
         Returns:
           A `jax.checkpoint_policies` built-in where one expresses the policy
           (`nothing_saveable`, `everything_saveable`, `dots_saveable`,
@@ -228,6 +231,12 @@ class Policy:
                 names.is_path(p) and names.is_glob(p) for p in self.patterns()):
             return TagPolicy(self)  # resolved per emitted name, never dropped
         decided = self.resolve(tags)
+        # The routing a function emits is kept unless a pattern names it.
+        kept = {t for t in names.KEPT if t in emitted and decided.get(t) != "save"
+                and not any(fnmatch.fnmatchcase(t, p) for p in self.patterns())}
+        if kept and self.base != "nothing":
+            return dataclasses.replace(self, save=self.save | kept).to_jax(tags)
+        decided.update(dict.fromkeys(kept, "save"))
         saved = tuple(t for t, d in decided.items() if d == "save")
         offloaded = tuple(t for t, d in decided.items() if d == "offload")
         if self.base == "nothing":

@@ -10,7 +10,10 @@ Megatron-LM, Korthikanti et al. 2022, Chen et al. 2016. The table: docs/policies
 from __future__ import annotations
 
 _QKV = "query_proj,key_proj,value_proj,kv_proj,qkv_proj"
-_MINIMAL = f"{_QKV},out_proj,mlpwi,mlpwi_0,mlpwi_1,mlpwo"
+# MaxText names its MoE gate and down matmuls both `mlpwi_0`/`mlpwo` and `moe_mlpwi_0`/
+# `moe_mlpwo`, its up matmul only `moe_mlpwi_1` (layers/moe.py, sparse path), so its presets
+# that save mlpwi_0 or mlpwo save those experts' too, and never the up matmul's.
+_MINIMAL = f"{_QKV},out_proj,mlpwi,mlpwi_0,mlpwi_1,mlpwo,moe_mlpwi_0,moe_mlpwo"
 
 # (codebase, name, spec, source / meaning). Specs use only the clause language.
 PRESET_TABLE: tuple[tuple[str, str, str, str], ...] = (
@@ -41,7 +44,7 @@ PRESET_TABLE: tuple[tuple[str, str, str, str], ...] = (
     ("maxtext", "minimal_with_context", f"save:{_MINIMAL},context", "MaxText: minimal + context"),
     ("maxtext", "save_dot_with_context_except_mlp", f"save:{_QKV},context,out_proj",
      "MaxText: attention matmuls and context"),
-    ("maxtext", "save_dot_except_mlpwi", f"save:{_QKV},out_proj,mlpwo",
+    ("maxtext", "save_dot_except_mlpwi", f"save:{_QKV},out_proj,mlpwo,moe_mlpwo",
      "MaxText: all matmuls but the MLP input"),
     ("maxtext", "save_dot_except_mlp", f"save:{_QKV},out_proj", "MaxText: attention matmuls"),
     ("maxtext", "save_qkv_proj", f"save:{_QKV}", "MaxText: q/k/v projections"),

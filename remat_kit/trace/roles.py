@@ -3,7 +3,8 @@
 A model from a library names its values its own way, so MaxText's presets (`minimal`,
 `save_qkv_proj`, ...) would save nothing on it; `infer_roles` reads the roles (`ROLES`) from the
 dataflow instead: the softmax and the dots around it are attention, the parameter matmuls around
-a nonlinearity the MLP, a normalized value feeding them a norm. Also `Roles`, `kernel_name`.
+a nonlinearity the MLP, a normalized value feeding them a norm, grouped matmuls over routed
+tokens a mixture of experts (its routing, dispatched tokens and expert matmuls). Also `Roles`, `kernel_name`.
 The rules: docs/models.md ("A Flax model, no glue", step 4).
 """
 
@@ -24,6 +25,9 @@ from remat_kit.trace import dataflow as df
 ROLES = ("attn_norm", "query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj",
          "attn_logits", "attn_probs", "context", "out_proj", "mlp_norm", "mlpwi", "mlpwi_0",
          "mlpwi_1", "mlp_act", "mlpwo")
+# A mixture of experts' roles, MaxText's names (layers/moe.py), inferred too; reported
+# missing only where a grouped matmul is found.
+MOE_ROLES = ("moe_routing_maps", "moe_x_sorted", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
 
 _NONLIN = {"tanh", "logistic", "erf", "erfc", "max", "exp", "log1p"}
 _ELEMENTWISE = _NONLIN | {
@@ -40,6 +44,8 @@ _THROUGH = _ELEMENTWISE | df.LAYOUT | {"broadcast_in_dim", "slice", "dynamic_sli
 # Ops between an MLP's input matmuls and its activation (a fused gate/up split in two).
 _MLP_THROUGH = df.LAYOUT | {"broadcast_in_dim", "slice", "split", "unstack", "concatenate"}
 _FUSED_ATTENTION = re.compile(r"attention|attn|flash|fmha|\bmha|splash", re.IGNORECASE)
+# Grouped-matmul kernels (megablox gmm, by its name or its source file).
+_GROUPED_KERNEL = re.compile(r"gmm|megablox|grouped|ragged", re.IGNORECASE)
 
 
 def kernel_name(prim: str, params: dict) -> str:
@@ -56,11 +62,11 @@ class Roles:
     """Canonical tags of a jaxpr's values, as inferred by `infer_roles`.
 
     Attributes:
-      of: jax.extend.core.Var -> canonical tag (a name in `ROLES`). A Var is the
+      of: jax.extend.core.Var -> canonical tag (a name in `ROLES` or `MOE_ROLES`). A Var is the
         one of the (sub-)jaxpr where the value is computed: an equation's output
         var, or the outermost var of a value a call returns. Keyed by identity; a
         sub-jaxpr traced once and called per layer maps its Vars once.
-      missing: canonical tag (of `ROLES`) -> one-line reason no value has it, e.g.
+      missing: canonical tag (of `ROLES`; of `MOE_ROLES` where a grouped matmul is found) -> reason no value has it, e.g.
         {"attn_logits": "fused attention (one op ...): its scores never exist"}.
     """
 
@@ -352,6 +358,58 @@ def _mlp(g: df.Graph, a: _Assign, skip: set) -> list[df.Node]:
     return wis
 
 
+def _grouped(node) -> int | None:
+    """The index of the routed tokens' operand of a grouped matmul against experts'
+    weights (`ragged_dot`, or a grouped-matmul kernel: its 2-D floating operand before
+    a 3-D parameter one); else None."""
+    body = getattr(node.params.get("jaxpr"), "debug_info", None) if node else None
+    if node is None or node.prim != "ragged_dot_general" and not (
+            node.prim in ("pallas_call", "custom_call", "ffi_call") and _GROUPED_KERNEL.search(
+                kernel_name(node.prim, node.params) + (getattr(body, "func_src_info", "") or ""))):
+        return None
+    floats = [i for i, v in enumerate(node.ins)
+              if len(v.shape) >= 2 and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    if len(floats) < 2 or len(node.ins[floats[0]].shape) != 2 or not (
+            len(node.ins[floats[1]].shape) == 3 and node.ins[floats[1]].param):
+        return None
+    return floats[0]
+
+
+def _moe(g: df.Graph, a: _Assign) -> bool:
+    """Tags a mixture of experts (MaxText's names): the expert MLPs' grouped matmuls
+    (the output one, moe_mlpwo, fed by a nonlinearity or gated product of the input
+    ones: moe_mlpwi_0 through the nonlinearity, moe_mlpwi_1 not), the routed tokens
+    they read (moe_x_sorted), and the routing: the top-k expert ids and the
+    permutation sorting by them (moe_routing_maps). Returns whether one was found."""
+    grouped = [n for n in g.nodes if _grouped(n) is not None]
+    for wo in grouped:
+        act = df.back_end(wo.ins[_grouped(wo)])
+        leaves, region = [], []
+        for n, _ in df.back(act, _ELEMENTWISE | _MLP_THROUGH,
+                            stop=lambda n: _grouped(n) is not None):
+            (leaves if _grouped(n) is not None else region).append(n)
+        if not leaves or not any(n.prim in _NONLIN or n.prim == "mul" for n in region):
+            continue
+        a.put(_proj(wo), "moe_mlpwo")
+        region_ids = {id(n) for n in region}
+        for w in leaves:
+            through = any(id(n) in region_ids and n.prim in _NONLIN
+                          for n, _ in df.fwd(w.outs[0], _THROUGH))
+            a.put(_proj(w), "moe_mlpwi_0" if through or len(leaves) == 1 else "moe_mlpwi_1")
+            a.put(df.back_end(w.ins[_grouped(w)], df.LAYOUT | {"convert_element_type"}),
+                  "moe_x_sorted")
+    if not grouped:
+        return False
+    for n in g.nodes:
+        if n.prim == "top_k" and len(n.outs) == 2:  # (values, expert ids)
+            ids = df.fwd_end(n.outs[1])
+            a.put(ids, "moe_routing_maps")
+            for sort in ids.consumers:  # argsort: sort(ids, iota) -> (sorted, permutation)
+                if sort.prim == "sort" and len(sort.outs) == 2 and sort.ins[0] is ids:
+                    a.put(sort.outs[1], "moe_routing_maps")
+    return True
+
+
 def _not_relu_guard(n) -> bool:
     """`max` counts as a nonlinearity (relu) only against a constant."""
     return n.prim != "max" or any(not v.data for v in n.ins)
@@ -395,6 +453,7 @@ def infer_roles(jaxpr, is_param: Sequence[bool]) -> Roles:
     g = df.Graph(jaxpr, list(is_param))
     a, why = _Assign(), {}
     qkv, outs = _attention(g, a, why)
+    moe = _moe(g, a)
     wis = _mlp(g, a, qkv | outs)
     for dots, tag in ((qkv, "attn_norm"), ({id(w) for w in wis}, "mlp_norm")):
         for n in g.nodes:
@@ -404,13 +463,16 @@ def infer_roles(jaxpr, is_param: Sequence[bool]) -> Roles:
                     a.put(norm, tag)
     of = a.vars()
     found = set(of.values())
-    return Roles(of=of, missing={t: _reason(t, found, why) for t in ROLES if t not in found})
+    return Roles(of=of, missing={t: _reason(t, found, why)
+                                 for t in ROLES + (MOE_ROLES if moe else ()) if t not in found})
 
 
 def _reason(tag: str, found: set, why: dict) -> str:
     """Why no value has `tag`, given the tags found."""
     if tag in why:
         return why[tag]
+    if tag in MOE_ROLES:  # (reported only where a mixture of experts was found)
+        return "not found in the mixture of experts"
     attention = found & {"attn_logits", "attn_probs", "context"}
     if tag in ("query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj") and attention:
         fused = sorted(found & {"qkv_proj", "kv_proj", "query_proj", "key_proj", "value_proj"})
@@ -434,4 +496,4 @@ def _reason(tag: str, found: set, why: dict) -> str:
     return "not found in the MLP"
 
 
-__all__ = ["ROLES", "Roles", "infer_roles", "kernel_name"]
+__all__ = ["MOE_ROLES", "ROLES", "Roles", "infer_roles", "kernel_name"]

@@ -271,7 +271,7 @@ def to_jax(policy: Policy, emitted=(), where: str | None = None):
     if where is not None:
         for line in policy_notes(policy, tuple(emitted), ()):
             warnings.warn(f"{where}: {policy}: {line}", stacklevel=3)
-    return policy.to_jax(tuple(dict.fromkeys((*policy.resolve(), *emitted))))
+    return policy.to_jax(tuple(dict.fromkeys((*policy.resolve(), *emitted))), emitted)
 
 
 @dataclasses.dataclass(frozen=True)
