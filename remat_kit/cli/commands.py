@@ -90,6 +90,10 @@ def _add_compare(sub) -> None:
                          help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
     compare.add_argument("--target", default=None,
                          help=TARGET_HELP + "; comma-separated targets go side by side")
+    compare.add_argument("--budget", default=None, metavar="SIZE",
+                         help="memory per device the verdict's policy must fit, e.g. 16GiB "
+                              "(default: the target chip's memory less 10%%; on the CPU the "
+                              "verdict is the Pareto row with the least memory x cost)")
     compare.add_argument("--time", type=non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")

@@ -10,9 +10,11 @@ import math
 import os
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.api.inputs import check_seq
+from remat_kit.api.inputs import BadInput, check_seq
 from remat_kit.api.report import map_context, print_map
 from remat_kit.api.sources import Source, load_source
+from remat_kit.errors import BudgetError
+from remat_kit.policy.budget import parse_budget
 
 
 def make_host_devices(args) -> None:
@@ -25,6 +27,19 @@ def make_host_devices(args) -> None:
     except rk_mesh.MeshError:
         return
     rk_mesh.host_devices(math.prod(sizes.values()))
+
+
+def budget_bytes(text: str) -> int:
+    """--budget in bytes; BadInput for a budget that does not parse, or a fraction (a
+    fraction of no remat's peak is plan's)."""
+    try:
+        budget = parse_budget(text).bytes
+    except BudgetError as e:
+        raise BadInput(f"--budget: {e}") from None
+    if budget is None:
+        raise BadInput(f"--budget must be a size such as 16GiB, not a fraction: got "
+                       f"{text!r}")
+    return budget
 
 
 def source_and_sizes(args) -> tuple[Source, int, int]:
@@ -91,5 +106,5 @@ def plot_path(path: str, target, several: bool) -> str:
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
 
 
-__all__ = ["make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes",
+__all__ = ["budget_bytes", "make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes",
            "plot_path", "sizes_text", "targets_of"]

@@ -10,7 +10,7 @@ import sys
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
-from remat_kit.cli.common import (map_context, mesh_origin, plot_path, print_map, sizes_text,
+from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, plot_path, print_map, sizes_text,
                                   source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
@@ -30,6 +30,7 @@ def run(args) -> int:
     specs = default_policies(args.policies, target_list)
     check_schedules(cfg, specs, "--policies")
     check_json_and_plot(args)
+    budget = None if args.budget is None else budget_bytes(args.budget)
     if args.time and any(t.aot for t in target_list):
         raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
                        "of time (tpu:<topology>) cannot be timed")
@@ -59,7 +60,7 @@ def run(args) -> int:
         sections.append(section)
         contexts.append(context)
     print_map(works[0])  # the map's line first, as in every report, then the verdict
-    for line in _verdict_lines(sections, args.target is not None):
+    for line in _verdict_lines(sections, args.target is not None, budget):
         print(line, flush=True)
     if len(sections) == 1:
         report.print_table(sections[0][2], sections[0][1], wide=args.wide)
@@ -80,7 +81,8 @@ def run(args) -> int:
                    **contexts[0], "targets": contexts, **map_context(works[0])}
         report.write_json(args.json, [d for _, _, rows in sections for d in rows], context,
                           [v for t, _, rows in sections
-                           if (v := verdict.to_json(verdict.pick_compare(rows), t))])
+                           if (v := verdict.to_json(verdict.pick_compare(rows, t.memory, budget),
+                                                   t))])
     if args.plot is not None:
         for target, title, rows in sections:
             plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
@@ -149,12 +151,13 @@ def estimate_line(specs, target_list) -> str:
                if slow else ""))
 
 
-def _verdict_lines(sections, asked_target: bool) -> list[str]:
-    """The verdict (`verdict.verdict`) of each target's table; the CPU note once."""
+def _verdict_lines(sections, asked_target: bool, budget: int | None) -> list[str]:
+    """The verdict (`verdict.verdict`) of each target's table, within `budget` bytes
+    (--budget) or the target's memory (`verdict.pick_compare`); the CPU note once."""
     from remat_kit.cli import verdict
     lines = []
     for target, _, rows in sections:
-        choice = verdict.pick_compare(rows)
+        choice = verdict.pick_compare(rows, target.memory, budget)
         if choice is None:
             lines.append(f"{target}: no policy compiled; each row below says why")
             continue

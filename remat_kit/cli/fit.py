@@ -11,7 +11,7 @@ import sys
 
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
-from remat_kit.cli.common import map_context, mesh_origin, print_map, targets_of
+from remat_kit.cli.common import budget_bytes, map_context, mesh_origin, print_map, targets_of
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
 from remat_kit.api.sources import load_source, rechunked
@@ -26,7 +26,7 @@ def run(args) -> int:
     from remat_kit.api.configs import fit
 
     src = load_source(args)
-    budget = _budget_bytes(args.budget)
+    budget = budget_bytes(args.budget)
     _check_not_fixed(args)
     target_list = targets_of(args.target)
     if len(target_list) > 1:
@@ -65,21 +65,6 @@ def _check_not_fixed(args) -> None:
         other = "batch" if args.vary == "seq" else "seq"
         raise BadInput(f"--{args.vary} {searched} is what --vary {args.vary} searches; fix "
                        f"the --{other} instead, or search the {other} with --vary {other}")
-
-
-def _budget_bytes(text: str) -> int:
-    """--budget in bytes; BadInput for a budget that does not parse, or a fraction (fit
-    has no no-remat figure to take it of)."""
-    from remat_kit.errors import BudgetError
-    from remat_kit.policy.budget import parse_budget
-    try:
-        budget = parse_budget(text).bytes
-    except BudgetError as e:
-        raise BadInput(f"--budget: {e}") from None
-    if budget is None:
-        raise BadInput(f"--budget must be a size such as 16GiB, not a fraction: got "
-                       f"{text!r}")
-    return budget
 
 
 def _sizes(args, src, target) -> tuple[int, int | None, int]:

@@ -17,6 +17,7 @@ import math
 import os
 import re
 import types
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ from remat_kit.errors import closest_choice, install_command
 # PEAKS re-exported: the table is read as targets.PEAKS beside the targets it lists.
 from remat_kit.measure.chip_peaks import PEAKS, Roofline, of_chip
 from remat_kit.mesh import spec_text
+from remat_kit.units import fmt_bytes
 
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
 TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
@@ -46,6 +48,24 @@ SLICE_AXIS = "data"
 # times the time model is checked against (its comment gives the datasheet figures).
 GPU_TARGET_CONFIGS = {"a100": "a100_sxm.txtpb", "h100": "h100_sxm.txtpb",
                       "h200": "h200_sxm.txtpb"}
+# HBM per TPU chip, each chip one JAX device on these generations (Google's pages:
+# cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e). A generation not listed has no known
+# size: the verdict then ranks by memory x cost (docs/compare.md, "What it prints").
+TPU_HBM_BYTES = {"tpu:v4": 32 * 2**30, "tpu:v5e": 16 * 2**30, "tpu:v5p": 95 * 2**30,
+                 "tpu:v6e": 32 * 2**30}
+# The share of a GPU's memory JAX's allocator takes by default (JAX's "GPU memory
+# allocation" page: XLA_PYTHON_CLIENT_MEM_FRACTION, default .75); the rest is not JAX's.
+GPU_MEM_FRACTION_DEFAULT = 0.75
+
+
+class ChipMemory(NamedTuple):
+    """What a program may use on one device of a target: `usable` bytes, and `source`,
+    the words saying where the figure comes from ("95.00 GiB HBM per chip")."""
+
+    usable: int
+    source: str
+
+
 KINDS = ("cpu", "tpu", "tpu:<topology>[:slices=N]", "gpu", "gpu:<name>[:N]")
 EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1",
             "tpu:v5p:4x4x4:slices=2", "gpu",
@@ -163,6 +183,14 @@ class Target:
         with their count, which the DCN joins (`Roofline.slices`)."""
         line = of_chip(self.chip)
         return line if self.slices == 1 else dataclasses.replace(line, slices=self.slices)
+
+    @functools.cached_property
+    def memory(self) -> ChipMemory | None:
+        """What one device of the target holds for a program: a TPU chip's HBM
+        (`TPU_HBM_BYTES`); a GPU's memory times the share JAX's allocator takes
+        (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75); this machine's accelerator's
+        own `bytes_limit`. None for the CPU and for chips of no known size."""
+        return _memory_of(self)
 
     @functools.cached_property
     def versions(self) -> "types.MappingProxyType[str, str]":
@@ -365,6 +393,38 @@ def _chip_of(target: Target) -> str:
     return f"{target.platform}:{name}"
 
 
+def _gpu_fraction() -> tuple[float, str]:
+    """(the share of a GPU's memory JAX takes, the words saying whose it is); a value of
+    XLA_PYTHON_CLIENT_MEM_FRACTION that is no share in (0, 1] is JAX's default here."""
+    try:
+        share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""))
+    except ValueError:
+        share = 0.0
+    if 0 < share <= 1:
+        return share, "XLA_PYTHON_CLIENT_MEM_FRACTION as set"
+    return GPU_MEM_FRACTION_DEFAULT, "JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def _memory_of(target: Target) -> ChipMemory | None:
+    if target.platform == "cpu":
+        return None
+    if not target.aot:
+        try:
+            stats = jax.devices(target.platform)[0].memory_stats() or {}
+        except RuntimeError:
+            return None
+        limit = stats.get("bytes_limit")
+        return ChipMemory(int(limit), f"{fmt_bytes(limit)} JAX may use") if limit else None
+    if target.platform == "tpu":
+        hbm = TPU_HBM_BYTES.get(target.chip)
+        return None if hbm is None else ChipMemory(hbm, f"{fmt_bytes(hbm)} HBM per chip")
+    size = gpu_description(target).get("device_memory_size")
+    if not size:
+        return None
+    share, how = _gpu_fraction()
+    return ChipMemory(int(size * share), f"{share:.0%} of {fmt_bytes(size)}, {how}")
+
+
 def _versions_of(target: Target) -> dict[str, str]:
     packages = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda13-plugin")}.get(
         target.platform, ("jaxlib",))
@@ -458,6 +518,6 @@ def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
     return Mesh(merged.reshape(sizes), tuple(shape))
 
 
-__all__ = ["chip", "EXAMPLES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
+__all__ = ["ChipMemory", "chip", "EXAMPLES", "GPU_MEM_FRACTION_DEFAULT", "TPU_HBM_BYTES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
            "devices", "gpu_description", "is_out_of_memory", "make_mesh", "parse_target",
            "parse_targets", "peaks", "roofline", "SLICE_AXIS", "versions"]

@@ -1,0 +1,53 @@
+"""The verdict on a chip of known memory: the fastest policy whose peak fits the chip less
+the margin ("no remat needed" where no remat fits), --budget in its place, the Pareto pick
+only where the chip's memory is unknown; and the memory each target holds."""
+
+import pytest
+
+from remat_kit.cli import verdict
+from remat_kit.measure import targets
+from tests.test_first_contact import TPU, tpu_rows
+
+GIB = 2**30
+
+
+def test_a_chip_that_holds_no_remat_gets_no_remat():
+    # v5e: 16 GiB HBM, 14.40 GiB less 10%; none's peak is 5.42 GiB.
+    target = targets.parse_target(TPU)
+    choice = verdict.pick_compare(tpu_rows(), target.memory)
+    assert verdict.verdict(choice, target, asked_target=True)[0] == (
+        "tpu:v5e:1x1: use none: peak 5.42 GiB (1.000 x none), no remat needed "
+        "(fits 14.40 GiB: 16.00 GiB HBM per chip, less 10%)")
+
+
+@pytest.mark.parametrize("budget, name, why", [
+    # dots (2.70 GiB, +0.40%) is the fastest under 3e9 B; full (2.14 GiB, +33%) under 2.5e9.
+    (3_000_000_000, "dots", "the least pred. step of the policies that fit --budget 2.79 GiB"),
+    (2_500_000_000, "full", "the least pred. step of the policies that fit --budget 2.33 GiB"),
+    (1_000_000_000, "full", "no policy fits --budget 953.67 MiB; this one needs the least")])
+def test_a_budget_takes_the_chips_place(budget, name, why):
+    choice = verdict.pick_compare(tpu_rows(), targets.parse_target(TPU).memory, budget)
+    assert (choice.name, choice.why) == (name, why)
+
+
+def test_the_pareto_pick_where_the_chip_is_unknown():
+    choice = verdict.pick_compare(tpu_rows(), None)
+    assert (choice.name, choice.why) == ("dots", "Pareto: least memory x pred. step")
+    assert verdict.verdict(choice, targets.parse_target("cpu"), asked_target=True)[2] == (
+        "note: CPU steps predicted from this machine's measured roofline; another machine "
+        "may pick otherwise")
+    assert len(verdict.verdict(choice, targets.parse_target(TPU), asked_target=True)) == 2
+
+
+def test_each_chip_holds_what_its_maker_says(monkeypatch):
+    assert targets.parse_target("tpu:v5p:2x2x1").memory == (95 * GIB, "95.00 GiB HBM per chip")
+    assert targets.parse_target("cpu").memory is None
+    assert targets.parse_target("tpu:v3:2x2").memory is None  # a size not listed
+    # An H100's 84,942,979,072 bytes (its description), of which JAX takes 75% by default.
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert targets.parse_target("gpu:h100").memory == (
+        int(84942979072 * 0.75),
+        "75% of 79.11 GiB, JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert targets.parse_target("gpu:h100").memory == (
+        int(84942979072 * 0.9), "90% of 79.11 GiB, XLA_PYTHON_CLIENT_MEM_FRACTION as set")
