@@ -36,11 +36,27 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     """The remat-kit parser: one subcommand per command, each with its flags."""
-    parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0] + " " + YOUR_MODEL,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{compare,explain,plan,fit}")
     for add in (_add_compare, _add_explain, _add_plan, _add_fit):
         add(sub)
     return parser
+
+
+# The first lines of every --help: your own model, and the loss measured on it.
+YOUR_MODEL = """
+Your own model: --model FILE.py:FN, FN() returning
+  a linen or NNX model (int32 tokens [batch, seq] -> logits): measured with
+      remat-kit's mean next-token cross-entropy of its logits, or
+  (model, batch, loss): measured with your loss(output, batch) -> scalar.
+The table's title names the loss measured."""
+
+
+def _command(sub, name: str, text: str):
+    """The subparser `name` on `sub`, `text` its help, with `YOUR_MODEL` first in its --help."""
+    return sub.add_parser(name, help=text, description=text + "." + YOUR_MODEL,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _source_flags(p) -> None:
@@ -52,8 +68,10 @@ def _source_flags(p) -> None:
                              "with get_config()")
     source.add_argument("--model", metavar="FILE.py:FUNCTION",
                         help="your own model: FUNCTION() returns a linen or NNX model "
-                             "(int32 tokens [batch, seq] -> logits), or FUNCTION(batch, "
-                             "seq) returns a remat_kit.Workload; also package.module:FUNCTION")
+                             "(int32 tokens [batch, seq] -> logits, measured with remat-kit's "
+                             "next-token cross-entropy), or (model, batch, loss) to measure "
+                             "your loss(output, batch) -> scalar; or FUNCTION(batch, seq) "
+                             "returns a remat_kit.Workload; also package.module:FUNCTION")
     p.add_argument("--block", default=None, metavar="NAME[,NAME]",
                    help="with --model: the repeated block class(es) to remat (default: the "
                         "class whose instances hold the most parameters, and any other "
@@ -80,7 +98,7 @@ TARGET_HELP = ("the chip whose compiler measures: tpu:<chip>:<topology> ahead of
 
 def _add_compare(sub) -> None:
     """`compare` and its flags, on the subparsers `sub`."""
-    compare = sub.add_parser("compare", help="measure every policy: memory, FLOPs, time")
+    compare = _command(sub, "compare", "measure every policy: memory, FLOPs, time")
     _source_flags(compare)
     compare.add_argument("--policies", default=None,
                          help="comma-separated policy specs, or all for every preset "
@@ -110,7 +128,7 @@ def _add_compare(sub) -> None:
 
 def _add_explain(sub) -> None:
     """`explain` and its flags, on the subparsers `sub`."""
-    explain = sub.add_parser("explain", help="what one layer saves under one policy")
+    explain = _command(sub, "explain", "what one layer saves under one policy")
     _source_flags(explain)
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
     explain.add_argument("--mesh", default=None,
@@ -128,7 +146,7 @@ def _add_explain(sub) -> None:
 
 def _add_plan(sub) -> None:
     """`plan` and its flags, on the subparsers `sub`."""
-    plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")
+    plan = _command(sub, "plan", "the cheapest policy for each memory budget")
     _source_flags(plan)
     plan.add_argument("--budgets", required=True,
                       help="comma-separated budgets: sizes (6GiB, 512MiB, 8e9B for bytes) or fractions "
@@ -192,7 +210,7 @@ def _plan_search_flags(plan) -> None:
 
 def _add_fit(sub) -> None:
     """`fit` and its flags, on the subparsers `sub`."""
-    fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "
+    fit = _command(sub, "fit", "the longest seq (or largest batch) each policy fits "
                                      "in a memory budget")
     _source_flags(fit)
     fit.add_argument("--budget", required=True,

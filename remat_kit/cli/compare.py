@@ -67,7 +67,8 @@ def run(args) -> int:
     else:
         report.print_side_by_side(
             [(str(t), rows) for t, _, rows in sections],
-            f"{label}: {sizes_text(batch, seq)}, {dtype}, per device", wide=args.wide)
+            f"{label}: {sizes_text(batch, seq)}, {dtype}, loss: {src.loss}, per device",
+            wide=args.wide)
     for target, _, rows in sections:
         if len(sections) > 1 and args.peak:
             print(f"{target}:")
@@ -112,7 +113,8 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
     per_device = (f", per device of {devices} ({mesh_text}); "
                   f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin)}"
                   if devices > 1 else "")
-    title = f"{src.label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
+    title = (f"{src.label}: {sizes_text(batch, seq)}, {dtype}, loss: {src.loss} "
+             f"({target.label}{per_device})")
     share = None if batch is None else batch // batch_split  # None: leaves as declared
     context = {"target": str(target), "platform": target.label, "devices": devices,
                "mesh": mesh_text if devices > 1 else args.mesh, "step": step,

@@ -53,7 +53,8 @@ def run(args) -> int:
     fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
              "example)" if per_example else f"seq {seq}")
     origin = mesh_origin(first, mesh, target_list[0])
-    _report(args, src.label, result, (fixed, budget, dtype, multiple, origin), src.cfg, first,
+    _report(args, src.label, result, (fixed, budget, f"{dtype}, loss: {src.loss}", multiple,
+                                      origin), src.cfg, first,
             target_list[0])
     return 0
 

@@ -56,7 +56,8 @@ def logits_of(out, batch: int, seq: int):
         raise ModelError(
             f"the model's output is {_describe(out)}; expected logits [batch={batch}, "
             f"seq={seq}, vocab], or a dict or object with a 'logits' entry. For another "
-            "output or loss, give a function (batch, seq) -> rk.Workload")
+            "output or your own loss, return (model, batch, loss) from --model FILE:FUNCTION, "
+            "loss(output, batch) -> scalar, or give a function (batch, seq) -> rk.Workload")
     return found
 
 
@@ -111,6 +112,10 @@ def applied_plainly(batch: bool = False):
 def _first_line(e: BaseException) -> str:
     """flax's message without its documentation link."""
     return str(e).split(" (https://")[0].rstrip(". ")
+
+
+# What the tables' titles call `next_token_loss`, the loss measured unless the user gives one.
+OUR_LOSS = "remat-kit's mean next-token cross-entropy of the logits"
 
 
 def next_token_loss(logits, tokens, vocab_chunks: int = 1):
@@ -488,5 +493,5 @@ def trace(fn: Callable, args, where: "placement.Placement | None" = None,
         traced, shape = make()
     return traced, shape
 
-__all__ = ["ModelError", "applied_plainly", "linen_instances", "logits_of", "next_token_loss",
+__all__ = ["ModelError", "OUR_LOSS", "applied_plainly", "linen_instances", "logits_of", "next_token_loss",
            "workload"]
