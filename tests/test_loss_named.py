@@ -41,3 +41,18 @@ def test_help_opens_with_your_model_and_its_loss(argv, capsys):
     head = capsys.readouterr().out.split("\n\n")[1]
     assert "--model FILE.py:FN" in head and "(model, batch, loss)" in head
     assert "remat-kit's mean next-token cross-entropy" in head
+
+
+def test_a_model_that_shards_its_batch_is_initialised_at_the_batch(capsys):
+    # Its shard_map splits the batch 4 ways: at batch 1 its init failed.
+    assert cli.main(["compare", "--model", "tests/zoo/shard_map_linen.py:model", "--batch",
+                     "8", "--seq", "16", "--policies", "none,full"]) == 0
+    out = capsys.readouterr()
+    assert "shard_map_linen.py:model: batch 8, seq 16" in out.out and "error" not in out.out
+
+
+def test_a_batch_the_model_refuses_is_named_as_the_tool_gave_it(capsys):
+    assert cli.main(["compare", "--model", "tests/zoo/shard_map_linen.py:model", "--batch",
+                     "6", "--seq", "16", "--policies", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "int32 tokens [6, 16]" in err and "--batch and --seq" in err

@@ -234,7 +234,9 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
 
 
 def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
-    init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    # At the measured batch, not 1: a model that splits its batch (a shard_map over the data
+    # axes) cannot be initialised at a batch its mesh does not divide.
+    init_tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     pick, variables = linen_block(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens, block=block)
     cls = pick.cls
@@ -460,10 +462,14 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         with nn.logical_axis_rules(named.rules or nn.get_logical_axis_rules()):
             return _workload(model, b, s, block, name, mesh, vocab_chunks, inputs, placed)
 
-    local = None
+    local, block = None, traced_regions.block
     if where is not None:  # what one device runs: its share of the batch, whole parameters
-        one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
-        local = (one.loss_for_policy, one.args)
+        share = batch // where.batch_size()
+        try:
+            one = again(share, seq, mesh=None, placed=False, name=None)
+            local, block = (one.loss_for_policy, one.args), one.block
+        except ValueError:  # it splits its batch itself (a shard_map over it), so it runs
+            local = (loss_for_policy, args)  # on no one device's share: the whole program
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,
                     per_device=local, mesh=where and where.mesh, num_layers=n or None,
                     own_mesh=(named.mesh or (own_mesh[0] if own_mesh else None)) if placed
@@ -471,7 +477,7 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
                     notes=notes, block_name=cls.__name__ if n else None,
                     parameter_count=traced_regions.parameter_count,
                     # per chip, as every figure is: one device's share of the batch
-                    block=(traced_regions.block if local is None else one.block) if n else None,
+                    block=block if n else None,
                     model_map=the_map)
 
 def trace(fn: Callable, args, where: "placement.Placement | None" = None,
