@@ -51,3 +51,18 @@ def test_each_chip_holds_what_its_maker_says(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
     assert targets.parse_target("gpu:h100").memory == (
         int(84942979072 * 0.9), "90% of 79.11 GiB, XLA_PYTHON_CLIENT_MEM_FRACTION as set")
+
+
+@pytest.mark.parametrize("target, mesh, n", [
+    ("tpu:v5p:2x2x1", None, 4), ("tpu:v5p:2x2x1:slices=2", None, 8), ("gpu:h100:8", None, 8),
+    ("cpu", "data:2", 2), ("tpu:v5e:1x1", "data:2,fsdp:2", 4), ("tpu:nope", None, 1)])
+def test_host_devices_as_many_as_the_target_has_chips(target, mesh, n, monkeypatch):
+    # A model that builds its mesh from jax.devices() at import finds the target's chips.
+    import argparse
+
+    from remat_kit import mesh as rk_mesh
+    from remat_kit.cli.common import make_host_devices
+    asked = []
+    monkeypatch.setattr(rk_mesh, "host_devices", asked.append)
+    make_host_devices(argparse.Namespace(target=target, mesh=mesh))
+    assert asked == [n]

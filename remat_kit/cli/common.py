@@ -18,15 +18,24 @@ from remat_kit.policy.budget import parse_budget
 
 
 def make_host_devices(args) -> None:
-    """The CPU devices --mesh needs (data:2,fsdp:2: 4), made before anything asks JAX's
-    backend (a target, the user's module, the default backend): the `jax_num_cpu_devices`
-    option, as XLA_FLAGS=--xla_force_host_platform_device_count=N would, so no flag is
-    needed. A bad spec is left to `inputs.device_mesh`, which names the flag."""
+    """The CPU devices --mesh needs (data:2,fsdp:2: 4), and as many as a --target's
+    topology has chips (tpu:v5p:2x2x1: 4), made before anything asks JAX's backend (a
+    target, the user's module, the default backend): the `jax_num_cpu_devices` option,
+    as XLA_FLAGS=--xla_force_host_platform_device_count=N would, so no flag is needed.
+    A model that builds its own mesh from `jax.devices()` at import then finds as many
+    devices as the target it is measured for. A bad spec or target is left to
+    `inputs.device_mesh` and `targets_of`, which name the flag."""
+    from remat_kit.measure import targets
     try:
         sizes = rk_mesh.parse_spec(getattr(args, "mesh", None) or "")
     except rk_mesh.MeshError:
-        return
-    rk_mesh.host_devices(math.prod(sizes.values()))
+        sizes = {}
+    try:
+        chips = [t.chip_count or 1 for t in targets.parse_targets(args.target)] if getattr(
+            args, "target", None) else []
+    except targets.TargetError:
+        chips = []
+    rk_mesh.host_devices(max([math.prod(sizes.values()), *chips]))
 
 
 def budget_bytes(text: str) -> int:

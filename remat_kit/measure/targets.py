@@ -177,6 +177,18 @@ class Target:
         not listed (the time model then measures this CPU, `chip_peaks.calibrate_cpu`)."""
         return PEAKS.get(self.chip)
 
+    @property
+    def chip_count(self) -> int | None:
+        """How many chips (GPUs) the topology names, read from its text, before JAX or
+        libtpu starts: `tpu:v5p:2x2x1:slices=2` 8, `gpu:h100:8` 8; None for this
+        machine's devices."""
+        if not self.aot:
+            return None
+        if self.platform == "gpu":
+            return _split_count(self.topology)[1]
+        shape = self.topology.split(":")[1]
+        return math.prod(int(n) for n in shape.split("x")) * self.slices
+
     @functools.cached_property
     def roofline(self) -> Roofline:
         """The time model's peaks of the chip (`chip_peaks.of_chip`); on several slices
