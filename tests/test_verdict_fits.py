@@ -66,3 +66,30 @@ def test_host_devices_as_many_as_the_target_has_chips(target, mesh, n, monkeypat
     monkeypatch.setattr(rk_mesh, "host_devices", asked.append)
     make_host_devices(argparse.Namespace(target=target, mesh=mesh))
     assert asked == [n]
+
+
+def test_splash_without_named_residuals_says_its_forward_reruns():
+    from remat_kit.measure import kernels
+    priced = kernels.Priced((
+        kernels.Kernel("splash_mha_fwd_no_residuals", 4, 1e9, 1e6, None, "shapes"),
+        kernels.Kernel("splash_mha_dq_no_residuals", 2, 1e9, 1e6, None, "shapes"),
+        kernels.Kernel("splash_mha_dkv_no_residuals", 2, 2e9, 1e6, None, "shapes")))
+    assert priced.notes()[-1] == (
+        "splash attention's forward runs 4 times for 2 backward: the backward reruns it, as "
+        "the kernel's residuals (its output and logsumexp) are not named: give splash "
+        "residual_checkpoint_name=\"context\", so saving `context` cannot keep them")
+
+
+@pytest.mark.parametrize("notes, text, target, added", [
+    (("attn_logits: fused attention (one op): its scores never exist",), None, TPU,
+     ["minimal_with_context"]),
+    (("attn_logits: fused attention (one op): its scores never exist",), None, "cpu", []),
+    (("attn_logits: fused attention (one op): its scores never exist",), "none,full", TPU, []),
+    ((), None, TPU, [])])
+def test_a_fused_kernel_adds_minimal_with_context_to_the_default(notes, text, target, added):
+    import types
+
+    from remat_kit.cli.compare import default_policies, with_fused_attention
+    found = [targets.parse_target(target)]
+    specs = default_policies(text, found)
+    assert with_fused_attention(text, found, types.SimpleNamespace(notes=notes), specs) == added

@@ -103,7 +103,8 @@ def _add_compare(sub) -> None:
     compare.add_argument("--policies", default=None,
                          help="comma-separated policy specs, or all for every preset "
                               "(default: every preset on the CPU; none,full,minimal,dots,"
-                              "selective on a TPU or GPU target, whose compiles are slow)")
+                              "selective on a TPU or GPU target, whose compiles are slow, "
+                              "and minimal_with_context where the model has fused attention)")
     compare.add_argument("--mesh", default=None,
                          help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
     compare.add_argument("--target", default=None,

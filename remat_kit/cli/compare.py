@@ -36,6 +36,7 @@ def run(args) -> int:
                        "of time (tpu:<topology>) cannot be timed")
     meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
     works = [src.workload(batch, seq, mesh) for mesh in meshes]  # traced, not compiled
+    specs += with_fused_attention(args.policies, target_list, works[0], specs)
     if cfg is None:
         check_schedules(works[0], specs, "--policies")
     auto = [p.budget for p in map(parse, specs) if isinstance(p, AutoSpec)]
@@ -140,6 +141,22 @@ def default_policies(text: str | None, target_list) -> list[str]:
     return preset_policies()
 
 
+# The preset a fused attention kernel (splash, cuDNN) adds to the accelerator default: it
+# keeps the kernel's output, which spares its forward's rerun where the kernel's
+# residuals are named `context` (splash's residual_checkpoint_name).
+FUSED_ATTENTION_POLICY = "minimal_with_context"
+
+
+def with_fused_attention(text: str | None, target_list, work, specs) -> list[str]:
+    """[`FUSED_ATTENTION_POLICY`] to add to the accelerator default (no --policies, a TPU
+    or GPU target) where `work` (a `Workload`) has fused attention (its notes say no
+    scores exist); [] otherwise."""
+    fused = any("fused attention" in n for n in work.notes)
+    default = text is None and any(t.platform != "cpu" for t in target_list)
+    return [FUSED_ATTENTION_POLICY] if (fused and default
+                                        and FUSED_ATTENTION_POLICY not in specs) else []
+
+
 def estimate_line(specs, target_list) -> str:
     """The line before the compiles: how many, for which targets, and how long on an
     accelerator target, where each compile can take a minute (docs/speed.md)."""
@@ -168,4 +185,4 @@ def _verdict_lines(sections, asked_target: bool, budget: int | None) -> list[str
     return lines
 
 
-__all__ = ["ACCELERATOR_POLICIES", "default_policies", "estimate_line", "run"]
+__all__ = ["ACCELERATOR_POLICIES", "FUSED_ATTENTION_POLICY", "with_fused_attention", "default_policies", "estimate_line", "run"]

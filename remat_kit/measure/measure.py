@@ -10,6 +10,7 @@ How a workload walks through here: docs/architecture.md ("The data flow"); figur
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import shutil
 import tempfile
@@ -289,7 +290,12 @@ def _compiled_figures(run: _Run, compiled, local, program_key, dump) -> dict:
 def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -> tuple:
     """A record's notes: where its FLOPs came from, host memory on the CPU, names that
     select nothing, blocks that differ, the model map's, the time model's."""
-    notes = tuple(figures["cost_notes"])
+    keeps_context = policy.remat and any(fnmatch.fnmatchcase("context", p)
+                                         for p in (*policy.save, *policy.offload))
+    # A fused kernel's rerun forward says its residuals were not kept only where the
+    # policy asked to keep them (under `full` the rerun is the policy's own).
+    notes = tuple(n for n in figures["cost_notes"]
+                  if keeps_context or not n.endswith(kernels.CONTEXT_NOT_KEPT))
     if found["offloaded_bytes"] and run.target.platform == "cpu":
         notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
                   "includes the offloaded residuals",)
