@@ -93,3 +93,43 @@ def test_a_fused_kernel_adds_minimal_with_context_to_the_default(notes, text, ta
     found = [targets.parse_target(target)]
     specs = default_policies(text, found)
     assert with_fused_attention(text, found, types.SimpleNamespace(notes=notes), specs) == added
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("tpu:v5p-8", "tpu:v5p:2x2x1"), ("tpu:v5p-128", "tpu:v5p:4x4x4"),
+    ("tpu:v5litepod-16", "tpu:v5e:4x4"), ("tpu:v6e-8", "tpu:v6e:2x4"), ("tpu:v4-8", "tpu:v4:2x2x1"),
+    ("tpu:v5p-16:slices=2", "tpu:v5p:2x2x2:slices=2")])
+def test_cloud_tpu_types_name_their_topology(text, parsed):
+    assert str(targets.parse_target(text)) == parsed
+
+
+def test_a_cloud_type_that_is_no_slice_is_refused_with_the_rule():
+    with pytest.raises(targets.TargetError, match=r"'v5p-4' names no slice: v5p types count "
+                       r"cores, two per chip, in powers of two from v5p-8"):
+        targets.parse_target("tpu:v5p-4")
+
+
+def test_the_chips_an_own_mesh_leaves_unused_are_named():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from remat_kit.cli.compare import unused_chips
+    own = Mesh(np.array(jax.devices()[:4]).reshape(1, 4, 1), ("replica", "shard", "model"))
+    assert unused_chips(own, targets.parse_target("tpu:v5p:2x2x1:slices=2")) == (
+        "note: the model's own mesh (replica:1,shard:4,model:1) uses 4 of "
+        "tpu:v5p:2x2x1:slices=2's 8 chips; the other 4 are unused, and the figures are those "
+        "of its 4; build the mesh over all of them (or name a smaller --target) to measure "
+        "the slice")
+    assert unused_chips(own, targets.parse_target("tpu:v5p:2x2x1")) is None
+    assert unused_chips(None, targets.parse_target("tpu:v5p:2x2x1:slices=2")) is None
+
+
+def test_help_names_slices_cloud_types_and_own_axes(capsys):
+    from remat_kit.cli import commands as cli
+    try:
+        cli.main(["compare", "--help"])
+    except SystemExit:  # argparse's exit after the help
+        pass
+    text = " ".join(capsys.readouterr().out.split())
+    assert ":slices=N" in text and "tpu:v5p-8" in text and "its own axes" in text

@@ -91,7 +91,9 @@ def _source_flags(p) -> None:
 
 # --target's help, alike in every command: the chips first, then this machine's.
 TARGET_HELP = ("the chip whose compiler measures: tpu:<chip>:<topology> ahead of time via "
-               "libtpu (tpu:v5e:1x1, tpu:v5p:1x1x1, tpu:v6e:2x2), gpu:<chip> deviceless "
+               "libtpu (tpu:v5e:1x1, tpu:v5p:1x1x1, tpu:v6e:2x2; :slices=N for N slices, "
+               "tpu:v5p:2x2x1:slices=2), or a Cloud TPU type (tpu:v5p-8, tpu:v5litepod-16, "
+               "tpu:v6e-8), gpu:<chip> deviceless "
                "(gpu:h100, gpu:h200, gpu:a100), cpu, or tpu / gpu (this machine's); default "
                "JAX's default backend, which ranks policies as that machine does")
 
@@ -106,7 +108,10 @@ def _add_compare(sub) -> None:
                               "selective on a TPU or GPU target, whose compiles are slow, "
                               "and minimal_with_context where the model has fused attention)")
     compare.add_argument("--mesh", default=None,
-                         help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
+                         help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device; "
+                              "a --model may name its own axes (replica:1,shard:4,model:1), "
+                              "and a model that builds its own mesh is measured on it "
+                              "(docs/meshes.md)")
     compare.add_argument("--target", default=None,
                          help=TARGET_HELP + "; comma-separated targets go side by side")
     compare.add_argument("--budget", default=None, metavar="SIZE",

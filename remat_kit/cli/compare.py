@@ -52,6 +52,8 @@ def run(args) -> int:
         own = work.own_mesh
         if own is not None and not set(own.devices.flat) <= set(target.devices):
             retarget.check_fits(own, target.devices, str(target))
+        if (line := unused_chips(own, target)) is not None:
+            print(line, file=sys.stderr, flush=True)
     print(estimate_line(specs, target_list), file=sys.stderr, flush=True)
     sections, contexts = [], []
     dtype = src.dtype(works[0])
@@ -157,6 +159,19 @@ def with_fused_attention(text: str | None, target_list, work, specs) -> list[str
                                         and FUSED_ATTENTION_POLICY not in specs) else []
 
 
+def unused_chips(own, target) -> str | None:
+    """The line naming the chips of `target` that the model's own mesh `own` (a Mesh,
+    or None) leaves unused, e.g. a 4-chip mesh on `tpu:v5p:2x2x1:slices=2`; None where
+    it uses them all, or there is no own mesh or topology."""
+    chips = target.chip_count
+    if own is None or chips is None or own.size >= chips:
+        return None
+    return (f"note: the model's own mesh ({rk_mesh.spec_text(own)}) uses {own.size} of "
+            f"{target}'s {chips} chips; the other {chips - own.size} are unused, and the "
+            f"figures are those of its {own.size}; build the mesh over all of them (or "
+            "name a smaller --target) to measure the slice")
+
+
 def estimate_line(specs, target_list) -> str:
     """The line before the compiles: how many, for which targets, and how long on an
     accelerator target, where each compile can take a minute (docs/speed.md)."""
@@ -185,4 +200,4 @@ def _verdict_lines(sections, asked_target: bool, budget: int | None) -> list[str
     return lines
 
 
-__all__ = ["ACCELERATOR_POLICIES", "FUSED_ATTENTION_POLICY", "with_fused_attention", "default_policies", "estimate_line", "run"]
+__all__ = ["ACCELERATOR_POLICIES", "FUSED_ATTENTION_POLICY", "unused_chips", "with_fused_attention", "default_policies", "estimate_line", "run"]
