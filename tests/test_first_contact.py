@@ -79,7 +79,7 @@ def test_the_default_table_fits_100_columns_and_wide_has_every_column():
     rows = tpu_rows()
     narrow = report.table(rows, "a title")
     assert [c.header for c in narrow.columns] == [
-        "", "policy", "peak", "peak x none", "FLOPs x none", "pred. x none"]
+        "", "policy", "peak", "peak x none", "FLOPs x none", "pred. step", "pred. x none"]
     # At 100 columns nothing wraps but the long spec, which folds in its own column.
     at_100, at_200 = _render(narrow, 100), _render(narrow, 200)
     assert max(map(len, at_100)) <= 100 and at_100 == at_200

@@ -133,3 +133,41 @@ def test_help_names_slices_cloud_types_and_own_axes(capsys):
         pass
     text = " ".join(capsys.readouterr().out.split())
     assert ":slices=N" in text and "tpu:v5p-8" in text and "its own axes" in text
+
+
+def test_each_note_names_its_policies():
+    from remat_kit.cli.compare import policy_notes
+    rows = [{"names": ["none"], "error": None, "notes": ["kernels priced"]},
+            {"names": ["full", "save_nothing"], "error": None,
+             "notes": ["kernels priced", "cuDNN attention's forward runs 4 times"]},
+            {"names": ["save:zz"], "error": None,
+             "notes": ["kernels priced", "save:zz: none of the tags this policy keeps"]}]
+    assert policy_notes(rows) == [
+        "note (every policy): kernels priced",
+        "note (full): cuDNN attention's forward runs 4 times",
+        "note (save:zz): none of the tags this policy keeps"]
+
+
+def test_wide_keeps_preset_names_whole_at_100_columns():
+    from rich.console import Console
+
+    from remat_kit.api import report
+    from tests.test_first_contact import tpu_rows
+    rows = [dict(d, names=["minimal"]) if d["policy"] == "none" else d for d in tpu_rows()]
+    console = Console(width=100, record=True)
+    console.print(report.table(rows, "", wide=True))
+    assert "│ minimal " in console.export_text()
+
+
+def test_a_long_device_order_is_summarized():
+    import types
+
+    import numpy as np
+
+    from remat_kit import mesh as rk_mesh
+
+    class Mesh128(dict):  # 128 devices in reverse order, as {axis: size} with devices
+        devices = np.array([types.SimpleNamespace(id=i) for i in range(127, -1, -1)])
+        shape = property(dict)
+    assert rk_mesh.origin(Mesh128(data=128), "its mesh") == (
+        "its mesh (1 axis data:128; device order [127, 126, 125, 124, ... 0])")

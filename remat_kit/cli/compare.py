@@ -76,9 +76,9 @@ def run(args) -> int:
         if len(sections) > 1 and args.peak:
             print(f"{target}:")
         report.print_peaks(rows)
-    for note in dict.fromkeys(n for _, _, rows in sections for d in rows for n in d["notes"]
-                              if cfg is None):
-        print(f"note: {note}", file=sys.stderr)
+    for line in (policy_notes([d for _, _, rows in sections for d in rows])
+                 if cfg is None else []):
+        print(line, file=sys.stderr)
     if args.json is not None:
         # The first target's fields stay at the top level (schema 1); "targets" has them all.
         context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
@@ -159,6 +159,23 @@ def with_fused_attention(text: str | None, target_list, work, specs) -> list[str
                                         and FUSED_ATTENTION_POLICY not in specs) else []
 
 
+def policy_notes(report_rows) -> list[str]:
+    """The rows' notes, each once, prefixed by the policies whose rows have it ("note
+    (full, minimal): ..."), or "every policy" where every compiled row has it; a note
+    that opens with its policy's name ("dots: none of the tags ...") loses it there."""
+    policies: dict[str, list[str]] = {}
+    for d in report_rows:
+        for n in d["notes"]:
+            name = next((m for m in d["names"] if n.startswith(f"{m}: ")), d["names"][0])
+            policies.setdefault(n.removeprefix(f"{name}: "), []).append(name)
+    every = {d["names"][0] for d in report_rows if d["error"] is None}
+
+    def who(names):
+        return ("every policy" if set(names) >= every and len(every) > 1
+                else ", ".join(dict.fromkeys(names)))
+    return [f"note ({who(names)}): {n}" for n, names in policies.items()]
+
+
 def unused_chips(own, target) -> str | None:
     """The line naming the chips of `target` that the model's own mesh `own` (a Mesh,
     or None) leaves unused, e.g. a 4-chip mesh on `tpu:v5p:2x2x1:slices=2`; None where
@@ -200,4 +217,5 @@ def _verdict_lines(sections, asked_target: bool, budget: int | None) -> list[str
     return lines
 
 
-__all__ = ["ACCELERATOR_POLICIES", "FUSED_ATTENTION_POLICY", "unused_chips", "with_fused_attention", "default_policies", "estimate_line", "run"]
+__all__ = ["ACCELERATOR_POLICIES", "FUSED_ATTENTION_POLICY", "policy_notes", "unused_chips",
+           "with_fused_attention", "default_policies", "estimate_line", "run"]
