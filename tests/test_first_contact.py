@@ -122,7 +122,8 @@ def test_help_names_the_chips_and_the_install_command_fits_a_checkout(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "gpu:h100" in text and "tpu:v5p:1x1x1" in text and "--wide" in text
     root = os.path.dirname(os.path.dirname(os.path.abspath(rk.__file__)))
-    assert rk_errors.install_command("cuda") == f"cd {root} && pip install -e '.[cuda]'"
+    assert rk_errors.install_command("cuda") == (
+        f"cd {root} && pip install -e '.[cuda]' --config-settings editable_mode=compat")
 
 
 def test_a_misspelt_tag_is_refused_at_the_call():

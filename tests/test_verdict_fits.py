@@ -171,3 +171,24 @@ def test_a_long_device_order_is_summarized():
         shape = property(dict)
     assert rk_mesh.origin(Mesh128(data=128), "its mesh") == (
         "its mesh (1 axis data:128; device order [127, 126, 125, 124, ... 0])")
+
+
+def test_a_folder_named_like_the_package_beside_a_script_does_not_shadow_it(tmp_path):
+    """A script in the folder that holds a checkout named remat_kit: with the checkout on
+    sys.path (what the Makefile's compat editable install's .pth adds) Python's path search
+    finds the package; setuptools' default import hook, consulted after that search, would
+    find the checkout first, as an empty namespace package."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from remat_kit import errors
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (tmp_path / "remat_kit").mkdir()  # the checkout, as the folder holding it sees it
+    found = subprocess.run(
+        [sys.executable, "-S", "-c", "import importlib.util, sys; "
+         f"sys.path.insert(0, {str(tmp_path)!r}); sys.path.append({str(root)!r}); "
+         "print(importlib.util.find_spec('remat_kit').origin)"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    assert found == str(root / "remat_kit" / "__init__.py")
+    assert f"-e '.[tpu]' {errors.EDITABLE_MODE}" in (root / "Makefile").read_text()
