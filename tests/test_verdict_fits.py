@@ -192,3 +192,14 @@ def test_a_folder_named_like_the_package_beside_a_script_does_not_shadow_it(tmp_
         capture_output=True, text=True, check=True).stdout.strip()
     assert found == str(root / "remat_kit" / "__init__.py")
     assert f"-e '.[tpu]' {errors.EDITABLE_MODE}" in (root / "Makefile").read_text()
+
+
+def test_a_budget_over_what_jax_leaves_on_a_gpu_is_named(monkeypatch):
+    from remat_kit.cli.fit import over_the_chip
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert over_the_chip(80 * GIB, targets.parse_target("gpu:h100")) == (
+        "note: --budget 80.00 GiB is more than gpu:h100 holds for a program, 59.33 GiB (75% "
+        "of 79.11 GiB, JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION); set "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. .95) to let JAX take more")
+    assert over_the_chip(50 * GIB, targets.parse_target("gpu:h100")) is None
+    assert over_the_chip(80 * GIB, targets.parse_target("cpu")) is None

@@ -31,6 +31,8 @@ def run(args) -> int:
     target_list = targets_of(args.target)
     if len(target_list) > 1:
         raise BadInput(f"fit takes one --target, got {args.target!r}")
+    if (line := over_the_chip(budget, target_list[0])) is not None:
+        print(line, file=sys.stderr, flush=True)
     batch, seq, multiple = _sizes(args, src, target_list[0])
     per_example = seq is None  # a --model batch without a sequence axis: images, latents
     seq = seq or 1  # so fit's FLOPs per token are FLOPs per example there
@@ -57,6 +59,19 @@ def run(args) -> int:
                                       origin), src.cfg, first,
             target_list[0])
     return 0
+
+
+def over_the_chip(budget: int, target) -> str | None:
+    """The line saying that `budget` bytes is more than one device of `target` holds for
+    a program (`Target.memory`: on a GPU the share JAX's allocator takes, 75% by default);
+    None where it is not, or the memory is unknown."""
+    memory = target.memory
+    if memory is None or budget <= memory.usable:
+        return None
+    fix = ("; set XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. .95) to let JAX take more"
+           if target.platform == "gpu" else "")
+    return (f"note: --budget {fmt_bytes(budget)} is more than {target} holds for a program, "
+            f"{fmt_bytes(memory.usable)} ({memory.source}){fix}")
 
 
 def _check_not_fixed(args) -> None:
@@ -191,4 +206,4 @@ def _report(args, label, result, words, cfg, first, target) -> None:
         fit_report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")
 
 
-__all__ = ["run"]
+__all__ = ["over_the_chip", "run"]
