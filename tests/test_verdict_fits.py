@@ -203,3 +203,14 @@ def test_a_budget_over_what_jax_leaves_on_a_gpu_is_named(monkeypatch):
         "XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. .95) to let JAX take more")
     assert over_the_chip(50 * GIB, targets.parse_target("gpu:h100")) is None
     assert over_the_chip(80 * GIB, targets.parse_target("cpu")) is None
+
+
+def test_the_time_left_is_the_mean_of_this_models_compiles():
+    from remat_kit.cli.compare import progress_line
+    from remat_kit.measure.record import Record
+    done = Record("none", ("none",), "XLA TPU compile", TPU, compile_seconds=150.0)
+    assert progress_line(1, 5, done, [150.0]) == (
+        "[1/5] tpu:v5e:1x1: none: 150.0 s; about 10 min left")
+    assert progress_line(5, 5, done, [150.0] * 5) == "[5/5] tpu:v5e:1x1: none: 150.0 s"
+    quick = Record("none", ("none",), "XLA CPU compile", "cpu", compile_seconds=2.0)
+    assert progress_line(1, 5, quick, [2.0]) == "[1/5] cpu: none: 2.0 s"

@@ -7,6 +7,7 @@ Docs: docs/compare.md.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
@@ -43,10 +44,11 @@ def run(args) -> int:
     for target, mesh, work in zip(target_list, meshes, works):
         check_planner_floor(work, auto, target, mesh, "--policies auto:budget=")
 
+    spent: list[float] = []
+
     def progress(i, n, record):
-        status = "error" if record.error else f"{record.compile_seconds:.1f} s"
-        print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}",
-              file=sys.stderr, flush=True)
+        spent.append(record.compile_seconds or 0.0)
+        print(progress_line(i, n, record, spent), file=sys.stderr, flush=True)
 
     for target, work in zip(target_list, works):  # refused before the first compile
         own = work.own_mesh
@@ -189,6 +191,16 @@ def unused_chips(own, target) -> str | None:
             "name a smaller --target) to measure the slice")
 
 
+def progress_line(i: int, n: int, record, spent: Sequence[float]) -> str:
+    """'[2/5] tpu:v5p:1x1x1: minimal: 152.8 s; about 8 min left': compile `i` of `n`, and
+    where the rest would take a minute or more at the mean of the compiles so far
+    (`spent`, seconds: this model's own compile time, not a guess of its size)."""
+    status = "error" if record.error else f"{record.compile_seconds:.1f} s"
+    left = (n - i) * sum(spent) / max(len(spent), 1)
+    rest = f"; about {round(left / 60)} min left" if left >= 60 else ""
+    return f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}{rest}"
+
+
 def estimate_line(specs, target_list) -> str:
     """The line before the compiles: how many, for which targets, and how long on an
     accelerator target, where each compile can take a minute (docs/speed.md)."""
@@ -197,8 +209,9 @@ def estimate_line(specs, target_list) -> str:
     slow = [t for t in target_list if t.platform != "cpu"]
     return (f"compiling {n} program{'s' * (n != 1)} for {where} (policies that compile "
             "alike are compiled once)"
-            + (f"; a TPU or GPU compile of a long sequence can take 30-90 s each, so up to "
-               f"{max(1, n * 90 // 60)} min cold (a repeat is read from the compile cache)"
+            + (f"; a TPU or GPU compile of a long sequence can take 30-90 s each, more for a "
+               f"large model: {max(1, n * 90 // 60)} min or more cold, the first compile's "
+               "time sets the estimate of the rest (a repeat is read from the compile cache)"
                if slow else ""))
 
 
@@ -218,4 +231,4 @@ def _verdict_lines(sections, asked_target: bool, budget: int | None) -> list[str
 
 
 __all__ = ["ACCELERATOR_POLICIES", "FUSED_ATTENTION_POLICY", "policy_notes", "unused_chips",
-           "with_fused_attention", "default_policies", "estimate_line", "run"]
+           "with_fused_attention", "default_policies", "estimate_line", "progress_line", "run"]
