@@ -214,3 +214,18 @@ def test_the_time_left_is_the_mean_of_this_models_compiles():
     assert progress_line(5, 5, done, [150.0] * 5) == "[5/5] tpu:v5e:1x1: none: 150.0 s"
     quick = Record("none", ("none",), "XLA CPU compile", "cpu", compile_seconds=2.0)
     assert progress_line(1, 5, quick, [2.0]) == "[1/5] cpu: none: 2.0 s"
+
+
+def test_xla_rematerializing_on_its_own_is_named():
+    import types
+
+    from remat_kit.measure.costs import xla_remat_note
+    text = ("ENTRY %main {\n  %fusion.3 = f32[8] fusion(%p)\n  %fusion.3.remat = f32[8] "
+            "fusion(%p)\n  fusion.7.remat2 = f32[8] fusion(%p)\n  ROOT %t = tuple(%fusion.3)\n}")
+    compiled = types.SimpleNamespace(as_text=lambda: text)
+    assert xla_remat_note(compiled, "gpu") == (
+        "XLA rematerialized 2 instructions on its own to fit the device's memory (its remat "
+        "pass, beyond the policy): this row's peak and FLOPs are after it",)
+    assert xla_remat_note(compiled, "cpu") == ()
+    plain = types.SimpleNamespace(as_text=lambda: text.replace(".remat", ""))
+    assert xla_remat_note(plain, "tpu") == ()

@@ -31,7 +31,7 @@ from remat_kit.measure import step_times, time_checks, time_model
 from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.record import Record, memory_kind
-from remat_kit.measure.costs import memory_fields
+from remat_kit.measure.costs import memory_fields, xla_remat_note
 from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parsed_only
@@ -327,7 +327,8 @@ def _figures(compiled, target, local) -> dict:
     return {"memory": memory_fields(compiled), "flops": costs.get("flops"),
             "kernel_flops": priced.kernel_flops,
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
-            "cost_notes": list(cost_notes), "time_notes": list(time_notes)}
+            "cost_notes": [*cost_notes, *xla_remat_note(compiled, target.platform)],
+            "time_notes": list(time_notes)}
 
 
 def _predicted_seconds(compiled, target, priced: kernels.Priced
