@@ -229,3 +229,11 @@ def test_xla_rematerializing_on_its_own_is_named():
     assert xla_remat_note(compiled, "cpu") == ()
     plain = types.SimpleNamespace(as_text=lambda: text.replace(".remat", ""))
     assert xla_remat_note(plain, "tpu") == ()
+
+
+def test_no_remat_where_it_fits_even_beside_a_row_predicted_faster():
+    rows = tpu_rows()
+    for d in rows:  # full predicted 1% under none: the time model's artefact
+        if d["policy"] == "full":
+            d["predicted_ratio_to_none"] = 0.99
+    assert verdict.pick_compare(rows, targets.parse_target(TPU).memory).name == "none"

@@ -151,15 +151,17 @@ def _choice(d: dict, why: str) -> Choice:
 
 
 def fastest_within(ok: Sequence[dict], limit: int, limit_words: str) -> Choice:
-    """Of compiled rows `ok`, the one with the least cost (`_cost_key`) whose memory is
-    at most `limit` bytes, `none` on a tie; "no remat needed" where that is `none`.
-    Where no row fits, the row with the least memory, saying so."""
+    """Of compiled rows `ok`: `none`, "no remat needed", where its memory is at most
+    `limit` bytes (a policy the time model predicts faster than no remat is a modelling
+    artefact, not a reason to remat); else the one with the least cost (`_cost_key`)
+    whose memory fits. Where no row fits, the row with the least memory, saying so."""
     key, words = _cost_key(ok)
     fits = [d for d in ok if d["memory_bytes"] <= limit]
     if not fits:
         least = min(ok, key=lambda d: d["memory_bytes"])
         return _choice(least, f"no policy fits {limit_words}; this one needs the least")
-    best = min(fits, key=lambda d: (d[key] or 1.0, d["policy"] != "none", d["memory_bytes"]))
+    best = next((d for d in fits if d["policy"] == "none"), None) or min(
+        fits, key=lambda d: (d[key] or 1.0, d["memory_bytes"]))
     if best["policy"] == "none":
         return dataclasses.replace(_choice(best, f"fits {limit_words}"),
                                    cost="no remat needed")
