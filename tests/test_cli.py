@@ -207,7 +207,8 @@ def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
                          "--json", str(out_json),
                          "--plot", str(out_png), "--wide")
     assert code == 0, err
-    assert "tiny: batch 2, seq 16, float32, loss: remat-kit's mean next-token cross-entropy of the logits (XLA CPU compile)" in out
+    assert ("tiny: batch 2, seq 16, float32, loss: remat-kit's mean next-token cross-entropy "
+            "of the logits (XLA CPU compile)") in out
     assert "full, save_nothing" in out and "its constants (the same in every layer" in out
     # Progress counts compiled programs: three decision sets lower to two programs.
     assert "[2/2]" in err and "/3]" not in err

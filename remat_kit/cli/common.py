@@ -115,5 +115,6 @@ def plot_path(path: str, target, several: bool) -> str:
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
 
 
-__all__ = ["budget_bytes", "make_host_devices", "map_context", "mesh_origin", "print_map", "source_and_sizes",
+__all__ = ["budget_bytes", "make_host_devices", "map_context", "mesh_origin", "print_map",
+           "source_and_sizes",
            "plot_path", "sizes_text", "targets_of"]

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
-from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, plot_path, print_map, sizes_text,
-                                  source_and_sizes, targets_of)
+from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, plot_path, print_map,
+                                  sizes_text, source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse

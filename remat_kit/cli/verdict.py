@@ -191,4 +191,5 @@ def _over(ratio: float | None) -> float | None:
 
 
 __all__ = ["ACCELERATOR_EXAMPLES", "Choice", "MARGIN", "ROOFLINE_NOTE", "cost_text", "cpu_note",
-           "fastest_within", "memory_text", "pareto_pick", "pick_compare", "snippet", "to_json", "verdict", "where_words"]
+           "fastest_within", "memory_text", "pareto_pick", "pick_compare", "snippet", "to_json",
+           "verdict", "where_words"]

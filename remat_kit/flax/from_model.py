@@ -499,5 +499,6 @@ def trace(fn: Callable, args, where: "placement.Placement | None" = None,
         traced, shape = make()
     return traced, shape
 
-__all__ = ["ModelError", "OUR_LOSS", "applied_plainly", "linen_instances", "logits_of", "next_token_loss",
+__all__ = ["ModelError", "OUR_LOSS", "applied_plainly", "linen_instances", "logits_of",
+           "next_token_loss",
            "workload"]

@@ -573,6 +573,7 @@ def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
     return Mesh(merged.reshape(sizes), tuple(shape))
 
 
-__all__ = ["ChipMemory", "chip", "EXAMPLES", "GPU_MEM_FRACTION_DEFAULT", "TPU_HBM_BYTES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
+__all__ = ["ChipMemory", "chip", "EXAMPLES", "GPU_MEM_FRACTION_DEFAULT", "TPU_HBM_BYTES",
+           "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
            "devices", "gpu_description", "is_out_of_memory", "make_mesh", "parse_target",
            "parse_targets", "peaks", "roofline", "SLICE_AXIS", "versions"]
