@@ -120,7 +120,7 @@ def pick_compare(report_rows: Sequence[dict], memory=None, budget: int | None = 
     """The row to recommend of one target's `report.rows`.
 
     Where a limit is known (`budget` in bytes, from --budget; else `memory`, the
-    target's `targets.ChipMemory`, less `MARGIN`), the fastest row whose memory fits
+    target's `chip_memory.ChipMemory`, less `MARGIN`), the fastest row whose memory fits
     it (`fastest_within`). Where neither is (the CPU, a chip of unknown size), the
     Pareto pick (`pareto_pick`). None where no row compiled.
     """

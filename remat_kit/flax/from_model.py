@@ -38,6 +38,8 @@ from remat_kit.policy.spec import layer_policies
 from remat_kit.trace.workload import Workload
 
 KEY = "remat_kit_block"
+# What the tables' titles call `next_token_loss`, the loss measured unless the user gives one.
+OUR_LOSS = "remat-kit's mean next-token cross-entropy of the logits"
 
 
 def logits_of(out, batch: int, seq: int):
@@ -112,10 +114,6 @@ def applied_plainly(batch: bool = False):
 def _first_line(e: BaseException) -> str:
     """flax's message without its documentation link."""
     return str(e).split(" (https://")[0].rstrip(". ")
-
-
-# What the tables' titles call `next_token_loss`, the loss measured unless the user gives one.
-OUR_LOSS = "remat-kit's mean next-token cross-entropy of the logits"
 
 
 def next_token_loss(logits, tokens, vocab_chunks: int = 1):
@@ -234,8 +232,7 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
 
 
 def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
-    # At the measured batch, not 1: a model that splits its batch (a shard_map over the data
-    # axes) cannot be initialised at a batch its mesh does not divide.
+    # At the batch measured: a model that shard_maps its batch cannot be initialised at 1.
     init_tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     pick, variables = linen_block(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens, block=block)
@@ -464,9 +461,8 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
 
     local, block = None, traced_regions.block
     if where is not None:  # what one device runs: its share of the batch, whole parameters
-        share = batch // where.batch_size()
         try:
-            one = again(share, seq, mesh=None, placed=False, name=None)
+            one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
             local, block = (one.loss_for_policy, one.args), one.block
         except ValueError:  # it splits its batch itself (a shard_map over it), so it runs
             local = (loss_for_policy, args)  # on no one device's share: the whole program
@@ -500,5 +496,4 @@ def trace(fn: Callable, args, where: "placement.Placement | None" = None,
     return traced, shape
 
 __all__ = ["ModelError", "OUR_LOSS", "applied_plainly", "linen_instances", "logits_of",
-           "next_token_loss",
-           "workload"]
+           "next_token_loss", "workload"]

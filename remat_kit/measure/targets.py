@@ -17,7 +17,6 @@ import math
 import os
 import re
 import types
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -26,9 +25,10 @@ from jax.sharding import Mesh
 from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
 from remat_kit.errors import closest_choice, install_command
 # PEAKS re-exported: the table is read as targets.PEAKS beside the targets it lists.
+from remat_kit.measure import chip_memory
 from remat_kit.measure.chip_peaks import PEAKS, Roofline, of_chip
+from remat_kit.measure.cloud_tpu import cloud_topology
 from remat_kit.mesh import spec_text
-from remat_kit.units import fmt_bytes
 
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
 TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
@@ -48,24 +48,6 @@ SLICE_AXIS = "data"
 # times the time model is checked against (its comment gives the datasheet figures).
 GPU_TARGET_CONFIGS = {"a100": "a100_sxm.txtpb", "h100": "h100_sxm.txtpb",
                       "h200": "h200_sxm.txtpb"}
-# HBM per TPU chip, each chip one JAX device on these generations (Google's pages:
-# cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e). A generation not listed has no known
-# size: the verdict then ranks by memory x cost (docs/compare.md, "What it prints").
-TPU_HBM_BYTES = {"tpu:v4": 32 * 2**30, "tpu:v5e": 16 * 2**30, "tpu:v5p": 95 * 2**30,
-                 "tpu:v6e": 32 * 2**30}
-# The share of a GPU's memory JAX's allocator takes by default (JAX's "GPU memory
-# allocation" page: XLA_PYTHON_CLIENT_MEM_FRACTION, default .75); the rest is not JAX's.
-GPU_MEM_FRACTION_DEFAULT = 0.75
-
-
-class ChipMemory(NamedTuple):
-    """What a program may use on one device of a target: `usable` bytes, and `source`,
-    the words saying where the figure comes from ("95.00 GiB HBM per chip")."""
-
-    usable: int
-    source: str
-
-
 KINDS = ("cpu", "tpu", "tpu:<topology>[:slices=N]", "tpu:<Cloud TPU type>", "gpu",
          "gpu:<name>[:N]")
 EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1",
@@ -198,12 +180,13 @@ class Target:
         return line if self.slices == 1 else dataclasses.replace(line, slices=self.slices)
 
     @functools.cached_property
-    def memory(self) -> ChipMemory | None:
+    def memory(self) -> chip_memory.ChipMemory | None:
         """What one device of the target holds for a program: a TPU chip's HBM
-        (`TPU_HBM_BYTES`); a GPU's memory times the share JAX's allocator takes
+        (`chip_memory.TPU_HBM_BYTES`); a GPU's memory times the share JAX's allocator takes
         (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75); this machine's accelerator's
         own `bytes_limit`. None for the CPU and for chips of no known size."""
-        return _memory_of(self)
+        description = gpu_description(self) if self.platform == "gpu" and self.aot else {}
+        return chip_memory.of_target(self, description.get("device_memory_size"))
 
     @functools.cached_property
     def versions(self) -> "types.MappingProxyType[str, str]":
@@ -244,7 +227,10 @@ def parse_target(text: "str | Target | None") -> Target:
                           f"(e.g. {', '.join(EXAMPLES)})")
     if not topology:
         return Target("tpu")
-    topology = cloud_topology(topology)
+    try:
+        topology = cloud_topology(topology)
+    except ValueError as e:
+        raise TargetError(str(e)) from None
     generation, _, shape = topology.partition(":")
     if generation not in TPU_GENERATIONS:
         closest = closest_choice(generation, TPU_GENERATIONS)
@@ -262,47 +248,6 @@ def parse_target(text: "str | Target | None") -> Target:
                           f"tpu:v5p:4x4x4:slices=2")
     n = int(slices.group(1)) if slices else 1
     return Target("tpu", f"{generation}:{shape}" + (f":slices={n}" if n > 1 else ""))
-
-
-# Cloud TPU accelerator types ("v5p-8", "v5litepod-16", "v6e-8"): the generation's
-# topology name and whether the number counts TensorCores, two per chip (v2, v3, v4 and v5p
-# names count cores; v5e and v6e names count chips: cloud.google.com/tpu/docs/v5p, /v5e,
-# /v6e), and how many axes the generation's topology has.
-_CLOUD_NAME = re.compile(r"(v2|v3|v4|v5p|v5e|v5litepod|v6e)-(\d+)")
-_CLOUD_TYPES = {"v2": ("v2", 2, 2), "v3": ("v3", 2, 2), "v4": ("v4", 2, 3),
-                "v5p": ("v5p", 2, 3), "v5e": ("v5e", 1, 2), "v5litepod": ("v5e", 1, 2),
-                "v6e": ("v6e", 1, 2)}
-
-
-def cloud_topology(text: str) -> str:
-    """A Cloud TPU accelerator type as the topology it names, the rest kept:
-    'v5p-8' -> 'v5p:2x2x1' (8 cores, 4 chips), 'v5litepod-16' -> 'v5e:4x4', 'v6e-8' ->
-    'v6e:2x4', 'v5p-128:slices=2' -> 'v5p:4x4x4:slices=2'; anything else unchanged.
-    The shape doubles the shortest axis (the last of equals) from 1x1, or from 2x2x1 (the
-    smallest v4 and v5p slice), as Google's tables of the slice shapes list them.
-
-    Raises:
-      TargetError: a count that is not a power of two, odd cores, or a v4 or v5p
-        slice of fewer than 4 chips.
-    """
-    head, sep, rest = text.partition(":")
-    found = _CLOUD_NAME.fullmatch(head)
-    if not found:
-        return text
-    generation, per_chip, axes = _CLOUD_TYPES[found.group(1)]
-    count = int(found.group(2))
-    chips = count // per_chip
-    if chips < (4 if axes == 3 else 1) or count % per_chip or chips & (chips - 1):
-        kind, least = found.group(1), 4 * per_chip if axes == 3 else 1
-        counts = "cores, two per chip," if per_chip == 2 else "chips"
-        raise TargetError(f"TPU type {head!r} names no slice: {kind} types count {counts} "
-                          f"in powers of two from {kind}-{least}; or give a topology, e.g. "
-                          f"tpu:{generation}:2x2{'x1' if axes == 3 else ''}")
-    shape = [2, 2, 1] if axes == 3 else [1, 1]
-    while math.prod(shape) < chips:
-        shortest = min(shape)
-        shape[max(i for i, n in enumerate(shape) if n == shortest)] *= 2
-    return f"{generation}:{'x'.join(map(str, shape))}" + (sep + rest if sep else "")
 
 
 def _split_count(topology: str) -> tuple[str, int]:
@@ -448,38 +393,6 @@ def _chip_of(target: Target) -> str:
     return f"{target.platform}:{name}"
 
 
-def _gpu_fraction() -> tuple[float, str]:
-    """(the share of a GPU's memory JAX takes, the words saying whose it is); a value of
-    XLA_PYTHON_CLIENT_MEM_FRACTION that is no share in (0, 1] is JAX's default here."""
-    try:
-        share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""))
-    except ValueError:
-        share = 0.0
-    if 0 < share <= 1:
-        return share, "XLA_PYTHON_CLIENT_MEM_FRACTION as set"
-    return GPU_MEM_FRACTION_DEFAULT, "JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION"
-
-
-def _memory_of(target: Target) -> ChipMemory | None:
-    if target.platform == "cpu":
-        return None
-    if not target.aot:
-        try:
-            stats = jax.devices(target.platform)[0].memory_stats() or {}
-        except RuntimeError:
-            return None
-        limit = stats.get("bytes_limit")
-        return ChipMemory(int(limit), f"{fmt_bytes(limit)} JAX may use") if limit else None
-    if target.platform == "tpu":
-        hbm = TPU_HBM_BYTES.get(target.chip)
-        return None if hbm is None else ChipMemory(hbm, f"{fmt_bytes(hbm)} HBM per chip")
-    size = gpu_description(target).get("device_memory_size")
-    if not size:
-        return None
-    share, how = _gpu_fraction()
-    return ChipMemory(int(size * share), f"{share:.0%} of {fmt_bytes(size)}, {how}")
-
-
 def _versions_of(target: Target) -> dict[str, str]:
     packages = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda13-plugin")}.get(
         target.platform, ("jaxlib",))
@@ -573,7 +486,6 @@ def make_mesh(target: "str | Target", shape: dict[str, int]) -> Mesh:
     return Mesh(merged.reshape(sizes), tuple(shape))
 
 
-__all__ = ["ChipMemory", "chip", "EXAMPLES", "GPU_MEM_FRACTION_DEFAULT", "TPU_HBM_BYTES",
-           "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
+__all__ = ["chip", "EXAMPLES", "KINDS", "PEAKS", "TPU_GENERATIONS", "Target", "TargetError",
            "devices", "gpu_description", "is_out_of_memory", "make_mesh", "parse_target",
            "parse_targets", "peaks", "roofline", "SLICE_AXIS", "versions"]
