@@ -225,7 +225,7 @@ def test_fit_names_the_flags_of_its_search_where_the_first_size_fails(capsys):
     where = f"{gpt_linen.__file__}:"
     assert f"the model raised ValueError at {where}" in line
     assert line.endswith(" on int32 tokens [2, 128]: Incompatible shapes for broadcasting: "
-                         "shapes=[(1, 128, 32), (32, 32)]; if it takes other shapes (e.g. "
+                         "shapes=[(2, 128, 32), (32, 32)]; if it takes other shapes (e.g. "
                          "fewer positions), give them with --batch and --multiple (fit --vary "
                          "seq tries multiples of it)")
 

@@ -459,13 +459,15 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         with nn.logical_axis_rules(named.rules or nn.get_logical_axis_rules()):
             return _workload(model, b, s, block, name, mesh, vocab_chunks, inputs, placed)
 
-    local, block = None, traced_regions.block
+    local, per_chip_block = None, traced_regions.block
     if where is not None:  # what one device runs: its share of the batch, whole parameters
         try:
             one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
-            local, block = (one.loss_for_policy, one.args), one.block
-        except ValueError:  # it splits its batch itself (a shard_map over it), so it runs
-            local = (loss_for_policy, args)  # on no one device's share: the whole program
+            local, per_chip_block = (one.loss_for_policy, one.args), one.block
+        except ValueError as e:  # its own shard_map splits the batch: the whole program
+            if "shard_map" not in str(e):
+                raise
+            local = (loss_for_policy, args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,
                     per_device=local, mesh=where and where.mesh, num_layers=n or None,
                     own_mesh=(named.mesh or (own_mesh[0] if own_mesh else None)) if placed
@@ -473,7 +475,7 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
                     notes=notes, block_name=cls.__name__ if n else None,
                     parameter_count=traced_regions.parameter_count,
                     # per chip, as every figure is: one device's share of the batch
-                    block=block if n else None,
+                    block=per_chip_block if n else None,
                     model_map=the_map)
 
 def trace(fn: Callable, args, where: "placement.Placement | None" = None,
