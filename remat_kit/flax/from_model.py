@@ -232,8 +232,7 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
 
 
 def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
-    # At the batch measured: a model that shard_maps its batch cannot be initialised at 1.
-    init_tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    init_tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)  # a shard_map refuses batch 1
     pick, variables = linen_block(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens, block=block)
     cls = pick.cls
