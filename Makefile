@@ -10,14 +10,14 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml scripts/find_python.sh
+$(STAMP): requirements.txt pyproject.toml scripts/find_python.sh Makefile
 	@if ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
 	  python=$$(scripts/find_python.sh) || exit 1; \
 	  echo "creating $(VENV) with $$python"; \
 	  rm -rf $(VENV) && "$$python" -m venv $(VENV) || exit 1; \
 	fi
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet -e '.[tpu]'
+	$(PY) -m pip install --quiet -e '.[tpu]' --config-settings editable_mode=compat
 	@touch $(STAMP)
 
 demo: venv

@@ -143,11 +143,19 @@ def check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+# How a checkout is installed (the Makefile's `pip install -e`): setuptools' compat mode puts
+# the checkout on sys.path (a .pth file), where its default puts an import hook after
+# Python's own path search, which a folder named remat_kit (the checkout itself, seen from
+# the folder that holds it) then shadows as an empty namespace package.
+EDITABLE_MODE = "--config-settings editable_mode=compat"
+
+
 def install_command(extra: str) -> str:
     """The pip command that adds `extra` where this package runs from: `pip install -e
-    '.[tpu]'` in a checkout (a pyproject.toml beside the package), else `pip install
+    '.[tpu]' --config-settings editable_mode=compat` in a checkout (a pyproject.toml beside
+    the package; the Makefile's install, `EDITABLE_MODE`), else `pip install
     'remat-kit[tpu]'`."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.exists(os.path.join(root, "pyproject.toml")):
-        return f"cd {root} && pip install -e '.[{extra}]'"
+        return f"cd {root} && pip install -e '.[{extra}]' {EDITABLE_MODE}"
     return f"pip install 'remat-kit[{extra}]'"

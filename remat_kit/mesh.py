@@ -358,9 +358,11 @@ def per_device_config(cfg, mesh: "Mesh | Mapping[str, int] | None"):
 def origin(mesh: Mesh, label: str) -> str:
     """Where a step's mesh came from, for a caption: "the model's own mesh (5 axes
     stage:1,replica:1,shard:2,model:2,expert:1; device order [0, 2, 1, 3])" for label
-    "the model's own mesh"; the device order (ids) only where it is not ascending."""
+    "the model's own mesh"; the device order (ids) only where it is not ascending, its
+    first four and last where there are more than 8."""
     ids = [d.id for d in mesh.devices.flat]
-    order = "" if ids == sorted(ids) else f"; device order {ids}"
+    shown = ids if len(ids) <= 8 else f"[{', '.join(map(str, ids[:4]))}, ... {ids[-1]}]"
+    order = "" if ids == sorted(ids) else f"; device order {shown}"
     count = f"{len(mesh.shape)} ax{'e' if len(mesh.shape) > 1 else 'i'}s "
     return f"{label} ({count}{spec_text(mesh)}{order})"
 

@@ -115,8 +115,9 @@ def test_a_model_with_an_integer_parameter_is_measured(model_file, capsys):
                   "(e.g. BatchNorm(use_running_average=True)), or give a function (batch, seq) "
                   "-> rk.Workload"),
     ("scalar", "the model's output is an array float32[]; expected logits [batch=2, seq=8, "
-               "vocab], or a dict or object with a 'logits' entry. For another output or loss, "
-               "give a function (batch, seq) -> rk.Workload"),
+               "vocab], or a dict or object with a 'logits' entry. For another output or your own "
+               "loss, return (model, batch, loss) from --model FILE:FUNCTION, loss(output, "
+               "batch) -> scalar, or give a function (batch, seq) -> rk.Workload"),
 ])
 def test_a_model_it_cannot_apply_plainly_is_named_not_called_our_bug(model_file, capsys,
                                                                       function, line):
@@ -224,7 +225,7 @@ def test_fit_names_the_flags_of_its_search_where_the_first_size_fails(capsys):
     where = f"{gpt_linen.__file__}:"
     assert f"the model raised ValueError at {where}" in line
     assert line.endswith(" on int32 tokens [2, 128]: Incompatible shapes for broadcasting: "
-                         "shapes=[(1, 128, 32), (32, 32)]; if it takes other shapes (e.g. "
+                         "shapes=[(2, 128, 32), (32, 32)]; if it takes other shapes (e.g. "
                          "fewer positions), give them with --batch and --multiple (fit --vary "
                          "seq tries multiples of it)")
 

@@ -320,7 +320,8 @@ def test_compare_and_explain_on_the_command_line(tmp_path, capsys):
                      "none,minimal", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert (data["context"]["batch"], data["context"]["seq"]) == (2, None)
-    assert "vit_nnx.py:build: batch 2, float32 (XLA CPU compile)" in capsys.readouterr().out
+    assert ("vit_nnx.py:build: batch 2, float32, loss: your loss (XLA CPU compile)"
+            in capsys.readouterr().out)
     assert cli.main(["explain", "--model", "tests/zoo/dit_linen.py:build", "--policy",
                      "minimal"]) == 0
     assert "qkv_proj (blocks_0/attn/qkv)" in capsys.readouterr().out

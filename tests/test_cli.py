@@ -213,7 +213,8 @@ def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
                          "--json", str(out_json),
                          "--plot", str(out_png), "--wide")
     assert code == 0, err
-    assert "tiny: batch 2, seq 16, float32 (XLA CPU compile)" in out
+    assert ("tiny: batch 2, seq 16, float32, loss: remat-kit's mean next-token cross-entropy "
+            "of the logits (XLA CPU compile)") in out
     assert "full, save_nothing" in out and "its constants (the same in every layer" in out
     # Progress counts compiled programs: three decision sets lower to two programs.
     assert "[2/2]" in err and "/3]" not in err
@@ -245,12 +246,14 @@ def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
     # The verdict under the map line (issue 46): full, the Pareto row with the least memory
     # x predicted step, its figures those of the JSON; the CPU note, no --target given.
     assert full["temp_ratio_to_none"] * full["predicted_ratio_to_none"] < 1
-    assert out.splitlines()[1:4] == [
+    assert out.splitlines()[1:5] == [
         f"cpu: use full: temp {fmt_bytes(full['temp_size_in_bytes'])} "
         f"({full['temp_ratio_to_none']:.3f} x none), {full['flops_ratio_to_none'] - 1:+.2%} "
         f"FLOPs, {full['predicted_ratio_to_none'] - 1:+.2%} pred. step (Pareto: least memory "
         "x pred. step)",
         'paste: rk.remat_model(model, "full")  or  --config.remat=full',
+        "note: CPU steps predicted from this machine's measured roofline; another machine "
+        "may pick otherwise",
         "note: CPU figures (no --target); TPU and GPU compilers rank policies differently: "
         "--target tpu:v5p:1x1x1 or gpu:h100"]
     assert [(v["target"], v["name"], v["paste"]) for v in doc["verdicts"]] == [

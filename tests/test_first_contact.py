@@ -79,7 +79,7 @@ def test_the_default_table_fits_100_columns_and_wide_has_every_column():
     rows = tpu_rows()
     narrow = report.table(rows, "a title")
     assert [c.header for c in narrow.columns] == [
-        "", "policy", "peak", "peak x none", "FLOPs x none", "pred. x none"]
+        "", "policy", "peak", "peak x none", "FLOPs x none", "pred. step", "pred. x none"]
     # At 100 columns nothing wraps but the long spec, which folds in its own column.
     at_100, at_200 = _render(narrow, 100), _render(narrow, 200)
     assert max(map(len, at_100)) <= 100 and at_100 == at_200
@@ -112,8 +112,9 @@ def test_compare_picks_five_policies_on_an_accelerator_and_says_what_it_will_tak
     assert default_policies("none,full", [tpu]) == ["none", "full"]
     assert estimate_line(ACCELERATOR_POLICIES, [tpu]) == (
         "compiling 5 programs for tpu:v5e:1x1 (policies that compile alike are compiled "
-        "once); a TPU or GPU compile of a long sequence can take 30-90 s each, so up to 7 min "
-        "cold (a repeat is read from the compile cache)")
+        "once); a TPU or GPU compile of a long sequence can take 30-90 s each, more for a large "
+        "model: 7 min or more cold, the first compile's time sets the estimate of the rest (a "
+        "repeat is read from the compile cache)")
     assert "min" not in estimate_line(["none"], [cpu])
 
 
@@ -122,7 +123,8 @@ def test_help_names_the_chips_and_the_install_command_fits_a_checkout(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "gpu:h100" in text and "tpu:v5p:1x1x1" in text and "--wide" in text
     root = os.path.dirname(os.path.dirname(os.path.abspath(rk.__file__)))
-    assert rk_errors.install_command("cuda") == f"cd {root} && pip install -e '.[cuda]'"
+    assert rk_errors.install_command("cuda") == (
+        f"cd {root} && pip install -e '.[cuda]' --config-settings editable_mode=compat")
 
 
 def test_a_misspelt_tag_is_refused_at_the_call():

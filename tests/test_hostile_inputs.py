@@ -244,7 +244,8 @@ def test_a_constant_built_under_a_jit_compiles_for_a_tpu_slice(capsys):
                      "tpu:v5e:2x2", "--mesh", "fsdp:2", "--batch", "8", "--policies",
                      "none"]) == 0
     out = capsys.readouterr().out
-    assert "build: batch 8, seq 16, float32 (XLA TPU compile (v5e:2x2, AOT), per device" in out
+    assert ("build: batch 8, seq 16, float32, loss: your loss (XLA TPU compile (v5e:2x2, AOT), "
+            "per device") in out
 
 
 def test_a_train_step_budget_below_full_remat_says_what_holds_it(capsys):

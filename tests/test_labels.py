@@ -62,7 +62,9 @@ def test_a_bf16_model_is_titled_by_its_dtypes(tmp_path, capsys):
     assert cli.main(["compare", "--model", f"{path}:model", "--batch", "2", "--seq", "8",
                      "--policies", "full"]) == 0
     out = capsys.readouterr().out
-    assert "batch 2, seq 8, bfloat16 activations, float32 parameters (XLA CPU compile)" in out
+    assert ("batch 2, seq 8, bfloat16 activations, float32 parameters, loss: remat-kit's "
+            "mean next-token cross-entropy of the logits "
+            "(XLA CPU compile)") in out
 
 
 def test_a_config_titles_both_dtypes_where_they_differ(capsys):

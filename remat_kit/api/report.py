@@ -155,7 +155,7 @@ _MEMORY_NOTES = {
 
 # The default table's columns (`table`) besides the memory figure's two, which fit 100
 # columns; --wide adds the rest.
-NARROW = ("", "policy", "FLOPs x none", "pred. x none", "step x none")
+NARROW = ("", "policy", "FLOPs x none", "pred. step", "pred. x none", "step x none")
 DOCS_POINTER = "each column: docs/compare.md"
 
 
@@ -218,9 +218,16 @@ def table(report_rows: Sequence[dict], title: str = "", wide: bool = False) -> T
         f"{_MEMORY_NOTES[kind] if wide else MEMORY_LABELS[kind]}; "
         f"{escape(compiled_by(report_rows))}; "
         + ("" if wide else "--wide: every column; ") + DOCS_POINTER), caption_justify="left")
+    # The policy column is at least its longest name (up to 20, minimal_with_context), so
+    # a narrow terminal shrinks the figures' columns, not "minimal" into "minim/al"; a
+    # longer spec folds.
+    names = min(20, max((len(n) for d in report_rows for n in ", ".join(d["names"]).split()),
+                        default=6))
     for header, _ in columns:  # a long spec folds in its column, never widens the table
+        policy = header == "policy"
         t.add_column(header, justify="left" if header in ("", "policy") else "right",
-                     overflow="fold", max_width=None if wide or header != "policy" else 32)
+                     overflow="fold", min_width=names if policy else None,
+                     max_width=None if wide or not policy else 24)
     for d in report_rows:
         if d["error"]:
             error = escape(d["error"].splitlines()[0])
@@ -305,9 +312,11 @@ def print_side_by_side(sections: Sequence[tuple[str, Sequence[dict]]], title: st
 
 
 def print_title(console: Console, title: str) -> None:
-    """A table's title on its own line above it: a narrow table would fold it."""
+    """A table's title on its own line above it (a narrow table would fold it), wrapped
+    to a terminal's width; piped, one line, for whatever reads it."""
     if title:
-        console.print(title, markup=False, emoji=False, soft_wrap=True, style="bold")
+        console.print(title, markup=False, emoji=False, soft_wrap=not console.is_terminal,
+                      style="bold")
 
 
 def _console(console: Console | None) -> Console:

@@ -18,6 +18,7 @@ import sys
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.api.inputs import BadInput, check_int
+from remat_kit.flax.from_model import OUR_LOSS
 from remat_kit.models import TransformerConfig, from_config_dict, get_config
 
 
@@ -140,12 +141,16 @@ class Source:
       make: (batch, seq, mesh) -> Workload, mesh a Mesh (--mesh), a `rk_mesh.Fallback`
         (a TPU target's chips, which a model's own mesh replaces) or None; raises
         BadInput for a bad model.
+      loss: the words naming the loss measured, for the tables' titles: remat-kit's
+        (`from_model.OUR_LOSS`), "your my_loss" for a (model, batch, loss) FUNCTION, or
+        a Workload's own.
     """
 
     label: str
     cfg: TransformerConfig | None
     defaults: dict
     make: object
+    loss: str = OUR_LOSS
 
     def workload(self, batch: int, seq: int, mesh=None):
         """The workload at these sizes; BadInput for a model that cannot give one,
@@ -211,7 +216,8 @@ def load_source(args) -> Source:
         except ModelError as e:
             raise BadInput(str(e)) from None
         # a (model, batch) FUNCTION's own sizes
-        return Source(label, None, getattr(make, "defaults", {}), _placed(make, args))
+        return Source(label, None, getattr(make, "defaults", {}), _placed(make, args),
+                      getattr(make, "loss_words", OUR_LOSS))
     for flag in ("rules", "batch_axes"):
         if getattr(args, flag, None):
             raise BadInput(f"--{flag.replace('_', '-')} is for a --model; --config models "

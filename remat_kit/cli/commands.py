@@ -37,11 +37,27 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     """The remat-kit parser: one subcommand per command, each with its flags."""
-    parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="remat-kit", description=__doc__.split("\n\n")[0] + " " + YOUR_MODEL,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{compare,explain,plan,fit}")
     for add in (_add_compare, _add_explain, _add_plan, _add_fit):
         add(sub)
     return parser
+
+
+# The first lines of every --help: your own model, and the loss measured on it.
+YOUR_MODEL = """
+Your own model: --model FILE.py:FN, FN() returning
+  a linen or NNX model (int32 tokens [batch, seq] -> logits): measured with
+      remat-kit's mean next-token cross-entropy of its logits, or
+  (model, batch, loss): measured with your loss(output, batch) -> scalar.
+The table's title names the loss measured."""
+
+
+def _command(sub, name: str, text: str):
+    """The subparser `name` on `sub`, `text` its help, with `YOUR_MODEL` first in its --help."""
+    return sub.add_parser(name, help=text, description=text + "." + YOUR_MODEL,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _source_flags(p) -> None:
@@ -53,8 +69,10 @@ def _source_flags(p) -> None:
                              "with get_config()")
     source.add_argument("--model", metavar="FILE.py:FUNCTION",
                         help="your own model: FUNCTION() returns a linen or NNX model "
-                             "(int32 tokens [batch, seq] -> logits), or FUNCTION(batch, "
-                             "seq) returns a remat_kit.Workload; also package.module:FUNCTION")
+                             "(int32 tokens [batch, seq] -> logits, measured with remat-kit's "
+                             "next-token cross-entropy), or (model, batch, loss) to measure "
+                             "your loss(output, batch) -> scalar; or FUNCTION(batch, seq) "
+                             "returns a remat_kit.Workload; also package.module:FUNCTION")
     p.add_argument("--block", default=None, metavar="NAME[,NAME]",
                    help="with --model: the repeated block class(es) to remat (default: the "
                         "class whose instances hold the most parameters, and any other "
@@ -80,7 +98,9 @@ def _source_flags(p) -> None:
 
 # --target's help, alike in every command: the chips first, then this machine's.
 TARGET_HELP = ("the chip whose compiler measures: tpu:<chip>:<topology> ahead of time via "
-               "libtpu (tpu:v5e:1x1, tpu:v5p:1x1x1, tpu:v6e:2x2), gpu:<chip> deviceless "
+               "libtpu (tpu:v5e:1x1, tpu:v5p:1x1x1, tpu:v6e:2x2; :slices=N for N slices, "
+               "tpu:v5p:2x2x1:slices=2), or a Cloud TPU type (tpu:v5p-8, tpu:v5litepod-16, "
+               "tpu:v6e-8), gpu:<chip> deviceless "
                "(gpu:h100, gpu:h200, gpu:a100), cpu, or tpu / gpu (this machine's); default "
                "JAX's default backend, which ranks policies as that machine does")
 
@@ -104,17 +124,25 @@ def _jobs_flag(p) -> None:
 
 def _add_compare(sub) -> None:
     """`compare` and its flags, on the subparsers `sub`."""
-    compare = sub.add_parser("compare", help="measure every policy: memory, FLOPs, time")
+    compare = _command(sub, "compare", "measure every policy: memory, FLOPs, time")
     _source_flags(compare)
     _jobs_flag(compare)
     compare.add_argument("--policies", default=None,
                          help="comma-separated policy specs, or all for every preset "
                               "(default: every preset on the CPU; none,full,minimal,dots,"
-                              "selective on a TPU or GPU target, whose compiles are slow)")
+                              "selective on a TPU or GPU target, whose compiles are slow, "
+                              "and minimal_with_context where the model has fused attention)")
     compare.add_argument("--mesh", default=None,
-                         help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device")
+                         help="e.g. data:2,fsdp:2,tensor:2: measure sharded, per device; "
+                              "a --model may name its own axes (replica:1,shard:4,model:1), "
+                              "and a model that builds its own mesh is measured on it "
+                              "(docs/meshes.md)")
     compare.add_argument("--target", default=None,
                          help=TARGET_HELP + "; comma-separated targets go side by side")
+    compare.add_argument("--budget", default=None, metavar="SIZE",
+                         help="memory per device the verdict's policy must fit, e.g. 16GiB "
+                              "(default: the target chip's memory less 10%%; on the CPU the "
+                              "verdict is the Pareto row with the least memory x cost)")
     compare.add_argument("--time", type=non_negative_int, default=0, metavar="N",
                          help="also time N steps per policy on random data")
     compare.add_argument("--json", default=None, metavar="PATH", help="write the records here")
@@ -131,7 +159,7 @@ def _add_compare(sub) -> None:
 
 def _add_explain(sub) -> None:
     """`explain` and its flags, on the subparsers `sub`."""
-    explain = sub.add_parser("explain", help="what one layer saves under one policy")
+    explain = _command(sub, "explain", "what one layer saves under one policy")
     _source_flags(explain)
     explain.add_argument("--policy", default=None, help="a policy spec (default: the config's)")
     explain.add_argument("--mesh", default=None,
@@ -153,7 +181,7 @@ def _add_explain(sub) -> None:
 
 def _add_plan(sub) -> None:
     """`plan` and its flags, on the subparsers `sub`."""
-    plan = sub.add_parser("plan", help="the cheapest policy for each memory budget")
+    plan = _command(sub, "plan", "the cheapest policy for each memory budget")
     _source_flags(plan)
     _jobs_flag(plan)
     plan.add_argument("--budgets", required=True,
@@ -218,7 +246,7 @@ def _plan_search_flags(plan) -> None:
 
 def _add_fit(sub) -> None:
     """`fit` and its flags, on the subparsers `sub`."""
-    fit = sub.add_parser("fit", help="the longest seq (or largest batch) each policy fits "
+    fit = _command(sub, "fit", "the longest seq (or largest batch) each policy fits "
                                      "in a memory budget")
     _source_flags(fit)
     _jobs_flag(fit)

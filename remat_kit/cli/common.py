@@ -13,21 +13,49 @@ import jax
 import numpy as np
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.api.inputs import check_seq
+from remat_kit.api.inputs import BadInput, check_seq
 from remat_kit.api.report import map_context, print_map
 from remat_kit.api.sources import Source, load_source
+from remat_kit.decide.fit import fit_budget_bytes
+from remat_kit.errors import BudgetError
+from remat_kit.policy.budget import parse_budget
 
 
 def make_host_devices(args) -> None:
-    """The CPU devices --mesh needs (data:2,fsdp:2: 4), made before anything asks JAX's
-    backend (a target, the user's module, the default backend): the `jax_num_cpu_devices`
-    option, as XLA_FLAGS=--xla_force_host_platform_device_count=N would, so no flag is
-    needed. A bad spec is left to `inputs.device_mesh`, which names the flag."""
+    """The CPU devices --mesh needs (data:2,fsdp:2: 4), and as many as a --target's
+    topology has chips (tpu:v5p:2x2x1: 4), made before anything asks JAX's backend (a
+    target, the user's module, the default backend): the `jax_num_cpu_devices` option,
+    as XLA_FLAGS=--xla_force_host_platform_device_count=N would, so no flag is needed.
+    A model that builds its own mesh from `jax.devices()` at import then finds as many
+    devices as the target it is measured for. A bad spec or target is left to
+    `inputs.device_mesh` and `targets_of`, which name the flag."""
+    from remat_kit.measure import targets
     try:
         sizes = rk_mesh.parse_spec(getattr(args, "mesh", None) or "")
     except rk_mesh.MeshError:
-        return
-    rk_mesh.host_devices(math.prod(sizes.values()))
+        sizes = {}
+    try:
+        chips = [t.chip_count or 1 for t in targets.parse_targets(args.target)] if getattr(
+            args, "target", None) else []
+    except targets.TargetError:
+        chips = []
+    rk_mesh.host_devices(max([math.prod(sizes.values()), *chips]))
+
+
+def budget_bytes(text: str) -> int:
+    """--budget in bytes; BadInput for a budget that does not parse, or a fraction (a
+    fraction of no remat's peak is plan's)."""
+    try:
+        budget = parse_budget(text).bytes
+    except BudgetError:
+        try:
+            fit_budget_bytes(text)  # the same refusal, offering sizes only
+        except BudgetError as e:
+            raise BadInput(f"--budget: {e}") from None
+    if budget is None:
+        raise BadInput(f"--budget must be a size such as 16GiB, not a fraction: got "
+                       f"{text!r}")
+    return budget
 
 
 def source_and_sizes(args) -> tuple[Source, int, int]:
@@ -108,6 +136,6 @@ def plot_path(path: str, target, several: bool) -> str:
     return f"{stem}_{str(target).replace(':', '_')}{ext}"
 
 
-__all__ = ["make_host_devices", "map_context", "mesh_origin", "parameters_sharded",
-           "print_map", "source_and_sizes",
+__all__ = ["budget_bytes", "make_host_devices", "map_context", "mesh_origin",
+           "parameters_sharded", "print_map", "source_and_sizes",
            "plot_path", "sizes_text", "targets_of"]

@@ -7,14 +7,15 @@ Docs: docs/compare.md.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import jax
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
 from remat_kit.measure import pool
-from remat_kit.cli.common import (map_context, mesh_origin, parameters_sharded, plot_path,
-                                  print_map, sizes_text, source_and_sizes, targets_of)
+from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, parameters_sharded,
+                                  plot_path, print_map, sizes_text, source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
@@ -37,21 +38,25 @@ def run(args) -> int:
         raise BadInput(outside or str(e)) from None
     check_schedules(cfg, specs, "--policies")
     check_json_and_plot(args)
+    budget = None if args.budget is None else budget_bytes(args.budget)
     if args.time and any(t.aot for t in target_list):
         raise BadInput("--time runs steps, which needs the devices: a target compiled ahead "
                        "of time (tpu:<topology>) cannot be timed")
     meshes = [device_mesh(args.mesh, batch, cfg, t) for t in target_list]
     works = [src.workload(batch, seq, mesh) for mesh in meshes]  # traced, not compiled
+    specs += with_fused_attention(args.policies, target_list, works[0], specs)
     if cfg is None:
         check_schedules(works[0], specs, "--policies")
     auto = [p.budget for p in map(parse, specs) if isinstance(p, AutoSpec)]
     for target, mesh, work in zip(target_list, meshes, works):
         check_planner_floor(work, auto, target, mesh, "--policies auto:budget=")
 
+    spent: list[float] = []
+
     def progress(i, n, record):
-        status = "error" if record.error else f"{record.compile_seconds:.1f} s"
-        print(f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status} "
-              f"({pool.current().status()})", file=sys.stderr, flush=True)
+        spent.append(record.compile_seconds or 0.0)
+        print(f"{progress_line(i, n, record, spent)} ({pool.current().status()})",
+              file=sys.stderr, flush=True)
 
     for target, work in zip(target_list, works):  # refused before the first compile
         own = work.own_mesh
@@ -59,6 +64,8 @@ def run(args) -> int:
             retarget.check_fits(own, target.devices, str(target))
             if getattr(work.model_map, "pipeline", None) is not None:
                 retarget.check_stays(own, target.devices, str(target))
+        if (line := unused_chips(own, target)) is not None:
+            print(line, file=sys.stderr, flush=True)
     print(estimate_line(specs, target_list), file=sys.stderr, flush=True)
     sections, contexts = [], []
     dtype = src.dtype(works[0])
@@ -68,28 +75,30 @@ def run(args) -> int:
         sections.append(section)
         contexts.append(context)
     print_map(works[0])  # the map's line first, as in every report, then the verdict
-    for line in _verdict_lines(sections, args.target is not None):
+    for line in _verdict_lines(sections, args.target is not None, budget):
         print(line, flush=True)
     if len(sections) == 1:
         report.print_table(sections[0][2], sections[0][1], wide=args.wide)
     else:
         report.print_side_by_side(
             [(str(t), rows) for t, _, rows in sections],
-            f"{label}: {sizes_text(batch, seq)}, {dtype}, per device", wide=args.wide)
+            f"{label}: {sizes_text(batch, seq)}, {dtype}, loss: {src.loss}, per device",
+            wide=args.wide)
     for target, _, rows in sections:
         if len(sections) > 1 and args.peak:
             print(f"{target}:")
         report.print_peaks(rows)
-    for note in dict.fromkeys(n for _, _, rows in sections for d in rows for n in d["notes"]
-                              if cfg is None):
-        print(f"note: {note}", file=sys.stderr)
+    for line in (policy_notes([d for _, _, rows in sections for d in rows])
+                 if cfg is None else []):
+        print(line, file=sys.stderr)
     if args.json is not None:
         # The first target's fields stay at the top level (schema 1); "targets" has them all.
         context = {"config": label, "batch": batch, "seq": seq, "dtype": dtype,
                    **contexts[0], "targets": contexts, **map_context(works[0])}
         report.write_json(args.json, [d for _, _, rows in sections for d in rows], context,
                           [v for t, _, rows in sections
-                           if (v := verdict.to_json(verdict.pick_compare(rows), t))])
+                           if (v := verdict.to_json(verdict.pick_compare(rows, t.memory, budget),
+                                                   t))])
     if args.plot is not None:
         for target, title, rows in sections:
             plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
@@ -125,7 +134,8 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
     per_device = (f", per device of {devices} ({mesh_text}); "
                   f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin, sharded)}"
                   f"{'; ' + how if how else ''}" if devices > 1 else "")
-    title = f"{src.label}: {sizes_text(batch, seq)}, {dtype} ({target.label}{per_device})"
+    title = (f"{src.label}: {sizes_text(batch, seq)}, {dtype}, loss: {src.loss} "
+             f"({target.label}{per_device})")
     share = None if batch is None else batch // batch_split  # None: leaves as declared
     context = {"target": str(target), "platform": target.label, "devices": devices,
                "mesh": mesh_text if devices > 1 else args.mesh, "step": step,
@@ -167,6 +177,62 @@ def default_policies(text: str | None, target_list) -> list[str]:
     return preset_policies()
 
 
+# The preset a fused attention kernel (splash, cuDNN) adds to the accelerator default: it
+# keeps the kernel's output, which spares its forward's rerun where the kernel's
+# residuals are named `context` (splash's residual_checkpoint_name).
+FUSED_ATTENTION_POLICY = "minimal_with_context"
+
+
+def with_fused_attention(text: str | None, target_list, work, specs) -> list[str]:
+    """[`FUSED_ATTENTION_POLICY`] to add to the accelerator default (no --policies, a TPU
+    or GPU target) where `work` (a `Workload`) has fused attention (its notes say no
+    scores exist); [] otherwise."""
+    fused = any("fused attention" in n for n in work.notes)
+    default = text is None and any(t.platform != "cpu" for t in target_list)
+    return [FUSED_ATTENTION_POLICY] if (fused and default
+                                        and FUSED_ATTENTION_POLICY not in specs) else []
+
+
+def policy_notes(report_rows) -> list[str]:
+    """The rows' notes, each once, prefixed by the policies whose rows have it ("note
+    (full, minimal): ..."), or "every policy" where every compiled row has it; a note
+    that opens with its policy's name ("dots: none of the tags ...") loses it there."""
+    policies: dict[str, list[str]] = {}
+    for d in report_rows:
+        for n in d["notes"]:
+            name = next((m for m in d["names"] if n.startswith(f"{m}: ")), d["names"][0])
+            policies.setdefault(n.removeprefix(f"{name}: "), []).append(name)
+    every = {d["names"][0] for d in report_rows if d["error"] is None}
+
+    def who(names):
+        return ("every policy" if set(names) >= every and len(every) > 1
+                else ", ".join(dict.fromkeys(names)))
+    return [f"note ({who(names)}): {n}" for n, names in policies.items()]
+
+
+def unused_chips(own, target) -> str | None:
+    """The line naming the chips of `target` that the model's own mesh `own` (a Mesh,
+    or None) leaves unused, e.g. a 4-chip mesh on `tpu:v5p:2x2x1:slices=2`; None where
+    it uses them all, or there is no own mesh or topology."""
+    chips = target.chip_count
+    if own is None or chips is None or own.size >= chips:
+        return None
+    return (f"note: the model's own mesh ({rk_mesh.spec_text(own)}) uses {own.size} of "
+            f"{target}'s {chips} chips; the other {chips - own.size} are unused, and the "
+            f"figures are those of its {own.size}; build the mesh over all of them (or "
+            "name a smaller --target) to measure the slice")
+
+
+def progress_line(i: int, n: int, record, spent: Sequence[float]) -> str:
+    """'[2/5] tpu:v5p:1x1x1: minimal: 152.8 s; about 8 min left': compile `i` of `n`, and
+    where the rest would take a minute or more at the mean of the compiles so far
+    (`spent`, seconds: this model's own compile time, not a guess of its size)."""
+    status = "error" if record.error else f"{record.compile_seconds:.1f} s"
+    left = (n - i) * sum(spent) / max(len(spent), 1)
+    rest = f"; about {round(left / 60)} min left" if left >= 60 else ""
+    return f"[{i}/{n}] {record.target}: {', '.join(record.names)}: {status}{rest}"
+
+
 def estimate_line(specs, target_list) -> str:
     """The line before the compiles: how many, for which targets, and how long on an
     accelerator target, where each compile can take a minute (docs/speed.md)."""
@@ -175,17 +241,19 @@ def estimate_line(specs, target_list) -> str:
     slow = [t for t in target_list if t.platform != "cpu"]
     return (f"compiling {n} program{'s' * (n != 1)} for {where} (policies that compile "
             "alike are compiled once)"
-            + (f"; a TPU or GPU compile of a long sequence can take 30-90 s each, so up to "
-               f"{max(1, n * 90 // 60)} min cold (a repeat is read from the compile cache)"
+            + (f"; a TPU or GPU compile of a long sequence can take 30-90 s each, more for a "
+               f"large model: {max(1, n * 90 // 60)} min or more cold, the first compile's "
+               "time sets the estimate of the rest (a repeat is read from the compile cache)"
                if slow else ""))
 
 
-def _verdict_lines(sections, asked_target: bool) -> list[str]:
-    """The verdict (`verdict.verdict`) of each target's table; the CPU note once."""
+def _verdict_lines(sections, asked_target: bool, budget: int | None) -> list[str]:
+    """The verdict (`verdict.verdict`) of each target's table, within `budget` bytes
+    (--budget) or the target's memory (`verdict.pick_compare`); the CPU note once."""
     from remat_kit.cli import verdict
     lines = []
     for target, _, rows in sections:
-        choice = verdict.pick_compare(rows)
+        choice = verdict.pick_compare(rows, target.memory, budget)
         if choice is None:
             lines.append(f"{target}: no policy compiled; each row below says why")
             continue
@@ -194,4 +262,5 @@ def _verdict_lines(sections, asked_target: bool) -> list[str]:
     return lines
 
 
-__all__ = ["ACCELERATOR_POLICIES", "default_policies", "estimate_line", "run"]
+__all__ = ["ACCELERATOR_POLICIES", "FUSED_ATTENTION_POLICY", "policy_notes", "unused_chips",
+           "with_fused_attention", "default_policies", "estimate_line", "progress_line", "run"]

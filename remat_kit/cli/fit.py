@@ -12,7 +12,7 @@ import sys
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.measure import pool
-from remat_kit.cli.common import map_context, mesh_origin, print_map, targets_of
+from remat_kit.cli.common import budget_bytes, map_context, mesh_origin, print_map, targets_of
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
 from remat_kit.api.sources import load_source, rechunked
@@ -27,11 +27,13 @@ def run(args) -> int:
     from remat_kit.api.configs import fit
 
     src = load_source(args)
-    budget = _budget_bytes(args.budget)
+    budget = budget_bytes(args.budget)
     _check_not_fixed(args)
     target_list = targets_of(args.target)
     if len(target_list) > 1:
         raise BadInput(f"fit takes one --target, got {args.target!r}")
+    if (line := over_the_chip(budget, target_list[0])) is not None:
+        print(line, file=sys.stderr, flush=True)
     batch, seq, multiple = _sizes(args, src, target_list[0])
     per_example = seq is None  # a --model batch without a sequence axis: images, latents
     seq = seq or 1  # so fit's FLOPs per token are FLOPs per example there
@@ -54,9 +56,23 @@ def run(args) -> int:
     fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
              "example)" if per_example else f"seq {seq}")
     origin = mesh_origin(first, mesh, target_list[0])
-    _report(args, src.label, result, (fixed, budget, dtype, multiple, origin), src.cfg, first,
+    _report(args, src.label, result, (fixed, budget, f"{dtype}, loss: {src.loss}", multiple,
+                                      origin), src.cfg, first,
             target_list[0])
     return 0
+
+
+def over_the_chip(budget: int, target) -> str | None:
+    """The line saying that `budget` bytes is more than one device of `target` holds for
+    a program (`Target.memory`: on a GPU the share JAX's allocator takes, 75% by default);
+    None where it is not, or the memory is unknown."""
+    memory = target.memory
+    if memory is None or budget <= memory.usable:
+        return None
+    fix = ("; set XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. .95) to let JAX take more"
+           if target.platform == "gpu" else "")
+    return (f"note: --budget {fmt_bytes(budget)} is more than {target} holds for a program, "
+            f"{fmt_bytes(memory.usable)} ({memory.source}){fix}")
 
 
 def _check_not_fixed(args) -> None:
@@ -66,25 +82,6 @@ def _check_not_fixed(args) -> None:
         other = "batch" if args.vary == "seq" else "seq"
         raise BadInput(f"--{args.vary} {searched} is what --vary {args.vary} searches; fix "
                        f"the --{other} instead, or search the {other} with --vary {other}")
-
-
-def _budget_bytes(text: str) -> int:
-    """--budget in bytes; BadInput for a budget that does not parse, or a fraction (fit
-    has no no-remat figure to take it of)."""
-    from remat_kit.decide.fit import fit_budget_bytes
-    from remat_kit.errors import BudgetError
-    from remat_kit.policy.budget import parse_budget
-    try:
-        budget = parse_budget(text).bytes
-    except BudgetError:
-        try:
-            fit_budget_bytes(text)  # the same refusal, offering sizes only
-        except BudgetError as e:
-            raise BadInput(f"--budget: {e}") from None
-    if budget is None:
-        raise BadInput(f"--budget must be a size such as 16GiB, not a fraction: got "
-                       f"{text!r}")
-    return budget
 
 
 def _sizes(args, src, target) -> tuple[int, int | None, int]:
@@ -211,4 +208,4 @@ def _report(args, label, result, words, cfg, first, target) -> None:
         fit_report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")
 
 
-__all__ = ["run"]
+__all__ = ["over_the_chip", "run"]

@@ -72,7 +72,8 @@ def run(args) -> int:
         preset_rows = rows(planner, records, [p for p in predicted if p not in near])
     used = (work.mesh if work.mesh is not None or work.own_mesh is not None  # the model's own
             else rk_mesh.plain(mesh))
-    shown = _Shown(src.label, batch, seq, src.dtype(work), 1 if used is None else used.size,
+    shown = _Shown(src.label, batch, seq, src.dtype(work), src.loss,
+                   1 if used is None else used.size,
                    rk_mesh.compiled_step("train step" if planner.step == "train"
                                          else "value-and-grad", work.mesh,
                                          mesh_origin(work, mesh, target_list[0])), emit_to,
@@ -203,13 +204,14 @@ def _frontier(args, planner, budgets, target, rechunk) -> _Frontier:
 @dataclasses.dataclass(frozen=True)
 class _Shown:
     """What the report names beside the planner's figures: the model's label, the global
-    batch and seq, the dtype, the devices, the compiled step's words, and --emit's
+    batch and seq, the dtype, the loss measured (`Source.loss`), the devices, the compiled step's words, and --emit's
     framework (None without) and the names the model emits itself (None: not known)."""
 
     label: str
     batch: int | None
     seq: int | None
     dtype: str
+    loss: str
     devices: int
     compiled: str
     emit_to: str | None
@@ -320,7 +322,8 @@ def _title(planner, found: _Frontier, shown: _Shown, memory: str) -> str:
     """The table's title: the model, sizes, dtype, platform, devices, and no remat's and
     the least compiled memory."""
     full, none, devices = found.full, found.none, shown.devices
-    return (f"{shown.label}: {sizes_text(shown.batch, shown.seq)}, {shown.dtype} "
+    return (f"{shown.label}: {sizes_text(shown.batch, shown.seq)}, {shown.dtype}, "
+            f"loss: {shown.loss} "
             f"({planner.measure(parse('full')).platform}"
             f"{f', per device of {devices}; {shown.compiled}' if devices > 1 else ''}); "
             f"no remat: {fmt_bytes(none) + ' ' + memory if none else 'out of device memory'}, "

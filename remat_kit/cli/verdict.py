@@ -13,9 +13,17 @@ import json
 import shlex
 from collections.abc import Sequence
 
+from remat_kit.units import fmt_bytes
+
 # The targets named where the figures are the CPU's: a TPU slice compiled ahead of
 # time and a GPU compiled without one (docs/targets.md).
 ACCELERATOR_EXAMPLES = "--target tpu:v5p:1x1x1 or gpu:h100"
+
+# Under a CPU verdict ranked by predicted step: those steps come from this machine's
+# measured peaks (`chip_peaks.calibrate_cpu`), which another machine, or this one under
+# load, measures otherwise, and a close pick can flip with them.
+ROOFLINE_NOTE = ("note: CPU steps predicted from this machine's measured roofline; "
+                 "another machine may pick otherwise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +75,13 @@ def verdict(choice: Choice, target, *, asked_target: bool) -> list[str]:
        "paste: rk.remat_model(model, \"dots\")  or  --config.remat=dots"]
       and, where the figures are the CPU's and no --target was given
       (`asked_target` False), a note naming the accelerator targets: policies
-      rank differently there.
+      rank differently there. On the CPU, where the rule ranked by predicted step,
+      `ROOFLINE_NOTE` before it.
     """
     lines = [f"{where_words(target)}: use {choice.name}: {choice.gives}, {choice.cost} "
              f"({choice.why})", "paste: " + snippet(choice)]
+    if target.platform == "cpu" and "pred. step" in choice.why:
+        lines.append(ROOFLINE_NOTE)
     if target.platform == "cpu" and not asked_target:
         lines.append(cpu_note())
     return lines
@@ -98,33 +109,78 @@ def cpu_note() -> str:
             f"differently: {ACCELERATOR_EXAMPLES}")
 
 
-def pick_compare(report_rows: Sequence[dict]) -> Choice | None:
-    """The Pareto row to recommend of one target's `report.rows`: among the
-    Pareto-optimal rows that compiled, the one with the least memory x cost product
-    (cost: predicted step over no remat's where every candidate has one, else FLOPs
-    over no remat's), i.e. the most memory saved per unit of recompute; `none` only
-    where it is the only row. None where no row compiled."""
+# The share of a chip's memory kept free when the verdict asks what fits it: the compiled
+# value-and-grad leaves out the optimizer's state and update, the runtime's own buffers and
+# fragmentation, so a peak that fits is one at most 90% of what the chip holds.
+MARGIN = 0.10
+
+
+def pick_compare(report_rows: Sequence[dict], memory=None, budget: int | None = None
+                 ) -> Choice | None:
+    """The row to recommend of one target's `report.rows`.
+
+    Where a limit is known (`budget` in bytes, from --budget; else `memory`, the
+    target's `chip_memory.ChipMemory`, less `MARGIN`), the fastest row whose memory fits
+    it (`fastest_within`). Where neither is (the CPU, a chip of unknown size), the
+    Pareto pick (`pareto_pick`). None where no row compiled.
+    """
     ok = [d for d in report_rows if d["error"] is None and d["memory_bytes"] is not None]
-    front = [d for d in ok if d["pareto"]] or ok
-    if not front:
+    if not ok:
         return None
-    timed = all(d.get("predicted_ratio_to_none") is not None for d in front)
-    key = "predicted_ratio_to_none" if timed else "flops_ratio_to_none"
+    if budget is not None:
+        return fastest_within(ok, budget, f"--budget {fmt_bytes(budget)}")
+    if memory is not None:
+        limit = int(memory.usable * (1 - MARGIN))
+        return fastest_within(ok, limit, f"{fmt_bytes(limit)}: {memory.source}, less "
+                                         f"{MARGIN:.0%}")
+    return pareto_pick(ok)
 
-    def score(d):
-        return (d["memory_ratio_to_none"] or 1.0) * (d[key] or 1.0)
 
-    best = min(front, key=score)
-    return Choice(name=best["names"][0], gives=memory_text(best),
-                  cost=cost_text(_over(best["flops_ratio_to_none"]),
-                                 _over(best.get("predicted_ratio_to_none"))),
-                  why="Pareto: least memory x " + ("pred. step" if timed else "FLOPs"))
+def _cost_key(rows: Sequence[dict]) -> tuple[str, str]:
+    """(the row field to rank cost by, its words): the predicted step over none's where
+    every row has one, else FLOPs over none's."""
+    timed = all(d.get("predicted_ratio_to_none") is not None for d in rows)
+    return ("predicted_ratio_to_none", "pred. step") if timed else ("flops_ratio_to_none",
+                                                                    "FLOPs")
+
+
+def _choice(d: dict, why: str) -> Choice:
+    return Choice(name=d["names"][0], gives=memory_text(d),
+                  cost=cost_text(_over(d["flops_ratio_to_none"]),
+                                 _over(d.get("predicted_ratio_to_none"))), why=why)
+
+
+def fastest_within(ok: Sequence[dict], limit: int, limit_words: str) -> Choice:
+    """Of compiled rows `ok`: `none`, "no remat needed", where its memory is at most
+    `limit` bytes (a policy the time model predicts faster than no remat is a modelling
+    artefact, not a reason to remat); else the one with the least cost (`_cost_key`)
+    whose memory fits. Where no row fits, the row with the least memory, saying so."""
+    key, words = _cost_key(ok)
+    fits = [d for d in ok if d["memory_bytes"] <= limit]
+    if not fits:
+        least = min(ok, key=lambda d: d["memory_bytes"])
+        return _choice(least, f"no policy fits {limit_words}; this one needs the least")
+    best = next((d for d in fits if d["policy"] == "none"), None) or min(
+        fits, key=lambda d: (d[key] or 1.0, d["memory_bytes"]))
+    if best["policy"] == "none":
+        return dataclasses.replace(_choice(best, f"fits {limit_words}"),
+                                   cost="no remat needed")
+    return _choice(best, f"the least {words} of the policies that fit {limit_words}")
+
+
+def pareto_pick(ok: Sequence[dict]) -> Choice:
+    """Of compiled rows `ok`, among the Pareto-optimal ones, the one with the least
+    memory x cost product (cost: `_cost_key`), i.e. the most memory saved per unit of
+    recompute; `none` only where it is the only row."""
+    front = [d for d in ok if d["pareto"]] or ok
+    key, words = _cost_key(front)
+    best = min(front, key=lambda d: (d["memory_ratio_to_none"] or 1.0) * (d[key] or 1.0))
+    return _choice(best, "Pareto: least memory x " + words)
 
 
 def memory_text(d: dict) -> str:
     """'peak 1.14 GiB (0.452 x none)' of a `report.rows` row."""
     from remat_kit.measure.record import MEMORY_LABELS
-    from remat_kit.units import fmt_bytes
     ratio = d["memory_ratio_to_none"]
     return (f"{MEMORY_LABELS[d['memory_kind']]} {fmt_bytes(d['memory_bytes'])}"
             + ("" if ratio is None else f" ({ratio:.3f} x none)"))
@@ -134,5 +190,6 @@ def _over(ratio: float | None) -> float | None:
     return None if ratio is None else ratio - 1
 
 
-__all__ = ["ACCELERATOR_EXAMPLES", "Choice", "cost_text", "cpu_note", "memory_text",
-           "pick_compare", "snippet", "to_json", "verdict", "where_words"]
+__all__ = ["ACCELERATOR_EXAMPLES", "Choice", "MARGIN", "ROOFLINE_NOTE", "cost_text", "cpu_note",
+           "fastest_within", "memory_text", "pareto_pick", "pick_compare", "snippet", "to_json",
+           "verdict", "where_words"]

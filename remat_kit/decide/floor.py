@@ -18,7 +18,7 @@ import optax
 from remat_kit import mesh as rk_mesh
 from remat_kit.errors import BudgetError
 from remat_kit.measure.record import PEAK, memory_kind
-from remat_kit.units import fmt_bytes, fmt_bytes_exact
+from remat_kit.units import fmt_bytes_exact
 from remat_kit.trace.workload import Workload
 
 

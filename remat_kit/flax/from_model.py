@@ -38,6 +38,8 @@ from remat_kit.policy.spec import layer_policies
 from remat_kit.trace.workload import Workload
 
 KEY = "remat_kit_block"
+# What the tables' titles call `next_token_loss`, the loss measured unless the user gives one.
+OUR_LOSS = "remat-kit's mean next-token cross-entropy of the logits"
 
 
 def logits_of(out, batch: int, seq: int):
@@ -56,7 +58,8 @@ def logits_of(out, batch: int, seq: int):
         raise ModelError(
             f"the model's output is {_describe(out)}; expected logits [batch={batch}, "
             f"seq={seq}, vocab], or a dict or object with a 'logits' entry. For another "
-            "output or loss, give a function (batch, seq) -> rk.Workload")
+            "output or your own loss, return (model, batch, loss) from --model FILE:FUNCTION, "
+            "loss(output, batch) -> scalar, or give a function (batch, seq) -> rk.Workload")
     return found
 
 
@@ -229,7 +232,7 @@ def linen_block(model: nn.Module, init: Callable, *args, block=None) -> tuple[Pi
 
 
 def _linen(model: nn.Module, batch: int, seq: int, block, vocab_chunks: int = 1) -> tuple:
-    init_tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    init_tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)  # a shard_map refuses batch 1
     pick, variables = linen_block(
         model, lambda t: model.init(jax.random.key(0), t), init_tokens, block=block)
     cls = pick.cls
@@ -477,10 +480,15 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
             return _workload(model, b, s, block, name, mesh, vocab_chunks, inputs, placed,
                              given)
 
-    local = None
+    local, per_chip_block = None, traced_regions.block
     if where is not None:  # what one device runs: its share of the batch, whole parameters
-        one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
-        local = (one.loss_for_policy, one.args)
+        try:
+            one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
+            local, per_chip_block = (one.loss_for_policy, one.args), one.block
+        except ValueError as e:  # its own shard_map splits the batch: the whole program
+            if "shard_map" not in str(e):
+                raise
+            local = (loss_for_policy, args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,
                     per_device=local, mesh=where and where.mesh, num_layers=n or None,
                     own_mesh=(named.mesh or (own_mesh[0] if own_mesh else None)) if placed
@@ -488,7 +496,7 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
                     notes=notes, block_name=cls.__name__ if n else None,
                     parameter_count=traced_regions.parameter_count, placement=how,
                     # per chip, as every figure is: one device's share of the batch
-                    block=(traced_regions.block if local is None else one.block) if n else None,
+                    block=per_chip_block if n else None,
                     model_map=the_map)
 
 def trace(fn: Callable, args, where: "placement.Placement | None" = None,
@@ -510,5 +518,5 @@ def trace(fn: Callable, args, where: "placement.Placement | None" = None,
         traced, shape = make()
     return traced, shape
 
-__all__ = ["ModelError", "applied_plainly", "linen_instances", "logits_of", "next_token_loss",
-           "workload"]
+__all__ = ["ModelError", "OUR_LOSS", "applied_plainly", "linen_instances", "logits_of",
+           "next_token_loss", "workload"]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from remat_kit.errors import MeshError, RematSpecError
 from remat_kit.flax import batch_model
-from remat_kit.flax.from_model import ModelError
+from remat_kit.flax.from_model import OUR_LOSS, ModelError
 from remat_kit.flax.from_model import workload as model_workload
 from remat_kit.mesh import Fallback, spanning
 from remat_kit.trace.workload import Workload
@@ -152,6 +152,7 @@ def load(spec: str, block: str | None = None, vocab_chunks: int = 1,
             model, batch, seq, block=block, name=label, mesh=mesh, vocab_chunks=vocab_chunks))
 
     make.model = model  # the module itself, for callers that train it (experiments.train)
+    make.loss_words = OUR_LOSS
     return label, make
 
 
@@ -272,6 +273,7 @@ def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chun
                        loss)
 
     make.model, make.batch, make.loss, make.values = model, shaped, loss, batch
+    make.loss_words = OUR_LOSS if loss is None else f"your {_name_of(loss)}"
     make.defaults = {"batch": first, "seq": seq_axis}
     return make
 
@@ -407,6 +409,7 @@ def _function_maker(fn: Callable, spec: str, label: str) -> Callable:
                       lambda: got.loss_for_policy(Policy(remat=False)))
         traced(spec, inputs, "--batch and --seq", lambda: jax.eval_shape(loss, *got.args), loss)
         return got if got.name != "loss" else _named(got, label)
+    make.loss_words = f"the loss {name}(batch, seq)'s Workload builds"
     return make
 
 

@@ -143,4 +143,23 @@ def memory_fields(compiled) -> dict[str, int | None]:
     return {k: getattr(stats, k, None) for k in keys} if stats is not None else {}
 
 
-__all__ = ["HOST_FIELDS", "loop_scaled_costs", "memory_fields"]
+# An instruction XLA's own rematerialization pass cloned (HloRematerialization names the
+# copy "<name>.remat", "<name>.remat2", ...), where it defines its value.
+_XLA_REMAT = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\.remat\d*\s*=", re.MULTILINE)
+
+
+def xla_remat_note(compiled, platform: str) -> tuple[str, ...]:
+    """A line where the compiled program holds instructions XLA rematerialized on its own
+    (its rematerialization pass, run where the program would not fit the device's memory,
+    e.g. "Can't reduce memory use below ..." on a GPU): the row's peak and FLOPs are then
+    after XLA's remat as well as the policy's. () on the CPU, whose compiler has no such
+    pass, and where there is none."""
+    if platform == "cpu":
+        return ()
+    n = len(_XLA_REMAT.findall(compiled.as_text()))
+    return (f"XLA rematerialized {n} instruction{'s' * (n != 1)} on its own to fit the "
+            "device's memory (its remat pass, beyond the policy): this row's peak and FLOPs "
+            "are after it",) if n else ()
+
+
+__all__ = ["HOST_FIELDS", "loop_scaled_costs", "memory_fields", "xla_remat_note"]

@@ -131,7 +131,7 @@ class Priced:
                 notes.append(f"cuDNN attention runs only on an NVIDIA GPU: on this "
                              f"{self.platform} target the model would fail; these figures "
                              "are of a program that cannot run there")
-        notes += self._cudnn_rerun()
+        notes += self._reruns()
         if self.unpriced:
             notes.append("FLOPs are a lower bound: custom calls left unpriced (no "
                          "cost_estimate, and not a kernel priced from its shapes): "
@@ -139,23 +139,38 @@ class Priced:
         return tuple(notes)
 
 
-    def _cudnn_rerun(self) -> list[str]:
-        """A line where cuDNN attention's forward runs more often than its backward: the
-        backward reruns it, whatever the policy saves (JAX's cuDNN rule names none of
-        its residuals, unlike splash's `residual_checkpoint_name`)."""
-        calls = {kind: sum(k.calls for k in self.kernels if _CUDNN.search(k.name)
-                           and kind in k.name) for kind in ("fwd", "bwd")}
-        if calls["fwd"] <= calls["bwd"]:
-            return []
-        return [f"cuDNN attention's forward runs {calls['fwd']} times for {calls['bwd']} "
-                "backward: the backward reruns it, as JAX's cuDNN rule names none of its "
-                "residuals (its output and logsumexp), so saving `context` cannot keep them"]
+    def _reruns(self) -> list[str]:
+        """A line per fused attention kernel whose forward runs more often than its
+        backward: the backward reruns it. JAX's cuDNN rule names none of its residuals;
+        splash names them only with `residual_checkpoint_name`, so where a policy keeps
+        `context` and the forward still reruns, they were not named (`measure` keeps the
+        line on such policies only: under `full` the rerun is the policy's)."""
+        lines = []
+        for kernel, forward, backward, how in _RERUNS:
+            fwd = sum(k.calls for k in self.kernels if forward.search(k.name))
+            bwd = sum(k.calls for k in self.kernels if backward.search(k.name))
+            if fwd > bwd:
+                lines.append(f"{kernel}'s forward runs {fwd} times for {bwd} backward: the "
+                             f"backward reruns it, as {how}, so {CONTEXT_NOT_KEPT}")
+        return lines
 
 
-_CUDNN = re.compile(r"^(dot_product_attention|cudnn_attention)_(fwd|bwd)")
 _HOW = {"cost_estimate": "cost estimate",
         "compiler": "XLA's op: the FLOPs column holds the compiler's count, dense over "
                     "every group"}
+# The end of a rerun line (`Priced._reruns`), which `measure` keeps on policies that save
+# `context` only.
+CONTEXT_NOT_KEPT = "saving `context` cannot keep them"
+# (kernel, its forward's name, its backward's (one call per layer), why its residuals
+# are not kept): JAX's cuDNN rule names none; splash's are named only where the caller
+# passes residual_checkpoint_name.
+_RERUNS = (
+    ("cuDNN attention", re.compile(r"^(dot_product_attention|cudnn_attention)_fwd"),
+     re.compile(r"^(dot_product_attention|cudnn_attention)_bwd"),
+     "JAX's cuDNN rule names none of its residuals (its output and logsumexp)"),
+    ("splash attention", re.compile(r"^splash_m[hq]a_fwd"), re.compile(r"^splash_m[hq]a_dkv"),
+     "the kernel's residuals (its output and logsumexp) are not named: give splash "
+     "residual_checkpoint_name=\"context\""))
 
 
 def has_kernels(lowered_text: str) -> bool:

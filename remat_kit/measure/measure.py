@@ -10,6 +10,7 @@ How a workload walks through here: docs/architecture.md ("The data flow"); figur
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import shutil
 import tempfile
@@ -32,7 +33,7 @@ from remat_kit.measure.explain import blocks_differ, stack_stored_bytes
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.names import known_tags
 from remat_kit.measure.record import Record, memory_kind
-from remat_kit.measure.costs import memory_fields
+from remat_kit.measure.costs import memory_fields, xla_remat_note
 from remat_kit.measure.residuals import stage, split
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parsed_only
@@ -323,7 +324,12 @@ def _compiled_figures(run: _Run, compiled, local, program_key, dump) -> dict:
 def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -> tuple:
     """A record's notes: where its FLOPs came from, host memory on the CPU, names that
     select nothing, blocks that differ, the model map's, the time model's."""
-    notes = tuple(figures["cost_notes"])
+    keeps_context = policy.remat and any(fnmatch.fnmatchcase("context", p)
+                                         for p in (*policy.save, *policy.offload))
+    # A fused kernel's rerun forward says its residuals were not kept only where the
+    # policy asked to keep them (under `full` the rerun is the policy's own).
+    notes = tuple(n for n in figures["cost_notes"]
+                  if keeps_context or not n.endswith(kernels.CONTEXT_NOT_KEPT))
     if found["offloaded_bytes"] and run.target.platform == "cpu":
         notes += ("on CPU, host memory is device memory: temp_size_in_bytes "
                   "includes the offloaded residuals",)
@@ -376,7 +382,8 @@ def _figures(compiled, target, local) -> dict:
     return {"memory": memory, "flops": costs.get("flops"),
             "kernel_flops": priced.kernel_flops,
             "transcendentals": costs.get("transcendentals"), "predicted_seconds": predicted,
-            "cost_notes": list(cost_notes), "time_notes": list(time_notes),
+            "cost_notes": [*cost_notes, *xla_remat_note(compiled, target.platform)],
+            "time_notes": list(time_notes),
             "compiled_audit": {**audit_of.compiled_facts(compiled, memory, target.platform),
                                "step_terms": terms}}
 

@@ -25,7 +25,9 @@ from jax.sharding import Mesh
 from remat_kit._jax_private import has_nvidia_gpu, num_tpu_chips
 from remat_kit.errors import closest_choice, install_command
 # PEAKS re-exported: the table is read as targets.PEAKS beside the targets it lists.
+from remat_kit.measure import chip_memory
 from remat_kit.measure.chip_peaks import PEAKS, Roofline, of_chip
+from remat_kit.measure.cloud_tpu import cloud_topology
 from remat_kit.mesh import spec_text
 
 # TPU generations libtpu knows by topology name (checked with libtpu 0.0.52).
@@ -48,7 +50,8 @@ SLICE_AXIS = "data"
 # times the time model is checked against (its comment gives the datasheet figures).
 GPU_TARGET_CONFIGS = {"a100": "a100_sxm.txtpb", "h100": "h100_sxm.txtpb",
                       "h200": "h200_sxm.txtpb"}
-KINDS = ("cpu", "tpu", "tpu:<topology>[:slices=N]", "gpu", "gpu:<name>[:N]")
+KINDS = ("cpu", "tpu", "tpu:<topology>[:slices=N]", "tpu:<Cloud TPU type>", "gpu",
+         "gpu:<name>[:N]")
 EXAMPLES = ("cpu", "tpu:v5e:1x1", "tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v4:2x2x1",
             "tpu:v5p:4x4x4:slices=2", "gpu",
             "gpu:a100", "gpu:h100", "gpu:h100:8", "gpu:h200", "gpu:/path/to/spec.txtpb")
@@ -159,12 +162,33 @@ class Target:
         not listed (the time model then measures this CPU, `chip_peaks.calibrate_cpu`)."""
         return PEAKS.get(self.chip)
 
+    @property
+    def chip_count(self) -> int | None:
+        """How many chips (GPUs) the topology names, read from its text, before JAX or
+        libtpu starts: `tpu:v5p:2x2x1:slices=2` 8, `gpu:h100:8` 8; None for this
+        machine's devices."""
+        if not self.aot:
+            return None
+        if self.platform == "gpu":
+            return _split_count(self.topology)[1]
+        shape = self.topology.split(":")[1]
+        return math.prod(int(n) for n in shape.split("x")) * self.slices
+
     @functools.cached_property
     def roofline(self) -> Roofline:
         """The time model's peaks of the chip (`chip_peaks.of_chip`); on several slices
         with their count, which the DCN joins (`Roofline.slices`)."""
         line = of_chip(self.chip)
         return line if self.slices == 1 else dataclasses.replace(line, slices=self.slices)
+
+    @functools.cached_property
+    def memory(self) -> chip_memory.ChipMemory | None:
+        """What one device of the target holds for a program: a TPU chip's HBM
+        (`chip_memory.TPU_HBM_BYTES`); a GPU's memory times the share JAX's allocator takes
+        (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75); this machine's accelerator's
+        own `bytes_limit`. None for the CPU and for chips of no known size."""
+        description = gpu_description(self) if self.platform == "gpu" and self.aot else {}
+        return chip_memory.of_target(self, description.get("device_memory_size"))
 
     @functools.cached_property
     def versions(self) -> "types.MappingProxyType[str, str]":
@@ -208,6 +232,10 @@ def parse_target(text: "str | Target | None") -> Target:
                           f"(e.g. {', '.join(EXAMPLES)})")
     if not topology:
         return Target("tpu")
+    try:
+        topology = cloud_topology(topology)
+    except ValueError as e:
+        raise TargetError(str(e)) from None
     generation, _, shape = topology.partition(":")
     if generation not in TPU_GENERATIONS:
         closest = closest_choice(generation, TPU_GENERATIONS)

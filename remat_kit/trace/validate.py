@@ -212,13 +212,14 @@ def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str])
         # kv_proj missing beside key_proj/value_proj is the same values under other names.
         if tag in unmatched and not family & set(emitted):
             out.append(line)
-    # Recomputing scores a fused kernel never stores (selective's core_attn) is a no-op.
+    # Scores a fused kernel never stores (selective's core_attn) are not recomputed.
     fused = [line for line in missing if line.split(":", 1)[0] in policy.recompute
              and "fused attention" in line]
     if fused:
-        out.append(f"recomputing {', '.join(line.split(':', 1)[0] for line in fused)} changes "
-                   f"nothing here: {fused[0].split(': ', 1)[1]}, and the kernel's backward "
-                   "already recomputes its probabilities")
+        out.append(f"recomputing {', '.join(line.split(':', 1)[0] for line in fused)} finds "
+                   f"no such values here: {fused[0].split(': ', 1)[1]}, and the kernel's "
+                   "backward already recomputes its probabilities; any FLOPs this row adds "
+                   "are the rest of what it recomputes")
     globs = [p for p in unmatched if names.is_glob(p) or "/" in p]
     if globs and len(unmatched) < len(wanted):
         out.append(f"pattern(s) {', '.join(sorted(globs))} match no tag the model emits")
