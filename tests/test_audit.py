@@ -173,6 +173,12 @@ def test_a_row_faster_than_none_names_the_term_or_says_none_does():
         "residuals it no longer writes and reads), 1 ms less bandwidth-bound time, against "
         "FLOPs +30.0% (+300 us compute-bound time)")
     assert out["full"].notes == (out["full"].audit["step"],)
+    on_chip = _row("full", 2.3e-3, bytes_bound_seconds=1e-3, flops_bound_seconds=1.3e-3,
+                   hbm_bytes=1 << 30, flops=1.3e12, vmem_bytes=3 << 30)
+    assert audit.faster_than_none([none, on_chip])[1].audit["step"].startswith(
+        "predicted 23.3% faster than none: its ops move 1.00 GiB less HBM traffic (the "
+        "residuals it no longer writes and reads) and 3.00 GiB more VMEM traffic, 1 ms less "
+        "bandwidth-bound time")
     assert out["minimal"].audit["step"] == (
         "predicted 13.3% faster than none, which no term of the time model accounts for: "
         "bandwidth-bound time +100 us (+100.00 MiB HBM traffic), compute-bound -500 us (FLOPs "

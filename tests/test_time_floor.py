@@ -96,15 +96,18 @@ def test_a_loop_priced_once_falls_below_the_floor_and_raises(monkeypatch):
     assert flops >= 16 * 3 * 2 * 1024 * 512 * 512  # every trip's matmul and its two grads
     # The loss (a bf16 scalar) and both gradients: what the program writes at least.
     assert written_bytes(compiled) == 2 + 2 * (512 * 512 + 1024 * 512)
-    once = sum(line.seconds(o.flops, o.nbytes, o.dtype) for o in ops)
+    once = sum(line.seconds(o.flops, o.nbytes, o.dtype, o.vmem_bytes) for o in ops)
     assert check_floor(time_model.compiled_seconds(compiled, line), line, flops, 0) > 2 * once
     with pytest.raises(BelowFloor):
         check_floor(once, line, flops, 0)
 
-    def body_once(compiled, line):
-        return sum(line.seconds(o.flops, o.nbytes, o.dtype) for o in time_model.compiled_ops(
-            compiled))
-    monkeypatch.setattr(time_model, "compiled_seconds", body_once)
+    terms = time_model.step_terms
+
+    def body_once(compiled, line):  # what `measure` predicts a step from
+        return terms(compiled, line) | {"seconds": sum(
+            line.seconds(o.flops, o.nbytes, o.dtype, o.vmem_bytes)
+            for o in time_model.compiled_ops(compiled))}
+    monkeypatch.setattr(time_model, "step_terms", body_once)
     monkeypatch.setattr(figure_cache, "folder", lambda: None)  # figures kept would hide it
     [record] = answers.measure(_matmul_scan, w, x, policies=["none"], target=TPU)
     assert record.error.startswith("BelowFloor: predicted step")

@@ -183,6 +183,80 @@ def test_tpu_dmas_and_vmem_cost_their_hbm_bytes_once():
                    ("kNegate", whole), ("kNegate", rows)]  # read from VMEM, written to HBM
 
 
+# A fusion reading one layer of a stacked [4, 64, 128] value through a nested fusion's
+# dynamic-slice (how XLA:TPU reads a scan's stacked residual), writing into VMEM, and an
+# AllocateBuffer (a loop's output buffer, not yet filled).
+_TPU_NESTED_SLICE = """HloModule m
+
+%inner (p0: f32[4,64,128], p1: s32[]) -> f32[64,128] {
+  %p0 = f32[4,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,64,128]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,128}
+  ROOT %b = f32[64,128]{1,0} bitcast(%ds)
+}
+
+%outer (q0: f32[4,64,128], q1: s32[], q2: f32[64,128]) -> f32[64,128] {
+  %q0 = f32[4,64,128]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %q2 = f32[64,128]{1,0} parameter(2)
+  %f = f32[64,128]{1,0} fusion(%q0, %q1), kind=kLoop, calls=%inner
+  ROOT %m = f32[64,128]{1,0:S(1)} multiply(%f, %q2)
+}
+
+ENTRY %main (a: f32[4,64,128], i: s32[], v: f32[64,128]) -> f32[64,128] {
+  %a = f32[4,64,128]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %v = f32[64,128]{1,0} parameter(2)
+  %buf = f32[4,64,128]{2,1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %o = f32[64,128]{1,0:S(1)} fusion(%a, %i, %v), kind=kLoop, calls=%outer
+  ROOT %n = f32[64,128]{1,0} negate(%o)
+}
+"""
+
+
+def test_tpu_nested_slice_reads_one_layer_and_vmem_bytes_are_counted():
+    """A stacked operand sliced inside a nested fusion reads the slice, not the stack
+    (counting the stack priced no remat's scanned backward at twice its HBM traffic); an
+    AllocateBuffer moves nothing; VMEM operands and outputs are counted apart."""
+    ops = [(op.opcode, op.nbytes, op.vmem_bytes) for op in compiled_ops(_Text(_TPU_NESTED_SLICE))]
+    layer = 64 * 128 * 4
+    assert ops == [("kCustomCall", 0.0, 0.0),
+                   ("kFusion", layer + 4 + layer, layer),  # one layer, the index, v; into VMEM
+                   ("kNegate", layer, layer)]  # read from VMEM, written to HBM
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_tpu_vmem_resident_ops_are_priced_at_vmem_bandwidth():
+    """XLA:TPU keeps a softmax's small buffers in VMEM: ops that move no HBM bytes cost
+    their VMEM bytes at the chip's VMEM bandwidth (22x HBM's), not nothing."""
+    tpu = targets.parse_target("tpu:v5e:1x1")
+    line = tpu.roofline
+    assert line.vmem_bandwidth == 22 * line.bandwidth
+
+    def f(x, w):
+        return jnp.sum(jax.nn.softmax(jax.nn.softmax(x @ w) @ w.T))
+
+    structs = lowering.place((jax.ShapeDtypeStruct((1024, 256), jnp.float32),
+                              jax.ShapeDtypeStruct((256, 256), jnp.float32)), tpu)
+    compiled = lowering.lower(jax.value_and_grad(f, argnums=(0, 1)), list(structs), tpu).compile()
+    ops = compiled_ops(compiled)
+    on_chip = [op for op in ops if op.nbytes == 0 and op.vmem_bytes > 0]
+    bound = [op for op in on_chip if op.vmem_bytes / line.vmem_bandwidth
+             > op.flops / line.f32_flops]  # moving them takes longer than their math
+    assert bound  # the softmax's reductions and divides
+    for op in bound:
+        seconds = line.seconds(op.flops, op.nbytes, op.dtype, op.vmem_bytes)
+        assert seconds == pytest.approx(op.vmem_bytes / line.vmem_bandwidth, rel=1e-12)
+        # The same bytes in HBM would take 22x as long; priced as before, only the math.
+        assert seconds == pytest.approx(line.seconds(op.flops, op.vmem_bytes, op.dtype) / 22)
+        assert seconds > line.seconds(op.flops, 0.0, op.dtype)
+    terms = time_model.step_terms(compiled, line)
+    assert terms["vmem_bytes"] == sum(op.trips * op.vmem_bytes for op in ops) > terms["hbm_bytes"]
+    assert terms["seconds"] == pytest.approx(sum(
+        op.trips * line.seconds(op.flops, op.nbytes, op.dtype, op.vmem_bytes) for op in ops))
+
+
 def test_target_peaks():
     assert targets.peaks("cpu") is None
     a100 = time_model.roofline("gpu:a100")

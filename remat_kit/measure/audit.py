@@ -260,9 +260,12 @@ def _faster_line(seconds: float, none_seconds: float, terms: dict, none: dict) -
     if max(by_bytes, 0.0) + fewer >= _ACCOUNTED * (none_seconds - seconds):
         said = []
         if by_bytes > 0:
+            vmem = terms.get("vmem_bytes", 0.0) - none.get("vmem_bytes", 0.0)  # TPU on-chip
+            on_chip = (f" and {fmt_bytes(abs(vmem))} {'more' if vmem > 0 else 'less'} VMEM "
+                       "traffic" if vmem else "")
             said.append(f"its ops move {fmt_bytes(max(traffic, 0))} less HBM traffic (the "
-                        f"residuals it no longer writes and reads), {fmt_seconds(by_bytes)} "
-                        "less bandwidth-bound time")
+                        f"residuals it no longer writes and reads){on_chip}, "
+                        f"{fmt_seconds(by_bytes)} less bandwidth-bound time")
         if fewer:
             said.append(f"XLA compiled it to fewer FLOPs than no remat's ({flops}), "
                         f"{fmt_seconds(fewer)} less compute-bound time")

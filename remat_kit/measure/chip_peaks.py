@@ -37,21 +37,25 @@ _DCN = {"tpu:v5e": 3.125e9, "tpu:v5p": 6.25e9}
 # bandwidth" per link, one direction (4.5e10 for v5e, 9e10 for v5p), what a pipeline's
 # `ppermute` to the next stage runs at.
 _ICI = {"tpu:v5e": 4.5e10, "tpu:v5p": 9e10}
+# TPU on-chip vector memory (VMEM, memory space S(1) in the optimized HLO) <-> the vector and
+# matrix units, bytes/s: Google publishes no figure; the same book ("VMEM" in its TPU chapter)
+# puts VMEM's bandwidth at about 22x HBM's. An assumption, then: 22 x the chip's HBM figure.
+_VMEM_OVER_HBM = 22
 # Dense (no sparsity) peaks. bf16_flops: 16-bit matmul; f32_flops: what an f32
 # matmul runs at under JAX's default precision (TPU: one bf16 pass; NVIDIA: TF32).
 PEAKS = {
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM2.
     "tpu:v5e": {"bf16_flops": 197e12, "f32_flops": 197e12, "bandwidth": 819e9,
                 "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5e"],
-                "ici_bandwidth": _ICI["tpu:v5e"],
-                "source": "cloud.google.com/tpu/docs/v5e; host DMA, DCN and ICI: "
-                          "jax-ml.github.io/scaling-book"},
+                "ici_bandwidth": _ICI["tpu:v5e"], "vmem_bandwidth": _VMEM_OVER_HBM * 819e9,
+                "source": "cloud.google.com/tpu/docs/v5e; host DMA, DCN, ICI and VMEM "
+                          "(22x HBM, assumed): jax-ml.github.io/scaling-book"},
     # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2,765 GB/s HBM2e.
     "tpu:v5p": {"bf16_flops": 459e12, "f32_flops": 459e12, "bandwidth": 2765e9,
                 "host_bandwidth": _TPU_HOST_DMA, "dcn_bandwidth": _DCN["tpu:v5p"],
-                "ici_bandwidth": _ICI["tpu:v5p"],
-                "source": "cloud.google.com/tpu/docs/v5p; host DMA, DCN and ICI: "
-                          "jax-ml.github.io/scaling-book"},
+                "ici_bandwidth": _ICI["tpu:v5p"], "vmem_bandwidth": _VMEM_OVER_HBM * 2765e9,
+                "source": "cloud.google.com/tpu/docs/v5p; host DMA, DCN, ICI and VMEM "
+                          "(22x HBM, assumed): jax-ml.github.io/scaling-book"},
     # https://www.nvidia.com/en-us/data-center/a100/ (A100 SXM4 80GB datasheet): BF16
     # 624 TFLOP/s with sparsity (312 dense), TF32 312 with sparsity (156 dense),
     # 2,039 GB/s HBM2e; host link PCIe Gen4 x16.
@@ -91,6 +95,8 @@ class Roofline:
       ici_bandwidth: chip -> neighbouring chip bytes/s over one ICI link, one way
         (None: not listed); the time model prices what a `collective-permute` (a
         pipeline's `ppermute`) sends at it.
+      vmem_bandwidth: on-chip vector memory (TPU VMEM) bytes/s (None: no such memory
+        space; bytes found there are priced at `bandwidth`).
     """
 
     bf16_flops: float
@@ -103,11 +109,21 @@ class Roofline:
     slices: int | None = dataclasses.field(default=None, repr=False)
     # Not in the repr either: a chip's `source` names where its ICI figure comes from.
     ici_bandwidth: float | None = dataclasses.field(default=None, repr=False)
+    # Not in the repr either: the figure cache keys on this module's source.
+    vmem_bandwidth: float | None = dataclasses.field(default=None, repr=False)
 
-    def seconds(self, flops: float, nbytes: float, dtype=None) -> float:
-        """max(flops / peak of `dtype`, nbytes / bandwidth); 16-bit dtypes take bf16's peak."""
+    def seconds(self, flops: float, nbytes: float, dtype=None, vmem_bytes: float = 0.0) -> float:
+        """max(flops / peak of `dtype`, nbytes / bandwidth + vmem_bytes / vmem_bandwidth):
+        16-bit dtypes take bf16's peak; bytes in on-chip memory cost time too (an op
+        whose buffers all sit in VMEM is not free), added to its HBM bytes' time."""
         peak = self.bf16_flops if getattr(dtype, "itemsize", 4) <= 2 else self.f32_flops
-        return max(flops / peak, nbytes / self.bandwidth)
+        return max(flops / peak, self.memory_seconds(nbytes, vmem_bytes))
+
+    def memory_seconds(self, nbytes: float, vmem_bytes: float = 0.0) -> float:
+        """Seconds to move `nbytes` of device memory (HBM) and `vmem_bytes` of on-chip
+        memory at their bandwidths (`vmem_bandwidth`, else `bandwidth`)."""
+        return nbytes / self.bandwidth + (
+            vmem_bytes / (self.vmem_bandwidth or self.bandwidth) if vmem_bytes else 0.0)
 
 
 def _cache_path() -> str:
@@ -205,7 +221,8 @@ def of_chip(chip: str) -> Roofline:
         return calibrate_cpu()
     return Roofline(found["bf16_flops"], found["f32_flops"], found["bandwidth"],
                     found.get("host_bandwidth"), found["source"], found.get("dcn_bandwidth"),
-                    ici_bandwidth=found.get("ici_bandwidth"))
+                    ici_bandwidth=found.get("ici_bandwidth"),
+                    vmem_bandwidth=found.get("vmem_bandwidth"))
 
 
 __all__ = ["PEAKS", "Roofline", "calibrate_cpu", "of_chip"]

@@ -102,9 +102,9 @@ class OpCost:
       flops: FLOPs of the op (of every instruction fused into it): 2 per
         multiply-add of a dot, 1 per element of element-wise math and reductions.
       transcendentals: elements of exp, tanh, log, ... (not in flops).
-      nbytes: bytes read and written at the op's boundary: its operands and its
-        outputs, not the values inside a fusion (those stay in registers or
-        cache). Operands only sliced read the slice; an in-place
+      nbytes: device-memory (HBM) bytes read and written at the op's boundary: its
+        operands and its outputs, not the values inside a fusion (those stay in
+        registers or cache). Operands only sliced read the slice; an in-place
         dynamic-update-slice writes the update only.
       dtype: the output's element type, which picks the peak (bf16 or f32).
       trips: how many times the op runs (the trip counts of the loops around it).
@@ -123,26 +123,25 @@ class OpCost:
     trips: int = 1
     dcn_bytes: float = 0.0
     ici_bytes: float = 0.0
+    vmem_bytes: float = 0.0  # as nbytes, of the operands and outputs in TPU VMEM (S(1))
 
 
 # A collective-permute, synchronous or started asynchronously (its -done moves nothing).
 _PERMUTES = ("kCollectivePermute", "kCollectivePermuteStart")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+_HBM, _VMEM = "0", "1"
 
 
-def _device_bytes(shape) -> int:
-    """Bytes of `shape` held in device memory (HBM): array leaves in the default
-    memory space. Leaves in another (S(1): TPU VMEM; S(2): TPU SMEM and DMA
-    semaphores; S(5): host memory) are no HBM traffic."""
+def _device_bytes(shape, space: str = _HBM) -> int:
+    """Bytes of `shape` held in memory space `space`: by default device memory (HBM),
+    array leaves in the default space; `_VMEM` ("1"): TPU VMEM. Leaves in any other
+    (S(2): TPU SMEM and DMA semaphores; S(5): host memory) are neither."""
     if shape.is_tuple():
-        return sum(_device_bytes(s) for s in shape.tuple_shapes())
+        return sum(_device_bytes(s, space) for s in shape.tuple_shapes())
     if not shape.is_array():
         return 0
-    if shape.has_layout():
-        space = _MEMORY_SPACE.search(shape.layout().to_string())
-        if space and space.group(1) != "0":
-            return 0
-    return _size(shape)[1]
+    found = _MEMORY_SPACE.search(shape.layout().to_string()) if shape.has_layout() else None
+    return _size(shape)[1] if (found.group(1) if found else _HBM) == space else 0
 
 
 def _size(shape) -> tuple[int, int]:
@@ -234,36 +233,60 @@ def _unviewed(instr):
     return instr
 
 
-def _boundary_bytes(instr, comps) -> float:
-    """Bytes an op reads and writes at its boundary (see `OpCost.nbytes`)."""
+def _parameter_number(instr) -> int:
+    return int(instr.to_string().split("parameter(")[1].split(")")[0])
+
+
+def _sliced_read(body, index: int, comps) -> float | None:
+    """Bytes fused computation `body` reads of its parameter `index` where it only
+    slices it: its one user (through bitcasts used once) a slice, or a nested fusion
+    that only slices it (XLA:TPU reads one layer of a scan's stacked residual so); None
+    where the parameter is read whole."""
+    value = next((i for i in body.instructions() if i.opcode.name == "kParameter"
+                  and _parameter_number(i) == index), None)
+    while value is not None and len(value.users()) == 1 and \
+            value.users()[0].opcode.name == "kBitcast":
+        value = value.users()[0]
+    if value is None or len(value.users()) != 1:
+        return None
+    user = value.users()[0]
+    at = [o.name for o in user.operands()]
+    if user.opcode.name in _PARTIAL_READ and at[0] == value.name:
+        return float(_size(user.shape)[1])
+    called = _CALLED.findall(user.to_string())
+    if user.opcode.name == "kFusion" and at.count(value.name) == 1 and called[0] in comps:
+        return _sliced_read(comps[called[0]], at.index(value.name), comps)
+    return None
+
+
+def _boundary_bytes(instr, comps, space: str = _HBM) -> float:
+    """Bytes an op reads and writes at its boundary in memory space `space` (see
+    `OpCost.nbytes`, `OpCost.vmem_bytes`)."""
     op = instr.opcode.name
-    operands = [_device_bytes(o.shape) for o in instr.operands()]
-    written = _device_bytes(instr.shape)
-    if op == "kCopyStart":  # a DMA, (destination, source, context): each end in HBM
-        return float(sum(_device_bytes(s) for s in instr.shape.tuple_shapes()[:2]))
+    operands = [_device_bytes(o.shape, space) for o in instr.operands()]
+    written = _device_bytes(instr.shape, space)
+    if op == "kCopyStart":  # a DMA, (destination, source, context): each end in `space`
+        return float(sum(_device_bytes(s, space) for s in instr.shape.tuple_shapes()[:2]))
     if op == "kAsyncStart":  # a sliced DMA, ((source), destination, context)
         dest = instr.shape.tuple_shapes()[1]
-        return float(_device_bytes(dest) + (_size(dest)[1] if any(operands) else 0))
+        return float(_device_bytes(dest, space) + (_size(dest)[1] if any(operands) else 0))
     if op in _PARTIAL_READ:  # the slice read from the source, if in HBM, and written
         return written + (_size(instr.shape)[1] if operands[0] else 0.0) + sum(operands[1:])
     if op == "kDynamicUpdateSlice":  # in place: the update is read and written
         return 2.0 * operands[1] + sum(operands[2:])
+    if op == "kCustomCall" and 'custom_call_target="AllocateBuffer"' in instr.to_string():
+        return 0.0  # XLA:TPU's allocation of a buffer a loop then fills: nothing moves
     if op != "kFusion":
         return float(sum(operands) + written)
     [name] = _CALLED.findall(instr.to_string())[:1] or [None]
     body = comps.get(name)
     if body is None:
         return float(sum(operands) + written)
-    params = {}
+    params = {inner.name: _parameter_number(inner) for inner in body.instructions()
+              if inner.opcode.name == "kParameter"}
+    read = [float(n) if not n or (part := _sliced_read(body, i, comps)) is None else part
+            for i, n in enumerate(operands)]
     for inner in body.instructions():
-        if inner.opcode.name == "kParameter":
-            params[inner.name] = int(inner.to_string().split("parameter(")[1].split(")")[0])
-    read = list(map(float, operands))
-    for inner in body.instructions():
-        if inner.opcode.name in _PARTIAL_READ and inner.operands():
-            src = _unviewed(inner.operands()[0])
-            if src.name in params and len(src.users()) == 1 and read[params[src.name]]:
-                read[params[src.name]] = float(_size(inner.shape)[1])
         if inner.opcode.name == "kDynamicUpdateSlice" and inner.operands():
             src = _unviewed(inner.operands()[0])
             if src.name in params and len(src.users()) == 1 and read[params[src.name]]:
@@ -281,7 +304,8 @@ def _gemm_cost(instr, gemm, trips: int) -> OpCost:
 
 
 def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
-    """The ops a compiled program runs, each with its FLOPs and boundary bytes.
+    """The ops a compiled program runs, each with its FLOPs and boundary bytes (in HBM,
+    and on a TPU in VMEM: XLA:TPU's memory-space assignment keeps small buffers there).
 
     Walks the optimized HLO (`compiled.runtime_executable().hlo_modules()`, or
     the text of `compiled.as_text()` where there is no runtime executable, as
@@ -336,7 +360,7 @@ def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
                     if slices and op == "kSend" else 0.0)
             ici = (_size(instr.operands()[0].shape)[1] if op in _PERMUTES else 0.0)
             ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
-                              dtype, trips, sent, ici))
+                              dtype, trips, sent, ici, _boundary_bytes(instr, comps, _VMEM)))
 
     walk(comps[entry], 1)
     return ops
@@ -344,7 +368,7 @@ def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
 
 def compiled_seconds(compiled, line: Roofline) -> float:
     """Predicted seconds of one run of a compiled program: the roofline of each
-    op it runs (`compiled_ops`), summed, loop bodies once per trip; on several
+    op it runs (`compiled_ops`; its HBM and VMEM bytes each at their bandwidth), summed, loop bodies once per trip; on several
     slices (`line.slices`) with what the program sends across them at
     `line.dcn_bandwidth`, and what its `collective-permute`s (a pipeline's
     `ppermute` to the next stage) send at `line.ici_bandwidth` (neither overlapped
@@ -356,23 +380,24 @@ def step_terms(compiled, line: Roofline) -> dict:
     """`compiled_seconds` and the terms it sums, JSON-ready: {"seconds", "bytes_bound_seconds"
     (the ops whose HBM bytes bound them: their bytes / bandwidth), "flops_bound_seconds" (the
     ops whose FLOPs bound them), "f32_flops_bound_seconds" (of those, the ops priced at the f32
-    peak), "hbm_bytes" (bytes every op reads and writes, per trip), "flops", "dcn_seconds",
-    "ici_seconds"}. What makes one program's prediction faster than another's
+    peak), "hbm_bytes" (bytes every op reads and writes, per trip), "vmem_bytes" (those in
+    TPU VMEM, at `line.vmem_bandwidth`), "flops", "dcn_seconds", "ici_seconds"}. What makes one program's prediction faster than another's
     (`audit.faster_than_none`)."""
     ops = compiled_ops(compiled, line.slices)
     sent = sum(op.trips * op.dcn_bytes for op in ops)
     passed = sum(op.trips * op.ici_bytes for op in ops)
     terms = {"bytes_bound_seconds": 0.0, "flops_bound_seconds": 0.0,
-             "f32_flops_bound_seconds": 0.0, "hbm_bytes": 0.0, "flops": 0.0,
+             "f32_flops_bound_seconds": 0.0, "hbm_bytes": 0.0, "vmem_bytes": 0.0, "flops": 0.0,
              "dcn_seconds": sent / line.dcn_bandwidth if sent and line.dcn_bandwidth else 0.0,
              "ici_seconds": passed / line.ici_bandwidth if passed and line.ici_bandwidth else 0.0}
     for op in ops:
-        seconds = op.trips * line.seconds(op.flops, op.nbytes, op.dtype)
-        by_bytes = op.nbytes / line.bandwidth >= seconds / op.trips
+        seconds = op.trips * line.seconds(op.flops, op.nbytes, op.dtype, op.vmem_bytes)
+        by_bytes = line.memory_seconds(op.nbytes, op.vmem_bytes) >= seconds / op.trips
         terms["bytes_bound_seconds" if by_bytes else "flops_bound_seconds"] += seconds
         if not by_bytes and getattr(op.dtype, "itemsize", 4) > 2:
             terms["f32_flops_bound_seconds"] += seconds
         terms["hbm_bytes"] += op.trips * op.nbytes
+        terms["vmem_bytes"] += op.trips * op.vmem_bytes
         terms["flops"] += op.trips * op.flops
     terms["seconds"] = (terms["bytes_bound_seconds"] + terms["flops_bound_seconds"]
                         + terms["dcn_seconds"] + terms["ici_seconds"])
