@@ -23,7 +23,7 @@ CFG = get_config("tiny", num_layers=LAYERS)
     ("save_qkv_proj@first:4", "save:query_proj,key_proj,value_proj,kv_proj,qkv_proj@first:4",
      Schedule("first", 4)),
     ("minimal@nested:8", "save:query_proj,key_proj,value_proj,kv_proj,qkv_proj,out_proj,mlpwi,"
-     "mlpwi_0,mlpwi_1,mlpwo@nested:8", Schedule("nested", 8)),
+     "mlpwi_0,mlpwi_1,mlpwo,moe_mlpwi_0,moe_mlpwo@nested:8", Schedule("nested", 8)),
     ("dots|save:context@every:3", "dots;save:context@every:3", Schedule("every", 3)),
     ("nested;save:context", "save:context@nested", Schedule("nested")),
     ("full@uniform", "full", Schedule()),

@@ -1,14 +1,9 @@
 """A model's own partitioning: where its parameters and its batch go on a mesh.
 
-`annotations` reads a model's partitioning wherever it keeps it, in this order of trust: a
-`NamedSharding` on a parameter's own array (abstract or concrete: MaxText's
-`create_nnx_abstract_model` leaves one on every `nnx.Param`), then logical names (linen
-`nn.with_logical_partitioning`, NNX `out_sharding` / `sharding` metadata) with the rules of
-its boxes, of the model (`logical_axis_rules` on it or on its `config`), of
-`nn.logical_axis_rules` in effect, or the user's, then mesh axes named directly
-(`nn.with_partitioning`, `nnx.with_partitioning`). `resolve` puts it together with a `--mesh`
-for the axes it leaves open: the mesh, the rules, each parameter's sharding and the batch's,
-as a training codebase places a step it compiles ahead of time.
+`annotations` reads it wherever the model keeps it, in this order of trust: a `NamedSharding`
+on a parameter's own array, logical names with the rules of the boxes, the model or its
+`config`, `nn.logical_axis_rules` in effect or the user's, then mesh axes named directly.
+`resolve` puts it together with a `--mesh` for the axes it leaves open.
 The rules it follows: docs/meshes.md ("A model's own partitioning").
 """
 

@@ -1,14 +1,7 @@
 """What the compiler did to the policy: each tag as asked (the traced program) against the
-program as compiled (its optimized HLO), in one line where they differ.
-
-As asked, per tag, from the traced value-and-grad program (`residuals.stage`): the bytes saved
-for the backward, offloaded to host, and recomputed in the backward (a remat region's body);
-the tags a policy keeps that the model emits only outside every remat region. As compiled, from
-what the compile already produced (`compiled_facts`, no second compile): which tags' recompute
-is still in the optimized HLO (its ops' metadata, `peak.marked` names each tag's producer), the
-host memory the program holds (`memory_analysis`, the S(5) memory space), and values XLA
-rematerialized itself under memory pressure. `audit` compares the two; `faster_than_none`
-names the time-model term that makes a remat row faster than no remat.
+program as compiled (its optimized HLO, read from the compile already made), in one line
+where they differ; `faster_than_none` names the time-model term that makes a remat row
+faster than no remat.
 Docs: docs/compare.md ("The audit").
 """
 
