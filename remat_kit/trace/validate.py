@@ -174,20 +174,15 @@ def check_policy(policy: Policy, fn, *args) -> Policy:
     return policy
 
 
-# Tags that name the same values in models written another way (fused or not, gated or not).
-_ALTERNATIVES = ({"query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj"},
-                 {"mlpwi", "mlpwi_0", "mlpwi_1"})
-
-
 def lacking(policy: Policy, emitted: Sequence[str]) -> list[str]:
     """The patterns `policy` saves or offloads that match no tag in `emitted`,
     sorted, leaving out those the policy names an emitted alternative of
-    (`minimal`'s kv_proj beside key_proj/value_proj, mlpwi_0 beside mlpwi): what
-    the model lacks of what the policy means to keep."""
+    (`names.VARIANTS`: `minimal`'s kv_proj beside key_proj/value_proj, moe_mlpwo
+    beside mlpwo): what the model lacks of what the policy means to keep."""
     kept = {*policy.save, *policy.offload}
     matched = {p for p in kept if any(fnmatch.fnmatchcase(t, p) for t in emitted)}
     return sorted(p for p in kept - matched
-                  if not next((f for f in _ALTERNATIVES if p in f), set()) & matched)
+                  if not next((f for f in names.VARIANTS if p in f), frozenset()) & matched)
 
 
 def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str]) -> tuple:
@@ -208,7 +203,7 @@ def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str])
                    f"emitted by the model: it compiles as its base rule '{policy.base}'")
     for line in missing:
         tag = line.split(":", 1)[0]
-        family = next((f for f in _ALTERNATIVES if tag in f), {tag})
+        family = next((f for f in names.VARIANTS if tag in f), {tag})
         # kv_proj missing beside key_proj/value_proj is the same values under other names.
         if tag in unmatched and not family & set(emitted):
             out.append(line)
