@@ -142,7 +142,8 @@ def test_a_two_slice_target_adds_a_data_axis_across_the_slices():
     with pytest.raises(targets.TargetError, match="needs 8 devices; each slice of target "
                        "tpu:v5p:2x2x1:slices=2 has 4"):
         targets.make_mesh(two, {"fsdp": 8})
-    with pytest.raises(targets.TargetError, match="give slices=N with N a positive number"):
+    with pytest.raises(targets.TargetError,
+                       match="give slices=N with N a number of slices from 1 to 512"):
         targets.parse_target("tpu:v5p:2x2x1:slices=0")
     assert str(targets.parse_target("tpu:v5p:2x2x1:slices=1")) == "tpu:v5p:2x2x1"
 
