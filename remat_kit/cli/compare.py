@@ -58,14 +58,7 @@ def run(args) -> int:
         print(f"{progress_line(i, n, record, spent)} ({pool.current().status()})",
               file=sys.stderr, flush=True)
 
-    for target, work in zip(target_list, works):  # refused before the first compile
-        own = work.own_mesh
-        if own is not None and not set(own.devices.flat) <= set(target.devices):
-            retarget.check_fits(own, target.devices, str(target))
-            if getattr(work.model_map, "pipeline", None) is not None:
-                retarget.check_stays(own, target.devices, str(target))
-        if (line := unused_chips(own, target)) is not None:
-            print(line, file=sys.stderr, flush=True)
+    _check_own_meshes(target_list, works)
     print(estimate_line(specs, target_list), file=sys.stderr, flush=True)
     sections, contexts = [], []
     dtype = src.dtype(works[0])
@@ -104,6 +97,20 @@ def run(args) -> int:
             plots.plot(plot_path(args.plot, target, len(sections) > 1), rows, title)
     # No row with a figure on any target: a failure that scripts and CI must see.
     return 1 if all(verdict.pick_compare(rows) is None for _, _, rows in sections) else 0
+
+
+def _check_own_meshes(target_list, works) -> None:
+    """Refuse, before the first compile, a model's own mesh that does not fit a target's
+    devices (a pipeline's must stay on them); print a line for each target's unused chips.
+    Raises BadInput from `retarget`."""
+    for target, work in zip(target_list, works):
+        own = work.own_mesh
+        if own is not None and not set(own.devices.flat) <= set(target.devices):
+            retarget.check_fits(own, target.devices, str(target))
+            if getattr(work.model_map, "pipeline", None) is not None:
+                retarget.check_stays(own, target.devices, str(target))
+        if (line := unused_chips(own, target)) is not None:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _on_target(args, src, sizes, specs, progress, where) -> tuple:

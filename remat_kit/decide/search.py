@@ -108,18 +108,7 @@ def plan(planner, budget: "str | int | float") -> Plan:
     time_objective = planner.objective == "time"
     unit = FLOP_RESOLUTION * (planner.costs.seconds(Policy(remat=False)) if time_objective
                               else planner.none_flops())
-    # Each base rule alone is compiled: its memory is the floor the MILP fills above.
-    floors = dict(zip(planner.bases, planner.compiles.measure_all(
-        [Policy(base=b) for b in planner.bases])))
-    starts = []
-    for base, floor in floors.items():
-        if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
-            continue
-        model = planner.costs.model_for(base, groups)
-        saved, offloaded, _ = model.solve(limit - floor.memory_bytes, unit, planner.objective)
-        predicted = _predict(planner, base, floor, model, saved, offloaded)
-        starts.append((predicted[2] if time_objective else predicted[1]
-                       + model.excess(offloaded) * model.flop_rate, base))
+    floors, starts = _starts(planner, limit, groups, unit)
     tried, status, best = set(), "", None
     if starts:
         base = min(starts)[1]
@@ -145,6 +134,24 @@ def plan(planner, budget: "str | int | float") -> Plan:
                             layers_summary(policy) if isinstance(policy, tuple)
                             else str(policy)), *offload_notes]), len(tried),
                         groups, offload_notes)
+
+def _starts(planner, limit: int, groups: int, unit: float) -> tuple[dict, list[tuple]]:
+    """({base: its record compiled alone}, [(predicted objective, base)] for each base
+    whose own compile fits `limit` bytes, its MILP solved for the room above it)."""
+    # Each base rule alone is compiled: its memory is the floor the MILP fills above.
+    floors = dict(zip(planner.bases, planner.compiles.measure_all(
+        [Policy(base=b) for b in planner.bases])))
+    starts = []
+    for base, floor in floors.items():
+        if floor.error or floor.memory_bytes is None or floor.memory_bytes > limit:
+            continue
+        model = planner.costs.model_for(base, groups)
+        saved, offloaded, _ = model.solve(limit - floor.memory_bytes, unit, planner.objective)
+        predicted = _predict(planner, base, floor, model, saved, offloaded)
+        starts.append((predicted[2] if planner.objective == "time" else predicted[1]
+                       + model.excess(offloaded) * model.flop_rate, base))
+    return floors, starts
+
 
 def _full_and_none(planner) -> tuple:
     """(full remat's record, no remat's or None where it runs out of memory), compiled side

@@ -19,15 +19,14 @@ import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from remat_kit.flax import linen as flax_linen
 from remat_kit.flax import linen_tags
 from remat_kit.flax.blocks import (Instance, ModelError, Pick, has_parameters, pick_block,
                                    unremat_note)
-from remat_kit.flax.chunked_loss import chunked_logits_loss
 from remat_kit.flax import nnx as flax_nnx
+from remat_kit.flax.lm_loss import OUR_LOSS, logits_of, next_token_loss
 from remat_kit.flax import placement
 from remat_kit.trace import model_map, own_call, own_remat, pipeline, regions, retarget, stand_in
 from remat_kit.trace.marked import count_marked
@@ -38,29 +37,6 @@ from remat_kit.policy.spec import layer_policies
 from remat_kit.trace.workload import Workload
 
 KEY = "remat_kit_block"
-# What the tables' titles call `next_token_loss`, the loss measured unless the user gives one.
-OUR_LOSS = "remat-kit's mean next-token cross-entropy of the logits"
-
-
-def logits_of(out, batch: int, seq: int):
-    """The logits array of a model output: the array itself, its `logits`
-    entry (dict) or attribute (dataclass, flax struct), or the first element of
-    a tuple (logits, aux, ...).
-
-    Raises:
-      ModelError: no logits, or not shaped [batch, seq, vocab].
-    """
-    if isinstance(out, (tuple, list)) and out:  # (logits, aux_loss, ...), as many libraries
-        out = out[0]
-    found = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
-    shape = getattr(found, "shape", None)
-    if shape is None or len(shape) != 3 or tuple(shape[:2]) != (batch, seq):
-        raise ModelError(
-            f"the model's output is {_describe(out)}; expected logits [batch={batch}, "
-            f"seq={seq}, vocab], or a dict or object with a 'logits' entry. For another "
-            "output or your own loss, return (model, batch, loss) from --model FILE:FUNCTION, "
-            "loss(output, batch) -> scalar, or give a function (batch, seq) -> rk.Workload")
-    return found
 
 
 def _check_takes_tokens(model) -> None:
@@ -76,15 +52,6 @@ def _check_takes_tokens(model) -> None:
         raise ModelError(f"{type(model).__name__}.__call__ does not take the tokens alone "
                          f"({e}); for a model with other inputs give a function (batch, seq) "
                          "-> rk.Workload (docs/models.md)") from None
-
-
-def _describe(out) -> str:
-    """'an array float32[2, 8]', or the container with each leaf so (not a tracer's type)."""
-    def one(x):
-        return f"{x.dtype}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
-    if hasattr(out, "shape") and hasattr(out, "dtype"):
-        return f"an array {one(out)}"
-    return f"{type(out).__name__} {jax.tree.map(one, out)}"
 
 
 @contextlib.contextmanager
@@ -114,27 +81,6 @@ def applied_plainly(batch: bool = False):
 def _first_line(e: BaseException) -> str:
     """flax's message without its documentation link."""
     return str(e).split(" (https://")[0].rstrip(". ")
-
-
-def next_token_loss(logits, tokens, vocab_chunks: int = 1):
-    """Mean cross-entropy of logits[:, :-1] against tokens[:, 1:], in float32.
-
-    vocab_chunks > 1: computed over that many vocabulary slices of the logits
-    (`chunked_loss.chunked_logits_loss`), equal to the plain loss without its
-    float32 copies of the logits and their gradient (the model's own logits stay).
-    Raises ModelError: fewer than 2 positions (no target: a mean over nothing, NaN),
-    vocab_chunks below 1 or not dividing the vocabulary.
-    """
-    if tokens.shape[1] < 2:
-        raise ModelError(f"seq {tokens.shape[1]}: the next-token loss needs seq >= 2 (at seq 1 "
-                         "no position has a next token: a mean over nothing, NaN)")
-    if vocab_chunks == 1:
-        logits = logits[:, :-1].astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-    try:
-        return chunked_logits_loss(logits[:, :-1], tokens[:, 1:], vocab_chunks)
-    except ValueError as e:
-        raise ModelError(str(e)) from None
 
 
 def _structure(tree) -> tuple[tuple, int]:
@@ -413,22 +359,28 @@ def workload(model, batch: int, seq: int | None, *, block=None, name: str | None
                      given=(given, tuple(batch_axes) if batch_axes else None))
 
 
+def _built(model, batch: int, seq: int | None, block, vocab_chunks: int, inputs) -> tuple:
+    """(the `Pick` of its layers, the marked loss, its args) of a linen or NNX model, on
+    `inputs` where given, else on tokens under the next-token loss.
+    Raises ModelError: not a linen module instance or an NNX module, or it takes other inputs."""
+    if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
+        (_check_takes_tokens if inputs is None else inputs.check)(model)
+    if inputs is not None and isinstance(model, (nn.Module, nnx.Module)):
+        return inputs.build(model, batch, seq, block)
+    if isinstance(model, nnx.Module):
+        return _nnx(model, batch, seq, block, vocab_chunks)
+    if isinstance(model, nn.Module) and not isinstance(model, type):
+        return _linen(model, batch, seq, block, vocab_chunks)
+    raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
+                     f"{type(model).__name__} {model!r:.80}")
+
+
 @stand_in.standing_in  # cuDNN attention traced where this machine cannot build it
 def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunks: int,
               inputs, placed: bool, given: tuple = (None, None)) -> Workload:
     """`workload`; placed=False: the program one device runs (off any mesh, the
     model's own too), whose residuals a sharded workload reports."""
-    if isinstance(model, (nn.Module, nnx.Module)) and not isinstance(model, type):
-        (_check_takes_tokens if inputs is None else inputs.check)(model)
-    if inputs is not None and isinstance(model, (nn.Module, nnx.Module)):
-        pick, marked, args = inputs.build(model, batch, seq, block)
-    elif isinstance(model, nnx.Module):
-        pick, marked, args = _nnx(model, batch, seq, block, vocab_chunks)
-    elif isinstance(model, nn.Module) and not isinstance(model, type):
-        pick, marked, args = _linen(model, batch, seq, block, vocab_chunks)
-    else:
-        raise ModelError(f"expected a flax.linen.Module instance or a flax.nnx.Module, got "
-                         f"{type(model).__name__} {model!r:.80}")
+    pick, marked, args = _built(model, batch, seq, block, vocab_chunks, inputs)
     given_rules, batch_axes = given
     named = placement.annotations(args[0], placement.model_rules(model), given_rules)
     asked = rk_mesh.plain(mesh)

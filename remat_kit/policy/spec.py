@@ -1,9 +1,9 @@
 """Spec strings (for flags and configs) <-> `Policy`, and the named presets.
 
 `parse("minimal;save:context@every:2")` gives a `Policy` (its schedule: `remat_kit.policy.schedule`;
-its presets: `remat_kit.policy.presets`); `auto:budget=...` gives an `AutoSpec`, which only a model
-turns into a Policy. Main names: `parse`, `AutoSpec`, `from_custom`, `reference_table`.
-The grammar and the presets: docs/policies.md.
+its presets: `remat_kit.policy.presets`); `auto:budget=...` gives an `AutoSpec`
+(`remat_kit.policy.auto_spec`), which only a model turns into a Policy. Main names: `parse`,
+`from_custom`, `reference_table`, `layer_policies`. The grammar and the presets: docs/policies.md.
 """
 
 from __future__ import annotations
@@ -13,82 +13,12 @@ import re
 from collections.abc import Mapping, Sequence
 
 from remat_kit.policy import names
-from remat_kit.policy.budget import parse_budget
+from remat_kit.policy.auto_spec import AUTO_ALONE, AutoSpec, parse_auto
 from remat_kit.errors import RematSpecError, UnknownTagError
 from remat_kit.policy.policy import BASES, DECISIONS, MEMORY_KINDS, Policy, use_parser
 from remat_kit.policy.presets import (BARE_NAMES, CODEBASES, JAX_NAME_FUNCTIONS, PRESET_TABLE,
                                       PRESETS)
 from remat_kit.policy.schedule import Schedule, parse_schedule
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoSpec:
-    """`auto:budget=B`: the policy `remat_kit.decide.plan` picks for memory budget B.
-
-    A marker, not a policy: it depends on the model and shapes, so it is
-    resolved where they are known (`remat_kit.decide.resolve.resolve`, which
-    `measure`, `measure_config`, `remat-kit compare` and experiments/train.py
-    call). `str()` gives the spec back.
-
-    >>> import remat_kit as rk
-    >>> spec = rk.parse("auto:budget=6GiB")
-    >>> spec, str(spec)
-    (AutoSpec(budget='6GiB'), 'auto:budget=6GiB')
-
-    Attributes:
-      budget: the budget as written: bytes ("6GiB", "512MiB", "6000000000B")
-        or a fraction 0 < f <= 1 of the no-remat temp memory ("0.25").
-    """
-
-    budget: str
-    remat = True  # a remat wrapper will be applied, with the planned policy
-
-    def __str__(self) -> str:
-        return f"auto:budget={self.budget}"
-
-    def to_jax(self, tags=None):
-        """Raises RematSpecError: an unresolved budget has no JAX policy."""
-        raise RematSpecError(f"{self} must be resolved for a model before use: "
-                             "remat_kit.api.configs.resolve_config(cfg, batch, seq) or "
-                             "remat_kit.decide.plan(loss_fn, *args, budget=...)", token=str(self))
-
-
-_AUTO = re.compile(r"^\s*auto\s*:\s*budget\s*=(?P<budget>[^@|;]*)(?P<rest>.*)$", re.S)
-_AUTO_EXAMPLES = ("auto:budget=6GiB", "auto:budget=0.25")
-_AUTO_ALONE = ("an auto:budget= spec stands alone: the planner picks the whole policy, so it "
-               "cannot be a term of a union ('|') or a clause (';')")
-
-
-def _parse_auto(spec: str) -> AutoSpec:
-    m = _AUTO.match(spec)
-    if m is None:
-        # Suggest the user's own value in the right form ('auto:Budget=0.5' -> 'auto:budget=0.5'),
-        # if it is a budget: never a suggestion that fails in turn ('auto:Budget=24').
-        value = spec.rpartition("=")[2].strip()
-        try:
-            parse_budget(value)
-        except RematSpecError:
-            value = ""
-        raise RematSpecError("an auto spec reads auto:budget=SIZE (6GiB, 512MiB, bytes) or "
-                             "auto:budget=FRACTION (0 < f <= 1 of no-remat memory), alone",
-                             spec=spec, token=spec.strip(), position=0,
-                             choices=(f"auto:budget={value}",) if value and "=" in spec
-                             else _AUTO_EXAMPLES)
-    rest, budget = m.group("rest"), m.group("budget").strip()
-    if rest.startswith("@"):
-        raise RematSpecError("an auto:budget= spec takes no layer schedule: the planner decides "
-                             "every layer's policy; remove it", spec=spec, token=rest,
-                             position=m.start("rest"), choices=_AUTO_EXAMPLES)
-    if rest:
-        raise RematSpecError(_AUTO_ALONE, spec=spec, token=rest, position=m.start("rest"),
-                             choices=_AUTO_EXAMPLES)
-    if not budget:
-        raise RematSpecError("auto:budget= needs a budget after '=': a size (6GiB, 512MiB, "
-                             "bytes) or a fraction 0 < f <= 1 of no-remat memory", spec=spec,
-                             token=m.group("budget"), position=m.start("budget"),
-                             choices=_AUTO_EXAMPLES)
-    parse_budget(budget)  # BudgetError (a RematSpecError) names the bad value
-    return AutoSpec(budget)
 
 
 _CLAUSE = re.compile(r"^(?P<head>[A-Za-z_][\w]*)(?:\[(?P<kinds>[^\]]*)\])?:(?P<body>.*)$")
@@ -125,7 +55,7 @@ def parse(spec: "str | Policy | AutoSpec") -> "Policy | AutoSpec":
     if isinstance(spec, (Policy, AutoSpec)):
         return spec
     if isinstance(spec, str) and re.match(r"\s*auto\b", spec):
-        return _parse_auto(spec)
+        return parse_auto(spec)
     if not isinstance(spec, str):
         raise RematSpecError("a policy spec must be a string or a Policy",
                              token=repr(spec), choices=valid_words())
@@ -296,8 +226,8 @@ def _parse_decision_clause(clause: str, spec: str, at: int):
     if head in DECISIONS and not m:
         raise RematSpecError(f"{head!r} needs a tag list, e.g. {head}:query_proj,key_proj",
                              spec=spec, token=clause, position=at)
-    if head == "auto":  # a spec that starts with auto went to _parse_auto
-        raise RematSpecError(_AUTO_ALONE, spec=spec, token=clause, position=at)
+    if head == "auto":  # a spec that starts with auto went to parse_auto
+        raise RematSpecError(AUTO_ALONE, spec=spec, token=clause, position=at)
     if m and head == "nested":  # nested:g is a whole spec, full@nested:g
         whole = f"full@nested:{m.group('body').strip()}"
         fix = (spec[:at] + "full" + spec[at + len(clause):]).strip() + whole[4:]

@@ -9,7 +9,6 @@ Main names: `build`, `Regions`. How: docs/models.md ("A Flax model, no glue", st
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -17,13 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.core import ShapedArray
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from remat_kit._jax_private import scan_parts
-from remat_kit.trace import retarget, roles, wrapping
+from remat_kit.trace import rebind, retarget, roles, wrapping
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.policy import Policy
 from remat_kit.trace.validate import emitted_tags, tag_of
@@ -71,7 +68,7 @@ class _Run:
         env = {}
 
         def read(v):
-            return _literal(v.val) if isinstance(v, Literal) else env[v]
+            return rebind.literal(v.val) if isinstance(v, Literal) else env[v]
 
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
@@ -136,7 +133,7 @@ class _Run:
         if r is not None and id(r[0]) in self.taken:  # a layer's own remat: the policy's
             return self.eval(r[0], r[1], invals)     # region (or none) stands for it
         if not any(_needs(sub, self.key, self.roles, self.memo) for sub in sub_jaxprs(eqn)):
-            return _bind(eqn, invals)
+            return rebind.bind(eqn, invals)
         if r is not None:  # the model's own remat region, with tags inside
             inner, consts, policy, prevent_cse = r
             body = lambda *xs: self.eval(inner, consts, xs)  # noqa: E731
@@ -149,7 +146,7 @@ class _Run:
             return self.scan(eqn, invals)
         if eqn.primitive.name == "shard_map":
             return self.shard_map(eqn, invals)
-        return _bind(eqn, invals)  # cond, while, custom derivatives: tags inside are lost
+        return rebind.bind(eqn, invals)  # cond, while, custom derivatives: tags inside are lost
 
     def shard_map(self, eqn, invals) -> list:
         """A `shard_map` (a pipeline's stages, say) traced again around its body run
@@ -335,38 +332,6 @@ def block_tags(jaxpr, key: str) -> tuple[str, ...]:
     where the first marked block has a residual-stream input, else ()."""
     found = _first_block(jaxpr, key, {})
     return ("decoder_layer_input",) if found and _stream_input(found[0]) is not None else ()
-
-
-def _bind(eqn, invals) -> list:
-    got = eqn.primitive.get_bind_params(eqn.params)
-    # jax 0.12 returns the params; older releases (subfuns, params).
-    subfuns, params = got if isinstance(got, tuple) else ((), got)
-    params = retarget.params(params)  # the model's own mesh, on a target's devices
-    outside = _out_of_shard_map(eqn.ctx.cur_abstract_mesh)  # before eqn.ctx sets its mesh
-    with eqn.ctx.manager, outside:
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _literal(val):
-    """A literal's value; one typed inside a `shard_map` (jax's host array typed on its
-    manual mesh) typed afresh, on no mesh, where it runs outside one."""
-    mesh = getattr(getattr(getattr(val, "aval", None), "sharding", None), "mesh", None)
-    if (mesh is None or not mesh.manual_axes
-            or jax.sharding.get_abstract_mesh().manual_axes):
-        return val
-    return type(val)(np.asarray(val), ShapedArray(val.shape, val.dtype,
-                                                  weak_type=val.aval.weak_type))
-
-
-def _out_of_shard_map(traced):
-    """Where an equation traced inside a `shard_map` (its context mesh has manual axes)
-    runs outside one (`explain`'s block taken out of a pipeline's stage), a context
-    that keeps the mesh it runs under; else none."""
-    here = jax.sharding.get_abstract_mesh()
-    if traced.manual_axes and not here.manual_axes:
-        return jax.sharding.use_abstract_mesh(here)
-    return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
