@@ -408,12 +408,14 @@ def test_split_policies_keeps_every_spec_parse_accepts(spec):
 def test_compare_exits_1_where_no_policy_compiles(capsys, monkeypatch, tmp_path):
     """Every row an error (here each compile runs out of memory): the verdict says so, the
     report is written, and the status is 1, for scripts and CI."""
-    from remat_kit.measure import lowering
+    from remat_kit.measure import figure_cache, lowering
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
 
     monkeypatch.setattr(lowering, "compile_lowered", out_of_memory)
+    # Every row compiled: figures kept from an earlier run of these programs would skip it.
+    monkeypatch.setattr(figure_cache, "folder", lambda: None)
     monkeypatch.setenv("REMAT_KIT_COMPILE_CACHE", "")
     report = tmp_path / "r.json"
     code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "1", "--seq", "16",
