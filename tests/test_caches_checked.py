@@ -82,6 +82,12 @@ DAMAGES = {
     "string notes": lambda e: e.update(sealed.seal({**e["entry"], "cost_notes": "abc"})),
     "memory null": lambda e: e.update(sealed.seal({**e["entry"], "memory": None})),
     "empty object": lambda e: (e.clear()),
+    # As an older version wrote it: read back, the row would lack its audit, or the bytes its
+    # sharding claim is checked against.
+    "no audit facts": lambda e: e.update(sealed.seal(
+        {k: v for k, v in e["entry"].items() if k != "compiled_audit"})),
+    "no parameter bytes": lambda e: e.update(sealed.seal(
+        {k: v for k, v in e["entry"].items() if k != "parameter_bytes"})),
 }
 
 
@@ -93,8 +99,12 @@ def test_a_damaged_figure_entry_is_a_miss_and_is_rewritten(empty_cache, damage):
     DAMAGES[damage](entry)
     path.write_text(json.dumps(entry))
     [again] = rk.measure(loss, W, X, policies=["none"])
-    assert (again.temp_size_in_bytes, again.flops, again.notes) == (
-        fresh.temp_size_in_bytes, fresh.flops, fresh.notes)
+    assert (again.temp_size_in_bytes, again.flops, again.notes, again.audit,
+            again.parameter_bytes_per_device) == (
+        fresh.temp_size_in_bytes, fresh.flops, fresh.notes, fresh.audit,
+        fresh.parameter_bytes_per_device)
+    assert fresh.parameter_bytes_per_device > 0
+    assert not any("figure cache" in line for line in again.audit["unchecked"])
     assert sealed.unseal(json.loads(path.read_text()), figure_cache.MEASURED) is not None
 
 

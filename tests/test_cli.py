@@ -199,7 +199,7 @@ _TYPES = {
     "temp_ratio_to_none": float, "flops_ratio_to_none": float, "pareto": bool,
     "memory_kind": str, "memory_bytes": int, "memory_ratio_to_none": float,
     "predicted_seconds": float, "predicted_ratio_to_none": float, "kernel_flops": (int, float),
-    "audit": dict,
+    "audit": dict, "parameter_bytes_per_device": int,
 }
 _NULLABLE = ("peak_memory_in_bytes", "step_time", "error", "formula_bytes", "formula_sp_bytes",
              "peak", "train_step_bytes")  # peak: with --peak only; the other: plan --step train
@@ -227,9 +227,10 @@ def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
     assert the_map["line"] == ("2 x DecoderLayer, scanned: no; own remat: none; outside: "
                                "embed, final_norm, pos_embed, logits, loss")
     assert out.splitlines()[0] == f"model map: {the_map['line']}"
+    # No placement: the tiny model states no sharding of its own.
+    plain = {"mesh": None, "mesh_origin": None, "placement": None}
     assert doc["context"] == {"config": "tiny", "batch": 2, "seq": 16, "dtype": "float32",
-                              "mesh": None, "mesh_origin": None, **cpu,
-                              "targets": [{**cpu, "mesh": None, "mesh_origin": None}]}
+                              **plain, **cpu, "targets": [{**cpu, **plain}]}
     # Saving the layer output changes nothing (the next layer keeps it anyway):
     # it lowers to full's program and joins full's row.
     assert [r["names"] for r in doc["records"]] == [
@@ -240,6 +241,9 @@ def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
             assert isinstance(r[key], typ), key
         assert r["error"] is None and r["step_time"] is None
         assert all(isinstance(v, int) for v in r["residual_bytes_by_tag"].values())
+        # One device holds every parameter; the other arguments are the int32 inputs and
+        # targets, [2, 16] each.
+        assert r["argument_size_in_bytes"] - r["parameter_bytes_per_device"] == 2 * 2 * 16 * 4
     # Predicted step time beside FLOPs: full remat's recompute costs time, as it costs FLOPs.
     assert "pred. step" in out and "pred. x none" in out
     full, none = doc["records"]
@@ -404,12 +408,14 @@ def test_split_policies_keeps_every_spec_parse_accepts(spec):
 def test_compare_exits_1_where_no_policy_compiles(capsys, monkeypatch, tmp_path):
     """Every row an error (here each compile runs out of memory): the verdict says so, the
     report is written, and the status is 1, for scripts and CI."""
-    from remat_kit.measure import lowering
+    from remat_kit.measure import figure_cache, lowering
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
 
     monkeypatch.setattr(lowering, "compile_lowered", out_of_memory)
+    # Every row compiled: figures kept from an earlier run of these programs would skip it.
+    monkeypatch.setattr(figure_cache, "folder", lambda: None)
     monkeypatch.setenv("REMAT_KIT_COMPILE_CACHE", "")
     report = tmp_path / "r.json"
     code, out, err = run(capsys, "compare", "--config", "tiny", "--batch", "1", "--seq", "16",

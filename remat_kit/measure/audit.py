@@ -106,7 +106,7 @@ def _row(tag, asked, asked_bytes, compiled, compiled_bytes, line=None) -> dict:
             "compiled_bytes": compiled_bytes, "line": line}
 
 
-def audit(policy, residuals, recompute: dict, facts: dict | None,
+def audit(policy, residuals, recompute: dict, facts: dict,
           outside: set[str] = frozenset()) -> dict:
     """One compiled row's audit: per tag, as asked against as compiled.
 
@@ -114,8 +114,8 @@ def audit(policy, residuals, recompute: dict, facts: dict | None,
       policy: the row's `Policy`.
       residuals: its traced `residuals.Residual`s (per device).
       recompute: `recomputed` of its traced program.
-      facts: `compiled_facts` of its compile, or None where nothing was read (figures
-        read back from the figure cache of an earlier version).
+      facts: `compiled_facts` of its compile, with the time model's "step_terms" (kept
+        with the figures: a figure-cache entry without them is a miss).
       outside: the tags the model emits only outside every remat region.
     Returns:
       {"tags": [{"tag", "asked": "save" | "offload" | "recompute", "asked_bytes",
@@ -145,10 +145,9 @@ def audit(policy, residuals, recompute: dict, facts: dict | None,
             rows.append(_row(tag, "save", nbytes, "kept", nbytes))
     rows += _offloads(host, facts, unchecked)
     rows += _recomputes(recompute, facts, unchecked)
-    if facts is None or not facts["text"]:
-        unchecked.append("recompute and host placement: "
-                         + ("the backend gives no optimized HLO text" if facts else
-                            "figures read back from the figure cache, compiled program not read"))
+    if not facts["text"]:
+        unchecked.append("recompute and host placement: the backend gives no optimized HLO "
+                         "text")
     elif facts["xla_remat"]:
         rows.append(_row("*", "save", sum(saved.values()), "recomputed by XLA", None,
                          f"XLA's own rematerialization (memory pressure) recomputes "
@@ -157,15 +156,15 @@ def audit(policy, residuals, recompute: dict, facts: dict | None,
                      "buffer assignment is not read)")
     findings = [r["line"] for r in rows if r["line"]]
     return {"tags": rows, "findings": findings, "unchecked": unchecked,
-            "as_asked": not findings, "step_terms": (facts or {}).get("step_terms"),
+            "as_asked": not findings, "step_terms": facts["step_terms"],
             "step": None}
 
 
-def _offloads(host: dict, facts: dict | None, unchecked: list) -> list[dict]:
+def _offloads(host: dict, facts: dict, unchecked: list) -> list[dict]:
     """The offloaded tags' rows: the host memory the program holds against the bytes asked."""
     if not host:
         return []
-    if facts is None or not facts["text"]:
+    if not facts["text"]:
         return [_row(t, "offload", b, "unchecked", None) for t, b in host.items()]
     if facts["platform"] == "cpu":
         unchecked.append("offload: XLA CPU has no host memory space (offloaded values stay "
@@ -186,10 +185,10 @@ def _offloads(host: dict, facts: dict | None, unchecked: list) -> list[dict]:
                  "into host memory, the rest kept in HBM")]
 
 
-def _recomputes(recompute: dict, facts: dict | None, unchecked: list) -> list[dict]:
+def _recomputes(recompute: dict, facts: dict, unchecked: list) -> list[dict]:
     """The recomputed tags' rows: whether the backward still computes each."""
     rows = []
-    found = set(facts["recomputed_roles"]) if facts and facts["text"] else None
+    found = set(facts["recomputed_roles"]) if facts["text"] else None
     views = []
     for tag, entry in recompute.items():
         if found is None:

@@ -19,6 +19,7 @@ import time
 
 import jax
 
+from remat_kit.measure import audit
 from remat_kit.measure import chip_peaks
 from remat_kit.measure import costs
 from remat_kit.measure import gpu_calls
@@ -41,10 +42,14 @@ COMPILER_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _FIGURES = {"memory": sealed.mapping(sealed.optional(sealed.count)),
             "flops": sealed.optional(sealed.amount),
             "transcendentals": sealed.optional(sealed.amount)}
-# What `measure` keeps of a compile, and what `targets.compile_for` keeps.
+# What `measure` keeps of a compile, and what `targets.compile_for` keeps. Every field
+# required: an entry an older version wrote without one (no audit facts, no parameter bytes)
+# is a miss, not a record missing them.
 MEASURED: sealed.Schema = {**_FIGURES, "predicted_seconds": sealed.optional(sealed.amount),
                            "kernel_flops": sealed.amount,
-                           "cost_notes": sealed.texts, "time_notes": sealed.texts}
+                           "cost_notes": sealed.texts, "time_notes": sealed.texts,
+                           "compiled_audit": sealed.mapping(lambda _: True),
+                           "parameter_bytes": sealed.optional(sealed.count)}
 COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts, "kernel_seconds": sealed.amount}
 
 
@@ -52,7 +57,7 @@ COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts, "kernel_seconds": 
 def _code() -> str:
     """A digest of the code that turns a compile into figures."""
     return hashlib.sha256("".join(inspect.getsource(m) for m in (
-        chip_peaks, costs, gpu_calls, kernels, loops, peak, targets, time_checks,
+        audit, chip_peaks, costs, gpu_calls, kernels, loops, peak, targets, time_checks,
         time_model)).encode()).hexdigest()
 
 

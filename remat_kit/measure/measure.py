@@ -273,7 +273,7 @@ def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, c
             parameter_bytes_per_device=figures.get("parameter_bytes"),
             peak=figures.get("peak") if run.peak else None,
             audit=audit_of.audit(policy, local.residuals, audit_of.recomputed(local.program.jaxpr),
-                                 figures.get("compiled_audit"), run.outside),
+                                 figures["compiled_audit"], run.outside),
             notes=_notes(run, policy, group_names, figures, found), **layers), compiled
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
         detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
