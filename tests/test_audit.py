@@ -11,7 +11,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit as rk
 from remat_kit.api.inputs import preset_policies
-from remat_kit.measure import audit
+from remat_kit import _jax_private
+from remat_kit.measure import audit, figure_cache
 
 # What each kind of preset does (recompute all, by name, by primitive, offload), for the zoo.
 ZOO_PRESETS = ["none", "full", "minimal", "selective", "save_dot_except_mlp", "dots",
@@ -134,8 +135,12 @@ def test_an_offload_compiled_on_a_tpu_target_agrees_with_offloaded_bytes():
 
 
 @pytest.mark.parametrize("source", ["tiny", "gpt_linen", "llama_nnx"])
-def test_every_preset_audits_clean(source):
+def test_every_preset_audits_clean(source, monkeypatch):
     """No false alarm: every preset on the reference tiny config and two zoo models."""
+    # Compiled here, not read back: an executable of the same program compiled unnamed by
+    # another test carries no tag names (JAX leaves op metadata out of its cache key).
+    monkeypatch.setattr(figure_cache, "folder", lambda: None)
+    monkeypatch.setattr(_jax_private._compilation_cache, "is_cache_used", lambda backend: False)
     if source == "tiny":
         work = rk.models.workload(rk.models.get_config("tiny"), batch=2, seq=16)
     else:
@@ -186,9 +191,10 @@ def test_a_row_faster_than_none_names_the_term_or_says_none_does():
     assert out["dots"].audit["step"] is None and out["none"] is none
 
 
-def test_compare_wide_and_explain_audit_show_it(capsys, tmp_path):
+def test_compare_wide_and_explain_audit_show_it(capsys, tmp_path, monkeypatch):
     from remat_kit.cli import commands as cli
     import json
+    monkeypatch.setenv("COLUMNS", "250")  # every --wide column, headers unwrapped
     sizes = ["--config", "tiny", "--batch", "2", "--seq", "16"]
     assert cli.main(["compare", *sizes, "--policies", "none,full", "--wide", "--json",
                      str(tmp_path / "c.json")]) == 0
@@ -219,3 +225,18 @@ def test_a_module_outside_the_layers_is_named_as_such_not_an_unknown_tag(capsys,
         assert rows["save:wte"]["audit"]["findings"] == [
             "`wte` is never emitted inside the remat: saving it saves nothing (it is kept as "
             "with no remat)"]
+
+
+def test_a_compile_without_tag_names_is_unchecked_not_merged():
+    # An executable read back from JAX's cache, compiled from the same program unnamed,
+    # carries no tag names: its recompute cannot be seen, which is no CSE merge.
+    recompute = {"mlpwi": {"bytes": 4096, "checkable": True, "prevent_cse": True}}
+    facts = {"text": True, "marked": False, "recomputed_roles": [], "host_bytes": None,
+             "host_ops": 0, "xla_remat": 0, "platform": "cpu", "step_terms": None}
+    out = audit.audit(rk.parse("full"), [], recompute, facts)
+    assert out["findings"] == [] and out["as_asked"]
+    assert [(t["tag"], t["compiled"]) for t in out["tags"]] == [("mlpwi", "unchecked")]
+    assert out["unchecked"][0].startswith("recompute: the compiled program carries no tag names")
+    named = audit.audit(rk.parse("full"), [], recompute, {**facts, "marked": True})
+    assert named["findings"] == ["XLA merged the recompute of `mlpwi` with the forward (CSE): "
+                                 "saved as if `none`"]

@@ -79,7 +79,9 @@ def recomputed(jaxpr) -> dict[str, dict]:
 
 def compiled_facts(compiled, memory: dict, platform: str) -> dict:
     """What the audit reads of a compile, JSON-ready: {"text": whether the backend gave
-    its optimized HLO text, "recomputed_roles": the tags (`peak.marked` roles) some op
+    its optimized HLO text, "marked": whether its ops carry the tags' names (not where the
+    executable was read back from JAX's compilation cache, compiled there from the same
+    program unnamed: JAX leaves op metadata out of its cache key), "recomputed_roles": the tags (`peak.marked` roles) some op
     of the backward's recomputation (`rematted_computation` in its op metadata)
     computes, sorted, "host_bytes": host memory the program holds (its host temp,
     arguments and outputs) or None where not reported, "host_ops": ops placed in
@@ -95,7 +97,8 @@ def compiled_facts(compiled, memory: dict, platform: str) -> dict:
             roles.update(_ROLE.findall(name))
     host = [memory.get(k) for k in ("host_temp_size_in_bytes", "host_argument_size_in_bytes",
                                     "host_output_size_in_bytes")]
-    return {"text": bool(text), "recomputed_roles": sorted(roles),
+    return {"text": bool(text), "marked": _ROLE.search(text) is not None,
+            "recomputed_roles": sorted(roles),
             "host_bytes": None if all(h is None for h in host) else sum(h or 0 for h in host),
             "host_ops": text.count(_HOST_SPACE), "xla_remat": len(_XLA_REMAT.findall(text)),
             "platform": platform}
@@ -188,7 +191,11 @@ def _offloads(host: dict, facts: dict, unchecked: list) -> list[dict]:
 def _recomputes(recompute: dict, facts: dict, unchecked: list) -> list[dict]:
     """The recomputed tags' rows: whether the backward still computes each."""
     rows = []
-    found = set(facts["recomputed_roles"]) if facts["text"] else None
+    found = set(facts["recomputed_roles"]) if facts["text"] and facts["marked"] else None
+    if facts["text"] and not facts["marked"] and recompute:
+        unchecked.append("recompute: the compiled program carries no tag names (read back "
+                         "from JAX's compilation cache, compiled there from the same program "
+                         "unnamed: JAX leaves op metadata out of its cache key)")
     views = []
     for tag, entry in recompute.items():
         if found is None:
