@@ -111,17 +111,22 @@ class Block(nnx.Module):
 
 
 class KernelLM(nnx.Module):
+    """Embed, `c.layers` x `BLOCK` (scanned where `c.scan`), RMSNorm, tied logits."""
+
+    BLOCK = Block  # a subclass's own layer (tests/zoo/moe_nnx.py)
+
     def __init__(self, c: KernelConfig, *, rngs: nnx.Rngs):
+        block = type(self).BLOCK
         self.scan = c.scan
         self.embed = nnx.Embed(c.vocab, c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
         if c.scan:
             @nnx.split_rngs(splits=c.layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def stacked(rngs):
-                return Block(c, rngs=rngs)
+                return block(c, rngs=rngs)
             self.blocks = stacked(rngs)
         else:
-            self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
+            self.blocks = nnx.List([block(c, rngs=rngs) for _ in range(c.layers)])
         self.norm = nnx.RMSNorm(c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
 
     def __call__(self, tokens):

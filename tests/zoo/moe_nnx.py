@@ -28,6 +28,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
+from tests.zoo.kernel_nnx import KernelLM
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -110,31 +112,8 @@ class Block(nnx.Module):
         return x + self.moe(self.ln2(x))
 
 
-class MoELM(nnx.Module):
-    def __init__(self, c: MoEConfig, *, rngs: nnx.Rngs):
-        self.scan = c.scan
-        self.embed = nnx.Embed(c.vocab, c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
-        if c.scan:
-            @nnx.split_rngs(splits=c.layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def stacked(rngs):
-                return Block(c, rngs=rngs)
-            self.blocks = stacked(rngs)
-        else:
-            self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
-        self.norm = nnx.RMSNorm(c.dim, dtype=jnp.dtype(c.dtype), rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.embed(tokens)
-        if self.scan:
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def run(x, block):
-                return block(x)
-            x = run(x, self.blocks)
-        else:
-            for block in self.blocks:
-                x = block(x)
-        return self.embed.attend(self.norm(x))
+class MoELM(KernelLM):
+    BLOCK = Block
 
 
 def make(batch: int, seq: int, abstract: bool = False, **config):

@@ -7,14 +7,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from tests.zoo.mesh_linen import Block
+
 MESH = Mesh(np.array(jax.devices()[:4]), ("data",))
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))
-        return x + nn.Dense(x.shape[-1])(nn.gelu(h))
 
 
 def _per_shard(x):  # runs on each data shard: [batch / 4, seq, width]
