@@ -83,7 +83,7 @@ def fake_step(monkeypatch, bytes_at, error_at=None, bound=False):
     if not bound:
         monkeypatch.setattr(bounds, "size_bound", lambda *args, **kwargs: (1 << 62, False))
 
-    def step(workload, policy, optimizer, target):
+    def step(workload, policy, optimizer, target, xla_remat=True):
         batch, seq = workload.batch, workload.seq
         calls.append((str(policy), batch, seq))
         if error_at is not None and batch * seq >= error_at[0]:

@@ -1,13 +1,17 @@
 """fit on real compiles: the answer of a plain binary search (`binary_search`, the test helper
 of tests/test_fit_search.py) in at most 4 compiles of the policy, from nothing (the row's first
 probe is one unit), on a reference config and two zoo models, varying seq and the batch, on
-the XLA CPU compiler and XLA:TPU (v5e, ahead of time).
+the XLA CPU compiler, XLA:TPU (v5e) and XLA:GPU (an H100's description with 5.33 MiB of
+memory, so that XLA would rematerialize on its own, which fit holds off), ahead of time.
 
 Both searches share one memo of compiled steps, so the binary search compiles only the sizes
 fit did not; a module fixture runs each case once. Shapes are tiny: a compile is seconds."""
 
+import functools
 import importlib
 import importlib.util
+import tempfile
+from pathlib import Path
 
 import jax
 import pytest
@@ -25,6 +29,19 @@ from tests.zoo import gpt_linen, llama_nnx
 fit_mod = importlib.import_module("remat_kit.decide.fit")
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed")
+needs_cuda = pytest.mark.skipif(not fit_mod.targets._cuda_plugin_installed(),
+                                reason="the CUDA plugin is not installed")
+
+
+@functools.cache
+def _small_h100() -> str:
+    """gpu:FILE, an H100's description with 5,592,408 bytes of memory: JAX would take 75%,
+    4 MiB + 2 B, and XLA hold a step to 95% of that less its arguments and outputs."""
+    text = (Path(fit_mod.targets.__file__).parent / "gpu_targets" / "h100_sxm.txtpb").read_text()
+    path = Path(tempfile.mkdtemp()) / "h100_small.txtpb"
+    path.write_text(text.replace("device_memory_size: 84942979072",
+                                 "device_memory_size: 5592408"))
+    return f"gpu:{path}"
 
 
 def _zoo(module, abstract_make=False):
@@ -42,6 +59,8 @@ CASES = {
                             None),
     "gpt_linen-batch-v5e": (lambda: _zoo(gpt_linen), "batch", dict(seq=16), 1_550_000,
                             "tpu:v5e:1x1"),
+    "tiny-seq-gpu": (lambda: get_config("tiny"), "seq", dict(batch=2, multiple=16), 4 * 2**20,
+                     _small_h100),
 }
 
 
@@ -54,13 +73,14 @@ def memo():
 def _run(case: str, memo: dict, monkeypatch) -> tuple[int, int, object]:
     """(fit's size, the binary search's size, fit's row) of one case."""
     make, vary, sizes, budget, target = CASES[case]
-    model = make()
+    model, target = make(), target() if callable(target) else target
     compile_step = fit_mod.compile_step
 
-    def memoized(work, policy, optimizer, target_):
-        key = (str(policy), str([a.shape for a in jax.tree.leaves(work.args)]), target_.label)
+    def memoized(work, policy, optimizer, target_, xla_remat=True):
+        key = (str(policy), str([a.shape for a in jax.tree.leaves(work.args)]), target_.label,
+               xla_remat)
         if key not in memo:
-            memo[key] = compile_step(work, policy, optimizer, target_)
+            memo[key] = compile_step(work, policy, optimizer, target_, xla_remat)
         return memo[key]
     monkeypatch.setattr(fit_mod, "compile_step", memoized)
     (row,) = fit(model, budget, vary=vary, policies=["full"], target=target, **sizes).rows
@@ -74,13 +94,15 @@ def _run(case: str, memo: dict, monkeypatch) -> tuple[int, int, object]:
     parsed = fit_mod.targets.parse_target(target)
 
     def fits(k):
-        step = memoized(at(*shape(k)), one_policy(parse("full")), default_optimizer(), parsed)
+        step = memoized(at(*shape(k)), one_policy(parse("full")), default_optimizer(), parsed,
+                        False)
         return step.total_bytes <= budget
     return row.size, binary_search(fits, 4096) * unit, row
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(c, marks=needs_libtpu) if c.endswith("v5e") else c for c in CASES])
+    pytest.param(c, marks=needs_libtpu) if c.endswith("v5e") else
+    pytest.param(c, marks=needs_cuda) if c.endswith("gpu") else c for c in CASES])
 def test_fit_gives_the_binary_search_answer_in_4_compiles(case, memo, monkeypatch):
     size, expect, row = _run(case, memo, monkeypatch)
     probes = row.probes
@@ -93,6 +115,14 @@ def test_fit_gives_the_binary_search_answer_in_4_compiles(case, memo, monkeypatc
     sizes = dict(probes)
     unit = CASES[case][2].get("multiple", 1)
     assert sizes[size] <= CASES[case][3] < sizes[size + unit]
+    if case.endswith("gpu"):  # XLA would rematerialize on its own here: fit holds it off
+        assert row.xla_remat.startswith(f"XLA would rematerialize on its own at {size}: ")
+        parsed = fit_mod.targets.parse_target(_small_h100())
+        work = config_workload(get_config("tiny"), 2, size)
+        own = compile_step(work, one_policy(parse("full")), default_optimizer(), parsed)
+        assert own.total_bytes < sizes[size]
+    else:
+        assert row.xla_remat is None
 
 
 def test_no_remat_far_over_the_budget_is_traced_not_compiled(memo, monkeypatch):

@@ -205,6 +205,53 @@ def test_a_budget_over_what_jax_leaves_on_a_gpu_is_named(monkeypatch):
     assert over_the_chip(80 * GIB, targets.parse_target("cpu")) is None
 
 
+def test_fit_budget_defaults_to_what_the_device_holds(monkeypatch, capsys):
+    import argparse
+
+    from remat_kit.api.inputs import BadInput
+    from remat_kit.cli.fit import default_budget
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    args = argparse.Namespace(budget=None)
+    assert default_budget(args, targets.parse_target("gpu:h100")) == 63707234304
+    assert args.budget == "63707234304B"  # an auto row's budget too
+    assert capsys.readouterr().err == (
+        "budget: 59.33 GiB per device, what gpu:h100 holds for a program (75% of 79.11 GiB, "
+        "JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION); set XLA_PYTHON_CLIENT_MEM_FRACTION "
+        "(e.g. .9) or --budget to change it\n")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert default_budget(argparse.Namespace(budget=None), targets.parse_target("gpu:h100")) \
+        == int(84942979072 * 0.9)
+    v5e = targets.parse_target(TPU)
+    assert default_budget(argparse.Namespace(budget=None), v5e) == 16 * GIB
+    assert default_budget(argparse.Namespace(budget="1GiB"), v5e) == GIB
+    with pytest.raises(BadInput, match="^fit needs --budget on target cpu"):
+        default_budget(argparse.Namespace(budget=None), targets.parse_target("cpu"))
+
+
+def test_a_fit_row_over_xlas_gpu_limit_says_xla_would_remat_there(monkeypatch):
+    from remat_kit.decide.fit_estimate import gpu_own_remat
+    from remat_kit.decide.step import StepMemory
+    from remat_kit.measure import chip_memory
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    h100 = targets.parse_target("gpu:h100")
+
+    def step(total):  # arguments 2 GiB + outputs 2 GiB, 1.5 GiB of them aliased
+        return StepMemory(total, "peak_memory_in_bytes", 1, 1, 1, 1, 0, 2 * GIB, 2 * GIB,
+                          3 * GIB // 2, total, 1.0, 0.0)
+    # XLA's limit: (59.33 GiB JAX takes - 2.5 GiB) x 95%: 53.99 GiB.
+    assert chip_memory.gpu_remat_limit(63707234304, 5 * GIB // 2) == 57971735756
+    assert gpu_own_remat(4096, step(57971735756), h100) is None
+    assert gpu_own_remat(4096, step(58 * GIB), h100) == (
+        "XLA would rematerialize on its own at 4096: the step's 58.00 GiB is over the 53.99 "
+        "GiB XLA:GPU holds a program to (95% of 59.33 GiB JAX takes, less 2.50 GiB of "
+        "arguments and outputs; XLA_FLAGS=--xla_gpu_memory_limit_slop_factor): recompute "
+        "beyond the policy, not counted here")
+    assert gpu_own_remat(4096, step(58 * GIB), targets.parse_target(TPU)) is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_memory_limit_slop_factor=110")
+    assert gpu_own_remat(4096, step(58 * GIB), h100) is None  # limit 62.52 GiB
+
+
 def test_the_time_left_is_the_mean_of_this_models_compiles():
     from remat_kit.cli.compare import progress_line
     from remat_kit.measure.record import Record

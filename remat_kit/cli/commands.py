@@ -250,9 +250,11 @@ def _add_fit(sub) -> None:
                                      "in a memory budget")
     _source_flags(fit)
     _jobs_flag(fit)
-    fit.add_argument("--budget", required=True,
+    fit.add_argument("--budget", default=None,
                      help="device memory per device, e.g. 16GiB, 512MiB, 8e9B for bytes (also the "
-                          "budget of an auto row)")
+                          "budget of an auto row); default what a TPU or GPU target's device "
+                          "holds for a program (a GPU: the share JAX takes, "
+                          "XLA_PYTHON_CLIENT_MEM_FRACTION, 75%% by default); needed on the CPU")
     fit.add_argument("--vary", choices=("seq", "batch"), default="seq",
                      help="search the sequence length (global batch fixed, default 1, or "
                           "data x fsdp on a mesh) or the global batch (seq fixed)")

@@ -27,11 +27,11 @@ def run(args) -> int:
     from remat_kit.api.configs import fit
 
     src = load_source(args)
-    budget = budget_bytes(args.budget)
     _check_not_fixed(args)
     target_list = targets_of(args.target)
     if len(target_list) > 1:
         raise BadInput(f"fit takes one --target, got {args.target!r}")
+    budget = default_budget(args, target_list[0])
     if (line := over_the_chip(budget, target_list[0])) is not None:
         print(line, file=sys.stderr, flush=True)
     batch, seq, multiple = _sizes(args, src, target_list[0])
@@ -60,6 +60,25 @@ def run(args) -> int:
                                       origin), src.cfg, first,
             target_list[0])
     return 0
+
+
+def default_budget(args, target) -> int:
+    """--budget in bytes; where it is not given, what one device of `target` holds for a
+    program (`Target.memory`: a GPU's share JAX's allocator takes, a TPU chip's HBM), said
+    on stderr with how to change it, and set in `args.budget` (an auto row's budget).
+    BadInput where it is not given and the target's memory is unknown (the CPU)."""
+    if args.budget is not None:
+        return budget_bytes(args.budget)
+    memory = target.memory
+    if memory is None:
+        raise BadInput(f"fit needs --budget on target {target} (its memory is not known "
+                       "here): device memory per device, e.g. --budget 16GiB")
+    how = ("set XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. .9) or --budget to change it"
+           if target.platform == "gpu" else "--budget to change it")
+    print(f"budget: {fmt_bytes(memory.usable)} per device, what {target} holds for a program "
+          f"({memory.source}); {how}", file=sys.stderr, flush=True)
+    args.budget = f"{memory.usable}B"
+    return memory.usable
 
 
 def over_the_chip(budget: int, target) -> str | None:
@@ -196,6 +215,9 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     print_title(console, title)
     console.print(fit_report.fit_table(result, "", args.wide))
     console.print(f"compiled: {step}", markup=False, soft_wrap=True)
+    for r in result.rows:  # XLA:GPU's own remat past its limit, held off in fit's compiles
+        if r.xla_remat:
+            console.print(f"{r.policy}: {r.xla_remat}", markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:
@@ -208,4 +230,4 @@ def _report(args, label, result, words, cfg, first, target) -> None:
         fit_report.plot_fit(args.plot, result, f"{label}, {fixed}, {dtype}")
 
 
-__all__ = ["over_the_chip", "run"]
+__all__ = ["default_budget", "over_the_chip", "run"]

@@ -178,7 +178,8 @@ def _fit(model, budget, vary, policies, batch, seq, multiple, max_size, optimize
                       target, mesh)
     steps = Steps(_step_measurer(search))
     start = time.perf_counter()
-    rows = _search_rows(search, steps, cache, progress)
+    rows = [dataclasses.replace(r, xla_remat=fit_estimate.gpu_own_remat(
+        r.size, r.memory, search.target)) for r in _search_rows(search, steps, cache, progress)]
     held, found = _below_minimum(search, steps, rows, rechunk)
     return FitResult(tuple(rows), vary, search.size.fixed, search.size.multiple,
                      search.budget_bytes, search.floor, search.target.label,
@@ -393,7 +394,9 @@ def _step_measurer(search: _Search) -> Callable[[Policy, int, Callable | None], 
         if loss is not None:
             work = dataclasses.replace(work, loss_for_policy=lambda _: loss)
         try:
-            return compile_step(work, policy, search.optimizer, search.target)
+            # XLA's own remat held off (GPU): the step is the policy's, monotone in size.
+            return compile_step(work, policy, search.optimizer, search.target,
+                                xla_remat=False)
         except Exception as e:  # noqa: BLE001 - re-raised; an out-of-memory one says the HBM
             if targets.is_out_of_memory(e) and (found := fit_estimate.capacity(e)):
                 search.capacity["bytes"] = found

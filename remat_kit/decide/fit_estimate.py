@@ -3,7 +3,8 @@
 `fit` compiles a size only to verify; where to compile first, and how memory bends between
 compiled sizes, come from this estimate: the residuals the policy's value-and-grad saves plus the
 largest other value it computes, per device, scaled through compiled sizes (`Estimate`). Also
-`traced_flops` (FLOPs of the traced program) and `compiler_capacity` (the HBM a compile may use).
+`traced_flops` (FLOPs of the traced program), `compiler_capacity` (the HBM a compile may use) and
+`gpu_own_remat` (where XLA:GPU would rematerialize on its own).
 The estimate, its scales as measured and the search: docs/fit.md (the search's paragraphs).
 """
 
@@ -21,7 +22,8 @@ import numpy as np
 from remat_kit import mesh as rk_mesh
 from remat_kit.decide.floor import train_state
 from remat_kit.decide.step import workload_step
-from remat_kit.measure import lowering
+from remat_kit.measure import chip_memory, lowering
+from remat_kit.units import fmt_bytes
 from remat_kit.measure.residuals import aval_bytes, stage
 from remat_kit.policy.policy import Policy
 from remat_kit.trace.marked import sub_jaxprs
@@ -313,5 +315,25 @@ def compiler_capacity(target) -> int | None:
     return None
 
 
+def gpu_own_remat(size: int, m, target) -> str | None:
+    """The line saying XLA would rematerialize on its own at `size` on `target`'s GPU, where
+    the step there (`m`, a `StepMemory`; None: no step) is over what XLA:GPU holds a program
+    to (`chip_memory.gpu_remat_limit` of `Target.memory`, the memory JAX takes, less the
+    step's arguments and outputs); else None (and off a GPU, or its memory unknown)."""
+    memory = target.memory if target.platform == "gpu" else None
+    if m is None or memory is None:
+        return None
+    io = (m.argument_size_in_bytes or 0) + (m.output_size_in_bytes or 0) - (
+        m.alias_size_in_bytes or 0)
+    limit = chip_memory.gpu_remat_limit(memory.usable, io)
+    if m.total_bytes <= limit:
+        return None
+    return (f"XLA would rematerialize on its own at {size}: the step's "
+            f"{fmt_bytes(m.total_bytes)} is over the {fmt_bytes(limit)} XLA:GPU holds a program "
+            f"to ({chip_memory.gpu_slop()}% of {fmt_bytes(memory.usable)} JAX takes, less "
+            f"{fmt_bytes(io)} of arguments and outputs; XLA_FLAGS="
+            "--xla_gpu_memory_limit_slop_factor): recompute beyond the policy, not counted here")
+
+
 __all__ = ["PLATFORMS", "Estimate", "activation_bytes", "capacity", "compiler_capacity",
-           "estimator", "far_over", "for_row", "traced_flops"]
+           "estimator", "far_over", "for_row", "gpu_own_remat", "traced_flops"]

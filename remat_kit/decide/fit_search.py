@@ -66,6 +66,10 @@ class FitRow:
         (e.g. a learned position table shorter than the sequence), "seq 48:
         BadInput: ..."; `size` is then the largest fitting size below it,
         `capped` if the budget would allow more. Compile errors are `error`.
+      xla_remat: on a GPU, where the step at `size` is over what XLA holds a program to
+        there (`chip_memory.gpu_remat_limit` of the memory JAX takes), the line saying
+        XLA would rematerialize on its own at that size (fit compiles with that held
+        off: the policy as asked); else None.
     """
 
     policy: str
@@ -82,6 +86,7 @@ class FitRow:
     picked: str | None = None
     picked_layers: tuple[str, ...] = ()
     limit: str | None = None
+    xla_remat: str | None = None
 
 
 # The policies every search compiles: no remat (the FLOP overhead), full remat (the auto row).

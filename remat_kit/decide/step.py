@@ -195,10 +195,12 @@ def step_memory(model, batch: int, seq: int, policy: "str | Policy", *,
 
 
 def compile_step(workload: Workload, policy: Policy, optimizer,
-                 target: targets.Target) -> StepMemory:
-    """`step_memory` of a workload at its sizes, for a parsed `target`."""
+                 target: targets.Target, xla_remat: bool = True) -> StepMemory:
+    """`step_memory` of a workload at its sizes, for a parsed `target`; xla_remat False
+    holds off XLA's own rematerialization on a GPU (`lowering.compile_options`)."""
     made = workload_step(workload, policy, optimizer)
-    c = lowering.compile_for(made.step, *made.args, target=target, donate=TrainStep.DONATED)
+    c = lowering.compile_for(made.step, *made.args, target=target, donate=TrainStep.DONATED,
+                             xla_remat=xla_remat)
     return step_figures(c, made.args)
 
 

@@ -10,6 +10,7 @@ over it. Main names: `ChipMemory`, `of_target`. Docs: docs/compare.md ("What it 
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import jax
@@ -24,6 +25,12 @@ TPU_HBM_BYTES = {"tpu:v4": 32 * 2**30, "tpu:v5e": 16 * 2**30, "tpu:v5p": 95 * 2*
 # The share of a GPU's memory JAX's allocator takes by default (JAX's "GPU memory
 # allocation" page: XLA_PYTHON_CLIENT_MEM_FRACTION, default .75); the rest is not JAX's.
 GPU_MEM_FRACTION_DEFAULT = 0.75
+# XLA:GPU's memory limit for its scheduler and its own rematerialization (gpu_hlo_schedule.cc,
+# GetSchedulerMemoryLimit): (the memory it is given - arguments and outputs) x this / 100,
+# XLA_FLAGS --xla_gpu_memory_limit_slop_factor (default 95). The memory given: on a GPU, the
+# limit of JAX's allocator (its share, above); ahead of time, 80% of the device's memory.
+GPU_SLOP_DEFAULT = 95
+_SLOP = re.compile(r"--xla_gpu_memory_limit_slop_factor=(\d+)")
 
 
 class ChipMemory(NamedTuple):
@@ -44,6 +51,21 @@ def gpu_fraction() -> tuple[float, str]:
     if 0 < share <= 1:
         return share, "XLA_PYTHON_CLIENT_MEM_FRACTION as set"
     return GPU_MEM_FRACTION_DEFAULT, "JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def gpu_remat_limit(given: int, io_bytes: int) -> int:
+    """Bytes XLA:GPU holds a program to, rematerializing on its own past them (see
+    `GPU_SLOP_DEFAULT`): (`given` - `io_bytes`) x the slop factor (XLA_FLAGS' or 95) / 100.
+    given: the memory XLA is given (a GPU's `ChipMemory.usable`); io_bytes: the program's
+    arguments and outputs less what they alias, bytes per device."""
+    return max(0, given - io_bytes) * gpu_slop() // 100
+
+
+def gpu_slop() -> int:
+    """XLA:GPU's memory limit slop factor, percent: XLA_FLAGS' last
+    --xla_gpu_memory_limit_slop_factor, else `GPU_SLOP_DEFAULT`."""
+    found = _SLOP.findall(os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else GPU_SLOP_DEFAULT
 
 
 def of_target(target, gpu_memory_size: int | None = None) -> ChipMemory | None:
@@ -69,5 +91,5 @@ def of_target(target, gpu_memory_size: int | None = None) -> ChipMemory | None:
                       f"{share:.0%} of {fmt_bytes(gpu_memory_size)}, {how}")
 
 
-__all__ = ["ChipMemory", "GPU_MEM_FRACTION_DEFAULT", "TPU_HBM_BYTES", "gpu_fraction",
-           "of_target"]
+__all__ = ["ChipMemory", "GPU_MEM_FRACTION_DEFAULT", "GPU_SLOP_DEFAULT", "TPU_HBM_BYTES",
+           "gpu_fraction", "gpu_remat_limit", "gpu_slop", "of_target"]

@@ -29,6 +29,10 @@ from remat_kit.mesh import local_shape as _local
 # not buffer assignment or cost analysis (checked on every gpt2_small preset),
 # and skipping it makes CPU compiles several times faster.
 _CPU_COMPILE_ONLY_OPTIONS = {"xla_backend_optimization_level": 0}
+# XLA:GPU holds a program to (its memory figure - arguments and outputs) x this slop factor
+# / 100 (default 95), rematerializing on its own past it (`chip_memory.gpu_remat_limit`);
+# 100x the memory puts that limit out of reach: the program is the policy's as asked.
+_GPU_NO_OWN_REMAT = {"xla_gpu_memory_limit_slop_factor": 10_000}
 
 
 def place(args, target: Target):
@@ -100,11 +104,14 @@ def on_target(closed, target: Target):
     return retarget.rebuild(closed, target.devices, str(target)) if target.aot else closed
 
 
-def compile_options(target: Target, compile_only: bool) -> dict | None:
+def compile_options(target: Target, compile_only: bool, xla_remat: bool = True) -> dict | None:
     """XLA options for compiling on `target`; compile_only: the program will not run,
-    so skip code-generation work that changes neither memory nor FLOPs."""
-    return dict(_CPU_COMPILE_ONLY_OPTIONS) if (
-        compile_only and target.platform == "cpu") else None
+    so skip code-generation work that changes neither memory nor FLOPs; xla_remat False:
+    on a GPU, XLA's own rematerialization held off (its memory limit out of reach,
+    `_GPU_NO_OWN_REMAT`), so the program is the policy's as asked."""
+    if compile_only and target.platform == "cpu":
+        return dict(_CPU_COMPILE_ONLY_OPTIONS)
+    return dict(_GPU_NO_OWN_REMAT) if not xla_remat and target.platform == "gpu" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +194,8 @@ def _kernel_program(lowered, fn: Callable, local_leaves: Sequence):
 
 def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                 compile_only: bool = True, donate: tuple[int, ...] = (),
-                count_flops: bool = True, dump: str | None = None) -> Compiled:
+                count_flops: bool = True, dump: str | None = None,
+                xla_remat: bool = True) -> Compiled:
     """Compiles `jax.jit(fn)` at `args` for `target`; nothing is allocated.
 
     Args:
@@ -206,6 +214,7 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
       dump: a folder for XLA's dump (`peak.dump_options`, read by
         `peak.breakdown`): the program is then compiled, never read back from
         the figure cache or JAX's compilation cache (which would write none).
+      xla_remat: False holds off XLA's own rematerialization on a GPU (`compile_options`).
     Returns:
       A `Compiled`; cuDNN attention traced as its stand-in where `target` cannot build
       it here (`remat_kit.trace.stand_in`), its kernels' FLOPs in `flops`
@@ -217,7 +226,8 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
     """
     target = parse_target(target)
     with stand_in.for_target(target):  # cuDNN attention where it cannot be built
-        return _compile_for(fn, args, target, compile_only, donate, count_flops, dump)
+        return _compile_for(fn, args, target, compile_only, donate, count_flops, dump,
+                            xla_remat)
 
 
 def compile_lowered(lowered, options: dict | None, target: Target):
@@ -238,7 +248,8 @@ def _compile_dumped(lowered, options: dict, target: Target):
 
 
 def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
-                 donate: tuple[int, ...], count_flops: bool, dump: str | None) -> Compiled:
+                 donate: tuple[int, ...], count_flops: bool, dump: str | None,
+                 xla_remat: bool = True) -> Compiled:
     placed = place(args, target)
     leaves, tree = jax.tree.flatten(placed)
 
@@ -249,7 +260,8 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
     first = [sum(counts[:i]) for i in range(len(counts))]
     donated = tuple(j for i in donate for j in range(first[i], first[i] + counts[i]))
     start = time.perf_counter()
-    lowered, options = lower(flat, leaves, target, donated), compile_options(target, compile_only)
+    lowered = lower(flat, leaves, target, donated)
+    options = compile_options(target, compile_only, xla_remat)
     local = [_local(x) for x in leaves]
     program = _kernel_program(lowered, flat, local) if count_flops else None
     program_key, kept = figure_cache.lookup(lowered.as_text(), target, options,
