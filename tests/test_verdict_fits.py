@@ -278,6 +278,32 @@ def test_xla_rematerializing_on_its_own_is_named():
     assert xla_remat_note(plain, "tpu") == ()
 
 
+@pytest.mark.skipif(not targets._cuda_plugin_installed(), reason="the CUDA plugin is not "
+                    "installed")
+def test_xla_gpu_rematerializes_on_its_own_past_its_limit_unless_held_off(tmp_path):
+    # An H100 described with 4 MiB: ahead of time XLA holds a program to (80% of it - its
+    # arguments and outputs) x 95%, and rematerializes on its own past that.
+    import jax
+    import jax.numpy as jnp
+
+    from remat_kit.measure import lowering
+    from remat_kit.measure.costs import xla_remat_note
+    spec = tmp_path / "h100_4mib.txtpb"
+    spec.write_text(targets._gpu_config_text("h100").replace(
+        "device_memory_size: 84942979072", "device_memory_size: 4194304"))
+    gpu = targets.parse_target(f"gpu:{spec}")
+
+    def f(x):  # eight 256 KiB values the gradient keeps: 6 MiB of temp
+        return sum(jnp.sum(jnp.exp(x * i) @ jnp.exp(x * i).T) for i in range(1, 9))
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    lowered = lowering.lower(jax.grad(f), lowering.place([x], gpu), gpu)
+    own, held = (lowering.compile_lowered(lowered, lowering.compile_options(gpu, True, r), gpu)
+                 for r in (True, False))
+    assert xla_remat_note(own, "gpu")[0].startswith("XLA rematerialized ")
+    assert xla_remat_note(held, "gpu") == ()
+    assert held.memory_analysis().temp_size_in_bytes == 5767424
+
+
 def test_no_remat_where_it_fits_even_beside_a_row_predicted_faster():
     rows = tpu_rows()
     for d in rows:  # full predicted 1% under none: the time model's artefact
