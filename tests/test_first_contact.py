@@ -112,9 +112,9 @@ def test_compare_picks_five_policies_on_an_accelerator_and_says_what_it_will_tak
     assert default_policies("none,full", [tpu]) == ["none", "full"]
     assert estimate_line(ACCELERATOR_POLICIES, [tpu]) == (
         "compiling 5 programs for tpu:v5e:1x1 (policies that compile alike are compiled "
-        "once); a TPU or GPU compile of a long sequence can take 30-90 s each, more for a large "
-        "model: 7 min or more cold, the first compile's time sets the estimate of the rest (a "
-        "repeat is read from the compile cache)")
+        "once); a TPU or GPU compile takes seconds for a small model, a minute or more for a "
+        "large one at a long sequence: after the first, each line gives the time left at this "
+        "model's own pace (a repeat is read from the compile cache)")
     assert "min" not in estimate_line(["none"], [cpu])
 
 

@@ -241,16 +241,17 @@ def progress_line(i: int, n: int, record, spent: Sequence[float]) -> str:
 
 
 def estimate_line(specs, target_list) -> str:
-    """The line before the compiles: how many, for which targets, and how long on an
-    accelerator target, where each compile can take a minute (docs/speed.md)."""
+    """The line before the compiles: how many, for which targets, and on an accelerator
+    target what their time depends on, with no figure that is not this model's own: the
+    progress lines give the time left from its compiles (`progress_line`, docs/speed.md)."""
     n = len(specs) * len(target_list)
     where = ", ".join(map(str, target_list))
     slow = [t for t in target_list if t.platform != "cpu"]
     return (f"compiling {n} program{'s' * (n != 1)} for {where} (policies that compile "
             "alike are compiled once)"
-            + (f"; a TPU or GPU compile of a long sequence can take 30-90 s each, more for a "
-               f"large model: {max(1, n * 90 // 60)} min or more cold, the first compile's "
-               "time sets the estimate of the rest (a repeat is read from the compile cache)"
+            + ("; a TPU or GPU compile takes seconds for a small model, a minute or more for "
+               "a large one at a long sequence: after the first, each line gives the time "
+               "left at this model's own pace (a repeat is read from the compile cache)"
                if slow else ""))
 
 
