@@ -115,12 +115,10 @@ def test_fit_gives_the_binary_search_answer_in_4_compiles(case, memo, monkeypatc
     sizes = dict(probes)
     unit = CASES[case][2].get("multiple", 1)
     assert sizes[size] <= CASES[case][3] < sizes[size + unit]
-    if case.endswith("gpu"):  # XLA would rematerialize on its own here: fit holds it off
+    # On the small H100 XLA would rematerialize on its own at the answer (fit holds it off:
+    # tests/test_verdict_fits.py shows XLA doing it there unless held off).
+    if case.endswith("gpu"):
         assert row.xla_remat.startswith(f"XLA would rematerialize on its own at {size}: ")
-        parsed = fit_mod.targets.parse_target(_small_h100())
-        work = config_workload(get_config("tiny"), 2, size)
-        own = compile_step(work, one_policy(parse("full")), default_optimizer(), parsed)
-        assert own.total_bytes < sizes[size]
     else:
         assert row.xla_remat is None
 
