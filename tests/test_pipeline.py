@@ -7,6 +7,7 @@ Runs on the 8 host devices tests/conftest.py creates (4 of them for the stages).
 """
 
 import dataclasses
+import types
 from fractions import Fraction
 
 import flax.nnx as nnx
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import remat_kit as rk
 from remat_kit import cli
+from remat_kit.decide import stages
 from remat_kit.errors import MeshError
 from remat_kit.flax.from_model import next_token_loss
 from remat_kit.measure import lowering, targets, time_model
@@ -286,3 +288,41 @@ def test_a_pipeline_past_its_mesh_s_stages_is_refused_in_one_line():
     assert str(e.value).startswith(
         "the pipeline passes to stage 3 along mesh axis 'stage', which has 2 device(s) in "
         "the model's mesh: a stage index must be below the axis's size")
+
+
+class _Planner:
+    """A planner's answers without compiles: full remat's program 1,000 B of which 400 B
+    are residuals (fixed 600 B); a budget's plan is its own bytes."""
+
+    def measure(self, policy):
+        return types.SimpleNamespace(memory_bytes=1000, residual_bytes_by_tag={"x": 400})
+
+    def minimum(self):
+        return 1000, 4000
+
+    def frontier(self, budgets):
+        return [types.SimpleNamespace(spec=f"plan@{b}", measured_bytes=b) for b in budgets]
+
+
+def test_a_1f1b_first_stage_gets_the_tightest_plan():
+    pipe = dataclasses.replace(_piped(both_ways=True))  # 4 stages, 4 microbatches, 1F1B
+    got = stages.per_stage(_Planner(), pipe, 1000)
+    # the program holds 4 passes; stage s holds 4 - s: budget 600 + 400 x 4 / (4 - s)
+    assert [(sp.in_flight, sp.budget, sp.stage_bytes) for sp in got] == [
+        (4, 1000, 1000), (3, 1133, 999), (2, 1400, 1000), (1, 2200, 1000)]
+    assert stages.lines(got)[0] == "stage 0 (4 microbatch passes in flight): plan@1000, 1000 B"
+    gpipe = stages.per_stage(_Planner(), _piped(), 1000)
+    assert stages.lines(gpipe) == [
+        "stages 0-3 (4 microbatch passes in flight each): plan@1000, 1000 B"]
+    assert stages.maxtext_settings(_piped(repeats=2)) == (
+        "ici_pipeline_parallelism=4 num_pipeline_microbatches=4 num_pipeline_repeats=2")
+
+
+def test_plan_gives_a_plan_per_stage_and_maxtext_s_pipeline_settings(capsys):
+    assert cli.main(["plan", "--model", "tests/zoo/maxtext_pipeline_nnx.py:model", "--batch",
+                     "8", "--seq", "16", "--budgets", "1", "--uniform", "--emit", "maxtext",
+                     "--no-presets", "--cache", ""]) == 0
+    out = capsys.readouterr().out
+    assert "  stages 0-3 (4 microbatch passes in flight each): full, " in out
+    assert ("--emit maxtext, the pipeline: ici_pipeline_parallelism=4 "
+            "num_pipeline_microbatches=4 num_pipeline_repeats=1") in out
