@@ -20,6 +20,8 @@ import remat_kit as rk
 from remat_kit import cli
 from remat_kit.decide import stages
 from remat_kit.errors import MeshError
+from remat_kit.flax import user_model
+from remat_kit.flax.from_model import ModelError
 from remat_kit.flax.from_model import next_token_loss
 from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.explain import stack_stored_bytes
@@ -326,3 +328,31 @@ def test_plan_gives_a_plan_per_stage_and_maxtext_s_pipeline_settings(capsys):
     assert "  stages 0-3 (4 microbatch passes in flight each): full, " in out
     assert ("--emit maxtext, the pipeline: ici_pipeline_parallelism=4 "
             "num_pipeline_microbatches=4 num_pipeline_repeats=1") in out
+
+
+def test_stages_that_do_not_divide_the_layers_are_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(gpipe_nnx, "LAYERS", 6)  # 6 blocks over 4 stages
+    with pytest.raises(ModelError) as e:
+        user_model.traced(MODEL, "int32 tokens [8, 16]", "--batch and --seq",
+                          lambda: rk.from_model.workload(gpipe_nnx.model(), BATCH, SEQ))
+    assert ("its shard_map splits an argument's axis 0 of size 6 over mesh axis 'stage' of "
+            "size 4, which does not divide it (each device takes an equal share: a "
+            "pipeline's stages must divide its stacked layers); if it takes other shapes"
+            ) in str(e.value)
+
+
+def test_fit_names_the_batch_in_microbatches():
+    pipe = _piped()
+    rows = [types.SimpleNamespace(policy="none", size=32), types.SimpleNamespace(
+        policy="full", size=76)]
+    assert stages.fit_line(pipe, rows, "batch") == (
+        "pipeline: largest batch in microbatches: none 32 = 4 x 8, full 76 = 4 x 19; GPipe: "
+        "every stage holds every microbatch, so the compiled figure is each stage's, the "
+        "first's included")
+    assert "the first stage, the tightest, holds 4 of 4" in stages.fit_line(
+        _piped(both_ways=True), rows, "seq")
+
+
+def test_microbatches_of_one_row_are_told_from_the_stage_buffer():
+    pipe = rk.from_model.workload(gpipe_nnx.model(), 4, SEQ).model_map.pipeline
+    assert (pipe.microbatches, pipe.repeats) == (4, 1)  # 4 microbatches of 1

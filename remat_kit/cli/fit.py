@@ -196,6 +196,10 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     print_title(console, title)
     console.print(fit_report.fit_table(result, "", args.wide))
     console.print(f"compiled: {step}", markup=False, soft_wrap=True)
+    pipe = getattr(getattr(first, "model_map", None), "pipeline", None)
+    if pipe is not None:
+        from remat_kit.decide.stages import fit_line
+        console.print(fit_line(pipe, result.rows, args.vary), markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:

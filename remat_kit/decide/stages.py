@@ -106,6 +106,26 @@ def lines(stage_plans: list[StagePlan]) -> list[str]:
     return out
 
 
+def fit_line(pipe, rows, vary: str) -> str:
+    """fit's line for a pipelined model: each row's global batch as microbatches of a
+    size (the tightest stage's, the first, is the figure compiled), e.g. "pipeline:
+    largest batch in microbatches: none 32 = 4 x 8, full 76 = 4 x 19; GPipe: every
+    stage holds every microbatch, the compiled figure is each stage's"."""
+    m = pipe.microbatches
+    if vary == "batch":
+        sizes = ", ".join(f"{r.policy} {r.size} = {m} x {r.size // m}" for r in rows
+                          if r.size)
+        said = f"largest batch in microbatches: {sizes}"
+    else:
+        said = f"each sequence runs as {m} microbatches"
+    held = {"GPipe": "every stage holds every microbatch, so the compiled figure is each "
+                     "stage's, the first's included",
+            "1F1B": f"the first stage, the tightest, holds {pipe.in_flight(0)} of {m}: the "
+                    f"compiled figure (all {pipe.passes} passes) bounds it from above",
+            "unknown": "the schedule is not told: the compiled program's figure"}
+    return f"pipeline: {said}; {pipe.schedule}: {held[pipe.schedule]}"
+
+
 def maxtext_settings(pipe) -> str:
     """The settings MaxText reads for this pipeline, e.g. "ici_pipeline_parallelism=4
     num_pipeline_microbatches=4 num_pipeline_repeats=1" (its configs/base.yml; the
@@ -118,5 +138,5 @@ def maxtext_settings(pipe) -> str:
     return " ".join(out)
 
 
-__all__ = ["StagePlan", "fixed_bytes", "lines", "maxtext_settings", "per_stage", "program_budget",
+__all__ = ["StagePlan", "fit_line", "fixed_bytes", "lines", "maxtext_settings", "per_stage", "program_budget",
            "stage_bytes"]

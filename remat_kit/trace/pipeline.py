@@ -215,6 +215,8 @@ def microbatches_of(loop, operand_shape: tuple, passes: int, stages: int) -> int
                 operand_shape[:1])
             if not stage_buffer and passes % m == 0:
                 found.add(m)
+    if len(found) > 1:  # a carried [1, *microbatch] stage buffer reads as one microbatch
+        found.discard(1)
     return found.pop() if len(found) == 1 else None
 
 
