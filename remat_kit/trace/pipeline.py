@@ -22,8 +22,8 @@ from remat_kit.trace.own_remat import policy_name
 SCHEDULES = {
     "GPipe": "autodiff's backward of the forward loop: every stage holds every "
              "microbatch's residuals until the backward runs",
-    "1F1B": "forward and backward passes interleaved in one loop: stage s holds "
-            "min(stages - s, microbatches) microbatches in flight, the first the most",
+    "1F1B": "forward and backward passes interleaved (a backward written by hand): stage s "
+            "holds min(stages - s, microbatches) microbatches in flight, the first the most",
     "unknown": "a hand-written backward (custom_vjp) decides what each stage holds: "
                "the compiled program's figures, no schedule assumed",
 }
@@ -38,8 +38,8 @@ class Pipeline:
       stages: that axis's size.
       iterations: trips of the loop around the `ppermute` (one per stage step);
         the number of `ppermute`s where the loop is unrolled.
-      schedule: "GPipe", "1F1B" or "unknown" (`schedule_of`; `SCHEDULES` says what each
-        holds in flight).
+      schedule: "GPipe" or "unknown" as read (`schedule_of`), or "1F1B" where given
+        (`SCHEDULES` says what each holds in flight).
       own_remat: the JAX policy of the pipeline's own remat around each iteration
         (`own_remat.policy_name`), "" where it has none.
       own_saves: the names that policy saves, e.g. ("decoder_layer_input",
@@ -179,15 +179,12 @@ def _hits(jaxpr) -> list[_Hit]:
 
 def schedule_of(hits: list[_Hit], stages: int) -> str:
     """"unknown" where a custom_vjp holds the pipeline (its backward is written by hand,
-    so what a stage holds is not the forward's to say); "1F1B" where one loop passes
-    both ways along the stage axis (s -> s+1 and s+1 -> s: the forward and the backward
-    interleaved); else "GPipe" (autodiff's backward of the forward loop)."""
-    if any(h.custom_vjp for h in hits):
-        return "unknown"
-    loop = hits[0].loops[-1] if hits[0].loops else None
-    steps = {(dst - src) % stages for h in hits if (h.loops[-1] if h.loops else None) is loop
-             for src, dst in h.eqn.params["perm"]}
-    return "1F1B" if stages > 2 and {1, stages - 1} <= steps else "GPipe"
+    as a 1F1B schedule's must be in JAX, so what a stage holds is not the forward's to
+    say); else "GPipe": autodiff's backward of the forward loop keeps every iteration's
+    residuals, whichever ways the loop's `ppermute`s pass (MaxText's circular buffers
+    pass both ways under GPipe). "1F1B" is never read from a trace: give it with
+    `dataclasses.replace(pipe, schedule="1F1B")`."""
+    return "unknown" if any(h.custom_vjp for h in hits) else "GPipe"
 
 
 def microbatches_of(loop, operand_shape: tuple, passes: int, stages: int) -> int | None:
@@ -203,7 +200,7 @@ def microbatches_of(loop, operand_shape: tuple, passes: int, stages: int) -> int
     micro = {tuple(operand_shape)} | ({tuple(operand_shape[1:])} if operand_shape[:1] == (1,)
                                       else set())
     _, carry, _ = loop.params["ft_in"].update(loop.invars).unpack()  # jax 0.12's scan
-    carried = set(carry)
+    carried = {id(v) for v in carry}  # by identity: a Literal operand is not hashable
     found = set()
     for v in loop.invars:
         shape = tuple(getattr(v.aval, "shape", ()))
@@ -211,7 +208,7 @@ def microbatches_of(loop, operand_shape: tuple, passes: int, stages: int) -> int
             if shape[lead:] not in micro or len(shape) <= lead:
                 continue
             m = shape[0] * (shape[1] if lead == 2 else 1)
-            stage_buffer = lead == 1 and m == stages and v in carried and (1,) == tuple(
+            stage_buffer = lead == 1 and m == stages and id(v) in carried and (1,) == tuple(
                 operand_shape[:1])
             if not stage_buffer and passes % m == 0:
                 found.add(m)
