@@ -7,14 +7,21 @@ Runs on the 8 host devices tests/conftest.py creates (4 of them for the stages).
 """
 
 import dataclasses
+import types
+from fractions import Fraction
 
 import flax.nnx as nnx
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import remat_kit as rk
 from remat_kit import cli
+from remat_kit.decide import stages
+from remat_kit.errors import MeshError
+from remat_kit.flax import user_model
+from remat_kit.flax.from_model import ModelError
 from remat_kit.flax.from_model import next_token_loss
 from remat_kit.measure import lowering, targets, time_model
 from remat_kit.measure.explain import stack_stored_bytes
@@ -30,11 +37,11 @@ pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 host de
 def test_the_model_map_names_the_pipeline():
     work = rk.from_model.workload(gpipe_nnx.model(), BATCH, SEQ)
     pipe = work.model_map.pipeline
-    assert (pipe.axis, pipe.stages, pipe.iterations, pipe.microbatches, pipe.schedule,
-            pipe.own_remat) == ("stage", 4, 7, 4, "GPipe", "")
+    assert (pipe.axis, pipe.stages, pipe.iterations, pipe.microbatches, pipe.repeats,
+            pipe.schedule, pipe.own_remat) == ("stage", 4, 7, 4, 1, "GPipe", "")
     assert pipe.bubble == pytest.approx(3 / 7)
     assert work.model_map.line().endswith(
-        "; pipeline: 4 stages over stage, 4 microbatches (x repeats), GPipe (bubble 3/7 of "
+        "; pipeline: 4 stages over stage, 4 microbatches, 1 repeat, GPipe (bubble 3/7 of "
         "the iterations, every microbatch in flight); no own remat per iteration; the "
         "policy applies to the layers within a stage")
     assert work.model_map.to_dict()["pipeline"]["microbatches"] == 4
@@ -150,8 +157,8 @@ def test_a_pipeline_the_target_cannot_run_is_refused_in_one_line(capsys, target,
 def test_a_maxtext_style_pipeline_s_own_remat_is_named_and_nests_the_policy():
     work = rk.from_model.workload(maxtext_pipeline_nnx.model(), BATCH, SEQ)
     pipe = work.model_map.pipeline
-    assert (pipe.stages, pipe.iterations, pipe.microbatches, pipe.own_remat,
-            pipe.own_saves) == (4, 7, 4, "save_only_these_names",
+    assert (pipe.stages, pipe.iterations, pipe.microbatches, pipe.repeats, pipe.own_remat,
+            pipe.own_saves) == (4, 7, 4, 1, "save_only_these_names",
                                 ("decoder_layer_input", "iteration_input"))
     assert ("own remat per iteration: jax.checkpoint(save_only_these_names) saves "
             "decoder_layer_input, iteration_input") in work.model_map.line()
@@ -224,3 +231,134 @@ def test_constants_placed_on_a_tpu_slice_fold_without_running_there():
     placed, spread = eqns[-2].outvars[0], eqns[-1].outvars[0]
     np.testing.assert_array_equal(known[placed], np.arange(8.0))
     assert eqns[-1].primitive.name == "shard_map" and spread not in known
+
+
+def _piped(micro=4, repeats=1, both_ways=False, custom=False, devices=4, stages=4):
+    """The pipeline `find` reads in a small program (traced, never compiled): a loop of
+    micro x repeats + stages - 1 iterations passing [2, 8] to the next stage (and back,
+    both_ways), under a custom_vjp (custom), on a mesh of `devices`."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("stage",))
+
+    def body(w, xs):
+        def step(carry, i):
+            held, outs = carry
+            h = jax.numpy.tanh(held @ w[0])
+            passed = jax.lax.ppermute(h, "stage", [(s, s + 1) for s in range(stages - 1)])
+            if both_ways:
+                passed += jax.lax.ppermute(h, "stage", [(s + 1, s) for s in range(stages - 1)])
+            return (passed + xs[i % micro], outs.at[i % micro].set(h)), None
+        carry = (jax.numpy.zeros_like(xs[0]), jax.numpy.zeros_like(xs))
+        (_, outs), _ = jax.lax.scan(step, carry, jax.numpy.arange(micro * repeats + stages - 1))
+        return outs.sum()
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P(),
+                        check_vma=False)
+    if custom:  # a backward written by hand
+        run = jax.custom_vjp(run)
+        run.defvjp(lambda w, xs: (run(w, xs), (w, xs)),
+                   lambda res, g: jax.tree.map(jax.numpy.zeros_like, res))
+    w, xs = jax.numpy.ones((devices, 8, 8)), jax.numpy.ones((micro, 2, 8))
+    return pipeline.find(jax.make_jaxpr(run)(w, xs).jaxpr)
+
+
+@pytest.mark.parametrize("kw, schedule, micro, repeats, bubble, in_flight", [
+    ({}, "GPipe", 4, 1, (3, 7), [4, 4, 4, 4]),
+    ({"repeats": 2}, "GPipe", 4, 2, (3, 11), [8, 8, 8, 8]),
+    ({"micro": 8, "repeats": 2}, "GPipe", 8, 2, (3, 19), [16, 16, 16, 16]),
+    # a loop passing both ways is still autodiff's backward (MaxText's circular buffers)
+    ({"both_ways": True}, "GPipe", 4, 1, (3, 7), [4, 4, 4, 4]),
+    ({"custom": True}, "unknown", 4, 1, (3, 7), [None] * 4)])
+def test_the_schedule_microbatches_and_repeats_are_read_from_the_program(
+        kw, schedule, micro, repeats, bubble, in_flight):
+    pipe = _piped(**kw)
+    assert (pipe.schedule, pipe.microbatches, pipe.repeats) == (schedule, micro, repeats)
+    assert pipe.bubble == Fraction(*bubble)  # (S - 1) / (r m + S - 1)
+    assert [pipe.in_flight(s) for s in range(4)] == in_flight
+    assert pipe.to_dict()["in_flight"] == in_flight
+
+
+def test_a_1f1b_stage_holds_up_to_the_stages_in_flight():
+    given = dataclasses.replace(_piped(micro=2), schedule="1F1B")  # not read: given
+    assert [given.in_flight(s) for s in range(4)] == [2, 2, 2, 1]
+    assert "the first stage holds 2 microbatches in flight, the last 1" in given.text()
+
+
+def test_microbatches_not_told_from_repeats_are_said_so():
+    # xs of 3 microbatches does not divide 4 passes: no size read, the product kept
+    pipe = dataclasses.replace(_piped(), told=None)
+    assert (pipe.microbatches, pipe.repeats) == (4, None)
+    assert "4 microbatches x repeats (not told apart)" in pipe.text()
+
+
+def test_a_pipeline_past_its_mesh_s_stages_is_refused_in_one_line():
+    with pytest.raises(MeshError) as e:
+        _piped(devices=2)
+    assert str(e.value).startswith(
+        "the pipeline passes to stage 3 along mesh axis 'stage', which has 2 device(s) in "
+        "the model's mesh: a stage index must be below the axis's size")
+
+
+class _Planner:
+    """A planner's answers without compiles: full remat's program 1,000 B of which 400 B
+    are residuals (fixed 600 B); a budget's plan is its own bytes."""
+
+    def measure(self, policy):
+        return types.SimpleNamespace(memory_bytes=1000, residual_bytes_by_tag={"x": 400})
+
+    def minimum(self):
+        return 1000, 4000
+
+    def frontier(self, budgets):
+        return [types.SimpleNamespace(spec=f"plan@{b}", measured_bytes=b) for b in budgets]
+
+
+def test_a_1f1b_first_stage_gets_the_tightest_plan():
+    pipe = dataclasses.replace(_piped(), schedule="1F1B")  # 4 stages, 4 microbatches
+    got = stages.per_stage(_Planner(), pipe, 1000)
+    # the program holds 4 passes; stage s holds 4 - s: budget 600 + 400 x 4 / (4 - s)
+    assert [(sp.in_flight, sp.budget, sp.stage_bytes) for sp in got] == [
+        (4, 1000, 1000), (3, 1133, 999), (2, 1400, 1000), (1, 2200, 1000)]
+    assert stages.lines(got)[0] == "stage 0 (4 microbatch passes in flight): plan@1000, 1000 B"
+    gpipe = stages.per_stage(_Planner(), _piped(), 1000)
+    assert stages.lines(gpipe) == [
+        "stages 0-3 (4 microbatch passes in flight each): plan@1000, 1000 B"]
+    assert stages.maxtext_settings(_piped(repeats=2)) == (
+        "ici_pipeline_parallelism=4 num_pipeline_microbatches=4 num_pipeline_repeats=2")
+
+
+def test_plan_gives_a_plan_per_stage_and_maxtext_s_pipeline_settings(capsys):
+    assert cli.main(["plan", "--model", "tests/zoo/maxtext_pipeline_nnx.py:model", "--batch",
+                     "8", "--seq", "16", "--budgets", "1", "--uniform", "--emit", "maxtext",
+                     "--no-presets", "--cache", ""]) == 0
+    out = capsys.readouterr().out
+    assert "  stages 0-3 (4 microbatch passes in flight each): full, " in out
+    assert ("--emit maxtext, the pipeline: ici_pipeline_parallelism=4 "
+            "num_pipeline_microbatches=4 num_pipeline_repeats=1") in out
+
+
+def test_stages_that_do_not_divide_the_layers_are_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(gpipe_nnx, "LAYERS", 6)  # 6 blocks over 4 stages
+    with pytest.raises(ModelError) as e:
+        user_model.traced(MODEL, "int32 tokens [8, 16]", "--batch and --seq",
+                          lambda: rk.from_model.workload(gpipe_nnx.model(), BATCH, SEQ))
+    assert ("its shard_map splits an argument's axis 0 of size 6 over mesh axis 'stage' of "
+            "size 4, which does not divide it (each device takes an equal share: a "
+            "pipeline's stages must divide its stacked layers); if it takes other shapes"
+            ) in str(e.value)
+
+
+def test_fit_names_the_batch_in_microbatches():
+    pipe = _piped()
+    rows = [types.SimpleNamespace(policy="none", size=32), types.SimpleNamespace(
+        policy="full", size=76)]
+    assert stages.fit_line(pipe, rows, "batch") == (
+        "pipeline: largest batch in microbatches: none 32 = 4 x 8, full 76 = 4 x 19; GPipe: "
+        "every stage holds every microbatch, so the compiled figure is each stage's, the "
+        "first's included")
+    assert "the first stage, the tightest, holds 4 of 4" in stages.fit_line(
+        dataclasses.replace(_piped(), schedule="1F1B"), rows, "seq")
+
+
+def test_microbatches_of_one_row_are_told_from_the_stage_buffer():
+    pipe = rk.from_model.workload(gpipe_nnx.model(), 4, SEQ).model_map.pipeline
+    assert (pipe.microbatches, pipe.repeats) == (4, 1)  # 4 microbatches of 1

@@ -218,6 +218,10 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     for r in result.rows:  # XLA:GPU's own remat past its limit, held off in fit's compiles
         if r.xla_remat:
             console.print(f"{r.policy}: {r.xla_remat}", markup=False, soft_wrap=True)
+    pipe = getattr(getattr(first, "model_map", None), "pipeline", None)
+    if pipe is not None:
+        from remat_kit.decide.stages import fit_line
+        console.print(fit_line(pipe, result.rows, args.vary), markup=False, soft_wrap=True)
     if result.below_minimum:
         console.print(f"below the minimum: {result.below_minimum}", markup=False, soft_wrap=True)
     if args.json is not None:

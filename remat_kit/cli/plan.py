@@ -179,6 +179,7 @@ class _Frontier:
     per_layer: dict
     held: str
     held_parts: dict | None
+    stages: dict = dataclasses.field(default_factory=dict)
 
 
 def _frontier(args, planner, budgets, target, rechunk) -> _Frontier:
@@ -186,6 +187,7 @@ def _frontier(args, planner, budgets, target, rechunk) -> _Frontier:
     do not (`rechunk(n)`: the workload with its loss over n vocabulary chunks).
     BadInput for a fraction where no remat runs out of `target`'s memory."""
     from remat_kit.decide.search import what_holds
+    from remat_kit.decide.stages import per_stage
     from remat_kit.policy.budget import parse_budget
     start = time.perf_counter()
     full, none = planner.minimum()
@@ -198,7 +200,11 @@ def _frontier(args, planner, budgets, target, rechunk) -> _Frontier:
     per_layer = dict(zip(fits, layered(planner).frontier(fits))) if args.uniform else {}
     held, held_parts = (what_holds(planner, rechunk) if len(fits) < len(budgets)
                         else ("", None))
-    return _Frontier(budgets, full, none, fits, plans, seconds, per_layer, held, held_parts)
+    pipe = getattr(planner.compiles.workload.model_map, "pipeline", None)
+    stages = {b: per_stage(planner, pipe, parse_budget(b).resolve(none)) for b in fits
+              } if pipe is not None else {}
+    return _Frontier(budgets, full, none, fits, plans, seconds, per_layer, held, held_parts,
+                     stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +268,8 @@ def _report(args, planner, work, found: _Frontier, records, preset_rows: tuple,
                        "context": _context(planner, work, found, shown),
                        "verdict": verdict.to_json(choice, planner.target),
                        "budgets": out,
+                       "stages": {b: [sp.to_dict() for sp in v]
+                                  for b, v in found.stages.items()},
                        "presets": [r.to_dict(planner.memory_kind) for r in presets]}, f,
                       indent=2)
             f.write("\n")
@@ -353,8 +361,28 @@ def _print_notes(console, planner, found: _Frontier, emit_to, own=None) -> None:
     for b, p in found.plans.items():
         for line in report_lines(b, p, found.per_layer.get(b), emit_to, own):
             console.print(line, markup=False, soft_wrap=True)
+    for line in _stage_lines(planner, found, emit_to):
+        console.print(line, markup=False, soft_wrap=True)
     if found.held:
         console.print(f"below the minimum: {found.held}", markup=False, soft_wrap=True)
+
+
+def _stage_lines(planner, found: _Frontier, emit_to) -> list[str]:
+    """A pipelined model's lines: per budget, each stage's plan (`stages.per_stage`), and
+    with --emit maxtext the pipeline's settings beside the first stage's policy."""
+    from remat_kit.decide.stages import lines as stage_lines, maxtext_settings
+    pipe = getattr(planner.compiles.workload.model_map, "pipeline", None)
+    if pipe is None:
+        return []
+    lines = []
+    for b, stage_plans in found.stages.items():
+        lines.append(f"budget {b}, a plan per stage ({pipe.schedule}; each stage's figure is "
+                     f"the compiled program's, its residuals scaled to the passes it holds):")
+        lines += [f"  {line}" for line in stage_lines(stage_plans)]
+    if emit_to == "maxtext":
+        lines.append(f"--emit maxtext, the pipeline: {maxtext_settings(pipe)} (MaxText runs "
+                     "one remat_policy on every stage: the first stage's plan, the tightest)")
+    return lines
 
 
 def _context(planner, work, found: _Frontier, shown: _Shown) -> dict:

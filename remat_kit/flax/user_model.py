@@ -229,8 +229,25 @@ def traced(spec: str, inputs: str, sizes: str, build: Callable, loss: Callable |
         who = (f"the loss {_name_of(loss)!r}" if _raised_in(e, loss)
                else "the model")
         raise ModelError(f"--model {spec!r}: {who} raised {type(e).__name__}"
-                         f"{_user_frame(e)} on {inputs}: {e}; if it takes other shapes (e.g. "
-                         f"fewer positions), give them with {sizes}") from None
+                         f"{_user_frame(e)} on {inputs}: {_said(e)}; if it takes other shapes "
+                         f"(e.g. fewer positions), give them with {sizes}") from None
+
+
+# shard_map's refusal of an argument a mesh axis does not divide (jax 0.12's words).
+_NOT_DIVIDED = re.compile(r"maps array axis (\d+) \(of size (\d+)\) to mesh axis '([^']+)' "
+                          r"\(of size (\d+)\)")
+
+
+def _said(e: BaseException) -> str:
+    """`e`'s text; shard_map's many-line "not evenly divisible" text as one clause
+    naming the sizes and the rule."""
+    m = _NOT_DIVIDED.search(str(e)) if "not evenly divisible" in str(e) else None
+    if m is None:
+        return str(e)
+    axis, size, mesh_axis, n = m.groups()
+    return (f"its shard_map splits an argument's axis {axis} of size {size} over mesh axis "
+            f"{mesh_axis!r} of size {n}, which does not divide it (each device takes an "
+            f"equal share: a pipeline's stages must divide its stacked layers)")
 
 
 def _batch_maker(got: tuple, spec: str, name: str, label: str, block, vocab_chunks: int,

@@ -155,17 +155,27 @@ def notes(the_map: ModelMap) -> tuple[str, ...]:
                        "no remat")
     pipe = the_map.pipeline
     if pipe is not None:
-        out.append(f"pipeline: per-chip figures are the largest stage's, every stage's "
-                   f"alike, the first's included (every chip runs the same program: its "
-                   f"stage's layers and the residuals of all {pipe.microbatches} "
-                   f"microbatches in flight, {pipe.schedule}); FLOPs and the predicted step "
-                   f"include the bubble ({pipe.bubble} of the iterations), as compiled")
+        out.append(f"pipeline: per-chip figures are the largest stage's, the first's "
+                   f"(every chip runs the same program: its stage's layers and the residuals "
+                   f"{_held(pipe)}); FLOPs and the predicted step include the bubble "
+                   f"({pipe.bubble} of the iterations), as compiled")
         if pipe.own_remat:
             saves = ", ".join(pipe.own_saves) or "what its policy saves"
             out.append(f"nested remat: the pipeline's own remat per iteration "
                        f"(jax.checkpoint({pipe.own_remat})) saves {saves}; within it each "
                        "layer's remat saves what the policy under test saves")
     return tuple(out)
+
+
+def _held(pipe: Pipeline) -> str:
+    """What the compiled program's residuals are, in words, for the pipeline's schedule."""
+    if pipe.schedule == "GPipe":
+        return (f"of all {pipe.passes} microbatch passes in flight, GPipe: every stage "
+                "holds them all")
+    if pipe.schedule == "1F1B":
+        return (f"of the microbatches in flight, 1F1B: {pipe.in_flight(0)} on the first "
+                f"stage, 1 on the last")
+    return "a hand-written backward keeps: the schedule is not told, none assumed"
 
 
 def stacks_of(layers: list[Layer]) -> tuple[Stack, ...]:
