@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering, peak
+from remat_kit.measure.measure import parameter_bytes
 from remat_kit.measure.residuals import stage
 from remat_kit.measure.step_times import random_like  # measure's random data, for timed runs
 from remat_kit.errors import RematSpecError, check_positive
@@ -54,6 +55,9 @@ class StepMemory:
       flops: FLOPs of the step (`loop_scaled_costs`), None where the backend
         gives none.
       compile_seconds: lowering and compiling, seconds.
+      parameter_bytes_per_device: bytes of the parameters one device takes, by the
+        shardings the compiled program takes them with (`measure.parameter_bytes`);
+        None where it does not say (figures read back from the figure cache).
     """
 
     total_bytes: int
@@ -69,6 +73,7 @@ class StepMemory:
     peak_memory_in_bytes: int | None
     flops: float | None
     compile_seconds: float
+    parameter_bytes_per_device: int | None = None
 
 
 def resizer(model, mesh: Mesh | None) -> tuple[Callable[[int, int], Workload], Workload]:
@@ -318,7 +323,8 @@ def step_figures(c: "lowering.Compiled", args: tuple) -> StepMemory:
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),
                       mem.get("alias_size_in_bytes"), mem.get("peak_memory_in_bytes"),
-                      c.flops, c.seconds)
+                      c.flops, c.seconds, None if c.compiled is None
+                      else parameter_bytes(c.compiled, args[0]))
 
 
 __all__ = ["StepMemory", "TrainStep", "compile_step", "default_optimizer", "in_use_bytes",
