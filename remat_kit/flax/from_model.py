@@ -437,8 +437,9 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         try:
             one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
             local, per_chip_block = (one.loss_for_policy, one.args), one.block
-        except ValueError as e:  # its own shard_map splits the batch: the whole program
-            if "shard_map" not in str(e):
+        except (ValueError, AssertionError) as e:  # its own shard_map splits the batch
+            # (or its code asserts that its mesh splits it: MaxText's flash): the whole program
+            if isinstance(e, ValueError) and "shard_map" not in str(e):
                 raise
             local = (loss_for_policy, args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,
