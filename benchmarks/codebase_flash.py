@@ -1,4 +1,4 @@
-"""MaxText's own flash attention (splash, built inside its own kernel wrapper), priced against the causal count.
+"""MaxText's own flash attention (splash in its own kernel wrapper) priced against the causal count.
 
     PYTHONPATH=$PWD ALLOW_MULTIPLE_LIBTPU_LOAD=1 ~/mt-venv/bin/python benchmarks/codebase_flash.py \
         [--targets tpu:v5p:2x2x1,tpu:v5p:1x1x1] [--emb 256] [--layers 2] [--seq 2048] \
@@ -14,10 +14,13 @@ block count n(n+1)/2 of n x n blocks (`sa_block_q` = `sa_block_kv` = 512), Flash
 matmuls (forward 1, dq 1.5, dk/dv 2 forwards: docs/targets.md), 4 b h s^2 d FLOPs a forward
 unmasked, b the chip's batch; the kernel calls counted from the record's note.
 
-Measured (emb 256, 2 heads of 128, 2 layers scanned, seq 2048, 1 per chip, libtpu 0.0.52): on
-tpu:v5p:2x2x1 (fsdp:4), none: kernels 24.159 GFLOP, causal 24.159, ratio 1.000; full and one
-chip below (docstring of the commit that ran them). Needs `maxtext` and libtpu (see
-benchmarks/vs_estimator.py); where either is missing, one line and exit 2. Not in CI.
+Measured (libtpu 0.0.52, MaxText 0.2.5, a loaded 2-core machine), kernels / causal per chip:
+emb 256 (2 heads of 128), 2 layers scanned, seq 2048, 1 per chip: tpu:v5p:2x2x1 (fsdp:4) none
+24.159 / 24.159 GFLOP (fwd x2, dq x2, dkv x2), full 29.528 / 29.528 (fwd x4); tpu:v5p:1x1x1
+the same, 1.000 each. emb 1024, seq 4096 (8 x 8 blocks), 2 layers, tpu:v5p:2x2x1, none:
+425.202 / 425.202 (fwd x4: no layers found at that width, MaxText's own remat kept).
+Needs `maxtext` and libtpu (see benchmarks/vs_estimator.py); where either is missing, one line
+and exit 2. Not in CI.
 """
 
 from __future__ import annotations
