@@ -18,6 +18,7 @@ from remat_kit import cli
 from remat_kit.errors import MeshError
 from remat_kit.flax import placement
 from tests.test_targets import needs_libtpu
+from tests.test_compile_cache import empty_cache  # noqa: F401 - a fixture
 from tests.zoo import sharded_nnx
 
 BATCH, SEQ = 8, 16
@@ -262,3 +263,18 @@ def test_maxtext_s_own_flash_attention_is_priced_at_the_causal_count(target):
     kind = lambda k: re.match(r"splash_mha_(fwd|dq|dkv)", k.name).group(1)  # noqa: E731
     assert {kind(k) for k in found} == {"dkv", "dq", "fwd"}  # the forward again: own remat
     assert all(k.flops == codebase_flash.ROLES[kind(k)] * once and not k.mask for k in found)
+
+
+@needs_4
+def test_a_compile_read_back_keeps_the_bytes_each_argument_takes(empty_cache):  # noqa: F811
+    """fit's and plan's captions are checked against `Compiled.argument_bytes`: read back
+    from the figure cache (no executable), a program keeps them."""
+    from remat_kit.measure import lowering
+    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    w = jax.ShapeDtypeStruct((64, 32), np.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+    x = jax.ShapeDtypeStruct((8, 32), np.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    fn = lambda w, x: jax.numpy.sum((x @ w.T) ** 2)  # noqa: E731
+    fresh, again = (lowering.compile_for(fn, w, x, target="cpu") for _ in range(2))
+    assert fresh.compiled is not None and again.compiled is None
+    assert fresh.argument_bytes == again.argument_bytes == (64 * 32, 8 * 32 * 4)

@@ -21,7 +21,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering, peak
-from remat_kit.measure.measure import parameter_bytes
 from remat_kit.measure.residuals import stage
 from remat_kit.measure.step_times import random_like  # measure's random data, for timed runs
 from remat_kit.errors import RematSpecError, check_positive
@@ -56,8 +55,8 @@ class StepMemory:
         gives none.
       compile_seconds: lowering and compiling, seconds.
       parameter_bytes_per_device: bytes of the parameters one device takes, by the
-        shardings the compiled program takes them with (`measure.parameter_bytes`);
-        None where it does not say (figures read back from the figure cache).
+        shardings the compiled program takes them with (`lowering.argument_bytes`,
+        kept in the figure cache too); None where it does not say.
     """
 
     total_bytes: int
@@ -323,8 +322,7 @@ def step_figures(c: "lowering.Compiled", args: tuple) -> StepMemory:
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),
                       mem.get("alias_size_in_bytes"), mem.get("peak_memory_in_bytes"),
-                      c.flops, c.seconds, None if c.compiled is None
-                      else parameter_bytes(c.compiled, args[0]))
+                      c.flops, c.seconds, c.argument_bytes and c.argument_bytes[0])
 
 
 __all__ = ["StepMemory", "TrainStep", "compile_step", "default_optimizer", "in_use_bytes",
