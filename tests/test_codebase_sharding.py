@@ -18,6 +18,7 @@ from remat_kit import cli
 from remat_kit.errors import MeshError
 from remat_kit.flax import placement
 from tests.test_targets import needs_libtpu
+from tests.test_compile_cache import empty_cache  # noqa: F401 - a fixture
 from tests.zoo import sharded_nnx
 
 BATCH, SEQ = 8, 16
@@ -178,3 +179,102 @@ def test_maxtext_s_own_decoder_is_placed_by_its_own_shardings():
     assert [x.sharding.spec for x in jax.tree.leaves(work.args[0])] == own
     assert work.args[1].sharding.spec == PartitionSpec(("data", "stage", "fsdp",
                                                         "fsdp_transpose", "expert"))
+
+
+@needs_4
+def test_every_caption_claims_only_the_sharding_the_compiled_program_takes():
+    """compare's, plan's and fit's captions (`common.step_caption`): the compiled argument
+    shardings (a record's or a train step's `parameter_bytes_per_device`) win over what the
+    placed parameters say; without them, the placed parameters' shards."""
+    import types
+    from remat_kit.cli.common import step_caption
+    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    params = {"w": jax.ShapeDtypeStruct((8, 4), np.float32,
+                                        sharding=NamedSharding(mesh, PartitionSpec("fsdp")))}
+    compiled = lambda n: [types.SimpleNamespace(parameter_bytes_per_device=n)]  # noqa: E731
+    assert step_caption("train step", mesh, params, compiled(128)) == (
+        "train step; parameters and gradients and optimizer state whole on every device of "
+        "fsdp:4")
+    sharded = "value-and-grad; gradients sharded like the parameters over fsdp:4"
+    assert step_caption("value-and-grad", mesh, params, compiled(32)) == sharded
+    assert step_caption("value-and-grad", mesh, params, []) == sharded
+
+
+@needs_4
+def test_plan_s_caption_is_checked_against_its_compiles(tmp_path):
+    """Data parallel: every parameter whole on every device of the plan's compiles, and the
+    caption says so (it claimed them sharded like the parameters)."""
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--config", "tiny", "--batch", "4", "--seq", "16", "--mesh",
+                     "data:4", "--budgets", "64MiB", "--no-presets", "--groups", "1",
+                     "--step", "grad", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["context"]["step"] == (
+        "value-and-grad; parameters and gradients whole on every device of data:4; on "
+        "--mesh (1 axis data:4)")
+
+
+@needs_4
+def test_a_model_that_asserts_its_batch_splits_over_its_mesh_is_measured_whole():
+    """A codebase's code may assert that its batch splits over its mesh (MaxText's flash
+    attention does): one chip's share traced alone fails there, so the residuals are read
+    from the whole program, as where its own shard_map splits the batch."""
+    work = rk.from_model.workload(sharded_nnx.checked(), 4, SEQ)
+    assert work.placement.endswith("batch 4 over fsdp (the model's rules): 1 per device")
+    assert work.per_device[1] is work.args
+
+
+@needs_4
+@needs_libtpu
+def test_named_shardings_on_a_mesh_larger_than_the_target_are_one_line(capsys):
+    """The parameters' own NamedShardings (no constraint names the mesh) over 4 devices, on
+    a 1-chip target: one line naming both."""
+    assert cli.main(["compare", "--model", "tests/zoo/sharded_nnx.py:model", "--batch", "8",
+                     "--seq", "16", "--policies", "full", "--target", "tpu:v5e:1x1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "remat-kit compare: error: the model builds its own mesh (diloco: 1, data: 1, stage: 1, "
+        "fsdp: 4, fsdp_transpose: 1, context: 1, context_autoregressive: 1, tensor: 1, "
+        "tensor_transpose: 1, tensor_sequence: 1, expert: 1, autoregressive: 1 over 4 cpu "
+        "devices) and target tpu:v5e:1x1 has 1 device: name a target with at least 4, or "
+        "build the model's mesh over at most 1"]
+
+
+@needs_4
+@needs_libtpu
+@pytest.mark.parametrize("target", ["tpu:v5p:2x2x1", "tpu:v5p:1x1x1"])
+def test_maxtext_s_own_flash_attention_is_priced_at_the_causal_count(target):
+    """MaxText itself (skipped where it is not installed), `attention=flash` built over the
+    target's chips as its ahead-of-time compile builds it: splash made inside its own jit-ed
+    wrapper, its mask constrained to its mesh and handed to a shard_map, each kernel priced
+    at the causal block count (10 of 4 x 4 blocks of 512), on its fsdp mesh and on one chip.
+    Traced only; benchmarks/codebase_flash.py compiles it."""
+    pytest.importorskip("maxtext")
+    import re
+    from benchmarks import codebase_flash, codebase_mesh
+    from remat_kit.measure import kernels, targets
+    from remat_kit.policy.spec import parse
+    chips = targets.devices(target)
+    size = dict(codebase_mesh.DEFAULTS, emb=256, layers=1, seq=2048, per_device_batch=1,
+                fsdp=len(chips), attention="flash", scan=True)
+    work = rk.from_model.workload(codebase_mesh.build(size, chips), len(chips), 2048)
+    program = jax.make_jaxpr(jax.value_and_grad(work.loss_for_policy(parse("none"))))(
+        *work.args)
+    found = kernels.price(program, "tpu").kernels
+    once = codebase_flash.causal_forward(1, 2, 2048, 128)
+    kind = lambda k: re.match(r"splash_mha_(fwd|dq|dkv)", k.name).group(1)  # noqa: E731
+    assert {kind(k) for k in found} == {"dkv", "dq", "fwd"}  # the forward again: own remat
+    assert all(k.flops == codebase_flash.ROLES[kind(k)] * once and not k.mask for k in found)
+
+
+@needs_4
+def test_a_compile_read_back_keeps_the_bytes_each_argument_takes(empty_cache):  # noqa: F811
+    """fit's and plan's captions are checked against `Compiled.argument_bytes`: read back
+    from the figure cache (no executable), a program keeps them."""
+    from remat_kit.measure import lowering
+    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    w = jax.ShapeDtypeStruct((64, 32), np.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+    x = jax.ShapeDtypeStruct((8, 32), np.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    fn = lambda w, x: jax.numpy.sum((x @ w.T) ** 2)  # noqa: E731
+    fresh, again = (lowering.compile_for(fn, w, x, target="cpu") for _ in range(2))
+    assert fresh.compiled is not None and again.compiled is None
+    assert fresh.argument_bytes == again.argument_bytes == (64 * 32, 8 * 32 * 4)

@@ -456,8 +456,9 @@ def test_cli_fit_a_model_on_a_mesh_searches_sharded_steps(capsys):
                          if line.startswith(("│ full", "│ minimal"))]
     assert batches == {None: ["4", "4"], "data:2": ["8", "8"]}
     assert "within 1.00 MiB per device of mesh data:2 (2 devices; sizes global)" in stdout
-    assert ("compiled: train step; gradients and optimizer state sharded like the parameters "
-            "over data:2") in stdout
+    # Data parallel: the compiled steps take every parameter whole, and the caption says so.
+    assert ("compiled: train step; parameters and gradients and optimizer state whole on every "
+            "device of data:2") in stdout
 
 
 def test_the_verdict_pastes_a_spec_not_an_auto_rows_per_layer_pick():

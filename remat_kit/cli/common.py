@@ -114,18 +114,28 @@ def mesh_origin(work, asked, target) -> str | None:
                           else f"--mesh{across}")
 
 
-def parameters_sharded(work, records) -> bool:
+def parameters_sharded(params, records) -> bool:
     """Whether the compiled programs take any parameter split over devices: a
     record's `parameter_bytes_per_device` (read from the compiled argument
-    shardings) below the parameters' whole bytes; where no record read it, whether
-    the placed parameters say so. A caption claims sharded gradients only then."""
-    leaves = jax.tree.leaves(work.args[0])
+    shardings: a `Record`'s, or a train step's `StepMemory`'s) below the bytes of
+    `params` (the parameters' tree of ShapeDtypeStructs, global shapes) whole; where
+    no record read it, whether the placed parameters say so. A caption claims
+    sharded gradients only then."""
+    leaves = jax.tree.leaves(params)
     whole = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
     read = [r.parameter_bytes_per_device for r in records
             if getattr(r, "parameter_bytes_per_device", None) is not None]
     if read:
         return min(read) < whole
     return any(rk_mesh.local_shape(x).shape != tuple(x.shape) for x in leaves)
+
+
+def step_caption(step: str, mesh, params, records, origin: str | None = None) -> str:
+    """What every report (compare, plan, fit) says was compiled (`rk_mesh.compiled_step`
+    over `mesh`, with `origin`), claiming the gradients sharded like the parameters only
+    where the compiled programs take them so (`parameters_sharded` of `params` and
+    `records`); else "parameters and gradients whole on every device of ..."."""
+    return rk_mesh.compiled_step(step, mesh, origin, parameters_sharded(params, records))
 
 
 def plot_path(path: str, target, several: bool) -> str:
@@ -138,4 +148,4 @@ def plot_path(path: str, target, several: bool) -> str:
 
 __all__ = ["budget_bytes", "make_host_devices", "map_context", "mesh_origin",
            "parameters_sharded", "print_map", "source_and_sizes",
-           "plot_path", "sizes_text", "targets_of"]
+           "plot_path", "sizes_text", "step_caption", "targets_of"]

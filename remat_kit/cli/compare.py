@@ -14,7 +14,7 @@ import jax
 from remat_kit import mesh as rk_mesh
 from remat_kit.trace import retarget
 from remat_kit.measure import pool
-from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, parameters_sharded,
+from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, step_caption,
                                   plot_path, print_map, sizes_text, source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
@@ -134,12 +134,11 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
                       progress=progress, target=target, per_layer=True, peak=args.peak)
     found = target.versions
     mesh_text = rk_mesh.spec_text(mesh)
-    sharded = parameters_sharded(work, records)
-    step, origin = (rk_mesh.compiled_step("value-and-grad", work.mesh, sharded=sharded),
+    step, origin = (step_caption("value-and-grad", work.mesh, work.args[0], records),
                     mesh_origin(work, asked, target))
     how = getattr(work, "placement", None)
     per_device = (f", per device of {devices} ({mesh_text}); "
-                  f"{rk_mesh.compiled_step('value-and-grad', work.mesh, origin, sharded)}"
+                  f"{step_caption('value-and-grad', work.mesh, work.args[0], records, origin)}"
                   f"{'; ' + how if how else ''}" if devices > 1 else "")
     title = (f"{src.label}: {sizes_text(batch, seq)}, {dtype}, loss: {src.loss} "
              f"({target.label}{per_device})")

@@ -12,7 +12,8 @@ import sys
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.measure import pool
-from remat_kit.cli.common import budget_bytes, map_context, mesh_origin, print_map, targets_of
+from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, print_map,
+                                  step_caption, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
 from remat_kit.api.sources import load_source, rechunked
@@ -56,9 +57,14 @@ def run(args) -> int:
     fixed = (f"batch {batch}" if args.vary == "seq" else "no sequence axis (FLOPs/token: per "
              "example)" if per_example else f"seq {seq}")
     origin = mesh_origin(first, mesh, target_list[0])
+    # The parameters whole, for the caption's check against the compiled steps (a config's
+    # traced here only on a mesh: on one device the caption claims no sharding).
+    params = (first or src.workload(batch if args.vary == "seq" else multiple,
+                                    multiple if args.vary == "seq" else seq, mesh)).args[0] \
+        if result.mesh else None
     _report(args, src.label, result, (fixed, budget, f"{dtype}, loss: {src.loss}", multiple,
                                       origin), src.cfg, first,
-            target_list[0])
+            target_list[0], params)
     return 0
 
 
@@ -185,15 +191,18 @@ def _progress(vary: str):
     return progress
 
 
-def _report(args, label, result, words, cfg, first, target) -> None:
+def _report(args, label, result, words, cfg, first, target, params) -> None:
     """The model map, fit's table, the compiled step, what holds the floor, and --json and
     --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple, where
-    the mesh came from: `common.mesh_origin`)."""
+    the mesh came from: `common.mesh_origin`); `params`: the parameters' tree, global shapes
+    (None on one device), against which the compiled steps' shardings are checked
+    (`common.step_caption`)."""
     from remat_kit.cli import fit_report, verdict
     from remat_kit.api.report import print_title, terminal_console
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple, origin = words
-    step = rk_mesh.compiled_step("train step", result.mesh, origin)
+    step = step_caption("train step", result.mesh, params,
+                        [r.memory for r in result.rows if r.memory is not None], origin)
     where = (f"per device of mesh {result.mesh} ({result.devices} devices; sizes global)"
              if result.mesh else "per device")
     longest = "longest seq" if args.vary == "seq" else "largest batch"

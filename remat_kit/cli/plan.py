@@ -15,7 +15,7 @@ import time
 from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.measure import pool
-from remat_kit.cli.common import (map_context, mesh_origin, print_map, sizes_text,
+from remat_kit.cli.common import (map_context, mesh_origin, print_map, sizes_text, step_caption,
                                   source_and_sizes, targets_of)
 from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_planner_floor,
                                   check_schedules, device_mesh, plan_groups, preset_policies,
@@ -74,9 +74,10 @@ def run(args) -> int:
             else rk_mesh.plain(mesh))
     shown = _Shown(src.label, batch, seq, src.dtype(work), src.loss,
                    1 if used is None else used.size,
-                   rk_mesh.compiled_step("train step" if planner.step == "train"
-                                         else "value-and-grad", work.mesh,
-                                         mesh_origin(work, mesh, target_list[0])), emit_to,
+                   step_caption("train step" if planner.step == "train"
+                                else "value-and-grad", work.mesh, work.args[0],
+                                [planner.measure(parse("full")), *records],
+                                mesh_origin(work, mesh, target_list[0])), emit_to,
                    _own_tags(src, batch, seq) if emit_to == "jax" else None)
     return _report(args, planner, work, found, records, preset_rows, shown)
 

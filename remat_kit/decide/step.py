@@ -54,6 +54,9 @@ class StepMemory:
       flops: FLOPs of the step (`loop_scaled_costs`), None where the backend
         gives none.
       compile_seconds: lowering and compiling, seconds.
+      parameter_bytes_per_device: bytes of the parameters one device takes, by the
+        shardings the compiled program takes them with (`lowering.argument_bytes`,
+        kept in the figure cache too); None where it does not say.
     """
 
     total_bytes: int
@@ -69,6 +72,7 @@ class StepMemory:
     peak_memory_in_bytes: int | None
     flops: float | None
     compile_seconds: float
+    parameter_bytes_per_device: int | None = None
 
 
 def resizer(model, mesh: Mesh | None) -> tuple[Callable[[int, int], Workload], Workload]:
@@ -320,7 +324,7 @@ def step_figures(c: "lowering.Compiled", args: tuple) -> StepMemory:
                       max(0, total - 2 * p_bytes - o_bytes), mem.get("temp_size_in_bytes"),
                       mem.get("argument_size_in_bytes"), mem.get("output_size_in_bytes"),
                       mem.get("alias_size_in_bytes"), mem.get("peak_memory_in_bytes"),
-                      c.flops, c.seconds)
+                      c.flops, c.seconds, c.argument_bytes and c.argument_bytes[0])
 
 
 __all__ = ["StepMemory", "TrainStep", "compile_step", "default_optimizer", "in_use_bytes",

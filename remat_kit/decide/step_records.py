@@ -87,6 +87,7 @@ def train_record(workload: Workload, loss: Callable, name: str, key: str, *,
             record, **split(staged.residuals), **fields, flops=c.flops,
             transcendentals=c.transcendentals, compile_seconds=c.seconds,
             train_step_bytes=memory.total_bytes, notes=tuple(c.notes),
+            parameter_bytes_per_device=memory.parameter_bytes_per_device,
             predicted_seconds=_predicted_seconds(c))
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
         return dataclasses.replace(record, error=f"{type(e).__name__}: {e}")

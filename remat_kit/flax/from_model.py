@@ -437,10 +437,11 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
         try:
             one = again(batch // where.batch_size(), seq, mesh=None, placed=False, name=None)
             local, per_chip_block = (one.loss_for_policy, one.args), one.block
-        except (ValueError, TypeError) as e:  # its own shard_map splits the batch, or
-            # a pipeline reshapes it into its microbatches: the whole program
-            if the_map.pipeline is None and not (isinstance(e, ValueError)
-                                                 and "shard_map" in str(e)):
+        except (ValueError, TypeError, AssertionError) as e:  # its own shard_map splits the
+            # batch, a pipeline reshapes it into its microbatches, or its code asserts that
+            # its mesh splits it (MaxText's flash): the whole program
+            if the_map.pipeline is None and not isinstance(e, AssertionError) and not (
+                    isinstance(e, ValueError) and "shard_map" in str(e)):
                 raise
             local = (loss_for_policy, args)
     return Workload(loss_for_policy, args, name=label, batch=batch, seq=seq, resize=again,

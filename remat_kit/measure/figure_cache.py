@@ -50,7 +50,9 @@ MEASURED: sealed.Schema = {**_FIGURES, "predicted_seconds": sealed.optional(seal
                            "cost_notes": sealed.texts, "time_notes": sealed.texts,
                            "compiled_audit": sealed.mapping(lambda _: True),
                            "parameter_bytes": sealed.optional(sealed.count)}
-COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts, "kernel_seconds": sealed.amount}
+COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts, "kernel_seconds": sealed.amount,
+                           "argument_bytes": sealed.optional(
+                               lambda x: isinstance(x, list) and all(map(sealed.count, x)))}
 
 
 @functools.cache

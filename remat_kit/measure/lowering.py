@@ -10,10 +10,12 @@ Docs: docs/targets.md (the example at the end of its first part).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -132,6 +134,9 @@ class Compiled:
       kernel_seconds: the time model's seconds of the fused kernels priced from
         shapes (`kernels.seconds`), which `time_model.compiled_seconds` leaves out;
         0.0 where there are none.
+      argument_bytes: bytes one device takes of each of the program's arguments, by
+        the shardings the compiled program takes them with (`argument_bytes`); None
+        where it keeps none.
     """
 
     compiled: object
@@ -142,6 +147,26 @@ class Compiled:
     seconds: float
     notes: tuple[str, ...] = ()
     kernel_seconds: float = 0.0
+    argument_bytes: tuple[int, ...] | None = None
+
+
+def argument_bytes(compiled, args: Sequence) -> tuple[int, ...] | None:
+    """Bytes one device of `compiled` takes of each of `args` (its arguments, in order,
+    their leaves its input leaves), by the shardings the compiled program takes them with
+    (`compiled.input_shardings`); None where it does not say."""
+    try:
+        shardings = jax.tree.leaves(compiled.input_shardings[0])
+    except Exception:  # noqa: BLE001 - an executable that keeps no shardings
+        return None
+    found, at = [], 0
+    for arg in args:
+        leaves = jax.tree.leaves(arg)
+        if at + len(leaves) > len(shardings):
+            return None
+        found.append(sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                         for s, x in zip(shardings[at:], leaves)))
+        at += len(leaves)
+    return tuple(found)
 
 
 def costs(compiled, target: Target, fn: Callable, local_leaves: Sequence):
@@ -271,7 +296,8 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
     if kept is not None and dump is None:  # a program that will not run: kept figures
         return Compiled(None, target, kept["memory"], kept["flops"], kept["transcendentals"],
                         time.perf_counter() - start, tuple(kept["notes"]),
-                        kept["kernel_seconds"])
+                        kept["kernel_seconds"], kept["argument_bytes"]
+                        and tuple(kept["argument_bytes"]))
     compiled = pool.current().run(_compile_dumped if dump else compile_lowered, lowered,
                                   dump_options(options, dump) if dump else options, target)
     seconds = time.perf_counter() - start
@@ -279,12 +305,14 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
                             if count_flops else ({}, (), kernels.Priced()))
     memory = memory_fields(compiled)
     kernel_seconds = kernels.seconds(priced, target.roofline) if priced.kernels else 0.0
+    shards = argument_bytes(compiled, placed)
     figure_cache.store(program_key, {"memory": memory, "flops": found.get("flops"),
                                      "transcendentals": found.get("transcendentals"),
-                                     "notes": list(notes), "kernel_seconds": kernel_seconds})
+                                     "notes": list(notes), "kernel_seconds": kernel_seconds,
+                                     "argument_bytes": shards and list(shards)})
     return Compiled(compiled, target, memory, found.get("flops"),
-                    found.get("transcendentals"), seconds, notes, kernel_seconds)
+                    found.get("transcendentals"), seconds, notes, kernel_seconds, shards)
 
 
-__all__ = ["Compiled", "compile_for", "compile_lowered", "compile_options", "costs",
+__all__ = ["Compiled", "argument_bytes", "compile_for", "compile_lowered", "compile_options", "costs",
            "costs_with_kernels", "lower", "on_target", "place"]

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
 from remat_kit import mesh as rk_mesh
@@ -349,17 +347,10 @@ def _notes(run: _Run, policy: Policy, group_names, figures: dict, found: dict) -
 
 def parameter_bytes(compiled, params) -> int | None:
     """Bytes of the parameter arguments one device of `compiled` holds, by the shardings
-    the compiled program takes them with (`compiled.input_shardings`, its first
-    arguments being `params`' leaves); None where it does not say."""
-    try:
-        shardings = jax.tree.leaves(compiled.input_shardings[0])
-    except Exception:  # noqa: BLE001 - an executable that keeps no shardings
-        return None
-    leaves = jax.tree.leaves(params)
-    if len(shardings) < len(leaves):
-        return None
-    return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-               for s, x in zip(shardings, leaves))
+    the compiled program takes them with (`lowering.argument_bytes`, its first arguments
+    being `params`' leaves); None where it does not say."""
+    found = lowering.argument_bytes(compiled, (params,))
+    return found and found[0]
 
 
 def _figures(compiled, target, local) -> dict:

@@ -88,17 +88,29 @@ class Llama(nnx.Module):
         return x @ self.lm_head[...]
 
 
+class Checked(Llama):
+    """`Llama` whose code asserts that its batch splits over its mesh's fsdp axis, as
+    MaxText's flash attention asserts it (`attention_op.tpu_flash_attention`): one chip's
+    share of the batch alone fails there."""
+
+    def __call__(self, tokens):
+        assert tokens.shape[0] % AXES["fsdp"] == 0, (
+            f"Batch dimension should be shardable among the devices in data and fsdp axis got "
+            f"{tokens.shape[0]}/{AXES['fsdp']}")
+        return super().__call__(tokens)
+
+
 def mesh(devices=None) -> Mesh:
     """`AXES` over the first 4 of `devices` (default this machine's)."""
     grid = np.array(list(devices or jax.devices())[:4]).reshape(tuple(AXES.values()))
     return Mesh(grid, tuple(AXES))
 
 
-def abstract(over: Mesh | None) -> Llama:
-    """The model with abstract parameters; each with its NamedSharding on `over`
+def abstract(over: Mesh | None, cls: type = Llama) -> Llama:
+    """The model (`cls`) with abstract parameters; each with its NamedSharding on `over`
     (its logical names mapped by `RULES`), none where `over` is None."""
     with nnx.use_eager_sharding(False):
-        shaped = nnx.eval_shape(lambda: Llama(nnx.Rngs(0)))
+        shaped = nnx.eval_shape(lambda: cls(nnx.Rngs(0)))
     graphdef, state = nnx.split(shaped)
 
     def placed(var):
@@ -116,6 +128,11 @@ def abstract(over: Mesh | None) -> Llama:
 def model(devices=None) -> Llama:
     """For `remat-kit --model tests/zoo/sharded_nnx.py:model`: over `mesh(devices)`."""
     return abstract(mesh(devices))
+
+
+def checked() -> Checked:
+    """`model()` whose code asserts its batch splits over its mesh (`Checked`)."""
+    return abstract(mesh(), Checked)
 
 
 def plain() -> Llama:
