@@ -371,8 +371,9 @@ def compiled_seconds(compiled, line: Roofline) -> float:
     summed, loop bodies once per trip; on several slices (`line.slices`) with what
     the program sends across them at `line.dcn_bandwidth`, and what its collectives
     (a pipeline's `ppermute` to the next stage, an expert layer's all-to-all
-    dispatch and combine, all-gathers and reduce-scatters) send at `line.ici_bandwidth` (`collectives.ici_bytes`; neither
-    overlapped with compute: an upper bound)."""
+    dispatch and combine, all-gathers and reduce-scatters) send at
+    `line.ici_bandwidth` (`collectives.ici_bytes`; neither overlapped with compute:
+    an upper bound)."""
     return step_terms(compiled, line)["seconds"]
 
 
