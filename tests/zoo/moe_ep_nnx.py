@@ -98,11 +98,9 @@ def make(batch: int, seq: int, abstract: bool = False, chips: int = 4, devices=N
     del batch, seq
     c = moe_nnx.MoEConfig(expert_parallel=chips, **config)
     over = mesh(chips, devices)
-    with nnx.use_eager_sharding(False):
-        shaped = nnx.eval_shape(lambda: MoELM(c, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(shaped)
-    if not abstract:
-        state = nnx.state(nnx.jit(lambda: MoELM(c, rngs=nnx.Rngs(0)))())
+    build = lambda: MoELM(c, rngs=nnx.Rngs(0))  # noqa: E731
+    with nnx.use_eager_sharding(False):  # placed below, on the mesh
+        graphdef, state = nnx.split(nnx.eval_shape(build) if abstract else nnx.jit(build)())
 
     def placed(var):
         value = var.get_value()
@@ -114,7 +112,7 @@ def make(batch: int, seq: int, abstract: bool = False, chips: int = 4, devices=N
 
     state = jax.tree.map(placed, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     model = nnx.merge(graphdef, state)
-    for _, layer in model.iter_modules():
+    for _, layer in nnx.iter_modules(model):
         if isinstance(layer, ExpertParallelMoE):
             layer.mesh = over
     graphdef, params = nnx.split(model, nnx.Param)

@@ -82,8 +82,8 @@ class MoE(nnx.Module):
         self.wo = param(c.experts, c.hidden, c.dim)
         if c.shared:
             dense = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
-            self.shared = nnx.List([dense(c.dim, c.shared), dense(c.dim, c.shared),
-                                    dense(c.shared, c.dim)])
+            self.shared_gate, self.shared_up = dense(c.dim, c.shared), dense(c.dim, c.shared)
+            self.shared_down = dense(c.shared, c.dim)
 
     def route(self, x):
         """x [b, s, d] -> (expert ids int32 [b·s·k], their sort order [b·s·k], routing
@@ -113,8 +113,7 @@ class MoE(nnx.Module):
         """The shared expert's gated SiLU MLP of x [b, s, d], or 0 where there is none."""
         if not self.c.shared:
             return 0.0
-        gate, up, down = self.shared
-        return down(nnx.silu(gate(x)) * up(x))
+        return self.shared_down(nnx.silu(self.shared_gate(x)) * self.shared_up(x))
 
     def __call__(self, x):
         c = self.c
