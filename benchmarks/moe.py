@@ -2,7 +2,7 @@
 
     flock /tmp/heavy.lock python benchmarks/moe.py [--target tpu:v5p:2x2x1] [--chips 4]
         [--seq 4096] [--batch 4] [--layers 4] [--scale 1] [--budgets 0.5,0.35,0.25]
-        [--policies none,full,...] [--json out.json]
+        [--policies "none full ..."] [--json out.json]
 
 The model is `tests/zoo/moe_ep_nnx.py` (experts split over a mesh axis `expert` of `--chips`,
 dispatch and combine by all-to-all; `--chips 1`: `tests/zoo/moe_nnx.py` on one chip) at
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--budgets", default="0.75,0.5,0.25")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=" ".join(POLICIES))  # specs hold commas
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -70,7 +70,7 @@ def main() -> None:
     print(f"{args.target}, experts over {args.chips} chip(s), width 1/{args.scale}, "
           f"{work.placement or 'one device'}", flush=True)
     rows = []
-    for r in rk.measure(work, policies=args.policies.split(","), target=args.target):
+    for r in rk.measure(work, policies=args.policies.split(), target=args.target):
         terms = (r.audit or {}).get("step_terms") or {}
         rows.append({"policy": r.names[0], "flops": r.flops or 0.0,
                      "kernel_flops": r.kernel_flops or 0.0, "peak_bytes": r.memory_bytes or 0,
