@@ -3,8 +3,8 @@
 Ring algorithms over the n chips of a replica group (Patarasuk & Yuan 2009; the scaling book's
 "How to think about TPUs", collectives): all-gather (n - 1)/n of its output, reduce-scatter and
 all-to-all (n - 1)/n of their operands (all-to-all keeps one chunk of n), all-reduce twice that,
-a `ragged-all-to-all` its input at its static bound (what a row may send), a collective-permute
-its operand. The time model prices these bytes at the chip's `ici_bandwidth`.
+a `ragged-all-to-all` its input at its static bound, a collective-permute its operand. The
+time model prices them at the chip's `ici_bandwidth`: docs/targets.md ("Expert parallelism").
 """
 
 from __future__ import annotations
