@@ -138,3 +138,13 @@ def test_the_experts_kernels_run_over_the_rows_a_chip_may_receive(on_tpu):
     assert on_tpu["none"].kernel_flops == 3 * f
     assert on_tpu["save:moe_dispatch"].kernel_flops == 4 * f
     assert "rows at their static bound" in on_tpu["none"].notes[0]
+
+
+@needs_4
+def test_dispatch_and_combine_are_found_on_a_model_that_tags_nothing():
+    """No checkpoint_name: the float all-to-all before the grouped matmuls is the dispatch,
+    the one after them the combine (the routing ids' all-to-all is integer: routing)."""
+    model, _, _ = moe_ep_nnx.make(B, T, abstract=True, matmul="ragged_dot", tags=False)
+    work = rk.from_model.workload(model, B, T)
+    tags = set(rk.emitted_tags(work.loss_for_policy(rk.parse("full")), *work.args))
+    assert {"moe_dispatch", "moe_combine", *rk.trace.roles.MOE_ROLES} <= tags
