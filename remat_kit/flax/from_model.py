@@ -27,7 +27,7 @@ from remat_kit.flax.blocks import (Instance, ModelError, Pick, has_parameters, p
                                    unremat_note)
 from remat_kit.flax import nnx as flax_nnx
 from remat_kit.flax.lm_loss import OUR_LOSS, logits_of, next_token_loss
-from remat_kit.flax import placement
+from remat_kit.flax import experts, placement
 from remat_kit.trace import model_map, own_call, own_remat, pipeline, regions, retarget, stand_in
 from remat_kit.trace.marked import count_marked
 from remat_kit.trace import wrapping
@@ -380,6 +380,8 @@ def _workload(model, batch: int, seq: int | None, block, name, mesh, vocab_chunk
               inputs, placed: bool, given: tuple = (None, None)) -> Workload:
     """`workload`; placed=False: the program one device runs (off any mesh, the
     model's own too), whose residuals a sharded workload reports."""
+    if isinstance(model, nnx.Module):  # before anything traces a shard_map over the axis
+        experts.check(nnx.state(model, nnx.Param))
     pick, marked, args = _built(model, batch, seq, block, vocab_chunks, inputs)
     given_rules, batch_axes = given
     named = placement.annotations(args[0], placement.model_rules(model), given_rules)

@@ -25,8 +25,10 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.errors import MeshError
 from remat_kit.trace import retarget
 
-# Mesh axis names that split the batch where the rules name no batch axis.
-DATA_AXES = ("data", "fsdp")
+# Mesh axis names that split the batch where the rules name no batch axis: `expert` too, as
+# MaxText's rules put it in `activation_batch` (outside the expert layers, expert parallelism
+# is data parallelism).
+DATA_AXES = ("data", "fsdp", "expert")
 
 _BOXES = (nn.LogicallyPartitioned, nn.Partitioned, nnx.Variable)
 

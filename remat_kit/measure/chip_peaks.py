@@ -35,7 +35,7 @@ _TPU_HOST_DMA = 1.5e10
 _DCN = {"tpu:v5e": 3.125e9, "tpu:v5p": 6.25e9}
 # TPU chip -> a neighbour over one ICI link, bytes/s one way: the same book's "ICI
 # bandwidth" per link, one direction (4.5e10 for v5e, 9e10 for v5p), what a pipeline's
-# `ppermute` to the next stage runs at.
+# `ppermute` to the next stage and every other collective (all-to-all, all-gather, ...) run at.
 _ICI = {"tpu:v5e": 4.5e10, "tpu:v5p": 9e10}
 # TPU on-chip vector memory (VMEM, memory space S(1) in the optimized HLO) <-> the vector and
 # matrix units, bytes/s: Google publishes no figure; the same book ("VMEM" in its TPU chapter)
@@ -93,8 +93,8 @@ class Roofline:
         prices what the program sends across them at `dcn_bandwidth`
         (`remat_kit.measure.dcn`).
       ici_bandwidth: chip -> neighbouring chip bytes/s over one ICI link, one way
-        (None: not listed); the time model prices what a `collective-permute` (a
-        pipeline's `ppermute`) sends at it.
+        (None: not listed); the time model prices what every collective sends at it
+        (`collectives.ici_bytes`: a pipeline's `ppermute`, an expert layer's all-to-alls).
       vmem_bandwidth: on-chip vector memory (TPU VMEM) bytes/s (None: no such memory
         space; bytes found there are priced at `bandwidth`).
     """

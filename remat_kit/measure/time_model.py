@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
-from remat_kit.measure import dcn, kernels, loops
+from remat_kit.measure import collectives, dcn, kernels, loops
 from remat_kit.measure.gpu_calls import cublas_gemm
 from remat_kit._jax_private import hlo_module
 # Re-exported: tests, scripts and the planner read the peaks as time_model.roofline(target)
@@ -110,8 +110,9 @@ class OpCost:
       trips: how many times the op runs (the trip counts of the loops around it).
       dcn_bytes: bytes the op sends across slices over the data-center network, per
         chip (`remat_kit.measure.dcn`; 0 on one slice).
-      ici_bytes: bytes a `collective-permute` sends to another chip (its operand),
-        per chip; 0 for any other op.
+      ici_bytes: bytes a collective sends to other chips over the ICI, per chip
+        (`collectives.ici_bytes`: all-to-all, all-gather, reduce-scatter, all-reduce,
+        collective-permute); 0 for any other op.
     """
 
     name: str
@@ -126,8 +127,6 @@ class OpCost:
     vmem_bytes: float = 0.0  # as nbytes, of the operands and outputs in TPU VMEM (S(1))
 
 
-# A collective-permute, synchronous or started asynchronously (its -done moves nothing).
-_PERMUTES = ("kCollectivePermute", "kCollectivePermuteStart")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _HBM, _VMEM = "0", "1"
 
@@ -358,7 +357,7 @@ def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
                 np.dtype(shape.numpy_dtype())
             sent = (dcn.dcn_bytes(instr, slices, _size(instr.operands()[0].shape)[1])
                     if slices and op == "kSend" else 0.0)
-            ici = (_size(instr.operands()[0].shape)[1] if op in _PERMUTES else 0.0)
+            ici = collectives.ici_bytes(instr, _size)
             ops.append(OpCost(instr.name, op, flops, trans, _boundary_bytes(instr, comps),
                               dtype, trips, sent, ici, _boundary_bytes(instr, comps, _VMEM)))
 
@@ -368,11 +367,13 @@ def compiled_ops(compiled, slices: int | None = None) -> list[OpCost]:
 
 def compiled_seconds(compiled, line: Roofline) -> float:
     """Predicted seconds of one run of a compiled program: the roofline of each
-    op it runs (`compiled_ops`; its HBM and VMEM bytes each at their bandwidth), summed, loop bodies once per trip; on several
-    slices (`line.slices`) with what the program sends across them at
-    `line.dcn_bandwidth`, and what its `collective-permute`s (a pipeline's
-    `ppermute` to the next stage) send at `line.ici_bandwidth` (neither overlapped
-    with compute: an upper bound)."""
+    op it runs (`compiled_ops`; its HBM and VMEM bytes each at their bandwidth),
+    summed, loop bodies once per trip; on several slices (`line.slices`) with what
+    the program sends across them at `line.dcn_bandwidth`, and what its collectives
+    (a pipeline's `ppermute` to the next stage, an expert layer's all-to-all
+    dispatch and combine, all-gathers and reduce-scatters) send at
+    `line.ici_bandwidth` (`collectives.ici_bytes`; neither overlapped with compute:
+    an upper bound)."""
     return step_terms(compiled, line)["seconds"]
 
 
@@ -381,15 +382,19 @@ def step_terms(compiled, line: Roofline) -> dict:
     (the ops whose HBM bytes bound them: their bytes / bandwidth), "flops_bound_seconds" (the
     ops whose FLOPs bound them), "f32_flops_bound_seconds" (of those, the ops priced at the f32
     peak), "hbm_bytes" (bytes every op reads and writes, per trip), "vmem_bytes" (those in
-    TPU VMEM, at `line.vmem_bandwidth`), "flops", "dcn_seconds", "ici_seconds"}. What makes one program's prediction faster than another's
-    (`audit.faster_than_none`)."""
+    TPU VMEM, at `line.vmem_bandwidth`), "flops", "dcn_seconds", "ici_seconds" (of which
+    "all_to_all_seconds": the all-to-alls', an expert layer's dispatch and combine)}. What
+    makes one program's prediction faster than another's (`audit.faster_than_none`)."""
     ops = compiled_ops(compiled, line.slices)
     sent = sum(op.trips * op.dcn_bytes for op in ops)
     passed = sum(op.trips * op.ici_bytes for op in ops)
+    swapped = sum(op.trips * op.ici_bytes for op in ops if op.opcode in collectives.ALL_TO_ALL)
+    ici = line.ici_bandwidth or 0.0
     terms = {"bytes_bound_seconds": 0.0, "flops_bound_seconds": 0.0,
              "f32_flops_bound_seconds": 0.0, "hbm_bytes": 0.0, "vmem_bytes": 0.0, "flops": 0.0,
              "dcn_seconds": sent / line.dcn_bandwidth if sent and line.dcn_bandwidth else 0.0,
-             "ici_seconds": passed / line.ici_bandwidth if passed and line.ici_bandwidth else 0.0}
+             "ici_seconds": passed / ici if ici else 0.0,
+             "all_to_all_seconds": swapped / ici if ici else 0.0}
     for op in ops:
         seconds = op.trips * line.seconds(op.flops, op.nbytes, op.dtype, op.vmem_bytes)
         by_bytes = line.memory_seconds(op.nbytes, op.vmem_bytes) >= seconds / op.trips

@@ -47,6 +47,12 @@ TAGS: dict[str, str] = {
     "moe_mlpwi_0": "MoE expert gate projection, a grouped matmul [batch x seq x top_k, mlp]",
     "moe_mlpwi_1": "MoE expert up projection, a grouped matmul [batch x seq x top_k, mlp]",
     "moe_mlpwo": "MoE expert output projection, a grouped matmul [batch x seq x top_k, embed]",
+    # Expert parallelism: what the all-to-alls bring to a chip. Saving one keeps the backward
+    # from sending it again (torchtitan's selective policy saves all-to-all outputs).
+    "moe_dispatch": ("MoE dispatch: the routed tokens an all-to-all brings to the chip of "
+                     "their expert [rows received, embed]"),
+    "moe_combine": ("MoE combine: the expert outputs an all-to-all brings back to their "
+                    "tokens' chip [rows sent, embed]"),
     "decoder_layer_output": "layer output [batch, seq, embed]",
 }
 

@@ -301,5 +301,16 @@ def fwd(val: Val, ops: set) -> Iterable[tuple[Node, Val]]:
                 queue.extend(n.outs)
 
 
+
+def exchanges(g: "Graph", marks: Sequence) -> list[tuple]:
+    """The all-to-alls of `g` whose output is floating point (expert parallelism's dispatch
+    and combine), in program order, each with whether a node of `marks` runs after it and
+    before the next one: [(node, bool)]."""
+    at = {id(n): i for i, n in enumerate(g.nodes)}
+    swaps = [n for n in g.nodes if n.prim in ("all_to_all", "ragged_all_to_all")
+             and n.outs and "float" in str(getattr(n.outs[0].aval, "dtype", ""))]
+    ends = [at[id(n)] for n in swaps[1:]] + [math.inf]
+    return [(n, any(at[id(n)] < at[id(m)] < end for m in marks)) for n, end in zip(swaps, ends)]
+
 __all__ = ["CALLS", "LAYOUT", "Graph", "Node", "Val", "axes_back", "back", "back_end",
-           "back_path", "data_ins", "dot_operand_axes", "fwd", "fwd_chain", "fwd_end"]
+           "back_path", "data_ins", "dot_operand_axes", "exchanges", "fwd", "fwd_chain", "fwd_end"]

@@ -4,7 +4,7 @@ A model from a library names its values its own way, so MaxText's presets (`mini
 `save_qkv_proj`, ...) would save nothing on it; `infer_roles` reads the roles (`ROLES`) from the
 dataflow instead: the softmax and the dots around it are attention, the parameter matmuls around
 a nonlinearity the MLP, a normalized value feeding them a norm, grouped matmuls over routed
-tokens a mixture of experts (its routing, dispatched tokens and expert matmuls). Also `Roles`, `kernel_name`.
+tokens a mixture of experts (routing, dispatch, expert matmuls). Also `Roles`, `kernel_name`.
 The rules: docs/models.md ("A Flax model, no glue", step 4).
 """
 
@@ -257,7 +257,6 @@ def _attention(g: df.Graph, a: _Assign, why: dict) -> tuple[set, set]:
                   "scores never exist")
         why.setdefault("attn_logits", reason)
         why.setdefault("attn_probs", reason)
-
     for node in g.nodes:
         sm = _softmax(node)
         if sm is None:
@@ -376,11 +375,11 @@ def _grouped(node) -> int | None:
 
 
 def _moe(g: df.Graph, a: _Assign) -> bool:
-    """Tags a mixture of experts (MaxText's names): the expert MLPs' grouped matmuls
-    (the output one, moe_mlpwo, fed by a nonlinearity or gated product of the input
-    ones: moe_mlpwi_0 through the nonlinearity, moe_mlpwi_1 not), the routed tokens
-    they read (moe_x_sorted), and the routing: the top-k expert ids and the
-    permutation sorting by them (moe_routing_maps). Returns whether one was found."""
+    """Tags a mixture of experts (MaxText's names): the expert MLPs' grouped matmuls (the
+    output one, moe_mlpwo, fed by a nonlinearity or gated product of the input ones:
+    moe_mlpwi_0 through it, moe_mlpwi_1 not), the routed tokens they read (moe_x_sorted), the
+    routing (top-k expert ids and their sort permutation: moe_routing_maps) and, experts over
+    chips, the rows an all-to-all brings (moe_dispatch, moe_combine). Returns if one found."""
     grouped = [n for n in g.nodes if _grouped(n) is not None]
     for wo in grouped:
         act = df.back_end(wo.ins[_grouped(wo)])
@@ -407,6 +406,8 @@ def _moe(g: df.Graph, a: _Assign) -> bool:
             for sort in ids.consumers:  # argsort: sort(ids, iota) -> (sorted, permutation)
                 if sort.prim == "sort" and len(sort.outs) == 2 and sort.ins[0] is ids:
                     a.put(sort.outs[1], "moe_routing_maps")
+    for n, before in df.exchanges(g, grouped):  # dispatch: before a grouped matmul
+        a.put(n.outs[0], "moe_dispatch" if before else "moe_combine")
     return True
 
 

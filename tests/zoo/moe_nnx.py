@@ -47,6 +47,8 @@ class MoEConfig:
     dtype: str = "float32"  # of the activations (parameters stay float32)
     router_dtype: str = "float32"
     scan: bool = False
+    shared: int = 0  # hidden width of one dense shared expert beside the routed ones; 0: none
+    expert_parallel: int = 0  # chips of the mesh axis `expert` the experts are split over
 
 
 def _name(c: MoEConfig, x, *names: str):
@@ -64,41 +66,75 @@ def grouped(c: MoEConfig, x, w, group_sizes):
 
 
 class MoE(nnx.Module):
+    """Routed experts (and, where `c.shared`, one dense gated MLP beside them, as
+    DeepSeek's and Llama 4's shared expert). `route`, `experts` and `combine` are the
+    pieces an expert-parallel layer (`moe_ep_nnx.py`) runs around its all-to-alls."""
+
     def __init__(self, c: MoEConfig, *, rngs):
         self.c = c
         init = nnx.initializers.lecun_normal()
+        # The expert axis (if any) splits the experts' weights: each chip holds its own.
+        over = {"out_sharding": ("expert", None, None)} if c.expert_parallel else {}
+        param = lambda *shape: nnx.Param(init(rngs.params(), shape), **over)  # noqa: E731
         self.router = nnx.Linear(c.dim, c.experts, use_bias=False, rngs=rngs)
-        self.wi_0 = nnx.Param(init(rngs.params(), (c.experts, c.dim, c.hidden)))
-        self.wi_1 = nnx.Param(init(rngs.params(), (c.experts, c.dim, c.hidden)))
-        self.wo = nnx.Param(init(rngs.params(), (c.experts, c.hidden, c.dim)))
+        self.wi_0 = param(c.experts, c.dim, c.hidden)
+        self.wi_1 = param(c.experts, c.dim, c.hidden)
+        self.wo = param(c.experts, c.hidden, c.dim)
+        if c.shared:
+            dense = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+            self.shared_gate, self.shared_up = dense(c.dim, c.shared), dense(c.dim, c.shared)
+            self.shared_down = dense(c.shared, c.dim)
 
-    def __call__(self, x):
+    def route(self, x):
+        """x [b, s, d] -> (expert ids int32 [b·s·k], their sort order [b·s·k], routing
+        weights [b, s, k])."""
         c = self.c
-        b, s, d = x.shape
         logits = self.router(x.astype(c.router_dtype))
         weights, chosen = jax.lax.top_k(logits, c.top_k)  # [b, s, k]
         weights = jax.nn.softmax(weights.astype(jnp.float32), axis=-1).astype(x.dtype)
         flat = _name(c, chosen.reshape(-1), "moe_routing_maps")
-        order = _name(c, jnp.argsort(flat), "moe_routing_maps")
-        sorted_x = _name(c, jnp.take(x.reshape(-1, d), order // c.top_k, axis=0),
+        return flat, _name(c, jnp.argsort(flat), "moe_routing_maps"), weights
+
+    def experts(self, rows, sizes, wi_0, wi_1, wo):
+        """rows [m, d] sorted by expert, sizes int32 [experts] -> [m, d]: the gated SiLU
+        MLP of each row's expert, three grouped matmuls."""
+        c = self.c
+        h0 = _name(c, grouped(c, rows, wi_0, sizes), "mlpwi_0", "moe_mlpwi_0")
+        h1 = _name(c, grouped(c, rows, wi_1, sizes), "moe_mlpwi_1")
+        return _name(c, grouped(c, nnx.silu(h0) * h1, wo, sizes), "mlpwo", "moe_mlpwo")
+
+    def combine(self, out, order, weights, shape):
+        """out [b·s·k, d] in sorted order -> [b, s, d], weighted by the routing."""
+        b, s, d = shape
+        unsorted = out[jnp.argsort(order)].reshape(b, s, self.c.top_k, d)
+        return jnp.einsum("bskd,bsk->bsd", unsorted, weights)
+
+    def dense(self, x):
+        """The shared expert's gated SiLU MLP of x [b, s, d], or 0 where there is none."""
+        if not self.c.shared:
+            return 0.0
+        return self.shared_down(nnx.silu(self.shared_gate(x)) * self.shared_up(x))
+
+    def __call__(self, x):
+        c = self.c
+        flat, order, weights = self.route(x)
+        sorted_x = _name(c, jnp.take(x.reshape(-1, x.shape[-1]), order // c.top_k, axis=0),
                          "moe_x_sorted")
         sizes = jnp.bincount(flat, length=c.experts).astype(jnp.int32)
-        h0 = _name(c, grouped(c, sorted_x, self.wi_0[...], sizes), "mlpwi_0", "moe_mlpwi_0")
-        h1 = _name(c, grouped(c, sorted_x, self.wi_1[...], sizes), "moe_mlpwi_1")
-        out = _name(c, grouped(c, nnx.silu(h0) * h1, self.wo[...], sizes),
-                    "mlpwo", "moe_mlpwo")
-        unsorted = out[jnp.argsort(order)].reshape(b, s, c.top_k, d)
-        return jnp.einsum("bskd,bsk->bsd", unsorted, weights)
+        out = self.experts(sorted_x, sizes, self.wi_0[...], self.wi_1[...], self.wo[...])
+        return self.combine(out, order, weights, x.shape) + self.dense(x)
 
 
 class Block(nnx.Module):
+    MOE = MoE  # a subclass's own expert layer (tests/zoo/moe_ep_nnx.py)
+
     def __init__(self, c: MoEConfig, *, rngs):
         self.c = c
         kw = {"dtype": jnp.dtype(c.dtype), "rngs": rngs}
         self.ln1, self.ln2 = nnx.RMSNorm(c.dim, **kw), nnx.RMSNorm(c.dim, **kw)
         self.qkv = nnx.Linear(c.dim, 3 * c.heads * c.head_dim, use_bias=False, **kw)
         self.o = nnx.Linear(c.heads * c.head_dim, c.dim, use_bias=False, **kw)
-        self.moe = MoE(c, rngs=rngs)
+        self.moe = type(self).MOE(c, rngs=rngs)
 
     def __call__(self, x):
         b, s, _ = x.shape
