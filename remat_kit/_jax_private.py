@@ -50,6 +50,11 @@ def hlo_text_cost_analysis(text: str, client) -> dict[str, float]:
     return _jax.hlo_module_cost_analysis(client, hlo.hlo_module_from_text(text))
 
 
+def hlo_module_from_proto(serialized: bytes):
+    """An HLO module (`jaxlib._hlo.HloModule`) from its serialized `HloModuleProto`."""
+    return hlo.HloModule.from_serialized_hlo_module_proto(serialized)
+
+
 def hlo_module(compiled):
     """The optimized HLO module of a JAX `Compiled` (`jaxlib._hlo.HloModule`): its
     runtime executable's, or parsed from `compiled.as_text()` where there is none
@@ -228,5 +233,6 @@ def compile_module(module: bytes, options: bytes, devices: Sequence):
 
 
 __all__ = ["compile_module", "compile_request", "cudnn_version", "has_nvidia_gpu", "hlo_module",
-           "hlo_text_cost_analysis", "lowered_shardings", "name_p", "num_tpu_chips", "replacing_cudnn_attention",
-           "saved_residuals", "scan_parts", "without_compilation_cache"]
+           "hlo_module_from_proto", "hlo_text_cost_analysis", "lowered_shardings", "name_p",
+           "num_tpu_chips", "replacing_cudnn_attention", "saved_residuals", "scan_parts",
+           "without_compilation_cache"]

@@ -3,6 +3,7 @@ answers with one compile at a time and with two side by side, on the CPU and on 
 compiled ahead of time; a bad --jobs is one line."""
 
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -47,14 +48,17 @@ def test_compare_gives_the_same_records_with_one_or_two_jobs(target):
     assert all(r.error is None and r.flops for r in runs[2])
 
 
+@functools.cache  # the serial plans, also the Ray cluster's reference
+def _plans(target, budgets, jobs):
+    planner = config_planner(TINY, 2, 16, cache=None, groups=1, target=target, jobs=jobs)
+    return [(p.spec, p.measured_bytes, p.measured_flops, p.iterations)
+            for p in planner.frontier(list(budgets))]
+
+
 @pytest.mark.parametrize("target,budgets", [(None, [0.6, 0.8, 1.0]),
                                             ("tpu:v5e:1x1", [0.92, 0.96, 1.0])])
 def test_plan_gives_the_same_plans_with_one_or_two_jobs(target, budgets):
-    plans = {}
-    for jobs in (1, 2):
-        planner = config_planner(TINY, 2, 16, cache=None, groups=1, target=target, jobs=jobs)
-        plans[jobs] = [(p.spec, p.measured_bytes, p.measured_flops, p.iterations)
-                       for p in planner.frontier(budgets)]
+    plans = {1: _plans(target, tuple(budgets), 1), 2: _plans(target, tuple(budgets), 2)}
     assert plans[1] == plans[2]
     assert plans[2][-1][0] == "none"  # the whole of no remat's memory holds no remat
 
@@ -137,18 +141,17 @@ def test_the_progress_lines_count_the_pools_compiles(capsys):
 def test_a_local_ray_cluster_gives_the_serial_plan():
     ray = pytest.importorskip("ray")  # optional: pip install 'remat-kit[ray]'
     from remat_kit.measure import cluster
-    serial = config_planner(TINY, 2, 16, cache=None, groups=1, jobs=1).frontier([0.6])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         before = cluster.sent()
         with cluster.using("auto"):
             assert cluster.active() and pool.current().jobs == 2  # the cluster's CPUs
-            on_ray = config_planner(TINY, 2, 16, cache=None, groups=1).frontier([0.6])
+            on_ray = config_planner(TINY, 2, 16, cache=None, groups=1).frontier([0.6, 0.8, 1.0])
         assert cluster.sent() > before and not cluster.active()
     finally:
         ray.shutdown()
     assert [(p.spec, p.measured_bytes, p.measured_flops, p.iterations) for p in on_ray] == \
-        [(p.spec, p.measured_bytes, p.measured_flops, p.iterations) for p in serial]
+        _plans(None, (0.6, 0.8, 1.0), 1)
 
 
 def test_a_ray_address_that_does_not_answer_is_one_line(capsys):

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+import warnings
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -35,11 +36,11 @@ class Figures:
     """What the reports read of a compiled program, as a cluster worker sent it back: the
     methods of JAX's `Compiled` that `measure` calls (`as_text`, `cost_analysis`,
     `memory_analysis`), and `input_shardings`, `out_info` as the lowering fixed them
-    (`_jax_private.lowered_shardings`, set here); `runtime_executable` raises (there is
-    none here)."""
+    (`_jax_private.lowered_shardings`, set here); `runtime_executable` gives what
+    `_jax_private.hlo_module` reads of it (the optimized HLO module, as XLA serialized it)."""
 
-    def __init__(self, text: str, cost, memory: dict | None):
-        self._text, self._cost, self._memory = text, cost, memory
+    def __init__(self, text: str, cost, memory: dict | None, module: bytes | None = None):
+        self._text, self._cost, self._memory, self._module = text, cost, memory, module
         self.input_shardings = self.out_info = None
 
     def as_text(self) -> str:
@@ -54,7 +55,19 @@ class Figures:
         return None if self._memory is None else _Stats(self._memory)
 
     def runtime_executable(self):
-        raise NotImplementedError("compiled on a Ray cluster: no executable here")
+        if self._module is None:
+            raise NotImplementedError("compiled on a Ray cluster: no executable here")
+        return _Modules(_jax_private.hlo_module_from_proto(self._module))
+
+
+class _Modules:
+    """An executable's `hlo_modules()`, of one module."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def hlo_modules(self) -> list:
+        return [self._module]
 
 
 class _Stats:
@@ -81,7 +94,9 @@ def compile_figures(module: bytes, options: bytes, device_ids: list[int], target
     stats = exe.get_compiled_memory_stats()
     memory = {k: getattr(stats, k) for k in dir(stats)
               if k.endswith("_in_bytes")} if stats is not None else None
-    return Figures(text, cost, memory)
+    modules = exe.hlo_modules() if hasattr(exe, "hlo_modules") else []
+    return Figures(text, cost, memory,
+                   modules[0].as_serialized_hlo_module_proto() if len(modules) == 1 else None)
 
 
 _STATE = {"ray": None, "task": None, "address": None, "sent": 0}
@@ -129,8 +144,10 @@ def _connect(address: str):
     if not ray.is_initialized():
         handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     logging_level="ERROR")
+            with warnings.catch_warnings():  # its processes are exec'd: JAX's fork warning
+                warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+                ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                         logging_level="ERROR")
         except ConnectionError as e:
             raise BadInput(f"--ray {address!r}: {' '.join(str(e).split())}") from None
         finally:  # ray.init sets its own: a stop stays the command's (`cli.stops`)
