@@ -119,7 +119,9 @@ def _jobs_flag(p) -> None:
     """--jobs and --ray, on a command that compiles several programs."""
     p.add_argument("--jobs", type=_jobs, default=None, metavar="N",
                    help="compiles run at once (default: one a core, as many as the free "
-                        "memory holds at 2 GiB a compile); the answers do not depend on it")
+                        "memory holds at 2 GiB a compile; one starts beside another only "
+                        "while the free memory holds the peak RSS a compile was measured to "
+                        "add); the answers do not depend on it")
     p.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="compile on the Ray cluster at ADDRESS (host:port, ray://host:10001, "
                         "auto; local: start one here), as many at once as it has CPUs; "

@@ -19,7 +19,8 @@ import warnings
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from remat_kit import _jax_private
+from remat_kit._jax_private import (compile_module, compile_request, hlo_module_from_proto,
+                                     lowered_shardings)
 from remat_kit.errors import BadInput
 from remat_kit.measure import pool
 
@@ -57,7 +58,7 @@ class Figures:
     def runtime_executable(self):
         if self._module is None:
             raise NotImplementedError("compiled on a Ray cluster: no executable here")
-        return _Modules(_jax_private.hlo_module_from_proto(self._module))
+        return _Modules(hlo_module_from_proto(self._module))
 
 
 class _Modules:
@@ -87,7 +88,7 @@ def compile_figures(module: bytes, options: bytes, device_ids: list[int], target
     missing = [i for i in device_ids if i not in found]
     if missing:
         raise BadInput(f"target {target} has no devices {missing} on this Ray worker")
-    exe = _jax_private.compile_module(module, options, [found[i] for i in device_ids])
+    exe = compile_module(module, options, [found[i] for i in device_ids])
     text = (exe.get_hlo_text() if hasattr(exe, "get_hlo_text")
             else "\n\n".join(m.to_string() for m in exe.hlo_modules()))
     cost = exe.cost_analysis() if hasattr(exe, "cost_analysis") else None
@@ -201,8 +202,8 @@ def compile_figures_remote(lowered, options: dict | None, target):
     Raises:
       HostMemoryError: that compile ran out of host memory too.
     """
-    request = _jax_private.compile_request(lowered, options)
-    shardings = _jax_private.lowered_shardings(lowered)
+    request = compile_request(lowered, options)
+    shardings = lowered_shardings(lowered)
     if request is None or shardings is None:
         return None
     figures = _remote_or_here(request, target)

@@ -192,20 +192,20 @@ def using(jobs: int | None) -> Iterator[CompilePool]:
     check_jobs(jobs)
     with _SET:  # one pool a bound (a nested block shares it), its threads kept for the next
         pool = _POOLS.setdefault(jobs, CompilePool(jobs))
-        before, _CURRENT["pool"] = _CURRENT["pool"], pool
-    try:
+    with _current(pool):
         yield pool
-    finally:
-        with _SET:
-            _CURRENT["pool"] = before
+
+
+def using_bound(jobs: int) -> contextlib.AbstractContextManager[CompilePool]:
+    """`using`, with `jobs` not bounded by this machine's cores: the compiles run on a
+    cluster (`measure.cluster`), and a worker thread here only waits for one."""
+    return _current(CompilePool(jobs, most=jobs))
 
 
 @contextlib.contextmanager
-def using_bound(jobs: int) -> Iterator[CompilePool]:
-    """`using`, with `jobs` not bounded by this machine's cores: the compiles run on a
-    cluster (`measure.cluster`), and a worker thread here only waits for one."""
+def _current(pool: CompilePool) -> Iterator[CompilePool]:
+    """`pool` as the process's `current()` for a block."""
     with _SET:
-        pool = CompilePool(jobs, most=jobs)
         before, _CURRENT["pool"] = _CURRENT["pool"], pool
     try:
         yield pool
