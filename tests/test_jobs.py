@@ -198,7 +198,8 @@ def test_a_worker_killed_for_memory_is_retried_here_then_named(monkeypatch):
 
     class FakeRay:  # what `cluster` calls of Ray: a task whose worker the kernel killed
         exceptions = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError,
-                                           WorkerCrashedError=RuntimeError)
+                                           WorkerCrashedError=RuntimeError,
+                                           RayTaskError=LookupError)
 
         @staticmethod
         def get(ref):

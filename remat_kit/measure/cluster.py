@@ -102,6 +102,7 @@ def compile_figures(module: bytes, options: bytes, device_ids: list[int], target
 
 _STATE = {"ray": None, "task": None, "address": None, "sent": 0}
 _SERIAL = threading.Lock()  # a compile retried after a worker died: one at a time
+_COUNT = threading.Lock()
 
 
 def sent() -> int:
@@ -196,16 +197,18 @@ def _ray_running() -> bool:
 def compile_figures_remote(lowered, options: dict | None, target):
     """`Figures` of `lowered.compile(options)` for `target`, compiled on the cluster; None
     where this program cannot go there (`compile_request`, `lowered_shardings`: host
-    callbacks, or shardings XLA would choose). A worker the kernel killed
-    (Ray's OutOfMemoryError, or the worker died): compiled once more here, one at a time.
+    callbacks, or shardings XLA would choose; several of this machine's own devices). A
+    worker the kernel killed (Ray's OutOfMemoryError, or the worker died): compiled once
+    more here, one at a time.
 
     Raises:
       HostMemoryError: that compile ran out of host memory too.
+      Exception: what the worker's compile raised (as a local compile would raise it).
     """
     request = compile_request(lowered, options)
     shardings = lowered_shardings(lowered)
-    if request is None or shardings is None:
-        return None
+    if request is None or shardings is None or (not target.aot and len(request[2]) > 1):
+        return None  # (this machine's several devices: a worker's may number otherwise)
     figures = _remote_or_here(request, target)
     figures.input_shardings, figures.out_info = shardings
     return figures
@@ -213,11 +216,14 @@ def compile_figures_remote(lowered, options: dict | None, target):
 
 def _remote_or_here(request: tuple, target) -> Figures:
     ray = _STATE["ray"]
-    _STATE["sent"] += 1
+    with _COUNT:
+        _STATE["sent"] += 1
     try:
         return ray.get(_STATE["task"].remote(*request, str(target)))
     except (ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError) as e:
         died = type(e).__name__
+    except ray.exceptions.RayTaskError as e:  # the compile's own error, not Ray's traceback
+        raise (e.cause if isinstance(e.cause, Exception) else e) from None
     with _SERIAL:
         try:
             return compile_figures(*request, str(target))
