@@ -130,7 +130,7 @@ class CompilePool:
             future, fn, args = self._tasks.get()
             alone = self._admit()
             outcome, raised = None, None
-            before = _resident_bytes() if alone else None
+            before = (_resident_bytes(), _peak_resident_bytes()) if alone else None
             started = future.set_running_or_notify_cancel()  # False: cancelled while queued
             if started:
                 try:
@@ -139,8 +139,9 @@ class CompilePool:
                     raised = e
             with self._lock:  # counted before the caller wakes
                 self.running, self.done = self.running - 1, self.done + 1
-                if before is not None:
-                    self.compile_rss = max(self.compile_rss, _peak_resident_bytes() - before)
+                if before is not None and (peak := _peak_resident_bytes()) > before[1]:
+                    # it set a new peak: what it added is that peak over the RSS it found
+                    self.compile_rss = max(self.compile_rss, peak - before[0])
                 self._freed.notify_all()
             if started and raised is not None:
                 future.set_exception(raised)
