@@ -16,8 +16,8 @@
 shared cores); --tiny runs (b) and (c) on gpt2_small at batch 1, seq 128 on the CPU, in
 minutes.
 
---jobs 1,2 runs each case once per value (`--jobs N`: compiles at once, the compile pool)
-in one run, and prints each value's wall time over the first's, and whether the answers
+--jobs 1,2 runs each case once per value (`--jobs N`: compiles at once, the compile pool;
+`ray`: `--ray local`, compiles in the worker processes of a Ray cluster started here) in one run, and prints each value's wall time over the first's, and whether the answers
 are the same; serial against parallel is a ratio within one run, on the same machine. Prints, per case, the command, wall seconds, compiles and the answer,
 with the load average; writes each command's JSON under --out. No cache is read or
 written (`--cache ''` and a fresh compile cache folder), so every compile counts.
@@ -88,7 +88,8 @@ def main() -> int:
     ap.add_argument("--case", default="a,b,c")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--jobs", default="", help="e.g. 1,2: each case at each --jobs")
+    ap.add_argument("--jobs", default="", help="e.g. 1,2,ray: each case at each --jobs "
+                    "(ray: --ray local, a Ray cluster of this machine's cores)")
     ap.add_argument("--out", default="runs/plan_speed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -104,8 +105,8 @@ def main() -> int:
             continue
         first = None
         for j in jobs:
-            r = run(case if j is None else f"{case}_jobs{j}",
-                    argv + ([] if j is None else ["--jobs", j]), args.out)
+            flags = [] if j is None else ["--ray", "local"] if j == "ray" else ["--jobs", j]
+            r = run(case if j is None else f"{case}_jobs{j}", argv + flags, args.out)
             first = first or r
             ratio = (f", {r['seconds'] / first['seconds']:.2f}x the --jobs {jobs[0]} wall "
                      f"time, answers {'the same' if r['answer'] == first['answer'] else 'DIFFER'}"

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 _MIN, _MAX = (0, 11), (0, 13)
 _version = tuple(int(p) for p in jax.__version__.split(".")[:2])
@@ -46,6 +48,11 @@ def hlo_text_cost_analysis(text: str, client) -> dict[str, float]:
       jax.errors.JaxRuntimeError: the text does not parse as an HLO module.
     """
     return _jax.hlo_module_cost_analysis(client, hlo.hlo_module_from_text(text))
+
+
+def hlo_module_from_proto(serialized: bytes):
+    """An HLO module (`jaxlib._hlo.HloModule`) from its serialized `HloModuleProto`."""
+    return hlo.HloModule.from_serialized_hlo_module_proto(serialized)
 
 
 def hlo_module(compiled):
@@ -153,6 +160,79 @@ def replacing_cudnn_attention(stand_in):
                 _nn_functions.cudnn_dot_product_attention = _SWAPPED["original"]
 
 
-__all__ = ["cudnn_version", "has_nvidia_gpu", "hlo_module", "hlo_text_cost_analysis", "name_p",
+def compile_request(lowered, options: dict | None) -> tuple[bytes, bytes, list[int]] | None:
+    """What `lowered.compile(options)` hands XLA, as bytes another process can compile:
+    (the StableHLO module's bytecode, the serialized `CompileOptions` JAX builds for it,
+    the ids of its devices in order); None for a program another process cannot compile
+    (host callbacks, shape polymorphism). Built as `pxla.UnloadedMeshExecutable.from_hlo`
+    builds them (jax 0.12)."""
+    from jax._src.interpreters import mlir, pxla
+
+    computation = lowered._lowering
+    args = computation.compile_args
+    if args.get("host_callbacks") or getattr(args.get("shape_poly_state"), "uses_dim_vars",
+                                             False):
+        return None
+    devices = computation._device_list
+    ins = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["in_shardings"])
+    outs = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["out_shardings"])
+    to_inputs, to_outputs = pxla.get_prop_to_input_output(ins, outs, len(args["ordered_effects"]))
+    kvs = dict(computation._compiler_options_kvs + tuple((options or {}).items()))
+    placed = np.empty(len(devices), dtype=object)
+    placed[:] = list(devices)
+    made = pxla.create_compile_options(computation._hlo, args["tuple_args"], to_inputs,
+                                       to_outputs, args["backend"], placed, kvs)
+    return (mlir.module_to_bytecode(computation._hlo), made.SerializeAsString(),
+            [d.id for d in devices])
+
+
+def lowered_shardings(lowered) -> tuple | None:
+    """(`input_shardings`, `out_info`) as `lowered.compile()` would report them, where the
+    lowering fixes them: every argument's and result's sharding given, or one device
+    (replicated there); None where XLA's propagation would choose some. Read as
+    `stages.Lowered.out_info` and `Compiled.input_shardings` read theirs (jax 0.12)."""
+    from jax._src.sharding_impls import GSPMDSharding, UnspecifiedValue
+
+    computation = lowered._lowering
+    args, devices = computation.compile_args, computation._device_list
+
+    def fixed(sharding):
+        if not isinstance(sharding, UnspecifiedValue):
+            return sharding
+        return GSPMDSharding.get_replicated(devices) if len(devices) == 1 else None
+
+    ins = [fixed(s) for s in args["in_shardings"]]
+    outs = [fixed(s) for s in args["out_shardings"]]
+    if any(s is None for s in ins + outs):
+        return None
+    skip = len(computation.const_args)
+    ins = ins[skip:]
+    if lowered.in_tree.num_leaves > len(ins):  # arguments the program never reads
+        given = iter(ins)
+        ins = [next(given) if i + skip in args["kept_var_idx"] else None
+               for i in range(lowered.in_tree.num_leaves)]
+    out_info = [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s)
+                for o, s in zip(args["global_out_avals"], outs)]
+    return lowered.in_tree.unflatten(ins), lowered.out_tree.unflatten(out_info)
+
+
+def compile_module(module: bytes, options: bytes, devices: Sequence):
+    """XLA's executable of a `compile_request` on `devices` (the same ids, this process's
+    backend or a topology's, e.g. `targets.Target.devices`), past JAX's persistent cache:
+    `get_hlo_text()`, `cost_analysis()`, `get_compiled_memory_stats()`."""
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import _jax as xc
+    from jax._src.lib.mlir import ir
+
+    with mlir.make_ir_context():
+        parsed = ir.Module.parse(module)
+        return compiler.backend_compile_and_load(
+            devices[0].client, parsed, xc.DeviceList(tuple(devices)),
+            xc.CompileOptions.ParseFromString(options), [])
+
+
+__all__ = ["compile_module", "compile_request", "cudnn_version", "has_nvidia_gpu", "hlo_module",
+           "hlo_module_from_proto", "hlo_text_cost_analysis", "lowered_shardings", "name_p",
            "num_tpu_chips", "replacing_cudnn_attention", "saved_residuals", "scan_parts",
            "without_compilation_cache"]

@@ -76,6 +76,7 @@ TARGET_EDGES = {
     "cli/common.py": {"targets_of"},  # the --target flag of every command
     "measure/targets.py": None,  # defines it; rk.targets' helpers take text for scripts
     "measure/lowering.py": {"compile_for"},  # the documented compile entry (docs/targets.md)
+    "measure/cluster.py": {"compile_figures"},  # a Ray task: the target arrives as its text
     "decide/plan.py": None,  # rk.plan, rk.Planner
     "decide/fit.py": None,  # rk.fit
     "decide/step.py": {"step_memory"},  # rk.step_memory
@@ -242,6 +243,7 @@ POLICY_EDGES = {
     "flax/measured.py": {"remat_model"},
     # TransformerConfig(remat=...), a public constructor: its `policy` hands the value on.
     "models/config.py": {"TransformerConfig.__post_init__"},
+    "_jax_private.py": {"compile_module"},  # MLIR's ir.Module.parse of a program, no spec
 }
 
 

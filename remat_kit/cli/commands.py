@@ -25,7 +25,7 @@ from remat_kit.cli import stops
 from remat_kit.cli.common import make_host_devices
 from remat_kit.api.inputs import BadInput, non_negative_int, positive_int
 from remat_kit.errors import RematSpecError
-from remat_kit.measure import pool
+from remat_kit.measure import cluster, pool
 from remat_kit.models import CONFIGS
 from remat_kit.models.config import DTYPES
 
@@ -116,10 +116,17 @@ def _jobs(text: str) -> int:
 
 
 def _jobs_flag(p) -> None:
-    """--jobs, on a command that compiles several programs."""
+    """--jobs and --ray, on a command that compiles several programs."""
     p.add_argument("--jobs", type=_jobs, default=None, metavar="N",
                    help="compiles run at once (default: one a core, as many as the free "
-                        "memory holds at 2 GiB a compile); the answers do not depend on it")
+                        "memory holds at 2 GiB a compile; one starts beside another only "
+                        "while the free memory holds the peak RSS a compile was measured to "
+                        "add); the answers do not depend on it")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="compile on the Ray cluster at ADDRESS (host:port, ray://host:10001, "
+                        "auto; local: start one here), as many at once as it has CPUs; "
+                        "default $RAY_ADDRESS, else none. Needs ray (pip install "
+                        "'remat-kit[ray]'); the answers are those of a local run")
 
 
 def _add_compare(sub) -> None:
@@ -316,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             use_compile_cache()
             make_host_devices(args)  # before anything starts JAX's backend
-            with pool.using(getattr(args, "jobs", None)):
+            with pool.using(getattr(args, "jobs", None)), \
+                    cluster.using(getattr(args, "ray", None)):
                 return args.run(args)
         except stops.Stopped as e:  # Ctrl-C or SIGTERM: one line, never a traceback
             stops.handled()

@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import os
+import threading
 import time
 
 import jax
@@ -133,7 +134,7 @@ def store(program_key: str | None, figures: dict) -> None:
     if program_key is None:
         return
     path = os.path.join(folder(), f"{program_key}.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # a writer's own, then renamed
     try:
         os.makedirs(folder(), exist_ok=True)
         with open(tmp, "w") as f:

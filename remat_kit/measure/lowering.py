@@ -19,7 +19,7 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit.measure import figure_cache, kernels, pool
+from remat_kit.measure import cluster, figure_cache, kernels, pool
 from remat_kit._jax_private import without_compilation_cache
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields
 from remat_kit.measure.peak import dump_options
@@ -255,10 +255,16 @@ def compile_for(fn: Callable, *args, target: "str | Target | None" = None,
                             xla_remat)
 
 
-def compile_lowered(lowered, options: dict | None, target: Target):
+def compile_lowered(lowered, options: dict | None, target: Target, runs: bool = False):
     """`lowered.compile(options)`; for an ahead-of-time target, past JAX's persistent
     compilation cache: this machine cannot load such an executable back (a read warns and
-    compiles anyway), and `figure_cache` keeps what is read from it."""
+    compiles anyway), and `figure_cache` keeps what is read from it. Inside
+    `cluster.using`, a program that will not run (not `runs`) compiles on the Ray
+    cluster and comes back as its `cluster.Figures` (what the reports read of it)."""
+    if not runs and cluster.active():
+        figures = cluster.compile_figures_remote(lowered, options, target)
+        if figures is not None:
+            return figures
     if not target.aot:
         return lowered.compile(options)
     with without_compilation_cache():
@@ -298,8 +304,9 @@ def _compile_for(fn: Callable, args: tuple, target: Target, compile_only: bool,
                         time.perf_counter() - start, tuple(kept["notes"]),
                         kept["kernel_seconds"], kept["argument_bytes"]
                         and tuple(kept["argument_bytes"]))
-    compiled = pool.current().run(_compile_dumped if dump else compile_lowered, lowered,
-                                  dump_options(options, dump) if dump else options, target)
+    compiled = (pool.current().run(_compile_dumped, lowered, dump_options(options, dump),
+                                   target) if dump else
+                pool.current().run(compile_lowered, lowered, options, target, not compile_only))
     seconds = time.perf_counter() - start
     found, notes, priced = (costs_with_kernels(compiled, target, flat, local, program)
                             if count_flops else ({}, (), kernels.Priced()))

@@ -417,7 +417,8 @@ class _Compiles:
         start = time.perf_counter()
         try:
             if dump is None:
-                compiled = lowering.compile_lowered(lowered, self._options, self._target)
+                compiled = lowering.compile_lowered(lowered, self._options, self._target,
+                                                   self._runs)
             else:  # a compile read back from JAX's cache would write no dump
                 with without_compilation_cache():
                     compiled = lowered.compile(peak_of.dump_options(self._options, dump))

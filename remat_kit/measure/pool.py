@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import resource
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -29,7 +30,7 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
     """The host's available memory (MemAvailable of /proc/meminfo), bytes; None where unknown."""
     try:
         with open("/proc/meminfo") as f:
@@ -41,9 +42,25 @@ def _available_bytes() -> int | None:
     return None
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory now (VmRSS), bytes; 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _peak_resident_bytes() -> int:
+    """This process's peak resident memory so far (ru_maxrss, KiB on Linux), bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def default_jobs() -> int:
     """The compiles run at once by default: $REMAT_KIT_JOBS where set, else one a core, at
     most as many as the host's available memory holds at `COMPILE_BYTES` each, at least 1.
+    Within that bound a compile starts beside others only while the available memory holds
+    the measured `CompilePool.compile_rss` (`CompilePool._admit`).
 
     Raises:
       ValueError: $REMAT_KIT_JOBS not a whole number from 1 to the cores.
@@ -54,7 +71,7 @@ def default_jobs() -> int:
         except ValueError:
             raise ValueError(f"REMAT_KIT_JOBS={given!r}: give a whole number from 1 to "
                              f"{cores()} (this machine's cores), or unset it") from None
-    free = _available_bytes()
+    free = available_bytes()
     by_memory = cores() if free is None else free // COMPILE_BYTES
     return max(1, min(cores(), by_memory))
 
@@ -75,17 +92,22 @@ def check_jobs(jobs) -> int:
 
 class CompilePool:
     """At most `jobs` compiles at once, on daemon threads; counts running, done and queued.
+    A compile that would start beside another waits while the host's available memory is
+    below `compile_rss`, the most a compile run alone has grown the process's peak RSS.
 
     Args:
       jobs: the bound, 1..cores() (`check_jobs`).
+      most: instead of the cores, the most `jobs` may be (a cluster's CPUs: `using_bound`).
     """
 
-    def __init__(self, jobs: int):
-        self.jobs = check_jobs(jobs)
+    def __init__(self, jobs: int, most: int | None = None):
+        self.jobs = check_jobs(jobs) if most is None else max(1, min(jobs, most))
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
         self._workers = 0
         self.running = self.done = self.queued = 0
+        self.compile_rss = 0  # the most a compile run alone grew the process's peak RSS, bytes
 
     def submit(self, fn: Callable, *args) -> Future:
         """fn(*args) on a worker once one is free; its `Future` (result or exception)."""
@@ -106,9 +128,9 @@ class CompilePool:
     def _work(self) -> None:
         while True:
             future, fn, args = self._tasks.get()
-            with self._lock:
-                self.queued, self.running = self.queued - 1, self.running + 1
+            alone = self._admit()
             outcome, raised = None, None
+            before = (_resident_bytes(), _peak_resident_bytes()) if alone else None
             started = future.set_running_or_notify_cancel()  # False: cancelled while queued
             if started:
                 try:
@@ -117,10 +139,25 @@ class CompilePool:
                     raised = e
             with self._lock:  # counted before the caller wakes
                 self.running, self.done = self.running - 1, self.done + 1
+                if before is not None and (peak := _peak_resident_bytes()) > before[1]:
+                    # it set a new peak: what it added is that peak over the RSS it found
+                    self.compile_rss = max(self.compile_rss, peak - before[0])
+                self._freed.notify_all()
             if started and raised is not None:
                 future.set_exception(raised)
             elif started:
                 future.set_result(outcome)
+
+    def _admit(self) -> bool:
+        """Waits, while another compile runs, until the host's available memory holds
+        `compile_rss` more (its peak RSS growth: the bound measured, not guessed); then
+        counts this compile running. Returns whether it runs alone."""
+        with self._freed:
+            while (self.running and self.compile_rss
+                   and (available_bytes() or self.compile_rss) < self.compile_rss):
+                self._freed.wait(timeout=1.0)
+            self.queued, self.running = self.queued - 1, self.running + 1
+            return self.running == 1
 
     def status(self) -> str:
         """"compiles: 2 running, 5 done, 1 queued" for a progress line."""
@@ -156,6 +193,20 @@ def using(jobs: int | None) -> Iterator[CompilePool]:
     check_jobs(jobs)
     with _SET:  # one pool a bound (a nested block shares it), its threads kept for the next
         pool = _POOLS.setdefault(jobs, CompilePool(jobs))
+    with _current(pool):
+        yield pool
+
+
+def using_bound(jobs: int) -> contextlib.AbstractContextManager[CompilePool]:
+    """`using`, with `jobs` not bounded by this machine's cores: the compiles run on a
+    cluster (`measure.cluster`), and a worker thread here only waits for one."""
+    return _current(CompilePool(jobs, most=jobs))
+
+
+@contextlib.contextmanager
+def _current(pool: CompilePool) -> Iterator[CompilePool]:
+    """`pool` as the process's `current()` for a block."""
+    with _SET:
         before, _CURRENT["pool"] = _CURRENT["pool"], pool
     try:
         yield pool
@@ -184,5 +235,5 @@ def side_by_side(calls: Sequence[Callable[[], object]]) -> list:
     return [f.result() for f in futures]
 
 
-__all__ = ["COMPILE_BYTES", "CompilePool", "check_jobs", "cores", "current", "default_jobs",
-           "side_by_side", "using"]
+__all__ = ["COMPILE_BYTES", "CompilePool", "available_bytes", "check_jobs", "cores", "current",
+           "default_jobs", "side_by_side", "using", "using_bound"]
