@@ -2,7 +2,8 @@
 optimized HLO: each value a forward op computes that a backward op (a transpose, or the
 backward's recomputation) reads, named by the tag `peak.marked` wrote on its producer,
 sized by XLA's buffer assignment where the backend serializes one, else by its HLO shape;
-the all-gathers the backward's recomputation runs again. The audit's compiled side.
+the all-gathers the backward runs again. The audit's compiled side.
+Docs: docs/compare.md ("The audit").
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 empty one): each value's allocated size, by the instruction that defines it.
 The messages read are a subset of xla/service/hlo.proto (BufferAssignmentProto,
 HloInstructionProto), their field numbers as XLA defines them.
+Docs: docs/compare.md ("The audit").
 """
 
 from __future__ import annotations
