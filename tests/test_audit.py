@@ -38,6 +38,15 @@ def _unscanned(prevent_cse: bool):
     return for_policy
 
 
+def _scanned(p):
+    """A loss factory: `_layer` scanned over its stacked weights, under jax.checkpoint(p)."""
+    def loss(ws, x):
+        step = jax.checkpoint(_layer, policy=p.to_jax()) if p.remat else _layer
+        x, _ = jax.lax.scan(lambda x, w: (step(w, x), None), x, ws)
+        return jnp.sum(x ** 2)
+    return loss
+
+
 def test_prevent_cse_false_around_unscanned_layers_is_found():
     rows = {r.names[0]: r for r in rk.measure(_unscanned(False), W, X,
                                                policies=["none", "full"])}
@@ -115,16 +124,10 @@ def test_a_models_own_prevent_cse_false_is_said_with_its_fix():
 
 def test_an_offload_compiled_on_a_tpu_target_agrees_with_offloaded_bytes():
     """A scanned layer's output offloaded: XLA:TPU places it in host memory, as traced."""
-    def for_policy(p):
-        def loss(ws, x):
-            step = jax.checkpoint(_layer, policy=p.to_jax()) if p.remat else _layer
-            x, _ = jax.lax.scan(lambda x, w: (step(w, x), None), x, ws)
-            return jnp.sum(x ** 2)
-        return loss
     ws = (jax.ShapeDtypeStruct((3, 32, 128), jnp.float32),
           jax.ShapeDtypeStruct((3, 128, 32), jnp.float32))
     x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
-    [row] = rk.measure(for_policy, ws, x, policies=["offload:mlpwi"], target="tpu:v5e:1x1")
+    [row] = rk.measure(_scanned, ws, x, policies=["offload:mlpwi"], target="tpu:v5e:1x1")
     assert row.offloaded_bytes == 3 * 8 * 128 * 4
     assert row.audit["as_asked"], row.audit
     assert [(t["tag"], t["compiled"], t["compiled_bytes"]) for t in row.audit["tags"]
@@ -133,7 +136,7 @@ def test_an_offload_compiled_on_a_tpu_target_agrees_with_offloaded_bytes():
     assert any(u.startswith("the allocated size of the bytes kept across the forward/backward "
                             "boundary: the backend serializes no buffer assignment")
                for u in row.audit["unchecked"]), row.audit["unchecked"]
-    [cpu] = rk.measure(for_policy, ws, x, policies=["offload:mlpwi"])
+    [cpu] = rk.measure(_scanned, ws, x, policies=["offload:mlpwi"])
     assert any(u.startswith("offload: XLA CPU has no host memory space")
                for u in cpu.audit["unchecked"])
 
@@ -250,14 +253,8 @@ def test_a_compile_without_tag_names_is_unchecked_not_merged():
 def test_the_bytes_kept_across_the_boundary_are_read_from_the_buffer_assignment():
     """A scanned layer saving `mlpwi`: XLA CPU serializes its buffer assignment, which
     sizes the stacked residual the backward reads (3 layers x 8 x 128 f32)."""
-    def for_policy(p):
-        def loss(ws, x):
-            step = jax.checkpoint(_layer, policy=p.to_jax()) if p.remat else _layer
-            x, _ = jax.lax.scan(lambda x, w: (step(w, x), None), x, ws)
-            return jnp.sum(x ** 2)
-        return loss
     ws = (jnp.ones((3, 32, 128)), jnp.ones((3, 128, 32)))
-    [row] = rk.measure(for_policy, ws, X, policies=["save:mlpwi"])
+    [row] = rk.measure(_scanned, ws, X, policies=["save:mlpwi"])
     assert [(t["tag"], t["compiled"], t["compiled_bytes"]) for t in row.audit["tags"]] == [
         ("mlpwi", "kept", 3 * 8 * 128 * 4)]
     assert not any("boundary" in u for u in row.audit["unchecked"]), row.audit["unchecked"]
