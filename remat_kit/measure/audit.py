@@ -27,6 +27,7 @@ _ROLE = re.compile(r"rk_role:(\w+)")
 # XLA's own rematerialization (memory pressure) names each clone it adds `<name>.remat<n>`.
 _XLA_REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+\.remat\d*(?:\.\d+)? = ", re.M)
 _HOST_SPACE = "S(5)"
+_ENTRY = re.compile(r"^ENTRY %([\w.\-]+) ", re.M)
 # A term accounts for a faster step where it gives at least this share of the time saved.
 _ACCOUNTED = 0.9
 # Primitives that compute a value (XLA emits an op for each, which keeps their metadata): a
@@ -106,8 +107,9 @@ def compiled_facts(compiled, memory: dict, platform: str) -> dict:
         serialized = compiled.memory_analysis().serialized_buffer_assignment_proto
     except Exception:  # noqa: BLE001 - a backend that serializes no buffer assignment
         serialized = None
-    kept = boundary.kept(text, serialized, buffers.instruction_ids(compiled) if serialized
-                         else None) if text else None
+    entry = _ENTRY.search(text) if serialized else None  # the boundary's values are its
+    kept = boundary.kept(text, serialized, buffers.instruction_ids(compiled, entry.group(1))
+                         if entry else None) if text else None
     return {"text": bool(text), "marked": _ROLE.search(text) is not None, "boundary": kept,
             "recomputed_roles": sorted(roles),
             "host_bytes": None if all(h is None for h in host) else sum(h or 0 for h in host),

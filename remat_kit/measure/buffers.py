@@ -47,9 +47,10 @@ def _classes() -> dict:
         pool.FindMessageTypeByName(f"remat_kit_buffers.{m}")) for m in _MESSAGES}
 
 
-def instruction_ids(compiled) -> dict[str, int] | None:
-    """{instruction name: XLA's id} of a compile's optimized module, from its runtime
-    executable; None where there is none (a target compiled ahead of time)."""
+def instruction_ids(compiled, computation: str | None = None) -> dict[str, int] | None:
+    """{instruction name: XLA's id} of a compile's optimized module (of its `computation`
+    only, where named), from its runtime executable; None where there is none (a target
+    compiled ahead of time)."""
     try:
         module = compiled.runtime_executable().hlo_modules()[0]
     except Exception:  # noqa: BLE001 - no runtime half, no ids
@@ -57,6 +58,8 @@ def instruction_ids(compiled) -> dict[str, int] | None:
     cls = _classes()["Instruction"]
     out = {}
     for comp in module.computations():
+        if computation is not None and comp.name != computation:
+            continue
         for instr in comp.instructions():
             found = cls.FromString(instr.as_serialized_proto())
             out[found.name] = found.id
