@@ -13,7 +13,7 @@ import re
 
 from remat_kit.measure import buffers
 
-_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_OPCODE = re.compile(r" ([a-z][\w\-]*)\(")
 _HEAD = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLED = re.compile(r"(?:calls|body)=%([\w.\-]+)")
@@ -68,9 +68,11 @@ class _Module:
                 current = self.comps.setdefault(comp, [])
                 self.entry = m.group(1) if line.startswith("ENTRY") else self.entry
                 continue
-            if current is None or not (m := _LINE.match(line)):
+            head, _, tail = line.partition(" = ")
+            if current is None or not tail or not (m := _OPCODE.search(tail)):
                 continue
-            name, shape, opcode, rest = m.groups()
+            name = head.strip().removeprefix("ROOT ").lstrip("%")
+            shape, opcode, rest = tail[:m.start()], m.group(1), tail[m.end():]
             args = rest.split(")", 1)[0] if opcode != "tuple" else rest.rsplit(")", 1)[0]
             op_name = _OP_NAME.search(rest)
             index = _INDEX.search(rest) if opcode == "get-tuple-element" else None
