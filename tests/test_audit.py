@@ -38,6 +38,15 @@ def _unscanned(prevent_cse: bool):
     return for_policy
 
 
+def _scanned(p):
+    """A loss factory: `_layer` scanned over its stacked weights, under jax.checkpoint(p)."""
+    def loss(ws, x):
+        step = jax.checkpoint(_layer, policy=p.to_jax()) if p.remat else _layer
+        x, _ = jax.lax.scan(lambda x, w: (step(w, x), None), x, ws)
+        return jnp.sum(x ** 2)
+    return loss
+
+
 def test_prevent_cse_false_around_unscanned_layers_is_found():
     rows = {r.names[0]: r for r in rk.measure(_unscanned(False), W, X,
                                                policies=["none", "full"])}
@@ -115,21 +124,19 @@ def test_a_models_own_prevent_cse_false_is_said_with_its_fix():
 
 def test_an_offload_compiled_on_a_tpu_target_agrees_with_offloaded_bytes():
     """A scanned layer's output offloaded: XLA:TPU places it in host memory, as traced."""
-    def for_policy(p):
-        def loss(ws, x):
-            step = jax.checkpoint(_layer, policy=p.to_jax()) if p.remat else _layer
-            x, _ = jax.lax.scan(lambda x, w: (step(w, x), None), x, ws)
-            return jnp.sum(x ** 2)
-        return loss
     ws = (jax.ShapeDtypeStruct((3, 32, 128), jnp.float32),
           jax.ShapeDtypeStruct((3, 128, 32), jnp.float32))
     x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
-    [row] = rk.measure(for_policy, ws, x, policies=["offload:mlpwi"], target="tpu:v5e:1x1")
+    [row] = rk.measure(_scanned, ws, x, policies=["offload:mlpwi"], target="tpu:v5e:1x1")
     assert row.offloaded_bytes == 3 * 8 * 128 * 4
     assert row.audit["as_asked"], row.audit
     assert [(t["tag"], t["compiled"], t["compiled_bytes"]) for t in row.audit["tags"]
             if t["asked"] == "offload"] == [("mlpwi", "host", row.offloaded_bytes)]
-    [cpu] = rk.measure(for_policy, ws, x, policies=["offload:mlpwi"])
+    # an ahead-of-time TPU compile serializes no buffer assignment: the audit says so
+    assert any(u.startswith("the allocated size of the bytes kept across the forward/backward "
+                            "boundary: the backend serializes no buffer assignment")
+               for u in row.audit["unchecked"]), row.audit["unchecked"]
+    [cpu] = rk.measure(_scanned, ws, x, policies=["offload:mlpwi"])
     assert any(u.startswith("offload: XLA CPU has no host memory space")
                for u in cpu.audit["unchecked"])
 
@@ -230,7 +237,8 @@ def test_a_module_outside_the_layers_is_named_as_such_not_an_unknown_tag(capsys,
 def test_a_compile_without_tag_names_is_unchecked_not_merged():
     # An executable read back from JAX's cache, compiled from the same program unnamed,
     # carries no tag names: its recompute cannot be seen, which is no CSE merge.
-    recompute = {"mlpwi": {"bytes": 4096, "checkable": True, "prevent_cse": True}}
+    recompute = {"mlpwi": {"bytes": 4096, "elements": 1024, "checkable": True,
+                         "prevent_cse": True}}
     facts = {"text": True, "marked": False, "recomputed_roles": [], "host_bytes": None,
              "host_ops": 0, "xla_remat": 0, "platform": "cpu", "step_terms": None}
     out = audit.audit(rk.parse("full"), [], recompute, facts)
@@ -240,3 +248,68 @@ def test_a_compile_without_tag_names_is_unchecked_not_merged():
     named = audit.audit(rk.parse("full"), [], recompute, {**facts, "marked": True})
     assert named["findings"] == ["XLA merged the recompute of `mlpwi` with the forward (CSE): "
                                  "saved as if `none`"]
+
+
+def test_the_bytes_kept_across_the_boundary_are_read_from_the_buffer_assignment():
+    """A scanned layer saving `mlpwi`: XLA CPU serializes its buffer assignment, which
+    sizes the stacked residual the backward reads (3 layers x 8 x 128 f32)."""
+    ws = (jnp.ones((3, 32, 128)), jnp.ones((3, 128, 32)))
+    [row] = rk.measure(_scanned, ws, X, policies=["save:mlpwi"])
+    assert [(t["tag"], t["compiled"], t["compiled_bytes"]) for t in row.audit["tags"]] == [
+        ("mlpwi", "kept", 3 * 8 * 128 * 4)]
+    assert not any("boundary" in u for u in row.audit["unchecked"]), row.audit["unchecked"]
+
+
+def test_a_merge_in_some_layers_only_is_found():
+    """Three unscanned layers, the middle one's jax.checkpoint with prevent_cse=False:
+    XLA merges that layer's recompute with the forward, and keeps its `mlpwi`."""
+    def for_policy(p):
+        def loss(ws, x):
+            for i, w in enumerate(ws):
+                x = jax.checkpoint(_layer, prevent_cse=i != 1, policy=p.to_jax())(w, x)
+            return jnp.sum(x ** 2)
+        return loss
+    [full] = rk.measure(for_policy, W, X, policies=["full"])
+    assert full.audit["findings"] == [
+        "XLA merged part of the recompute of `mlpwi` with the forward (CSE): 4.00 KiB of its "
+        "12.00 KiB kept across the forward/backward boundary (its jax.checkpoint has "
+        "prevent_cse=False outside a loop: set prevent_cse=True, or scan the layers)"]
+    assert [(t["compiled"], t["compiled_bytes"]) for t in full.audit["tags"]] == [
+        ("merged in part", 2 * 8 * 128 * 4)]
+
+
+def test_the_partitioners_all_gather_recomputed_in_the_backward_is_named():
+    """FSDP on 4 CPU devices: under `full` the backward gathers the first weight of each
+    layer again for its recompute; with no remat it reads the forward's gather."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.sharding.Mesh(jax.devices()[:4], ("fsdp",))
+    split = NamedSharding(mesh, P("fsdp", None))
+
+    def for_policy(p):
+        def loss(ws, x):
+            for w in ws:
+                x = jax.checkpoint(_layer, policy=p.to_jax())(w, x) if p.remat else _layer(w, x)
+            return jnp.sum(x ** 2)
+        return loss
+    shapes = [((32, 128), (128, 32))] * 2
+    ws = [tuple(jax.ShapeDtypeStruct(s, jnp.float32, sharding=split) for s in w) for w in shapes]
+    one = ([tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in w) for w in shapes],
+           jax.ShapeDtypeStruct((2, 32), jnp.float32))
+    rows = {r.names[0]: r for r in rk.measure(
+        for_policy, ws, jax.ShapeDtypeStruct((8, 32), jnp.float32, sharding=split),
+        policies=["none", "full"], per_device=(for_policy, one))}
+    assert rows["none"].audit["as_asked"], rows["none"].audit["findings"]
+    assert rows["full"].audit["findings"] == [
+        "the partitioner's all-gather of `[0][1][0]`, `[0][0][0]` is recomputed in the "
+        "backward (2 all-gather(s) the forward ran: what the recompute reads is gathered again)"]
+
+
+def test_an_offload_kept_in_hbm_is_found_per_tag():
+    """Where a compiled value carries the offloaded tag's name in device memory (HBM), its
+    row says so; where it is placed in host memory (S(5)), it agrees with the bytes asked."""
+    rows = audit._offloads({"mlpwi": 12288, "context": 4096}, {"text": True,
+                           "platform": "tpu", "host_bytes": 12288, "host_ops": 1}, [],
+                           {"mlpwi": [0, 12288, 3072], "context": [4096, 0, 1024]})
+    assert [(r["tag"], r["compiled"], r["compiled_bytes"], r["line"]) for r in rows] == [
+        ("mlpwi", "host", 12288, None),
+        ("context", "kept in HBM", 0, "offload of `context` not compiled: kept in HBM")]

@@ -8,8 +8,11 @@ Docs: docs/compare.md ("The audit").
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
+from remat_kit.measure import boundary, buffers
+from remat_kit.measure.peak import SCORES
 from remat_kit.measure.residuals import aval_bytes
 from remat_kit.policy.names import TAGS
 from remat_kit.trace.marked import region, sub_jaxprs
@@ -24,6 +27,7 @@ _ROLE = re.compile(r"rk_role:(\w+)")
 # XLA's own rematerialization (memory pressure) names each clone it adds `<name>.remat<n>`.
 _XLA_REMAT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+\.remat\d*(?:\.\d+)? = ", re.M)
 _HOST_SPACE = "S(5)"
+_ENTRY = re.compile(r"^ENTRY %([\w.\-]+) ", re.M)
 # A term accounts for a faster step where it gives at least this share of the time saved.
 _ACCOUNTED = 0.9
 # Primitives that compute a value (XLA emits an op for each, which keeps their metadata): a
@@ -44,7 +48,8 @@ def differs(asked: int, compiled: int) -> bool:
 
 def recomputed(jaxpr) -> dict[str, dict]:
     """The tags a traced value-and-grad program recomputes in its backward: {tag: {"bytes":
-    the bytes of its values recomputed, a scan's body once per trip, "checkable": whether an
+    the bytes of its values recomputed, a scan's body once per trip, "elements": their
+    elements, "checkable": whether an
     op computes it (`_COMPUTES`: not a view, cast, name or constraint of another value)
     and it is a vocabulary tag, which
     `peak.marked` names in the compiled ops' metadata (a module path is not), "prevent_cse": False
@@ -61,9 +66,10 @@ def recomputed(jaxpr) -> dict[str, dict]:
             tag = tag_of(eqn) if in_region else None
             src = producers.get(eqn.invars[0]) if tag is not None else None
             if src is not None:  # a region's input (decoder_layer_input) is not recomputed
-                entry = found.setdefault(tag, {"bytes": 0, "checkable": False,
+                entry = found.setdefault(tag, {"bytes": 0, "elements": 0, "checkable": False,
                                                "prevent_cse": True})
                 entry["bytes"] += trips * aval_bytes(eqn.outvars[0].aval)
+                entry["elements"] += trips * math.prod(eqn.outvars[0].aval.shape)
                 entry["checkable"] |= tag in TAGS and src.primitive.name in _COMPUTES
                 entry["prevent_cse"] &= not (cse_free and not in_loop)
             r = region(eqn)
@@ -97,7 +103,14 @@ def compiled_facts(compiled, memory: dict, platform: str) -> dict:
             roles.update(_ROLE.findall(name))
     host = [memory.get(k) for k in ("host_temp_size_in_bytes", "host_argument_size_in_bytes",
                                     "host_output_size_in_bytes")]
-    return {"text": bool(text), "marked": _ROLE.search(text) is not None,
+    try:
+        serialized = compiled.memory_analysis().serialized_buffer_assignment_proto
+    except Exception:  # noqa: BLE001 - a backend that serializes no buffer assignment
+        serialized = None
+    entry = _ENTRY.search(text) if serialized else None  # the boundary's values are its
+    kept = boundary.kept(text, serialized, buffers.instruction_ids(compiled, entry.group(1))
+                         if entry else None) if text else None
+    return {"text": bool(text), "marked": _ROLE.search(text) is not None, "boundary": kept,
             "recomputed_roles": sorted(roles),
             "host_bytes": None if all(h is None for h in host) else sum(h or 0 for h in host),
             "host_ops": text.count(_HOST_SPACE), "xla_remat": len(_XLA_REMAT.findall(text)),
@@ -110,7 +123,7 @@ def _row(tag, asked, asked_bytes, compiled, compiled_bytes, line=None) -> dict:
 
 
 def audit(policy, residuals, recompute: dict, facts: dict,
-          outside: set[str] = frozenset()) -> dict:
+          outside: set[str] = frozenset(), arguments: dict | None = None) -> dict:
     """One compiled row's audit: per tag, as asked against as compiled.
 
     Args:
@@ -120,6 +133,8 @@ def audit(policy, residuals, recompute: dict, facts: dict,
       facts: `compiled_facts` of its compile, with the time model's "step_terms" (kept
         with the figures: a figure-cache entry without them is a miss).
       outside: the tags the model emits only outside every remat region.
+      arguments: {"args[i]": the path of the program's i-th argument leaf}, to name an
+        all-gather the backward runs again.
     Returns:
       {"tags": [{"tag", "asked": "save" | "offload" | "recompute", "asked_bytes",
       "compiled": "kept" | "host" | "recomputed" | "merged" | "kept in HBM" | "outside the
@@ -135,7 +150,7 @@ def audit(policy, residuals, recompute: dict, facts: dict,
         if r.kind == "tag":
             into = host if r.memory == "host" else saved
             into[r.name] = into.get(r.name, 0) + r.nbytes
-    rows, unchecked = [], []
+    kept, rows, unchecked = _kept(facts), [], []
     named = {*policy.save, *policy.offload} if policy.remat else set()
     for tag in sorted(outside):
         if tag in named:  # named as such, not by a glob that also covers every other tag
@@ -143,28 +158,66 @@ def audit(policy, residuals, recompute: dict, facts: dict,
             rows.append(_row(tag, "save", nbytes, "outside the remat", nbytes,
                              f"`{tag}` is never emitted inside the remat: saving it saves "
                              "nothing (it is kept as with no remat)"))
-    for tag, nbytes in saved.items():
-        if tag not in outside:
-            rows.append(_row(tag, "save", nbytes, "kept", nbytes))
-    rows += _offloads(host, facts, unchecked)
-    rows += _recomputes(recompute, facts, unchecked)
+    rows += [_saved(tag, nbytes, kept) for tag, nbytes in saved.items() if tag not in outside]
+    rows += _offloads(host, facts, unchecked, kept)
+    rows += _recomputes(recompute, facts, unchecked, kept)
+    rows += _gathers(facts, arguments or {})
     if not facts["text"]:
-        unchecked.append("recompute and host placement: the backend gives no optimized HLO "
-                         "text")
+        unchecked.append("recompute, host placement and the bytes kept across the "
+                         "forward/backward boundary: the backend gives no optimized HLO text")
     elif facts["xla_remat"]:
         rows.append(_row("*", "save", sum(saved.values()), "recomputed by XLA", None,
                          f"XLA's own rematerialization (memory pressure) recomputes "
                          f"{facts['xla_remat']} value(s) in the backward beyond the policy"))
-    unchecked.append("bytes kept across the forward/backward boundary: as traced (XLA's "
-                     "buffer assignment is not read)")
+    unnamed = sorted(r["tag"] for r in rows if r["asked"] == "save" and kept is not None
+                     and r["compiled"] == "unchecked")
+    if unnamed:
+        unchecked.append(f"bytes of {', '.join(unnamed)} kept across the forward/backward "
+                         "boundary: no compiled value carries the name (a scanned loop's "
+                         "carry, a module path, or a value fused into another)")
+    if kept is not None and facts["boundary"]["sized"] != "buffer assignment":
+        unchecked.append("the allocated size of the bytes kept across the forward/backward "
+                         "boundary: the backend serializes no buffer assignment (each is "
+                         "sized by its HLO shape: padding and shared buffers not seen)")
     findings = [r["line"] for r in rows if r["line"]]
     return {"tags": rows, "findings": findings, "unchecked": unchecked,
             "as_asked": not findings, "step_terms": facts["step_terms"],
             "step": None}
 
 
-def _offloads(host: dict, facts: dict, unchecked: list) -> list[dict]:
-    """The offloaded tags' rows: the host memory the program holds against the bytes asked."""
+def _kept(facts: dict) -> dict | None:
+    """{tag: [device bytes, host bytes, elements]} the compiled program keeps across its
+    forward/backward boundary (`boundary.kept`: residuals and other values of the tag
+    alike), or None where that cannot be read (no HLO text, no tag names in it)."""
+    found = facts.get("boundary")
+    if not facts["text"] or not facts["marked"] or not found:
+        return None
+    out: dict[str, list[int]] = {}
+    for part in (found["tags"], found["roles"]):
+        for tag, counts in part.items():
+            got = out.setdefault(tag, [0, 0, 0])
+            for i, n in enumerate(counts):
+                got[i] += n
+    return out
+
+
+def _saved(tag: str, nbytes: int, kept: dict | None) -> dict:
+    """A saved tag's row, with the bytes of its values the compiled program keeps across
+    the boundary. Fewer is no finding: XLA keeps an equivalent value in a tagged one's
+    place where it fuses a cheap op into both passes (a bias add: the matmul's output is
+    kept), and may keep it in a narrower type (XLA:TPU keeps a bf16 copy for its matmuls);
+    XLA's own rematerialization is found by its clones."""
+    if kept is None or tag not in TAGS:  # a module path is not named in the compiled ops
+        return _row(tag, "save", nbytes, "unchecked", None)
+    if tag not in kept:  # a loop's carry, or fused into another value
+        return _row(tag, "save", nbytes, "unchecked", None)
+    return _row(tag, "save", nbytes, "kept", kept[tag][0] + kept[tag][1])
+
+
+def _offloads(host: dict, facts: dict, unchecked: list, kept: dict | None) -> list[dict]:
+    """The offloaded tags' rows: per tag, the host memory its kept values are placed in
+    (`kept`, where a compiled value carries its name), else the host memory the program
+    holds (its padded buffers: more than asked is no finding), against the bytes asked."""
     if not host:
         return []
     if not facts["text"]:
@@ -173,23 +226,51 @@ def _offloads(host: dict, facts: dict, unchecked: list) -> list[dict]:
         unchecked.append("offload: XLA CPU has no host memory space (offloaded values stay "
                          "in device memory, and its temp counts them)")
         return [_row(t, "offload", b, "unchecked", None) for t, b in host.items()]
+    rows = [_offload(t, b, kept[t][1]) for t, b in host.items() if kept and t in kept]
+    host = {t: b for t, b in host.items() if not kept or t not in kept}  # not named: totals
+    if not host:
+        return rows
     asked = sum(host.values())
     placed = facts["host_bytes"]
     if placed is None:
         placed = asked if facts["host_ops"] else 0
+    if not differs(asked, placed) or placed > asked:
+        return rows + [_row(t, "offload", b, "host", b) for t, b in host.items()]
+    return rows + [_offload(",".join(host), asked, placed)]
+
+
+def _offload(tag: str, asked: int, placed: int) -> dict:
+    """An offload's row: `placed` of the `asked` bytes compiled into host memory."""
     if not differs(asked, placed):
-        return [_row(t, "offload", b, "host", b) for t, b in host.items()]
+        return _row(tag, "offload", asked, "host", placed)
+    names = ", ".join(f"`{t}`" for t in tag.split(","))
     if placed == 0:
-        return [_row(t, "offload", b, "kept in HBM", 0,
-                     f"offload of `{t}` not compiled: kept in HBM") for t, b in host.items()]
-    names = ", ".join(f"`{t}`" for t in host)
-    return [_row(",".join(host), "offload", asked, "host", placed,
-                 f"offload of {names}: {fmt_bytes(placed)} of {fmt_bytes(asked)} compiled "
-                 "into host memory, the rest kept in HBM")]
+        return _row(tag, "offload", asked, "kept in HBM", 0,
+                    f"offload of {names} not compiled: kept in HBM")
+    return _row(tag, "offload", asked, "host", placed,
+                f"offload of {names}: {fmt_bytes(placed)} of {fmt_bytes(asked)} compiled "
+                "into host memory, the rest kept in HBM")
 
 
-def _recomputes(recompute: dict, facts: dict, unchecked: list) -> list[dict]:
-    """The recomputed tags' rows: whether the backward still computes each."""
+def _gathers(facts: dict, arguments: dict) -> list[dict]:
+    """One row where the backward runs the partitioner's all-gathers of arguments again
+    (`boundary.kept`'s "gathers", named by `arguments`: "args[2]" -> a parameter's
+    path): communication no policy asked to recompute."""
+    found = (facts.get("boundary") or {}).get("gathers") or []
+    if not found:
+        return []
+    named = ", ".join(f"`{arguments.get(a, a)}`" for a in dict.fromkeys(found))
+    return [_row("*", "recompute", None, "all-gather recomputed", None,
+                 f"the partitioner's all-gather of {named} is recomputed in the backward "
+                 f"({len(found)} all-gather(s) the forward ran: what the recompute reads "
+                 "is gathered again)")]
+
+
+def _recomputes(recompute: dict, facts: dict, unchecked: list,
+                kept: dict | None) -> list[dict]:
+    """The recomputed tags' rows: whether the backward still computes each, and whether
+    the compiled program keeps part of it across the boundary all the same (`kept`: XLA
+    merged the recompute of some layers with the forward)."""
     rows = []
     found = set(facts["recomputed_roles"]) if facts["text"] and facts["marked"] else None
     if facts["text"] and not facts["marked"] and recompute:
@@ -203,21 +284,37 @@ def _recomputes(recompute: dict, facts: dict, unchecked: list) -> list[dict]:
         elif not entry["checkable"]:
             views.append(tag)
             rows.append(_row(tag, "recompute", entry["bytes"], "unchecked", None))
-        elif tag in found:
-            rows.append(_row(tag, "recompute", entry["bytes"], "recomputed", entry["bytes"]))
         else:
-            why = ("" if entry["prevent_cse"] else
-                   " (its jax.checkpoint has prevent_cse=False outside a loop: set "
-                   "prevent_cse=True, or scan the layers)")
-            rows.append(_row(tag, "recompute", entry["bytes"], "merged", 0,
-                             f"XLA merged the recompute of `{tag}` with the forward (CSE): "
-                             f"saved as if `none`{why}"))
+            rows.append(_recompute(tag, entry, tag in found, kept))
     if views:
         unchecked.append(f"recompute of {', '.join(sorted(views))}: a view, cast, name or "
                          "sharding constraint of another value, which XLA may emit no op for, "
                          "or a name outside the tag vocabulary, which the compiled ops do not "
                          "carry")
     return rows
+
+
+def _recompute(tag: str, entry: dict, present: bool, kept: dict | None) -> dict:
+    """A checkable recomputed tag's row: recomputed; merged with the forward (CSE) where
+    no op of the backward's recomputation computes it; merged in part where it is
+    recomputed but some of its elements are also kept across the boundary."""
+    asked = entry["bytes"]
+    # A score's role is also on its untagged same-shape inputs (`peak.marked`: a mask,
+    # which is kept), so its kept elements say nothing of a merge.
+    count = 0 if tag in SCORES else (kept or {}).get(tag, (0, 0, 0))[2]
+    merged = asked * min(count, entry["elements"]) // max(entry["elements"], 1)
+    why = ("" if entry["prevent_cse"] else " (its jax.checkpoint has prevent_cse=False "
+           "outside a loop: set prevent_cse=True, or scan the layers)")
+    if not present:
+        return _row(tag, "recompute", asked, "merged", 0,
+                    f"XLA merged the recompute of `{tag}` with the forward (CSE): saved as "
+                    f"if `none`{why}")
+    if not differs(asked, asked - merged):
+        return _row(tag, "recompute", asked, "recomputed", asked)
+    return _row(tag, "recompute", asked, "merged in part", asked - merged,
+                f"XLA merged part of the recompute of `{tag}` with the forward (CSE): "
+                f"{fmt_bytes(merged)} of its {fmt_bytes(asked)} kept across the "
+                f"forward/backward boundary{why}")
 
 
 def faster_than_none(records: list) -> list:

@@ -21,6 +21,8 @@ import time
 import jax
 
 from remat_kit.measure import audit
+from remat_kit.measure import boundary
+from remat_kit.measure import buffers
 from remat_kit.measure import chip_peaks
 from remat_kit.measure import costs
 from remat_kit.measure import gpu_calls
@@ -60,8 +62,8 @@ COMPILED: sealed.Schema = {**_FIGURES, "notes": sealed.texts, "kernel_seconds": 
 def _code() -> str:
     """A digest of the code that turns a compile into figures."""
     return hashlib.sha256("".join(inspect.getsource(m) for m in (
-        audit, chip_peaks, costs, gpu_calls, kernels, loops, peak, targets, time_checks,
-        time_model)).encode()).hexdigest()
+        audit, boundary, buffers, chip_peaks, costs, gpu_calls, kernels, loops, peak, targets,
+        time_checks, time_model)).encode()).hexdigest()
 
 
 def folder() -> str | None:

@@ -271,11 +271,18 @@ def _measured(run: _Run, policy: Policy, group_names: list[str], loss, staged, c
             parameter_bytes_per_device=figures.get("parameter_bytes"),
             peak=figures.get("peak") if run.peak else None,
             audit=audit_of.audit(policy, local.residuals, audit_of.recomputed(local.program.jaxpr),
-                                 figures["compiled_audit"], run.outside),
+                                 figures["compiled_audit"], run.outside, _argument_names(run)),
             notes=_notes(run, policy, group_names, figures, found), **layers), compiled
     except Exception as e:  # noqa: BLE001 - one failing policy must not hide the others
         detail = str(e) or "no message; JAX_TRACEBACK_FILTERING=off shows where"
         return dataclasses.replace(record, error=f"{type(e).__name__}: {detail}"), None
+
+
+def _argument_names(run: _Run) -> dict[str, str]:
+    """{"args[i]": the path of the workload's i-th argument leaf, e.g. "[0]['params']['wi']"},
+    as the compiled program's parameters name them in their op metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(run.args)[0]
+    return {f"args[{i}]": jax.tree_util.keystr(path) for i, (path, _) in enumerate(leaves)}
 
 
 def _traced(run: _Run, policy: Policy, loss, staged) -> tuple:
