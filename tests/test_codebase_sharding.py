@@ -178,3 +178,40 @@ def test_maxtext_s_own_decoder_is_placed_by_its_own_shardings():
     assert [x.sharding.spec for x in jax.tree.leaves(work.args[0])] == own
     assert work.args[1].sharding.spec == PartitionSpec(("data", "stage", "fsdp",
                                                         "fsdp_transpose", "expert"))
+
+
+@needs_4
+def test_maxtext_s_scanned_decoder_has_its_layers_found():
+    """MaxText itself (skipped where it is not installed): its scanned stack holds each
+    parameter with the layer axis at 1 ([embed, layers, mlp]); the map finds its two
+    layers and takes its own remat over (traced only)."""
+    pytest.importorskip("maxtext")
+    from benchmarks import codebase_mesh
+    size = dict(codebase_mesh.DEFAULTS, emb=512, layers=2, seq=128)
+    work = rk.from_model.workload(codebase_mesh.build(size, jax.devices()[:4]), 8, 128)
+    assert work.model_map.line() == (
+        "2 x LlamaDecoderLayer, scanned: yes; own remat: 2 x jax.checkpoint(nothing_saveable) "
+        "around each layer, taken over; outside: inner/decoder/decoder_norm, "
+        "inner/decoder/logits_dense, inner/token_embedder, loss")
+
+
+@needs_libtpu
+def test_maxtext_s_own_compile_is_matched_per_chip(tmp_path):
+    """MaxText itself (skipped where it is not installed; minutes, so a benchmark target):
+    `benchmarks/codebase_mesh.py` at emb 256, seq 256, scanned, fsdp:4 on tpu:v5p:2x2x1;
+    every policy's per-chip arguments, FLOPs and peak within 2% of MaxText's own
+    train_compile."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("maxtext")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "codebase_mesh.py"),
+                    "--emb", "256", "--seq", "256", "--policies", "full,minimal,none",
+                    "--out", str(tmp_path)], check=True, capture_output=True, cwd=root,
+                   env={**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": root})
+    [found] = tmp_path.glob("*.json")
+    for row in json.loads(found.read_text())["rows"]:
+        for key in ("arguments", "flops", "peak"):
+            assert row["ours"][key] == pytest.approx(row["maxtext"][key], rel=0.02), (
+                row["policy"], key)
