@@ -2,8 +2,8 @@
 
     PYTHONPATH=$PWD ALLOW_MULTIPLE_LIBTPU_LOAD=1 ~/mt-venv/bin/python benchmarks/codebase_mesh.py \
         [--target tpu:v5p:2x2x1] [--emb 1024] [--layers 2] [--seq 1024] [--per-device-batch 2] \
-        [--policies full,minimal,none] [--attention dot_product] [--fsdp 4] [--scan|--no-scan] \
-        [--out runs/codebase_mesh]
+        [--policies full,minimal,none] [--attention dot_product] [--fsdp 4] [--tensor 1] \
+        [--mlp 0] [--heads 0] [--scan|--no-scan] [--out runs/codebase_mesh]
 
 For each policy (MaxText's `remat_policy`): MaxText's llama2 decoder built as
 docs/recipes (`create_nnx_abstract_model` over its own 12-axis mesh, fsdp over the chips) and
@@ -13,15 +13,15 @@ train_compile`, in a child process, its compiled executable read with the same f
 `memory_fields`, `loop_scaled_costs`, so a scanned stack's FLOPs count every layer on both
 sides). Per chip: arguments, FLOPs, peak; the ratio ours / MaxText's; compile seconds.
 
-Measured (emb 1024, 2 layers, seq 1024, per-device batch 2, fsdp:4, dot_product attention,
-tpu:v5p:2x2x1, libtpu 0.0.52, a loaded 2-core machine), ours / MaxText's per chip:
-scanned full: arguments 1.000, FLOPs 0.999, peak 1.207; minimal 1.000, 0.999, 1.179; none
-1.000, 0.999, 1.207; unscanned full (its layers found, its remat taken over): 1.000, 0.999,
-1.210. The peaks differ by the same 0.125 GiB under every policy: not the placement (the
-arguments and FLOPs agree), most likely the loss (remat-kit's next-token loss on float32
-logits, 2 x 1024 x 32000 per chip), unconfirmed.
+Flags: `--tensor N` adds MaxText's `ici_tensor_parallelism` (chips = fsdp x tensor, the global
+batch per_device_batch x chips, as MaxText counts it); `--mlp`, `--heads` set the width (0:
+4 x emb, emb / 128). One JSON per configuration in `--out`. Measured figures: docs/meshes.md
+("MaxText itself, per chip"). The peak was 0.125 GiB high under every policy until the
+next-token loss took the label's logit by a one-hot contraction (as MaxText's loss does): the
+gather of `optax.softmax_cross_entropy_with_integer_labels` ran on the SparseCore from a float32
+copy of the logits of its own.
 
-The model is built over this machine's host devices (4 made here), its mesh rebuilt on the
+The model is built over this machine's host devices (64 made here, fsdp x tensor used), its mesh rebuilt on the
 target's chips as `--model` does. Needs `maxtext` 0.2.5 and libtpu (a scratch venv: see
 benchmarks/vs_estimator.py); where either is missing, one line and exit 2. Not in CI.
 `model()` is the same decoder for `remat-kit compare --model benchmarks/codebase_mesh.py:model`
