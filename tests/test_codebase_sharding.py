@@ -199,15 +199,15 @@ def test_maxtext_s_scanned_decoder_has_its_layers_found():
 def test_maxtext_s_own_compile_is_matched_per_chip(tmp_path):
     """MaxText itself (skipped where it is not installed; minutes, so a benchmark target):
     `benchmarks/codebase_mesh.py` at emb 256, seq 256, scanned, fsdp:4 on tpu:v5p:2x2x1;
-    every policy's per-chip arguments, FLOPs and peak within 2% of MaxText's own
-    train_compile."""
+    `full`'s per-chip arguments, FLOPs and peak within 2% of MaxText's own train_compile
+    (MaxText's own `none` recomputes everything in a scanned stack: not remat-kit's none)."""
     import os
     import subprocess
     import sys
     pytest.importorskip("maxtext")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, os.path.join(root, "benchmarks", "codebase_mesh.py"),
-                    "--emb", "256", "--seq", "256", "--policies", "full,minimal,none",
+                    "--emb", "256", "--seq", "256", "--policies", "full",
                     "--out", str(tmp_path)], check=True, capture_output=True, cwd=root,
                    env={**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": root})
     [found] = tmp_path.glob("*.json")
