@@ -2,8 +2,8 @@
 
     PYTHONPATH=$PWD ALLOW_MULTIPLE_LIBTPU_LOAD=1 ~/mt-venv/bin/python benchmarks/codebase_mesh.py \
         [--target tpu:v5p:2x2x1] [--emb 1024] [--layers 2] [--seq 1024] [--per-device-batch 2] \
-        [--policies full,minimal,none] [--attention dot_product] [--fsdp 4] [--scan|--no-scan] \
-        [--out runs/codebase_mesh]
+        [--policies full,minimal,none] [--attention dot_product] [--fsdp 4] [--tensor 1] \
+        [--mlp 0] [--heads 0] [--scan|--no-scan] [--out runs/codebase_mesh]
 
 For each policy (MaxText's `remat_policy`): MaxText's llama2 decoder built as
 docs/recipes (`create_nnx_abstract_model` over its own 12-axis mesh, fsdp over the chips) and
@@ -13,15 +13,15 @@ train_compile`, in a child process, its compiled executable read with the same f
 `memory_fields`, `loop_scaled_costs`, so a scanned stack's FLOPs count every layer on both
 sides). Per chip: arguments, FLOPs, peak; the ratio ours / MaxText's; compile seconds.
 
-Measured (emb 1024, 2 layers, seq 1024, per-device batch 2, fsdp:4, dot_product attention,
-tpu:v5p:2x2x1, libtpu 0.0.52, a loaded 2-core machine), ours / MaxText's per chip:
-scanned full: arguments 1.000, FLOPs 0.999, peak 1.207; minimal 1.000, 0.999, 1.179; none
-1.000, 0.999, 1.207; unscanned full (its layers found, its remat taken over): 1.000, 0.999,
-1.210. The peaks differ by the same 0.125 GiB under every policy: not the placement (the
-arguments and FLOPs agree), most likely the loss (remat-kit's next-token loss on float32
-logits, 2 x 1024 x 32000 per chip), unconfirmed.
+Flags: `--tensor N` adds MaxText's `ici_tensor_parallelism` (chips = fsdp x tensor, the global
+batch per_device_batch x chips, as MaxText counts it); `--mlp`, `--heads` set the width (0:
+4 x emb, emb / 128). One JSON per configuration in `--out`. Measured figures: docs/meshes.md
+("MaxText itself, per chip"). The peak was 0.125 GiB high under every policy until the
+next-token loss took the label's logit by a one-hot contraction (as MaxText's loss does): the
+gather of `optax.softmax_cross_entropy_with_integer_labels` ran on the SparseCore from a float32
+copy of the logits of its own.
 
-The model is built over this machine's host devices (4 made here), its mesh rebuilt on the
+The model is built over this machine's host devices (64 made here, fsdp x tensor used), its mesh rebuilt on the
 target's chips as `--model` does. Needs `maxtext` 0.2.5 and libtpu (a scratch venv: see
 benchmarks/vs_estimator.py); where either is missing, one line and exit 2. Not in CI.
 `model()` is the same decoder for `remat-kit compare --model benchmarks/codebase_mesh.py:model`
@@ -39,11 +39,13 @@ import sys
 import time
 
 if __name__ == "__main__" or os.environ.get("CODEBASE_MESH_HOST"):  # before JAX starts
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=4").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # up to a 64-chip mesh
+                               + " --xla_force_host_platform_device_count=64").strip()
 
 DEFAULTS = {"emb": 1024, "layers": 2, "seq": 1024, "per_device_batch": 2, "fsdp": 4,
-            "attention": "dot_product", "scan": True, "policy": "full"}
+            "tensor": 1, "mlp": 0, "heads": 0, "attention": "dot_product", "scan": True,
+            "policy": "full"}
+SIZES = ("emb", "layers", "seq", "per_device_batch", "fsdp", "tensor", "mlp", "heads")
 
 
 def missing() -> str | None:
@@ -55,17 +57,21 @@ def missing() -> str | None:
 
 
 def overrides(size: dict) -> dict:
-    """MaxText config values of the llama2 decoder at `size` (DEFAULTS' keys): heads of 128,
-    MLP 4x, vocab 32000, bf16 activations, f32 weights, synthetic data."""
+    """MaxText config values of the llama2 decoder at `size` (DEFAULTS' keys): heads of 128
+    (`heads` 0: emb / 128), MLP `mlp` (0: 4 x emb), vocab 32000, bf16 activations, f32
+    weights, synthetic data, fsdp x tensor chips."""
     emb = size["emb"]
+    heads = size["heads"] or emb // 128
     return dict(model_name="default", decoder_block="llama2", override_model_config=True,
-                base_num_decoder_layers=size["layers"], base_emb_dim=emb, base_mlp_dim=4 * emb,
-                base_num_query_heads=emb // 128, base_num_kv_heads=emb // 128, head_dim=128,
+                base_num_decoder_layers=size["layers"], base_emb_dim=emb,
+                base_mlp_dim=size["mlp"] or 4 * emb, base_num_query_heads=heads,
+                base_num_kv_heads=heads, head_dim=emb // heads,
                 vocab_size=32000, max_target_length=size["seq"],
                 per_device_batch_size=size["per_device_batch"], dtype="bfloat16",
                 weight_dtype="float32", attention=size["attention"],
                 scan_layers=size["scan"], remat_policy=size["policy"],
-                ici_fsdp_parallelism=size["fsdp"], dataset_type="synthetic",
+                ici_fsdp_parallelism=size["fsdp"], ici_tensor_parallelism=size["tensor"],
+                dataset_type="synthetic",
                 enable_checkpointing=False, steps=1)
 
 
@@ -106,7 +112,7 @@ def model():
     size = {k: type(v)(os.environ.get(f"CODEBASE_MESH_{k.upper()}", v)) if not isinstance(v, bool)
             else os.environ.get(f"CODEBASE_MESH_{k.upper()}", str(v)).lower() == "true"
             for k, v in DEFAULTS.items()}
-    return build(size, jax.devices()[:size["fsdp"]])
+    return build(size, jax.devices()[:size["fsdp"] * size["tensor"]])
 
 
 def ours(size: dict, target: str) -> dict:
@@ -114,8 +120,9 @@ def ours(size: dict, target: str) -> dict:
     import jax
     import remat_kit as rk
     start = time.perf_counter()
-    batch = size["per_device_batch"] * size["fsdp"]
-    work = rk.from_model.workload(build(size, jax.devices()[:size["fsdp"]]), batch, size["seq"])
+    chips = size["fsdp"] * size["tensor"]  # MaxText's global batch counts every chip
+    batch = size["per_device_batch"] * chips
+    work = rk.from_model.workload(build(size, jax.devices()[:chips]), batch, size["seq"])
     step = rk.step_memory(work, batch, size["seq"], size["policy"], target=target)
     return {"arguments": step.argument_size_in_bytes, "flops": step.flops,
             "peak": step.peak_memory_in_bytes, "seconds": time.perf_counter() - start,
@@ -158,7 +165,7 @@ def topology_of(target: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="tpu:v5p:2x2x1")
-    for key in ("emb", "layers", "seq", "per_device_batch", "fsdp"):
+    for key in SIZES:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=DEFAULTS[key])
     ap.add_argument("--attention", default=DEFAULTS["attention"])
     ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True)
@@ -182,8 +189,7 @@ def main() -> int:
             [sys.executable, __file__, "--side", "maxtext", "--policy", policy,
              "--target", args.target, "--attention", args.attention,
              "--scan" if args.scan else "--no-scan",
-             *(f"--{k.replace('_', '-')}={size[k]}" for k in
-               ("emb", "layers", "seq", "per_device_batch", "fsdp"))],
+             *(f"--{k.replace('_', '-')}={size[k]}" for k in SIZES)],
             capture_output=True, text=True)
         line = next((x for x in child.stdout.splitlines() if x.startswith("CODEBASE_MESH ")),
                     None)
@@ -194,7 +200,9 @@ def main() -> int:
         theirs = json.loads(line.split(" ", 1)[1])
         mine = ours({**size, "policy": policy}, args.target)
         rows.append({"policy": policy, "ours": mine, "maxtext": theirs})
-        with open(os.path.join(args.out, "codebase_mesh.json"), "w") as f:
+        name = "-".join([args.target.replace(":", "_"), *(f"{k}{size[k]}" for k in SIZES),
+                         args.attention, "scan" if args.scan else "noscan"])
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump({"size": size, "target": args.target, "rows": rows}, f, indent=2)
     print(f"MaxText llama2 decoder, {size}, on {args.target}; per chip, ours / MaxText's")
     print(f"placement: {rows[0]['ours']['placement']}; model map: {rows[0]['ours']['map']}")

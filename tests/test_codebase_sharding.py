@@ -278,3 +278,42 @@ def test_a_compile_read_back_keeps_the_bytes_each_argument_takes(empty_cache):  
     fresh, again = (lowering.compile_for(fn, w, x, target="cpu") for _ in range(2))
     assert fresh.compiled is not None and again.compiled is None
     assert fresh.argument_bytes == again.argument_bytes == (64 * 32, 8 * 32 * 4)
+
+
+@needs_4
+def test_maxtext_s_scanned_decoder_has_its_layers_found():
+    """MaxText itself (skipped where it is not installed): its scanned stack holds each
+    parameter with the layer axis at 1 ([embed, layers, mlp]); the map finds its two
+    layers and takes its own remat over (traced only)."""
+    pytest.importorskip("maxtext")
+    from benchmarks import codebase_mesh
+    size = dict(codebase_mesh.DEFAULTS, emb=512, layers=2, seq=128)
+    work = rk.from_model.workload(codebase_mesh.build(size, jax.devices()[:4]), 8, 128)
+    assert work.model_map.line() == (
+        "2 x LlamaDecoderLayer, scanned: yes; own remat: 2 x jax.checkpoint(nothing_saveable) "
+        "around each layer, taken over; outside: inner/decoder/decoder_norm, "
+        "inner/decoder/logits_dense, inner/token_embedder, loss")
+
+
+@needs_libtpu
+@pytest.mark.xfail(reason="at emb 256, seq 256 the peak is 122,264,224 B against MaxText's "
+                   "126,273,792 (0.968): the difference is not yet found", strict=False)
+def test_maxtext_s_own_compile_is_matched_per_chip(tmp_path):
+    """MaxText itself (skipped where it is not installed; minutes, so a benchmark target):
+    `benchmarks/codebase_mesh.py` at emb 256, seq 256, scanned, fsdp:4 on tpu:v5p:2x2x1;
+    `full`'s per-chip arguments, FLOPs and peak within 2% of MaxText's own train_compile
+    (MaxText's own `none` recomputes everything in a scanned stack: not remat-kit's none)."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("maxtext")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "codebase_mesh.py"),
+                    "--emb", "256", "--seq", "256", "--policies", "full",
+                    "--out", str(tmp_path)], check=True, capture_output=True, cwd=root,
+                   env={**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": root})
+    [found] = tmp_path.glob("*.json")
+    for row in json.loads(found.read_text())["rows"]:
+        for key in ("arguments", "flops", "peak"):
+            assert row["ours"][key] == pytest.approx(row["maxtext"][key], rel=0.02), (
+                row["policy"], key)

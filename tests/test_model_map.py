@@ -264,9 +264,10 @@ def test_own_remat_is_taken_over_under_either_remat_mode():
     assert rows["full"].memory_bytes < rows["none"].memory_bytes
 
 
-def test_a_stack_run_by_jax_lax_scan_under_jax_checkpoint_is_found_and_taken_over():
-    """NNX layers made by nnx.vmap, run by a plain jax.lax.scan whose body is under
-    jax.checkpoint: one scanned stack, its own remat taken over, no --block."""
+def _lax_scanned_gpt(param_axis: int):
+    """NNX layers made by nnx.vmap with each parameter's layer axis at `param_axis`
+    (MaxText's `param_scan_axis` is 1), run by a plain jax.lax.scan (the axis moved to
+    the front, as MaxText's decoder does) whose body is under jax.checkpoint."""
     from flax import nnx
 
     from tests.zoo import scan_nnx
@@ -276,23 +277,41 @@ def test_a_stack_run_by_jax_lax_scan_under_jax_checkpoint_is_found_and_taken_ove
             self.embed = nnx.Embed(scan_nnx.VOCAB, scan_nnx.DIM, rngs=rngs)
 
             @nnx.split_rngs(splits=scan_nnx.LAYERS)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
+            @nnx.vmap(in_axes=(0,), out_axes=nnx.StateAxes({nnx.Param: param_axis, ...: 0}))
             def blocks(rngs):
                 return scan_nnx.Block(rngs)
             self.blocks = blocks(rngs)
             self.head = nnx.Linear(scan_nnx.DIM, scan_nnx.VOCAB, rngs=rngs)
 
         def __call__(self, tokens):
-            graphdef, state = nnx.split(self.blocks)
+            graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+            params = jax.tree.map(lambda x: jax.numpy.moveaxis(x, param_axis, 0), params)
 
             def step(x, s):
-                return jax.checkpoint(lambda x, s: nnx.merge(graphdef, s)(x))(x, s), None
-            return self.head(jax.lax.scan(step, self.embed(tokens), state)[0])
+                return jax.checkpoint(lambda x, s: nnx.merge(graphdef, *s)(x))(x, s), None
+            return self.head(jax.lax.scan(step, self.embed(tokens), (params, rest))[0])
 
-    work = rk.from_model.workload(nnx.eval_shape(lambda: GPT(nnx.Rngs(0))), B, T)
-    assert work.model_map.line() == (
-        "2 x Block, scanned: yes; own remat: 2 x jax.checkpoint(nothing_saveable) around "
-        "each layer, taken over; outside: embed, head, loss")
+    return nnx.eval_shape(lambda: GPT(nnx.Rngs(0)))
+
+
+SCANNED = ("2 x Block, scanned: yes; own remat: 2 x jax.checkpoint(nothing_saveable) around "
+           "each layer, taken over; outside: embed, head, loss")
+
+
+def test_a_stack_with_its_layer_axis_inside_each_parameter_is_found():
+    """MaxText stacks its scanned layers' parameters on axis 1 ([embed, layers, mlp]):
+    the layer count is read there too (traced only, no compile); the moves of that axis
+    to the front run outside the layers, as the map says."""
+    work = rk.from_model.workload(_lax_scanned_gpt(1), B, T)
+    assert work.model_map.line() == SCANNED.replace(
+        "head, loss", "head, the model's own call: 8 ops (transpose), loss")
+
+
+def test_a_stack_run_by_jax_lax_scan_under_jax_checkpoint_is_found_and_taken_over():
+    """NNX layers made by nnx.vmap, run by a plain jax.lax.scan whose body is under
+    jax.checkpoint: one scanned stack, its own remat taken over, no --block."""
+    work = rk.from_model.workload(_lax_scanned_gpt(0), B, T)
+    assert work.model_map.line() == SCANNED
     rows = {r.names[0]: r for r in rk.measure(work, policies=["none", "full"])}
     assert rows["none"].flops < rows["full"].flops
     assert rows["full"].memory_bytes < rows["none"].memory_bytes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import itertools
 import math
 from collections.abc import Callable
 
@@ -94,15 +95,26 @@ def _structure(tree) -> tuple[tuple, int]:
 def _stacked(whole, seen) -> int:
     """How many layers one instance runs: its parameters `whole` (as the model
     holds them) against `seen` (as its call sees them). A scanned stack
-    (`nn.scan`, `nnx.scan` over `nnx.vmap`-made blocks) holds each parameter with
-    leading layer axes its call does not see: their product; else 1."""
+    (`nn.scan`, `nnx.scan` over `nnx.vmap`-made blocks, MaxText's stack with its
+    layer axis at `param_scan_axis` 1) holds each parameter with layer axes its
+    call does not see, anywhere in its shape: their product, where every parameter
+    that has such axes agrees on one; else 1."""
     shapes, _ = _structure(whole)
     inner, _ = _structure(seen)
     if [k for k, _, _ in shapes] != [k for k, _, _ in inner] or not shapes:
         return 1
-    lead = {s[:len(s) - len(i)] for (_, s, _), (_, i, _) in zip(shapes, inner)
-            if len(s) >= len(i) and s[len(s) - len(i):] == i}
-    return math.prod(lead.pop()) if len(lead) == 1 else 1
+    found = [f for (_, s, _), (_, i, _) in zip(shapes, inner) if (f := _left_out(s, i))]
+    common = set.intersection(*found) if found else set()
+    return common.pop() if len(common) == 1 else 1
+
+
+def _left_out(shape: tuple, inner: tuple) -> set[int]:
+    """The products of the axes of `shape` whose removal leaves `inner`, over every
+    choice of those axes ({1} where the two are equal; empty where none)."""
+    k = len(shape) - len(inner)
+    return {math.prod(shape[n] for n in drop)
+            for drop in itertools.combinations(range(len(shape)), max(k, 0))
+            if k >= 0 and tuple(d for n, d in enumerate(shape) if n not in drop) == tuple(inner)}
 
 
 def _loose(params, instances) -> tuple:
