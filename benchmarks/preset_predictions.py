@@ -1,5 +1,5 @@
 """How far `remat-kit plan`'s predicted presets (the `~` rows: `search.predict`) are from
-their compiles: issue 49, item 2.
+their compiles.
 
     python benchmarks/preset_predictions.py [--cases tiny:cpu,tiny_llama:tpu:v5e:1x1]
         [--batch 2] [--seq 32]

@@ -26,6 +26,9 @@ from remat_kit.policy.presets import PRESETS
 from remat_kit.policy.spec import AutoSpec
 from remat_kit.trace.workload import Workload
 
+# The one place the version is written (pyproject.toml reads it); CHANGELOG.md says what each holds.
+__version__ = "0.2.0"
+
 __all__ = [
     "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
     "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError", "Workload",

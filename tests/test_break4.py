@@ -1,5 +1,5 @@
-"""Issue 45, the fourth break test: one test per row of its table (row 3, the host
-devices of --mesh, is the mesh issue's), the offload probe that did not fit its chip,
+"""Faults a break test found, one test each (the host devices of --mesh are tested with
+the meshes), the offload probe that did not fit its chip,
 and what a second sweep of the same surfaces found. Each failed on the tree before."""
 
 import json

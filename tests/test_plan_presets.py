@@ -1,4 +1,4 @@
-"""`remat-kit plan`'s preset table (issue 49, item 2): plain `plan` compiles only the
+"""`remat-kit plan`'s preset table: plain `plan` compiles only the
 presets the planner starts from (none, full, its base rules); the rest read the cost model,
 marked `~` with a legend, and --json says which rows were compiled."""
 
