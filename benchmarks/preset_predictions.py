@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from remat_kit.api.inputs import preset_policies
+from remat_kit.ui.inputs import preset_policies
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.search import predict
 from remat_kit.models import get_config

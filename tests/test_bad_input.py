@@ -23,7 +23,7 @@ import remat_kit as rk
 from experiments import own_model, sweep
 from experiments.configs import tiny
 from remat_kit.cli import commands as cli
-from remat_kit.api.inputs import BadInput
+from remat_kit.ui.inputs import BadInput
 from remat_kit.trace.workload import has_gradient_path
 from zoo import gpt_linen
 

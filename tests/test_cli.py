@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from remat_kit.cli import commands as cli
-from remat_kit.api import inputs, sources
-from remat_kit.api.report import SCHEMA_VERSION
+from remat_kit.ui import inputs, sources
+from remat_kit.ui.report import SCHEMA_VERSION
 from remat_kit.units import fmt_bytes
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.api import report
+from remat_kit.ui import report
 from remat_kit.cli import verdict
 from remat_kit import errors as rk_errors
 from remat_kit.measure import targets
@@ -105,7 +105,7 @@ def test_side_by_side_fits_100_columns_for_two_targets():
 
 def test_compare_picks_five_policies_on_an_accelerator_and_says_what_it_will_take():
     from remat_kit.cli.compare import ACCELERATOR_POLICIES, default_policies, estimate_line
-    from remat_kit.api.inputs import preset_policies
+    from remat_kit.ui.inputs import preset_policies
     tpu, cpu = targets.parse_target(TPU), targets.parse_target("cpu")
     assert default_policies(None, [tpu]) == list(ACCELERATOR_POLICIES)
     assert default_policies(None, [cpu]) == default_policies("all", [tpu]) == preset_policies()

@@ -12,7 +12,7 @@ import pytest
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.api import sources
+from remat_kit.ui import sources
 from remat_kit.cli import verdict
 from remat_kit.errors import BudgetError
 from remat_kit.api.configs import fit

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remat_kit.api.inputs import preset_policies
+from remat_kit.ui.inputs import preset_policies
 from remat_kit.cli import commands as cli
 from remat_kit.cli.plan_table import LEGEND
 from remat_kit.decide.plan import Planner

@@ -17,7 +17,7 @@ import pytest
 import remat_kit as rk
 from remat_kit.api import answers
 from remat_kit.cli import commands as cli
-from remat_kit.api import report
+from remat_kit.ui import report
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
 from remat_kit.policy.budget import parse_budget

@@ -13,9 +13,9 @@ from remat_kit import files as outputs
 from remat_kit import mesh as rk_mesh
 from remat_kit.measure import pool
 from remat_kit.cli.common import budget_bytes, map_context, mesh_origin, print_map, targets_of
-from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
+from remat_kit.ui.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
-from remat_kit.api.sources import load_source, rechunked
+from remat_kit.ui.sources import load_source, rechunked
 from remat_kit.units import fmt_bytes
 
 
@@ -171,7 +171,7 @@ def _report(args, label, result, words, cfg, first, target) -> None:
     --plot. `words`: (what is fixed, the budget in bytes, the dtype, the multiple, where
     the mesh came from: `common.mesh_origin`)."""
     from remat_kit.cli import fit_report, verdict
-    from remat_kit.api.report import print_title, terminal_console
+    from remat_kit.ui.report import print_title, terminal_console
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple, origin = words
     step = rk_mesh.compiled_step("train step", result.mesh, origin)
