@@ -11,7 +11,7 @@ import functools
 import time
 
 import remat_kit as rk
-from remat_kit.api.inputs import preset_policies
+from remat_kit.ui.inputs import preset_policies
 from remat_kit.measure import audit
 
 spent = [0.0]

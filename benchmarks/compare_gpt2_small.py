@@ -4,7 +4,7 @@
 
 Runs the command as a user would (a fresh process, compile-only), then prints
 the seconds each distinct policy took (trace + lower + compile, from the JSON
-it wrote) and the wall time of the whole command. Target (issue 4): at most
+it wrote) and the wall time of the whole command. Target: at most
 90 s on 2 CPU cores.
 """
 

@@ -1,4 +1,4 @@
-"""fit's compiles per policy on the tiny reference configs, seq and batch: issue 49.
+"""fit's compiles per policy on the tiny reference configs, seq and batch.
 
     PYTHONPATH=. python benchmarks/fit_compiles.py [--target tpu:v5e:1x1]
 

@@ -4,7 +4,7 @@
 
 Runs the command as a user would (a fresh process, compile-only) and prints
 its table, the train-step compiles each policy needed (target: at most 12),
-and the wall time of the whole command (target, issue 9: at most 180 s on 2
+and the wall time of the whole command (target: at most 180 s on 2
 CPU cores).
 """
 

@@ -1,4 +1,4 @@
-"""Can the planner's anchors come from a 1- and 2-layer twin? Issue 49, item 4.
+"""Can the planner's anchors come from a 1- and 2-layer twin?
 
     PYTHONPATH=. python benchmarks/layer_extrapolation.py [--cases tiny:4:128,llama_1b:16:256]
         [--batch 1] [--dtype bfloat16] [--target cpu]

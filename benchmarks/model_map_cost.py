@@ -1,4 +1,4 @@
-"""What the model map costs: no extra trace, in one run (issue 34, Performance).
+"""What the model map costs: no extra trace, in one run.
 
     python benchmarks/model_map_cost.py [--batch 8] [--seq 32] [--repeats 5]
 

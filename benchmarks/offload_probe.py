@@ -3,7 +3,7 @@
     python benchmarks/offload_probe.py [--models tiny,wide] [--budgets 0.5,0.6,0.7,0.8]
         [--target tpu:v5e:1x1] [--bandwidth BYTES_PER_S]
 
-Issue 27, item 4: on `tpu:v5e:1x1` with a scanned stack (`scan_layers=True`,
+On `tpu:v5e:1x1` with a scanned stack (`scan_layers=True`,
 docs/scan.md), find a model and budget where a plan that offloads verifies
 under budget with less recompute than any plan without offload, or show why
 none exists. For each model (`MODELS`: the tiny GPT-2, and a wide one, d_model

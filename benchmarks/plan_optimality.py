@@ -1,4 +1,4 @@
-"""The planner's optimality, shown by compiling its whole decision space: issue 16, step 4.
+"""The planner's optimality, shown by compiling its whole decision space.
 
     PYTHONPATH=. python benchmarks/plan_optimality.py [--configs tiny,tiny_llama]
 

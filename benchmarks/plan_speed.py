@@ -1,8 +1,8 @@
-"""How many compiles and how much wall time `plan` and `fit` take at real size: issue 49.
+"""How many compiles and how much wall time `plan` and `fit` take at real size.
 
     python benchmarks/plan_speed.py [--case a,b,c] [--small] [--out runs/plan_speed]
 
-(a) issue 37's case on one TPU v5e chip, cold caches: `benchmarks/vs_estimator.py`
+(a) MaxText's llama2 decoder on one TPU v5e chip (vs_estimator.py's setting), cold caches: `benchmarks/vs_estimator.py`
     (MaxText's estimator beside `remat-kit plan --step train --uniform --emit maxtext`,
     in one run); skipped with a line where maxtext is not installed.
 (b) `remat-kit plan --config llama_1b --batch 4 --seq 2048 --dtype bfloat16` at the 6

@@ -4,7 +4,7 @@
         [--seq 1024] [--budgets 0.5,0.6,0.7,0.8] [--target tpu:v5e:1x1] [--presets a,b]
         [--vocab-chunks N]
 
-Issue 27's performance check: the planner on a TPU target never returns
+The planner's performance check: the planner on a TPU target never returns
 `full` where a cheaper preset fits (before the time model's fix, docs/plan.md,
 it returned `full` at every budget from 0.5 to 0.8 by predicted time). For each
 objective ("flops", "time") one `Planner` compiles the presets (`PRESETS`), then

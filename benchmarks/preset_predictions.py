@@ -1,5 +1,5 @@
 """How far `remat-kit plan`'s predicted presets (the `~` rows: `search.predict`) are from
-their compiles: issue 49, item 2.
+their compiles.
 
     python benchmarks/preset_predictions.py [--cases tiny:cpu,tiny_llama:tpu:v5e:1x1]
         [--batch 2] [--seq 32]
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from remat_kit.api.inputs import preset_policies
+from remat_kit.ui.inputs import preset_policies
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.search import predict
 from remat_kit.models import get_config

@@ -1,7 +1,7 @@
 """Scanned layers and the nested (sqrt N) schedule: compile time and what nested costs.
 
 1. Compile time of the train step (value and grad of the LM loss) with
-   `scan_layers=True`, 48 layers against 12 (issue 5 target: <= 1.5x), and
+   `scan_layers=True`, 48 layers against 12, and
    the unrolled (looped) stack's ratio beside it. One run, one compile each,
    default XLA options.
 2. For 64 layers: layer inputs the nested schedule stores (target <= 2 sqrt(64)

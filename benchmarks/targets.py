@@ -6,7 +6,7 @@ gpt2_small, batch 8, seq 1024, bfloat16, every preset. Runs the command as a
 user would (a fresh process, compile-only, ahead of time via libtpu on this
 machine, no TPU needed) and prints the seconds each distinct policy took
 (trace + lower + compile, from the JSON it wrote) and the wall time of the
-whole command. Target (issue 8): at most 300 s on 2 CPU cores. Then, unless
+whole command. Target: at most 300 s on 2 CPU cores. Then, unless
 --no-cpu, runs the same command with `--target cpu` and prints, for every
 preset, temp memory on both compilers and as a share of no remat, and the
 target's peak and its share (what compare ranks the target's rows by), as a

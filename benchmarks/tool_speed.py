@@ -12,7 +12,7 @@ repeated run would. Where a command writes --json, the figures of both trees
 are compared (everything but timings) and a difference is printed: a speed-up
 must not change a reported figure.
 
-Parts (issue 18's targets: 3x, 10x, 2x, 2x, suite under 5 minutes at load <= 2):
+Parts:
   compare_cpu   compare --config gpt2_small (CPU, every preset)
   compare_tpu   compare --config gpt2_small --target tpu:v5e:1x1 --policies none,full,selective,minimal
   plan          plan --config gpt2_small with 6 budgets

@@ -13,7 +13,7 @@ aqtp, tokamax, huggingface_hub, transformers, grain, drjax, tiktoken,
 sentencepiece, sympy. Each MaxText compile at these sizes is one to several
 minutes of CPU (docs/plan.md, "Against MaxText's own search").
 
-The setting is issue 37's: MaxText's llama2 decoder at 2 layers, emb 2048, MLP 8192,
+The setting: MaxText's llama2 decoder at 2 layers, emb 2048, MLP 8192,
 8 heads of 256, vocab 8192, seq 2048, per-device batch 52, bf16 activations, f32
 weights, AdamW, one TPU v5e chip (15.75 GiB HBM), where no remat does not fit the
 train step and full remat does. It runs
@@ -21,7 +21,7 @@ train step and full remat does. It runs
 1. MaxText's estimator (`python -m maxtext.utils.estimator`, batch size given: its
    policy search alone), timed;
 2. `remat-kit plan --step train --uniform --emit maxtext` on tests/zoo/own_tags_linen.py's
-   `issue_37` (the same sizes and dtypes) (a llama2-like decoder that names its values as MaxText's does),
+   `vs_estimator_decoder` (the same sizes and dtypes) (a llama2-like decoder that names its values as MaxText's does),
    budget the chip's HBM, timed (a policy that remats: MaxText reads remat_policy=none as
    full remat);
 3. MaxText's train step compiled (`maxtext.trainers.pre_train.train_compile`) under
@@ -126,7 +126,7 @@ def main() -> int:
         plan_json = os.path.join(args.out, "plan.json")
         _, found["remat_kit_seconds"] = run(
             [sys.executable, "-m", "remat_kit.cli", "plan", "--model",
-             "tests/zoo/own_tags_linen.py:issue_37", "--batch", "52", "--seq", "2048",
+             "tests/zoo/own_tags_linen.py:vs_estimator_decoder", "--batch", "52", "--seq", "2048",
              "--target", "tpu:v5e:1x1", "--budgets", args.hbm, "--step", "train", "--uniform",
              "--emit", "maxtext", "--no-presets", "--cache", "", "--json", plan_json])
         with open(plan_json) as f:

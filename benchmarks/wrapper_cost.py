@@ -78,7 +78,7 @@ def _figures(model, work) -> tuple[int, float]:
 
 
 def _programs(model, block: str, batch: int, seq: int) -> None:
-    """The table of issue 26: compare's row against each wrapper form, x no remat."""
+    """The table: compare's row against each wrapper form, x no remat."""
     work = rk.from_model.workload(model, batch, seq)
     none = lowering.compile_for(jax.value_and_grad(work.loss_for_policy(rk.parse("none"))),
                                 *work.args)

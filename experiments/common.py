@@ -17,7 +17,7 @@ from typing import NoReturn
 from absl import flags, logging
 
 from remat_kit.errors import BadInput
-from remat_kit.api.sources import load_config_file
+from remat_kit.ui.sources import load_config_file
 
 # What the scripts' user sets the shape with, for a --model that fails at it.
 SIZE_FIELDS = "config.batch_size and config.seq_len"
@@ -65,7 +65,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (for `app.run(..., flags_parser=parse_flags)`), with
     every bad flag, config file or config value as one stderr line and exit 2.
 
-    The --config file is loaded once first (`remat_kit.api.sources.load_config_file`):
+    The --config file is loaded once first (`remat_kit.ui.sources.load_config_file`):
     ml_collections would report its failures as a traceback, or not at all
     until the first field access.
     """

@@ -6,13 +6,13 @@
 For each policy, `remat_kit.api.configs.measure_config` compiles the model's
 value-and-grad step, then runs one warm-up and --steps timed steps on random
 tokens. The model, batch_size and seq_len come from the config file (see
-`remat_kit.api.sources.config_from_dict`). `--model FILE.py:FUNCTION` (or
+`remat_kit.ui.sources.config_from_dict`). `--model FILE.py:FUNCTION` (or
 config.model set to that) sweeps the user's own model instead, measured as
 `remat-kit compare --model` measures it (`remat_kit.flax.user_model`), at the
 config's batch_size and seq_len. Writes into --workdir:
 
-    records.json   the `remat_kit.api.report` JSON schema, one object per policy
-    records.csv    one line per policy (`remat_kit.api.report.CSV_FIELDS`)
+    records.json   the `remat_kit.ui.report` JSON schema, one object per policy
+    records.csv    one line per policy (`remat_kit.ui.report.CSV_FIELDS`)
     pareto.png     memory (temp on CPU, peak on TPU/GPU) against FLOP overhead, Pareto front marked
 
 and prints the table. Without --policies, every preset is swept.
@@ -30,11 +30,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.common import SIZE_FIELDS, fail, one_line_warnings, parse_flags
-from remat_kit.api import plots, report
-from remat_kit.api.report import map_context, print_map
-from remat_kit.api.inputs import (check_folder, check_int, check_memory, check_seq,
+from remat_kit.ui import plots, report
+from remat_kit.ui.report import map_context, print_map
+from remat_kit.ui.inputs import (check_folder, check_int, check_memory, check_seq,
                                   preset_policies, split_policies)
-from remat_kit.api.sources import config_from_dict
+from remat_kit.ui.sources import config_from_dict
 from remat_kit.errors import BadInput, RematSpecError, UnknownModuleError
 from remat_kit.flax import user_model
 from remat_kit.flax.from_model import ModelError
@@ -64,7 +64,7 @@ def sweep(config, workdir: str, policies: str | None = None, steps: int = 5) -> 
     """Measures and times every policy in `policies` (default: every preset) on `config`.
 
     Returns:
-      The report rows (`remat_kit.api.report.rows`), also written to `workdir`.
+      The report rows (`remat_kit.ui.report.rows`), also written to `workdir`.
     Raises:
       BadInput: steps < 1; the config names no known model or has a bad
         field; an empty or bad policy list; a workdir that cannot be written;

@@ -54,7 +54,7 @@ from rich.console import Console
 from experiments import (checkpoint, data, guards, own_model, runlog, train_loop, train_report,
                          train_setup)
 from experiments.common import fail, one_line_warnings, parse_flags, warn_line
-from remat_kit.api.inputs import out_of_memory
+from remat_kit.ui.inputs import out_of_memory
 from remat_kit.errors import BadInput
 from remat_kit.decide.step import in_use_bytes
 from remat_kit.measure.costs import loop_scaled_costs, memory_fields

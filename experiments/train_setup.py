@@ -17,7 +17,7 @@ import optax
 
 from experiments import data, guards, own_model, runlog, synthetic
 from remat_kit import mesh as rk_mesh
-from remat_kit.api.inputs import check_folder, check_int, check_memory, check_seq
+from remat_kit.ui.inputs import check_folder, check_int, check_memory, check_seq
 from remat_kit.errors import BadInput
 from remat_kit.decide import floor
 from remat_kit.errors import BudgetError, MeshError, RematSpecError

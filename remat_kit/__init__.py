@@ -13,7 +13,7 @@ Every answer (`measure`, `explain`, `plan`, `fit`) takes a `Workload` and is def
 from remat_kit.api import (batch_model, checkpointed, emitted_tags, estimate, explain, fit,
                            from_custom, from_model, layer_residuals, linen, measure,
                            measure_config, mesh, models, nnx, parse, plan, register_tag,
-                           remat_model, report, residuals, roles, step_memory, tag, targets,
+                           remat_model, residuals, roles, step_memory, tag, targets,
                            validate)
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.plan_cache import Plan
@@ -26,10 +26,13 @@ from remat_kit.policy.presets import PRESETS
 from remat_kit.policy.spec import AutoSpec
 from remat_kit.trace.workload import Workload
 
+# The one place the version is written (pyproject.toml reads it); CHANGELOG.md says what each holds.
+__version__ = "0.2.0"
+
 __all__ = [
     "ALIASES", "AutoSpec", "BudgetError", "MeshError", "PRESETS", "Plan", "Planner", "Policy",
     "Record", "RematSpecError", "TAGS", "UnknownModuleError", "UnknownTagError", "Workload",
     "batch_model", "checkpointed", "emitted_tags", "estimate", "explain", "fit", "from_custom", "from_model",
     "layer_residuals", "linen", "measure", "measure_config", "mesh", "models", "nnx", "parse",
-    "plan", "register_tag", "remat_model", "report", "residuals", "roles", "step_memory", "tag", "targets", "validate",
+    "plan", "register_tag", "remat_model", "residuals", "roles", "step_memory", "tag", "targets", "validate",
 ]

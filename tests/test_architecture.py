@@ -18,7 +18,7 @@ PARTS = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()
 
 
 def test_the_parts_are_the_documented_ones():
-    assert PARTS == ["api", "cli", "decide", "flax", "measure", "models", "policy", "trace"]
+    assert PARTS == ["api", "cli", "decide", "flax", "measure", "models", "policy", "trace", "ui"]
 
 
 @pytest.mark.parametrize("part", PARTS)
@@ -150,7 +150,7 @@ def _too_long(root: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize("root", ["remat_kit", "experiments"])
 def test_no_long_function_or_module(root):
-    # One idea per module, one step per function: split rather than grow (issue 35).
+    # One idea per module, one step per function: split rather than grow.
     found = _too_long(PACKAGE.parent / root)
     assert found == [], "split these:\n" + "\n".join(found)
 
@@ -204,7 +204,7 @@ def _private_imports(source: "str | ast.Module") -> list[str]:
 
 
 def test_each_module_imports_only_public_names():
-    # A name another module needs is public in its own module (issue 47): `_jax_private`
+    # A name another module needs is public in its own module: `_jax_private`
     # is a module whose names are public (its `__all__`); its own `_` says it wraps JAX's
     # private API, and it is the one module that imports `jax._src`.
     stray, jax_private = [], []
@@ -231,8 +231,8 @@ def test_private_imports_are_found():
         "remat_kit.measure.residuals._stage", "remat_kit.trace.workload._as_factory"]
 
 
-# Below the front floor (`api/`, which parses each spec once; `cli/` above it; `policy/`,
-# which defines `parse`) a spec is parsed only where it comes in as text (issue 47): these
+# Below the front floor (`api/`, which parses each spec once; `ui/` and `cli/` above it; `policy/`,
+# which defines `parse`) a spec is parsed only where it comes in as text: these
 # edges parse it once and hand the value on. Module -> the functions that parse it.
 POLICY_EDGES = {
     "decide/plan_cache.py": {"cached_plan"},  # a plan cache file's spec text, where it is read
@@ -251,7 +251,7 @@ def test_a_policy_is_parsed_at_the_front_floor():
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
-        if name.startswith(("api/", "cli/", "policy/")) or name == "__init__.py":
+        if name.startswith(("ui/", "api/", "cli/", "policy/")) or name == "__init__.py":
             continue
         calls = set(_parse_target_calls(path.read_text(), "parse"))
         if calls:
@@ -281,7 +281,7 @@ PLANNER_MODULES = {"decide/plan.py", "decide/planner_compiles.py", "decide/plann
 
 
 def test_the_planner_is_used_through_its_public_methods():
-    # search.py, the offload probe, fit, the CLI: `planner.x`, never `planner._x` (issue 47).
+    # search.py, the offload probe, fit, the CLI: `planner.x`, never `planner._x`.
     stray = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
@@ -317,7 +317,7 @@ def test_the_walk_lists_real_modules_in_the_parts_order():
 
 def test_the_walk_names_every_module_rk_measure_enters():
     # The walk is a description kept true: run it under a profiler and every module of the
-    # package it enters is named in the section (issue 47).
+    # package it enters is named in the section.
     import sys
     import remat_kit as rk
     work = rk.models.workload(rk.models.get_config("tiny", num_layers=1), 1, 16)
@@ -375,7 +375,7 @@ def _docstring_problems(root: pathlib.Path) -> list[str]:
 
 def test_module_docstrings_are_short_and_point_to_their_docs_page():
     # A module docstring says what the module is for and where its reference is; the
-    # reference itself lives in docs/ (issue 47, item 4).
+    # reference itself lives in docs/.
     found = _docstring_problems(PACKAGE)
     assert found == [], "cut or point these to docs/:\n" + "\n".join(found)
 

@@ -10,7 +10,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit as rk
-from remat_kit.api.inputs import preset_policies
+from remat_kit.ui.inputs import preset_policies
 from remat_kit import _jax_private
 from remat_kit.measure import audit, figure_cache
 

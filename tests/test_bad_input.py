@@ -1,4 +1,4 @@
-"""Issue 26, "Bad input", found by trying to break remat_kit as a user would: each
+"""Bad input, found by trying to break remat_kit as a user would: each
 test failed on the tree before its fix. A model with an integer parameter (a step
 count) was a bare jax.jvp traceback; a linen model with dropout or batch
 statistics was called "a remat_kit bug"; a scalar output was described as a
@@ -23,7 +23,7 @@ import remat_kit as rk
 from experiments import own_model, sweep
 from experiments.configs import tiny
 from remat_kit.cli import commands as cli
-from remat_kit.api.inputs import BadInput
+from remat_kit.ui.inputs import BadInput
 from remat_kit.trace.workload import has_gradient_path
 from zoo import gpt_linen
 
@@ -221,7 +221,7 @@ def test_fit_names_the_flags_of_its_search_where_the_first_size_fails(capsys):
                      "--budget", "64MiB", "--policies", "none"])
     [line] = capsys.readouterr().err.splitlines()
     assert code == 2 and line.startswith("remat-kit fit: error: --model ")
-    # The model's own failure, at its own line (issue 34 item 6).
+    # The model's own failure, at its own line.
     where = f"{gpt_linen.__file__}:"
     assert f"the model raised ValueError at {where}" in line
     assert line.endswith(" on int32 tokens [2, 128]: Incompatible shapes for broadcasting: "

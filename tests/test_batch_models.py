@@ -1,4 +1,4 @@
-"""Models that are not token LMs (issue 34 item 5): a ViT on images (NNX, dropout), a DiT
+"""Models that are not token LMs: a ViT on images (NNX, dropout), a DiT
 on latents and timesteps (linen, adaLN), a BERT-style encoder on a dict batch (linen).
 
 Each is given as `--model FILE.py:build` gives it, `(model, batch, loss)`

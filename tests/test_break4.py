@@ -1,5 +1,5 @@
-"""Issue 45, the fourth break test: one test per row of its table (row 3, the host
-devices of --mesh, is the mesh issue's), the offload probe that did not fit its chip,
+"""Faults a break test found, one test each (the host devices of --mesh are tested with
+the meshes), the offload probe that did not fit its chip,
 and what a second sweep of the same surfaces found. Each failed on the tree before."""
 
 import json
@@ -310,7 +310,7 @@ SEQ1 = ("seq 1: the next-token loss needs seq >= 2 (at seq 1 no position has a n
 def test_row9_seq_1_is_refused_for_a_next_token_loss(capsys, mine, tmp_path):
     from experiments import train
     from experiments.configs import tiny
-    from remat_kit.api.inputs import BadInput
+    from remat_kit.ui.inputs import BadInput
     code, _, err = run(capsys, "compare", "--model", "mine.py:model", "--batch", 2, "--seq", 1,
                        "--policies", "full")
     assert code == 2 and err == f"remat-kit compare: error: --model 'mine.py:model': {SEQ1}\n"

@@ -1,4 +1,4 @@
-"""Issue 28, the caches: what is read back is checked, and what keys an entry is
+"""The caches: what is read back is checked, and what keys an entry is
 all that changes it. Each test failed on the tree before the fix.
 
 Item 1: the plan cache ignored $XLA_FLAGS. Item 2: the CPU roofline was measured

@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from remat_kit.cli import commands as cli
-from remat_kit.api import inputs, sources
-from remat_kit.api.report import SCHEMA_VERSION
+from remat_kit.ui import inputs, sources
+from remat_kit.ui.report import SCHEMA_VERSION
 from remat_kit.units import fmt_bytes
 
 
@@ -222,8 +222,8 @@ def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
     assert doc["schema_version"] == SCHEMA_VERSION
     cpu = {"target": "cpu", "platform": "XLA CPU compile", "devices": 1,
            "jax_version": jax.__version__, "compiler_version": f"jaxlib {jax.__version__}",
-           "step": "value-and-grad"}  # what was compiled: one device, no optimizer (issue 33)
-    the_map = doc["context"].pop("model_map")  # what the layers are (issue 34)
+           "step": "value-and-grad"}  # what was compiled: one device, no optimizer
+    the_map = doc["context"].pop("model_map")  # what the layers are
     assert the_map["line"] == ("2 x DecoderLayer, scanned: no; own remat: none; outside: "
                                "embed, final_norm, pos_embed, logits, loss")
     assert out.splitlines()[0] == f"model map: {the_map['line']}"
@@ -247,7 +247,7 @@ def test_compare_table_json_and_plot(capsys, tmp_path, monkeypatch):
     # Predicted step time beside FLOPs: full remat's recompute costs time, as it costs FLOPs.
     assert "pred. step" in out and "pred. x none" in out
     full, none = doc["records"]
-    # The verdict under the map line (issue 46): full, the Pareto row with the least memory
+    # The verdict under the map line: full, the Pareto row with the least memory
     # x predicted step, its figures those of the JSON; the CPU note, no --target given.
     assert full["temp_ratio_to_none"] * full["predicted_ratio_to_none"] < 1
     assert out.splitlines()[1:5] == [
@@ -336,7 +336,7 @@ def test_sweep_writes_json_csv_and_plot(capsys, tmp_path):
     assert (tmp_path / "pareto.png").stat().st_size > 10_000
 
 
-# Break-test faults (issue 19): output paths, plan caches, policy lists.
+# Break-test faults: output paths, plan caches, policy lists.
 
 @pytest.mark.parametrize("argv", [
     ["compare", "--policies", "full", "--json", "/dev/full"],

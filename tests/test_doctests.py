@@ -1,5 +1,5 @@
 """The `>>>` examples of the public functions and classes run, and give what they say
-(issue 47: docstrings that teach). Tiny models on the CPU."""
+. Tiny models on the CPU."""
 
 import doctest
 import importlib

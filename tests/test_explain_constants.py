@@ -1,4 +1,4 @@
-"""explain lists a layer's constants apart (issue 26, item 8): values that depend on
+"""explain lists a layer's constants apart: values that depend on
 no parameter or activation of the layer (a rotary sin/cos table, the causal mask and
 its fill, position ids and a mask passed in) are no residual a policy chooses, and the
 compiled program holds no per-layer buffer of them."""

@@ -1,4 +1,4 @@
-"""What a first-time accelerator user reads (issue 46): the verdict (the policy, what it
+"""What a first-time accelerator user reads: the verdict (the policy, what it
 gives and costs, what to paste) and the CPU note, a default table that fits 100
 columns with --wide for the rest, the chips in --help, the install command where the
 user is, names refused at the call, and the note for a plan run at other shapes."""
@@ -14,7 +14,7 @@ from rich.console import Console
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.api import report
+from remat_kit.ui import report
 from remat_kit.cli import verdict
 from remat_kit import errors as rk_errors
 from remat_kit.measure import targets
@@ -22,7 +22,7 @@ from remat_kit.measure.record import Record
 from tests.zoo import gpt_linen
 
 TPU = "tpu:v5e:1x1"
-# (policy, names, peak bytes, FLOPs, predicted seconds), shaped like the issue's TPU run.
+# (policy, names, peak bytes, FLOPs, predicted seconds), shaped like a user's TPU run.
 ROWS = [("none", ("none",), 5_820_000_000, 1.00e12, 1.000),
         ("full", ("full", "save_nothing"), 2_300_000_000, 1.33e12, 1.330),
         ("dots", ("dots", "save_dot_only"), 2_900_000_000, 1.0056e12, 1.004),
@@ -105,7 +105,7 @@ def test_side_by_side_fits_100_columns_for_two_targets():
 
 def test_compare_picks_five_policies_on_an_accelerator_and_says_what_it_will_take():
     from remat_kit.cli.compare import ACCELERATOR_POLICIES, default_policies, estimate_line
-    from remat_kit.api.inputs import preset_policies
+    from remat_kit.ui.inputs import preset_policies
     tpu, cpu = targets.parse_target(TPU), targets.parse_target("cpu")
     assert default_policies(None, [tpu]) == list(ACCELERATOR_POLICIES)
     assert default_policies(None, [cpu]) == default_policies("all", [tpu]) == preset_policies()

@@ -12,7 +12,7 @@ import pytest
 
 import remat_kit as rk
 from remat_kit.cli import commands as cli
-from remat_kit.api import sources
+from remat_kit.ui import sources
 from remat_kit.cli import verdict
 from remat_kit.errors import BudgetError
 from remat_kit.api.configs import fit
@@ -168,9 +168,9 @@ def test_cli_fit_table_and_json(monkeypatch, capsys, tmp_path):
     assert (doc["verdict"]["name"], doc["verdict"]["gives"]) == (
         "none", "seq 4992 in 1.91 MiB per device")
     line = ("2 x DecoderLayer, scanned: no; own remat: none; outside: embed, final_norm, "
-            "pos_embed, logits, loss")  # the config's map opens fit too (issue 34)
+            "pos_embed, logits, loss")  # the config's map opens fit too
     assert doc["model_map"]["line"] == line and stdout.splitlines()[0] == f"model map: {line}"
-    # The verdict under it (issue 46): both rows reach seq 4992 at the same FLOPs, so no
+    # The verdict under it: both rows reach seq 4992 at the same FLOPs, so no
     # remat, the first; no --target, so the CPU note.
     assert stdout.splitlines()[1:4] == [
         "cpu: use none: seq 4992 in 1.91 MiB per device, +0.00% FLOPs (largest seq)", 'paste: rk.remat_model(model, "none")  or  --config.remat=none',

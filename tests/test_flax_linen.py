@@ -221,7 +221,7 @@ def test_path_tags_in_specs():
 
 def test_errors(setup):
     tokens, params, _ = setup
-    # A name no linen class has is refused at the call, before any init (issue 46).
+    # A name no linen class has is refused at the call, before any init.
     with pytest.raises(rk.UnknownModuleError, match="no linen Module class of this name") as info:
         rk.linen.apply_remat(Model(), {"Blok": "full"})
     assert info.value.closest == "Block" and {"Block", "Mlp"} <= set(info.value.choices)

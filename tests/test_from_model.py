@@ -222,7 +222,7 @@ def test_cli_compare_explain_plan_fit_on_a_model(capsys, tmp_path):
                      "--json", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
     assert "gpt_linen.py:model: batch 2, seq 16" in out and "minimal" in out
-    # The verdict on a zoo model (issue 46): minimal, its ratio that of the JSON.
+    # The verdict on a zoo model: minimal, its ratio that of the JSON.
     minimal = next(r for r in json.loads((tmp_path / "c.json").read_text())["records"]
                    if r["names"] == ["minimal"])
     assert out.splitlines()[1].startswith(

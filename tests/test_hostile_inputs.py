@@ -1,4 +1,4 @@
-"""Issue 28, the planner and --model inputs: each test failed on the tree before
+"""The planner and --model inputs: each test failed on the tree before
 the fix. Item 3: `--offload` on the CPU planned negative memory. Item 4: a model
 with integer logits was measured with no backward pass. Item 7: `--no-offload`
 returned an offload plan. Item 9: os._exit(0) in a model file ended remat-kit

@@ -13,7 +13,7 @@ from rich.console import Console
 import remat_kit as rk
 from remat_kit.api import answers
 from remat_kit.cli import commands as cli
-from remat_kit.api import labels, report
+from remat_kit.ui import labels, report
 from remat_kit.flax import from_model
 from remat_kit.measure import targets
 from remat_kit.measure.record import Record

@@ -1,4 +1,4 @@
-"""remat_kit.measure.measure and remat_kit.api.report: residual bytes by tag, loop-aware FLOPs, records."""
+"""remat_kit.measure.measure and remat_kit.ui.report: residual bytes by tag, loop-aware FLOPs, records."""
 
 import math
 
@@ -8,7 +8,7 @@ import pytest
 
 import importlib
 import remat_kit as rk
-from remat_kit.api import report
+from remat_kit.ui import report
 from remat_kit.measure.costs import loop_scaled_costs
 from remat_kit.measure.explain import stack_stored_bytes
 

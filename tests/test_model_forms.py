@@ -1,4 +1,4 @@
-"""Every way a real model is written (issue 26 items 4-8, issue 28 item 12): scanned
+"""Every way a real model is written: scanned
 stacks (linen nn.scan, nnx.scan), a hand-rolled softmax, masks and clips before the first
 block, nn.jit on __call__, blocks that already remat, query/key named after the rotary
 embedding, and remat_kit's own failures never blamed on the user's shapes."""
@@ -87,7 +87,7 @@ def test_a_hand_rolled_softmax_has_the_roles_of_jax_nn_softmax():
 @pytest.mark.parametrize("before", ["where", "clip"])
 def test_a_mask_or_clip_before_the_first_block(before):
     """jnp.where(mask, x, -1e9) and jnp.clip(x, -3, 3) hold literals, which are no
-    parameters (issue 28 item 12: an unhashable Literal looked up as one)."""
+    parameters."""
     work = rk.from_model.workload(softmax_linen.LM(before=before), B, T)
     assert work.num_layers == 2
     assert _roles(work) == _roles(rk.from_model.workload(softmax_linen.LM(), B, T))
@@ -110,7 +110,7 @@ def test_fit_on_a_model_with_nn_jit(capsys):
 
 
 def test_a_model_that_already_remats_is_taken_over():
-    """nn.remat around each block: the policy measured replaces it (issue 34 item 3), so
+    """nn.remat around each block: the policy measured replaces it, so
     the map says so and no row carries a note."""
     work = rk.from_model.workload(softmax_linen.RematLM(), B, T)
     assert ("own remat: 2 x jax.checkpoint(nothing_saveable) around each layer, taken over"

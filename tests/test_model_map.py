@@ -1,4 +1,4 @@
-"""The model map (issue 34): every stack, layer, structure and own remat of a model written
+"""The model map: every stack, layer, structure and own remat of a model written
 the way model libraries write them (tests/zoo: a BERT with `gradient_checkpointing`, a
 Griffin-like hybrid of recurrent and local-attention blocks, a MaxText-like scanned decoder
 under its own `jax.checkpoint`, a T5-like encoder-decoder whose first layers hold a relative
@@ -349,7 +349,7 @@ def test_a_stack_around_a_block_collection_is_no_layer_and_experts_are_no_stack(
 
 
 def test_what_the_models_own_call_computes_is_named():
-    """Issue 34: nothing outside every layer goes unnamed. A tied head `x @ embed.T` in
+    """Nothing outside every layer goes unnamed. A tied head `x @ embed.T` in
     an NNX model's own call, and GPT-2's position add in a linen one's, hold no module;
     the map names their ops from the one trace. Constants (an iota) are not counted."""
     from tests.zoo import gpt_linen, graph_nnx

@@ -1,4 +1,4 @@
-"""A policy spec is parsed once, where it comes in (issue 47): `rk.fit` parses its rows and
+"""A policy spec is parsed once, where it comes in: `rk.fit` parses its rows and
 hands `Policy` values down (each row still shows the user's label), fit's step cache keys
 them by their canonical spec, a `TransformerConfig` parses its `remat` in its constructor,
 and the wrappers' helpers below the public calls refuse text. No compile here."""

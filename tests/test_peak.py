@@ -240,7 +240,7 @@ def test_the_attention_scores_are_named_where_they_hold_the_peak():
 
     from rich.console import Console
 
-    from remat_kit.api.report import print_peaks
+    from remat_kit.ui.report import print_peaks
     [full] = measure(workload(get_config("tiny_llama"), 2, 256), policies=["full"],
                      target=CPU, peak=True)
     _check_sums(full, "temp_size_in_bytes", 0.10)

@@ -309,7 +309,7 @@ def test_cli_plan(planner, tmp_path, capsys, monkeypatch):
     assert low["plan"] is None and low["best_preset"] is None
     stdout = capsys.readouterr().out
     assert "below the minimum" in stdout
-    # The verdict under the map line (issue 46): the 0.9 plan, which is no preset's program,
+    # The verdict under the map line: the 0.9 plan, which is no preset's program,
     # as the --json file to paste; its figures those of the JSON.
     plan = high["plan"]
     assert plan["measured_flops"] != doc["presets"][0]["flops"]
@@ -373,7 +373,7 @@ def test_train_plans_auto_budget_on_its_mesh(planner, tmp_path):
     assert f"reaches: {sharded:,} bytes" in str(raised.value)
 
 
-# -- break-test faults (issue 19) ---------------------------------------------
+# -- break-test faults ---------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
     ((), "cannot plan a loss called with no arguments: there is nothing to differentiate"),
@@ -406,7 +406,7 @@ def test_damaged_and_oversized_caches(tmp_path, monkeypatch):
 
 
 def test_the_planner_takes_policies_and_keeps_the_callers_labels():
-    # Its methods take values (README, "Changes"); the CLI passes its preset names as labels.
+    # Its methods take values (CHANGELOG.md, 0.1.0); the CLI passes its preset names as labels.
     planner = Planner(lambda x: jnp.sum(jnp.sin(x) ** 2), jnp.ones(8), cache=None)
     for call in (planner.measure, planner.compiles.peak, planner.seconds,
                  lambda p: planner.measure_all([p])):

@@ -15,7 +15,7 @@ from remat_kit.decide.milp import CostModel
 from remat_kit.decide.plan import Planner
 from remat_kit.decide.plan_cache import Plan
 from remat_kit.decide.step import compile_step, default_optimizer
-from remat_kit.api.inputs import device_mesh
+from remat_kit.ui.inputs import device_mesh
 from remat_kit.decide.step_records import default_step
 from remat_kit.flax import from_model
 from remat_kit.measure import figure_cache, targets
@@ -310,7 +310,7 @@ def test_maxtext_plans_never_no_remat():
 def test_train_plan_for_emit_compiles_no_preset_beyond_none_and_full(monkeypatch, tmp_path):
     from remat_kit.cli import commands
     from remat_kit.decide.planner_compiles import PlannerCompiles
-    from remat_kit.api.inputs import preset_policies
+    from remat_kit.ui.inputs import preset_policies
     compiled = []
     own = PlannerCompiles._train_record
 

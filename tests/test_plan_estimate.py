@@ -10,7 +10,7 @@ from remat_kit.api.configs import config_planner
 from remat_kit.policy.policy import Policy
 from tests.zoo import own_tags_linen
 
-# One decision per tag, base nothing (as issue 37 measured), on tpu:v5e:1x1's peak or the
+# One decision per tag, base nothing, on tpu:v5e:1x1's peak or the
 # CPU's temp.
 _SETTINGS = dict(cache=None, groups=1, bases=("nothing",))
 

@@ -1,4 +1,4 @@
-"""`remat-kit plan`'s preset table (issue 49, item 2): plain `plan` compiles only the
+"""`remat-kit plan`'s preset table: plain `plan` compiles only the
 presets the planner starts from (none, full, its base rules); the rest read the cost model,
 marked `~` with a legend, and --json says which rows were compiled."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remat_kit.api.inputs import preset_policies
+from remat_kit.ui.inputs import preset_policies
 from remat_kit.cli import commands as cli
 from remat_kit.cli.plan_table import LEGEND
 from remat_kit.decide.plan import Planner

@@ -287,7 +287,7 @@ def test_a_role_the_block_lacks_warns_once_per_block_class():
 
 def test_user_text_in_a_title_is_not_markup(capsys):
     """A model named like an emoji code (FILE.py:llama) prints as written."""
-    from remat_kit.api import report
+    from remat_kit.ui import report
     report.print_table([], "tests/zoo/x.py:llama :smile: [bold]b[/bold]")
     out = capsys.readouterr().out
     assert ":llama" in out and ":smile:" in out and "[bold]" in out

@@ -9,7 +9,7 @@ import csv
 
 import pytest
 
-from remat_kit.api import report
+from remat_kit.ui import report
 from remat_kit.measure import targets
 from remat_kit.measure.record import PEAK, TEMP, Record, memory_kind
 

@@ -228,10 +228,12 @@ def test_policy_fields_are_checked(kwargs, message):
         Policy(**kwargs)
 
 
-def test_policy_fields_expand_aliases_and_union_takes_strings():
+def test_policy_fields_expand_aliases_and_union_takes_parsed_policies():
     assert Policy(save=["mlp"]) == rk.parse("save:mlp")
     assert rk.parse(str(Policy(save=["ffn1"]))) == Policy(save=["mlpwi"])
-    assert Policy() | "minimal" == rk.parse("minimal")
+    assert Policy() | rk.parse("minimal") == rk.parse("minimal")
+    with pytest.raises(TypeError, match=r"parse the text first, Policy \| rk.parse\('minimal'\)"):
+        Policy() | "minimal"
     with pytest.raises(TypeError, match="the string 'mlpwo'"):
         Policy().resolve("mlpwo")
 

@@ -1,4 +1,4 @@
-"""Issue 28, stops: signals, a read-only checkpoint folder, a metrics file that is a
+"""Stops: signals, a read-only checkpoint folder, a metrics file that is a
 folder. Each test failed on the tree before the fix. The signals are sent at a
 controlled point: by the model file itself (at import, in FUNCTION) or by a hook
 on `Checkpoints.save` in the training subprocess, never after a sleep.

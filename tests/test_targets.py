@@ -17,7 +17,7 @@ import pytest
 import remat_kit as rk
 from remat_kit.api import answers
 from remat_kit.cli import commands as cli
-from remat_kit.api import report
+from remat_kit.ui import report
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
 from remat_kit.policy.budget import parse_budget
@@ -283,7 +283,7 @@ def test_a_failed_aot_compile_is_a_row_with_the_compilers_message():
 
 @needs_libtpu
 def test_rk_measure_parses_its_target_once_and_derives_what_it_carries_once(monkeypatch):
-    """Issue 35's walk: rk.measure with a target as text parses it once (decide/resolve);
+    """The walk of rk.measure with a target as text parses it once (decide/resolve);
     lowering, the figure cache and the time model read the Target's devices, versions
     and roofline, each worked out once for all the programs."""
     import remat_kit as rk

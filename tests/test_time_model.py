@@ -176,7 +176,7 @@ class _Text:
 def test_tpu_dmas_and_vmem_cost_their_hbm_bytes_once():
     """A DMA costs the HBM bytes of its ends once, at its start (its done is a wait);
     an operand in VMEM costs no HBM bytes. Counting every start, done and VMEM read
-    priced gpt2_small's no remat below full remat on tpu:v5e (issue 27)."""
+    priced gpt2_small's no remat below full remat on tpu:v5e."""
     ops = [(op.opcode, op.nbytes) for op in compiled_ops(_Text(_TPU_DMAS))]
     whole, rows = 256 * 128 * 4, 64 * 128 * 4
     assert ops == [("kCopyStart", whole), ("kAsyncStart", rows),  # read from HBM, into VMEM

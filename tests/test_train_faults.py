@@ -73,7 +73,7 @@ def _flip(path: pathlib.Path, count: int = 64) -> None:
     path.write_bytes(bytes(blob))
 
 
-# The damage, with and without the checksum file: without it, orbax's
+# The damage, with and without the checksum file: without it, orbax's
 # own failure to read (Exception, TypeError, ValueError, KeyError) is the check.
 DAMAGE = {
     "truncated data file": (lambda w: os.truncate(_largest_data_file(w), 10), True),

@@ -19,7 +19,7 @@ import remat_kit as rk
 from experiments import data, own_model, train, train_setup
 from experiments.common import one_line_warnings
 from experiments.configs import tiny
-from remat_kit.api.inputs import BadInput
+from remat_kit.ui.inputs import BadInput
 from remat_kit.flax import user_model
 from remat_kit.decide import step as stepping
 from remat_kit.flax.from_model import next_token_loss

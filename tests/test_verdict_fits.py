@@ -151,7 +151,7 @@ def test_each_note_names_its_policies():
 def test_wide_keeps_preset_names_whole_at_100_columns():
     from rich.console import Console
 
-    from remat_kit.api import report
+    from remat_kit.ui import report
     from tests.test_first_contact import tpu_rows
     rows = [dict(d, names=["minimal"]) if d["policy"] == "none" else d for d in tpu_rows()]
     console = Console(width=100, record=True)

@@ -23,7 +23,7 @@ from remat_kit.cli import fit as fit_command
 from remat_kit.cli import plan as plan_command
 from remat_kit.cli import stops
 from remat_kit.cli.common import make_host_devices
-from remat_kit.api.inputs import BadInput, non_negative_int, positive_int
+from remat_kit.ui.inputs import BadInput, non_negative_int, positive_int
 from remat_kit.errors import RematSpecError
 from remat_kit.measure import cluster, pool
 from remat_kit.models import CONFIGS

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.api.inputs import BadInput, check_seq
-from remat_kit.api.report import map_context, print_map
-from remat_kit.api.sources import Source, load_source
+from remat_kit.ui.inputs import BadInput, check_seq
+from remat_kit.ui.report import map_context, print_map
+from remat_kit.ui.sources import Source, load_source
 from remat_kit.decide.fit import fit_budget_bytes
 from remat_kit.errors import BudgetError
 from remat_kit.policy.budget import parse_budget

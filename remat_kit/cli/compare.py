@@ -1,5 +1,5 @@
 """`remat-kit compare`: every policy measured compile-only (`remat_kit.api.answers.measure`),
-one table per target sorted by memory (`remat_kit.api.report`), with --json, --csv and
+one table per target sorted by memory (`remat_kit.ui.report`), with --json, --csv and
 --plot.
 Docs: docs/compare.md.
 """
@@ -16,7 +16,7 @@ from remat_kit.trace import retarget
 from remat_kit.measure import pool
 from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, step_caption,
                                   plot_path, print_map, sizes_text, source_and_sizes, targets_of)
-from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
+from remat_kit.ui.inputs import (BadInput, check_json_and_plot, check_memory, check_planner_floor,
                                   check_schedules, device_mesh, preset_policies, split_policies)
 from remat_kit.policy.spec import AutoSpec, parse
 
@@ -24,7 +24,7 @@ from remat_kit.policy.spec import AutoSpec, parse
 def run(args) -> int:
     """`remat-kit compare` on the parsed flags; returns the exit status (`commands.main`
     turns bad input into one line and 2)."""
-    from remat_kit.api import plots, report
+    from remat_kit.ui import plots, report
     from remat_kit.cli import verdict
 
     # Every check comes before JAX starts measuring, so bad input costs nothing.
@@ -117,7 +117,7 @@ def _on_target(args, src, sizes, specs, progress, where) -> tuple:
     """((target, title, rows), the JSON context) of compare's policies measured on one
     target: `where` = (the target, the --mesh asked, the workload); a model's own mesh
     first."""
-    from remat_kit.api import report
+    from remat_kit.ui import report
     from remat_kit.api.answers import measure
     (target, asked, work), (batch, seq, dtype), cfg = where, sizes, src.cfg
     mesh = (work.mesh if work.mesh is not None or work.own_mesh is not None

@@ -11,7 +11,7 @@ from collections import Counter
 
 from remat_kit import mesh as rk_mesh
 from remat_kit.cli.common import print_map, sizes_text, source_and_sizes, targets_of
-from remat_kit.api.inputs import BadInput
+from remat_kit.ui.inputs import BadInput
 from remat_kit.errors import RematSpecError
 from remat_kit.policy.spec import AutoSpec, parse
 from remat_kit.units import fmt_bytes

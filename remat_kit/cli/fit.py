@@ -14,9 +14,9 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.measure import pool
 from remat_kit.cli.common import (budget_bytes, map_context, mesh_origin, print_map,
                                   step_caption, targets_of)
-from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
+from remat_kit.ui.inputs import (BadInput, check_json_and_plot, check_schedules, check_seq,
                                   device_mesh, split_policies)
-from remat_kit.api.sources import load_source, rechunked
+from remat_kit.ui.sources import load_source, rechunked
 from remat_kit.units import fmt_bytes
 
 
@@ -198,7 +198,7 @@ def _report(args, label, result, words, cfg, first, target, params) -> None:
     (None on one device), against which the compiled steps' shardings are checked
     (`common.step_caption`)."""
     from remat_kit.cli import fit_report, verdict
-    from remat_kit.api.report import print_title, terminal_console
+    from remat_kit.ui.report import print_title, terminal_console
     from remat_kit.models.program import config_map
     fixed, budget, dtype, multiple, origin = words
     step = step_caption("train step", result.mesh, params,

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from remat_kit.api.report import SCHEMA_VERSION, fmt_ratio, save_figure
+from remat_kit.ui.report import SCHEMA_VERSION, fmt_ratio, save_figure
 from remat_kit.units import fmt_bytes
 
 

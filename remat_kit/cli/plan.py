@@ -17,10 +17,10 @@ from remat_kit import mesh as rk_mesh
 from remat_kit.measure import pool
 from remat_kit.cli.common import (map_context, mesh_origin, print_map, sizes_text, step_caption,
                                   source_and_sizes, targets_of)
-from remat_kit.api.inputs import (BadInput, check_json_and_plot, check_planner_floor,
+from remat_kit.ui.inputs import (BadInput, check_json_and_plot, check_planner_floor,
                                   check_schedules, device_mesh, plan_groups, preset_policies,
                                   split_budgets, split_policies)
-from remat_kit.api.sources import rechunked
+from remat_kit.ui.sources import rechunked
 from remat_kit.cli.plan_table import (LEGEND, extras, near_budgets, report_lines, rows, same_preset,
                                       split, table)
 from remat_kit.policy.spec import parse
@@ -232,7 +232,7 @@ def _report(args, planner, work, found: _Frontier, records, preset_rows: tuple,
     `plan_table.rows`); 1 where no budget can be met, else 0."""
     import json
 
-    from remat_kit.api import plots, report
+    from remat_kit.ui import plots, report
     from remat_kit.cli import verdict
     from remat_kit.measure.record import MEMORY_LABELS
 

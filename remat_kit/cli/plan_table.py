@@ -1,7 +1,7 @@
 """`remat-kit plan`'s table: a row per budget, its plan, and the best preset that fits,
 set against presets that are compiled where asked (--presets) or where the planner
 compiles them anyway (its starting points: none, full, its base rules), and otherwise
-predicted by the cost model (`search.predict`), marked `PREDICTED` (issue 49).
+predicted by the cost model (`search.predict`), marked `PREDICTED`.
 Docs: docs/plan.md ("Presets the cost model predicts").
 """
 

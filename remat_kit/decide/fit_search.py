@@ -224,7 +224,7 @@ def _search(fits: Callable[[int], bool], bytes_at: Callable[[int], int | None],
     compile), the first compile goes where it puts the answer, a little below
     (`Estimate.first`), and the curve is the estimate scaled through the compiled sizes
     (`Estimate.guess`): 3 or 4 compiles on step shapes like llama_1b's on XLA:TPU v5e and a
-    70B's on a v5p mesh (4 for issue 49's 70B fit). Without one, or where it cannot say,
+    70B's on a v5p mesh (4 for the 70B-shaped fit in docs/speed.md). Without one, or where it cannot say,
     `_predict`: `start`, the line from
     the floor (bytes_at(0)) through it, the quadratic's boundary, its neighbour. A
     prediction that does not halve the bracket twice in a row gives way to bisection, so

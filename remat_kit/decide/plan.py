@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Callable, Collection, Sequence
 
 import jax
@@ -46,14 +45,6 @@ def _check_differentiable(args) -> None:
                          f"by, holds no floating-point array ({found}), so there is no "
                          "backward pass to plan; pass the float parameters first: "
                          "rk.plan(loss_fn, params, *batch, budget=...)")
-
-
-# Attributes of the Planner before round 5 -> the part that holds them now.
-_MOVED_TO_PARTS = {**dict.fromkeys(("loss_fn", "args", "workload", "fingerprint", "staged",
-                                    "peak", "optimizer", "per_device", "progress", "phase",
-                                    "left", "optimizer_key"), "compiles"),
-                   **dict.fromkeys(("groups", "byte_share_measured", "policy_from_items",
-                                    "transfer_seconds"), "costs")}
 
 
 class Planner:
@@ -143,16 +134,6 @@ class Planner:
             predict_time=predict_time or objective == "time" or host_bandwidth is not None)
         if groups != "layers":
             self.group_count()  # a group count outside 1..layers fails here, not at plan
-
-    def __getattr__(self, name: str):
-        # Round 5 moved these onto the two parts; they keep working, with a warning, for
-        # one round (README.md, "Changes").
-        part = _MOVED_TO_PARTS.get(name)
-        if part is None or part not in self.__dict__:
-            raise AttributeError(f"'Planner' object has no attribute {name!r}")
-        warnings.warn(f"Planner.{name} is planner.{part}.{name} (round 5)",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(self.__dict__[part], name)
 
     def plan(self, budget: "str | int | float") -> Plan:
         """The policy with the fewest FLOPs (or least predicted time) whose

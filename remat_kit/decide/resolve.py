@@ -11,7 +11,6 @@ from remat_kit.decide.plan import Planner
 from remat_kit.policy.policy import Policy
 from remat_kit.policy.spec import AutoSpec, parsed_only
 from remat_kit.measure import targets
-from remat_kit.moved import moved
 
 
 def resolve(policies: Sequence, loss_fn: Callable, *args,
@@ -33,6 +32,3 @@ def resolve(policies: Sequence, loss_fn: Callable, *args,
 
 
 __all__ = ["resolve"]
-
-# `rk.measure` moved to `remat_kit.api.answers` (round 5).
-__getattr__ = moved(__name__, {"measure": "remat_kit.api.answers"})

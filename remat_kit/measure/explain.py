@@ -16,7 +16,6 @@ import jax
 
 from remat_kit.measure import targets
 from remat_kit.measure import lowering
-from remat_kit.moved import moved
 from remat_kit.policy.names import TAGS
 from remat_kit.policy.policy import Policy
 from remat_kit.measure.residuals import Residual, aval_bytes, residuals
@@ -247,6 +246,3 @@ def explain_policy(policy: Policy, fn: "Callable | Workload", *args,
 
 __all__ = ["LayerBreakdown", "LayerRow", "blocks_differ", "breakdown", "explain_policy",
            "is_param_residual", "stack_stored_bytes"]
-
-# `explain` (it took a spec) moved to `remat_kit.api.answers` in round 5.
-__getattr__ = moved(__name__, {"explain": "remat_kit.api.answers"})

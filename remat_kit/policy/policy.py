@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
@@ -27,18 +27,6 @@ cp = jax.checkpoint_policies
 BASES = ("nothing", "dots_no_batch", "dots", "everything")
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
 DECISIONS = ("save", "offload", "recompute")
-
-
-# The spec language (`remat_kit.policy.spec`) is built on `Policy`; it hands its
-# parser here when it is imported, so `Policy() | "minimal"` reads text with no
-# import of spec from this module.
-_parse_text: "Callable[[str], Policy] | None" = None
-
-
-def use_parser(parse: "Callable[[str], Policy]") -> None:
-    """Sets the text parser `Policy | str` uses (spec.parse, which calls this on import)."""
-    global _parse_text
-    _parse_text = parse
 
 
 def _patterns(value, field: str) -> frozenset[str]:
@@ -318,9 +306,10 @@ class Policy:
                       base=base, offload_src=src, offload_dst=dst,
                       schedule=next(iter(schedules), Schedule()))
 
-    def __or__(self, other: "Policy | str") -> "Policy":
+    def __or__(self, other: "Policy") -> "Policy":
         if isinstance(other, str):
-            other = _parse_text(other)
+            raise TypeError(f"Policy | {other!r}: parse the text first, "
+                            f"Policy | rk.parse({other!r})")
         if not isinstance(other, Policy):
             return NotImplemented
         return self.union(other)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from remat_kit.policy import names
 from remat_kit.policy.auto_spec import AUTO_ALONE, AutoSpec, parse_auto
 from remat_kit.errors import RematSpecError, UnknownTagError
-from remat_kit.policy.policy import BASES, DECISIONS, MEMORY_KINDS, Policy, use_parser
+from remat_kit.policy.policy import BASES, DECISIONS, MEMORY_KINDS, Policy
 from remat_kit.policy.presets import (BARE_NAMES, CODEBASES, JAX_NAME_FUNCTIONS, PRESET_TABLE,
                                       PRESETS)
 from remat_kit.policy.schedule import Schedule, parse_schedule
@@ -429,4 +429,3 @@ def layer_policies(policy, num_layers: int) -> tuple:
     return out
 
 
-use_parser(parse)  # `Policy() | "minimal"` parses through this module

@@ -18,7 +18,6 @@ from remat_kit.policy import names
 from remat_kit._jax_private import name_p, saved_residuals
 from remat_kit.errors import UnknownTagError
 from remat_kit.policy.policy import Policy
-from remat_kit.moved import moved
 
 # Ops that keep a value's bytes: a tag on their output names their input's value.
 _LAYOUT = ("reshape", "transpose", "squeeze", "expand_dims", "copy")
@@ -223,6 +222,3 @@ def policy_notes(policy: Policy, emitted: Sequence[str], missing: Sequence[str])
 
 __all__ = ["all_eqns", "check_names", "check_policy", "emitted_tags", "lacking", "policy_notes",
            "tag_aliases", "tag_of"]
-
-# `validate` (a spec parsed here) is `rk.validate` in `remat_kit.api.answers` (round 5).
-__getattr__ = moved(__name__, {"validate": "remat_kit.api.answers"})

@@ -102,9 +102,9 @@ def model() -> Decoder:
     return Decoder()
 
 
-def issue_37() -> Decoder:
-    """At issue 37's sizes (MaxText's llama2 decoder there: 2 layers, emb 2048, MLP 8192, 8
+def vs_estimator_decoder() -> Decoder:
+    """At vs_estimator.py's sizes (MaxText's llama2 decoder there: 2 layers, emb 2048, MLP 8192, 8
     heads of 256, vocab 8192, bf16 activations, float32 weights), for
-    benchmarks/vs_estimator.py: `--model tests/zoo/own_tags_linen.py:issue_37`."""
+    benchmarks/vs_estimator.py: `--model tests/zoo/own_tags_linen.py:vs_estimator_decoder`."""
     return Decoder(DecoderConfig(vocab=8192, layers=2, emb=2048, mlp=8192, heads=8,
                                  dtype="bfloat16"))

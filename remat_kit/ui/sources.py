@@ -17,7 +17,7 @@ import os
 import sys
 
 from remat_kit import mesh as rk_mesh
-from remat_kit.api.inputs import BadInput, check_int
+from remat_kit.ui.inputs import BadInput, check_int
 from remat_kit.flax.from_model import OUR_LOSS
 from remat_kit.models import TransformerConfig, from_config_dict, get_config
 
@@ -174,7 +174,7 @@ class Source:
     def dtype(self, workload=None) -> str:
         """The dtype for titles (`labels.dtype_label`): the activations' and, where
         they differ, the parameters'; of the config, else of the model's workload."""
-        from remat_kit.api import labels
+        from remat_kit.ui import labels
         if self.cfg is not None:
             return labels.dtype_label(self.cfg.param_dtype, self.cfg.dtype)
         if workload is None:

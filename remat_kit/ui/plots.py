@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from remat_kit.api.report import compiled_by, memory_kind_of, save_figure
+from remat_kit.ui.report import compiled_by, memory_kind_of, save_figure
 from remat_kit.measure.record import MEMORY_LABELS
 
 

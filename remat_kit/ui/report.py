@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from remat_kit.api import labels
+from remat_kit.ui import labels
 from remat_kit.measure import estimate, peak
 from remat_kit.measure.record import MEMORY_LABELS, PEAK, TEMP, Record, memory_kind
 from remat_kit.models import TransformerConfig
