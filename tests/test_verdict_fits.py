@@ -208,7 +208,7 @@ def test_a_budget_over_what_jax_leaves_on_a_gpu_is_named(monkeypatch):
 def test_fit_budget_defaults_to_what_the_device_holds(monkeypatch, capsys):
     import argparse
 
-    from remat_kit.api.inputs import BadInput
+    from remat_kit.ui.inputs import BadInput
     from remat_kit.cli.fit import default_budget
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     args = argparse.Namespace(budget=None)
