@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -163,7 +162,7 @@ def argument_bytes(compiled, args: Sequence) -> tuple[int, ...] | None:
         leaves = jax.tree.leaves(arg)
         if at + len(leaves) > len(shardings):
             return None
-        found.append(sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        found.append(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize  # keys too
                          for s, x in zip(shardings[at:], leaves)))
         at += len(leaves)
     return tuple(found)
