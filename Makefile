@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Reinstall only when the requirements or the package metadata change.
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test
+.PHONY: venv demo test test-long
 
 venv: $(STAMP)
 
@@ -38,7 +38,13 @@ TEST_WORKERS ?= 2
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
 # lint-imports keeps the parts' order (pyproject.toml's contracts) and names a broken import.
+# `make test` leaves out the tests marked long (15 s or more on a machine with no compile
+# cache: tests/long_tests.txt); `make test-long` runs them, and CI (.ci/run) runs both.
 test: venv
 	$(VENV)/bin/lint-imports --no-cache
-	$(PYTEST)
-	JAX_REMAT3=1 $(PYTEST) -m remat_modes; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PYTEST) -m "not long"
+	JAX_REMAT3=1 $(PYTEST) -m "remat_modes and not long"; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+test-long: venv
+	$(PYTEST) -m long
+	JAX_REMAT3=1 $(PYTEST) -m "remat_modes and long"; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

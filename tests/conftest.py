@@ -21,6 +21,8 @@ every preset, CPU and TPU targets); delete the folder to run cold.
 
 import os
 
+import pytest
+
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
      "--xla_force_host_platform_device_count=8"]).strip()
@@ -46,6 +48,24 @@ SLOW_FIRST = ("test_targets", "test_plan", "test_train", "test_remat", "test_sca
               "test_time_floor", "test_plan_emit", "test_sharded_step")
 
 
-def pytest_collection_modifyitems(items):
+# Tests over 15 s cold, marked `long`: `make test` leaves them out, `make test-long` runs them.
+_LONG_FILE = os.path.join(os.path.dirname(__file__), "long_tests.txt")
+LONG = frozenset(line.split()[1] for line in open(_LONG_FILE)
+                 if line.strip() and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
+def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(SLOW_FIRST)))  # stable
+    found = set()
+    for item in items:
+        if item.nodeid in LONG:
+            item.add_marker(pytest.mark.long)
+            found.add(item.nodeid)
+    collected = {item.nodeid.split("::")[0] for item in items}
+    stale = sorted(n for n in LONG - found if n.split("::")[0] in collected
+                   and not config.getoption("keyword") and not config.getoption("deselect"))
+    if stale:
+        raise pytest.UsageError("tests/long_tests.txt names tests that are not there any "
+                                "more: " + ", ".join(stale))
